@@ -1,0 +1,66 @@
+"""``QLinearConfig``: the one user-facing config, also a transformers ``QuantizationConfigMixin``.
+
+The same object drives :func:`qlinear.replace_linear`, ``QuantLinear.from_linear`` and
+``AutoModelForCausalLM.from_pretrained(..., quantization_config=QLinearConfig(...))``; it is what
+``save_pretrained`` writes to ``config.json["quantization_config"]`` (``quant_method="qlinear"``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from transformers.utils.quantization_config import QuantizationConfigMixin
+
+from qlinear.formats import FormatConfig, get_format
+
+QUANT_METHOD = "qlinear"
+
+
+class QLinearConfig(QuantizationConfigMixin):
+    """Quantization config for qlinear.
+
+    Args:
+        format: "bcq" (binary-coding, :class:`qlinear.BCQLinear`), "mixed" (2/4/16,
+            :class:`qlinear.MixedPrecisionLinear`) or "codebook" (:class:`qlinear.CodebookLinear`).
+        bits, group_size: per format; None takes the format's default (bcq 4/64, mixed 2/16,
+            codebook 2/32).
+        backend: kernel backend override ("reference", ...); None selects automatically.
+        modules_to_not_convert: module-name patterns left in full precision (default ``["lm_head"]``).
+        **format_options: the format's other options (see ``qlinear.formats.<format>.Config``),
+            e.g. ``iters=8`` (bcq), ``ratio_4bit=0.25`` (mixed), ``num_codebooks=4`` (codebook).
+
+    Raises:
+        ValueError / TypeError: unknown format, unknown option, or an option out of range (checked
+        at construction).
+    """
+
+    def __init__(self, format: str = "bcq", bits: Optional[int] = None, group_size: Optional[int] = None,
+                 backend: Optional[str] = None, modules_to_not_convert: Optional[list[str]] = None,
+                 **format_options: Any):
+        format_options.pop("quant_method", None)
+        self.quant_method = QUANT_METHOD
+        self.format = format
+        self.bits = bits
+        self.group_size = group_size
+        self.backend = backend
+        self.modules_to_not_convert = list(modules_to_not_convert) if modules_to_not_convert is not None \
+            else ["lm_head"]
+        self.format_options = dict(format_options)
+        self.format_config()  # validate now
+
+    def format_config(self) -> FormatConfig:
+        """The validated per-format dataclass this config describes."""
+        opts = dict(self.format_options)
+        if self.bits is not None:
+            opts["bits"] = self.bits
+        if self.group_size is not None:
+            opts["group_size"] = self.group_size
+        return get_format(self.format).Config.from_dict({"format": self.format, **opts})
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"quant_method": QUANT_METHOD, "format": self.format, "bits": self.bits,
+                "group_size": self.group_size, "backend": self.backend,
+                "modules_to_not_convert": list(self.modules_to_not_convert), **self.format_options}
+
+    def __repr__(self) -> str:
+        return f"QLinearConfig({self.to_json_string(use_diff=False).strip()})"

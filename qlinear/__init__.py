@@ -1,0 +1,15 @@
+"""qlinear: quantized ``nn.Linear`` replacements for LLM inference.
+
+Formats: BCQ (:class:`BCQLinear`), mixed 2/4/16 (:class:`MixedPrecisionLinear`) and group-wise
+codebooks (:class:`CodebookLinear`).  ``replace_linear(model, QLinearConfig(...))`` swaps a model's
+Linear layers; importing qlinear also registers the ``quant_method="qlinear"`` transformers quantizer.
+"""
+
+from .modules import BCQLinear, CodebookLinear, MixedPrecisionLinear, QuantLinear  # noqa: E402
+from qlinear.integrations.transformers import QLinearConfig  # noqa: E402
+from .calibration import calibrate  # noqa: E402
+from .replace import replace_linear  # noqa: E402
+
+__version__ = "0.1.0"
+__all__ = ["QLinearConfig", "QuantLinear", "BCQLinear", "MixedPrecisionLinear", "CodebookLinear",
+           "replace_linear", "calibrate"]

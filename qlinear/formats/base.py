@@ -1,0 +1,97 @@
+"""What every weight format shares: the config base class, group slicing and the format table.
+
+A format is a module exposing ``Config`` (a frozen dataclass deriving :class:`FormatConfig`),
+``buffer_specs(out_features, in_features, cfg)``, ``quantize(weight, cfg, hessian=None)``,
+``dequantize(buffers, cfg, out_features, in_features)`` and ``make_group_quantizer(...)``
+(the per-format column quantizer of the error-feedback engine, :mod:`qlinear.gptq`).
+Packed buffer shapes depend only on ``(out_features, in_features, cfg)``, so an empty module can
+be built before a checkpoint is loaded into it, and ``bits_per_weight`` is exact by construction:
+it counts every stored bit of every buffer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from typing import Any, ClassVar
+
+import torch
+
+BufferSpecs = dict[str, tuple[tuple[int, ...], torch.dtype]]
+
+
+@dataclasses.dataclass(frozen=True)
+class FormatConfig:
+    """Base of the per-format configs: validated on construction, JSON round trip.
+
+    Raises:
+        ValueError: a field outside its documented range.
+        TypeError: a field of the wrong type.
+    """
+
+    format: ClassVar[str] = ""
+    bits: int = 4
+    group_size: int = 64
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if f.type in ("int", int) and (isinstance(v, bool) or not isinstance(v, int)):
+                raise TypeError(f"{type(self).__name__}.{f.name} must be an int, got {v!r}")
+            if f.type in ("float", float) and (isinstance(v, bool) or not isinstance(v, (int, float))):
+                raise TypeError(f"{type(self).__name__}.{f.name} must be a number, got {v!r}")
+            if f.type in ("bool", bool) and not isinstance(v, bool):
+                raise TypeError(f"{type(self).__name__}.{f.name} must be a bool, got {v!r}")
+        self.validate()
+
+    def validate(self) -> None:  # overridden per format
+        pass
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"format": self.format, **dataclasses.asdict(self)}
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "FormatConfig":
+        d = dict(d)
+        fmt = d.pop("format", cls.format)
+        if fmt != cls.format:
+            raise ValueError(f"{cls.__name__} expects format={cls.format!r}, got {fmt!r}")
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ValueError(f"unknown options for format {cls.format!r}: {unknown}; valid: {sorted(names)}")
+        return cls(**d)
+
+    def check_shape(self, out_features: int, in_features: int) -> None:
+        """Raise ValueError if a layer of this shape cannot be stored in this format."""
+        if out_features < 1 or in_features < 1:
+            raise ValueError(f"empty layer {out_features}x{in_features}")
+
+
+def group_bounds(in_features: int, group_size: int) -> list[tuple[int, int]]:
+    """``[(start, end), ...]`` of the input groups; the last one may be shorter (ragged)."""
+    return [(s, min(s + group_size, in_features)) for s in range(0, in_features, group_size)]
+
+
+def num_groups(in_features: int, group_size: int) -> int:
+    return math.ceil(in_features / group_size)
+
+
+def expand_groups(t: torch.Tensor, group_size: int, in_features: int) -> torch.Tensor:
+    """Repeat a per-group tensor ``[..., G]`` to per-input ``[..., in_features]``."""
+    return t.repeat_interleave(group_size, dim=-1)[..., :in_features]
+
+
+def spec_bits(specs: BufferSpecs) -> int:
+    """Total stored bits of a set of buffers."""
+    return sum(math.prod(shape) * (torch.finfo(dt).bits if dt.is_floating_point else torch.iinfo(dt).bits)
+               for shape, dt in specs.values())
+
+
+def fp16_round(t: torch.Tensor) -> torch.Tensor:
+    """Round float32 values to the nearest fp16 (saturating), returned as float32."""
+    return t.clamp(-65504.0, 65504.0).to(torch.float16).to(torch.float32)

@@ -1,0 +1,327 @@
+"""BCQ: binary-coding quantization, ``w ≈ Σ_{i=1..q} α_i b_i + c`` with ``b_i ∈ {-1, +1}``.
+
+Sources: Xu et al., "Alternating Multi-bit Quantization for Recurrent Neural Networks" (ICLR 2018)
+for the alternating refinement; Park et al., "LUT-GEMM" / nuQmm (§2-3) for the format and its
+bit-plane storage.  Uniform int-q with a zero point is BCQ with ``α_i = s·2^(i-2)`` (i = 1..q) and
+the per-group offset ``c = s·((2^q − 1)/2 − z)``, so GPTQ/AWQ checkpoints map onto it exactly.
+
+Packed layout (``N = out_features``, ``K = in_features``, ``G = ceil(K / group_size)``; the last
+group may be shorter than ``group_size``):
+
+* ``planes``  int32 ``[bits, N, K/32]``: plane ``i`` is the sign vector ``b_{i+1}``; bit ``j`` of word
+  ``w`` of row ``r`` is input ``32w + j`` (1 → +1, 0 → −1).  Equivalently the integer code
+  ``Σ_i bit_i·2^i`` indexes the ``2^q`` levels of the group.
+* ``alpha``   fp16 ``[bits, N, G]``: α per (bit, row, group).
+* ``offset``  fp16 ``[N, G]`` (only with ``offset=True``; float32 with ``fp32_offset=True``): the
+  per-group offset ``c``.
+* ``g_idx``   int32 ``[K]`` (only with ``act_order=True``): group of each input column (GPTQ act_order).
+
+Quantizer (float32 math): per (row, group), the better (in weighted squared error) of two inits,
+greedy residual binarization (``b_i = sign(r)``, ``α_i = mean|r|``, ``r -= α_i b_i``) and the
+uniform min/max grid written as BCQ; then ``iters`` rounds of alternating refinement: weighted least
+squares for ``(α, c)`` given ``b`` (stored as fp16 straight away), then each weight to the nearest of
+the ``2^q`` levels given ``α``; the best iterate per (row, group) is kept, so refinement is never
+worse than either init.  The weights of the least squares are diag(XᵀX) of calibration inputs
+when a Hessian is given and ``activation_aware=True`` (else 1).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from . import uniform
+from .base import BufferSpecs, FormatConfig, fp16_round, num_groups
+from .packing import pack_planes, unpack_planes
+
+NAME = "bcq"
+
+
+@dataclasses.dataclass(frozen=True)
+class Config(FormatConfig):
+    """BCQ options.
+
+    Attributes:
+        bits: number of binary planes q, 1..8.
+        group_size: inputs per α group: a multiple of 32, or -1 for one group per row.
+        offset: store a per-group offset ``c`` (needed for asymmetric / uniform-import weights).
+        iters: alternating-refinement rounds (0 = best init only).
+        init: "best" (of greedy and uniform), "greedy" or "uniform".
+        activation_aware: weight the least squares by diag(H) when a Hessian is given.
+        error_feedback: quantize with GPTQ error feedback (:mod:`qlinear.gptq`) when a Hessian is given.
+        damp: GPTQ damping (relative to mean diag(H)).
+        act_order: the layer carries a ``g_idx`` buffer (imported GPTQ act_order checkpoints).
+        fp32_offset: store the offset in float32 (set by :func:`from_uniform`, which makes the
+            import bit-exact: ``s·((2^q−1)/2 − z)`` needs up to 19 mantissa bits).
+    """
+
+    format = NAME
+    bits: int = 4
+    group_size: int = 64
+    offset: bool = True
+    iters: int = 8
+    init: str = "best"
+    activation_aware: bool = True
+    error_feedback: bool = False
+    damp: float = 0.01
+    act_order: bool = False
+    fp32_offset: bool = False
+
+    def validate(self) -> None:
+        if not 1 <= self.bits <= 8:
+            raise ValueError(f"BCQ bits must be in 1..8, got {self.bits}")
+        if self.group_size != -1 and (self.group_size < 32 or self.group_size % 32):
+            raise ValueError(f"BCQ group_size must be a multiple of 32 or -1 (whole row), got {self.group_size}")
+        if self.iters < 0:
+            raise ValueError(f"iters must be >= 0, got {self.iters}")
+        if self.init not in ("best", "greedy", "uniform"):
+            raise ValueError(f"init must be 'best', 'greedy' or 'uniform', got {self.init!r}")
+        if not 0 <= self.damp < 1:
+            raise ValueError(f"damp must be in [0, 1), got {self.damp}")
+
+    def check_shape(self, out_features: int, in_features: int) -> None:
+        super().check_shape(out_features, in_features)
+        if in_features % 32:
+            raise ValueError(f"BCQ needs in_features divisible by 32 (one int32 word holds 32 inputs), got {in_features}")
+
+    def group(self, in_features: int) -> int:
+        return in_features if self.group_size == -1 else self.group_size
+
+
+def buffer_specs(out_features: int, in_features: int, cfg: Config) -> BufferSpecs:
+    cfg.check_shape(out_features, in_features)
+    G = num_groups(in_features, cfg.group(in_features))
+    specs: BufferSpecs = {
+        "planes": ((cfg.bits, out_features, in_features // 32), torch.int32),
+        "alpha": ((cfg.bits, out_features, G), torch.float16),
+    }
+    if cfg.offset:
+        specs["offset"] = ((out_features, G), torch.float32 if cfg.fp32_offset else torch.float16)
+    if cfg.act_order:
+        specs["g_idx"] = ((in_features,), torch.int32)
+    return specs
+
+
+def _signs(bits: int) -> torch.Tensor:
+    """``[2^q, q]`` float32: row ``l`` holds ``b_i = 2·bit_i(l) − 1``."""
+    lv = torch.arange(1 << bits)[:, None]
+    return (((lv >> torch.arange(bits)) & 1) * 2 - 1).to(torch.float32)
+
+
+def levels(alpha: torch.Tensor, offset: torch.Tensor | None) -> torch.Tensor:
+    """The ``2^q`` levels ``[M, 2^q]`` of rows with ``alpha`` ``[M, q]``, indexed by integer code."""
+    lv = alpha @ _signs(alpha.shape[1]).T
+    return lv if offset is None else lv + offset[:, None]
+
+
+def nearest(lv: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Code (int64 ``[M, g]``) of the level of ``lv`` ``[M, L]`` nearest to each entry of ``w``."""
+    vals, perm = lv.sort(dim=1)
+    hi = torch.searchsorted(vals, w.contiguous()).clamp(max=lv.shape[1] - 1)
+    lo = (hi - 1).clamp(min=0)
+    pick = torch.where((w - vals.gather(1, lo)).abs() <= (vals.gather(1, hi) - w).abs(), lo, hi)
+    return perm.gather(1, pick)
+
+
+def _err(w, d, lv, codes):
+    return (d * (w - lv.gather(1, codes)) ** 2).sum(1)
+
+
+def _greedy(w, d, bits, use_offset):
+    c = (d * w).sum(1) / d.sum(1) if use_offset else torch.zeros(w.shape[0])
+    r = w - c[:, None]
+    alphas, codes = [], torch.zeros(w.shape, dtype=torch.int64)
+    for i in range(bits):
+        b = r >= 0
+        a = (d * r.abs()).sum(1) / d.sum(1)
+        alphas.append(a)
+        codes |= b.long() << i
+        r = r - a[:, None] * (b.float() * 2 - 1)
+    return fp16_round(torch.stack(alphas, 1)), (fp16_round(c) if use_offset else None), codes
+
+
+def _uniform(w, bits, use_offset):
+    if use_offset:
+        s, z = uniform.fit(w, bits)
+        codes = uniform.codes_for(w, s[:, None], z[:, None], bits)
+        c = fp16_round(s * ((2 ** bits - 1) / 2 - z))
+    else:
+        s = fp16_round((w.abs().max(1).values / ((2 ** bits - 1) / 2)).clamp(min=1e-8))
+        c, codes = None, None
+    alpha = fp16_round(s[:, None] * 2.0 ** (torch.arange(bits) - 1))
+    if codes is None:
+        codes = nearest(levels(alpha, None), w)
+    return alpha, c, codes
+
+
+def fit(w: torch.Tensor, d: torch.Tensor, cfg: Config) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """Fit BCQ to rows ``w`` ``[M, g]`` (float32) with importance ``d`` (broadcastable to ``w``).
+
+    Returns:
+        ``(alpha [M, q], offset [M] or None, codes [M, g] int64)``, alpha/offset holding fp16 values.
+    """
+    bits, use_offset = cfg.bits, cfg.offset
+    d = torch.broadcast_to(d, w.shape).to(torch.float32)
+    cands = []
+    if cfg.init in ("best", "greedy"):
+        cands.append(_greedy(w, d, bits, use_offset))
+    if cfg.init in ("best", "uniform"):
+        cands.append(_uniform(w, bits, use_offset))
+    best = None
+    for alpha, c, codes in cands:
+        e = _err(w, d, levels(alpha, c), codes)
+        best = (e, alpha, c, codes) if best is None else _keep(best, (e, alpha, c, codes))
+    e, alpha, c, codes = best
+    S = _signs(bits)
+    eye = torch.eye(bits + use_offset)
+    for _ in range(cfg.iters):
+        A = S[codes]  # [M, g, q]
+        if use_offset:
+            A = torch.cat([A, torch.ones(*A.shape[:2], 1)], 2)
+        AtD = A.transpose(1, 2) * d[:, None, :]
+        lhs = AtD @ A
+        lhs = lhs + eye * (1e-7 * lhs.diagonal(dim1=1, dim2=2).mean(1) + 1e-12)[:, None, None]
+        sol = torch.linalg.solve(lhs, (AtD @ w[:, :, None]))[:, :, 0]
+        alpha = fp16_round(sol[:, :bits])
+        c = fp16_round(sol[:, bits]) if use_offset else None
+        lv = levels(alpha, c)
+        codes = nearest(lv, w)
+        best = _keep(best, (_err(w, d, lv, codes), alpha, c, codes))
+    return best[1], best[2], best[3]
+
+
+def _keep(a, b):
+    take = b[0] < a[0]
+    c = None if a[2] is None else torch.where(take, b[2], a[2])
+    return (torch.where(take, b[0], a[0]), torch.where(take[:, None], b[1], a[1]), c,
+            torch.where(take[:, None], b[3], a[3]))
+
+
+class GroupQuantizer:
+    """Column quantizer of :mod:`qlinear.gptq` for BCQ."""
+
+    def __init__(self, out_features: int, in_features: int, cfg: Config):
+        self.cfg, self.K = cfg, in_features
+        G = num_groups(in_features, cfg.group(in_features))
+        self.alpha = torch.zeros(cfg.bits, out_features, G)
+        self.offset = torch.zeros(out_features, G)
+        self.codes = torch.zeros(out_features, in_features, dtype=torch.int64)
+        self._lv = None
+
+    def fit_group(self, index, start, w, d):
+        alpha, c, _ = fit(w, d, self.cfg)
+        self.alpha[:, :, index] = alpha.T
+        if c is not None:
+            self.offset[:, index] = c
+        self._lv = levels(alpha, c)
+
+    def quantize(self, index, start, w):
+        codes = nearest(self._lv, w)
+        self.codes[:, start:start + w.shape[1]] = codes
+        return self._lv.gather(1, codes)
+
+    def quantize_all(self, w, d):
+        """No-feedback path: fit every group at once (vectorized over rows x groups)."""
+        N, K = w.shape
+        g = self.cfg.group(K)
+        full = K // g * g
+        for s, e in ((0, full), (full, K)):
+            if e == s:
+                continue
+            n = e - s
+            size = min(g, n)
+            blocks = w[:, s:e].reshape(N * (n // size), size)
+            dd = d[s:e].reshape(1, n // size, size).expand(N, -1, -1).reshape(-1, size)
+            alpha, c, codes = fit(blocks, dd, self.cfg)
+            self.codes[:, s:e] = codes.reshape(N, n)
+            g0 = s // g
+            self.alpha[:, :, g0:g0 + n // size] = alpha.reshape(N, n // size, -1).permute(2, 0, 1)
+            if c is not None:
+                self.offset[:, g0:g0 + n // size] = c.reshape(N, n // size)
+        return self.finish()
+
+    def finish(self):
+        out = {"planes": pack_planes(self.codes, self.cfg.bits), "alpha": self.alpha.to(torch.float16)}
+        if self.cfg.offset:
+            out["offset"] = self.offset.to(torch.float32 if self.cfg.fp32_offset else torch.float16)
+        return out
+
+
+def quantize(weight: torch.Tensor, cfg: Config, hessian: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """Quantize ``weight`` ``[N, K]`` to BCQ buffers (see module docstring).
+
+    ``hessian`` ``[K, K]`` (XᵀX) enables activation-aware least squares and, with
+    ``cfg.error_feedback``, GPTQ error feedback.
+    """
+    N, K = weight.shape
+    cfg.check_shape(N, K)
+    if cfg.act_order:
+        raise ValueError("act_order BCQ layers are only built by from_uniform (GPTQ import)")
+    from .. import gptq
+
+    g = cfg.group(K)
+    q = GroupQuantizer(N, K, cfg)
+    if hessian is None or not cfg.error_feedback:
+        d = torch.ones(K)
+        if hessian is not None and cfg.activation_aware:
+            d = torch.diagonal(hessian).float().clamp(min=0)
+            d = d + 1e-6 * d.mean() + 1e-12
+        return q.quantize_all(weight.detach().float(), d)
+    return gptq.run(weight, g, q, hessian, damp=cfg.damp, activation_aware=cfg.activation_aware)
+
+
+def dequantize(buffers: dict[str, torch.Tensor], cfg: Config, out_features: int, in_features: int) -> torch.Tensor:
+    """Dense weight ``[N, K]`` float32 from BCQ buffers."""
+    g = cfg.group(in_features)
+    alpha = buffers["alpha"].to(torch.float32)
+    if cfg.act_order:
+        idx = buffers["g_idx"].long()
+        alpha = alpha[:, :, idx]
+    else:
+        alpha = alpha.repeat_interleave(g, dim=2)[:, :, :in_features]
+    codes = unpack_planes(buffers["planes"], in_features)
+    w = torch.zeros(out_features, in_features, dtype=torch.float32, device=alpha.device)
+    for i in range(cfg.bits):
+        w += alpha[i] * (((codes >> i) & 1).to(torch.float32) * 2 - 1)
+    if cfg.offset:
+        off = buffers["offset"].to(torch.float32)
+        w += off[:, idx] if cfg.act_order else off.repeat_interleave(g, dim=1)[:, :in_features]
+    return w
+
+
+def from_uniform(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int, group_size: int,
+                 g_idx: torch.Tensor | None = None) -> tuple[Config, dict[str, torch.Tensor]]:
+    """Exact BCQ buffers for uniform integer weights ``scales[:, g] * (codes - zeros[:, g])``.
+
+    Args:
+        codes: ``[N, K]`` integers in ``[0, 2**bits)``.
+        scales: ``[N, G]`` float (stored as fp16; exact if already fp16 values).
+        zeros: ``[N, G]`` integer zero points.
+        g_idx: optional ``[K]`` group of each column (GPTQ act_order); default ``k // group_size``.
+
+    Returns:
+        ``(Config, buffers)``.  α_i = s·2^(i−2) (fp16, exact for fp16 scales), offset
+        s·((2^q − 1)/2 − z) in float32, so :func:`dequantize` (float32) equals
+        ``scales·(codes − zeros)`` computed in float32 bit for bit.
+
+    Raises:
+        ValueError: inconsistent shapes or codes out of range.
+    """
+    N, K = codes.shape
+    G = num_groups(K, group_size)
+    if scales.shape != (N, G) or zeros.shape != (N, G):
+        raise ValueError(f"scales and zeros must be [{N}, {G}] for codes {list(codes.shape)} and group_size "
+                         f"{group_size}; got {list(scales.shape)} and {list(zeros.shape)}")
+    if g_idx is not None and (g_idx.shape != (K,) or int(g_idx.min()) < 0 or int(g_idx.max()) >= G):
+        raise ValueError(f"g_idx must be [{K}] with values in [0, {G})")
+    cfg = Config(bits=bits, group_size=group_size, offset=True, iters=0, init="uniform",
+                 act_order=g_idx is not None, fp32_offset=True)
+    cfg.check_shape(N, K)
+    s = scales.to(torch.float32)
+    alpha = s[None] * (2.0 ** (torch.arange(bits, dtype=torch.float32) - 1))[:, None, None]
+    out = {"planes": pack_planes(codes, bits), "alpha": alpha.to(torch.float16),
+           "offset": s * ((2 ** bits - 1) / 2 - zeros.to(torch.float32))}
+    if g_idx is not None:
+        out["g_idx"] = g_idx.to(torch.int32)
+    return cfg, out

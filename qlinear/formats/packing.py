@@ -1,0 +1,84 @@
+"""Bit packing shared by every format and backend.
+
+Codes of ``bits`` bits (``bits`` dividing 32: 1, 2, 4, 8, 16) are packed little-endian into int32
+words along the last dimension: code ``j`` of a row lies in word ``j // (32 // bits)`` at bit
+offset ``bits * (j % (32 // bits))``.  A last dimension that is not a multiple of ``32 // bits``
+is padded with zero codes, so ``unpack(pack(c, b), b, c.shape[-1])`` returns ``c`` exactly.
+
+Codes of other widths (3, 5, 6, 7 bits) are stored as bit-planes (``pack_planes``): plane ``i``
+holds bit ``i`` of every code, 32 consecutive codes per int32 word.  This is the BCQ storage of
+LUT-GEMM (Park et al., "LUT-GEMM", §3.1), where plane ``i`` is the sign vector b_i.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["pack", "unpack", "pack_planes", "unpack_planes", "packed_len"]
+
+
+def _check_bits(bits: int) -> int:
+    if bits not in (1, 2, 4, 8, 16):
+        raise ValueError(f"pack/unpack need bits in (1, 2, 4, 8, 16), got {bits}; use pack_planes for other widths")
+    return 32 // bits
+
+
+def packed_len(n: int, bits: int) -> int:
+    """Number of int32 words that hold ``n`` codes of ``bits`` bits (``bits`` dividing 32)."""
+    per = _check_bits(bits)
+    return -(-n // per)
+
+
+def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Pack integer codes ``[..., n]`` (values in ``[0, 2**bits)``) into int32 ``[..., ceil(n*bits/32)]``.
+
+    Raises:
+        ValueError: unsupported ``bits`` or a code outside ``[0, 2**bits)``.
+        TypeError: ``codes`` is not an integer tensor.
+    """
+    per = _check_bits(bits)
+    if codes.is_floating_point() or codes.is_complex():
+        raise TypeError(f"codes must be an integer tensor, got {codes.dtype}")
+    c = codes.to(torch.int64)
+    if c.numel() and (int(c.min()) < 0 or int(c.max()) >= 1 << bits):
+        raise ValueError(f"codes must lie in [0, {1 << bits}) for bits={bits}")
+    n = c.shape[-1]
+    pad = packed_len(n, bits) * per - n
+    if pad:
+        c = torch.nn.functional.pad(c, (0, pad))
+    c = c.reshape(*c.shape[:-1], -1, per)
+    shifts = torch.arange(per, device=c.device, dtype=torch.int64) * bits
+    words = (c << shifts).sum(-1)
+    # Values are in [0, 2**32); int32 storage reinterprets the top bit as the sign.
+    return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
+
+
+def unpack(words: torch.Tensor, bits: int, n: int) -> torch.Tensor:
+    """Inverse of :func:`pack`: int32 ``[..., w]`` -> int64 codes ``[..., n]`` in ``[0, 2**bits)``."""
+    per = _check_bits(bits)
+    if words.dtype != torch.int32:
+        raise TypeError(f"packed words must be int32, got {words.dtype}")
+    shifts = torch.arange(per, device=words.device, dtype=torch.int64) * bits
+    codes = (words.to(torch.int64).unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
+    return codes.reshape(*words.shape[:-1], -1)[..., :n]
+
+
+def pack_planes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Bit-plane packing: codes ``[N, K]`` (values in ``[0, 2**bits)``) -> int32 ``[bits, N, ceil(K/32)]``.
+
+    Word ``w`` of plane ``i`` and row ``r`` holds bit ``i`` of codes ``r, 32w .. 32w+31``
+    (input ``32w + j`` at bit ``j``).
+    """
+    if not 1 <= bits <= 8:
+        raise ValueError(f"bit-planes support 1..8 bits, got {bits}")
+    c = codes.to(torch.int64)
+    return torch.stack([pack((c >> i) & 1, 1) for i in range(bits)])
+
+
+def unpack_planes(planes: torch.Tensor, n: int) -> torch.Tensor:
+    """Inverse of :func:`pack_planes`: int32 ``[bits, N, w]`` -> int64 codes ``[N, n]``."""
+    bits = planes.shape[0]
+    out = torch.zeros(planes.shape[1], n, dtype=torch.int64, device=planes.device)
+    for i in range(bits):
+        out |= unpack(planes[i], 1, n) << i
+    return out

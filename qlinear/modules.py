@@ -1,0 +1,250 @@
+"""Quantized ``nn.Linear`` replacements: :class:`QuantLinear` and one subclass per format.
+
+A module owns only packed buffers (the format's ``buffer_specs``: integer codes, fp16 scales,
+int8 codebooks) and an optional bias; ``forward`` calls the ``qlinear::linear`` custom op, which
+asks the backend registry for a kernel by (format, device, dtype, batch).  ``.to(device)`` moves the
+buffers; ``.to(dtype)`` / ``.half()`` cast only the bias, never the packed buffers, so codes and fp16
+scales stay bit-exact.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, ClassVar, Optional
+
+import torch
+from torch import nn
+
+from . import backends, ops
+from .formats import FormatConfig, bcq, get_format, spec_bits
+
+__all__ = ["QuantLinear", "BCQLinear", "MixedPrecisionLinear", "CodebookLinear", "module_class", "format_config"]
+
+
+def format_config(format: str, config: Any = None) -> tuple[FormatConfig, Optional[str]]:
+    """``(format config, backend)`` from a :class:`qlinear.QLinearConfig`, a format config, a dict of
+    options or None (the format's defaults).
+
+    Raises:
+        TypeError: an unsupported config type.
+        ValueError: a config for another format, or invalid options.
+    """
+    fmt = get_format(format)
+    if config is None:
+        return fmt.Config(), None
+    if isinstance(config, FormatConfig):
+        if config.format != format:
+            raise ValueError(f"a {config.format!r} config cannot build a {format!r} layer")
+        return config, None
+    if hasattr(config, "format_config") and hasattr(config, "backend"):
+        fc = config.format_config()
+        if fc.format != format:
+            raise ValueError(f"a {fc.format!r} config cannot build a {format!r} layer")
+        return fc, config.backend
+    if isinstance(config, dict):
+        return fmt.Config.from_dict({"format": format, **config}), None
+    raise TypeError(f"config must be a QLinearConfig, a {format} format config, a dict or None; got {type(config).__name__}")
+
+
+class QuantLinear(nn.Module):
+    """Base of the quantized linear layers: ``y = x Ŵᵀ + b`` with ``Ŵ`` ``[out_features, in_features]``
+    stored in the packed layout of format :attr:`format`.
+
+    Args:
+        in_features: K.  out_features: N.  bias: whether to hold a bias ``[N]``.
+        config: QLinearConfig, format config, dict of format options, or None (defaults).
+        backend: kernel backend override (e.g. "reference"); None picks automatically.
+        device, dtype: of the empty buffers / the bias (packed buffers keep their own dtypes).
+
+    Raises:
+        ValueError: a layer shape the format cannot store (the message says which constraint).
+    """
+
+    format: ClassVar[str] = ""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, config: Any = None, *,
+                 backend: Optional[str] = None, device=None, dtype=None):
+        super().__init__()
+        cfg, cfg_backend = format_config(self.format, config)
+        self.in_features, self.out_features = int(in_features), int(out_features)
+        self.config = cfg
+        self.backend = backend or cfg_backend
+        self._config_json = cfg.to_json()
+        for name, (shape, dt) in get_format(self.format).buffer_specs(out_features, in_features, cfg).items():
+            self.register_buffer(name, torch.zeros(shape, dtype=dt, device=device))
+        self._packed_names = tuple(get_format(self.format).buffer_specs(out_features, in_features, cfg))
+        self.bias = nn.Parameter(torch.zeros(out_features, device=device, dtype=dtype or torch.float32),
+                                 requires_grad=False) if bias else None
+
+    # construction -------------------------------------------------------------------------------
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, config: Any = None, hessian: Optional[torch.Tensor] = None, *,
+                    backend: Optional[str] = None, **quantize_kwargs) -> "QuantLinear":
+        """Quantize ``linear`` (weight ``[N, K]``, any float dtype) into a new module on its device.
+
+        Args:
+            hessian: optional ``[K, K]`` XᵀX of calibration inputs (see :func:`qlinear.calibrate`).
+            quantize_kwargs: passed to the format's ``quantize`` (e.g. ``codebooks=`` for shared codebooks).
+
+        Raises:
+            TypeError: ``linear`` is not an ``nn.Linear`` or its weight is not floating point.
+            ValueError: NaN/Inf weights, a shape the format cannot store, a wrong Hessian.
+        """
+        if not isinstance(linear, nn.Linear):
+            raise TypeError(f"from_linear expects an nn.Linear, got {type(linear).__name__}")
+        w = linear.weight
+        if not w.is_floating_point():
+            raise TypeError(f"weight must be floating point, got {w.dtype}")
+        if w.device.type == "meta":
+            raise ValueError("cannot quantize a weight on the meta device; load the weights first")
+        if not torch.isfinite(w).all():
+            raise ValueError("weight contains NaN or Inf values")
+        if hessian is not None and not isinstance(hessian, torch.Tensor):
+            raise TypeError(f"hessian must be a tensor, got {type(hessian).__name__}")
+        cfg, cfg_backend = format_config(cls.format, config)
+        cfg.check_shape(*w.shape)
+        buffers = get_format(cls.format).quantize(w.detach().to("cpu", torch.float32), cfg,
+                                                  None if hessian is None else hessian.detach().cpu(),
+                                                  **quantize_kwargs)
+        mod = cls(w.shape[1], w.shape[0], linear.bias is not None, cfg, backend=backend or cfg_backend,
+                  device="meta")
+        mod.load_packed(buffers)
+        if linear.bias is not None:
+            mod.bias = nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
+        return mod.to(w.device)
+
+    def load_packed(self, buffers: dict[str, torch.Tensor]) -> None:
+        """Set the packed buffers from ``buffers`` (names, shapes and dtypes must match exactly).
+
+        Raises:
+            ValueError: a missing/unexpected name or a shape or dtype mismatch.
+        """
+        if set(buffers) != set(self._packed_names):
+            raise ValueError(f"packed buffers {sorted(buffers)} do not match {sorted(self._packed_names)}")
+        for name in self._packed_names:
+            old, new = getattr(self, name), buffers[name]
+            if tuple(new.shape) != tuple(old.shape) or new.dtype != old.dtype:
+                raise ValueError(f"buffer {name!r}: expected {old.dtype} {list(old.shape)}, got {new.dtype} "
+                                 f"{list(new.shape)}")
+            self._buffers[name] = new
+
+    # device/dtype moves keep the packed dtypes ----------------------------------------------------
+    def _apply(self, fn, recurse=True):
+        for name in self._packed_names:
+            buf = self._buffers.get(name)
+            if buf is not None:
+                moved = fn(buf)
+                self._buffers[name] = moved if moved.dtype == buf.dtype else buf.to(moved.device)
+        packed = {n: self._buffers.pop(n) for n in self._packed_names if n in self._buffers}
+        try:
+            super()._apply(fn, recurse)
+        finally:
+            self._buffers.update(packed)
+        return self
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        for name in self._packed_names:
+            t = state_dict.get(prefix + name)
+            old = getattr(self, name)
+            if t is not None and (tuple(t.shape) != tuple(old.shape) or t.dtype != old.dtype):
+                raise ValueError(f"checkpoint tensor {prefix + name} is {t.dtype} {list(t.shape)} but this "
+                                 f"{type(self).__name__} ({self.config.to_json()}) expects {old.dtype} "
+                                 f"{list(old.shape)}: the checkpoint was saved with another config or shape")
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+
+    # compute ------------------------------------------------------------------------------------
+    def packed(self) -> list[torch.Tensor]:
+        """The packed buffers in ``buffer_specs`` order (the op's ``packed`` argument)."""
+        return [self._buffers[n] for n in self._packed_names]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` ``[..., in_features]`` float32/float16/bfloat16 -> ``[..., out_features]`` of ``x.dtype``.
+
+        Raises:
+            TypeError: non-floating input.  ValueError: last dimension is not ``in_features``.
+        """
+        if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            raise TypeError(f"{type(self).__name__} input must be float32, float16 or bfloat16, got {x.dtype}")
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"{type(self).__name__} expects input [..., {self.in_features}], got {list(x.shape)}")
+        return ops.linear(x, self.packed(), self.bias, self.format, self._config_json, self.out_features,
+                          self.in_features, self.backend or "")
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Dense ``Ŵ`` ``[out_features, in_features]`` of ``dtype`` (reference dequantization)."""
+        return ops.dequantize(self.packed(), self.format, self._config_json, self.out_features, self.in_features,
+                              dtype)
+
+    def kernel(self, x: torch.Tensor) -> backends.Kernel:
+        """The kernel the registry picks for input ``x``."""
+        return backends.select(self.format, self.config, x.device, x.dtype, x.numel() // x.shape[-1],
+                               self.backend)
+
+    @property
+    def bits_per_weight(self) -> float:
+        """Exact stored bits per weight: every packed buffer counted (codes, scales, zeros, indices,
+        codebooks, outliers), the bias not."""
+        return spec_bits({n: (tuple(b.shape), b.dtype) for n, b in zip(self._packed_names, self.packed())}) / (
+            self.in_features * self.out_features)
+
+    def memory_footprint(self) -> int:
+        """Bytes held by the module: packed buffers plus bias."""
+        n = sum(b.numel() * b.element_size() for b in self.packed())
+        return n + (0 if self.bias is None else self.bias.numel() * self.bias.element_size())
+
+    def extra_repr(self) -> str:
+        group = getattr(self.config, "group_size", None)
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"format={self.format}, bits={self.config.bits}, group_size={group}, "
+                f"bits_per_weight={self.bits_per_weight:.3f}, backend={self.backend or 'auto'}")
+
+
+class BCQLinear(QuantLinear):
+    """Binary-coding quantized linear layer (:mod:`qlinear.formats.bcq`; LUT-GEMM / nuQmm)."""
+
+    format = "bcq"
+
+    @classmethod
+    def from_uniform(cls, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, *, bits: int,
+                     group_size: int, g_idx: Optional[torch.Tensor] = None, bias: Optional[torch.Tensor] = None,
+                     backend: Optional[str] = None) -> "BCQLinear":
+        """Exact BCQ layer from uniform integer weights ``scales·(codes − zeros)`` (GPTQ/AWQ convention).
+
+        Args:
+            codes: ``[N, K]`` integers in ``[0, 2**bits)`` (unpacked ``qweight``).
+            scales: ``[N, G]`` fp16/fp32.  zeros: ``[N, G]`` integer zero points (unpacked ``qzeros``).
+            g_idx: optional ``[K]`` int group of each input (GPTQ act_order).
+            bias: optional ``[N]``.
+
+        Raises:
+            ValueError: inconsistent shapes, codes out of range.
+        """
+        cfg, buffers = bcq.from_uniform(codes, scales, zeros, bits, group_size, g_idx)
+        mod = cls(codes.shape[1], codes.shape[0], bias is not None, cfg, backend=backend, device="meta")
+        mod.load_packed(buffers)
+        if bias is not None:
+            mod.bias = nn.Parameter(bias.detach().clone(), requires_grad=False)
+        return mod.to(codes.device)
+
+
+class MixedPrecisionLinear(QuantLinear):
+    """2/4-bit intra-matrix mixed precision with fp16 sparse outliers (:mod:`qlinear.formats.mixed`)."""
+
+    format = "mixed"
+
+
+class CodebookLinear(QuantLinear):
+    """Group-wise int8 codebook layer (:mod:`qlinear.formats.codebook`; Arm fine-grained codebooks)."""
+
+    format = "codebook"
+
+
+_CLASSES = {c.format: c for c in (BCQLinear, MixedPrecisionLinear, CodebookLinear)}
+
+
+def module_class(format: str) -> type[QuantLinear]:
+    """The QuantLinear subclass of ``format``.  Raises ValueError for an unknown format."""
+    get_format(format)
+    return _CLASSES[format]

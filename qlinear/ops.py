@@ -1,0 +1,81 @@
+"""The ``torch.library`` custom ops every module calls, declared once with their fake implementations.
+
+Following bitsandbytes' ``_ops.py``: the op surface is this file.  Both ops take the packed buffers
+as a list in the order of the format's ``buffer_specs`` and the format config as JSON, so
+``torch.compile(fullgraph=True)`` traces them as single opaque nodes (no graph breaks) and the fake
+implementations give output shapes without running any kernel.
+
+* ``qlinear::linear(x, packed, bias, format, config, out_features, in_features, backend) -> y``:
+  ``y = x Ŵᵀ + b``, ``x`` ``[..., K]`` (fp32/fp16/bf16) -> ``[..., N]`` of ``x.dtype``; the kernel is
+  chosen at run time by :func:`qlinear.backends.select` (``backend=""`` means automatic).
+* ``qlinear::dequantize(packed, format, config, out_features, in_features, dtype) -> Ŵ`` ``[N, K]``.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from typing import Optional
+
+import torch
+
+from . import backends
+from .formats import config_from_dict, get_format
+
+
+@functools.lru_cache(maxsize=1024)
+def parse_config(config: str):
+    """Format config from its JSON text (cached: the same string arrives on every forward)."""
+    return config_from_dict(json.loads(config))
+
+
+def _buffers(format: str, config: str, packed, out_features: int, in_features: int):
+    cfg = parse_config(config)
+    names = list(get_format(format).buffer_specs(out_features, in_features, cfg))
+    return cfg, dict(zip(names, packed))
+
+
+@torch.library.custom_op("qlinear::linear", mutates_args=())
+def linear(x: torch.Tensor, packed: list[torch.Tensor], bias: Optional[torch.Tensor], format: str, config: str,
+           out_features: int, in_features: int, backend: str) -> torch.Tensor:
+    cfg, bufs = _buffers(format, config, packed, out_features, in_features)
+    batch = x.numel() // max(x.shape[-1], 1)
+    kernel = backends.select(format, cfg, x.device, x.dtype, batch, backend or None)
+    return kernel.fn(x, bufs, bias, cfg, out_features, in_features)
+
+
+@linear.register_fake
+def _(x, packed, bias, format, config, out_features, in_features, backend):
+    return x.new_empty(*x.shape[:-1], out_features)
+
+
+@torch.library.custom_op("qlinear::dequantize", mutates_args=())
+def dequantize(packed: list[torch.Tensor], format: str, config: str, out_features: int, in_features: int,
+               dtype: torch.dtype) -> torch.Tensor:
+    cfg, bufs = _buffers(format, config, packed, out_features, in_features)
+    return get_format(format).dequantize(bufs, cfg, out_features, in_features).to(dtype)
+
+
+@dequantize.register_fake
+def _(packed, format, config, out_features, in_features, dtype):
+    return packed[0].new_empty(out_features, in_features, dtype=dtype)
+
+
+def _setup_context(ctx, inputs, output):
+    x, packed, bias, format, config, out_features, in_features, backend = inputs
+    ctx.save_for_backward(*packed)
+    ctx.meta = (format, config, out_features, in_features, x.dtype, bias is not None)
+
+
+def _backward(ctx, grad):
+    """Gradients for ``x`` (``grad @ Ŵ``) and the bias; the packed weights are frozen (QLoRA-style)."""
+    format, config, out_features, in_features, dtype, has_bias = ctx.meta
+    grad_x = None
+    if ctx.needs_input_grad[0]:
+        w = dequantize(list(ctx.saved_tensors), format, config, out_features, in_features, grad.dtype)
+        grad_x = (grad @ w).to(dtype)
+    grad_b = grad.reshape(-1, out_features).sum(0) if has_bias and ctx.needs_input_grad[2] else None
+    return grad_x, [None] * len(ctx.saved_tensors), grad_b, None, None, None, None, None
+
+
+linear.register_autograd(_backward, setup_context=_setup_context)

@@ -1,0 +1,116 @@
+"""``replace_linear``: swap a model's ``nn.Linear`` layers for QuantLinear modules, all or nothing."""
+
+from __future__ import annotations
+
+import fnmatch
+from typing import Any, Mapping, Optional, Sequence
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from .formats import codebook
+from .modules import format_config, module_class
+
+__all__ = ["replace_linear", "matches"]
+
+
+def matches(name: str, pattern: str) -> bool:
+    """Whether module ``name`` matches ``pattern``: a glob (``"*.mlp.*"``) or a run of whole dotted
+    components (``"lm_head"`` matches ``"lm_head"`` and ``"model.lm_head"``, ``"mlp"`` matches
+    ``"layers.0.mlp.up_proj"``)."""
+    return fnmatch.fnmatchcase(name, pattern) or f".{pattern}." in f".{name}."
+
+
+def _targets(model, config, modules_to_not_convert, per_module):
+    out = []
+    for name, mod in model.named_modules():
+        if type(mod) is not nn.Linear and not (isinstance(mod, nn.Linear) and type(mod).forward is nn.Linear.forward):
+            continue
+        if any(matches(name, p) for p in modules_to_not_convert):
+            continue
+        cfg = config
+        for pat, c in (per_module or {}).items():
+            if matches(name, pat):
+                cfg = c
+                break
+        if cfg is not None:
+            out.append((name, mod, cfg))
+    return out
+
+
+def _shared_codebooks(targets, hessians):
+    """Model-scope codebooks: one clustering over the groups of every layer sharing a config."""
+    books = {}
+    by_cfg: dict[str, list] = {}
+    for name, mod, cfg in targets:
+        fc, _ = format_config(cfg.format, cfg)
+        if fc.format == "codebook" and fc.codebook_scope == "model":
+            by_cfg.setdefault(fc.to_json(), []).append((name, mod, fc))
+    for key, items in by_cfg.items():
+        gs, ds = [], []
+        for name, mod, fc in items:
+            g, d = codebook.layer_groups(mod.weight.detach().cpu(), fc, hessians.get(name))
+            step = max(1, g.shape[0] // 65536)  # bounded memory: at most 64k groups per layer
+            gs.append(g[::step])
+            ds.append(d[::step])
+        shared = codebook.fit_codebooks(torch.cat(gs), torch.cat(ds), items[0][2])
+        for name, _, _ in items:
+            books[name] = shared
+    return books
+
+
+def replace_linear(model: nn.Module, config: Any, *, modules_to_not_convert: Optional[Sequence[str]] = None,
+                   per_module: Optional[Mapping[str, Any]] = None, calibration_data: Any = None,
+                   tokenizer=None, progress: bool = True) -> nn.Module:
+    """Quantize the ``nn.Linear`` layers of ``model`` in place and return it.
+
+    Every target is quantized first and the modules are swapped only when all succeeded, so an
+    error leaves the model exactly as it was.
+
+    Args:
+        config: a :class:`qlinear.QLinearConfig` (format, bits, group size, options, backend).
+        modules_to_not_convert: name patterns (see :func:`matches`) to keep in full precision;
+            default ``config.modules_to_not_convert`` (``["lm_head"]``).
+        per_module: ``{pattern: QLinearConfig or None}``; the first matching pattern overrides
+            ``config`` for that module (None keeps it unquantized).
+        calibration_data: ``{name: H}`` from :func:`qlinear.calibrate`, or data for it (token-id
+            tensors, or texts with ``tokenizer``).  Enables Hessian-aware quantization.
+        progress: show a tqdm bar.
+
+    Raises:
+        ValueError: a layer that cannot be quantized (NaN/Inf weights, shape the format cannot
+            store); the message names the layer.  TypeError: wrong argument types.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    if not hasattr(config, "format_config"):
+        raise TypeError(f"config must be a qlinear.QLinearConfig, got {type(config).__name__}")
+    skip = list(modules_to_not_convert if modules_to_not_convert is not None
+                else getattr(config, "modules_to_not_convert", ["lm_head"]))
+    targets = _targets(model, config, skip, per_module)
+    for name, _, cfg in targets:
+        if not hasattr(cfg, "format_config"):
+            raise TypeError(f"per_module config for {name!r} must be a QLinearConfig or None, got {type(cfg).__name__}")
+    hessians: Mapping[str, torch.Tensor] = {}
+    if calibration_data is not None:
+        if isinstance(calibration_data, Mapping):
+            hessians = calibration_data
+        else:
+            from .calibration import calibrate
+            hessians = calibrate(model, calibration_data, tokenizer, modules=[n for n, _, _ in targets],
+                                 progress=progress)
+    books = _shared_codebooks(targets, hessians)
+    new = {}
+    for name, mod, cfg in tqdm(targets, desc=f"quantize", disable=not progress):
+        kwargs = {"codebooks": books[name]} if name in books else {}
+        try:
+            new[name] = module_class(cfg.format).from_linear(mod, cfg, hessians.get(name), **kwargs)
+        except (ValueError, TypeError) as e:
+            raise type(e)(f"layer {name!r} ({mod.out_features}x{mod.in_features}): {e}") from e
+    for name, q in new.items():
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        q.train(parent.training)
+        setattr(parent, child, q)
+    return model

@@ -1,0 +1,20 @@
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.pop("QLINEAR_BACKEND", None)
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+
+
+def random_hessian(K: int, n: int = 4096, seed: int = 0) -> torch.Tensor:
+    """A random positive-definite XᵀX/n with unequal channel scales, like real activations."""
+    g = torch.Generator().manual_seed(seed)
+    X = torch.randn(n, K, generator=g) * (torch.rand(K, generator=g) * 3 + 0.1)
+    X = X + 0.5 * torch.randn(n, 1, generator=g)  # correlated channels
+    return X.T @ X / n

@@ -1,0 +1,184 @@
+"""QuantLinear modules: forward == x·Ŵᵀ + b, dtype/device moves, registry, torch.compile, bad input."""
+
+import pytest
+import torch
+from torch import nn
+
+import qlinear
+from qlinear import BCQLinear, CodebookLinear, MixedPrecisionLinear, QLinearConfig, backends
+from qlinear.modules import module_class
+
+CONFIGS = {
+    "bcq": QLinearConfig("bcq", bits=3, group_size=64, iters=2),
+    "mixed": QLinearConfig("mixed"),
+    "codebook": QLinearConfig("codebook", bits=2),
+}
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+
+
+@pytest.fixture(scope="module")
+def layers():
+    torch.manual_seed(0)
+    lin = nn.Linear(128, 48)
+    with torch.no_grad():
+        lin.weight.mul_(0.5)
+    return lin, {f: module_class(f).from_linear(lin, c) for f, c in CONFIGS.items()}
+
+
+@pytest.mark.parametrize("fmt", list(CONFIGS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("lead", [(1,), (3,), (2, 5), (2, 1, 3)])
+def test_forward_equals_dequantized_matmul(layers, fmt, dtype, lead):
+    lin, mods = layers
+    m = mods[fmt]
+    x = torch.randn(*lead, 128).to(dtype)
+    y = m(x)
+    assert y.dtype == dtype and y.shape == (*lead, 48)
+    ref = x.double() @ m.dequantize(torch.float64).T + lin.bias.double()
+    err = (y.double() - ref).abs().max() / ref.abs().max()
+    assert err < TOL[dtype]
+
+
+@pytest.mark.parametrize("fmt", list(CONFIGS))
+def test_no_bias_and_class(layers, fmt):
+    lin = nn.Linear(128, 32, bias=False)
+    m = module_class(fmt).from_linear(lin, CONFIGS[fmt])
+    assert m.bias is None and isinstance(m, qlinear.QuantLinear)
+    x = torch.randn(4, 128)
+    assert torch.allclose(m(x), x @ m.dequantize().T, atol=1e-5)
+
+
+@pytest.mark.parametrize("fmt", list(CONFIGS))
+def test_dtype_moves_keep_packed_buffers(layers, fmt):
+    _, mods = layers
+    m = mods[fmt]
+    before = {k: v.clone() for k, v in m.state_dict().items() if k != "bias"}
+    m2 = module_class(fmt)(128, 48, True, CONFIGS[fmt])
+    m2.load_state_dict(m.state_dict())
+    m2.to(torch.bfloat16)
+    for k, v in before.items():
+        got = m2.state_dict()[k]
+        assert got.dtype == v.dtype and torch.equal(got, v), k
+    assert m2.bias.dtype == torch.bfloat16
+    m2.half().float()
+    assert all(torch.equal(m2.state_dict()[k], v) for k, v in before.items())
+
+
+@pytest.mark.parametrize("fmt", list(CONFIGS))
+def test_state_dict_roundtrip_bit_exact(layers, fmt, tmp_path):
+    from safetensors.torch import load_file, save_file
+    _, mods = layers
+    m = mods[fmt]
+    save_file(m.state_dict(), tmp_path / "m.safetensors")
+    m2 = module_class(fmt)(128, 48, True, CONFIGS[fmt])
+    m2.load_state_dict(load_file(tmp_path / "m.safetensors"))
+    x = torch.randn(3, 128)
+    assert torch.equal(m(x), m2(x))
+
+
+def test_bits_memory_and_repr(layers):
+    _, mods = layers
+    m = mods["bcq"]
+    assert m.bits_per_weight == pytest.approx(3 + (3 * 16 + 16) / 64)
+    assert m.memory_footprint() == m.bits_per_weight * 128 * 48 / 8 + 48 * 4
+    r = repr(m)
+    for s in ("format=bcq", "bits=3", "group_size=64", "backend=auto"):
+        assert s in r
+    for f, mm in mods.items():
+        assert mm.memory_footprint() < 128 * 48 * 4 / 5  # well below fp32
+
+
+@pytest.mark.parametrize("fmt", list(CONFIGS))
+def test_compile_fullgraph_matches_eager(layers, fmt):
+    torch._dynamo.reset()
+    _, mods = layers
+    model = nn.Sequential(mods[fmt], nn.GELU(), nn.Linear(48, 8))
+    x = torch.randn(2, 7, 128)
+    compiled = torch.compile(model, fullgraph=True)
+    assert torch.allclose(compiled(x), model(x), atol=1e-5)
+    explain = torch._dynamo.explain(model)(x)
+    assert explain.graph_break_count == 0
+
+
+# ---------------------------------------------------------------- registry
+def test_registry_reference_and_priority(layers, monkeypatch):
+    _, mods = layers
+    m = mods["bcq"]
+    x = torch.randn(2, 128)
+    assert m.kernel(x).backend == "reference"
+    calls = []
+
+    def fake(x, bufs, bias, cfg, n, k):
+        calls.append(cfg.bits)
+        return backends.reference.linear(x, bufs, bias, cfg, n, k) * 0 + 1
+
+    kern = backends.Kernel(backend="fake", format="bcq", fn=fake, priority=10, devices=frozenset({"cpu"}),
+                           bits=frozenset({3}), max_batch=4)
+    backends.register(kern)
+    try:
+        assert m.kernel(x).backend == "fake"
+        assert torch.equal(m(x), torch.ones(2, 48))
+        assert calls == [3]
+        assert m.kernel(torch.randn(5, 128)).backend == "reference"  # batch outside range
+        monkeypatch.setenv(backends.ENV_VAR, "reference")
+        assert m.kernel(x).backend == "reference"
+        monkeypatch.delenv(backends.ENV_VAR)
+        m.backend = "reference"
+        assert m.kernel(x).backend == "reference"
+        m.backend = "fake"
+        with pytest.raises(ValueError, match="batch 5"):
+            m(torch.randn(5, 128))
+    finally:
+        m.backend = None
+        backends._KERNELS.remove(kern)
+    with pytest.raises(ValueError, match="no kernel"):
+        backends.select("bcq", m.config, torch.device("cpu"), torch.float32, 1, "nonexistent")
+
+
+def test_config_backend_override():
+    lin = nn.Linear(64, 32)
+    m = BCQLinear.from_linear(lin, QLinearConfig("bcq", bits=2, group_size=32, backend="reference"))
+    assert m.backend == "reference" and "backend=reference" in repr(m)
+
+
+# ---------------------------------------------------------------- bad input
+def test_bad_inputs():
+    lin = nn.Linear(100, 32)
+    with pytest.raises(ValueError, match="divisible by 32"):
+        BCQLinear.from_linear(lin, QLinearConfig("bcq"))
+    with pytest.raises(ValueError, match="divisible by group_size"):
+        MixedPrecisionLinear.from_linear(nn.Linear(72, 8), QLinearConfig("mixed", group_size=16))
+    with pytest.raises(ValueError, match="divisible by group_size"):
+        CodebookLinear.from_linear(nn.Linear(80, 8), QLinearConfig("codebook"))
+    with pytest.raises(ValueError, match="bits"):
+        QLinearConfig("bcq", bits=12)
+    with pytest.raises(ValueError, match="group_size"):
+        QLinearConfig("bcq", group_size=40)
+    with pytest.raises(ValueError, match="unknown format"):
+        QLinearConfig("nf4")
+    with pytest.raises(ValueError, match="unknown options"):
+        QLinearConfig("bcq", ratio_4bit=0.5)
+    with pytest.raises(TypeError):
+        BCQLinear.from_linear(nn.Conv1d(64, 64, 1), None)
+    bad = nn.Linear(64, 32)
+    with torch.no_grad():
+        bad.weight[3, 5] = float("nan")
+    with pytest.raises(ValueError, match="NaN"):
+        BCQLinear.from_linear(bad, None)
+    m = BCQLinear.from_linear(nn.Linear(64, 32), QLinearConfig("bcq", group_size=32))
+    with pytest.raises(TypeError, match="float32, float16 or bfloat16"):
+        m(torch.ones(2, 64, dtype=torch.int64))
+    with pytest.raises(ValueError, match=r"\[\.\.\., 64\]"):
+        m(torch.ones(2, 65))
+    with pytest.raises(ValueError, match="expects"):
+        m.load_state_dict({**m.state_dict(), "alpha": torch.zeros(4, 32, 3, dtype=torch.float16)})
+
+
+def test_autograd_through_frozen_weights(layers):
+    lin, mods = layers
+    m = mods["bcq"]
+    x = torch.randn(3, 128, requires_grad=True)
+    m(x).square().sum().backward()
+    x2 = x.detach().clone().requires_grad_(True)
+    (x2 @ m.dequantize().T + lin.bias.detach()).square().sum().backward()
+    assert torch.allclose(x.grad, x2.grad, atol=1e-4)
