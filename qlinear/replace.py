@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import fnmatch
 from typing import Any, Mapping, Optional, Sequence
 
@@ -12,7 +13,12 @@ from tqdm.auto import tqdm
 from .formats import codebook
 from .modules import format_config, module_class
 
-__all__ = ["replace_linear", "matches"]
+__all__ = ["replace_linear", "matches", "is_quantizable_linear"]
+
+
+def is_quantizable_linear(mod: nn.Module) -> bool:
+    """The layers qlinear replaces: ``nn.Linear`` or a subclass that keeps ``nn.Linear.forward``."""
+    return type(mod) is nn.Linear or (isinstance(mod, nn.Linear) and type(mod).forward is nn.Linear.forward)
 
 
 def matches(name: str, pattern: str) -> bool:
@@ -25,7 +31,7 @@ def matches(name: str, pattern: str) -> bool:
 def _targets(model, config, modules_to_not_convert, per_module):
     out = []
     for name, mod in model.named_modules():
-        if type(mod) is not nn.Linear and not (isinstance(mod, nn.Linear) and type(mod).forward is nn.Linear.forward):
+        if not is_quantizable_linear(mod):
             continue
         if any(matches(name, p) for p in modules_to_not_convert):
             continue
@@ -113,4 +119,9 @@ def replace_linear(model: nn.Module, config: Any, *, modules_to_not_convert: Opt
         parent = model.get_submodule(parent_name) if parent_name else model
         q.train(parent.training)
         setattr(parent, child, q)
+    # so that save_pretrained writes the config and from_pretrained rebuilds the same modules
+    if hasattr(getattr(model, "config", None), "to_dict") and not per_module and new:
+        saved = copy.deepcopy(config)
+        saved.modules_to_not_convert = skip
+        model.config.quantization_config = saved
     return model

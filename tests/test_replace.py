@@ -119,3 +119,16 @@ def test_compiled_quantized_model_matches_eager():
     eager = model(ids).logits
     compiled = torch.compile(model, fullgraph=True)
     assert torch.allclose(compiled(ids).logits, eager, atol=1e-4)
+
+
+def test_replace_then_save_pretrained_reloads(tmp_path):
+    from transformers import AutoModelForCausalLM
+    model = tiny_llama()
+    cfg = QLinearConfig("bcq", bits=3, group_size=32)
+    replace_linear(model, cfg, progress=False)
+    model.save_pretrained(tmp_path)
+    again = AutoModelForCausalLM.from_pretrained(tmp_path)
+    ids = torch.randint(0, 128, (1, 10))
+    assert isinstance(again.model.layers[0].mlp.up_proj, qlinear.BCQLinear)
+    assert torch.equal(again(ids).logits, model(ids).logits)
+    assert cfg.modules_to_not_convert == ["lm_head"]  # the user's config object is not modified

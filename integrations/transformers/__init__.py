@@ -1,9 +1,13 @@
-"""transformers integration: ``QLinearConfig`` (the ``quant_method="qlinear"`` config).
+"""transformers integration: ``QLinearConfig`` and the ``quant_method="qlinear"`` HfQuantizer.
 
-transformers has no entry-point discovery: run ``import qlinear`` before ``from_pretrained`` of a saved
-qlinear checkpoint, otherwise transformers only warns about the unknown quant_method and loads random weights.
+Registered when qlinear is imported.  transformers has no entry-point discovery: run
+``import qlinear`` before ``from_pretrained`` of a saved qlinear checkpoint, otherwise transformers
+only warns about the unknown quant_method and loads random weights.
 """
 
 from .config import QLinearConfig
+from .quantizer import QLinearHfQuantizer, register
 
-__all__ = ["QLinearConfig"]
+register()
+
+__all__ = ["QLinearConfig", "QLinearHfQuantizer"]

@@ -33,7 +33,7 @@ import torch
 
 from . import uniform
 from .base import BufferSpecs, FormatConfig, fp16_round, num_groups
-from .packing import pack_planes, unpack_planes
+from .packing import pack_planes
 
 NAME = "bcq"
 
@@ -274,19 +274,22 @@ def quantize(weight: torch.Tensor, cfg: Config, hessian: torch.Tensor | None = N
 def dequantize(buffers: dict[str, torch.Tensor], cfg: Config, out_features: int, in_features: int) -> torch.Tensor:
     """Dense weight ``[N, K]`` float32 from BCQ buffers."""
     g = cfg.group(in_features)
+    K = in_features
+    planes = buffers["planes"]
+    shifts = torch.arange(32, dtype=torch.int32, device=planes.device)
+    signs = ((planes.unsqueeze(-1) >> shifts) & 1).reshape(cfg.bits, out_features, K).to(torch.float32) * 2 - 1
     alpha = buffers["alpha"].to(torch.float32)
     if cfg.act_order:
         idx = buffers["g_idx"].long()
-        alpha = alpha[:, :, idx]
-    else:
-        alpha = alpha.repeat_interleave(g, dim=2)[:, :, :in_features]
-    codes = unpack_planes(buffers["planes"], in_features)
-    w = torch.zeros(out_features, in_features, dtype=torch.float32, device=alpha.device)
-    for i in range(cfg.bits):
-        w += alpha[i] * (((codes >> i) & 1).to(torch.float32) * 2 - 1)
+        w = (alpha[:, :, idx] * signs).sum(0)
+        return w + buffers["offset"].to(torch.float32)[:, idx] if cfg.offset else w
+    G = alpha.shape[2]
+    # broadcast α per group instead of materialising it per input (a ragged last group is padded)
+    signs = torch.nn.functional.pad(signs, (0, G * g - K)).view(cfg.bits, out_features, G, g)
+    w = (alpha[..., None] * signs).sum(0)
     if cfg.offset:
-        off = buffers["offset"].to(torch.float32)
-        w += off[:, idx] if cfg.act_order else off.repeat_interleave(g, dim=1)[:, :in_features]
+        w += buffers["offset"].to(torch.float32)[..., None]
+    w = w.view(out_features, G * g)[:, :K]
     return w
 
 

@@ -9,7 +9,8 @@ at 4 bits), so a NEON kernel keeps them in one register and dequantizes with one
 
 Clustering (two phases, alternated until no group changes codebook or ``iters`` rounds):
 
-0. Scale each group to ``v = w / s`` with ``s = max|w| / 127``.  Initial codebooks: sort groups by
+0. (At most 8192 evenly strided groups take part in the clustering; every group is assigned at the end.)
+   Scale each group to ``v = w / s`` with ``s = max|w| / 127``.  Initial codebooks: sort groups by
    their concentration ``mean|v| / 127`` (a shape statistic independent of the scale), split into
    ``num_codebooks`` equal buckets, and fit each bucket's centroids by weighted k-means (Lloyd,
    initialised at weighted quantiles).
@@ -41,6 +42,7 @@ from .base import BufferSpecs, FormatConfig, fp16_round, spec_bits
 from .packing import pack, packed_len, unpack
 
 NAME = "codebook"
+_MAX_GROUPS = 8192
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,6 +146,9 @@ def fit_codebooks(groups: torch.Tensor, weights: torch.Tensor, cfg: Config) -> t
         int8 ``[C, 2^bits]`` codebooks.
     """
     L, C = 1 << cfg.bits, cfg.books
+    if groups.shape[0] > _MAX_GROUPS:  # 16 centroids need no more: a fixed, evenly strided subsample
+        step = -(-groups.shape[0] // _MAX_GROUPS)
+        groups, weights = groups[::step], weights[::step]
     v = groups / _scale(groups)[:, None]
     conc = v.abs().mean(1)
     buckets = torch.argsort(torch.argsort(conc, stable=True)) * C // v.shape[0]

@@ -58,9 +58,10 @@ def unpack(words: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     per = _check_bits(bits)
     if words.dtype != torch.int32:
         raise TypeError(f"packed words must be int32, got {words.dtype}")
-    shifts = torch.arange(per, device=words.device, dtype=torch.int64) * bits
-    codes = (words.to(torch.int64).unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
-    return codes.reshape(*words.shape[:-1], -1)[..., :n]
+    shifts = torch.arange(per, device=words.device, dtype=torch.int32) * bits
+    # int32 arithmetic shifts sign-extend; the mask keeps only the code's own bits
+    codes = (words.unsqueeze(-1) >> shifts) & ((1 << bits) - 1) if bits < 32 else words.unsqueeze(-1)
+    return codes.reshape(*words.shape[:-1], -1)[..., :n].to(torch.int64)
 
 
 def pack_planes(codes: torch.Tensor, bits: int) -> torch.Tensor:
@@ -77,8 +78,5 @@ def pack_planes(codes: torch.Tensor, bits: int) -> torch.Tensor:
 
 def unpack_planes(planes: torch.Tensor, n: int) -> torch.Tensor:
     """Inverse of :func:`pack_planes`: int32 ``[bits, N, w]`` -> int64 codes ``[N, n]``."""
-    bits = planes.shape[0]
-    out = torch.zeros(planes.shape[1], n, dtype=torch.int64, device=planes.device)
-    for i in range(bits):
-        out |= unpack(planes[i], 1, n) << i
-    return out
+    weights = 2 ** torch.arange(planes.shape[0], device=planes.device)
+    return (unpack(planes, 1, n) * weights[:, None, None]).sum(0)

@@ -1,0 +1,316 @@
+"""The ``quant_method="qlinear"`` transformers quantizer (transformers 5.x ``HfQuantizer`` API).
+
+Registered, together with :class:`QLinearConfig`, when qlinear is imported.
+
+* Quantize on load: ``from_pretrained(path, quantization_config=QLinearConfig(...))`` of a float
+  checkpoint.  ``_process_model_before_weight_loading`` swaps every plain ``nn.Linear`` of the meta
+  model (except ``modules_to_not_convert``, transformers' default skips such as a tied or output
+  ``lm_head``, and ``_keep_in_fp32_modules``) for the empty :class:`qlinear.QuantLinear` of the
+  format, plus a meta ``weight`` placeholder so the checkpoint's float weight is routed to
+  :class:`QLinearQuantize`.  That op quantizes it with ``QuantLinear.from_linear`` (the code path of
+  :func:`qlinear.replace_linear`, so both give bit-identical layers), drops the placeholder and
+  returns the packed buffers, which transformers then copies into the module.
+  ``codebook_scope="model"`` needs every layer at once, so for it the float model is loaded and
+  :func:`qlinear.replace_linear` runs after loading (higher peak memory).
+* Pre-quantized load: a checkpoint whose ``config.json`` has ``quant_method="qlinear"``.  The
+  same empty modules are built (no placeholder) and transformers copies the checkpoint tensors
+  into their persistent buffers with their own dtypes (int32 codes, fp16 scales, int8 codebooks,
+  int16 indices), whatever ``dtype=`` asks for the rest of the model.  Every packed tensor's
+  presence, shape and dtype is checked against the config from the safetensors headers before any
+  weight is read, so a checkpoint that does not match its config raises a ``ValueError`` naming
+  the tensor instead of transformers' generic size-mismatch ``RuntimeError``.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from transformers.core_model_loading import ConversionOps
+from transformers.quantizers import HfQuantizer
+from transformers.quantizers.auto import (AUTO_QUANTIZATION_CONFIG_MAPPING, AUTO_QUANTIZER_MAPPING,
+                                         register_quantization_config, register_quantizer)
+from transformers.quantizers.quantizers_utils import get_module_from_name, should_convert_module
+
+from qlinear.formats import get_format
+from qlinear.modules import QuantLinear, module_class
+from qlinear.replace import is_quantizable_linear, matches
+
+from .config import QUANT_METHOD, QLinearConfig
+
+__all__ = ["QLinearHfQuantizer", "QLinearQuantize", "register"]
+
+_ST_DTYPES = {torch.int8: "I8", torch.uint8: "U8", torch.int16: "I16", torch.int32: "I32", torch.int64: "I64",
+              torch.float16: "F16", torch.bfloat16: "BF16", torch.float32: "F32", torch.float64: "F64",
+              torch.bool: "BOOL"}
+_MAX_LISTED = 8
+
+
+def _has_placeholder(mod: nn.Module) -> bool:
+    return isinstance(mod, QuantLinear) and mod._parameters.get("weight") is not None
+
+
+def _listing(items: list[str]) -> str:
+    shown = "\n  ".join(items[:_MAX_LISTED])
+    more = f"\n  ... and {len(items) - _MAX_LISTED} more" if len(items) > _MAX_LISTED else ""
+    return f"\n  {shown}{more}"
+
+
+class QLinearQuantize(ConversionOps):
+    """Quantize-on-load op: ``{"<layer>.weight": float weight}`` -> the layer's packed buffers.
+
+    Entries that are not the weight of a :class:`QuantLinear` waiting for one (placeholder) pass
+    through unchanged.
+    """
+
+    def __init__(self, hf_quantizer: "QLinearHfQuantizer"):
+        self.hf_quantizer = hf_quantizer
+
+    def convert(self, input_dict: dict[str, Any], model: Optional[nn.Module] = None,
+                full_layer_name: Optional[str] = None, missing_keys: Optional[set] = None,
+                **kwargs) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for key, value in input_dict.items():
+            module_name, _, tensor_name = key.rpartition(".")
+            module = model.get_submodule(module_name) if module_name else model
+            if tensor_name != "weight" or not _has_placeholder(module):
+                out[key] = value
+                continue
+            weight = value[0] if isinstance(value, (list, tuple)) else value
+            expected = (module.out_features, module.in_features)
+            if tuple(weight.shape) != expected:
+                raise ValueError(f"checkpoint weight {key} is {list(weight.shape)} but the layer is "
+                                 f"{list(expected)}")
+            linear = nn.Linear(module.in_features, module.out_features, bias=False, device="meta")
+            linear.weight = nn.Parameter(weight, requires_grad=False)
+            try:
+                q = type(module).from_linear(linear, self.hf_quantizer.quantization_config)
+            except (ValueError, TypeError) as e:
+                raise type(e)(f"layer {module_name!r} ({module.out_features}x{module.in_features}): {e}") from e
+            del module._parameters["weight"]
+            if missing_keys is not None:
+                missing_keys.discard(key)
+            for name in q._packed_names:
+                out[f"{module_name}.{name}"] = q._buffers[name]
+        return out
+
+
+class QLinearHfQuantizer(HfQuantizer):
+    """transformers quantizer of ``quant_method="qlinear"`` (see the module docstring)."""
+
+    requires_calibration = False
+    quantization_config: QLinearConfig
+
+    def __init__(self, quantization_config: QLinearConfig, **kwargs):
+        super().__init__(quantization_config, **kwargs)
+        self.modules_to_not_convert: list[str] = []
+        self._quantize_after_loading = False
+
+    # capabilities ---------------------------------------------------------------------------------
+    def is_serializable(self, *args, **kwargs) -> bool:
+        return True
+
+    @property
+    def is_trainable(self) -> bool:
+        return False
+
+    @property
+    def is_qat_trainable(self) -> bool:
+        return False
+
+    @property
+    def is_compileable(self) -> bool:
+        # forward is one torch.library custom op per layer with a fake implementation: no graph break
+        return True
+
+    def validate_environment(self, *args, **kwargs):
+        if not isinstance(self.quantization_config, QLinearConfig):
+            raise TypeError(f"quant_method='qlinear' needs a qlinear.QLinearConfig, got "
+                            f"{type(self.quantization_config).__name__}")
+        self.quantization_config.format_config()  # raises on an invalid (e.g. hand-edited) config
+
+    def param_needs_quantization(self, model, param_name: str, **kwargs) -> bool:
+        if self.pre_quantized:
+            return False
+        try:
+            module, tensor_name = get_module_from_name(model, param_name)
+        except AttributeError:
+            return False
+        return tensor_name == "weight" and _has_placeholder(module)
+
+    def param_element_size(self, model, param_name: str, param: torch.Tensor) -> float:
+        # the float placeholder is dropped on quantization; the packed buffers are counted on their own
+        if self.param_needs_quantization(model, param_name):
+            return 0.0
+        return super().param_element_size(model, param_name, param)
+
+    def get_quantize_ops(self) -> QLinearQuantize:
+        return QLinearQuantize(self)
+
+    # module selection ----------------------------------------------------------------------------
+    def _skip(self, name: str) -> bool:
+        return (any(matches(name, p) for p in self.quantization_config.modules_to_not_convert)
+                or not should_convert_module(name, self.modules_to_not_convert))
+
+    def _targets(self, model) -> list[tuple[str, nn.Linear]]:
+        return [(name, mod) for name, mod in model.named_modules()
+                if name and is_quantizable_linear(mod) and not self._skip(name)]
+
+    def _process_model_before_weight_loading(self, model, checkpoint_files=None, **kwargs):
+        fp32 = getattr(model, "_keep_in_fp32_modules", None)
+        # transformers' defaults (tied weights, output embeddings, last module) + keep_in_fp32; the
+        # config's own patterns use qlinear's glob/dotted-name matching (see _skip)
+        self.modules_to_not_convert = self.get_modules_to_not_convert(
+            model, [], list(fp32) if fp32 else None, add_default_skips=True)
+        fc = self.quantization_config.format_config()
+        self._quantize_after_loading = (not self.pre_quantized and fc.format == "codebook"
+                                        and fc.codebook_scope == "model")
+        targets = self._targets(model)
+        if not targets:
+            warnings.warn(f"qlinear found no nn.Linear layer to quantize in {type(model).__name__} (layers such as "
+                          f"GPT-2's Conv1D are not nn.Linear, and modules_to_not_convert / tied or output "
+                          f"embeddings are skipped): the model stays in full precision", stacklevel=2)
+        if self._quantize_after_loading:
+            return model  # shared codebooks need every layer: replace_linear after loading
+        cls = module_class(fc.format)
+        for name, mod in targets:
+            try:
+                q = cls(mod.in_features, mod.out_features, mod.bias is not None, self.quantization_config,
+                        device="meta", dtype=mod.weight.dtype if mod.bias is None else mod.bias.dtype)
+            except ValueError as e:
+                raise ValueError(f"layer {name!r} ({mod.out_features}x{mod.in_features}) cannot be stored in "
+                                 f"format {fc.format!r}: {e}; add it to modules_to_not_convert") from e
+            if not self.pre_quantized:
+                q.weight = nn.Parameter(torch.empty_like(mod.weight, device="meta"), requires_grad=False)
+            q.train(mod.training)
+            parent_name, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent_name) if parent_name else model, child, q)
+        if self.pre_quantized and checkpoint_files:
+            self._check_checkpoint(model, checkpoint_files)
+        return model
+
+    def _check_checkpoint(self, model, checkpoint_files) -> None:
+        """Compare the packed tensors of safetensors checkpoints with the empty modules (headers only)."""
+        files = [f for f in checkpoint_files if str(f).endswith(".safetensors")]
+        if not files or len(files) != len(checkpoint_files):
+            return  # .bin: checked after loading instead
+        from safetensors import safe_open
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+
+        transforms = get_model_conversion_mapping(model)
+        renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+        converters = [t for t in transforms if isinstance(t, WeightConverter)]
+        meta_sd = model.state_dict()
+        found: dict[str, tuple[tuple[int, ...], str, str]] = {}
+        for path in files:
+            with safe_open(str(path), framework="pt") as f:
+                for key in f.keys():
+                    name, _ = rename_source_key(key, renamings, converters, model.base_model_prefix, meta_sd)
+                    if name not in meta_sd and key in meta_sd:
+                        name = key
+                    sl = f.get_slice(key)
+                    found[name] = (tuple(sl.get_shape()), sl.get_dtype(), key)
+        by_module: dict[str, set[str]] = {}
+        for key in found:
+            module_name, _, tensor_name = key.rpartition(".")
+            by_module.setdefault(module_name, set()).add(tensor_name)
+        problems, missing, stored_float, stored_packed = [], [], [], []
+        for name, mod in model.named_modules():
+            if isinstance(mod, QuantLinear):
+                absent = []
+                for buf in mod._packed_names:
+                    ref = mod._buffers[buf]
+                    got = found.get(f"{name}.{buf}")
+                    if got is None:
+                        absent.append(buf)
+                        continue
+                    want = (tuple(ref.shape), _ST_DTYPES.get(ref.dtype, str(ref.dtype)))
+                    if got[:2] != want:
+                        problems.append(f"{got[2]}: checkpoint has {got[1]} {list(got[0])}, {type(mod).__name__} "
+                                        f"{mod.out_features}x{mod.in_features} expects {want[1]} {list(want[0])}")
+                if absent and f"{name}.weight" in found:
+                    stored_float.append(name)
+                elif absent:
+                    others = sorted(by_module.get(name, set()) - set(mod._packed_names) - {"bias"})
+                    hint = f" (the checkpoint has {', '.join(others)}: saved with another format?)" if others else ""
+                    missing.append(f"{name}: {', '.join(absent)}{hint}")
+            elif is_quantizable_linear(mod) and by_module.get(name, set()) - {"bias"} and "weight" not in by_module[name]:
+                stored_packed.append(name)
+        msgs = []
+        cfg = self.quantization_config.format_config().to_json()
+        if problems:
+            msgs.append(f"{len(problems)} packed tensor(s) do not match the quantization_config ({cfg}): the "
+                        f"checkpoint was saved with another config (e.g. an edited bits/group_size) or a tensor is "
+                        f"truncated or corrupt:{_listing(problems)}")
+        if missing:
+            msgs.append(f"{len(missing)} quantized layer(s) are missing packed tensors in the checkpoint:"
+                        f"{_listing(missing)}")
+        if stored_float:
+            msgs.append(f"{len(stored_float)} layer(s) are stored as float weights but the config quantizes them "
+                        f"(modules_to_not_convert differs from the one they were saved with?):"
+                        f"{_listing(stored_float)}")
+        if stored_packed:
+            msgs.append(f"{len(stored_packed)} layer(s) are stored quantized but the config keeps them in float "
+                        f"(modules_to_not_convert differs from the one they were saved with?):"
+                        f"{_listing(stored_packed)}")
+        if msgs:
+            raise ValueError("qlinear checkpoint does not match its quantization_config:\n" + "\n".join(msgs))
+
+    def _process_model_after_weight_loading(self, model, **kwargs):
+        if self._quantize_after_loading:
+            from qlinear.replace import replace_linear
+
+            keep = [name for name, mod in model.named_modules() if name and is_quantizable_linear(mod) and self._skip(name)]
+            replace_linear(model, self.quantization_config, modules_to_not_convert=keep, progress=False)
+            return model
+        leftover = [name for name, mod in model.named_modules() if _has_placeholder(mod)]
+        if leftover:
+            raise ValueError(f"{len(leftover)} layer(s) were not quantized because the checkpoint has no weight "
+                             f"for them:{_listing(leftover)}")
+        # Safety net for what _check_checkpoint cannot see (a state_dict= argument, .bin files): transformers
+        # flags every tensor it loads with `_is_hf_initialized`; a packed buffer without it was missing from
+        # the checkpoint and only holds torch.empty memory.  Skipped for multi-device / offloaded models,
+        # whose tensors accelerate may have moved since.
+        device_map = getattr(model, "hf_device_map", None) or {}
+        check_loaded = len(set(device_map.values())) <= 1 and "disk" not in device_map.values()
+        bad = []
+        for name, mod in model.named_modules():
+            if not isinstance(mod, QuantLinear):
+                continue
+            specs = get_format(mod.format).buffer_specs(mod.out_features, mod.in_features, mod.config)
+            for buf, (shape, dt) in specs.items():
+                t = mod._buffers[buf]
+                if tuple(t.shape) != tuple(shape) or t.dtype != dt:
+                    bad.append(f"{name}.{buf}: loaded {t.dtype} {list(t.shape)}, expected {dt} {list(shape)}")
+                elif check_loaded and (t.device.type == "meta" or not getattr(t, "_is_hf_initialized", False)):
+                    bad.append(f"{name}.{buf}: missing from the checkpoint")
+        if bad:
+            raise ValueError(f"qlinear checkpoint does not match its quantization_config "
+                             f"({self.quantization_config.format_config().to_json()}):{_listing(bad)}")
+        return model
+
+
+def register() -> None:
+    """Register ``QLinearConfig`` and ``QLinearHfQuantizer`` under ``quant_method="qlinear"``.
+
+    Idempotent: transformers' ``register_*`` raise ValueError for a name registered twice, so a
+    second call (re-import, ``importlib.reload``) replaces qlinear's own earlier registration in
+    place; a foreign class registered under the same name is replaced with a warning.
+    """
+    for mapping, cls, decorator in (
+            (AUTO_QUANTIZATION_CONFIG_MAPPING, QLinearConfig, register_quantization_config),
+            (AUTO_QUANTIZER_MAPPING, QLinearHfQuantizer, register_quantizer)):
+        old = mapping.get(QUANT_METHOD)
+        if old is None:
+            decorator(QUANT_METHOD)(cls)
+            continue
+        if old is cls:
+            continue
+        if (old.__module__, old.__qualname__) != (cls.__module__, cls.__qualname__):
+            warnings.warn(f"quant_method {QUANT_METHOD!r} was registered by {old.__module__}.{old.__qualname__}; "
+                          f"qlinear replaces it with {cls.__module__}.{cls.__qualname__}", stacklevel=2)
+        mapping[QUANT_METHOD] = cls

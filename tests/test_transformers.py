@@ -1,0 +1,391 @@
+"""transformers integration: ``from_pretrained(..., quantization_config=QLinearConfig(...))`` quantizes on
+load exactly like ``replace_linear``; ``save_pretrained`` / ``from_pretrained`` round-trips bit-exactly;
+checkpoints that do not match their config fail with a clear ValueError.
+
+CPU only, tiny randomly initialised models saved to tmp dirs (no hub access).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import shutil
+import warnings
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+import qlinear
+from qlinear import QLinearConfig, QuantLinear, replace_linear
+from qlinear.integrations.transformers.quantizer import QLinearHfQuantizer, QLinearQuantize, register
+from qlinear.modules import module_class
+
+transformers = pytest.importorskip("transformers")
+from transformers import AutoModelForCausalLM, GPTNeoXConfig, LlamaConfig, OPTConfig  # noqa: E402
+from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING, AUTO_QUANTIZER_MAPPING  # noqa: E402
+from transformers.utils import logging as hf_logging  # noqa: E402
+
+hf_logging.disable_progress_bar()
+hf_logging.set_verbosity_error()
+
+FORMATS = {
+    "bcq": dict(format="bcq", bits=4, group_size=64),
+    "mixed": dict(format="mixed"),
+    "codebook": dict(format="codebook"),
+}
+# loose bound on ||logits_q - logits_fp|| / ||logits_fp|| for random tiny models (4-bit bcq, ~2-bit others)
+REL_ERR = {"bcq": 0.25, "mixed": 0.6, "codebook": 0.6}
+TOKENS = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(0))
+
+
+def llama_config(**kw):
+    base = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, vocab_size=128, max_position_embeddings=64)
+    return LlamaConfig(**{**base, **kw})
+
+
+def save_float(config, path, seed=0):
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    model.save_pretrained(path)
+    return model
+
+
+def logits(model, tokens=TOKENS):
+    with torch.no_grad():
+        return model(tokens).logits
+
+
+def quant_layers(model):
+    return {n: m for n, m in model.named_modules() if isinstance(m, QuantLinear)}
+
+
+def assert_same_state(a, b):
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys()
+    for k in sa:
+        assert sa[k].dtype == sb[k].dtype, k
+        assert torch.equal(sa[k], sb[k]), k
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny tensors: intra-op threads only add OpenMP contention (5-10x slower on a busy 2-core box)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def float_llama(tmp_path_factory):
+    path = tmp_path_factory.mktemp("llama_fp")
+    return save_float(llama_config(), path), path
+
+
+@pytest.fixture(scope="module", params=list(FORMATS))
+def quantized_llama(request, float_llama, tmp_path_factory):
+    """(format, quantized-on-load model, its save_pretrained dir)."""
+    _, path = float_llama
+    model = AutoModelForCausalLM.from_pretrained(path, quantization_config=QLinearConfig(**FORMATS[request.param]))
+    saved = tmp_path_factory.mktemp(f"llama_{request.param}")
+    model.save_pretrained(saved)
+    return request.param, model, saved
+
+
+# registration / quantizer flags ------------------------------------------------------------------
+
+
+def test_registered_on_import():
+    assert AUTO_QUANTIZATION_CONFIG_MAPPING["qlinear"] is QLinearConfig
+    assert AUTO_QUANTIZER_MAPPING["qlinear"] is QLinearHfQuantizer
+    register()  # a second registration (re-import) must not raise
+    register()
+    assert AUTO_QUANTIZER_MAPPING["qlinear"] is QLinearHfQuantizer
+
+
+def test_register_replaces_stale_or_foreign(monkeypatch):
+    stale = type("QLinearHfQuantizer", (QLinearHfQuantizer,), {"__module__": QLinearHfQuantizer.__module__})
+    stale.__qualname__ = QLinearHfQuantizer.__qualname__
+    monkeypatch.setitem(AUTO_QUANTIZER_MAPPING, "qlinear", stale)  # as left by importlib.reload
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        register()
+    assert AUTO_QUANTIZER_MAPPING["qlinear"] is QLinearHfQuantizer
+    foreign = type("Other", (QLinearHfQuantizer,), {"__module__": "someone_else"})
+    monkeypatch.setitem(AUTO_QUANTIZER_MAPPING, "qlinear", foreign)
+    with pytest.warns(UserWarning, match="someone_else"):
+        register()
+    assert AUTO_QUANTIZER_MAPPING["qlinear"] is QLinearHfQuantizer
+
+
+def test_quantizer_flags():
+    q = QLinearHfQuantizer(QLinearConfig(**FORMATS["bcq"]), pre_quantized=False)
+    assert q.is_serializable() is True
+    assert q.is_trainable is False
+    assert q.is_qat_trainable is False
+    assert q.is_compileable is True
+    assert QLinearHfQuantizer.requires_calibration is False
+
+
+def test_config_round_trip():
+    cfg = QLinearConfig(format="codebook", bits=2, num_codebooks=2, modules_to_not_convert=["lm_head", "*.mlp.*"])
+    again = AUTO_QUANTIZATION_CONFIG_MAPPING["qlinear"].from_dict(json.loads(cfg.to_json_string()))
+    assert again.to_dict() == cfg.to_dict()
+    assert again.format_config() == cfg.format_config()
+
+
+# quantize on load ---------------------------------------------------------------------------------
+
+
+def test_quantize_on_load(quantized_llama, float_llama):
+    fmt, model, _ = quantized_llama
+    fp_model, _ = float_llama
+    cls = module_class(fmt)
+    linears = {n for n, m in fp_model.named_modules() if isinstance(m, nn.Linear)}
+    layers = quant_layers(model)
+    assert set(layers) == linears - {"lm_head"}
+    assert all(type(m) is cls for m in layers.values())
+    assert type(model.lm_head) is nn.Linear
+    assert not any("weight" in m._parameters for m in layers.values())  # float placeholders dropped
+    assert model.is_quantized and model.config.quantization_config.format == fmt
+    ref, out = logits(fp_model), logits(model)
+    assert torch.isfinite(out).all()
+    assert ((out - ref).norm() / ref.norm()).item() < REL_ERR[fmt]
+
+
+def test_quantize_on_load_matches_replace_linear(quantized_llama, float_llama):
+    fmt, model, _ = quantized_llama
+    fp_model, _ = float_llama
+    ref = replace_linear(copy.deepcopy(fp_model), QLinearConfig(**FORMATS[fmt]), progress=False)
+    assert_same_state(model, ref)
+    assert torch.equal(logits(model), logits(ref))
+
+
+# save / reload ------------------------------------------------------------------------------------
+
+
+def test_saved_checkpoint_layout(quantized_llama):
+    fmt, model, saved = quantized_llama
+    qc = json.loads((saved / "config.json").read_text())["quantization_config"]
+    assert qc == QLinearConfig(**FORMATS[fmt]).to_dict()
+    with safe_open(str(saved / "model.safetensors"), framework="pt") as f:
+        stored = {k: f.get_slice(k).get_dtype() for k in f.keys()}
+    for name, layer in quant_layers(model).items():
+        assert f"{name}.weight" not in stored
+        for buf in layer._packed_names:
+            assert stored[f"{name}.{buf}"] == {torch.int32: "I32", torch.float16: "F16", torch.int8: "I8",
+                                                torch.int16: "I16"}[layer._buffers[buf].dtype]
+    dtypes = set(stored.values())
+    assert {"I32", "F16"} <= dtypes
+    assert ("I8" in dtypes) == (fmt == "codebook")
+    assert ("I16" in dtypes) == (fmt == "mixed")
+
+
+def test_reload_bit_identical_without_requantizing(quantized_llama, monkeypatch):
+    fmt, model, saved = quantized_llama
+
+    def boom(*a, **k):
+        raise AssertionError("a pre-quantized checkpoint must not be quantized again")
+
+    monkeypatch.setattr(QLinearQuantize, "convert", boom)
+    monkeypatch.setattr(QuantLinear, "from_linear", classmethod(boom))
+    reloaded = AutoModelForCausalLM.from_pretrained(saved)
+    assert isinstance(reloaded.hf_quantizer, QLinearHfQuantizer) and reloaded.hf_quantizer.pre_quantized
+    assert {n: type(m) for n, m in quant_layers(reloaded).items()} == {n: type(m) for n, m in quant_layers(model).items()}
+    assert_same_state(model, reloaded)
+    assert torch.equal(logits(model), logits(reloaded))
+
+
+def test_reload_bfloat16_keeps_packed_dtypes(quantized_llama):
+    fmt, model, saved = quantized_llama
+    reloaded = AutoModelForCausalLM.from_pretrained(saved, dtype=torch.bfloat16)
+    assert reloaded.model.embed_tokens.weight.dtype == torch.bfloat16
+    for name, layer in quant_layers(model).items():
+        other = reloaded.get_submodule(name)
+        for buf in layer._packed_names:
+            a, b = layer._buffers[buf], other._buffers[buf]
+            assert b.dtype == a.dtype, f"{name}.{buf}: {b.dtype} != {a.dtype}"  # fp16 scales stay fp16
+            assert torch.equal(a, b)
+    assert torch.isfinite(logits(reloaded).float()).all()
+
+
+def test_resave_reloaded_is_identical(quantized_llama, tmp_path):
+    _, model, saved = quantized_llama
+    AutoModelForCausalLM.from_pretrained(saved).save_pretrained(tmp_path)
+    assert load_file(str(tmp_path / "model.safetensors")).keys() == load_file(str(saved / "model.safetensors")).keys()
+    a, b = load_file(str(tmp_path / "model.safetensors")), load_file(str(saved / "model.safetensors"))
+    assert all(torch.equal(a[k], b[k]) and a[k].dtype == b[k].dtype for k in a)
+
+
+# mismatched checkpoints ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def bcq_checkpoint(float_llama, tmp_path_factory):
+    _, path = float_llama
+    model = AutoModelForCausalLM.from_pretrained(path, quantization_config=QLinearConfig(**FORMATS["bcq"]))
+    saved = tmp_path_factory.mktemp("llama_bcq_ref")
+    model.save_pretrained(saved)
+    return saved
+
+
+def edited(src, dst, config=None, tensors=None):
+    shutil.copytree(src, dst)
+    if config:
+        j = json.loads((dst / "config.json").read_text())
+        config(j["quantization_config"])
+        (dst / "config.json").write_text(json.dumps(j))
+    if tensors:
+        sd = load_file(str(dst / "model.safetensors"))
+        tensors(sd)
+        save_file(sd, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
+Q = "model.layers.0.self_attn.q_proj"
+
+
+@pytest.mark.parametrize("case, config, tensors, message", [
+    ("bits", lambda c: c.update(bits=3), None, r"do not match the quantization_config.*\"bits\": 3"),
+    ("group_size", lambda c: c.update(group_size=32), None, r"q_proj\.alpha: checkpoint has F16 \[4, 64, 1\].*expects F16 \[4, 64, 2\]"),
+    ("truncated", None, lambda sd: sd.update({f"{Q}.planes": sd[f"{Q}.planes"][:, :40].contiguous()}),
+     r"q_proj\.planes: checkpoint has I32 \[4, 40, 2\].*expects I32 \[4, 64, 2\]"),
+    ("dtype", None, lambda sd: sd.update({f"{Q}.alpha": sd[f"{Q}.alpha"].float()}), r"q_proj\.alpha: checkpoint has F32"),
+    ("missing", None, lambda sd: sd.pop(f"{Q}.planes"), r"missing packed tensors.*q_proj: planes$"),
+    ("format", lambda c: c.update(format="codebook", bits=2, group_size=32), None, r"saved with another format"),
+    ("kept_float", lambda c: c.update(modules_to_not_convert=["lm_head", "o_proj"]), None,
+     r"stored quantized but the config keeps them in float.*o_proj"),
+])
+def test_mismatched_checkpoint_raises(bcq_checkpoint, tmp_path, case, config, tensors, message):
+    path = edited(bcq_checkpoint, tmp_path / case, config, tensors)
+    with pytest.raises(ValueError, match="(?s)" + message) as err:
+        AutoModelForCausalLM.from_pretrained(path)
+    assert "qlinear checkpoint does not match its quantization_config" in str(err.value)
+
+
+def test_float_layer_in_checkpoint_raises(float_llama, tmp_path):
+    _, path = float_llama
+    model = AutoModelForCausalLM.from_pretrained(
+        path, quantization_config=QLinearConfig(**FORMATS["bcq"], modules_to_not_convert=["lm_head", "o_proj"]))
+    model.save_pretrained(tmp_path / "q")
+    bad = edited(tmp_path / "q", tmp_path / "bad", config=lambda c: c.update(modules_to_not_convert=["lm_head"]))
+    with pytest.raises(ValueError, match=r"(?s)stored as float weights but the config quantizes them.*o_proj"):
+        AutoModelForCausalLM.from_pretrained(bad)
+
+
+def test_missing_tensor_in_state_dict_raises(bcq_checkpoint):
+    # from_pretrained(None, state_dict=...) gives the quantizer no files to check: caught after loading
+    from transformers import AutoConfig, LlamaForCausalLM
+
+    sd = load_file(str(bcq_checkpoint / "model.safetensors"))
+    sd.pop(f"{Q}.planes")
+    with pytest.raises(ValueError, match=r"q_proj\.planes: missing from the checkpoint"):
+        LlamaForCausalLM.from_pretrained(None, config=AutoConfig.from_pretrained(bcq_checkpoint), state_dict=sd)
+
+
+def test_invalid_config_raises(bcq_checkpoint, tmp_path):
+    path = edited(bcq_checkpoint, tmp_path / "bad", config=lambda c: c.update(bits=12))
+    with pytest.raises(ValueError, match="bits must be in 1..8"):
+        AutoModelForCausalLM.from_pretrained(path)
+
+
+# module selection ---------------------------------------------------------------------------------
+
+
+def test_modules_to_not_convert_glob_matches_replace_linear(float_llama):
+    fp_model, path = float_llama
+    cfg = QLinearConfig(**FORMATS["bcq"], modules_to_not_convert=["lm_head", "*.mlp.*"])
+    model = AutoModelForCausalLM.from_pretrained(path, quantization_config=cfg)
+    assert quant_layers(model) and not any(".mlp." in n for n in quant_layers(model))
+    assert type(model.model.layers[0].mlp.up_proj) is nn.Linear
+    ref = replace_linear(copy.deepcopy(fp_model), cfg, progress=False)
+    assert_same_state(model, ref)
+
+
+def test_unsupported_shape_names_layer(tmp_path):
+    path = tmp_path / "fp"
+    save_float(llama_config(hidden_size=48, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2), path)
+    with pytest.raises(ValueError, match=r"layer 'model\.layers\.0\.self_attn\.q_proj'.*modules_to_not_convert"):
+        AutoModelForCausalLM.from_pretrained(path, quantization_config=QLinearConfig(**FORMATS["bcq"]))
+
+
+def test_codebook_model_scope_matches_replace_linear(float_llama, tmp_path):
+    """Shared codebooks need all layers: quantized after loading, still identical to replace_linear."""
+    fp_model, path = float_llama
+    cfg = QLinearConfig(format="codebook", codebook_scope="model")
+    model = AutoModelForCausalLM.from_pretrained(path, quantization_config=cfg)
+    layers = quant_layers(model)
+    assert len(layers) == 14
+    books = [m.codebooks for m in layers.values()]
+    assert all(torch.equal(b, books[0]) for b in books)
+    ref = replace_linear(copy.deepcopy(fp_model), cfg, progress=False)
+    assert_same_state(model, ref)
+    model.save_pretrained(tmp_path)
+    assert_same_state(model, AutoModelForCausalLM.from_pretrained(tmp_path))
+
+
+def test_no_linear_layers_warns(tmp_path):
+    from transformers import GPT2Config
+
+    path = tmp_path / "gpt2"
+    save_float(GPT2Config(n_embd=64, n_layer=1, n_head=4, vocab_size=128, n_positions=32), path)
+    with pytest.warns(UserWarning, match="no nn.Linear layer to quantize"):
+        model = AutoModelForCausalLM.from_pretrained(path, quantization_config=QLinearConfig(**FORMATS["bcq"]))
+    assert not quant_layers(model)
+
+
+# other architectures ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("arch, config, fmt", [
+    # fused query_key_value, biases everywhere, untied embed_out
+    ("gpt_neox", GPTNeoXConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                               vocab_size=128, max_position_embeddings=64), "mixed"),
+    # biases, project_in/out absent, lm_head tied to the embeddings (skipped by transformers' default skips)
+    ("opt", OPTConfig(hidden_size=64, ffn_dim=128, num_hidden_layers=2, num_attention_heads=4, vocab_size=128,
+                      word_embed_proj_dim=64, max_position_embeddings=64), "bcq"),
+])
+def test_other_architectures(tmp_path, arch, config, fmt):
+    fp_model = save_float(config, tmp_path / "fp")
+    cfg = QLinearConfig(**FORMATS[fmt])
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "fp", quantization_config=cfg)
+    linears = {n for n, m in fp_model.named_modules() if isinstance(m, nn.Linear)}
+    out_emb = {n for n, m in fp_model.named_modules() if m is fp_model.get_output_embeddings()}
+    assert set(quant_layers(model)) == linears - out_emb
+    assert any(m.bias is not None for m in quant_layers(model).values())
+    ref = replace_linear(copy.deepcopy(fp_model), cfg, progress=False)
+    assert_same_state(model, ref)
+    assert torch.equal(logits(model), logits(ref))
+    model.save_pretrained(tmp_path / "q")
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "q")
+    assert_same_state(model, reloaded)
+    assert torch.equal(logits(model), logits(reloaded))
+
+
+# compile ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(not os.environ.get("QLINEAR_SLOW_TESTS"), reason="~20 s of torch.compile; set QLINEAR_SLOW_TESTS=1")
+def test_generate_auto_compile(quantized_llama):
+    from transformers import GenerationConfig
+    from transformers.generation import CompileConfig
+
+    fmt, model, _ = quantized_llama
+    if fmt != "bcq":
+        pytest.skip("one format is enough")
+    x = TOKENS[:1, :8]
+    eager = model.generate(x, max_new_tokens=4, do_sample=False, cache_implementation="static", disable_compile=True)
+    cc = CompileConfig(fullgraph=True)
+    cc._compile_all_devices = True  # auto-compile is GPU-only by default
+    torch._dynamo.reset()
+    out = model.generate(x, generation_config=GenerationConfig(max_new_tokens=4, do_sample=False,
+                                                               cache_implementation="static", compile_config=cc))
+    assert getattr(model, "_compiled_call", None) is not None  # generate really compiled the forward
+    assert torch.equal(out, eager)
