@@ -372,7 +372,6 @@ def test_other_architectures(tmp_path, arch, config, fmt):
 # compile ------------------------------------------------------------------------------------------
 
 
-@pytest.mark.skipif(not os.environ.get("QLINEAR_SLOW_TESTS"), reason="~20 s of torch.compile; set QLINEAR_SLOW_TESTS=1")
 def test_generate_auto_compile(quantized_llama):
     from transformers import GenerationConfig
     from transformers.generation import CompileConfig

