@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from conftest import random_hessian
-from qlinear.formats import bcq, codebook, config_from_dict, mixed, uniform
+from qlinear.formats import bcq, bits_per_weight, codebook, config_from_dict, mixed, uniform
 from qlinear.formats.packing import unpack, unpack_planes
 
 N, K = 96, 256
@@ -181,9 +181,9 @@ def test_mixed_bits_per_weight_exact_and_paper_formula():
     G2 = G - G4
     expect = (Nb * G2 * 16 * 2 + Nb * G4 * 16 * 4 + Nb * G2 * 2 + Nb * G4 * 4 + G * Nb * 4  # codes, zeros, scale codes
               + G * (Nb // 16) * 32 + nnz * 32 + (Nb + 1) * 32 + G4 * 32)  # 2nd order, outliers, row_ptr, idx4
-    assert mixed.bits_per_weight(Nb, Kb, cfg) == expect / (Nb * Kb)
+    assert bits_per_weight(cfg, Nb, Kb) == expect / (Nb * Kb)
     assert 2.9 < mixed.paper_bits_per_weight(cfg) < 2.92  # the paper's 2.91 at its defaults
-    assert 3.0 < mixed.bits_per_weight(Nb, Kb, cfg) < 3.15
+    assert 3.0 < bits_per_weight(cfg, Nb, Kb) < 3.15
 
 
 # ---------------------------------------------------------------- codebook
@@ -260,3 +260,12 @@ def test_bad_hessian_rejected():
     H[0, 0] = float("nan")
     with pytest.raises(ValueError, match="NaN"):
         mixed.quantize(weight(), mixed.Config(), H)
+
+
+def test_bcq_error_decreases_with_bits_1_to_8():
+    w = weight(32, 128)
+    errs = []
+    for bits in range(1, 9):
+        cfg = bcq.Config(bits=bits, group_size=64, iters=2)
+        errs.append(rel_err(w, bcq.dequantize(bcq.quantize(w, cfg), cfg, 32, 128)))
+    assert all(a > b for a, b in zip(errs, errs[1:])) and errs[-1] < 0.01

@@ -13,7 +13,8 @@ from .base import FormatConfig, spec_bits
 
 FORMATS: dict[str, ModuleType] = {m.NAME: m for m in (bcq, mixed, codebook)}
 
-__all__ = ["FORMATS", "FormatConfig", "get_format", "config_from_dict", "bcq", "mixed", "codebook", "uniform"]
+__all__ = ["FORMATS", "FormatConfig", "get_format", "config_from_dict", "bits_per_weight", "bcq", "mixed", "codebook",
+           "uniform"]
 
 
 def get_format(name: str) -> ModuleType:
@@ -33,3 +34,13 @@ def config_from_dict(d: dict[str, Any]) -> FormatConfig:
     if "format" not in d:
         raise ValueError(f"format config dict needs a 'format' key, got keys {sorted(d)}")
     return get_format(d["format"]).Config.from_dict(d)
+
+
+def bits_per_weight(cfg: FormatConfig, out_features: int, in_features: int) -> float:
+    """Exact stored bits per weight of an ``out_features x in_features`` layer in format config ``cfg``:
+    every packed buffer counted (codes, scales, zeros, indices, codebooks, outliers).
+
+    Raises:
+        ValueError: a shape the format cannot store.
+    """
+    return spec_bits(get_format(cfg.format).buffer_specs(out_features, in_features, cfg)) / (out_features * in_features)

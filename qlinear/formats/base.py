@@ -45,17 +45,20 @@ class FormatConfig:
                 raise TypeError(f"{type(self).__name__}.{f.name} must be a bool, got {v!r}")
         self.validate()
 
-    def validate(self) -> None:  # overridden per format
-        pass
+    def validate(self) -> None:
+        """Raise ValueError for out-of-range fields (overridden per format)."""
 
     def to_dict(self) -> dict[str, Any]:
+        """All fields plus ``"format"``; :meth:`from_dict` inverts it."""
         return {"format": self.format, **dataclasses.asdict(self)}
 
     def to_json(self) -> str:
+        """Canonical JSON (sorted keys) of :meth:`to_dict`."""
         return json.dumps(self.to_dict(), sort_keys=True)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "FormatConfig":
+        """Build and validate from a dict; ValueError for another format or unknown keys."""
         d = dict(d)
         fmt = d.pop("format", cls.format)
         if fmt != cls.format:
@@ -78,6 +81,7 @@ def group_bounds(in_features: int, group_size: int) -> list[tuple[int, int]]:
 
 
 def num_groups(in_features: int, group_size: int) -> int:
+    """Number of input groups, the last one possibly shorter."""
     return math.ceil(in_features / group_size)
 
 

@@ -86,10 +86,13 @@ class Config(FormatConfig):
             raise ValueError(f"BCQ needs in_features divisible by 32 (one int32 word holds 32 inputs), got {in_features}")
 
     def group(self, in_features: int) -> int:
+        """The effective group size for a layer with ``in_features`` inputs."""
         return in_features if self.group_size == -1 else self.group_size
 
 
 def buffer_specs(out_features: int, in_features: int, cfg: Config) -> BufferSpecs:
+    """``{name: (shape, dtype)}`` of the packed buffers (module docstring).  Raises ValueError if
+    in_features is not a multiple of 32."""
     cfg.check_shape(out_features, in_features)
     G = num_groups(in_features, cfg.group(in_features))
     specs: BufferSpecs = {

@@ -38,7 +38,7 @@ import math
 
 import torch
 
-from .base import BufferSpecs, FormatConfig, fp16_round, spec_bits
+from .base import BufferSpecs, FormatConfig, fp16_round
 from .packing import pack, packed_len, unpack
 
 NAME = "codebook"
@@ -98,6 +98,8 @@ class Config(FormatConfig):
 
 
 def buffer_specs(out_features: int, in_features: int, cfg: Config) -> BufferSpecs:
+    """``{name: (shape, dtype)}`` of the packed buffers (module docstring).  Raises ValueError for a
+    shape the format cannot store."""
     cfg.check_shape(out_features, in_features)
     G = in_features // cfg.group_size
     specs: BufferSpecs = {"codes": ((out_features, packed_len(in_features, cfg.bits)), torch.int32)}
@@ -282,7 +284,3 @@ def dequantize(buffers: dict[str, torch.Tensor], cfg: Config, out_features: int,
             else torch.zeros(N, G, dtype=torch.int64, device=idx.device))
     cent = buffers["codebooks"].to(torch.float32)[book[:, :, None], idx]
     return (buffers["scales"].to(torch.float32)[:, :, None] * cent).reshape(N, K)
-
-
-def bits_per_weight(out_features: int, in_features: int, cfg: Config) -> float:
-    return spec_bits(buffer_specs(out_features, in_features, cfg)) / (out_features * in_features)

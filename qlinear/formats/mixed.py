@@ -42,7 +42,7 @@ import dataclasses
 import torch
 
 from . import uniform
-from .base import BufferSpecs, FormatConfig, fp16_round, spec_bits
+from .base import BufferSpecs, FormatConfig, fp16_round
 from .packing import pack, packed_len, unpack
 
 NAME = "mixed"
@@ -107,6 +107,8 @@ class Config(FormatConfig):
 
 
 def buffer_specs(out_features: int, in_features: int, cfg: Config) -> BufferSpecs:
+    """``{name: (shape, dtype)}`` of the packed buffers (module docstring).  Raises ValueError for a
+    shape the format cannot store."""
     cfg.check_shape(out_features, in_features)
     N, g = out_features, cfg.group_size
     G, G4, nnz = cfg.counts(N, in_features)
@@ -300,7 +302,3 @@ def dequantize(buffers: dict[str, torch.Tensor], cfg: Config, out_features: int,
         rows = torch.repeat_interleave(torch.arange(N, device=dev), buffers["outlier_row_ptr"].long().diff())
         w.index_put_((rows, buffers["outlier_cols"].long()), vals.to(torch.float32), accumulate=True)
     return w
-
-
-def bits_per_weight(out_features: int, in_features: int, cfg: Config) -> float:
-    return spec_bits(buffer_specs(out_features, in_features, cfg)) / (out_features * in_features)
