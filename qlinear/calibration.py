@@ -1,8 +1,8 @@
 """Calibration: per-layer ``H = XᵀX / n`` of the inputs each ``nn.Linear`` sees.
 
 Collected with forward hooks (as GPTQ does, Frantar et al. 2022 §4), in float32 on the layer's
-device; memory is bounded by ``[K, K]`` per layer whatever the amount of data, and layers that see
-the same input tensor (q/k/v, gate/up) share one matrix.
+device; memory is ``[K, K]`` per layer (plus the inputs of the batch in flight) whatever the amount
+of data, and layers that see the same input tensor (q/k/v, gate/up) share one matrix.
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from .formats.base import group_bounds
+from .formats.base import group_bounds, importance
 
 __all__ = ["run", "damped_inverse_hessian"]
 
@@ -83,8 +83,7 @@ def run(weight: torch.Tensor, group_size: int, quantizer, hessian: torch.Tensor 
         return quantizer.finish()
 
     H, _ = _prepare(hessian, W, damp)
-    d = torch.diagonal(hessian).to(torch.float32).clamp(min=0) if activation_aware else torch.ones(K)
-    d = torch.where(d > 0, d, d[d > 0].min() if (d > 0).any() else torch.ones(())) if activation_aware else d
+    d = importance(hessian if activation_aware else None, K)
     try:
         U = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True).to(torch.float32)
     except torch.linalg.LinAlgError as e:

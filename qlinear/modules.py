@@ -70,9 +70,10 @@ class QuantLinear(nn.Module):
         self.config = cfg
         self.backend = backend or cfg_backend
         self._config_json = cfg.to_json()
-        for name, (shape, dt) in get_format(self.format).buffer_specs(out_features, in_features, cfg).items():
+        specs = get_format(self.format).buffer_specs(out_features, in_features, cfg)
+        for name, (shape, dt) in specs.items():
             self.register_buffer(name, torch.zeros(shape, dtype=dt, device=device))
-        self._packed_names = tuple(get_format(self.format).buffer_specs(out_features, in_features, cfg))
+        self._packed_names = tuple(specs)
         self.bias = nn.Parameter(torch.zeros(out_features, device=device, dtype=dtype or torch.float32),
                                  requires_grad=False) if bias else None
 
@@ -227,6 +228,25 @@ class BCQLinear(QuantLinear):
         if bias is not None:
             mod.bias = nn.Parameter(bias.detach().clone(), requires_grad=False)
         return mod.to(codes.device)
+
+
+    @classmethod
+    def from_gptq(cls, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, *, bits: int,
+                  group_size: int, g_idx: Optional[torch.Tensor] = None, bias: Optional[torch.Tensor] = None,
+                  checkpoint_format: str = "gptq", backend: Optional[str] = None) -> "BCQLinear":
+        """Exact BCQ layer from GPTQ checkpoint tensors (``qweight`` int32 ``[K·bits/32, N]``, ``qzeros``
+        int32 ``[G, N·bits/32]``, ``scales`` fp16 ``[G, N]``, optional ``g_idx`` ``[K]``); see
+        :func:`qlinear.formats.uniform.unpack_gptq` for ``checkpoint_format``.
+
+        Raises:
+            ValueError: unsupported bits or inconsistent shapes.
+        """
+        from .formats.uniform import unpack_gptq
+
+        K = qweight.shape[0] * 32 // bits
+        codes, zeros = unpack_gptq(qweight, qzeros, bits, K, checkpoint_format)
+        return cls.from_uniform(codes, scales.T, zeros, bits=bits, group_size=group_size, g_idx=g_idx, bias=bias,
+                                backend=backend)
 
 
 class MixedPrecisionLinear(QuantLinear):

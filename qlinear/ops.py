@@ -29,10 +29,13 @@ def parse_config(config: str):
     return config_from_dict(json.loads(config))
 
 
+@functools.lru_cache(maxsize=4096)
+def _names(format: str, config: str, out_features: int, in_features: int) -> tuple[str, ...]:
+    return tuple(get_format(format).buffer_specs(out_features, in_features, parse_config(config)))
+
+
 def _buffers(format: str, config: str, packed, out_features: int, in_features: int):
-    cfg = parse_config(config)
-    names = list(get_format(format).buffer_specs(out_features, in_features, cfg))
-    return cfg, dict(zip(names, packed))
+    return parse_config(config), dict(zip(_names(format, config, out_features, in_features), packed))
 
 
 @torch.library.custom_op("qlinear::linear", mutates_args=())
@@ -40,6 +43,8 @@ def linear(x: torch.Tensor, packed: list[torch.Tensor], bias: Optional[torch.Ten
            out_features: int, in_features: int, backend: str) -> torch.Tensor:
     cfg, bufs = _buffers(format, config, packed, out_features, in_features)
     batch = x.numel() // max(x.shape[-1], 1)
+    if batch == 0:  # like nn.Linear (e.g. an MoE expert that received no tokens)
+        return x.new_empty(*x.shape[:-1], out_features)
     kernel = backends.select(format, cfg, x.device, x.dtype, batch, backend or None)
     return kernel.fn(x, bufs, bias, cfg, out_features, in_features)
 

@@ -56,7 +56,8 @@ def _shared_codebooks(targets, hessians):
     for key, items in by_cfg.items():
         gs, ds = [], []
         for name, mod, fc in items:
-            g, d = codebook.layer_groups(mod.weight.detach().cpu(), fc, hessians.get(name))
+            h = hessians.get(name)
+            g, d = codebook.layer_groups(mod.weight.detach().cpu(), fc, None if h is None else h.cpu())
             step = max(1, g.shape[0] // 65536)  # bounded memory: at most 64k groups per layer
             gs.append(g[::step])
             ds.append(d[::step])

@@ -1,5 +1,6 @@
 """Format-level properties: quantizer quality bounds, exactness of imports, exact bit counts."""
 
+import dataclasses
 import math
 
 import pytest
@@ -269,3 +270,70 @@ def test_bcq_error_decreases_with_bits_1_to_8():
         cfg = bcq.Config(bits=bits, group_size=64, iters=2)
         errs.append(rel_err(w, bcq.dequantize(bcq.quantize(w, cfg), cfg, 32, 128)))
     assert all(a > b for a, b in zip(errs, errs[1:])) and errs[-1] < 0.01
+
+
+@pytest.mark.parametrize("fmt,cfg", [(bcq, bcq.Config(bits=3, group_size=32)), (bcq, bcq.Config(bits=2, offset=False)),
+                                     (mixed, mixed.Config()), (codebook, codebook.Config(bits=2))])
+@pytest.mark.parametrize("hessian", [False, True])
+def test_zero_rows_and_groups(fmt, cfg, hessian):
+    w = weight(32, 128)
+    w[:4] = 0  # zero rows
+    w[8:, :32] = 0  # a zero group in most rows
+    H = random_hessian(128) if hessian else None
+    if H is not None and fmt is not bcq:
+        cfg = dataclasses.replace(cfg, **({"error_feedback": True} if fmt is codebook else {}))
+    w_hat = fmt.dequantize(fmt.quantize(w, cfg, H), cfg, 32, 128)
+    assert torch.isfinite(w_hat).all()
+    assert w_hat[:4].abs().max() < 1e-6 and rel_err(w[4:], w_hat[4:]) < 0.6
+
+
+def test_mixed_ignores_dead_input_columns():
+    w = weight(64, 128)
+    H = random_hessian(128)
+    H[:16, :] = 0
+    H[:, :16] = 0  # input group 0 never seen in calibration
+    cfg = mixed.Config(ratio_4bit=0.25, outlier_ratio=0.005)
+    b = mixed.quantize(w, cfg, H)
+    assert 0 not in b["idx4"].tolist()
+    assert (b["outlier_cols"].long() >= 16).all()
+
+
+def test_mixed_dequant_with_4bit_groups_and_outliers_matches_float64():
+    w = weight()
+    cfg = mixed.Config()
+    b = mixed.quantize(w, cfg)
+    G = K // 16
+    sc = unpack(b["scale_codes"], 4, N).double()
+    s = (b["scale_zero"].double().repeat_interleave(16, 1)[:, :N]
+         + b["scale_scale"].double().repeat_interleave(16, 1)[:, :N] * sc).T  # [N, G]
+    idx4 = b["idx4"].long().tolist()
+    idx2 = [g for g in range(G) if g not in idx4]
+    ref = torch.zeros(N, K, dtype=torch.float64)
+    for idx, bits in ((idx2, 2), (idx4, 4)):
+        q = unpack(b[f"qweight{bits}"], bits, len(idx) * 16).double().reshape(N, len(idx), 16)
+        z = unpack(b[f"zeros{bits}"], bits, len(idx)).double()
+        for j, g in enumerate(idx):
+            ref[:, g * 16:(g + 1) * 16] = s[:, g:g + 1] * (q[:, j] - z[:, j:j + 1])
+    rp = b["outlier_row_ptr"].long()
+    for r in range(N):
+        for t in range(int(rp[r]), int(rp[r + 1])):
+            ref[r, int(b["outlier_cols"][t])] += float(b["outlier_values"][t])
+    assert torch.allclose(mixed.dequantize(b, cfg, N, K).double(), ref, atol=1e-7, rtol=1e-6)
+
+
+def test_from_uniform_rejects_scales_fp16_cannot_hold():
+    codes = torch.randint(0, 256, (8, 64))
+    zeros = torch.zeros(8, 1, dtype=torch.long)
+    with pytest.raises(ValueError, match="exact fp16"):
+        bcq.from_uniform(codes, torch.full((8, 1), 2048.0), zeros, 8, 64)
+
+
+def test_codebook_rejects_unpackable_codebook_count_and_sorts_given_books():
+    with pytest.raises(ValueError, match="1, 2 or 4"):
+        codebook.Config(bits=1, num_codebooks=8)
+    cfg = codebook.Config(bits=2, num_codebooks=1)
+    w = weight(16, 64)
+    books = torch.tensor([[90, -90, 30, -30]], dtype=torch.int8)
+    b = codebook.quantize(w, cfg, codebooks=books)
+    assert b["codebooks"].tolist() == [[-90, -30, 30, 90]]
+    assert rel_err(w, codebook.dequantize(b, cfg, 16, 64)) < 0.5

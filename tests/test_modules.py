@@ -182,3 +182,54 @@ def test_autograd_through_frozen_weights(layers):
     x2 = x.detach().clone().requires_grad_(True)
     (x2 @ m.dequantize().T + lin.bias.detach()).square().sum().backward()
     assert torch.allclose(x.grad, x2.grad, atol=1e-4)
+
+
+@pytest.mark.parametrize("fmt", list(CONFIGS))
+def test_empty_batch_like_nn_linear(layers, fmt):
+    _, mods = layers
+    y = mods[fmt](torch.randn(0, 3, 128))
+    assert y.shape == (0, 3, 48)
+
+
+def test_bias_gradient(layers):
+    lin, mods = layers
+    m = module_class("bcq")(128, 48, True, CONFIGS["bcq"])
+    m.load_state_dict(mods["bcq"].state_dict())
+    m.bias.requires_grad_(True)
+    x = torch.randn(5, 128)
+    m(x).sum().backward()
+    assert torch.allclose(m.bias.grad, torch.full((48,), 5.0))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("fmt", list(CONFIGS))
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_reference_backend_on_cuda(layers, fmt, dtype):
+    lin, mods = layers
+    m = module_class(fmt)(128, 48, True, CONFIGS[fmt])
+    m.load_state_dict(mods[fmt].state_dict())
+    m.cuda().to(dtype)
+    assert all(torch.equal(a.cpu(), b) for a, b in zip(m.packed(), mods[fmt].packed()))
+    x = torch.randn(4, 128)
+    ref = x.double() @ mods[fmt].dequantize(torch.float64).T + lin.bias.double()
+    y = m(x.cuda().to(dtype)).double().cpu()
+    assert ((y - ref).abs().max() / ref.abs().max()) < TOL[dtype]
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("fmt_name", ["gptq", "gptq_v2"])
+def test_from_gptq_checkpoint_tensors_exact(bits, fmt_name):
+    from qlinear.formats.packing import pack
+    N, K, g = 64, 128, 32
+    codes = torch.randint(0, 1 << bits, (N, K))
+    zeros = torch.randint(0, 1 << bits, (N, K // g))
+    scales = (torch.rand(N, K // g) * 0.01 + 0.001).half()
+    stored = (zeros - 1) % (1 << bits) if fmt_name == "gptq" else zeros
+    qweight = pack(codes, bits).T.contiguous()  # [K*bits/32, N], packed along K
+    qzeros = pack(stored.T.contiguous(), bits)  # [G, N*bits/32], packed along N
+    m = BCQLinear.from_gptq(qweight, qzeros, scales.T.contiguous(), bits=bits, group_size=g,
+                            checkpoint_format=fmt_name)
+    ref = scales.float().repeat_interleave(g, 1) * (codes - zeros.repeat_interleave(g, 1))
+    assert torch.equal(m.dequantize(), ref)
+    with pytest.raises(ValueError):
+        BCQLinear.from_gptq(qweight, qzeros, scales.T.contiguous(), bits=3, group_size=g)

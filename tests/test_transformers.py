@@ -377,8 +377,6 @@ def test_generate_auto_compile(quantized_llama):
     from transformers.generation import CompileConfig
 
     fmt, model, _ = quantized_llama
-    if fmt != "bcq":
-        pytest.skip("one format is enough")
     x = TOKENS[:1, :8]
     eager = model.generate(x, max_new_tokens=4, do_sample=False, cache_implementation="static", disable_compile=True)
     cc = CompileConfig(fullgraph=True)

@@ -96,6 +96,17 @@ def spec_bits(specs: BufferSpecs) -> int:
                for shape, dt in specs.values())
 
 
+FP16_TINY = 2.0 ** -24  # smallest positive fp16 (subnormal): the floor of every stored scale
+
+
+def importance(hessian: torch.Tensor | None, in_features: int) -> torch.Tensor:
+    """Per-input importance ``[K]`` float32 for weighted fits: diag(H) (never exactly zero), or ones."""
+    if hessian is None:
+        return torch.ones(in_features)
+    d = torch.diagonal(hessian).float().clamp(min=0)
+    return d + 1e-6 * d.mean() + 1e-12
+
+
 def fp16_round(t: torch.Tensor) -> torch.Tensor:
     """Round float32 values to the nearest fp16 (saturating), returned as float32."""
     return t.clamp(-65504.0, 65504.0).to(torch.float16).to(torch.float32)

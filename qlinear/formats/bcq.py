@@ -32,7 +32,7 @@ import dataclasses
 import torch
 
 from . import uniform
-from .base import BufferSpecs, FormatConfig, fp16_round, num_groups
+from .base import FP16_TINY, BufferSpecs, FormatConfig, fp16_round, importance, num_groups
 from .packing import pack_planes
 
 NAME = "bcq"
@@ -150,7 +150,7 @@ def _uniform(w, bits, use_offset):
         codes = uniform.codes_for(w, s[:, None], z[:, None], bits)
         c = fp16_round(s * ((2 ** bits - 1) / 2 - z))
     else:
-        s = fp16_round((w.abs().max(1).values / ((2 ** bits - 1) / 2)).clamp(min=1e-8))
+        s = fp16_round(w.abs().max(1).values / ((2 ** bits - 1) / 2)).clamp(min=FP16_TINY)
         c, codes = None, None
     alpha = fp16_round(s[:, None] * 2.0 ** (torch.arange(bits) - 1))
     if codes is None:
@@ -268,10 +268,7 @@ def quantize(weight: torch.Tensor, cfg: Config, hessian: torch.Tensor | None = N
     g = cfg.group(K)
     q = GroupQuantizer(N, K, cfg)
     if hessian is None or not cfg.error_feedback:
-        d = torch.ones(K)
-        if hessian is not None and cfg.activation_aware:
-            d = torch.diagonal(hessian).float().clamp(min=0)
-            d = d + 1e-6 * d.mean() + 1e-12
+        d = importance(hessian if cfg.activation_aware else None, K)
         return q.quantize_all(weight.detach().float(), d)
     return gptq.run(weight, g, q, hessian, damp=cfg.damp, activation_aware=cfg.activation_aware)
 
@@ -309,7 +306,7 @@ def from_uniform(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
         g_idx: optional ``[K]`` group of each column (GPTQ act_order); default ``k // group_size``.
 
     Returns:
-        ``(Config, buffers)``.  α_i = s·2^(i−2) (fp16, exact for fp16 scales), offset
+        ``(Config, buffers)``.  α_i = s·2^(i−2) (fp16; ValueError unless exactly representable), offset
         s·((2^q − 1)/2 − z) in float32, so :func:`dequantize` (float32) equals
         ``scales·(codes − zeros)`` computed in float32 bit for bit.
 
@@ -328,6 +325,10 @@ def from_uniform(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
     cfg.check_shape(N, K)
     s = scales.to(torch.float32)
     alpha = s[None] * (2.0 ** (torch.arange(bits, dtype=torch.float32) - 1))[:, None, None]
+    if not torch.equal(alpha.to(torch.float16).to(torch.float32), alpha):
+        raise ValueError(f"scales·2^(i-2) for i = 1..{bits} must be exact fp16 values (scales between "
+                         f"{2.0 ** -13:g} and {65504 / 2 ** (bits - 2):g} with fp16 precision); got scales in "
+                         f"[{float(s.min()):g}, {float(s.max()):g}]")
     out = {"planes": pack_planes(codes, bits), "alpha": alpha.to(torch.float16),
            "offset": s * ((2 ** bits - 1) / 2 - zeros.to(torch.float32))}
     if g_idx is not None:

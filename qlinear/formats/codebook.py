@@ -38,7 +38,7 @@ import math
 
 import torch
 
-from .base import BufferSpecs, FormatConfig, fp16_round
+from .base import FP16_TINY, BufferSpecs, FormatConfig, fp16_round, importance
 from .packing import pack, packed_len, unpack
 
 NAME = "codebook"
@@ -52,7 +52,7 @@ class Config(FormatConfig):
     Attributes:
         bits: index width: 1, 2 or 4.
         group_size: inputs per scale/codebook choice (default 32); must divide in_features.
-        num_codebooks: codebooks per layer (power of two); ``num_codebooks · 2^bits <= 16``.
+        num_codebooks: codebooks per layer, 1, 2 or 4; ``num_codebooks · 2^bits <= 16``.
             0 means the default: 4 at bits <= 2, 1 at bits=4.
         codebook_scope: "layer" (each layer its own) or "model" (shared by all layers of a
             replace_linear call).
@@ -76,8 +76,8 @@ class Config(FormatConfig):
         if self.group_size < 1:
             raise ValueError(f"group_size must be positive, got {self.group_size}")
         c = self.books
-        if c < 1 or c & (c - 1):
-            raise ValueError(f"num_codebooks must be a power of two, got {c}")
+        if c not in (1, 2, 4):
+            raise ValueError(f"num_codebooks must be 1, 2 or 4 (the codebook choice is packed in 0, 1 or 2 bits), got {c}")
         if c * (1 << self.bits) > 16:
             raise ValueError(f"{c} codebooks x {1 << self.bits} int8 centroids exceed the 16 bytes of one "
                              f"128-bit register; use num_codebooks <= {16 >> self.bits}")
@@ -111,7 +111,7 @@ def buffer_specs(out_features: int, in_features: int, cfg: Config) -> BufferSpec
 
 
 def _scale(w: torch.Tensor) -> torch.Tensor:
-    return fp16_round((w.abs().amax(1) / 127).clamp(min=1e-8))
+    return fp16_round(w.abs().amax(1) / 127).clamp(min=FP16_TINY)
 
 
 def _nearest(v: torch.Tensor, book: torch.Tensor) -> torch.Tensor:
@@ -237,18 +237,11 @@ class GroupQuantizer:
         return out
 
 
-def _importance(hessian, K):
-    if hessian is None:
-        return torch.ones(K)
-    d = torch.diagonal(hessian).float().clamp(min=0)
-    return d + 1e-6 * d.mean() + 1e-12
-
-
 def layer_groups(weight: torch.Tensor, cfg: Config, hessian: torch.Tensor | None = None):
     """``(groups [N·G, g], importance [N·G, g])`` of a layer, the input of :func:`fit_codebooks`."""
     N, K = weight.shape
     g = cfg.group_size
-    d = _importance(hessian, K)
+    d = importance(hessian, K)
     return weight.detach().float().reshape(N * K // g, g), d.reshape(1, K // g, g).expand(N, -1, -1).reshape(-1, g)
 
 
@@ -265,6 +258,8 @@ def quantize(weight: torch.Tensor, cfg: Config, hessian: torch.Tensor | None = N
     elif tuple(codebooks.shape) != (cfg.books, 1 << cfg.bits) or codebooks.dtype != torch.int8:
         raise ValueError(f"codebooks must be int8 [{cfg.books}, {1 << cfg.bits}], got {codebooks.dtype} "
                          f"{list(codebooks.shape)}")
+    else:
+        codebooks = codebooks.sort(dim=1).values  # nearest-centroid search assumes sorted centroids
     q = GroupQuantizer(N, K, cfg, codebooks)
     if hessian is None or not cfg.error_feedback:
         groups, d = layer_groups(weight, cfg, hessian)

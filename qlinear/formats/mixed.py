@@ -131,7 +131,8 @@ def buffer_specs(out_features: int, in_features: int, cfg: Config) -> BufferSpec
 
 def paper_bits_per_weight(cfg: Config) -> float:
     """Eq. 10 of the paper plus 32 bits per outlier: 2-bit groups' scales/zeros counted, 4-bit
-    groups' scales and zeros, row pointers and the group map left out (its 2.91 at its defaults)."""
+    groups' scales and zeros, row pointers and the group map left out (2.904 at the defaults, the
+    paper's "2.91")."""
     a = 1 - cfg.ratio_4bit
     g1, g2, ns = cfg.group_size, cfg.scale_group_size, cfg.scale_bits
     return a * (2 + (2 + ns) / g1 + (ns + 16) / (g1 * g2)) + (1 - a) * 4 + 32 * cfg.outlier_ratio
@@ -264,6 +265,8 @@ def quantize(weight: torch.Tensor, cfg: Config, hessian: torch.Tensor | None = N
     N, K = weight.shape
     cfg.check_shape(N, K)
     w = weight.detach().to(torch.float32)
+    if hessian is not None:  # inputs never seen in calibration: GPTQ zeroes them, so rank them as zeros
+        w = w.masked_fill((torch.diagonal(hessian) == 0)[None], 0.0)
     G, G4, nnz = cfg.counts(N, K)
     hinv_diag = None if hessian is None else torch.diagonal(gptq.damped_inverse_hessian(hessian, cfg.damp)).float()
     S = sensitivity(w, cfg.group_size, hinv_diag)

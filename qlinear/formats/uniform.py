@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import fp16_round, group_bounds
+from .base import FP16_TINY, fp16_round, group_bounds
 
 __all__ = ["fit", "codes_for", "rtn"]
 
@@ -29,17 +29,19 @@ def fit(w: torch.Tensor, bits: int, weight: torch.Tensor | None = None,
     qmax = (1 << bits) - 1
     lo = w.min(dim=1).values.clamp(max=0)
     hi = w.max(dim=1).values.clamp(min=0)
+
+    def grid(p: float) -> tuple[torch.Tensor, torch.Tensor]:
+        scale = fp16_round((hi - lo) * p / qmax).clamp(min=FP16_TINY)
+        return scale, torch.round(-lo * p / scale).clamp(0, qmax)
+
+    if len(clip_grid) == 1:
+        scale, zero = grid(clip_grid[0])
+        return scale, zero.long()
     best = None
     for p in clip_grid:
-        scale = fp16_round(((hi - lo) * p / qmax).clamp(min=1e-8))
-        zero = torch.round(-lo * p / scale).clamp(0, qmax)
-        if len(clip_grid) == 1:
-            return scale, zero.long()
-        err = (w - scale[:, None] * (torch.clamp(torch.round(w / scale[:, None]) + zero[:, None], 0, qmax)
-                                     - zero[:, None])) ** 2
-        if weight is not None:
-            err = err * weight
-        err = err.sum(1)
+        scale, zero = grid(p)
+        err = (w - scale[:, None] * (codes_for(w, scale[:, None], zero[:, None], bits) - zero[:, None])) ** 2
+        err = (err if weight is None else err * weight).sum(1)
         if best is None:
             best = (err, scale, zero)
         else:
@@ -72,3 +74,35 @@ def rtn(weight: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Tensor,
         scales.append(sc)
         zeros.append(z)
     return codes, torch.stack(scales, 1), torch.stack(zeros, 1)
+
+
+def unpack_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, bits: int, in_features: int,
+                checkpoint_format: str = "gptq") -> tuple[torch.Tensor, torch.Tensor]:
+    """Unpack GPTQ checkpoint tensors (AutoGPTQ / GPTQModel layout) into ``(codes [N, K], zeros [N, G])``.
+
+    Args:
+        qweight: int32 ``[K·bits/32, N]``, codes packed little-endian along K.
+        qzeros: int32 ``[G, N·bits/32]``, zero points packed little-endian along N.
+        bits: 2, 4 or 8 (3-bit GPTQ packing is not supported).
+        checkpoint_format: "gptq" (v1: the stored zero is z − 1) or "gptq_v2" (stored as z).
+
+    Raises:
+        ValueError: unsupported bits/format or shapes that do not fit ``in_features``.
+    """
+    from .packing import unpack
+
+    if bits not in (2, 4, 8):
+        raise ValueError(f"GPTQ unpacking supports bits 2, 4, 8, got {bits}")
+    if checkpoint_format not in ("gptq", "gptq_v2"):
+        raise ValueError(f"checkpoint_format must be 'gptq' or 'gptq_v2', got {checkpoint_format!r}")
+    if qweight.dtype != torch.int32 or qzeros.dtype != torch.int32:
+        raise ValueError(f"qweight and qzeros must be int32, got {qweight.dtype} and {qzeros.dtype}")
+    N = qweight.shape[1]
+    if qweight.shape[0] * 32 // bits != in_features or qzeros.shape[1] * 32 // bits < N:
+        raise ValueError(f"qweight {list(qweight.shape)} / qzeros {list(qzeros.shape)} do not fit "
+                         f"in_features={in_features}, out_features={N} at {bits} bits")
+    codes = unpack(qweight.T.contiguous(), bits, in_features)
+    zeros = unpack(qzeros, bits, N).T.contiguous()
+    if checkpoint_format == "gptq":
+        zeros = (zeros + 1) & ((1 << bits) - 1)
+    return codes, zeros
