@@ -30,13 +30,21 @@ from .formats.base import group_bounds, importance
 __all__ = ["run", "damped_inverse_hessian"]
 
 
-def _prepare(hessian: torch.Tensor, weight: torch.Tensor, damp: float) -> tuple[torch.Tensor, torch.Tensor]:
-    H = hessian.detach().to(torch.float64).clone()
-    K = weight.shape[1]
-    if H.shape != (K, K):
-        raise ValueError(f"hessian must be [{K}, {K}] for in_features={K}, got {list(H.shape)}")
-    if not torch.isfinite(H).all():
+def check_hessian(hessian: torch.Tensor, in_features: int) -> None:
+    """Raise TypeError/ValueError unless ``hessian`` is a finite float ``[in_features, in_features]`` tensor."""
+    if not isinstance(hessian, torch.Tensor) or not hessian.is_floating_point():
+        raise TypeError(f"hessian must be a float tensor, got {getattr(hessian, 'dtype', type(hessian).__name__)}")
+    if tuple(hessian.shape) != (in_features, in_features):
+        raise ValueError(f"hessian must be [{in_features}, {in_features}] for in_features={in_features}, "
+                         f"got {list(hessian.shape)}")
+    if not torch.isfinite(hessian).all():
         raise ValueError("hessian contains NaN or Inf")
+
+
+def _prepare(hessian: torch.Tensor, weight: torch.Tensor, damp: float) -> tuple[torch.Tensor, torch.Tensor]:
+    K = weight.shape[1]
+    check_hessian(hessian, K)
+    H = hessian.detach().to(torch.float64).clone()
     dead = torch.diagonal(H) == 0
     H[dead, dead] = 1.0
     weight[:, dead] = 0.0

@@ -100,8 +100,9 @@ class QuantLinear(nn.Module):
             raise ValueError("cannot quantize a weight on the meta device; load the weights first")
         if not torch.isfinite(w).all():
             raise ValueError("weight contains NaN or Inf values")
-        if hessian is not None and not isinstance(hessian, torch.Tensor):
-            raise TypeError(f"hessian must be a tensor, got {type(hessian).__name__}")
+        if hessian is not None:
+            from .gptq import check_hessian
+            check_hessian(hessian, w.shape[1])
         cfg, cfg_backend = format_config(cls.format, config)
         cfg.check_shape(*w.shape)
         buffers = get_format(cls.format).quantize(w.detach().to("cpu", torch.float32), cfg,

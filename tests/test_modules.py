@@ -233,3 +233,12 @@ def test_from_gptq_checkpoint_tensors_exact(bits, fmt_name):
     assert torch.equal(m.dequantize(), ref)
     with pytest.raises(ValueError):
         BCQLinear.from_gptq(qweight, qzeros, scales.T.contiguous(), bits=3, group_size=g)
+
+
+def test_bad_hessian_in_from_linear():
+    lin = nn.Linear(64, 16)
+    for fmt in CONFIGS:
+        with pytest.raises(ValueError, match=r"\[64, 64\]"):
+            module_class(fmt).from_linear(lin, None, hessian=torch.eye(65))
+        with pytest.raises(TypeError):
+            module_class(fmt).from_linear(lin, None, hessian=torch.eye(64, dtype=torch.int64))
