@@ -41,6 +41,8 @@ def _buffers(format: str, config: str, packed, out_features: int, in_features: i
 @torch.library.custom_op("qlinear::linear", mutates_args=())
 def linear(x: torch.Tensor, packed: list[torch.Tensor], bias: Optional[torch.Tensor], format: str, config: str,
            out_features: int, in_features: int, backend: str) -> torch.Tensor:
+    """``y = x Ŵᵀ + b``: ``x`` ``[..., K]`` -> ``[..., N]`` of ``x.dtype`` with the kernel the registry picks.
+    Raises ValueError if no kernel (or not the requested ``backend``) supports the call."""
     cfg, bufs = _buffers(format, config, packed, out_features, in_features)
     batch = x.numel() // max(x.shape[-1], 1)
     if batch == 0:  # like nn.Linear (e.g. an MoE expert that received no tokens)
@@ -57,6 +59,7 @@ def _(x, packed, bias, format, config, out_features, in_features, backend):
 @torch.library.custom_op("qlinear::dequantize", mutates_args=())
 def dequantize(packed: list[torch.Tensor], format: str, config: str, out_features: int, in_features: int,
                dtype: torch.dtype) -> torch.Tensor:
+    """Reference dequantization ``Ŵ`` ``[N, K]`` of ``dtype`` from the packed buffers."""
     cfg, bufs = _buffers(format, config, packed, out_features, in_features)
     return get_format(format).dequantize(bufs, cfg, out_features, in_features).to(dtype)
 

@@ -58,6 +58,8 @@ class QLinearConfig(QuantizationConfigMixin):
         return get_format(self.format).Config.from_dict({"format": self.format, **opts})
 
     def to_dict(self) -> dict[str, Any]:
+        """What ``save_pretrained`` writes to ``config.json["quantization_config"]``; ``QLinearConfig(**d)``
+        rebuilds it."""
         return {"quant_method": QUANT_METHOD, "format": self.format, "bits": self.bits,
                 "group_size": self.group_size, "backend": self.backend,
                 "modules_to_not_convert": list(self.modules_to_not_convert), **self.format_options}

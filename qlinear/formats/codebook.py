@@ -88,6 +88,7 @@ class Config(FormatConfig):
 
     @property
     def books(self) -> int:
+        """The effective number of codebooks (``num_codebooks`` or its per-bits default)."""
         return self.num_codebooks or (4 if self.bits <= 2 else 1)
 
     def check_shape(self, out_features: int, in_features: int) -> None:
