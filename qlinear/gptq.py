@@ -41,24 +41,25 @@ def check_hessian(hessian: torch.Tensor, in_features: int) -> None:
         raise ValueError("hessian contains NaN or Inf")
 
 
-def _prepare(hessian: torch.Tensor, weight: torch.Tensor, damp: float) -> tuple[torch.Tensor, torch.Tensor]:
-    K = weight.shape[1]
-    check_hessian(hessian, K)
+def _damped(hessian: torch.Tensor, damp: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(H + damp·mean(diag H)·I`` in float64 with ``H_jj = 1`` for dead columns, dead-column mask)."""
+    K = hessian.shape[0]
     H = hessian.detach().to(torch.float64).clone()
     dead = torch.diagonal(H) == 0
     H[dead, dead] = 1.0
-    weight[:, dead] = 0.0
     H += damp * torch.diagonal(H).mean() * torch.eye(K, dtype=H.dtype)
     return H, dead
 
 
-def damped_inverse_hessian(hessian: torch.Tensor, damp: float = 0.01) -> torch.Tensor:
+def damped_inverse_hessian(hessian: torch.Tensor, in_features: int, damp: float = 0.01) -> torch.Tensor:
     """``(H + damp·mean(diag H)·I)⁻¹`` in float64 ``[K, K]`` (columns never seen get ``H_jj = 1``).
 
     Raises:
-        ValueError: NaN/Inf entries, or H not positive definite even after damping.
+        ValueError: H not ``[in_features, in_features]``, NaN/Inf entries, or not positive definite
+            even after damping.
     """
-    H, _ = _prepare(hessian, torch.zeros(1, hessian.shape[0]), damp)
+    check_hessian(hessian, in_features)
+    H, _ = _damped(hessian, damp)
     try:
         return torch.cholesky_inverse(torch.linalg.cholesky(H))
     except torch.linalg.LinAlgError as e:
@@ -90,7 +91,9 @@ def run(weight: torch.Tensor, group_size: int, quantizer, hessian: torch.Tensor 
             quantizer.quantize(gi, s, W[:, s:e])
         return quantizer.finish()
 
-    H, _ = _prepare(hessian, W, damp)
+    check_hessian(hessian, K)
+    H, dead = _damped(hessian, damp)
+    W[:, dead] = 0.0  # inputs never seen in calibration: GPTQ's convention
     d = importance(hessian if activation_aware else None, K)
     try:
         U = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True).to(torch.float32)

@@ -17,6 +17,8 @@ from torch import nn
 
 from . import backends, ops
 from .formats import FormatConfig, bcq, get_format, spec_bits
+from .formats.uniform import unpack_gptq
+from .gptq import check_hessian
 
 __all__ = ["QuantLinear", "BCQLinear", "MixedPrecisionLinear", "CodebookLinear", "module_class", "format_config"]
 
@@ -101,7 +103,6 @@ class QuantLinear(nn.Module):
         if not torch.isfinite(w).all():
             raise ValueError("weight contains NaN or Inf values")
         if hessian is not None:
-            from .gptq import check_hessian
             check_hessian(hessian, w.shape[1])
         cfg, cfg_backend = format_config(cls.format, config)
         cfg.check_shape(*w.shape)
@@ -230,7 +231,6 @@ class BCQLinear(QuantLinear):
             mod.bias = nn.Parameter(bias.detach().clone(), requires_grad=False)
         return mod.to(codes.device)
 
-
     @classmethod
     def from_gptq(cls, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, *, bits: int,
                   group_size: int, g_idx: Optional[torch.Tensor] = None, bias: Optional[torch.Tensor] = None,
@@ -242,8 +242,6 @@ class BCQLinear(QuantLinear):
         Raises:
             ValueError: unsupported bits or inconsistent shapes.
         """
-        from .formats.uniform import unpack_gptq
-
         K = qweight.shape[0] * 32 // bits
         codes, zeros = unpack_gptq(qweight, qzeros, bits, K, checkpoint_format)
         return cls.from_uniform(codes, scales.T, zeros, bits=bits, group_size=group_size, g_idx=g_idx, bias=bias,

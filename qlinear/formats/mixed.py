@@ -268,7 +268,7 @@ def quantize(weight: torch.Tensor, cfg: Config, hessian: torch.Tensor | None = N
     if hessian is not None:  # inputs never seen in calibration: GPTQ zeroes them, so rank them as zeros
         w = w.masked_fill((torch.diagonal(hessian) == 0)[None], 0.0)
     G, G4, nnz = cfg.counts(N, K)
-    hinv_diag = None if hessian is None else torch.diagonal(gptq.damped_inverse_hessian(hessian, cfg.damp)).float()
+    hinv_diag = None if hessian is None else torch.diagonal(gptq.damped_inverse_hessian(hessian, K, cfg.damp)).float()
     S = sensitivity(w, cfg.group_size, hinv_diag)
     is4 = torch.zeros(G, dtype=torch.bool)
     is4[torch.argsort(S, descending=True, stable=True)[:G4]] = True
