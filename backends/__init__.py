@@ -16,10 +16,34 @@ from typing import Callable, Optional
 
 import torch
 
-__all__ = ["Kernel", "register", "kernels", "select", "ENV_VAR"]
+__all__ = ["Kernel", "Layout", "register", "kernels", "select", "layout_for", "get_layout", "ENV_VAR"]
 
 ENV_VAR = "QLINEAR_BACKEND"
 _KERNELS: list["Kernel"] = []
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """A kernel's own packed layout, derived once at load from the format's canonical buffers.
+
+    ``repack(buffers, cfg, N, K) -> dict`` and its exact inverse ``unrepack`` map between the
+    canonical buffers (:func:`qlinear.formats.get_format` ``.buffer_specs``) and the kernel's buffers.
+    A module on a device where this layout's kernel is the one :func:`layout_for` picks holds only the
+    repacked buffers (no second copy); checkpoints always hold the canonical ones.
+    """
+
+    name: str
+    names: Callable  # cfg -> tuple of the repacked buffer names, in the order the module holds them
+    repack: Callable
+    unrepack: Callable
+
+
+def get_layout(name: str) -> Layout:
+    """The registered layout called ``name``.  Raises ValueError if no kernel declares it."""
+    for k in _KERNELS:
+        if k.layout is not None and k.layout.name == name:
+            return k.layout
+    raise ValueError(f"no registered kernel has the packed layout {name!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,7 +51,10 @@ class Kernel:
     """One kernel and what it supports (``None`` = anything).
 
     ``fn(x, buffers, bias, cfg, out_features, in_features) -> y`` computes ``y = x Wᵀ + b`` for
-    ``x`` ``[..., K]`` with the packed ``buffers`` (dict of the format's buffer names).
+    ``x`` ``[..., K]`` with the packed ``buffers`` (dict of the format's buffer names, or of
+    ``layout``'s buffer names when the kernel has its own layout).  ``supports(cfg, N, K)`` returns
+    why a config or shape cannot run (None if it can); ``available()`` returns why the kernel cannot
+    run on this machine (e.g. its native extension failed to build), None if it can.
     """
 
     backend: str
@@ -41,13 +68,16 @@ class Kernel:
     min_capability: Optional[tuple] = None
     min_batch: int = 1
     max_batch: Optional[int] = None
-    available: Optional[Callable[[], bool]] = None
+    supports: Optional[Callable[..., Optional[str]]] = None
+    available: Optional[Callable[[], Optional[str]]] = None
+    layout: Optional[Layout] = None
 
-    def reject(self, cfg, device: torch.device, dtype: torch.dtype, batch: int) -> Optional[str]:
-        """Why this kernel cannot run the call, or None if it can."""
+    def reject(self, cfg, device: torch.device, dtype: Optional[torch.dtype], batch: int,
+               shape: Optional[tuple[int, int]] = None) -> Optional[str]:
+        """Why this kernel cannot run the call (``dtype=None``: any dtype; ``shape`` = (N, K)), or None."""
         if self.devices is not None and device.type not in self.devices:
             return f"device {device.type} not in {sorted(self.devices)}"
-        if self.dtypes is not None and dtype not in self.dtypes:
+        if dtype is not None and self.dtypes is not None and dtype not in self.dtypes:
             return f"dtype {dtype} not supported"
         if self.bits is not None and cfg.bits not in self.bits:
             return f"bits={cfg.bits} not in {sorted(self.bits)}"
@@ -55,11 +85,19 @@ class Kernel:
             return f"group_size={cfg.group_size} not in {sorted(self.group_sizes)}"
         if batch < self.min_batch or (self.max_batch is not None and batch > self.max_batch):
             return f"batch {batch} outside [{self.min_batch}, {self.max_batch}]"
+        if self.supports is not None and shape is not None:
+            why = self.supports(cfg, *shape)
+            if why is not None:
+                return why
         if self.min_capability is not None and device.type == "cuda":
+            if not torch.cuda.is_available():
+                return "CUDA is not available"
             if torch.cuda.get_device_capability(device) < self.min_capability:
                 return f"compute capability below {self.min_capability}"
-        if self.available is not None and not self.available():
-            return "not available (native extension not built)"
+        if self.available is not None:
+            why = self.available()
+            if why is not None:
+                return f"not available: {why}"
         return None
 
 
@@ -76,15 +114,7 @@ def kernels(format: Optional[str] = None) -> list[Kernel]:
     return [k for k in _KERNELS if format is None or k.format == format]
 
 
-def select(format: str, cfg, device: torch.device, dtype: torch.dtype, batch: int,
-           backend: Optional[str] = None) -> Kernel:
-    """The kernel to run a ``format`` layer with config ``cfg`` on ``batch`` rows of ``dtype`` on ``device``.
-
-    Raises:
-        ValueError: the requested backend does not exist or cannot run this call (the message says why),
-            or no kernel supports the call.
-    """
-    backend = backend or os.environ.get(ENV_VAR) or None
+def _candidates(format: str, backend: Optional[str]) -> list[Kernel]:
     cands = kernels(format)
     if backend is not None:
         named = [k for k in cands if k.backend == backend]
@@ -92,9 +122,22 @@ def select(format: str, cfg, device: torch.device, dtype: torch.dtype, batch: in
             known = sorted({k.backend for k in _KERNELS})
             raise ValueError(f"backend {backend!r} has no kernel for format {format!r}; known backends: {known}")
         cands = named
+    return cands
+
+
+def select(format: str, cfg, device: torch.device, dtype: torch.dtype, batch: int,
+           backend: Optional[str] = None, shape: Optional[tuple[int, int]] = None) -> Kernel:
+    """The kernel to run a ``format`` layer with config ``cfg`` and ``shape`` = (N, K) on ``batch``
+    rows of ``dtype`` on ``device``.
+
+    Raises:
+        ValueError: the requested backend does not exist or cannot run this call (the message says why),
+            or no kernel supports the call.
+    """
+    backend = backend or os.environ.get(ENV_VAR) or None
     reasons = []
-    for k in cands:
-        why = k.reject(cfg, device, dtype, batch)
+    for k in _candidates(format, backend):
+        why = k.reject(cfg, device, dtype, batch, shape)
         if why is None:
             return k
         reasons.append(f"{k.backend}: {why}")
@@ -102,4 +145,19 @@ def select(format: str, cfg, device: torch.device, dtype: torch.dtype, batch: in
                      f"{device.type} {dtype} batch={batch}: " + "; ".join(reasons))
 
 
-from . import reference  # noqa: E402,F401  (registers the reference kernels)
+def layout_for(format: str, cfg, device: torch.device, shape: tuple[int, int],
+               backend: Optional[str] = None) -> Optional[Layout]:
+    """The packed layout a ``format`` layer of ``shape`` = (N, K) should hold on ``device``: that of
+    the kernel :func:`select` picks for a single-row (decode) input of any dtype; None = canonical.
+
+    Raises:
+        ValueError: the requested backend does not exist.
+    """
+    backend = backend or os.environ.get(ENV_VAR) or None
+    for k in _candidates(format, backend):
+        if k.reject(cfg, device, None, 1, shape) is None:
+            return k.layout
+    return None
+
+
+from . import cuda_lut, reference  # noqa: E402,F401  (each registers its kernels)

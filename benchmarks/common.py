@@ -30,3 +30,43 @@ def table(header: list[str], rows: list[list[object]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(fmt(v) for v in r) + " |" for r in rows]
     return "\n".join(lines)
+
+
+def gpu_time_us(calls: list[Callable[[], object]], replays: int = 25) -> float:
+    """Median µs per call on the GPU: ``calls`` (one per weight set of a pool larger than L2, so every call
+    reads its weights from DRAM) are captured once in a CUDA graph, then the graph is replayed ``replays``
+    times; each replay's time is divided by ``len(calls)``.  Launch overhead is therefore that of a graph."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up outside capture: lazy init, JIT builds, allocator pools
+        for call in calls:
+            call()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    graph.replay()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / len(calls))
+    return statistics.median(times)
+
+
+def pool_size(bytes_per_set: int, factor: float = 3.0, cap_bytes: int = 8 << 30) -> int:
+    """How many weight sets of ``bytes_per_set`` make a pool ``factor`` times the GPU's L2 (at least 2)."""
+    l2 = torch.cuda.get_device_properties(torch.cuda.current_device()).L2_cache_size
+    return max(2, min(int(factor * l2 // max(bytes_per_set, 1)) + 1, cap_bytes // max(bytes_per_set, 1)))
+
+
+def copy_bandwidth_tbs(nbytes: int = 1 << 30) -> float:
+    """Device copy bandwidth in TB/s, (read + write bytes) / time of ``dst.copy_(src)`` for ``nbytes``."""
+    src = torch.empty(nbytes // 2, dtype=torch.float16, device="cuda")
+    dst = torch.empty_like(src)
+    us = gpu_time_us([lambda: dst.copy_(src)], replays=10)
+    return 2 * nbytes / (us * 1e-6) / 1e12

@@ -72,12 +72,14 @@ class QuantLinear(nn.Module):
         self.config = cfg
         self.backend = backend or cfg_backend
         self._config_json = cfg.to_json()
-        specs = get_format(self.format).buffer_specs(out_features, in_features, cfg)
-        for name, (shape, dt) in specs.items():
+        self._specs = get_format(self.format).buffer_specs(out_features, in_features, cfg)
+        for name, (shape, dt) in self._specs.items():
             self.register_buffer(name, torch.zeros(shape, dtype=dt, device=device))
-        self._packed_names = tuple(specs)
+        self._packed_names = tuple(self._specs)
+        self._layout: Optional[backends.Layout] = None
         self.bias = nn.Parameter(torch.zeros(out_features, device=device, dtype=dtype or torch.float32),
                                  requires_grad=False) if bias else None
+        self.repack_for_device()
 
     # construction -------------------------------------------------------------------------------
     @classmethod
@@ -122,14 +124,50 @@ class QuantLinear(nn.Module):
         Raises:
             ValueError: a missing/unexpected name or a shape or dtype mismatch.
         """
-        if set(buffers) != set(self._packed_names):
-            raise ValueError(f"packed buffers {sorted(buffers)} do not match {sorted(self._packed_names)}")
-        for name in self._packed_names:
-            old, new = getattr(self, name), buffers[name]
-            if tuple(new.shape) != tuple(old.shape) or new.dtype != old.dtype:
-                raise ValueError(f"buffer {name!r}: expected {old.dtype} {list(old.shape)}, got {new.dtype} "
+        if set(buffers) != set(self._specs):
+            raise ValueError(f"packed buffers {sorted(buffers)} do not match {sorted(self._specs)}")
+        for name, (shape, dtype) in self._specs.items():
+            new = buffers[name]
+            if tuple(new.shape) != tuple(shape) or new.dtype != dtype:
+                raise ValueError(f"buffer {name!r}: expected {dtype} {list(shape)}, got {new.dtype} "
                                  f"{list(new.shape)}")
-            self._buffers[name] = new
+        self._set_packed({n: buffers[n] for n in self._specs}, None)
+        self.repack_for_device()
+
+    # kernel layouts -----------------------------------------------------------------------------
+    @property
+    def layout(self) -> str:
+        """Name of the kernel layout the packed buffers are in on this device ("" = the format's canonical one)."""
+        return "" if self._layout is None else self._layout.name
+
+    def canonical(self) -> dict[str, torch.Tensor]:
+        """The packed buffers in the format's canonical layout (what checkpoints hold), by name."""
+        bufs = {n: self._buffers[n] for n in self._packed_names}
+        if self._layout is None:
+            return bufs
+        return self._layout.unrepack(bufs, self.config, self.out_features, self.in_features)
+
+    def _set_packed(self, buffers: dict[str, torch.Tensor], layout) -> None:
+        for name in self._packed_names:
+            self._buffers.pop(name, None)
+        self._buffers.update(buffers)
+        self._packed_names, self._layout = tuple(buffers), layout
+
+    def repack_for_device(self) -> None:
+        """Hold the packed buffers in the layout of the kernel that serves single-row inputs on their device
+        (:func:`qlinear.backends.layout_for`): repacked once here, not per call.  Runs on every ``.to()``,
+        load and state-dict load; call it after assigning packed buffers by hand."""
+        devices = {self._buffers[n].device for n in self._packed_names}
+        if len(devices) != 1:  # mid-load (some buffers still on meta): wait until all have landed
+            return
+        device = devices.pop()
+        want = None if device.type == "meta" else backends.layout_for(
+            self.format, self.config, device, (self.out_features, self.in_features), self.backend)
+        if want is not self._layout:
+            bufs = self.canonical()
+            if want is not None:
+                bufs = want.repack(bufs, self.config, self.out_features, self.in_features)
+            self._set_packed(bufs, want)
 
     # device/dtype moves keep the packed dtypes ----------------------------------------------------
     def _apply(self, fn, recurse=True):
@@ -143,23 +181,36 @@ class QuantLinear(nn.Module):
             super()._apply(fn, recurse)
         finally:
             self._buffers.update(packed)
+        self.repack_for_device()
         return self
+
+    # checkpoints always hold the canonical layout -------------------------------------------------
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        for name, t in self.canonical().items():
+            destination[prefix + name] = t if keep_vars else t.detach()
+        packed = {n: self._buffers.pop(n) for n in self._packed_names}
+        try:
+            super()._save_to_state_dict(destination, prefix, keep_vars)
+        finally:
+            self._buffers.update(packed)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
-        for name in self._packed_names:
+        for name, (shape, dtype) in self._specs.items():
             t = state_dict.get(prefix + name)
-            old = getattr(self, name)
-            if t is not None and (tuple(t.shape) != tuple(old.shape) or t.dtype != old.dtype):
+            if t is not None and (tuple(t.shape) != tuple(shape) or t.dtype != dtype):
                 raise ValueError(f"checkpoint tensor {prefix + name} is {t.dtype} {list(t.shape)} but this "
-                                 f"{type(self).__name__} ({self.config.to_json()}) expects {old.dtype} "
-                                 f"{list(old.shape)}: the checkpoint was saved with another config or shape")
+                                 f"{type(self).__name__} ({self.config.to_json()}) expects {dtype} "
+                                 f"{list(shape)}: the checkpoint was saved with another config or shape")
+        if self._layout is not None:
+            self._set_packed(self.canonical(), None)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
+        self.repack_for_device()
 
     # compute ------------------------------------------------------------------------------------
     def packed(self) -> list[torch.Tensor]:
-        """The packed buffers in ``buffer_specs`` order (the op's ``packed`` argument)."""
+        """The packed buffers as held (``buffer_specs`` order, or the kernel layout's; the op's ``packed``)."""
         return [self._buffers[n] for n in self._packed_names]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -173,17 +224,17 @@ class QuantLinear(nn.Module):
         if x.shape[-1] != self.in_features:
             raise ValueError(f"{type(self).__name__} expects input [..., {self.in_features}], got {list(x.shape)}")
         return ops.linear(x, self.packed(), self.bias, self.format, self._config_json, self.out_features,
-                          self.in_features, self.backend or "")
+                          self.in_features, self.backend or "", self.layout)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Dense ``Ŵ`` ``[out_features, in_features]`` of ``dtype`` (reference dequantization)."""
-        return ops.dequantize(self.packed(), self.format, self._config_json, self.out_features, self.in_features,
-                              dtype)
+        return ops.dequantize(list(self.canonical().values()), self.format, self._config_json, self.out_features,
+                              self.in_features, dtype)
 
     def kernel(self, x: torch.Tensor) -> backends.Kernel:
         """The kernel the registry picks for input ``x``."""
         return backends.select(self.format, self.config, x.device, x.dtype, x.numel() // x.shape[-1],
-                               self.backend)
+                               self.backend, (self.out_features, self.in_features))
 
     @property
     def bits_per_weight(self) -> float:

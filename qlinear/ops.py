@@ -5,7 +5,7 @@ as a list in the order of the format's ``buffer_specs`` and the format config as
 ``torch.compile(fullgraph=True)`` traces them as single opaque nodes (no graph breaks) and the fake
 implementations give output shapes without running any kernel.
 
-* ``qlinear::linear(x, packed, bias, format, config, out_features, in_features, backend) -> y``:
+* ``qlinear::linear(x, packed, bias, format, config, out_features, in_features, backend, layout) -> y``:
   ``y = x Ŵᵀ + b``, ``x`` ``[..., K]`` (fp32/fp16/bf16) -> ``[..., N]`` of ``x.dtype``; the kernel is
   chosen at run time by :func:`qlinear.backends.select` (``backend=""`` means automatic).
 * ``qlinear::dequantize(packed, format, config, out_features, in_features, dtype) -> Ŵ`` ``[N, K]``.
@@ -30,29 +30,44 @@ def parse_config(config: str):
 
 
 @functools.lru_cache(maxsize=4096)
-def _names(format: str, config: str, out_features: int, in_features: int) -> tuple[str, ...]:
-    return tuple(get_format(format).buffer_specs(out_features, in_features, parse_config(config)))
+def _names(format: str, config: str, out_features: int, in_features: int, layout: str = "") -> tuple[str, ...]:
+    cfg = parse_config(config)
+    if layout:
+        return tuple(backends.get_layout(layout).names(cfg))
+    return tuple(get_format(format).buffer_specs(out_features, in_features, cfg))
 
 
-def _buffers(format: str, config: str, packed, out_features: int, in_features: int):
-    return parse_config(config), dict(zip(_names(format, config, out_features, in_features), packed))
+def _buffers(format: str, config: str, packed, out_features: int, in_features: int, layout: str = ""):
+    return parse_config(config), dict(zip(_names(format, config, out_features, in_features, layout), packed))
+
+
+def canonical(bufs: dict, cfg, layout: str, out_features: int, in_features: int) -> dict:
+    """Buffers held in kernel ``layout`` ("" = already canonical) back in the format's canonical layout."""
+    return backends.get_layout(layout).unrepack(bufs, cfg, out_features, in_features) if layout else bufs
 
 
 @torch.library.custom_op("qlinear::linear", mutates_args=())
 def linear(x: torch.Tensor, packed: list[torch.Tensor], bias: Optional[torch.Tensor], format: str, config: str,
-           out_features: int, in_features: int, backend: str) -> torch.Tensor:
+           out_features: int, in_features: int, backend: str, layout: str) -> torch.Tensor:
     """``y = x Ŵᵀ + b``: ``x`` ``[..., K]`` -> ``[..., N]`` of ``x.dtype`` with the kernel the registry picks.
+    ``packed`` is in kernel ``layout`` ("" = canonical); a kernel with another layout gets the buffers
+    converted (a fallback, e.g. the reference kernel for large batches).
     Raises ValueError if no kernel (or not the requested ``backend``) supports the call."""
-    cfg, bufs = _buffers(format, config, packed, out_features, in_features)
+    cfg, bufs = _buffers(format, config, packed, out_features, in_features, layout)
     batch = x.numel() // max(x.shape[-1], 1)
     if batch == 0:  # like nn.Linear (e.g. an MoE expert that received no tokens)
         return x.new_empty(*x.shape[:-1], out_features)
-    kernel = backends.select(format, cfg, x.device, x.dtype, batch, backend or None)
+    kernel = backends.select(format, cfg, x.device, x.dtype, batch, backend or None, (out_features, in_features))
+    want = "" if kernel.layout is None else kernel.layout.name
+    if want != layout:
+        bufs = canonical(bufs, cfg, layout, out_features, in_features)
+        if want:
+            bufs = kernel.layout.repack(bufs, cfg, out_features, in_features)
     return kernel.fn(x, bufs, bias, cfg, out_features, in_features)
 
 
 @linear.register_fake
-def _(x, packed, bias, format, config, out_features, in_features, backend):
+def _(x, packed, bias, format, config, out_features, in_features, backend, layout):
     return x.new_empty(*x.shape[:-1], out_features)
 
 
@@ -70,20 +85,34 @@ def _(packed, format, config, out_features, in_features, dtype):
 
 
 def _setup_context(ctx, inputs, output):
-    x, packed, bias, format, config, out_features, in_features, backend = inputs
+    x, packed, bias, format, config, out_features, in_features, backend, layout = inputs
     ctx.save_for_backward(*packed)
-    ctx.meta = (format, config, out_features, in_features, x.dtype, bias is not None)
+    ctx.meta = (format, config, out_features, in_features, x.dtype, bias is not None, layout)
 
 
 def _backward(ctx, grad):
     """Gradients for ``x`` (``grad @ Ŵ``) and the bias; the packed weights are frozen (QLoRA-style)."""
-    format, config, out_features, in_features, dtype, has_bias = ctx.meta
+    format, config, out_features, in_features, dtype, has_bias, layout = ctx.meta
     grad_x = None
     if ctx.needs_input_grad[0]:
-        w = dequantize(list(ctx.saved_tensors), format, config, out_features, in_features, grad.dtype)
+        cfg, bufs = _buffers(format, config, list(ctx.saved_tensors), out_features, in_features, layout)
+        bufs = canonical(bufs, cfg, layout, out_features, in_features)
+        w = dequantize(list(bufs.values()), format, config, out_features, in_features, grad.dtype)
         grad_x = (grad @ w).to(dtype)
     grad_b = grad.reshape(-1, out_features).sum(0) if has_bias and ctx.needs_input_grad[2] else None
-    return grad_x, [None] * len(ctx.saved_tensors), grad_b, None, None, None, None, None
+    return grad_x, [None] * len(ctx.saved_tensors), grad_b, *[None] * 6
 
 
 linear.register_autograd(_backward, setup_context=_setup_context)
+
+
+# Ops implemented by native backends (their bindings only register TORCH_LIBRARY_IMPL kernels) ---------
+_lib = torch.library.Library("qlinear", "FRAGMENT")
+_lib.define("bcq_lut_gemv(Tensor x, Tensor planes, Tensor alpha, Tensor? offset, Tensor? bias, int group_size, "
+            "int kt, int tiles_per_split, int splits, int threads) -> Tensor")
+
+
+@torch.library.register_fake("qlinear::bcq_lut_gemv")
+def _(x, planes, alpha, offset, bias, group_size, kt, tiles_per_split, splits, threads):
+    """LUT GEMV of :mod:`qlinear.backends.cuda_lut`: ``x`` ``[M, K]`` fp16/bf16 -> ``[M, N]``."""
+    return x.new_empty(x.shape[0], planes.shape[2])

@@ -74,3 +74,20 @@ def test_transformers_quantize_on_load_save_reload(setup, tmp_path):
     again = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
     assert torch.equal(again(ids).logits, out)
     assert ppl(again, setup) < 1.5 * fp
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_bcq_smollm2_on_gpu_compiled_matches_eager(setup):
+    """BCQ 4-bit SmolLM2 on the GPU decodes with the LUT GEMV; torch.compile(fullgraph, reduce-overhead)
+    gives the same greedy text as eager."""
+    _, tok, _, load, _ = setup
+    model = qlinear.replace_linear(load(), QLinearConfig("bcq", bits=4, group_size=64, iters=2), progress=False)
+    model = model.to("cuda", torch.float16)
+    layer = model.model.layers[0].mlp.down_proj
+    assert layer.layout == "cuda_lut"
+    assert layer.kernel(torch.zeros(1, layer.in_features, device="cuda", dtype=torch.float16)).backend == "cuda_lut"
+    prompt = "The capital of France is"
+    model.generation_config.cache_implementation = "static"  # fixed shapes: one graph for every decode step
+    eager = greedy_continuation(model, tok, prompt, 16)
+    model.forward = torch.compile(model.forward, fullgraph=True, mode="reduce-overhead")
+    assert greedy_continuation(model, tok, prompt, 16) == eager

@@ -93,8 +93,8 @@ class QLinearQuantize(ConversionOps):
             del module._parameters["weight"]
             if missing_keys is not None:
                 missing_keys.discard(key)
-            for name in q._packed_names:
-                out[f"{module_name}.{name}"] = q._buffers[name]
+            for name, t in q.canonical().items():
+                out[f"{module_name}.{name}"] = t
         return out
 
 
@@ -222,20 +222,19 @@ class QLinearHfQuantizer(HfQuantizer):
         for name, mod in model.named_modules():
             if isinstance(mod, QuantLinear):
                 absent = []
-                for buf in mod._packed_names:
-                    ref = mod._buffers[buf]
+                for buf, (shape, dtype) in mod._specs.items():
                     got = found.get(f"{name}.{buf}")
                     if got is None:
                         absent.append(buf)
                         continue
-                    want = (tuple(ref.shape), _ST_DTYPES.get(ref.dtype, str(ref.dtype)))
+                    want = (tuple(shape), _ST_DTYPES.get(dtype, str(dtype)))
                     if got[:2] != want:
                         problems.append(f"{got[2]}: checkpoint has {got[1]} {list(got[0])}, {type(mod).__name__} "
                                         f"{mod.out_features}x{mod.in_features} expects {want[1]} {list(want[0])}")
                 if absent and f"{name}.weight" in found:
                     stored_float.append(name)
                 elif absent:
-                    others = sorted(by_module.get(name, set()) - set(mod._packed_names) - {"bias"})
+                    others = sorted(by_module.get(name, set()) - set(mod._specs) - {"bias"})
                     hint = f" (the checkpoint has {', '.join(others)}: saved with another format?)" if others else ""
                     missing.append(f"{name}: {', '.join(absent)}{hint}")
             elif is_quantizable_linear(mod) and by_module.get(name, set()) - {"bias"} and "weight" not in by_module[name]:
@@ -291,6 +290,9 @@ class QLinearHfQuantizer(HfQuantizer):
         if bad:
             raise ValueError(f"qlinear checkpoint does not match its quantization_config "
                              f"({self.quantization_config.format_config().to_json()}):{_listing(bad)}")
+        for mod in model.modules():  # tensors were assigned in place: derive each kernel's layout once now
+            if isinstance(mod, QuantLinear):
+                mod.repack_for_device()
         return model
 
 

@@ -1,0 +1,169 @@
+"""CUDA LUT GEMV for :class:`qlinear.BCQLinear` at decode batch sizes (LUT-GEMM / nuQmm, Park et al. §3).
+
+``y = x Ŵᵀ + b`` for ``x`` ``[M, K]`` fp16/bf16, ``M <= 8``, BCQ with 1..4 bit-planes, any group size
+(multiple of 32 or the whole row), with or without offset, fp32 accumulation, deterministic split-K.
+The kernel (``bcq_lut_gemv.cu``) builds, per K tile, the 256 partial sums ``±x_j`` of every 8 inputs
+in shared memory and turns every weight byte into one table lookup.
+
+Layout ``cuda_lut`` (repacked once when a module lands on a GPU; a permutation of the canonical
+buffers, so it costs no extra memory and :func:`unrepack` restores them exactly):
+
+* ``lut_planes`` int32 ``[K/32, Q, N]`` = canonical ``planes`` ``[Q, N, K/32]`` permuted: the same
+  plane word of consecutive rows is contiguous, so a thread reads 4 rows with one 16-byte load and a
+  warp reads 512 contiguous bytes.
+* ``lut_alpha`` fp16 ``[G, Q, N]`` and ``lut_offset`` ``[G, N]`` (fp16, or fp32 for imported
+  GPTQ/AWQ weights): the canonical ``alpha`` / ``offset`` transposed the same way.
+
+:func:`spec` is the executable specification of the kernel: the same tiles, tables, byte-to-index
+arithmetic and per-word α/offset application over the repacked buffers, in PyTorch; CPU tests check
+it against the reference backend, GPU tests check the kernel against both.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from .. import Kernel, Layout, register
+from .._native import build, cuda_toolchain_problem, sources_in
+
+__all__ = ["LAYOUT", "MAX_BATCH", "plan", "spec", "repack", "unrepack", "linear"]
+
+MAX_BATCH = 8
+_HERE = Path(__file__).parent
+
+
+def _names(cfg) -> tuple[str, ...]:
+    return ("lut_planes", "lut_alpha") + (("lut_offset",) if cfg.offset else ())
+
+
+def repack(buffers: dict, cfg, out_features: int, in_features: int) -> dict:
+    """Canonical BCQ buffers -> layout ``cuda_lut`` (see the module docstring)."""
+    out = {"lut_planes": buffers["planes"].permute(2, 0, 1).contiguous(),
+           "lut_alpha": buffers["alpha"].permute(2, 0, 1).contiguous()}
+    if cfg.offset:
+        out["lut_offset"] = buffers["offset"].t().contiguous()
+    return out
+
+
+def unrepack(buffers: dict, cfg, out_features: int, in_features: int) -> dict:
+    """Layout ``cuda_lut`` -> canonical BCQ buffers (exact inverse of :func:`repack`)."""
+    out = {"planes": buffers["lut_planes"].permute(1, 2, 0).contiguous(),
+           "alpha": buffers["lut_alpha"].permute(1, 2, 0).contiguous()}
+    if cfg.offset:
+        out["offset"] = buffers["lut_offset"].t().contiguous()
+    return out
+
+
+LAYOUT = Layout(name="cuda_lut", names=_names, repack=repack, unrepack=unrepack)
+
+
+def plan(M: int, N: int, K: int, sms: int) -> tuple[int, int, int, int]:
+    """Launch shape ``(kt, threads, tiles_per_split, splits)`` for ``x`` ``[M, K]`` and ``N`` rows.
+
+    ``kt`` (inputs per K tile) keeps one tile's tables at ``M·kt/8`` KiB ≤ 32 KiB; blocks of ``threads``
+    threads own ``4·threads`` rows (the most rows per block that still gives one block per SM: tables
+    are built once per block, so big blocks amortise them); K is then split into whole tiles until
+    there are about two blocks per SM.
+    """
+    kt = max(32, 256 // M // 32 * 32)
+    tiles = math.ceil(K / kt)
+    threads = next((t for t in (256, 128, 64) if math.ceil(N / (4 * t)) * tiles >= sms), 32)
+    threads = min(threads, 32 * math.ceil(N / 128))
+    blocks_n = math.ceil(N / (4 * threads))
+    per_split = math.ceil(tiles / min(tiles, math.ceil(2 * sms / blocks_n)))
+    return kt, threads, per_split, math.ceil(tiles / per_split)
+
+
+def _signs(bits: int) -> torch.Tensor:
+    """``[2^bits, bits]`` float32: row ``e`` holds ±1 for bit ``j`` of ``e`` (1 → +1)."""
+    return (((torch.arange(2 ** bits)[:, None] >> torch.arange(bits)) & 1) * 2 - 1).float()
+
+
+def spec(x: torch.Tensor, buffers: dict, bias: Optional[torch.Tensor], cfg, out_features: int, in_features: int,
+         launch: tuple[int, int, int, int]) -> torch.Tensor:
+    """The kernel's arithmetic in PyTorch (float32), ``x`` ``[M, K]`` -> ``[M, N]`` float32.
+
+    Follows ``lut_gemv_kernel``: for each split and tile, 256-entry tables over 8 inputs built as
+    ``T[b] = lo[b & 31] + hi[b >> 5]`` (signed sums of inputs 0..4 and 5..7), byte ``j`` of a plane word indexes the
+    table of inputs ``32w + 8j .. 32w + 8j + 7``, the four lookups of a word are scaled by α of the
+    word's group and the offset multiplies Σx of the word; split partials are summed in order.
+    """
+    kt, _, per_split, splits = launch
+    M, K, N = x.shape[0], in_features, out_features
+    planes, alpha = buffers["lut_planes"], buffers["lut_alpha"].float()
+    offset = buffers["lut_offset"].float() if cfg.offset else None
+    gs = cfg.group(K)
+    xf = x.float()
+    sign5, sign3 = _signs(5).to(x.device), _signs(3).to(x.device)
+    b = torch.arange(256, device=x.device)
+    shifts = (8 * torch.arange(4, device=x.device)).view(1, 4, 1, 1)
+    tiles = math.ceil(K / kt)
+    partial = torch.zeros(splits, M, N, device=x.device)
+    for s in range(splits):
+        for t in range(s * per_split, min((s + 1) * per_split, tiles)):
+            k0 = t * kt
+            kw = min(kt, K - k0)
+            xs = xf[:, k0:k0 + kw]
+            x8 = xs.reshape(M, kw // 8, 8)
+            lo = x8[..., :5] @ sign5.T                                     # [M, kw/8, 32]
+            hi = x8[..., 5:] @ sign3.T                                     # [M, kw/8, 8]
+            lut = lo[:, :, b & 31] + hi[:, :, b >> 5]                      # [M, kw/8, 256]
+            xsum = xs.reshape(M, kw // 32, 32).sum(-1)                     # [M, W]
+            words = planes[k0 // 32:(k0 + kw) // 32].long() & 0xFFFFFFFF   # [W, Q, N]
+            idx = (words[:, None] >> shifts) & 255                         # [W, 4, Q, N]
+            W = words.shape[0]
+            chunk = (4 * torch.arange(W, device=x.device)[:, None] + torch.arange(4, device=x.device))
+            sums = lut[:, chunk[:, :, None, None], idx].sum(2)             # [M, W, Q, N]
+            g = (k0 // 32 + torch.arange(W, device=x.device)) * 32 // gs
+            contrib = (alpha[g] * sums).sum(2)                             # [M, W, N]
+            if offset is not None:
+                contrib = contrib + offset[g] * xsum[:, :, None]
+            partial[s] += contrib.sum(1)
+    y = partial.sum(0)
+    return y if bias is None else y + bias.float()
+
+
+@functools.lru_cache(maxsize=None)
+def _sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def linear(x: torch.Tensor, buffers: dict, bias, cfg, out_features: int, in_features: int) -> torch.Tensor:
+    """Registry entry: ``x`` ``[..., K]`` fp16/bf16 on CUDA, at most 8 rows -> ``[..., N]``."""
+    x2 = x.reshape(-1, in_features).contiguous()
+    launch = plan(x2.shape[0], out_features, in_features, _sms(x.device.index or 0))
+    y = torch.ops.qlinear.bcq_lut_gemv(x2, buffers["lut_planes"], buffers["lut_alpha"], buffers.get("lut_offset"),
+                                       bias, cfg.group(in_features), *launch)
+    return y.reshape(*x.shape[:-1], out_features)
+
+
+def supports(cfg, out_features: int, in_features: int) -> Optional[str]:
+    """Why the kernel cannot run a BCQ layer of this config and shape (None if it can)."""
+    if cfg.act_order:
+        return "act_order layers (g_idx) are not supported; reorder them first"
+    if out_features % 4:
+        return f"out_features={out_features} is not a multiple of 4"
+    return None
+
+
+@functools.lru_cache(maxsize=1)
+def available() -> Optional[str]:
+    """None once the extension is built and loaded, else why it cannot be."""
+    why = cuda_toolchain_problem()
+    if why is not None:
+        return why
+    from .._native import cuda_arch_flags
+
+    return build("qlinear_cuda_lut", sources_in(_HERE, (".cu", ".cpp")), cflags=("-O3", "-std=c++17"),
+                 cuda_cflags=("-O3", "-std=c++17", *cuda_arch_flags()))
+
+
+register(Kernel(backend="cuda_lut", format="bcq", fn=linear, priority=10, devices=frozenset({"cuda"}),
+                dtypes=frozenset({torch.float16, torch.bfloat16}), bits=frozenset({1, 2, 3, 4}),
+                min_capability=(8, 0), max_batch=MAX_BATCH, supports=supports, available=available,
+                layout=LAYOUT))

@@ -1,0 +1,38 @@
+// LUT GEMV for BCQ weights (LUT-GEMM / nuQmm, Park et al., section 3): launcher over raw pointers.
+// Torch-free so it compiles with nvcc alone; binding.cpp is the only file that includes torch.
+#pragma once
+#include <cuda_runtime.h>
+
+namespace qlinear {
+
+enum class DType : int { kHalf = 0, kBFloat16 = 1, kFloat = 2, kNone = 3 };
+
+// y[M, N] = x[M, K] · Ŵᵀ + bias with Ŵ[n, k] = Σ_q alpha[g, q, n]·(±1) + offset[g, n], g = k / group_size.
+// Layout "cuda_lut" (see backends/cuda_lut/__init__.py, which also holds the executable PyTorch spec):
+//   planes  uint32 [K/32, Q, N]: bit j of word (w, q, n) is the sign of input 32w + j in plane q (1 = +1)
+//   alpha   fp16   [G, Q, N]
+//   offset  fp16 or fp32 [G, N], or null
+struct LutGemvArgs {
+  const void* x;            // [M, K], x_dtype
+  const unsigned* planes;   // [K/32, Q, N]
+  const void* alpha;        // [G, Q, N] fp16
+  const void* offset;       // [G, N] offset_dtype, or nullptr
+  const float* bias;        // [N] fp32, or nullptr
+  void* y;                  // [M, N], x_dtype
+  float* partial;           // [splits, M, N] fp32 workspace when splits > 1
+  int M, N, K, Q, group_size;
+  int kt;                   // inputs per K tile (multiple of 32): tables of one tile sit in shared memory
+  int tiles_per_split;      // consecutive K tiles summed by one block
+  int splits;               // gridDim.y; partial sums reduced in a fixed order (deterministic)
+  int threads;              // threads per block; each thread owns 4 consecutive output rows
+  DType x_dtype, offset_dtype;
+};
+
+// Shared memory (bytes) one block needs for (M, kt).
+size_t lut_gemv_smem_bytes(int M, int kt);
+
+// Launches the GEMV (and the split-K reduction when splits > 1) on `stream`.
+// Returns cudaErrorInvalidValue for an unsupported M (1..8), Q (1..4) or dtype.
+cudaError_t lut_gemv(const LutGemvArgs& args, cudaStream_t stream);
+
+}  // namespace qlinear

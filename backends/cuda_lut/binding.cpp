@@ -1,0 +1,71 @@
+// Torch binding of the LUT GEMV: CUDA implementation of qlinear::bcq_lut_gemv, whose schema and fake
+// implementation are declared in qlinear/ops.py (one file holds the whole op surface).
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include "bcq_lut_gemv.h"
+
+namespace {
+
+qlinear::DType dtype_of(const at::Tensor& t) {
+  switch (t.scalar_type()) {
+    case at::kHalf: return qlinear::DType::kHalf;
+    case at::kBFloat16: return qlinear::DType::kBFloat16;
+    case at::kFloat: return qlinear::DType::kFloat;
+    default: TORCH_CHECK_TYPE(false, "bcq_lut_gemv: unsupported dtype ", t.scalar_type());
+  }
+}
+
+at::Tensor bcq_lut_gemv(const at::Tensor& x, const at::Tensor& planes, const at::Tensor& alpha,
+                        const std::optional<at::Tensor>& offset, const std::optional<at::Tensor>& bias,
+                        int64_t group_size, int64_t kt, int64_t tiles_per_split, int64_t splits, int64_t threads) {
+  TORCH_CHECK(x.is_cuda() && x.dim() == 2 && x.is_contiguous(), "bcq_lut_gemv: x must be a contiguous CUDA [M, K] tensor");
+  TORCH_CHECK_TYPE(x.scalar_type() == at::kHalf || x.scalar_type() == at::kBFloat16, "bcq_lut_gemv: x must be fp16 or bf16");
+  TORCH_CHECK(planes.scalar_type() == at::kInt && planes.dim() == 3 && planes.is_contiguous(),
+              "bcq_lut_gemv: planes must be contiguous int32 [K/32, Q, N]");
+  const int64_t M = x.size(0), K = x.size(1), Q = planes.size(1), N = planes.size(2);
+  TORCH_CHECK(M >= 1 && M <= 8, "bcq_lut_gemv: M must be in 1..8, got ", M);
+  TORCH_CHECK(planes.size(0) * 32 == K && Q >= 1 && Q <= 4 && N % 4 == 0, "bcq_lut_gemv: planes ", planes.sizes(),
+              " do not fit K=", K, " (need K/32 words, 1..4 planes, N % 4 == 0)");
+  TORCH_CHECK(alpha.scalar_type() == at::kHalf && alpha.dim() == 3 && alpha.size(1) == Q && alpha.size(2) == N &&
+                  alpha.is_contiguous(), "bcq_lut_gemv: alpha must be contiguous fp16 [G, Q, N]");
+  TORCH_CHECK(group_size % 32 == 0 && alpha.size(0) == (K + group_size - 1) / group_size,
+              "bcq_lut_gemv: alpha has ", alpha.size(0), " groups, K=", K, " group_size=", group_size);
+  c10::cuda::CUDAGuard guard(x.device());
+  qlinear::LutGemvArgs a{};
+  a.x = x.data_ptr();
+  a.planes = reinterpret_cast<const unsigned*>(planes.data_ptr<int>());
+  a.alpha = alpha.data_ptr();
+  a.offset_dtype = qlinear::DType::kNone;
+  if (offset.has_value()) {
+    TORCH_CHECK(offset->is_contiguous() && offset->dim() == 2 && offset->size(0) == alpha.size(0) && offset->size(1) == N,
+                "bcq_lut_gemv: offset must be contiguous [G, N]");
+    a.offset = offset->data_ptr();
+    a.offset_dtype = dtype_of(*offset);
+  }
+  at::Tensor bias32;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->numel() == N, "bcq_lut_gemv: bias must have N elements");
+    bias32 = bias->to(at::kFloat).contiguous();
+    a.bias = bias32.data_ptr<float>();
+  }
+  at::Tensor y = at::empty({M, N}, x.options());
+  at::Tensor partial;
+  if (splits > 1) {
+    partial = at::empty({splits, M, N}, x.options().dtype(at::kFloat));
+    a.partial = partial.data_ptr<float>();
+  }
+  a.y = y.data_ptr();
+  a.M = (int)M; a.N = (int)N; a.K = (int)K; a.Q = (int)Q; a.group_size = (int)group_size;
+  a.kt = (int)kt; a.tiles_per_split = (int)tiles_per_split; a.splits = (int)splits; a.threads = (int)threads;
+  a.x_dtype = dtype_of(x);
+  const cudaError_t err = qlinear::lut_gemv(a, at::cuda::getCurrentCUDAStream());
+  TORCH_CHECK(err == cudaSuccess, "bcq_lut_gemv launch failed: ", cudaGetErrorString(err));
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(qlinear, CUDA, m) { m.impl("bcq_lut_gemv", &bcq_lut_gemv); }

@@ -1,0 +1,266 @@
+"""CUDA LUT GEMV backend: its layout and executable spec on CPU, registry rules, and the kernel on a GPU.
+
+Error bound used throughout (fp32 accumulation): every output is a sum of K products ``ŵ·x`` formed as
+table sums of 8 inputs, four lookups per word, per-word α/offset scaling and a sequential sum over
+the words, so ``|y − y₆₄| ≤ (K/8 + 64)·u₃₂ · Σ_k (Σ_q|α_q| + |c|)·|x_k|`` with ``u₃₂ = 2⁻²⁴``, plus one
+rounding of the output (``u_out·|y|``) for fp16/bf16 outputs.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import qlinear.backends as backends
+from qlinear import BCQLinear
+from qlinear.backends import Kernel, cuda_lut
+from qlinear.formats import bcq
+
+U32 = 2.0 ** -24
+
+
+def _layer(N, K, bits, group_size, offset=True, seed=0):
+    torch.manual_seed(seed)
+    lin = torch.nn.Linear(K, N)
+    cfg = bcq.Config(bits=bits, group_size=group_size, offset=offset, iters=1)
+    return BCQLinear.from_linear(lin, cfg, backend="reference"), lin
+
+
+def _bound(mod: BCQLinear, x: torch.Tensor, out_eps: float = 0.0, y64=None):
+    bufs = mod.canonical()
+    K = mod.in_features
+    gs = mod.config.group(K)
+    gidx = torch.arange(K) // gs
+    a = bufs["alpha"].double().abs().sum(0)[:, gidx]                    # [N, K]
+    if mod.config.offset:
+        a = a + bufs["offset"].double().abs()[:, gidx]
+    mag = x.double().abs().cpu() @ a.T
+    bound = (K / 8 + 64) * U32 * mag
+    if out_eps:
+        bound = bound + out_eps * y64.abs()
+    return bound
+
+
+def _ref64(mod, x):
+    w = mod.dequantize(torch.float64)
+    y = x.double().cpu() @ w.T
+    return y if mod.bias is None else y + mod.bias.double().cpu()
+
+
+SHAPES = [(64, 64), (128, 96), (576, 576), (1536, 576), (256, 2048)]
+
+
+@pytest.mark.parametrize("bits", [1, 2, 3, 4])
+@pytest.mark.parametrize("group_size", [32, 64, 128, -1])
+@pytest.mark.parametrize("N,K", SHAPES)
+def test_spec_matches_reference_in_float64(bits, group_size, N, K):
+    mod, _ = _layer(N, K, bits, group_size, offset=(bits % 2 == 1 or group_size == 64))
+    bufs = cuda_lut.repack(mod.canonical(), mod.config, N, K)
+    for M in (1, 3, 8):
+        x = torch.randn(M, K)
+        y64 = _ref64(mod, x)
+        for sms in (1, 132):  # one split and many splits
+            launch = cuda_lut.plan(M, N, K, sms)
+            y = cuda_lut.spec(x, bufs, mod.bias, mod.config, N, K, launch)
+            err = (y.double() - y64).abs()
+            assert (err <= _bound(mod, x)).all(), (launch, err.max().item())
+
+
+def test_spec_catches_a_wrong_layout():
+    """The spec reads the repacked buffers, so feeding it the canonical order must fail the bound."""
+    mod, _ = _layer(128, 256, 2, 64)
+    bufs = cuda_lut.repack(mod.canonical(), mod.config, 128, 256)
+    bufs["lut_planes"] = bufs["lut_planes"].flip(0).contiguous()
+    x = torch.randn(1, 256)
+    y = cuda_lut.spec(x, bufs, mod.bias, mod.config, 128, 256, cuda_lut.plan(1, 128, 256, 4))
+    assert not ((y.double() - _ref64(mod, x)).abs() <= _bound(mod, x)).all()
+
+
+@pytest.mark.parametrize("offset,fp32_offset", [(True, False), (False, False), (True, True)])
+def test_layout_round_trip_is_bit_exact(offset, fp32_offset):
+    cfg = bcq.Config(bits=3, group_size=64, offset=offset, fp32_offset=fp32_offset, iters=0)
+    canon = bcq.quantize(torch.randn(96, 320), cfg)
+    packed = cuda_lut.repack(canon, cfg, 96, 320)
+    assert tuple(packed) == cuda_lut.LAYOUT.names(cfg)
+    assert sum(t.numel() * t.element_size() for t in packed.values()) == sum(
+        t.numel() * t.element_size() for t in canon.values())
+    assert packed["lut_planes"].shape == (10, 3, 96) and packed["lut_alpha"].shape == (5, 3, 96)
+    back = cuda_lut.unrepack(packed, cfg, 96, 320)
+    assert set(back) == set(canon) and all(torch.equal(back[k], canon[k]) and back[k].dtype == canon[k].dtype
+                                           for k in canon)
+
+
+@pytest.mark.parametrize("M", range(1, 9))
+@pytest.mark.parametrize("N,K", [(576, 576), (1536, 576), (4096, 4096), (8192, 8192), (28672, 8192),
+                                 (8192, 28672), (64, 64), (12288, 12288)])
+@pytest.mark.parametrize("sms", [1, 78, 132])
+def test_plan_covers_every_tile_once_within_limits(M, N, K, sms):
+    kt, threads, per_split, splits = cuda_lut.plan(M, N, K, sms)
+    tiles = math.ceil(K / kt)
+    assert kt % 32 == 0 and kt * M <= 256 or kt == 32
+    assert threads % 32 == 0 and 32 <= threads <= 256
+    assert (splits - 1) * per_split < tiles <= splits * per_split
+    smem = 4 * M * (kt // 8 * 256 + kt // 32 + kt)
+    assert smem <= 48 * 1024  # no opt-in needed, several blocks per SM
+
+
+def test_registry_rejects_with_reasons():
+    cuda = torch.device("cuda")
+    k = next(k for k in backends.kernels("bcq") if k.backend == "cuda_lut")
+    ok = bcq.Config(bits=4, group_size=128)
+    assert "act_order" in k.reject(bcq.Config(bits=4, act_order=True), cuda, torch.float16, 1, (64, 64))
+    assert "multiple of 4" in k.reject(ok, cuda, torch.float16, 1, (66, 64))
+    assert "bits=5" in k.reject(bcq.Config(bits=5), cuda, torch.float16, 1, (64, 64))
+    assert "dtype" in k.reject(ok, cuda, torch.float32, 1, (64, 64))
+    assert "batch 9" in k.reject(ok, cuda, torch.float16, 9, (64, 64))
+    assert "device cpu" in k.reject(ok, torch.device("cpu"), torch.float16, 1, (64, 64))
+    with pytest.raises(ValueError, match="cuda_lut: device cpu"):
+        backends.select("bcq", ok, torch.device("cpu"), torch.float16, 1, "cuda_lut", (64, 64))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU fallback")
+def test_unavailable_without_gpu_and_module_stays_canonical():
+    assert cuda_lut.available() is not None
+    mod, _ = _layer(64, 64, 2, 32)
+    assert mod.layout == "" and mod.kernel(torch.randn(1, 64)).backend == "reference"
+
+
+# --- the layout machinery, driven on CPU by a kernel that runs the spec --------------------------------
+@pytest.fixture
+def spec_kernel():
+    """Register the executable spec as a CPU kernel with the cuda_lut layout (highest priority, batch <= 8)."""
+
+    def fn(x, bufs, bias, cfg, N, K):
+        x2 = x.reshape(-1, K)
+        y = cuda_lut.spec(x2, bufs, bias, cfg, N, K, cuda_lut.plan(x2.shape[0], N, K, 4))
+        return y.to(x.dtype).reshape(*x.shape[:-1], N)
+
+    k = backends.register(Kernel(backend="lut_spec", format="bcq", fn=fn, priority=100,
+                                 devices=frozenset({"cpu"}), max_batch=8, supports=cuda_lut.supports,
+                                 layout=cuda_lut.LAYOUT))
+    yield k
+    backends._KERNELS.remove(k)
+
+
+def test_module_holds_the_kernel_layout_and_saves_canonical(spec_kernel, tmp_path):
+    canon_mod, lin = _layer(128, 256, 3, 64)
+    sd = canon_mod.state_dict()
+    mod = BCQLinear(256, 128, True, canon_mod.config)
+    mod.load_state_dict(sd)
+    assert mod.layout == "cuda_lut" and {n for n, _ in mod.named_buffers()} == {"lut_planes", "lut_alpha", "lut_offset"}
+    assert mod.memory_footprint() == canon_mod.memory_footprint()
+    assert list(mod.state_dict()) == list(sd) and all(torch.equal(mod.state_dict()[k], sd[k]) for k in sd)
+    x = torch.randn(2, 3, 256)
+    assert mod.kernel(x).backend == "lut_spec"
+    y64 = _ref64(canon_mod, x.reshape(-1, 256))
+    assert ((mod(x).reshape(-1, 128).double() - y64).abs() <= _bound(canon_mod, x.reshape(-1, 256))).all()
+    big = torch.randn(9, 256)  # above max_batch: the reference kernel runs on the unrepacked buffers
+    assert mod.kernel(big).backend == "reference"
+    assert torch.equal(mod(big), canon_mod(big))
+    assert torch.equal(mod.dequantize(), canon_mod.dequantize())
+    # moving devices/dtypes and re-loading keep it exact
+    mod.half().float()
+    assert mod.layout == "cuda_lut" and torch.equal(mod.dequantize(), canon_mod.dequantize())
+    torch.save(mod.state_dict(), tmp_path / "m.pt")
+    again = BCQLinear(256, 128, True, canon_mod.config)
+    again.load_state_dict(torch.load(tmp_path / "m.pt"))
+    assert torch.equal(again.dequantize(), canon_mod.dequantize())
+    # gradients flow through the layout too
+    xg = x.clone().requires_grad_(True)
+    mod(xg).sum().backward()
+    assert torch.allclose(xg.grad, torch.ones(2, 3, 128) @ canon_mod.dequantize(), atol=1e-4)
+
+
+def test_reference_backend_keeps_canonical_layout(spec_kernel):
+    mod, _ = _layer(64, 64, 2, 32)
+    assert mod.layout == ""  # built with backend="reference"
+    auto = BCQLinear(64, 64, True, mod.config)
+    auto.load_state_dict(mod.state_dict())
+    assert auto.layout == "cuda_lut"
+    auto.backend = "reference"
+    auto.repack_for_device()
+    assert auto.layout == "" and torch.equal(auto.planes, mod.planes)
+
+
+def test_compile_fullgraph_with_layout(spec_kernel):
+    mod, _ = _layer(64, 128, 2, 64)
+    m2 = BCQLinear(128, 64, True, mod.config)
+    m2.load_state_dict(mod.state_dict())
+    x = torch.randn(3, 128)
+    eager = m2(x)
+    compiled = torch.compile(m2, fullgraph=True, backend="eager")(x)
+    assert torch.equal(eager, compiled)
+
+
+# --- on a GPU ---------------------------------------------------------------------------------------------
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def _poison():
+    """Fill freed allocator memory with NaN so an output element the kernel forgets to write shows up."""
+    t = torch.full((64 << 20,), float("nan"), device="cuda")
+    del t
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("bits", [1, 2, 3, 4])
+@pytest.mark.parametrize("group_size", [64, 128, -1])
+@pytest.mark.parametrize("N,K", [(576, 576), (1536, 576), (4096, 4096), (1024, 8192)])
+def test_kernel_matches_reference_and_is_deterministic(dtype, bits, group_size, N, K):
+    assert cuda_lut.available() is None, cuda_lut.available()
+    mod, _ = _layer(N, K, bits, group_size, offset=bits != 2)
+    mod.backend = None
+    mod.cuda()
+    assert mod.layout == "cuda_lut"
+    eps = {torch.float16: 2.0 ** -11, torch.bfloat16: 2.0 ** -8}[dtype]
+    for M in range(1, 9):
+        x = torch.randn(M, K, device="cuda").to(dtype)
+        assert mod.kernel(x).backend == "cuda_lut"
+        y64 = _ref64(mod, x)
+        _poison()
+        y = mod(x)
+        assert y.dtype == dtype and y.shape == (M, N)
+        err = (y.double().cpu() - y64).abs()
+        assert (err <= _bound(mod, x, eps, y64)).all(), err.max().item()
+        _poison()
+        assert torch.equal(mod(x), y)
+    assert mod.kernel(torch.randn(9, K, device="cuda", dtype=dtype)).backend == "reference"
+
+
+@gpu
+def test_kernel_under_cuda_graph_and_compile():
+    mod, _ = _layer(1536, 576, 4, 128)
+    mod.backend = None
+    mod.cuda()
+    x = torch.randn(1, 576, device="cuda", dtype=torch.float16)
+    eager = mod(x)
+    f = torch.compile(mod, fullgraph=True, mode="reduce-overhead")
+    for _ in range(3):
+        assert torch.equal(f(x), eager)
+
+
+@gpu
+def test_smollm2_shaped_model_compiled_matches_eager():
+    """A SmolLM2-135M-shaped Llama (4 of its 30 layers, random weights: the real checkpoint cannot reach the
+    GPU machine) quantized to BCQ 4-bit: compile(fullgraph, reduce-overhead) decodes the same tokens as eager."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import qlinear
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=4,
+                      num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True)
+    model = LlamaForCausalLM(cfg).eval()
+    qlinear.replace_linear(model, qlinear.QLinearConfig("bcq", bits=4, group_size=64, iters=1), progress=False)
+    model = model.to("cuda", torch.float16)
+    assert model.model.layers[0].mlp.down_proj.layout == "cuda_lut"
+    model.generation_config.cache_implementation = "static"
+    ids = torch.randint(0, 49152, (1, 8), device="cuda")
+    kw = dict(max_new_tokens=12, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        eager = model.generate(ids, **kw)
+        model.forward = torch.compile(model.forward, fullgraph=True, mode="reduce-overhead")
+        assert torch.equal(model.generate(ids, **kw), eager)
