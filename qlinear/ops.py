@@ -116,3 +116,11 @@ _lib.define("bcq_lut_gemv(Tensor x, Tensor planes, Tensor alpha, Tensor? offset,
 def _(x, planes, alpha, offset, bias, group_size, kt, tiles_per_split, splits, threads):
     """LUT GEMV of :mod:`qlinear.backends.cuda_lut`: ``x`` ``[M, K]`` fp16/bf16 -> ``[M, N]``."""
     return x.new_empty(x.shape[0], planes.shape[2])
+_lib.define("arm_gemm(Tensor x, Tensor qw, Tensor qs, Tensor? qz, Tensor? qb, Tensor? books, Tensor? bias, "
+            "int format, int num_books, int N, int group_size, int path) -> Tensor")
+
+
+@torch.library.register_fake("qlinear::arm_gemm")
+def _(x, qw, qs, qz, qb, books, bias, format, num_books, N, group_size, path):
+    """Arm NEON/SDOT/SMMLA kernels of :mod:`qlinear.backends.arm_neon`: ``x`` ``[M, K]`` fp32 -> ``[M, N]`` fp32."""
+    return x.new_empty(x.shape[0], N)

@@ -1,0 +1,269 @@
+"""Arm NEON / dotprod / i8mm CPU kernels for :class:`qlinear.CodebookLinear` (bits 2 and 4) and uniform 4-bit
+:class:`qlinear.BCQLinear` (Arm paper: "Highly Optimized Kernels and Fine-Grained Codebooks for LLM Inference
+on Arm CPUs", §4 kernels, §5 codebooks).
+
+``y = x Ŵᵀ + b`` for ``x`` ``[..., K]`` fp32/bf16/fp16 on CPU: activations are quantized to int8 per 32
+inputs (one fp32 scale each, round half to even), weights decoded to int8 (MSB-toggled nibbles with
+one shift or mask for BCQ; one ``vqtbl1q_s8`` lookup into the ≤ 16-byte codebook register for
+codebooks), products accumulated exactly in int32 by SDOT (decode, M ≤ 3) or SMMLA (M ≥ 4, i8mm), then
+scaled in fp32.  Runtime dispatch by CPU features (``getauxval``), plain-NEON fallback.  Built just in
+time (``backends/_native.py``); on x86 the same source compiles through SIMDe.
+
+Layouts (repacked once at load; :func:`repack_bcq` / :func:`repack_codebook` and their inverses are
+exact, and the codes take the same bytes as the canonical ones): 8-row blocks (N padded with zero
+rows), 32-input blocks, 16-byte vectors ``V[c][p]`` of 2 rows x 8 inputs; the byte order is
+documented in ``qgemm.h``.  BCQ must have uniform α (``α_i = s·2^(i-2)``: round-to-nearest with
+``init="uniform", iters=0``, or imported GPTQ/AWQ weights): its layout stores the int4 code XOR 8, one
+fp16 ``s`` per group and the offset ``c`` as canonical (``w = s·(code − 7.5) + c``).
+
+:func:`spec` is the executable PyTorch specification of the kernels' arithmetic over these layouts.
+Error versus the reference backend comes only from the int8 activations: per output
+``|y − y_ref| ≤ Σ_h (amax_h / 254) · Σ_{k∈h} |ŵ_k|`` plus fp32 rounding, where ``amax_h`` is the largest
+``|x|`` of 32-input block ``h`` (round to nearest on a step of ``amax_h / 127``).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import platform
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from qlinear.formats.packing import pack, pack_planes, unpack, unpack_planes
+
+from .. import Kernel, Layout, register
+from .._native import build
+
+__all__ = ["BCQ_LAYOUT", "CODEBOOK_LAYOUT", "spec", "linear", "available", "PATHS"]
+
+_HERE = Path(__file__).parent
+PATHS = {"auto": 0, "neon": 1, "dotprod": 2, "i8mm": 3}
+_FMT_BCQ4, _FMT_CB4, _FMT_CB2 = 0, 1, 2
+
+
+def _blocks(codes: torch.Tensor, N: int, K: int) -> torch.Tensor:
+    """``[N, K]`` -> ``[Nb, H, 4 (chunk c), 4 (row pair p), 16]``: byte ``i`` of ``V[c][p]`` of block
+    ``(b, h)`` is row ``8b + 2p + i // 8``, input ``32h + 8c + i % 8`` (zero rows pad N to 8)."""
+    Nb, H = math.ceil(N / 8), K // 32
+    padded = codes.new_zeros(Nb * 8, K)
+    padded[:N] = codes
+    return padded.view(Nb, 4, 2, H, 4, 8).permute(0, 3, 4, 1, 2, 5).reshape(Nb, H, 4, 4, 16)
+
+
+def _unblocks(v: torch.Tensor, N: int, K: int) -> torch.Tensor:
+    """Inverse of :func:`_blocks`."""
+    Nb, H = v.shape[:2]
+    return v.view(Nb, H, 4, 4, 2, 8).permute(0, 3, 4, 1, 2, 5).reshape(Nb * 8, K)[:N]
+
+
+def _pad_groups(t: torch.Tensor, N: int) -> torch.Tensor:
+    """``[N, G]`` -> ``[Nb, G, 8]`` (rows of a block together, zero rows pad N)."""
+    Nb = math.ceil(N / 8)
+    out = t.new_zeros(Nb * 8, t.shape[1])
+    out[:N] = t
+    return out.view(Nb, 8, -1).transpose(1, 2).contiguous()
+
+
+def _unpad_groups(t: torch.Tensor, N: int) -> torch.Tensor:
+    return t.transpose(1, 2).reshape(-1, t.shape[1])[:N].contiguous()
+
+
+def _pack_nibbles(v: torch.Tensor) -> torch.Tensor:
+    """``V[c][p]`` values 0..15 -> 128 bytes per block: bytes ``32c + 16P + i`` hold ``V[c][2P]`` (low
+    nibble) and ``V[c][2P+1]`` (high)."""
+    lo, hi = v[:, :, :, 0::2], v[:, :, :, 1::2]
+    return (lo | (hi << 4)).to(torch.uint8).reshape(*v.shape[:2], 128)
+
+
+def _unpack_nibbles(qw: torch.Tensor) -> torch.Tensor:
+    b = qw.view(*qw.shape[:2], 4, 2, 16).to(torch.int64)
+    return torch.stack([b & 15, b >> 4], 4).reshape(*qw.shape[:2], 4, 4, 16)
+
+
+def _uniform_scale(alpha: torch.Tensor) -> torch.Tensor:
+    """``s`` of uniform 4-bit BCQ α ``[4, N, G]`` (α_i = s·2^(i-2)); ValueError if α are not uniform."""
+    s = alpha[1].float()
+    want = s[None] * torch.tensor([0.5, 1.0, 2.0, 4.0], device=s.device)[:, None, None]
+    if not torch.equal(alpha.float(), want):
+        raise ValueError("BCQ α are not uniform (α_i = s·2^(i-2)): the arm_neon kernel needs round-to-nearest "
+                         "(init='uniform', iters=0) or imported GPTQ/AWQ weights; use backend='reference'")
+    return alpha[1]
+
+
+def repack_bcq(buffers: dict, cfg, N: int, K: int) -> dict:
+    """Canonical uniform 4-bit BCQ -> layout ``arm_neon_bcq`` (``arm_qw`` uint8 ``[Nb, K/32, 128]``, ``arm_qs``
+    fp16 ``[Nb, G, 8]``, ``arm_qz`` ``[Nb, G, 8]`` of the offset's dtype).  Raises ValueError for non-uniform α."""
+    s = _uniform_scale(buffers["alpha"])
+    codes = unpack_planes(buffers["planes"], K)
+    out = {"arm_qw": _pack_nibbles(_blocks(codes ^ 8, N, K)), "arm_qs": _pad_groups(s, N)}
+    if cfg.offset:
+        out["arm_qz"] = _pad_groups(buffers["offset"], N)
+    return out
+
+
+def unrepack_bcq(buffers: dict, cfg, N: int, K: int) -> dict:
+    """Layout ``arm_neon_bcq`` -> canonical BCQ buffers (exact inverse of :func:`repack_bcq`)."""
+    codes = _unblocks(_unpack_nibbles(buffers["arm_qw"]), N, K) ^ 8
+    s = _unpad_groups(buffers["arm_qs"], N)
+    alpha = (s.float()[None] * torch.tensor([0.5, 1.0, 2.0, 4.0], device=s.device)[:, None, None]).half()
+    out = {"planes": pack_planes(codes, 4), "alpha": alpha}
+    if cfg.offset:
+        out["offset"] = _unpad_groups(buffers["arm_qz"], N)
+    return out
+
+
+def repack_codebook(buffers: dict, cfg, N: int, K: int) -> dict:
+    """Canonical codebook buffers -> layout ``arm_neon_codebook`` (``arm_qw`` uint8 ``[Nb, K/32, 32·bits]``,
+    ``arm_qs`` fp16 ``[Nb, G, 8]``, ``arm_qb`` int16 ``[Nb, G]`` when C > 1, ``codebooks`` unchanged)."""
+    G, C = K // cfg.group_size, cfg.books
+    v = _blocks(unpack(buffers["codes"], cfg.bits, K), N, K)
+    if cfg.bits == 4:
+        qw = _pack_nibbles(v)
+    else:
+        qw = sum(v[:, :, :, p] << (2 * p) for p in range(4)).to(torch.uint8).reshape(*v.shape[:2], 64)
+    out = {"arm_qw": qw, "arm_qs": _pad_groups(buffers["scales"], N)}
+    if C > 1:
+        books = _pad_groups(unpack(buffers["book_idx"], int(math.log2(C)), G), N)     # [Nb, G, 8]
+        word = (books << (2 * torch.arange(8, device=books.device))).sum(-1)           # 16 bits
+        out["arm_qb"] = torch.where(word >= 32768, word - 65536, word).to(torch.int16)
+    out["codebooks"] = buffers["codebooks"]
+    return out
+
+
+def unrepack_codebook(buffers: dict, cfg, N: int, K: int) -> dict:
+    """Layout ``arm_neon_codebook`` -> canonical codebook buffers (exact inverse of :func:`repack_codebook`)."""
+    G, C = K // cfg.group_size, cfg.books
+    qw = buffers["arm_qw"]
+    if cfg.bits == 4:
+        v = _unpack_nibbles(qw)
+    else:
+        b = qw.view(*qw.shape[:2], 4, 1, 16).to(torch.int64)
+        v = (b >> (2 * torch.arange(4, device=qw.device)).view(1, 1, 1, 4, 1)) & 3
+    out = {"codes": pack(_unblocks(v, N, K), cfg.bits)}
+    if C > 1:
+        word = buffers["arm_qb"].to(torch.int64) & 0xFFFF
+        books = (word[..., None] >> (2 * torch.arange(8, device=word.device))) & 3     # [Nb, G, 8]
+        out["book_idx"] = pack(_unpad_groups(books, N), int(math.log2(C)))
+    out["scales"] = _unpad_groups(buffers["arm_qs"], N)
+    out["codebooks"] = buffers["codebooks"]
+    return out
+
+
+BCQ_LAYOUT = Layout(name="arm_neon_bcq", names=lambda cfg: ("arm_qw", "arm_qs") + (("arm_qz",) if cfg.offset else ()),
+                    repack=repack_bcq, unrepack=unrepack_bcq)
+CODEBOOK_LAYOUT = Layout(name="arm_neon_codebook",
+                         names=lambda cfg: ("arm_qw", "arm_qs") + (("arm_qb",) if cfg.books > 1 else ()) + ("codebooks",),
+                         repack=repack_codebook, unrepack=unrepack_codebook)
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` ``[M, K]`` float32 -> (int8-valued codes ``[M, K]`` as int64, scales ``[M, K/32]`` float32):
+    per 32 inputs ``q = round_half_even(x · (127 / amax))``, ``scale = amax / 127`` (0 for an all-zero block)."""
+    xb = x.float().reshape(x.shape[0], -1, 32)
+    amax = xb.abs().amax(-1)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    q = torch.round(xb * inv[..., None]).clamp(-127, 127)
+    return q.reshape(x.shape).long(), amax / 127.0
+
+
+def _weights_int8(buffers: dict, format: int, cfg, N: int, K: int) -> torch.Tensor:
+    """The int8 weights ``[Nb·8, K]`` (int64) the kernels decode, read through the packed layout."""
+    qw = buffers["arm_qw"]
+    if format == _FMT_CB2:
+        b = qw.view(*qw.shape[:2], 4, 1, 16).to(torch.int64)
+        idx = (b >> (2 * torch.arange(4, device=qw.device)).view(1, 1, 1, 4, 1)) & 3
+    else:
+        idx = _unpack_nibbles(qw)
+    rows = _unblocks(idx, qw.shape[0] * 8, K)
+    if format == _FMT_BCQ4:
+        return torch.where(rows >= 8, rows - 16, rows) * 16  # (nibble << 4) as int8 = 16·(code − 8)
+    book = torch.zeros_like(rows)
+    if cfg.books > 1:
+        word = buffers["arm_qb"].to(torch.int64) & 0xFFFF
+        books = ((word[..., None] >> (2 * torch.arange(8, device=qw.device))) & 3).transpose(1, 2)  # [Nb, 8, G]
+        book = books.reshape(-1, books.shape[-1]).repeat_interleave(cfg.group_size, 1)
+    return buffers["codebooks"].to(torch.int64)[book, rows]
+
+
+def spec(x: torch.Tensor, buffers: dict, bias, cfg, format: int, N: int, K: int) -> torch.Tensor:
+    """The kernels' arithmetic in PyTorch: ``x`` ``[M, K]`` -> ``[M, N]`` float32 (equal to the native op up to
+    the order of fp32 roundings)."""
+    gs = K if cfg.group_size == -1 else cfg.group_size
+    xq, xs = quantize_activations(x)
+    M, H = x.shape[0], K // 32
+    w = _weights_int8(buffers, format, cfg, N, K)                              # [Nb·8, K]
+    isum = torch.einsum("mhk,nhk->mnh", xq.view(M, H, 32).double(), w.view(-1, H, 32).double())  # exact
+    s = _unpad_groups(buffers["arm_qs"], buffers["arm_qs"].shape[0] * 8).float()  # [Nb·8, G]
+    per = gs // 32
+    t = s.repeat_interleave(per, 1)[:, :H] * (xs * (0.0625 if format == _FMT_BCQ4 else 1.0))[:, None, :]
+    y = (isum.float() * t).sum(-1)
+    if format == _FMT_BCQ4:
+        c = _unpad_groups(buffers["arm_qz"], s.shape[0]).float() if cfg.offset else torch.zeros_like(s)
+        z = c + 0.5 * s                                                        # [Nb·8, G]
+        G = s.shape[1]
+        xsum = torch.stack([x.float()[:, g * gs:(g + 1) * gs].sum(-1) for g in range(G)], 1)  # [M, G]
+        y = y + xsum @ z.T
+    y = y[:, :N]
+    return y if bias is None else y + bias.float()
+
+
+@functools.lru_cache(maxsize=1)
+def available() -> Optional[str]:
+    """None once the extension is built and loaded, else why it cannot be."""
+    sources = tuple(str(_HERE / f) for f in ("kernels.cpp", "kernels_i8mm.cpp", "binding.cpp"))
+    if platform.machine() in ("aarch64", "arm64"):
+        flags = ("-O3", "-std=c++17", "-march=armv8.2-a+dotprod")
+    else:
+        try:
+            import simde_py
+        except ImportError:
+            return "SIMDe headers not found (pip install 'simde-py>=0.8.2')"
+        flags = ("-O3", "-std=c++17", "-march=native", f"-I{simde_py.get_include()}")
+    return build("qlinear_arm_neon", sources, cflags=flags)
+
+
+def _format(cfg) -> int:
+    return _FMT_BCQ4 if cfg.format == "bcq" else (_FMT_CB4 if cfg.bits == 4 else _FMT_CB2)
+
+
+def linear(x: torch.Tensor, buffers: dict, bias, cfg, out_features: int, in_features: int, path: str = "auto"):
+    """Registry entry: ``x`` ``[..., K]`` on CPU -> ``[..., N]`` of ``x.dtype``."""
+    x2 = x.reshape(-1, in_features).float().contiguous()
+    gs = in_features if cfg.group_size == -1 else cfg.group_size
+    y = torch.ops.qlinear.arm_gemm(x2, buffers["arm_qw"], buffers["arm_qs"], buffers.get("arm_qz"),
+                                   buffers.get("arm_qb"), buffers.get("codebooks"), bias, _format(cfg),
+                                   getattr(cfg, "books", 1), out_features, gs, PATHS[path])
+    return y.to(x.dtype).reshape(*x.shape[:-1], out_features)
+
+
+def supports_bcq(cfg, out_features: int, in_features: int) -> Optional[str]:
+    """Why the kernel cannot run a BCQ layer of this config (None if it can)."""
+    if cfg.bits != 4:
+        return f"bits={cfg.bits}: only 4-bit uniform BCQ is supported"
+    if cfg.init != "uniform" or cfg.iters != 0:
+        return "α must be uniform (round-to-nearest: init='uniform', iters=0, or imported GPTQ/AWQ weights)"
+    if cfg.act_order:
+        return "act_order layers (g_idx) are not supported"
+    if cfg.group_size != -1 and cfg.group_size % 32:
+        return f"group_size={cfg.group_size} is not a multiple of 32"
+    return None
+
+
+def supports_codebook(cfg, out_features: int, in_features: int) -> Optional[str]:
+    """Why the kernel cannot run a codebook layer of this config (None if it can)."""
+    if cfg.bits not in (2, 4):
+        return f"bits={cfg.bits}: only 2- and 4-bit codebooks are supported"
+    if cfg.group_size % 32:
+        return f"group_size={cfg.group_size} is not a multiple of 32"
+    return None
+
+
+# Preferred on Arm; on x86 (SIMDe emulation) below the reference unless benchmarks/bench_arm.py shows a win.
+_PRIORITY = 20 if platform.machine() in ("aarch64", "arm64") else -10
+for _fmt, _layout, _supports in (("codebook", CODEBOOK_LAYOUT, supports_codebook), ("bcq", BCQ_LAYOUT, supports_bcq)):
+    register(Kernel(backend="arm_neon", format=_fmt, fn=linear, priority=_PRIORITY, devices=frozenset({"cpu"}),
+                    dtypes=frozenset({torch.float32, torch.float16, torch.bfloat16}), supports=_supports,
+                    available=available, layout=_layout))

@@ -1,0 +1,131 @@
+// Standalone test and instruction-count harness for the Arm kernels (no torch).  Cross-compiled
+// statically and run under qemu-aarch64 in CI (see .ci/run):
+//   harness test                      every available path vs the scalar reference, bit for bit, on
+//                                     random layouts: all formats, 1/2/4 codebooks, group 32/64/128,
+//                                     N not a multiple of 8, M = 1..9; prints the dispatched path
+//   harness bench FORMAT M N K REPS   REPS calls of the auto-dispatched kernel (for the qemu plugin
+//                                     that counts executed instructions per symbol); FORMAT bcq4|cb4|cb2
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <vector>
+
+#include "qgemm.h"
+
+using namespace qlinear_arm;
+
+static uint32_t rng_state = 12345;
+static uint32_t rnd() {
+  rng_state ^= rng_state << 13;
+  rng_state ^= rng_state >> 17;
+  rng_state ^= rng_state << 5;
+  return rng_state;
+}
+static uint16_t rnd_half(int emin, int emax) {  // positive normal fp16 with exponent in [emin, emax]
+  return (uint16_t)(((emin + 15 + (int)(rnd() % (emax - emin + 1))) << 10) | (rnd() & 1023));
+}
+
+struct Layer {
+  std::vector<uint8_t> qw;
+  std::vector<uint16_t> qs, qz16, qb;
+  std::vector<float> qz32;
+  std::vector<int8_t> books;
+  Weights w;
+};
+
+static void make_layer(Layer& L, int format, int books, int N, int K, int group, int offset_kind) {
+  const int Nb = (N + 7) / 8, H = K / 32, G = (K + group - 1) / group;
+  L.qw.resize((size_t)Nb * H * block_bytes(format));
+  for (auto& v : L.qw) v = (uint8_t)rnd();
+  L.qs.resize((size_t)Nb * G * 8);
+  for (auto& v : L.qs) v = rnd_half(-8, 0);
+  L.qz16.assign((size_t)Nb * G * 8, 0);
+  L.qz32.assign((size_t)Nb * G * 8, 0.f);
+  for (auto& v : L.qz16) v = rnd_half(-8, -1) | ((rnd() & 1) << 15);
+  for (auto& v : L.qz32) v = ((int)(rnd() % 2001) - 1000) / 1024.f;
+  L.qb.resize((size_t)Nb * G);
+  for (auto& v : L.qb) {
+    uint16_t word = 0;
+    for (int r = 0; r < 8; ++r) word |= (uint16_t)((rnd() % books) << (2 * r));
+    v = word;
+  }
+  L.books.resize(16);
+  for (auto& v : L.books) v = (int8_t)(rnd() % 255 - 127);
+  L.w = Weights{L.qw.data(), L.qs.data(), nullptr, books > 1 ? L.qb.data() : nullptr,
+                format == kBCQ4 ? nullptr : L.books.data(), format, books, N, K, group, false};
+  if (format == kBCQ4 && offset_kind == 1) L.w.qz = L.qz16.data();
+  if (format == kBCQ4 && offset_kind == 2) { L.w.qz = L.qz32.data(); L.w.qz_f32 = true; }
+}
+
+static int test() {
+  const int best = cpu_path();
+  printf("dispatch: %s\n", path_name(best));
+  int failures = 0, cases = 0;
+  const int formats[] = {kBCQ4, kCB4, kCB2};
+  const int shapes[][2] = {{8, 32}, {13, 96}, {24, 128}, {40, 160}, {64, 256}, {3, 64}};
+  for (int f : formats) {
+    const int book_opts[3] = {1, f == kCB2 ? 2 : 1, f == kCB2 ? 4 : 1};
+    for (int bi = 0; bi < 3; ++bi) {
+      for (int group : {32, 64, 128}) {
+        for (auto& s : shapes) {
+          const int N = s[0], K = s[1];
+          if (f != kBCQ4 && K % group) continue;  // codebook groups divide K
+          for (int M = 1; M <= 9; ++M) {
+            Layer L;
+            make_layer(L, f, book_opts[bi], N, K, group, f == kBCQ4 ? (M % 3) : 0);
+            std::vector<float> x((size_t)M * K), bias(N);
+            for (auto& v : x) v = ((int)(rnd() % 20001) - 10000) / 3000.f;
+            if (M == 5) for (int k = 0; k < K; ++k) x[k] = 0.f;  // an all-zero row
+            for (auto& v : bias) v = ((int)(rnd() % 201) - 100) / 64.f;
+            std::vector<char> ws(acts_bytes(M, K, group) + 16);
+            void* aligned = (void*)(((uintptr_t)ws.data() + 15) & ~(uintptr_t)15);
+            Acts a;
+            prepare_acts(x.data(), M, K, group, f, aligned, &a);
+            std::vector<float> ref((size_t)M * N), out((size_t)M * N);
+            reference(L.w, a, bias.data(), ref.data());
+            for (int path = kPlain; path <= best; ++path) {
+              std::fill(out.begin(), out.end(), -12345.f);
+              const int Nb = (N + 7) / 8;
+              run(L.w, a, bias.data(), out.data(), 0, Nb / 2, path);  // two ranges, like the threads
+              run(L.w, a, bias.data(), out.data(), Nb / 2, Nb, path);
+              ++cases;
+              if (memcmp(out.data(), ref.data(), out.size() * 4)) {
+                ++failures;
+                if (failures < 10)
+                  printf("MISMATCH format=%d books=%d group=%d N=%d K=%d M=%d path=%s\n", f, book_opts[bi], group, N,
+                         K, M, path_name(path));
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+  printf("%d cases, %d failures\n", cases, failures);
+  return failures ? 1 : 0;
+}
+
+static int bench(const char* fmt, int M, int N, int K, int reps) {
+  const int f = !strcmp(fmt, "bcq4") ? kBCQ4 : !strcmp(fmt, "cb4") ? kCB4 : kCB2;
+  Layer L;
+  const int group = f == kBCQ4 ? 128 : 32;
+  make_layer(L, f, f == kCB2 ? 4 : 1, N, K, group, f == kBCQ4 ? 1 : 0);
+  std::vector<float> x((size_t)M * K), y((size_t)M * N);
+  for (auto& v : x) v = ((int)(rnd() % 2001) - 1000) / 100.f;
+  std::vector<char> ws(acts_bytes(M, K, group) + 16);
+  void* aligned = (void*)(((uintptr_t)ws.data() + 15) & ~(uintptr_t)15);
+  Acts a;
+  prepare_acts(x.data(), M, K, group, f, aligned, &a);
+  for (int i = 0; i < reps; ++i) run(L.w, a, nullptr, y.data(), 0, (N + 7) / 8, kAuto);
+  printf("%s M=%d N=%d K=%d reps=%d path=%s weights=%lld y0=%g\n", fmt, M, N, K, reps,
+         path_name(M >= 4 ? cpu_path() : (cpu_path() == kMMLA ? kDot : cpu_path())), (long long)N * K * reps, y[0]);
+  return 0;
+}
+
+int main(int argc, char** argv) {
+  if (argc >= 2 && !strcmp(argv[1], "test")) return test();
+  if (argc >= 7 && !strcmp(argv[1], "bench")) return bench(argv[2], atoi(argv[3]), atoi(argv[4]), atoi(argv[5]), atoi(argv[6]));
+  fprintf(stderr, "usage: harness test | harness bench bcq4|cb4|cb2 M N K REPS\n");
+  return 2;
+}

@@ -1,0 +1,274 @@
+// Activation quantization, the SDOT GEMV (M = 1..3 rows at once; larger M in chunks of 3 when the CPU
+// has no i8mm), the plain-NEON fallback of the same kernel, runtime dispatch and the scalar reference.
+// SDOT form: weight vector V[c][p] = 2 rows x 8 inputs, activation = the 8 inputs twice, so the four
+// int32 lanes are (row a, inputs 0-3), (row a, 4-7), (row b, 0-3), (row b, 4-7): different output
+// rows in different lanes; one pairwise add per 32-input block turns 2 row pairs into 4 row sums.
+#include <math.h>
+#include <string.h>
+
+#include "decode.h"
+
+#if defined(__aarch64__) && defined(__linux__)
+#include <sys/auxv.h>
+#ifndef HWCAP_ASIMDDP
+#define HWCAP_ASIMDDP (1 << 20)
+#endif
+#ifndef HWCAP2_I8MM
+#define HWCAP2_I8MM (1 << 13)
+#endif
+#endif
+
+namespace qlinear_arm {
+
+int block_bytes(int format) { return format == kCB2 ? 64 : 128; }
+
+static inline size_t align16(size_t n) { return (n + 15) & ~(size_t)15; }
+
+size_t acts_bytes(int M, int K, int group_size) {
+  const size_t H = K / 32, P = (M + 1) / 2, G = (K + group_size - 1) / group_size;
+  return align16(M * H * 64) + align16(P * H * 64) + align16(M * H * 4) + align16(M * G * 4) + align16(P * H * 16) +
+         align16(P * G * 16);
+}
+
+void prepare_acts(const float* x, int M, int K, int group_size, int format, void* workspace, Acts* a) {
+  const int H = K / 32, P = (M + 1) / 2, G = (K + group_size - 1) / group_size;
+  char* ws = static_cast<char*>(workspace);
+  auto take = [&](size_t bytes) { char* at = ws; ws += align16(bytes); return at; };
+  a->M = M;
+  a->K = K;
+  a->xd = reinterpret_cast<int8_t*>(take((size_t)M * H * 64));
+  a->xp = reinterpret_cast<int8_t*>(take((size_t)P * H * 64));
+  a->xs = reinterpret_cast<float*>(take((size_t)M * H * 4));
+  a->xsum = reinterpret_cast<float*>(take((size_t)M * G * 4));
+  a->xsp = reinterpret_cast<float*>(take((size_t)P * H * 16));
+  a->xsump = reinterpret_cast<float*>(take((size_t)P * G * 16));
+  const float unit = format == kBCQ4 ? 0.0625f : 1.f;  // BCQ nibbles are 16x their value
+  memset(a->xp, 0, (size_t)P * H * 64);  // an odd M leaves the last pair's second row zero
+  memset(a->xsp, 0, (size_t)P * H * 16);
+  memset(a->xsump, 0, (size_t)P * G * 16);
+  for (int m = 0; m < M; ++m) {
+    const float* xm = x + (size_t)m * K;
+    for (int g = 0; g < G; ++g) {
+      float sum = 0.f;
+      for (int k = g * group_size; k < K && k < (g + 1) * group_size; ++k) sum += xm[k];
+      a->xsum[(size_t)m * G + g] = sum;
+      float* up = a->xsump + ((size_t)(m / 2) * G + g) * 4 + (m % 2) * 2;
+      up[0] = up[1] = sum;
+    }
+    for (int h = 0; h < H; ++h) {
+      const float* xv = xm + 32 * h;
+      float amax = 0.f;
+      for (int k = 0; k < 32; ++k) amax = fmaxf(amax, fabsf(xv[k]));
+      const float inv = amax > 0.f ? 127.f / amax : 0.f;
+      int8_t q[32];
+      for (int k = 0; k < 32; ++k) {
+        const float r = nearbyintf(xv[k] * inv);  // round half to even
+        q[k] = (int8_t)(r > 127.f ? 127.f : r < -127.f ? -127.f : r);
+      }
+      const float xs = amax / 127.f * unit;
+      a->xs[(size_t)m * H + h] = xs;
+      int8_t* d = a->xd + ((size_t)m * H + h) * 64;
+      int8_t* p = a->xp + ((size_t)(m / 2) * H + h) * 64 + (m % 2) * 8;
+      for (int c = 0; c < 4; ++c) {
+        memcpy(d + 16 * c, q + 8 * c, 8);
+        memcpy(d + 16 * c + 8, q + 8 * c, 8);
+        memcpy(p + 16 * c, q + 8 * c, 8);
+      }
+      float* sp = a->xsp + ((size_t)(m / 2) * H + h) * 4 + (m % 2) * 2;
+      sp[0] = sp[1] = xs;
+    }
+  }
+}
+
+int cpu_path() {
+#if defined(__aarch64__) && defined(__linux__)
+  const unsigned long hw = getauxval(AT_HWCAP), hw2 = getauxval(AT_HWCAP2);
+  if (hw2 & HWCAP2_I8MM) return kMMLA;
+  if (hw & HWCAP_ASIMDDP) return kDot;
+  return kPlain;
+#elif defined(__aarch64__)
+  return kPlain;
+#else
+  return kMMLA;  // SIMDe emulates every instruction
+#endif
+}
+
+const char* path_name(int path) {
+  switch (path) {
+    case kPlain: return "neon";
+    case kDot: return "dotprod";
+    case kMMLA: return "i8mm";
+    default: return "auto";
+  }
+}
+
+// acc lanes j += Σ_{i<4} a[4j+i]·b[4j+i]
+struct DotSDOT {
+  static inline int32x4_t dot(int32x4_t acc, int8x16_t a, int8x16_t b) { return vdotq_s32(acc, a, b); }
+};
+struct DotPlain {  // without the dotprod extension: widening multiplies and pairwise adds
+  static inline int32x4_t dot(int32x4_t acc, int8x16_t a, int8x16_t b) {
+    const int16x8_t lo = vmull_s8(vget_low_s8(a), vget_low_s8(b));
+    const int16x8_t hi = vmull_s8(vget_high_s8(a), vget_high_s8(b));
+    return vaddq_s32(acc, vpaddq_s32(vpaddlq_s16(lo), vpaddlq_s16(hi)));
+  }
+};
+
+template <int M, typename Dot, typename Dec>
+static void gemv(const Weights& w, const Acts& a, int m0, const float* bias, float* y, int b0, int b1, Dec& dec) {
+  const int H = w.K / 32, per_group = w.group_size / 32, G = (w.K + w.group_size - 1) / w.group_size;
+  for (int b = b0; b < b1; ++b) {
+    float32x4_t acc[M][2];
+#pragma GCC unroll 16
+    for (int m = 0; m < M; ++m) acc[m][0] = acc[m][1] = vdupq_n_f32(0.f);
+    const uint8_t* blk = w.qw + (size_t)b * H * Dec::kBytes;
+    float32x4_t ws[2], z[2];
+    for (int h = 0, g = 0, left = 0; h < H; ++h, blk += Dec::kBytes, --left) {
+      if (left == 0) {  // a new weight group (no division in the loop)
+        dec.group(w, b, g);
+        group_scales<Dec::kOffset>(w, b, g, ws, z);
+        if (Dec::kOffset) {
+#pragma GCC unroll 16
+          for (int m = 0; m < M; ++m) {
+            const float xsum = a.xsum[(size_t)(m0 + m) * G + g];
+            acc[m][0] = vfmaq_n_f32(acc[m][0], z[0], xsum);
+            acc[m][1] = vfmaq_n_f32(acc[m][1], z[1], xsum);
+          }
+        }
+        ++g;
+        left = per_group;
+      }
+      {
+        int32x4_t isum[M][4];
+#pragma GCC unroll 16
+        for (int m = 0; m < M; ++m)
+#pragma GCC unroll 16
+          for (int p = 0; p < 4; ++p) isum[m][p] = vdupq_n_s32(0);
+#pragma GCC unroll 16
+        for (int c = 0; c < 4; ++c) {
+          int8x16_t v[4];
+          dec.chunk(blk, c, v);
+#pragma GCC unroll 16
+          for (int m = 0; m < M; ++m) {
+            const int8x16_t xd = vld1q_s8(a.xd + (((size_t)(m0 + m) * H + h) * 4 + c) * 16);
+#pragma GCC unroll 16
+            for (int p = 0; p < 4; ++p) isum[m][p] = Dot::dot(isum[m][p], v[p], xd);
+          }
+        }
+#pragma GCC unroll 16
+        for (int m = 0; m < M; ++m) {
+          const float xs = a.xs[(size_t)(m0 + m) * H + h];
+#pragma GCC unroll 16
+          for (int half = 0; half < 2; ++half) {
+            const int32x4_t rows = vpaddq_s32(isum[m][2 * half], isum[m][2 * half + 1]);
+            acc[m][half] = vfmaq_f32(acc[m][half], vcvtq_f32_s32(rows), vmulq_n_f32(ws[half], xs));
+          }
+        }
+      }
+    }
+#pragma GCC unroll 16
+    for (int m = 0; m < M; ++m) {
+      float out[8];
+      vst1q_f32(out, acc[m][0]);
+      vst1q_f32(out + 4, acc[m][1]);
+      for (int r = 0; r < 8 && 8 * b + r < w.N; ++r)
+        y[(size_t)(m0 + m) * w.N + 8 * b + r] = out[r] + (bias ? bias[8 * b + r] : 0.f);
+    }
+  }
+}
+
+template <typename Dot>
+static void run_rows(const Weights& w, const Acts& a, const float* bias, float* y, int b0, int b1) {
+  with_decoder(w, [&](auto& dec) {
+    for (int m0 = 0; m0 < a.M; m0 += 3) {
+      switch (a.M - m0 >= 3 ? 3 : a.M - m0) {
+        case 1: gemv<1, Dot>(w, a, m0, bias, y, b0, b1, dec); break;
+        case 2: gemv<2, Dot>(w, a, m0, bias, y, b0, b1, dec); break;
+        default: gemv<3, Dot>(w, a, m0, bias, y, b0, b1, dec); break;
+      }
+    }
+  });
+}
+
+// Named, non-inlined entry points: the instruction counter attributes executed instructions per symbol.
+__attribute__((noinline)) void qlinear_arm_sdot(const Weights& w, const Acts& a, const float* bias, float* y, int b0,
+                                                int b1) {
+  run_rows<DotSDOT>(w, a, bias, y, b0, b1);
+}
+__attribute__((noinline)) void qlinear_arm_plain(const Weights& w, const Acts& a, const float* bias, float* y, int b0,
+                                                 int b1) {
+  run_rows<DotPlain>(w, a, bias, y, b0, b1);
+}
+
+void run(const Weights& w, const Acts& a, const float* bias, float* y, int b0, int b1, int path) {
+  if (path == kAuto) path = cpu_path();
+  if (path == kMMLA && a.M < 4) path = kDot;  // decode: SDOT GEMV; SMMLA pays off from 4 rows
+  if (path == kMMLA) return run_mmla(w, a, bias, y, b0, b1);
+  if (path == kDot) return qlinear_arm_sdot(w, a, bias, y, b0, b1);
+  qlinear_arm_plain(w, a, bias, y, b0, b1);
+}
+
+static inline float half_to_float(uint16_t h) {
+  const uint32_t sign = (uint32_t)(h >> 15) << 31, e = (h >> 10) & 31, f = h & 1023;
+  uint32_t bits;
+  if (e == 31) {
+    bits = sign | 0x7F800000u | (f << 13);
+  } else if (e) {
+    bits = sign | ((e + 112) << 23) | (f << 13);
+  } else {
+    float v = ldexpf((float)f, -24);
+    memcpy(&bits, &v, 4);
+    bits |= sign;
+  }
+  float out;
+  memcpy(&out, &bits, 4);
+  return out;
+}
+
+// int8 weight of row r (0..7) at input k (0..31) of block (b, h), decoded from the packed layout.
+static int weight_at(const Weights& w, int b, int h, int r, int k) {
+  const int H = w.K / 32, c = k / 8, p = r / 2, i = (r % 2) * 8 + k % 8;
+  const uint8_t* blk = w.qw + ((size_t)b * H + h) * block_bytes(w.format);
+  if (w.format == kCB2) {
+    const int idx = (blk[16 * c + i] >> (2 * p)) & 3;
+    int book = 0;
+    if (w.num_books > 1) {
+      const int G = (w.K + w.group_size - 1) / w.group_size, g = h / (w.group_size / 32);
+      book = (w.qb[(size_t)b * G + g] >> (2 * r)) & 3;
+    }
+    return w.books[book * 4 + idx];
+  }
+  const uint8_t byte = blk[32 * c + 16 * (p / 2) + i];
+  const int nib = (p % 2) ? byte >> 4 : byte & 15;
+  if (w.format == kCB4) return w.books[nib];
+  return (int8_t)(nib << 4);  // BCQ: 16·(code − 8)
+}
+
+void reference(const Weights& w, const Acts& a, const float* bias, float* y) {
+  const int H = w.K / 32, per_group = w.group_size / 32, Nb = (w.N + 7) / 8;
+  const int G = (w.K + w.group_size - 1) / w.group_size;
+  for (int m = 0; m < a.M; ++m) {
+    for (int b = 0; b < Nb; ++b) {
+      for (int r = 0; r < 8; ++r) {
+        float acc = 0.f;
+        for (int h = 0; h < H; ++h) {
+          const size_t at = ((size_t)b * G + h / per_group) * 8 + r;
+          const float s = half_to_float(w.qs[at]);
+          if (w.format == kBCQ4 && h % per_group == 0) {
+            const float c = w.qz_f32 ? static_cast<const float*>(w.qz)[at]
+                            : w.qz   ? half_to_float(static_cast<const uint16_t*>(w.qz)[at])
+                                     : 0.f;
+            acc = fmaf(fmaf(0.5f, s, c), a.xsum[(size_t)m * G + h / per_group], acc);
+          }
+          const int8_t* xq = a.xd + ((size_t)m * H + h) * 64;
+          int32_t isum = 0;
+          for (int k = 0; k < 32; ++k) isum += weight_at(w, b, h, r, k) * xq[16 * (k / 8) + k % 8];
+          acc = fmaf((float)isum, s * a.xs[(size_t)m * H + h], acc);
+        }
+        if (8 * b + r < w.N) y[(size_t)m * w.N + 8 * b + r] = acc + (bias ? bias[8 * b + r] : 0.f);
+      }
+    }
+  }
+}
+
+}  // namespace qlinear_arm

@@ -1,0 +1,234 @@
+"""Arm NEON/SDOT/SMMLA backend: layouts, executable spec, the native op (SIMDe on x86, or native on Arm) on
+every dispatch path, registry rules, modules, compile, the JIT build under concurrency, and the standalone
+harness cross-compiled for aarch64 and run under qemu (dotprod+i8mm and dotprod-only CPUs).
+
+Error bound versus the reference (int8 activations, see the backend docstring): per output
+``|y − y_ref| ≤ Σ_h (amax_h / 254) · Σ_{k∈h} |ŵ_k| + 1e-5 · Σ_k |ŵ_k x_k|``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import qlinear.backends as backends
+from qlinear import BCQLinear, CodebookLinear
+from qlinear.backends import arm_neon
+from qlinear.formats import bcq, codebook
+
+HERE = Path(arm_neon.__file__).parent
+
+
+def _bound(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``[M, N]`` bound for dense ``w`` ``[N, K]`` and ``x`` ``[M, K]`` (float64)."""
+    M, K = x.shape
+    amax = x.double().abs().view(M, K // 32, 32).amax(-1)                         # [M, H]
+    wabs = w.double().abs().view(w.shape[0], K // 32, 32).sum(-1)               # [N, H]
+    return (amax / 254) @ wabs.T + 1e-5 * (x.double().abs() @ w.double().abs().T) + 1e-6
+
+
+def _bcq_uniform(N, K, group_size, offset=True, fp32=False, seed=0):
+    torch.manual_seed(seed)
+    if fp32:  # an imported GPTQ-style layer: exact fp32 offsets
+        G = -(-K // group_size)
+        codes = torch.randint(0, 16, (N, K))
+        scales = (torch.rand(N, G) * 0.02 + 0.001).half().float()
+        zeros = torch.randint(0, 16, (N, G))
+        cfg, bufs = bcq.from_uniform(codes, scales, zeros, 4, group_size)
+        return cfg, bufs
+    cfg = bcq.Config(bits=4, group_size=group_size, offset=offset, init="uniform", iters=0)
+    return cfg, bcq.quantize(torch.randn(N, K), cfg)
+
+
+def _codebook(N, K, bits, books, group_size=32, seed=0):
+    torch.manual_seed(seed)
+    cfg = codebook.Config(bits=bits, group_size=group_size, num_codebooks=books, iters=1)
+    return cfg, codebook.quantize(torch.randn(N, K), cfg)
+
+
+def _cases():
+    yield "bcq g128", *_bcq_uniform(24, 256, 128)
+    yield "bcq g64 fp32 offset ragged", *_bcq_uniform(13, 160, 64, fp32=True)
+    yield "bcq no offset g32", *_bcq_uniform(16, 96, 32, offset=False)
+    yield "codebook 4-bit", *_codebook(20, 128, 4, 1)
+    yield "codebook 2-bit 1 book", *_codebook(8, 96, 2, 1)
+    yield "codebook 2-bit 2 books", *_codebook(19, 128, 2, 2)
+    yield "codebook 2-bit 4 books g64", *_codebook(32, 192, 2, 4, group_size=64)
+
+
+CASES = list(_cases())
+IDS = [c[0] for c in CASES]
+
+
+def _layout(cfg):
+    return arm_neon.BCQ_LAYOUT if cfg.format == "bcq" else arm_neon.CODEBOOK_LAYOUT
+
+
+def _dense(cfg, bufs, N, K):
+    from qlinear.formats import get_format
+
+    return get_format(cfg.format).dequantize(bufs, cfg, N, K)
+
+
+@pytest.mark.parametrize("name,cfg,bufs", CASES, ids=IDS)
+def test_layout_round_trip_is_exact(name, cfg, bufs):
+    (N, K) = _shape(cfg, bufs)
+    layout = _layout(cfg)
+    packed = layout.repack(bufs, cfg, N, K)
+    assert tuple(packed) == layout.names(cfg)
+    canon_code_bytes = bufs["planes" if cfg.format == "bcq" else "codes"].numel() * 4
+    assert packed["arm_qw"].numel() <= canon_code_bytes + 8 * 4 * K  # same code bits (+ padding rows)
+    back = layout.unrepack(packed, cfg, N, K)
+    assert set(back) == set(bufs)
+    for k in bufs:
+        assert back[k].dtype == bufs[k].dtype and torch.equal(back[k], bufs[k]), k
+
+
+def _shape(cfg, bufs):
+    if cfg.format == "bcq":
+        return bufs["planes"].shape[1], bufs["planes"].shape[2] * 32
+    return bufs["scales"].shape[0], bufs["scales"].shape[1] * cfg.group_size
+
+
+def test_non_uniform_bcq_is_rejected():
+    cfg = bcq.Config(bits=4, group_size=64, iters=2)
+    bufs = bcq.quantize(torch.randn(16, 128), cfg)
+    k = next(k for k in backends.kernels("bcq") if k.backend == "arm_neon")
+    assert "uniform" in k.reject(cfg, torch.device("cpu"), torch.float32, 1, (16, 128))
+    with pytest.raises(ValueError, match="not uniform"):
+        arm_neon.repack_bcq(bufs, cfg, 16, 128)
+
+
+def test_registry_reasons():
+    cpu = torch.device("cpu")
+    cb = next(k for k in backends.kernels("codebook") if k.backend == "arm_neon")
+    assert "bits=1" in cb.reject(codebook.Config(bits=1), cpu, torch.float32, 1, (8, 64))
+    assert "multiple of 32" in cb.reject(codebook.Config(bits=2, group_size=16), cpu, torch.float32, 1, (8, 64))
+    b = next(k for k in backends.kernels("bcq") if k.backend == "arm_neon")
+    assert "bits=3" in b.reject(bcq.Config(bits=3, init="uniform", iters=0), cpu, torch.float32, 1, (8, 64))
+    assert "act_order" in b.reject(bcq.Config(bits=4, init="uniform", iters=0, act_order=True), cpu, torch.float32, 1,
+                                   (8, 64))
+    assert "device cuda" in b.reject(bcq.Config(bits=4, init="uniform", iters=0), torch.device("cuda"), torch.float32,
+                                     1, (8, 64))
+
+
+@pytest.mark.parametrize("name,cfg,bufs", CASES, ids=IDS)
+def test_spec_matches_reference_within_activation_bound(name, cfg, bufs):
+    N, K = _shape(cfg, bufs)
+    packed = _layout(cfg).repack(bufs, cfg, N, K)
+    w = _dense(cfg, bufs, N, K)
+    for M in (1, 3, 8):
+        x = torch.randn(M, K) * 2
+        bias = torch.randn(N)
+        y = arm_neon.spec(x, packed, bias, cfg, arm_neon._format(cfg), N, K)
+        ref = x.double() @ w.double().T + bias.double()
+        assert ((y.double() - ref).abs() <= _bound(w, x)).all()
+
+
+def test_spec_catches_a_wrong_layout():
+    cfg, bufs = _codebook(16, 128, 2, 4)
+    packed = arm_neon.repack_codebook(bufs, cfg, 16, 128)
+    packed["arm_qw"] = packed["arm_qw"].flip(-1).contiguous()
+    x = torch.randn(2, 128)
+    y = arm_neon.spec(x, packed, None, cfg, arm_neon._FMT_CB2, 16, 128)
+    w = _dense(cfg, bufs, 16, 128)
+    assert not ((y.double() - x.double() @ w.double().T).abs() <= _bound(w, x)).all()
+
+
+# --- the native op ----------------------------------------------------------------------------------------------
+native = pytest.mark.skipif(arm_neon.available() is not None, reason=f"arm_neon extension: {arm_neon.available()}")
+
+
+@native
+@pytest.mark.parametrize("name,cfg,bufs", CASES, ids=IDS)
+@pytest.mark.parametrize("path", ["neon", "dotprod", "i8mm"])
+def test_native_op_matches_spec_and_reference(name, cfg, bufs, path):
+    N, K = _shape(cfg, bufs)
+    packed = _layout(cfg).repack(bufs, cfg, N, K)
+    w = _dense(cfg, bufs, N, K)
+    for M in (1, 2, 3, 4, 5, 8, 17, 64):
+        x = torch.randn(M, K)
+        for bias in (None, torch.randn(N)):
+            y = arm_neon.linear(x, packed, bias, cfg, N, K, path)
+            assert y.shape == (M, N) and y.dtype == torch.float32
+            s = arm_neon.spec(x, packed, bias, cfg, arm_neon._format(cfg), N, K)
+            assert torch.allclose(y, s, rtol=1e-5, atol=1e-5 * float(s.abs().max()) + 1e-6)
+            ref = x.double() @ w.double().T + (0 if bias is None else bias.double())
+            assert ((y.double() - ref).abs() <= _bound(w, x)).all()
+
+
+@native
+def test_all_paths_agree_bitwise():
+    cfg, bufs = _codebook(40, 256, 2, 4)
+    packed = arm_neon.repack_codebook(bufs, cfg, 40, 256)
+    x = torch.randn(9, 256)
+    outs = [arm_neon.linear(x, packed, None, cfg, 40, 256, p) for p in ("neon", "dotprod", "i8mm")]
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[1], outs[2])
+
+
+@native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_modules_on_the_arm_backend(dtype, tmp_path):
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(128, 40)
+    for cls, cfg in ((CodebookLinear, dict(bits=2)), (CodebookLinear, dict(bits=4)),
+                     (BCQLinear, dict(bits=4, group_size=64, init="uniform", iters=0))):
+        ref = cls.from_linear(lin, cfg, backend="reference")
+        mod = cls.from_linear(lin, cfg, backend="arm_neon")
+        assert mod.layout.startswith("arm_neon") and ref.layout == ""
+        assert mod.memory_footprint() <= ref.memory_footprint() + 8 * 2 * 40  # scales + padding only
+        sd = mod.state_dict()
+        assert list(sd) == list(ref.state_dict()) and all(torch.equal(sd[k], ref.state_dict()[k]) for k in sd)
+        x = torch.randn(3, 7, 128).to(dtype)
+        y = mod(x)
+        assert y.dtype == dtype and y.shape == (3, 7, 40)
+        w = ref.dequantize(torch.float64)
+        x2 = x.reshape(-1, 128).float()
+        err = (y.reshape(-1, 40).double() - (x2.double() @ w.T + lin.bias.double()))
+        tol = _bound(w, x2) + (0 if dtype == torch.float32 else 2 ** -7 * y.reshape(-1, 40).double().abs())
+        assert (err.abs() <= tol).all()
+        torch._dynamo.reset()
+        compiled = torch.compile(mod, fullgraph=True, backend="eager")
+        assert torch.equal(compiled(x), y)
+
+
+@native
+def test_concurrent_jit_builds_do_not_race(tmp_path):
+    """Two processes building the extension into an empty cache at once both load it."""
+    code = ("from qlinear.backends import arm_neon; import sys; r = arm_neon.available(); "
+            "print(r); sys.exit(0 if r is None else 1)")
+    env = dict(os.environ, QLINEAR_CACHE=str(tmp_path))
+    procs = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True) for _ in range(2)]
+    outs = [p.communicate(timeout=900)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+    assert len(list((tmp_path / "ext").glob("qlinear_arm_neon-*/*.so"))) == 1
+
+
+# --- the standalone harness on aarch64 under qemu ----------------------------------------------------------------
+CROSS = shutil.which("aarch64-linux-gnu-g++")
+QEMU = shutil.which("qemu-aarch64")
+
+
+@pytest.fixture(scope="module")
+def harness(tmp_path_factory):
+    out = tmp_path_factory.mktemp("arm") / "harness"
+    srcs = [str(HERE / f) for f in ("harness.cpp", "kernels.cpp", "kernels_i8mm.cpp")]
+    r = subprocess.run([CROSS, "-std=c++17", "-O3", "-static", "-march=armv8.2-a+dotprod", *srcs, "-o", str(out)],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return out
+
+
+@pytest.mark.skipif(CROSS is None or QEMU is None, reason="needs g++-aarch64-linux-gnu and qemu-user")
+@pytest.mark.parametrize("cpu,path", [("max", "i8mm"), ("neoverse-n1", "dotprod"), ("cortex-a53", "neon")])
+def test_harness_under_qemu(harness, cpu, path):
+    r = subprocess.run([QEMU, "-cpu", cpu, str(harness), "test"], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    assert f"dispatch: {path}" in r.stdout and " 0 failures" in r.stdout
