@@ -45,10 +45,10 @@ def count(plugin: str, work: Path) -> list[list[object]]:
     for fmt, label in FORMATS.items():
         for M, kind in ((1, "GEMV (SDOT)"), (8, "GEMM (SMMLA)")):
             log = work / f"{fmt}-{M}.txt"
-            subprocess.run(["qemu-aarch64", "-cpu", "max", "-plugin", f"{plugin},top=12", "-d", "plugin", "-D", str(log),
+            subprocess.run(["qemu-aarch64", "-cpu", "max", "-plugin", f"{plugin},top=40", "-d", "plugin", "-D", str(log),
                             str(exe), "bench", fmt, str(M), str(N), str(K), "2"], check=True, capture_output=True)
-            n = sum(int(m.group(1)) for m in re.finditer(r"sym\s+(\d+)\s+\S*qlinear_arm_(sdot|mmla|plain)",
-                                                         log.read_text()))
+            n = sum(int(m.group(1)) for m in re.finditer(r"sym\s+(\d+)\s+(\S*qlinear_arm\S*)", log.read_text())
+                    if not re.search("prepare_acts|reference|weight_at|half_to_float|cpu_path", m.group(2)))
             per = n / (N * K * 2 * M)
             rows.append([label, kind, M, f"{n / 2:,.0f}", f"{per:.3f}"])
             print(rows[-1], flush=True)

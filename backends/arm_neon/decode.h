@@ -13,7 +13,8 @@ namespace {  // internal linkage: each translation unit (built for its own -marc
 struct DecBCQ4 {
   static constexpr int kBytes = 128;
   static constexpr bool kOffset = true;
-  DecBCQ4(const Weights&) {}
+  DecBCQ4() = default;
+  explicit DecBCQ4(const Weights&) {}
   inline void group(const Weights&, int, int) {}
   inline void chunk(const uint8_t* blk, int c, int8x16_t v[4]) const {
     const uint8x16_t p0 = vld1q_u8(blk + 32 * c), p1 = vld1q_u8(blk + 32 * c + 16);
@@ -30,6 +31,7 @@ struct DecCB4 {
   static constexpr int kBytes = 128;
   static constexpr bool kOffset = false;
   int8x16_t table;
+  DecCB4() = default;
   explicit DecCB4(const Weights& w) : table(vld1q_s8(w.books)) {}
   inline void group(const Weights&, int, int) {}
   inline void chunk(const uint8_t* blk, int c, int8x16_t v[4]) const {
@@ -50,6 +52,7 @@ struct DecCB2 {
   static constexpr bool kOffset = false;
   int8x16_t table, table_t;
   uint8x16_t o[4];
+  DecCB2() = default;
   explicit DecCB2(const Weights& w) {
     int8_t t[16] = {0}, tt[16] = {0};
     memcpy(t, w.books, (size_t)w.num_books * 4);
@@ -93,28 +96,38 @@ struct DecCB2 {
 
 inline float32x4_t load_f16x4(const uint16_t* p) { return vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(p))); }
 
-// Scales (8 rows) of group g of block b: ws[0..1] = rows 0-3, 4-7; BCQ also z = fma(0.5, s, c).
+// Scales of one 8-row block, group after group: ws[0..1] = rows 0-3, 4-7; BCQ also z = fma(0.5, s, c).
 template <bool kOffset>
-inline void group_scales(const Weights& w, int b, int g, float32x4_t ws[2], float32x4_t z[2]) {
-  const int G = (w.K + w.group_size - 1) / w.group_size;
-  const size_t at = ((size_t)b * G + g) * 8;
-  ws[0] = load_f16x4(w.qs + at);
-  ws[1] = load_f16x4(w.qs + at + 4);
-  if (kOffset) {
-    float32x4_t c0, c1;
-    if (w.qz_f32) {
-      c0 = vld1q_f32(static_cast<const float*>(w.qz) + at);
-      c1 = vld1q_f32(static_cast<const float*>(w.qz) + at + 4);
-    } else if (w.qz) {
-      c0 = load_f16x4(static_cast<const uint16_t*>(w.qz) + at);
-      c1 = load_f16x4(static_cast<const uint16_t*>(w.qz) + at + 4);
-    } else {
-      c0 = c1 = vdupq_n_f32(0.f);
+struct GroupScales {
+  const uint16_t* qs;
+  const uint8_t* qz;
+  int qz_kind;  // 0 none, 1 fp16, 2 fp32
+  GroupScales() = default;
+  GroupScales(const Weights& w, int b) {
+    const size_t at = (size_t)b * ((w.K + w.group_size - 1) / w.group_size) * 8;
+    qs = w.qs + at;
+    qz_kind = w.qz == nullptr ? 0 : w.qz_f32 ? 2 : 1;
+    qz = qz_kind ? static_cast<const uint8_t*>(w.qz) + at * (qz_kind == 2 ? 4 : 2) : nullptr;
+  }
+  inline void next(float32x4_t ws[2], float32x4_t z[2]) {
+    ws[0] = load_f16x4(qs);
+    ws[1] = load_f16x4(qs + 4);
+    qs += 8;
+    if (!kOffset) return;
+    float32x4_t c0 = vdupq_n_f32(0.f), c1 = c0;
+    if (qz_kind == 2) {
+      c0 = vld1q_f32(reinterpret_cast<const float*>(qz));
+      c1 = vld1q_f32(reinterpret_cast<const float*>(qz) + 4);
+      qz += 32;
+    } else if (qz_kind == 1) {
+      c0 = load_f16x4(reinterpret_cast<const uint16_t*>(qz));
+      c1 = load_f16x4(reinterpret_cast<const uint16_t*>(qz) + 4);
+      qz += 16;
     }
     z[0] = vfmaq_f32(c0, vdupq_n_f32(0.5f), ws[0]);
     z[1] = vfmaq_f32(c1, vdupq_n_f32(0.5f), ws[1]);
   }
-}
+};
 
 template <typename F>
 inline void with_decoder(const Weights& w, F&& f) {

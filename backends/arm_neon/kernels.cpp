@@ -114,67 +114,99 @@ struct DotPlain {  // without the dotprod extension: widening multiplies and pai
   }
 };
 
-template <int M, typename Dot, typename Dec>
-static void gemv(const Weights& w, const Acts& a, int m0, const float* bias, float* y, int b0, int b1, Dec& dec) {
+// M activation rows x RB blocks of 8 weight rows per pass (RB = 2 for M = 1 halves the activation loads
+// and loop control per weight).
+template <int M, int RB, typename Dot, typename Dec>
+static void gemv_pass(const Weights& w, const Acts& a, int m0, const float* bias, float* y, int b, const Dec& proto) {
   const int H = w.K / 32, per_group = w.group_size / 32, G = (w.K + w.group_size - 1) / w.group_size;
-  for (int b = b0; b < b1; ++b) {
-    float32x4_t acc[M][2];
+  float32x4_t acc[M][RB][2];
 #pragma GCC unroll 16
-    for (int m = 0; m < M; ++m) acc[m][0] = acc[m][1] = vdupq_n_f32(0.f);
-    const uint8_t* blk = w.qw + (size_t)b * H * Dec::kBytes;
-    float32x4_t ws[2], z[2];
-    for (int h = 0, g = 0, left = 0; h < H; ++h, blk += Dec::kBytes, --left) {
-      if (left == 0) {  // a new weight group (no division in the loop)
-        dec.group(w, b, g);
-        group_scales<Dec::kOffset>(w, b, g, ws, z);
+  for (int m = 0; m < M; ++m)
+#pragma GCC unroll 16
+    for (int r = 0; r < RB; ++r) acc[m][r][0] = acc[m][r][1] = vdupq_n_f32(0.f);
+  Dec dec[RB];
+  const uint8_t* blk[RB];
+  float32x4_t ws[RB][2], z[RB][2];
+  GroupScales<Dec::kOffset> scales[RB];
+#pragma GCC unroll 2
+  for (int r = 0; r < RB; ++r) {
+    dec[r] = proto;
+    blk[r] = w.qw + (size_t)(b + r) * H * Dec::kBytes;
+    scales[r] = GroupScales<Dec::kOffset>(w, b + r);
+  }
+  const float* xsum = a.xsum + (size_t)m0 * G;
+  for (int h = 0, g = 0, left = 0; h < H; ++h, --left) {
+    if (left == 0) {  // a new weight group (no division in the loop)
+#pragma GCC unroll 2
+      for (int r = 0; r < RB; ++r) {
+        dec[r].group(w, b + r, g);
+        scales[r].next(ws[r], z[r]);
         if (Dec::kOffset) {
 #pragma GCC unroll 16
           for (int m = 0; m < M; ++m) {
-            const float xsum = a.xsum[(size_t)(m0 + m) * G + g];
-            acc[m][0] = vfmaq_n_f32(acc[m][0], z[0], xsum);
-            acc[m][1] = vfmaq_n_f32(acc[m][1], z[1], xsum);
+            acc[m][r][0] = vfmaq_n_f32(acc[m][r][0], z[r][0], xsum[(size_t)m * G + g]);
+            acc[m][r][1] = vfmaq_n_f32(acc[m][r][1], z[r][1], xsum[(size_t)m * G + g]);
           }
         }
-        ++g;
-        left = per_group;
       }
-      {
-        int32x4_t isum[M][4];
+      ++g;
+      left = per_group;
+    }
+    int32x4_t isum[M][RB][4];
+#pragma GCC unroll 16
+    for (int m = 0; m < M; ++m)
+#pragma GCC unroll 16
+      for (int r = 0; r < RB; ++r)
+#pragma GCC unroll 16
+        for (int p = 0; p < 4; ++p) isum[m][r][p] = vdupq_n_s32(0);
+#pragma GCC unroll 16
+    for (int c = 0; c < 4; ++c) {
+      int8x16_t x[M];
+#pragma GCC unroll 16
+      for (int m = 0; m < M; ++m) x[m] = vld1q_s8(a.xd + (((size_t)(m0 + m) * H + h) * 4 + c) * 16);
+#pragma GCC unroll 2
+      for (int r = 0; r < RB; ++r) {
+        int8x16_t v[4];
+        dec[r].chunk(blk[r], c, v);
 #pragma GCC unroll 16
         for (int m = 0; m < M; ++m)
 #pragma GCC unroll 16
-          for (int p = 0; p < 4; ++p) isum[m][p] = vdupq_n_s32(0);
-#pragma GCC unroll 16
-        for (int c = 0; c < 4; ++c) {
-          int8x16_t v[4];
-          dec.chunk(blk, c, v);
-#pragma GCC unroll 16
-          for (int m = 0; m < M; ++m) {
-            const int8x16_t xd = vld1q_s8(a.xd + (((size_t)(m0 + m) * H + h) * 4 + c) * 16);
-#pragma GCC unroll 16
-            for (int p = 0; p < 4; ++p) isum[m][p] = Dot::dot(isum[m][p], v[p], xd);
-          }
-        }
-#pragma GCC unroll 16
-        for (int m = 0; m < M; ++m) {
-          const float xs = a.xs[(size_t)(m0 + m) * H + h];
-#pragma GCC unroll 16
-          for (int half = 0; half < 2; ++half) {
-            const int32x4_t rows = vpaddq_s32(isum[m][2 * half], isum[m][2 * half + 1]);
-            acc[m][half] = vfmaq_f32(acc[m][half], vcvtq_f32_s32(rows), vmulq_n_f32(ws[half], xs));
-          }
-        }
+          for (int p = 0; p < 4; ++p) isum[m][r][p] = Dot::dot(isum[m][r][p], v[p], x[m]);
       }
     }
 #pragma GCC unroll 16
     for (int m = 0; m < M; ++m) {
-      float out[8];
-      vst1q_f32(out, acc[m][0]);
-      vst1q_f32(out + 4, acc[m][1]);
-      for (int r = 0; r < 8 && 8 * b + r < w.N; ++r)
-        y[(size_t)(m0 + m) * w.N + 8 * b + r] = out[r] + (bias ? bias[8 * b + r] : 0.f);
+      const float xs = a.xs[(size_t)(m0 + m) * H + h];
+#pragma GCC unroll 2
+      for (int r = 0; r < RB; ++r)
+#pragma GCC unroll 16
+        for (int half = 0; half < 2; ++half) {
+          const int32x4_t rows = vpaddq_s32(isum[m][r][2 * half], isum[m][r][2 * half + 1]);
+          acc[m][r][half] = vfmaq_f32(acc[m][r][half], vcvtq_f32_s32(rows), vmulq_n_f32(ws[r][half], xs));
+        }
     }
+#pragma GCC unroll 2
+    for (int r = 0; r < RB; ++r) blk[r] += Dec::kBytes;
   }
+#pragma GCC unroll 16
+  for (int m = 0; m < M; ++m)
+#pragma GCC unroll 2
+    for (int r = 0; r < RB; ++r) {
+      float out[8];
+      vst1q_f32(out, acc[m][r][0]);
+      vst1q_f32(out + 4, acc[m][r][1]);
+      const int n0 = 8 * (b + r);
+      for (int i = 0; i < 8 && n0 + i < w.N; ++i)
+        y[(size_t)(m0 + m) * w.N + n0 + i] = out[i] + (bias ? bias[n0 + i] : 0.f);
+    }
+}
+
+template <int M, typename Dot, typename Dec>
+static void gemv(const Weights& w, const Acts& a, int m0, const float* bias, float* y, int b0, int b1, Dec& dec) {
+  int b = b0;
+  if (M == 1)
+    for (; b + 2 <= b1; b += 2) gemv_pass<M, 2, Dot>(w, a, m0, bias, y, b, dec);
+  for (; b < b1; ++b) gemv_pass<M, 1, Dot>(w, a, m0, bias, y, b, dec);
 }
 
 template <typename Dot>

@@ -21,10 +21,11 @@ static void mmla_tile(const Weights& w, const Acts& a, int mp0, const float* bia
     for (int p = 0; p < 4; ++p) acc[q][p] = vdupq_n_f32(0.f);
   const uint8_t* blk = w.qw + (size_t)b * H * Dec::kBytes;
   float32x4_t ws[2], z[2], wsp[4];
+  GroupScales<Dec::kOffset> scales(w, b);
   for (int h = 0, g = 0, left = 0; h < H; ++h, blk += Dec::kBytes, --left) {
     if (left == 0) {  // a new weight group (no division in the loop)
       dec.group(w, b, g);
-      group_scales<Dec::kOffset>(w, b, g, ws, z);
+      scales.next(ws, z);
 #pragma GCC unroll 4
       for (int p = 0; p < 4; ++p) {  // (w_2p, w_2p+1, w_2p, w_2p+1)
         const float32x2_t s2 = p % 2 ? vget_high_f32(ws[p / 2]) : vget_low_f32(ws[p / 2]);
