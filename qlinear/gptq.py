@@ -27,7 +27,7 @@ import torch
 
 from .formats.base import group_bounds, importance
 
-__all__ = ["run", "damped_inverse_hessian"]
+__all__ = ["run", "quantize_uniform", "damped_inverse_hessian"]
 
 
 def check_hessian(hessian: torch.Tensor, in_features: int) -> None:
@@ -67,16 +67,23 @@ def damped_inverse_hessian(hessian: torch.Tensor, in_features: int, damp: float 
 
 
 def run(weight: torch.Tensor, group_size: int, quantizer, hessian: torch.Tensor | None = None, *,
-        damp: float = 0.01, activation_aware: bool = True, block_size: int = 128) -> dict[str, torch.Tensor]:
+        damp: float = 0.01, activation_aware: bool = True, block_size: int = 128, act_order: bool = False,
+        static_groups: bool = False) -> dict[str, torch.Tensor]:
     """Quantize ``weight`` ``[N, K]`` with ``quantizer`` (see module docstring), with error feedback
     when ``hessian`` ``[K, K]`` (= XᵀX over calibration inputs) is given.
 
     Args:
         activation_aware: pass diag(H) as per-column importance to ``fit_group`` (else ones).
         damp: relative Tikhonov damping of H (GPTQ's ``percdamp``).
+        act_order: process columns by decreasing diag(H) (GPTQ's ``desc_act``).  Groups are then
+            formed in that order: the quantizer sees processing positions, not input indices, and
+            the result gets ``perm`` (int32 ``[K]``, position -> input column), so its groups are
+            contiguous in the stored order (the reordering of "TP-Aware Dequantization", Alg. 1).
+        static_groups: with ``act_order``, fit every group up front on the original weights in the
+            original column order (GPTQ's ``static_groups``): codes keep the input order, no ``perm``.
 
     Returns:
-        ``quantizer.finish()``.
+        ``quantizer.finish()`` (plus ``"perm"`` for ``act_order`` without ``static_groups``).
 
     Raises:
         ValueError: wrong Hessian shape, non-finite or not positive definite Hessian.
@@ -95,6 +102,12 @@ def run(weight: torch.Tensor, group_size: int, quantizer, hessian: torch.Tensor 
     H, dead = _damped(hessian, damp)
     W[:, dead] = 0.0  # inputs never seen in calibration: GPTQ's convention
     d = importance(hessian if activation_aware else None, K)
+    order = torch.argsort(torch.diagonal(H), descending=True, stable=True) if act_order else torch.arange(K)
+    static = act_order and static_groups
+    if static:
+        for gi, (s, e) in enumerate(bounds):
+            quantizer.fit_group(gi, s, W[:, s:e], d[s:e])
+    W, H, d = W[:, order], H[order][:, order], d[order]
     try:
         U = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True).to(torch.float32)
     except torch.linalg.LinAlgError as e:
@@ -107,15 +120,63 @@ def run(weight: torch.Tensor, group_size: int, quantizer, hessian: torch.Tensor 
         U1 = U[i1:i2, i1:i2]
         Err = torch.zeros(N, i2 - i1)
         for i in range(i2 - i1):
-            col = i1 + i
-            if col % group_size == 0:
+            pos = i1 + i
+            if static:  # the input column's own group, fitted up front; codes stored in input order
+                col = int(order[pos])
                 gi = col // group_size
-                s, e = bounds[gi]
-                quantizer.fit_group(gi, s, W[:, s:e], d[s:e])
+            else:  # groups of consecutive processing positions, fitted from the error-updated weights
+                col = pos
+                if pos % group_size == 0:
+                    gi = pos // group_size
+                    s, e = bounds[gi]
+                    quantizer.fit_group(gi, s, W[:, s:e], d[s:e])
             w = W1[:, i].clone()
             q = quantizer.quantize(gi, col, w[:, None])[:, 0]
             err = (w - q) / U1[i, i]
             W1[:, i:] -= err[:, None] * U1[i, i:][None, :]
             Err[:, i] = err
         W[:, i2:] -= Err @ U[i1:i2, i2:]
-    return quantizer.finish()
+    out = quantizer.finish()
+    if act_order and not static:
+        out["perm"] = order.to(torch.int32)
+    return out
+
+
+def quantize_uniform(weight: torch.Tensor, bits: int, group_size: int, hessian: torch.Tensor | None = None, *,
+                     sym: bool = False, damp: float = 0.01, act_order: bool = False, static_groups: bool = False,
+                     block_size: int = 128) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """GPTQ (Frantar et al. 2022, Alg. 1) for group-wise uniform integer codes, as GPTQ checkpoints hold them.
+
+    Args:
+        weight: ``[N, K]`` float.  hessian: ``[K, K]`` XᵀX of calibration inputs (None: round to nearest).
+        bits: 2, 3, 4 or 8.  group_size: inputs per group (-1: whole row).
+        sym: symmetric grid (zero point fixed at ``2^(bits-1)``, scale ``2·max|w| / (2^bits − 1)``).
+        damp: GPTQ's ``damp_percent`` as a fraction of mean(diag H).
+        act_order, static_groups: GPTQ's ``desc_act`` and ``static_groups`` (see :func:`run`).
+
+    Returns:
+        ``(codes [N, K] int64 in input order, scales [N, G] float32 holding fp16 values, zeros [N, G]
+        int64, g_idx [K] int32 or None)``: ``w ≈ scales[n, g] · (codes[n, k] − zeros[n, g])`` with
+        ``g = g_idx[k]`` (``k // group_size`` when ``g_idx`` is None).
+
+    Raises:
+        ValueError: unsupported bits, a bad Hessian.
+    """
+    from .formats import uniform
+
+    if bits not in (2, 3, 4, 8):
+        raise ValueError(f"GPTQ bits must be 2, 3, 4 or 8, got {bits}")
+    N, K = weight.shape
+    g = K if group_size == -1 else group_size
+    q = uniform.GroupQuantizer(N, K, bits, g, sym)
+    out = run(weight, g, q, hessian, damp=damp, activation_aware=False, block_size=block_size,
+              act_order=act_order and hessian is not None, static_groups=static_groups)
+    codes, scales, zeros = out["codes"], out["scales"], out["zeros"]
+    if "perm" not in out:
+        return codes, scales, zeros, None
+    perm = out["perm"].long()
+    in_order = torch.empty_like(codes)
+    in_order[:, perm] = codes
+    g_idx = torch.empty(K, dtype=torch.int32)
+    g_idx[perm] = (torch.arange(K) // g).to(torch.int32)
+    return in_order, scales, zeros, g_idx

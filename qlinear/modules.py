@@ -17,7 +17,7 @@ from torch import nn
 
 from . import backends, ops
 from .formats import FormatConfig, bcq, get_format, spec_bits
-from .formats.uniform import unpack_gptq
+from .formats.uniform import pack_gptq, unpack_gptq
 from .gptq import check_hessian
 
 __all__ = ["QuantLinear", "BCQLinear", "MixedPrecisionLinear", "CodebookLinear", "module_class", "format_config"]
@@ -143,9 +143,7 @@ class QuantLinear(nn.Module):
     def canonical(self) -> dict[str, torch.Tensor]:
         """The packed buffers in the format's canonical layout (what checkpoints hold), by name."""
         bufs = {n: self._buffers[n] for n in self._packed_names}
-        if self._layout is None:
-            return bufs
-        return self._layout.unrepack(bufs, self.config, self.out_features, self.in_features)
+        return ops.canonical(bufs, self.config, self.layout, self.out_features, self.in_features)
 
     def _set_packed(self, buffers: dict[str, torch.Tensor], layout) -> None:
         for name in self._packed_names:
@@ -161,12 +159,15 @@ class QuantLinear(nn.Module):
         if len(devices) != 1:  # mid-load (some buffers still on meta): wait until all have landed
             return
         device = devices.pop()
+        kcfg, side = ops.kernel_view(self.config)
         want = None if device.type == "meta" else backends.layout_for(
-            self.format, self.config, device, (self.out_features, self.in_features), self.backend)
+            self.format, kcfg, device, (self.out_features, self.in_features), self.backend)
         if want is not self._layout:
             bufs = self.canonical()
             if want is not None:
-                bufs = want.repack(bufs, self.config, self.out_features, self.in_features)
+                main = want.repack({k: v for k, v in bufs.items() if k not in side}, kcfg, self.out_features,
+                                   self.in_features)
+                bufs = {**main, **{k: bufs[k] for k in side}}
             self._set_packed(bufs, want)
 
     # device/dtype moves keep the packed dtypes ----------------------------------------------------
@@ -233,8 +234,8 @@ class QuantLinear(nn.Module):
 
     def kernel(self, x: torch.Tensor) -> backends.Kernel:
         """The kernel the registry picks for input ``x``."""
-        return backends.select(self.format, self.config, x.device, x.dtype, x.numel() // x.shape[-1],
-                               self.backend, (self.out_features, self.in_features))
+        return backends.select(self.format, ops.kernel_view(self.config)[0], x.device, x.dtype,
+                               x.numel() // x.shape[-1], self.backend, (self.out_features, self.in_features))
 
     @property
     def bits_per_weight(self) -> float:
@@ -297,6 +298,27 @@ class BCQLinear(QuantLinear):
         codes, zeros = unpack_gptq(qweight, qzeros, bits, K, checkpoint_format)
         return cls.from_uniform(codes, scales.T, zeros, bits=bits, group_size=group_size, g_idx=g_idx, bias=bias,
                                 backend=backend)
+
+    def to_gptq(self, checkpoint_format: str = "gptq") -> dict[str, torch.Tensor]:
+        """This layer as GPTQ checkpoint tensors (AutoGPTQ / GPTQModel layout, the inverse of :meth:`from_gptq`):
+        ``qweight`` int32 ``[K·bits/32, N]``, ``qzeros`` int32 ``[G, ceil(N·bits/32)]``, ``scales`` fp16
+        ``[G, N]``, ``g_idx`` int32 ``[K]`` (``k // group_size`` unless act_order), plus ``bias`` if any.
+
+        Raises:
+            ValueError: the layer's α are not uniform (only GPTQ / round-to-nearest / imported layers have
+                int codes), bits not in (2, 3, 4, 8), or offsets that are not integer zero points.
+        """
+        if self.config.bits not in (2, 3, 4, 8):
+            raise ValueError(f"GPTQ checkpoints hold 2/3/4/8-bit codes, this layer has {self.config.bits}")
+        codes, scales, zeros, g_idx = bcq.to_uniform({k: v.cpu() for k, v in self.canonical().items()}, self.config,
+                                                     self.out_features, self.in_features)
+        qweight, qzeros = pack_gptq(codes, zeros, self.config.bits, checkpoint_format)
+        if g_idx is None:
+            g_idx = (torch.arange(self.in_features) // self.config.group(self.in_features)).to(torch.int32)
+        out = {"qweight": qweight, "qzeros": qzeros, "scales": scales.T.contiguous().half(), "g_idx": g_idx}
+        if self.bias is not None:
+            out["bias"] = self.bias.detach().cpu().half()
+        return out
 
 
 class MixedPrecisionLinear(QuantLinear):

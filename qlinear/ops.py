@@ -13,6 +13,7 @@ implementations give output shapes without running any kernel.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 from typing import Optional
@@ -29,11 +30,22 @@ def parse_config(config: str):
     return config_from_dict(json.loads(config))
 
 
+@functools.lru_cache(maxsize=1024)
+def kernel_view(cfg):
+    """``(config the kernels see, names of side buffers the op applies itself)``.  An act_order BCQ layer is
+    stored reordered with contiguous groups plus ``perm``: the op gathers ``x[..., perm]`` and every kernel
+    (and kernel layout) sees a plain grouped layer."""
+    if getattr(cfg, "act_order", False) and not getattr(cfg, "static_groups", False):
+        return dataclasses.replace(cfg, act_order=False), ("perm",)
+    return cfg, ()
+
+
 @functools.lru_cache(maxsize=4096)
 def _names(format: str, config: str, out_features: int, in_features: int, layout: str = "") -> tuple[str, ...]:
     cfg = parse_config(config)
     if layout:
-        return tuple(backends.get_layout(layout).names(cfg))
+        kcfg, side = kernel_view(cfg)
+        return tuple(backends.get_layout(layout).names(kcfg)) + side
     return tuple(get_format(format).buffer_specs(out_features, in_features, cfg))
 
 
@@ -43,7 +55,12 @@ def _buffers(format: str, config: str, packed, out_features: int, in_features: i
 
 def canonical(bufs: dict, cfg, layout: str, out_features: int, in_features: int) -> dict:
     """Buffers held in kernel ``layout`` ("" = already canonical) back in the format's canonical layout."""
-    return backends.get_layout(layout).unrepack(bufs, cfg, out_features, in_features) if layout else bufs
+    if not layout:
+        return bufs
+    kcfg, side = kernel_view(cfg)
+    main = {k: v for k, v in bufs.items() if k not in side}
+    return {**backends.get_layout(layout).unrepack(main, kcfg, out_features, in_features),
+            **{k: bufs[k] for k in side}}
 
 
 @torch.library.custom_op("qlinear::linear", mutates_args=())
@@ -57,10 +74,14 @@ def linear(x: torch.Tensor, packed: list[torch.Tensor], bias: Optional[torch.Ten
     batch = x.numel() // max(x.shape[-1], 1)
     if batch == 0:  # like nn.Linear (e.g. an MoE expert that received no tokens)
         return x.new_empty(*x.shape[:-1], out_features)
+    cfg, side = kernel_view(cfg)
+    if side:
+        x = x.index_select(-1, bufs.pop("perm"))
     kernel = backends.select(format, cfg, x.device, x.dtype, batch, backend or None, (out_features, in_features))
     want = "" if kernel.layout is None else kernel.layout.name
     if want != layout:
-        bufs = canonical(bufs, cfg, layout, out_features, in_features)
+        if layout:
+            bufs = backends.get_layout(layout).unrepack(bufs, cfg, out_features, in_features)
         if want:
             bufs = kernel.layout.repack(bufs, cfg, out_features, in_features)
     return kernel.fn(x, bufs, bias, cfg, out_features, in_features)

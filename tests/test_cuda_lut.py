@@ -110,7 +110,6 @@ def test_registry_rejects_with_reasons():
     cuda = torch.device("cuda")
     k = next(k for k in backends.kernels("bcq") if k.backend == "cuda_lut")
     ok = bcq.Config(bits=4, group_size=128)
-    assert "act_order" in k.reject(bcq.Config(bits=4, act_order=True), cuda, torch.float16, 1, (64, 64))
     assert "multiple of 4" in k.reject(ok, cuda, torch.float16, 1, (66, 64))
     assert "bits=5" in k.reject(bcq.Config(bits=5), cuda, torch.float16, 1, (64, 64))
     assert "dtype" in k.reject(ok, cuda, torch.float32, 1, (64, 64))
@@ -264,3 +263,22 @@ def test_smollm2_shaped_model_compiled_matches_eager():
         eager = model.generate(ids, **kw)
         model.forward = torch.compile(model.forward, fullgraph=True, mode="reduce-overhead")
         assert torch.equal(model.generate(ids, **kw), eager)
+
+
+def test_act_order_layer_runs_through_the_kernel_layout(spec_kernel):
+    """A GPTQ act_order layer is stored reordered (contiguous groups + perm): the kernel layout takes the
+    grouped buffers, the op gathers x by perm, and checkpoints keep perm."""
+    from qlinear import QLinearConfig
+
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(256, 64)
+    X = torch.randn(256, 256) * torch.linspace(0.1, 2.0, 256)
+    m = BCQLinear.from_linear(lin, QLinearConfig("bcq", bits=4, group_size=64, method="gptq", act_order=True), X.T @ X)
+    assert m.layout == "cuda_lut" and m._packed_names[-1] == "perm"
+    assert list(m.state_dict())[:4] == ["planes", "alpha", "offset", "perm"]
+    x = torch.randn(3, 256)
+    assert m.kernel(x).backend == "lut_spec"
+    assert torch.allclose(m(x), x @ m.dequantize().T + lin.bias, atol=1e-4)
+    again = BCQLinear(256, 64, True, m.config)
+    again.load_state_dict(m.state_dict())
+    assert torch.equal(again(x), m(x))

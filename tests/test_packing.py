@@ -37,6 +37,21 @@ def test_pack_rejects_bad_input():
     with pytest.raises(ValueError):
         pack(torch.tensor([4]), 2)
     with pytest.raises(ValueError):
-        pack(torch.tensor([0]), 3)
+        pack(torch.tensor([0]), 17)
+    with pytest.raises(ValueError):
+        pack(torch.tensor([8]), 3)
     with pytest.raises(TypeError):
         pack(torch.tensor([0.5]), 2)
+
+
+@pytest.mark.parametrize("bits", range(1, 17))
+def test_pack_is_one_little_endian_bit_stream(bits):
+    """Every width packs as one stream (GPTQ's 3-bit checkpoints straddle words this way)."""
+    codes = torch.randint(0, 1 << bits, (2, 45))
+    words = pack(codes, bits)
+    assert words.shape == (2, -(-45 * bits // 32))
+    bit = lambda row, t: (int(words[row, t // 32]) >> (t % 32)) & 1
+    for row in range(2):
+        for j in (0, 10, 21, 44):
+            assert sum(bit(row, bits * j + t) << t for t in range(bits)) == int(codes[row, j])
+    assert torch.equal(unpack(words, bits, 45), codes)

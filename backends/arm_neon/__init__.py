@@ -32,6 +32,7 @@ from typing import Optional
 
 import torch
 
+from qlinear.formats import bcq
 from qlinear.formats.packing import pack, pack_planes, unpack, unpack_planes
 
 from .. import Kernel, Layout, register
@@ -243,10 +244,8 @@ def supports_bcq(cfg, out_features: int, in_features: int) -> Optional[str]:
     """Why the kernel cannot run a BCQ layer of this config (None if it can)."""
     if cfg.bits != 4:
         return f"bits={cfg.bits}: only 4-bit uniform BCQ is supported"
-    if cfg.init != "uniform" or cfg.iters != 0:
-        return "α must be uniform (round-to-nearest: init='uniform', iters=0, or imported GPTQ/AWQ weights)"
-    if cfg.act_order:
-        return "act_order layers (g_idx) are not supported"
+    if not bcq.is_uniform(cfg):
+        return "α must be uniform (GPTQ, round-to-nearest init='uniform', iters=0, or imported GPTQ/AWQ weights)"
     if cfg.group_size != -1 and cfg.group_size % 32:
         return f"group_size={cfg.group_size} is not a multiple of 32"
     return None

@@ -144,8 +144,6 @@ def linear(x: torch.Tensor, buffers: dict, bias, cfg, out_features: int, in_feat
 
 def supports(cfg, out_features: int, in_features: int) -> Optional[str]:
     """Why the kernel cannot run a BCQ layer of this config and shape (None if it can)."""
-    if cfg.act_order:
-        return "act_order layers (g_idx) are not supported; reorder them first"
     if out_features % 4:
         return f"out_features={out_features} is not a multiple of 4"
     return None

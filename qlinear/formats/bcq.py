@@ -14,7 +14,10 @@ group may be shorter than ``group_size``):
 * ``alpha``   fp16 ``[bits, N, G]``: α per (bit, row, group).
 * ``offset``  fp16 ``[N, G]`` (only with ``offset=True``; float32 with ``fp32_offset=True``): the
   per-group offset ``c``.
-* ``g_idx``   int32 ``[K]`` (only with ``act_order=True``): group of each input column (GPTQ act_order).
+* ``perm``    int32 ``[K]`` (only with ``act_order=True``): stored input position ``j`` holds input column
+  ``perm[j]``; ``planes``/``alpha``/``offset`` describe the reordered weight ``W[:, perm]``, whose
+  groups are contiguous (GPTQ act_order reordered as in "TP-Aware Dequantization", Alg. 1: every
+  kernel runs it as a plain grouped layer on ``x[..., perm]``).
 
 Quantizer (float32 math): per (row, group), the better (in weighted squared error) of two inits,
 greedy residual binarization (``b_i = sign(r)``, ``α_i = mean|r|``, ``r -= α_i b_i``) and the
@@ -33,7 +36,7 @@ import torch
 
 from . import uniform
 from .base import FP16_TINY, BufferSpecs, FormatConfig, fp16_round, importance, num_groups
-from .packing import pack_planes
+from .packing import pack_planes, unpack_planes
 
 NAME = "bcq"
 
@@ -51,9 +54,15 @@ class Config(FormatConfig):
         activation_aware: weight the least squares by diag(H) when a Hessian is given.
         error_feedback: quantize with GPTQ error feedback (:mod:`qlinear.gptq`) when a Hessian is given.
         damp: GPTQ damping (relative to mean diag(H)).
-        act_order: the layer carries a ``g_idx`` buffer (imported GPTQ act_order checkpoints).
+        act_order: GPTQ act_order (``desc_act``): columns are quantized by decreasing diag(H)
+            and the layer stores them reordered so its groups are contiguous, plus ``perm``.
         fp32_offset: store the offset in float32 (set by :func:`from_uniform`, which makes the
             import bit-exact: ``s·((2^q−1)/2 − z)`` needs up to 19 mantissa bits).
+        method: "bcq" (this module's BCQ fit) or "gptq" (GPTQ's uniform int codes with scales and
+            zero points, :func:`qlinear.gptq.quantize_uniform`, stored exactly as BCQ; bits 2/3/4/8).
+        sym: GPTQ's symmetric grid (method "gptq").
+        static_groups: GPTQ's ``static_groups`` with act_order: groups fitted up front in input
+            order, so no reordering is needed (method "gptq").
     """
 
     format = NAME
@@ -67,8 +76,18 @@ class Config(FormatConfig):
     damp: float = 0.01
     act_order: bool = False
     fp32_offset: bool = False
+    method: str = "bcq"
+    sym: bool = False
+    static_groups: bool = False
 
     def validate(self) -> None:
+        if self.method not in ("bcq", "gptq"):
+            raise ValueError(f"BCQ method must be 'bcq' or 'gptq', got {self.method!r}")
+        if self.method == "gptq" and (self.bits not in (2, 3, 4, 8) or not self.offset):
+            raise ValueError(f"method='gptq' needs bits in (2, 3, 4, 8) and offset=True, got bits={self.bits}, "
+                             f"offset={self.offset}")
+        if (self.sym or self.static_groups) and self.method != "gptq":
+            raise ValueError("sym and static_groups are options of method='gptq'")
         if not 1 <= self.bits <= 8:
             raise ValueError(f"BCQ bits must be in 1..8, got {self.bits}")
         if self.group_size != -1 and (self.group_size < 32 or self.group_size % 32):
@@ -100,10 +119,16 @@ def buffer_specs(out_features: int, in_features: int, cfg: Config) -> BufferSpec
         "alpha": ((cfg.bits, out_features, G), torch.float16),
     }
     if cfg.offset:
-        specs["offset"] = ((out_features, G), torch.float32 if cfg.fp32_offset else torch.float16)
-    if cfg.act_order:
-        specs["g_idx"] = ((in_features,), torch.int32)
+        specs["offset"] = ((out_features, G), torch.float32 if cfg.fp32_offset or cfg.method == "gptq" else torch.float16)
+    if cfg.act_order and not cfg.static_groups:
+        specs["perm"] = ((in_features,), torch.int32)
     return specs
+
+
+def is_uniform(cfg: Config) -> bool:
+    """Whether every layer of this config has uniform α (α_i = s·2^(i-2)): GPTQ, imported uniform weights or
+    round-to-nearest (``init="uniform", iters=0``)."""
+    return cfg.method == "gptq" or (cfg.init == "uniform" and cfg.iters == 0)
 
 
 def _signs(bits: int) -> torch.Tensor:
@@ -212,19 +237,20 @@ class GroupQuantizer:
         self.alpha = torch.zeros(cfg.bits, out_features, G)
         self.offset = torch.zeros(out_features, G)
         self.codes = torch.zeros(out_features, in_features, dtype=torch.int64)
-        self._lv = None
+        self._lv = {}
 
     def fit_group(self, index, start, w, d):
         alpha, c, _ = fit(w, d, self.cfg)
         self.alpha[:, :, index] = alpha.T
         if c is not None:
             self.offset[:, index] = c
-        self._lv = levels(alpha, c)
+        self._lv[index] = levels(alpha, c)
 
     def quantize(self, index, start, w):
-        codes = nearest(self._lv, w)
+        lv = self._lv[index]
+        codes = nearest(lv, w)
         self.codes[:, start:start + w.shape[1]] = codes
-        return self._lv.gather(1, codes)
+        return lv.gather(1, codes)
 
     def quantize_all(self, w, d):
         """No-feedback path: fit every group at once (vectorized over rows x groups)."""
@@ -257,20 +283,28 @@ def quantize(weight: torch.Tensor, cfg: Config, hessian: torch.Tensor | None = N
     """Quantize ``weight`` ``[N, K]`` to BCQ buffers (see module docstring).
 
     ``hessian`` ``[K, K]`` (XᵀX) enables activation-aware least squares and, with
-    ``cfg.error_feedback``, GPTQ error feedback.
+    ``cfg.error_feedback``, GPTQ error feedback; ``method="gptq"`` always uses it (GPTQ on uniform codes).
     """
     N, K = weight.shape
     cfg.check_shape(N, K)
-    if cfg.act_order:
-        raise ValueError("act_order BCQ layers are only built by from_uniform (GPTQ import)")
     from .. import gptq
 
     g = cfg.group(K)
+    if cfg.method == "gptq":
+        codes, scales, zeros, g_idx = gptq.quantize_uniform(
+            weight, cfg.bits, g, hessian, sym=cfg.sym, damp=cfg.damp,
+            act_order=cfg.act_order, static_groups=cfg.static_groups)
+        if cfg.act_order and not cfg.static_groups and g_idx is None:
+            g_idx = torch.arange(K, dtype=torch.int32) // g  # no Hessian: nothing to order by
+        return from_uniform(codes, scales, zeros, cfg.bits, g, g_idx)[1]
     q = GroupQuantizer(N, K, cfg)
     if hessian is None or not cfg.error_feedback:
+        if cfg.act_order:
+            raise ValueError("BCQ act_order needs a Hessian and error_feedback=True (it orders GPTQ's columns)")
         d = importance(hessian if cfg.activation_aware else None, K)
         return q.quantize_all(weight.detach().float(), d)
-    return gptq.run(weight, g, q, hessian, damp=cfg.damp, activation_aware=cfg.activation_aware)
+    return gptq.run(weight, g, q, hessian, damp=cfg.damp, activation_aware=cfg.activation_aware,
+                    act_order=cfg.act_order)
 
 
 def dequantize(buffers: dict[str, torch.Tensor], cfg: Config, out_features: int, in_features: int) -> torch.Tensor:
@@ -281,10 +315,6 @@ def dequantize(buffers: dict[str, torch.Tensor], cfg: Config, out_features: int,
     shifts = torch.arange(32, dtype=torch.int32, device=planes.device)
     signs = ((planes.unsqueeze(-1) >> shifts) & 1).reshape(cfg.bits, out_features, K).to(torch.float32) * 2 - 1
     alpha = buffers["alpha"].to(torch.float32)
-    if cfg.act_order:
-        idx = buffers["g_idx"].long()
-        w = (alpha[:, :, idx] * signs).sum(0)
-        return w + buffers["offset"].to(torch.float32)[:, idx] if cfg.offset else w
     G = alpha.shape[2]
     # broadcast α per group instead of materialising it per input (a ragged last group is padded)
     signs = torch.nn.functional.pad(signs, (0, G * g - K)).view(cfg.bits, out_features, G, g)
@@ -292,6 +322,10 @@ def dequantize(buffers: dict[str, torch.Tensor], cfg: Config, out_features: int,
     if cfg.offset:
         w += buffers["offset"].to(torch.float32)[..., None]
     w = w.view(out_features, G * g)[:, :K]
+    if "perm" in buffers:  # stored position j is input column perm[j]
+        out = torch.empty_like(w)
+        out[:, buffers["perm"].long()] = w
+        return out
     return w
 
 
@@ -303,7 +337,8 @@ def from_uniform(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
         codes: ``[N, K]`` integers in ``[0, 2**bits)``.
         scales: ``[N, G]`` float (stored as fp16; exact if already fp16 values).
         zeros: ``[N, G]`` integer zero points.
-        g_idx: optional ``[K]`` group of each column (GPTQ act_order); default ``k // group_size``.
+        g_idx: optional ``[K]`` group of each column (GPTQ act_order); default ``k // group_size``.  An
+            unordered ``g_idx`` makes an act_order layer stored reordered (``perm``, contiguous groups).
 
     Returns:
         ``(Config, buffers)``.  α_i = s·2^(i−2) (fp16; ValueError unless exactly representable), offset
@@ -314,15 +349,27 @@ def from_uniform(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
         ValueError: inconsistent shapes or codes out of range.
     """
     N, K = codes.shape
-    G = num_groups(K, group_size)
+    G = num_groups(K, group_size if group_size != -1 else K)
     if scales.shape != (N, G) or zeros.shape != (N, G):
         raise ValueError(f"scales and zeros must be [{N}, {G}] for codes {list(codes.shape)} and group_size "
                          f"{group_size}; got {list(scales.shape)} and {list(zeros.shape)}")
-    if g_idx is not None and (g_idx.shape != (K,) or int(g_idx.min()) < 0 or int(g_idx.max()) >= G):
-        raise ValueError(f"g_idx must be [{K}] with values in [0, {G})")
     cfg = Config(bits=bits, group_size=group_size, offset=True, iters=0, init="uniform",
                  act_order=g_idx is not None, fp32_offset=True)
     cfg.check_shape(N, K)
+    perm = None
+    if g_idx is not None:
+        g_idx = g_idx.to(torch.int64)
+        if g_idx.shape != (K,) or int(g_idx.min()) < 0 or int(g_idx.max()) >= G:
+            raise ValueError(f"g_idx must be [{K}] with values in [0, {G})")
+        perm = torch.argsort(g_idx, stable=True)
+        if torch.equal(g_idx, torch.arange(K) // cfg.group(K)):  # GPTQ writes g_idx without act_order too
+            perm = None
+            cfg = dataclasses.replace(cfg, act_order=False)
+        elif not torch.equal(g_idx[perm], torch.arange(K) // cfg.group(K)):
+            raise ValueError(f"g_idx must put exactly group_size={cfg.group(K)} inputs in each group (the last may "
+                             f"hold fewer), as GPTQ writes it; got group sizes {torch.bincount(g_idx).tolist()[:8]}...")
+        if perm is not None:
+            codes = codes[:, perm]
     s = scales.to(torch.float32)
     alpha = s[None] * (2.0 ** (torch.arange(bits, dtype=torch.float32) - 1))[:, None, None]
     if not torch.equal(alpha.to(torch.float16).to(torch.float32), alpha):
@@ -331,6 +378,36 @@ def from_uniform(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                          f"[{float(s.min()):g}, {float(s.max()):g}]")
     out = {"planes": pack_planes(codes, bits), "alpha": alpha.to(torch.float16),
            "offset": s * ((2 ** bits - 1) / 2 - zeros.to(torch.float32))}
-    if g_idx is not None:
-        out["g_idx"] = g_idx.to(torch.int32)
+    if perm is not None:
+        out["perm"] = perm.to(torch.int32)
     return cfg, out
+
+
+def to_uniform(buffers: dict[str, torch.Tensor], cfg: Config, out_features: int, in_features: int
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Inverse of :func:`from_uniform`: ``(codes [N, K] in input order, scales [N, G] fp16 values as float32,
+    zeros [N, G] int64, g_idx [K] int32 or None)``.
+
+    Raises:
+        ValueError: α not uniform, or offsets that are not ``s·((2^q−1)/2 − z)`` for an integer ``z``.
+    """
+    K, bits = in_features, cfg.bits
+    alpha = buffers["alpha"].to(torch.float32)
+    s = alpha[1] if bits > 1 else alpha[0] * 2
+    want = s[None] * (2.0 ** (torch.arange(bits, dtype=torch.float32) - 1))[:, None, None]
+    if not torch.equal(alpha, want):
+        raise ValueError("α are not uniform (α_i = s·2^(i-2)): only uniform BCQ layers have int codes")
+    c = buffers["offset"].to(torch.float32) if cfg.offset else torch.zeros_like(s)
+    zeros = torch.round((2 ** bits - 1) / 2 - c / s)
+    if not torch.equal(s * ((2 ** bits - 1) / 2 - zeros), c) or int(zeros.min()) < 0 or int(zeros.max()) >= 1 << bits:
+        raise ValueError("offsets are not s·((2^q−1)/2 − z) for integer zero points z in [0, 2^q)")
+    codes = unpack_planes(buffers["planes"], K)
+    g_idx = None
+    if "perm" in buffers:
+        perm = buffers["perm"].long()
+        in_order = torch.empty_like(codes)
+        in_order[:, perm] = codes
+        codes = in_order
+        g_idx = torch.empty(K, dtype=torch.int32)
+        g_idx[perm] = (torch.arange(K) // cfg.group(K)).to(torch.int32)
+    return codes, s, zeros.long(), g_idx

@@ -1,13 +1,15 @@
 """Bit packing shared by every format and backend.
 
-Codes of ``bits`` bits (``bits`` dividing 32: 1, 2, 4, 8, 16) are packed little-endian into int32
-words along the last dimension: code ``j`` of a row lies in word ``j // (32 // bits)`` at bit
-offset ``bits * (j % (32 // bits))``.  A last dimension that is not a multiple of ``32 // bits``
-is padded with zero codes, so ``unpack(pack(c, b), b, c.shape[-1])`` returns ``c`` exactly.
+Codes of ``bits`` bits (1..16) are packed into int32 words along the last dimension as one
+little-endian bit stream: bit ``t`` of code ``j`` is bit ``(bits·j + t) % 32`` of word
+``(bits·j + t) // 32``.  For widths dividing 32 (1, 2, 4, 8, 16) no code straddles two words; 3-bit
+codes straddle words as in GPTQ's 3-bit checkpoints (ten codes and a split one per word).  The
+stream is padded with zero bits to whole words, so ``unpack(pack(c, b), b, c.shape[-1])`` returns ``c``
+exactly.
 
-Codes of other widths (3, 5, 6, 7 bits) are stored as bit-planes (``pack_planes``): plane ``i``
-holds bit ``i`` of every code, 32 consecutive codes per int32 word.  This is the BCQ storage of
-LUT-GEMM (Park et al., "LUT-GEMM", §3.1), where plane ``i`` is the sign vector b_i.
+``pack_planes`` stores codes as bit-planes instead: plane ``i`` holds bit ``i`` of every code, 32
+consecutive codes per int32 word.  This is the BCQ storage of LUT-GEMM (Park et al., "LUT-GEMM",
+§3.1), where plane ``i`` is the sign vector b_i.
 """
 
 from __future__ import annotations
@@ -18,15 +20,20 @@ __all__ = ["pack", "unpack", "pack_planes", "unpack_planes", "packed_len"]
 
 
 def _check_bits(bits: int) -> int:
-    if bits not in (1, 2, 4, 8, 16):
-        raise ValueError(f"pack/unpack need bits in (1, 2, 4, 8, 16), got {bits}; use pack_planes for other widths")
-    return 32 // bits
+    if not 1 <= bits <= 16:
+        raise ValueError(f"pack/unpack need bits in 1..16, got {bits}")
+    return bits
 
 
 def packed_len(n: int, bits: int) -> int:
-    """Number of int32 words that hold ``n`` codes of ``bits`` bits (``bits`` dividing 32)."""
-    per = _check_bits(bits)
-    return -(-n // per)
+    """Number of int32 words that hold ``n`` codes of ``bits`` bits."""
+    _check_bits(bits)
+    return -(-n * bits // 32)
+
+
+def _to_int32(words: torch.Tensor) -> torch.Tensor:
+    # Values are in [0, 2**32); int32 storage reinterprets the top bit as the sign.
+    return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
 
 
 def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
@@ -36,32 +43,36 @@ def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
         ValueError: unsupported ``bits`` or a code outside ``[0, 2**bits)``.
         TypeError: ``codes`` is not an integer tensor.
     """
-    per = _check_bits(bits)
+    _check_bits(bits)
     if codes.is_floating_point() or codes.is_complex():
         raise TypeError(f"codes must be an integer tensor, got {codes.dtype}")
     c = codes.to(torch.int64)
     if c.numel() and (int(c.min()) < 0 or int(c.max()) >= 1 << bits):
         raise ValueError(f"codes must lie in [0, {1 << bits}) for bits={bits}")
     n = c.shape[-1]
-    pad = packed_len(n, bits) * per - n
-    if pad:
-        c = torch.nn.functional.pad(c, (0, pad))
-    c = c.reshape(*c.shape[:-1], -1, per)
-    shifts = torch.arange(per, device=c.device, dtype=torch.int64) * bits
-    words = (c << shifts).sum(-1)
-    # Values are in [0, 2**32); int32 storage reinterprets the top bit as the sign.
-    return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
+    if 32 % bits == 0:  # whole codes per word: one shift-and-sum
+        per = 32 // bits
+        c = torch.nn.functional.pad(c, (0, packed_len(n, bits) * per - n)).reshape(*c.shape[:-1], -1, per)
+        return _to_int32((c << (torch.arange(per, device=c.device) * bits)).sum(-1))
+    stream = (c.unsqueeze(-1) >> torch.arange(bits, device=c.device)) & 1          # [..., n, bits]
+    stream = stream.reshape(*c.shape[:-1], n * bits)
+    stream = torch.nn.functional.pad(stream, (0, packed_len(n, bits) * 32 - n * bits))
+    return _to_int32((stream.reshape(*c.shape[:-1], -1, 32) << torch.arange(32, device=c.device)).sum(-1))
 
 
 def unpack(words: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     """Inverse of :func:`pack`: int32 ``[..., w]`` -> int64 codes ``[..., n]`` in ``[0, 2**bits)``."""
-    per = _check_bits(bits)
+    _check_bits(bits)
     if words.dtype != torch.int32:
         raise TypeError(f"packed words must be int32, got {words.dtype}")
-    shifts = torch.arange(per, device=words.device, dtype=torch.int32) * bits
-    # int32 arithmetic shifts sign-extend; the mask keeps only the code's own bits
-    codes = (words.unsqueeze(-1) >> shifts) & ((1 << bits) - 1) if bits < 32 else words.unsqueeze(-1)
-    return codes.reshape(*words.shape[:-1], -1)[..., :n].to(torch.int64)
+    if 32 % bits == 0:
+        shifts = torch.arange(32 // bits, device=words.device, dtype=torch.int32) * bits
+        # int32 arithmetic shifts sign-extend; the mask keeps only the code's own bits
+        codes = (words.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
+        return codes.reshape(*words.shape[:-1], -1)[..., :n].to(torch.int64)
+    stream = (words.unsqueeze(-1) >> torch.arange(32, device=words.device, dtype=torch.int32)) & 1
+    stream = stream.reshape(*words.shape[:-1], -1)[..., :n * bits].reshape(*words.shape[:-1], n, bits)
+    return (stream.to(torch.int64) << torch.arange(bits, device=words.device)).sum(-1)
 
 
 def pack_planes(codes: torch.Tensor, bits: int) -> torch.Tensor:

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from .base import FP16_TINY, fp16_round, group_bounds
+from .base import FP16_TINY, fp16_round, group_bounds, num_groups
 
-__all__ = ["fit", "codes_for", "rtn"]
+__all__ = ["fit", "fit_symmetric", "codes_for", "rtn", "GroupQuantizer"]
 
 
 def fit(w: torch.Tensor, bits: int, weight: torch.Tensor | None = None,
@@ -50,6 +50,39 @@ def fit(w: torch.Tensor, bits: int, weight: torch.Tensor | None = None,
     return best[1], best[2].long()
 
 
+def fit_symmetric(w: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """GPTQ's symmetric grid for rows of ``w`` ``[M, g]``: zero point ``2^(bits-1)``, scale
+    ``2·max|w| / (2^bits − 1)`` (fp16).  Returns ``(scale [M] float32, zero [M] int64)``."""
+    qmax = (1 << bits) - 1
+    scale = fp16_round(2 * w.abs().amax(1) / qmax).clamp(min=FP16_TINY)
+    return scale, torch.full_like(scale, 1 << (bits - 1), dtype=torch.int64)
+
+
+class GroupQuantizer:
+    """Column quantizer of :mod:`qlinear.gptq` for uniform int codes (GPTQ's own quantizer): per group an
+    fp16 scale and an integer zero point, min/max (asymmetric) or :func:`fit_symmetric`."""
+
+    def __init__(self, out_features: int, in_features: int, bits: int, group_size: int, sym: bool = False):
+        G = num_groups(in_features, group_size)
+        self.bits, self.sym = bits, sym
+        self.scales = torch.zeros(out_features, G)
+        self.zeros = torch.zeros(out_features, G, dtype=torch.int64)
+        self.codes = torch.zeros(out_features, in_features, dtype=torch.int64)
+
+    def fit_group(self, index, start, w, d):
+        s, z = fit_symmetric(w, self.bits) if self.sym else fit(w, self.bits)
+        self.scales[:, index], self.zeros[:, index] = s, z
+
+    def quantize(self, index, start, w):
+        s, z = self.scales[:, index, None], self.zeros[:, index, None]
+        q = codes_for(w, s, z, self.bits)
+        self.codes[:, start:start + w.shape[1]] = q
+        return s * (q - z)
+
+    def finish(self):
+        return {"codes": self.codes, "scales": self.scales, "zeros": self.zeros}
+
+
 def codes_for(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int) -> torch.Tensor:
     """Round-to-nearest codes ``clamp(round(w / s) + z, 0, 2**bits - 1)`` (int64), broadcasting."""
     return torch.clamp(torch.round(w / scale) + zero, 0, (1 << bits) - 1).long()
@@ -76,6 +109,28 @@ def rtn(weight: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Tensor,
     return codes, torch.stack(scales, 1), torch.stack(zeros, 1)
 
 
+def pack_gptq(codes: torch.Tensor, zeros: torch.Tensor, bits: int, checkpoint_format: str = "gptq"
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of :func:`unpack_gptq`: ``codes`` ``[N, K]`` and ``zeros`` ``[N, G]`` -> ``(qweight int32
+    [K·bits/32, N], qzeros int32 [G, ceil(N·bits/32)])`` in the AutoGPTQ / GPTQModel checkpoint layout.
+
+    Raises:
+        ValueError: unsupported bits/format, or K·bits not a multiple of 32.
+    """
+    from .packing import pack
+
+    if bits not in (2, 3, 4, 8):
+        raise ValueError(f"GPTQ packing supports bits 2, 3, 4, 8, got {bits}")
+    if checkpoint_format not in ("gptq", "gptq_v2"):
+        raise ValueError(f"checkpoint_format must be 'gptq' or 'gptq_v2', got {checkpoint_format!r}")
+    if codes.shape[1] * bits % 32:
+        raise ValueError(f"in_features·bits must be a multiple of 32, got {codes.shape[1]}·{bits}")
+    z = zeros.long()
+    if checkpoint_format == "gptq":
+        z = (z - 1) & ((1 << bits) - 1)
+    return pack(codes, bits).T.contiguous(), pack(z.T.contiguous(), bits)
+
+
 def unpack_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, bits: int, in_features: int,
                 checkpoint_format: str = "gptq") -> tuple[torch.Tensor, torch.Tensor]:
     """Unpack GPTQ checkpoint tensors (AutoGPTQ / GPTQModel layout) into ``(codes [N, K], zeros [N, G])``.
@@ -83,7 +138,7 @@ def unpack_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, bits: int, in_featu
     Args:
         qweight: int32 ``[K·bits/32, N]``, codes packed little-endian along K.
         qzeros: int32 ``[G, N·bits/32]``, zero points packed little-endian along N.
-        bits: 2, 4 or 8 (3-bit GPTQ packing is not supported).
+        bits: 2, 3, 4 or 8 (3-bit codes straddle words: one little-endian bit stream).
         checkpoint_format: "gptq" (v1: the stored zero is z − 1) or "gptq_v2" (stored as z).
 
     Raises:
@@ -91,8 +146,8 @@ def unpack_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, bits: int, in_featu
     """
     from .packing import unpack
 
-    if bits not in (2, 4, 8):
-        raise ValueError(f"GPTQ unpacking supports bits 2, 4, 8, got {bits}")
+    if bits not in (2, 3, 4, 8):
+        raise ValueError(f"GPTQ unpacking supports bits 2, 3, 4, 8, got {bits}")
     if checkpoint_format not in ("gptq", "gptq_v2"):
         raise ValueError(f"checkpoint_format must be 'gptq' or 'gptq_v2', got {checkpoint_format!r}")
     if qweight.dtype != torch.int32 or qzeros.dtype != torch.int32:

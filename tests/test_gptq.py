@@ -1,0 +1,152 @@
+"""GPTQ on uniform int codes (act_order, static_groups, sym), the reordered act_order storage, and GPTQ
+checkpoint import/export."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import qlinear
+from qlinear import BCQLinear, QLinearConfig
+from qlinear.formats import bcq, uniform
+from qlinear.gptq import quantize_uniform
+
+
+def _layer(N=48, K=256, seed=0):
+    torch.manual_seed(seed)
+    # correlated inputs (low rank + noise, as activations are) with unequal scales: GPTQ and act_order matter
+    X = (torch.randn(512, 32) @ torch.randn(32, K) + 0.3 * torch.randn(512, K)) * torch.linspace(0.2, 3.0, K)
+    X[:, 7] = 0  # a dead input
+    lin = torch.nn.Linear(K, N)
+    return lin, X.T @ X / X.shape[0]
+
+
+def _err(w, w_hat, H):
+    d = (w - w_hat).double()
+    return float(torch.einsum("nk,kl,nl->", d, H.double(), d))
+
+
+def _dense(codes, scales, zeros, g_idx, group_size):
+    g = torch.arange(codes.shape[1]) // group_size if g_idx is None else g_idx.long()
+    return scales[:, g] * (codes - zeros[:, g])
+
+
+def test_without_hessian_gptq_is_round_to_nearest():
+    lin, _ = _layer()
+    codes, scales, zeros, g_idx = quantize_uniform(lin.weight, 4, 64)
+    c2, s2, z2 = uniform.rtn(lin.weight, 4, 64)
+    assert g_idx is None and torch.equal(codes, c2) and torch.equal(scales, s2) and torch.equal(zeros, z2)
+
+
+@pytest.mark.parametrize("bits", [3, 4])
+@pytest.mark.parametrize("act_order,static", [(False, False), (True, False), (True, True)])
+def test_gptq_beats_rtn_on_the_hessian_weighted_error(bits, act_order, static):
+    lin, H = _layer()
+    w = lin.weight.detach()
+    rtn = _dense(*uniform.rtn(w, bits, 64), None, 64)
+    codes, scales, zeros, g_idx = quantize_uniform(w, bits, 64, H, act_order=act_order, static_groups=static)
+    w_hat = _dense(codes, scales, zeros, g_idx, 64)
+    assert _err(w, w_hat, H) < 0.8 * _err(w, rtn, H)
+    assert int(codes.min()) >= 0 and int(codes.max()) < 1 << bits
+    if act_order and not static:
+        assert g_idx is not None and not torch.equal(g_idx.long(), torch.arange(256) // 64)
+        assert torch.equal(torch.bincount(g_idx.long()), torch.full((4,), 64))
+        diag = torch.diagonal(H)
+        first = torch.argsort(diag, descending=True, stable=True)[:64]
+        assert (g_idx[first] == 0).all()  # the group of the largest-Hessian columns is formed first
+    else:
+        assert g_idx is None
+
+
+def test_symmetric_grid():
+    lin, H = _layer()
+    _, scales, zeros, _ = quantize_uniform(lin.weight, 4, 64, H, sym=True)
+    assert (zeros == 8).all() and (scales > 0).all()
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+def test_bcq_gptq_layer_round_trips_through_gptq_checkpoints(act_order):
+    lin, H = _layer()
+    cfg = QLinearConfig("bcq", bits=4, group_size=64, method="gptq", act_order=act_order)
+    m = BCQLinear.from_linear(lin, cfg, H)
+    assert ("perm" in m._packed_names) == act_order
+    w = m.dequantize()
+    x = torch.randn(5, 256)
+    assert torch.allclose(m(x), x @ w.T + lin.bias, atol=1e-5)
+    # 4 planes, 4 fp16 α and an fp32 offset per group of 64, an int32 perm entry per input (shared by 48 rows)
+    assert m.bits_per_weight == 4 + (4 * 16 + 32) / 64 + (32 / 48 if act_order else 0)
+    for fmt in ("gptq", "gptq_v2"):
+        t = m.to_gptq(fmt)
+        assert t["qweight"].shape == (256 * 4 // 32, 48) and t["qzeros"].shape == (4, 48 * 4 // 32)
+        again = BCQLinear.from_gptq(t["qweight"], t["qzeros"], t["scales"], bits=4, group_size=64, g_idx=t["g_idx"],
+                                    bias=t["bias"].float(), checkpoint_format=fmt)
+        assert torch.equal(again.dequantize(), w)
+        if not act_order:  # with act_order the order inside a group may differ; the weights may not
+            assert all(torch.equal(again.canonical()[k], v) for k, v in m.canonical().items())
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+@pytest.mark.parametrize("fmt", ["gptq", "gptq_v2"])
+def test_checkpoint_tensors_round_trip_bit_exactly(bits, fmt):
+    torch.manual_seed(bits)
+    N, K, g = 64, 256, 64
+    codes = torch.randint(0, 1 << bits, (N, K))
+    scales = (torch.rand(N, K // g) * 0.02 + 0.001).half().float()
+    zeros = torch.randint(0, 1 << bits, (N, K // g))
+    g_idx = (torch.randperm(K) % (K // g)).to(torch.int32)
+    qweight, qzeros = uniform.pack_gptq(codes, zeros, bits, fmt)
+    c2, z2 = uniform.unpack_gptq(qweight, qzeros, bits, K, fmt)
+    assert torch.equal(c2, codes) and torch.equal(z2, zeros)
+    m = BCQLinear.from_gptq(qweight, qzeros, scales.T.half(), bits=bits, group_size=g, g_idx=g_idx,
+                            checkpoint_format=fmt)
+    assert torch.equal(m.dequantize(), _dense(codes, scales, zeros, g_idx, g))
+    t = m.to_gptq(fmt)
+    assert torch.equal(t["qweight"], qweight) and torch.equal(t["qzeros"], qzeros)
+    assert torch.equal(t["g_idx"], g_idx) and torch.equal(t["scales"], scales.T.half())
+
+
+def test_gptq_three_bit_words_straddle_as_in_autogptq():
+    codes = torch.zeros(1, 32, dtype=torch.int64)
+    codes[0, 10] = 0b101  # code 10 spans bits 30..32 of the stream
+    qweight, _ = uniform.pack_gptq(codes, torch.zeros(1, 1, dtype=torch.int64), 3, "gptq_v2")
+    assert qweight.shape == (3, 1)
+    assert (int(qweight[0, 0]) >> 30) & 3 == 0b01 and int(qweight[1, 0]) & 1 == 1
+
+
+def test_ordered_g_idx_needs_no_reordering_and_bad_g_idx_is_rejected():
+    codes = torch.randint(0, 16, (8, 128))
+    s, z = torch.full((8, 2), 2.0 ** -7), torch.full((8, 2), 8)
+    cfg, bufs = bcq.from_uniform(codes, s, z, 4, 64, torch.arange(128) // 64)
+    assert not cfg.act_order and "perm" not in bufs
+    bad = torch.zeros(128, dtype=torch.int64)
+    bad[:10] = 1
+    with pytest.raises(ValueError, match="group_size=64 inputs in each group"):
+        bcq.from_uniform(codes, s, z, 4, 64, bad)
+
+
+def test_bcq_act_order_with_error_feedback():
+    lin, H = _layer()
+    cfg = bcq.Config(bits=3, group_size=64, error_feedback=True, act_order=True, iters=2)
+    m = BCQLinear.from_linear(lin, cfg, H)
+    assert "perm" in m._packed_names and sorted(m.perm.tolist()) == list(range(256))
+    x = torch.randn(4, 256)
+    assert torch.allclose(m(x), x @ m.dequantize().T + lin.bias, atol=1e-5)
+    with pytest.raises(ValueError, match="act_order needs a Hessian"):
+        BCQLinear.from_linear(lin, cfg)
+
+
+def test_replace_linear_with_gptq_act_order_on_a_small_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2)).eval()
+    ids = torch.randint(0, 128, (4, 32))
+    H = qlinear.calibrate(model, [ids[i:i + 1] for i in range(4)], progress=False)
+    ref = model(ids).logits
+    qlinear.replace_linear(model, QLinearConfig("bcq", bits=4, group_size=32, method="gptq", act_order=True),
+                           calibration_data=H, progress=False)
+    layers = [m for m in model.modules() if isinstance(m, BCQLinear)]
+    assert len(layers) == 14 and all("perm" in m._packed_names for m in layers)
+    out = model(ids).logits
+    assert (out - ref).abs().mean() < 0.1 * ref.abs().mean()
