@@ -41,12 +41,21 @@ ROWS = {
     "codebook2-aw": ("Codebook 2-bit g32, activation-aware", QLinearConfig("codebook", bits=2), True),
     "codebook2-ef": ("Codebook 2-bit g32, activation-aware + error feedback",
                      QLinearConfig("codebook", bits=2, error_feedback=True), True),
+    "rtn4-g128": ("RTN 4-bit g128", QLinearConfig("bcq", bits=4, group_size=128, init="uniform", iters=0), False),
+    "gptq4-g128": ("GPTQ 4-bit g128", QLinearConfig("bcq", bits=4, group_size=128, method="gptq"), True),
+    "gptq4-g128-ao": ("GPTQ 4-bit g128, act_order",
+                      QLinearConfig("bcq", bits=4, group_size=128, method="gptq", act_order=True), True),
+    "rtn3-g128": ("RTN 3-bit g128", QLinearConfig("bcq", bits=3, group_size=128, init="uniform", iters=0), False),
+    "gptq3-g128": ("GPTQ 3-bit g128", QLinearConfig("bcq", bits=3, group_size=128, method="gptq"), True),
+    "gptq3-g128-ao": ("GPTQ 3-bit g128, act_order",
+                      QLinearConfig("bcq", bits=3, group_size=128, method="gptq", act_order=True), True),
 }
+GPTQ_ROWS = ["rtn4-g128", "gptq4-g128", "gptq4-g128-ao", "rtn3-g128", "gptq3-g128", "gptq3-g128-ao"]
 DEFAULT = ["fp32", "rtn4", "bcq4-aw", "rtn3", "bcq3-ef", "mixed", "codebook2-ef"]
 
 
 def uniform_bits(cfg: QLinearConfig) -> float:
-    """RTN rows run through BCQ's exact mapping of uniform codes (same dequantized weights); report the
+    """RTN and GPTQ rows run through BCQ's exact mapping of uniform codes (same dequantized weights); report the
     bits of the uniform storage they stand for (q-bit codes, fp16 scale and fp16 zero per group), as
     the peers measured in the issue store it."""
     return cfg.bits + 32 / cfg.group_size
@@ -94,7 +103,7 @@ def main() -> None:
             label += " (fp16 size)"
         else:
             nw = sum(m.in_features * m.out_features for m in qmods)
-            if n.startswith("rtn"):
+            if n.startswith(("rtn", "gptq")):
                 bits = uniform_bits(cfg)
                 mem = bits * nw / 8
             else:

@@ -9,7 +9,9 @@ from .modules import BCQLinear, CodebookLinear, MixedPrecisionLinear, QuantLinea
 from qlinear.integrations.transformers import QLinearConfig  # noqa: E402
 from .calibration import calibrate  # noqa: E402
 from .replace import replace_linear  # noqa: E402
+from qlinear.integrations.gptq_checkpoint import load_gptq, save_gptq  # noqa: E402
+from qlinear.integrations import tensor_parallel  # noqa: E402
 
 __version__ = "0.1.0"
 __all__ = ["QLinearConfig", "QuantLinear", "BCQLinear", "MixedPrecisionLinear", "CodebookLinear",
-           "replace_linear", "calibrate"]
+           "replace_linear", "calibrate", "load_gptq", "save_gptq", "tensor_parallel"]

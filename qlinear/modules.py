@@ -10,6 +10,7 @@ scales stay bit-exact.
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any, ClassVar, Optional
 
 import torch
@@ -154,7 +155,8 @@ class QuantLinear(nn.Module):
     def repack_for_device(self) -> None:
         """Hold the packed buffers in the layout of the kernel that serves single-row inputs on their device
         (:func:`qlinear.backends.layout_for`): repacked once here, not per call.  Runs on every ``.to()``,
-        load and state-dict load; call it after assigning packed buffers by hand."""
+        load and state-dict load; call it after assigning packed buffers by hand.  A layer whose data the
+        kernel's layout cannot hold stays canonical (with a warning) and runs on the fallback kernel."""
         devices = {self._buffers[n].device for n in self._packed_names}
         if len(devices) != 1:  # mid-load (some buffers still on meta): wait until all have landed
             return
@@ -165,9 +167,14 @@ class QuantLinear(nn.Module):
         if want is not self._layout:
             bufs = self.canonical()
             if want is not None:
-                main = want.repack({k: v for k, v in bufs.items() if k not in side}, kcfg, self.out_features,
-                                   self.in_features)
-                bufs = {**main, **{k: bufs[k] for k in side}}
+                try:
+                    main = want.repack({k: v for k, v in bufs.items() if k not in side}, kcfg, self.out_features,
+                                       self.in_features)
+                    bufs = {**main, **{k: bufs[k] for k in side}}
+                except ValueError as e:  # data the kernel cannot hold (e.g. α not uniform): stay canonical
+                    warnings.warn(f"{type(self).__name__} {self.out_features}x{self.in_features} keeps the canonical "
+                                  f"layout instead of {want.name}: {e}", stacklevel=2)
+                    want = None
             self._set_packed(bufs, want)
 
     # device/dtype moves keep the packed dtypes ----------------------------------------------------

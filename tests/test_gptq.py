@@ -92,7 +92,7 @@ def test_checkpoint_tensors_round_trip_bit_exactly(bits, fmt):
     N, K, g = 64, 256, 64
     codes = torch.randint(0, 1 << bits, (N, K))
     scales = (torch.rand(N, K // g) * 0.02 + 0.001).half().float()
-    zeros = torch.randint(0, 1 << bits, (N, K // g))
+    zeros = torch.randint(1 if fmt == "gptq" else 0, 1 << bits, (N, K // g))  # v1 cannot hold a zero point of 0
     g_idx = (torch.randperm(K) % (K // g)).to(torch.int32)
     qweight, qzeros = uniform.pack_gptq(codes, zeros, bits, fmt)
     c2, z2 = uniform.unpack_gptq(qweight, qzeros, bits, K, fmt)
@@ -150,3 +150,67 @@ def test_replace_linear_with_gptq_act_order_on_a_small_llama():
     assert len(layers) == 14 and all("perm" in m._packed_names for m in layers)
     out = model(ids).logits
     assert (out - ref).abs().mean() < 0.1 * ref.abs().mean()
+
+
+def _tiny_llama(seed=0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2)).eval()
+
+
+@pytest.mark.parametrize("bits,act_order,fmt", [(4, True, "gptq"), (3, False, "gptq_v2"), (2, True, "gptq_v2"),
+                                                (8, False, "gptq")])
+def test_save_and_load_gptq_checkpoints(tmp_path, bits, act_order, fmt):
+    model = _tiny_llama()
+    ids = torch.randint(0, 128, (2, 16))
+    H = qlinear.calibrate(model, [ids[i:i + 1] for i in range(2)], progress=False)
+    qlinear.replace_linear(model, QLinearConfig("bcq", bits=bits, group_size=32, method="gptq", act_order=act_order),
+                           calibration_data=H, progress=False)
+    ref = model(ids).logits
+    qlinear.save_gptq(model, tmp_path, checkpoint_format=fmt)
+    cfg = __import__("json").loads((tmp_path / "config.json").read_text())["quantization_config"]
+    assert cfg == {"quant_method": "gptq", "bits": bits, "group_size": 32, "desc_act": act_order, "sym": False,
+                   "checkpoint_format": fmt}
+    again = qlinear.load_gptq(tmp_path, dtype=torch.float32)
+    for name, mod in model.named_modules():
+        if isinstance(mod, BCQLinear):
+            assert torch.equal(again.get_submodule(name).dequantize(), mod.dequantize()), name
+    assert torch.allclose(again(ids).logits, ref, atol=1e-4)
+
+
+def test_load_gptq_rejects_other_checkpoints(tmp_path):
+    model = _tiny_llama()
+    model.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="not a GPTQ checkpoint"):
+        qlinear.load_gptq(tmp_path)
+    with pytest.raises(ValueError, match="GPTQ checkpoints hold uniform int codes"):
+        qlinear.save_gptq(qlinear.replace_linear(_tiny_llama(), QLinearConfig("codebook", bits=2, iters=0),
+                                                 progress=False), tmp_path / "cb")
+
+
+def test_edge_cases_found_in_review(tmp_path):
+    """Dead inputs and all-zero groups, act_order without a Hessian, round-to-nearest export, the v1 zero point."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(64, 16)
+    with torch.no_grad():
+        lin.weight[3, :32] = 0
+    H = torch.eye(64)
+    H[:32, :32] = 0
+    for bits in (4, 8):
+        m = BCQLinear.from_linear(lin, QLinearConfig("bcq", bits=bits, group_size=32, method="gptq"), H)
+        assert torch.isfinite(m.dequantize()).all()
+    m = BCQLinear.from_linear(lin, QLinearConfig("bcq", bits=4, group_size=32, method="gptq", act_order=True))
+    assert torch.equal(m.perm, torch.arange(64, dtype=torch.int32))
+    rtn = torch.nn.Linear(256, 32)
+    with torch.no_grad():
+        rtn.weight.normal_(0, 0.02)
+    r = BCQLinear.from_linear(rtn, QLinearConfig("bcq", bits=4, group_size=64, init="uniform", iters=0))
+    t = r.to_gptq("gptq_v2")
+    back = BCQLinear.from_gptq(t["qweight"], t["qzeros"], t["scales"], bits=4, group_size=64, checkpoint_format="gptq_v2")
+    assert torch.allclose(back.dequantize(), r.dequantize(), atol=1e-3)  # fp16 offsets -> exact int zero points
+    with pytest.raises(ValueError, match="cannot hold a zero point of 0"):
+        uniform.pack_gptq(torch.zeros(1, 32, dtype=torch.int64), torch.zeros(1, 1, dtype=torch.int64), 4, "gptq")
+    with pytest.raises(ValueError, match="static_groups only changes act_order"):
+        bcq.Config(bits=4, method="gptq", static_groups=True)

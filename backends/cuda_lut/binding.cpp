@@ -33,6 +33,10 @@ at::Tensor bcq_lut_gemv(const at::Tensor& x, const at::Tensor& planes, const at:
                   alpha.is_contiguous(), "bcq_lut_gemv: alpha must be contiguous fp16 [G, Q, N]");
   TORCH_CHECK(group_size % 32 == 0 && alpha.size(0) == (K + group_size - 1) / group_size,
               "bcq_lut_gemv: alpha has ", alpha.size(0), " groups, K=", K, " group_size=", group_size);
+  TORCH_CHECK(planes.device() == x.device() && alpha.device() == x.device() &&
+                  (!offset.has_value() || offset->device() == x.device()) && (!bias.has_value() || bias->device() == x.device()),
+              "bcq_lut_gemv: x, weights and bias must be on the same device");
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(planes.data_ptr()) % 16 == 0, "bcq_lut_gemv: planes must be 16-byte aligned");
   c10::cuda::CUDAGuard guard(x.device());
   qlinear::LutGemvArgs a{};
   a.x = x.data_ptr();

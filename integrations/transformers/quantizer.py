@@ -281,8 +281,9 @@ class QLinearHfQuantizer(HfQuantizer):
             if not isinstance(mod, QuantLinear):
                 continue
             specs = get_format(mod.format).buffer_specs(mod.out_features, mod.in_features, mod.config)
+            held = mod.canonical()
             for buf, (shape, dt) in specs.items():
-                t = mod._buffers[buf]
+                t = held[buf]
                 if tuple(t.shape) != tuple(shape) or t.dtype != dt:
                     bad.append(f"{name}.{buf}: loaded {t.dtype} {list(t.shape)}, expected {dt} {list(shape)}")
                 elif check_loaded and (t.device.type == "meta" or not getattr(t, "_is_hf_initialized", False)):

@@ -97,6 +97,8 @@ def spec_bits(specs: BufferSpecs) -> int:
 
 
 FP16_TINY = 2.0 ** -24  # smallest positive fp16 (subnormal): the floor of every stored scale
+# floor of uniform-grid scales: s/2 (BCQ's α_1 = s·2^-1) stays a normal fp16 value, so uniform α are exact
+UNIFORM_MIN_SCALE = 2.0 ** -13
 
 
 def importance(hessian: torch.Tensor | None, in_features: int) -> torch.Tensor:

@@ -35,7 +35,7 @@ import dataclasses
 import torch
 
 from . import uniform
-from .base import FP16_TINY, BufferSpecs, FormatConfig, fp16_round, importance, num_groups
+from .base import UNIFORM_MIN_SCALE, BufferSpecs, FormatConfig, fp16_round, importance, num_groups
 from .packing import pack_planes, unpack_planes
 
 NAME = "bcq"
@@ -88,6 +88,8 @@ class Config(FormatConfig):
                              f"offset={self.offset}")
         if (self.sym or self.static_groups) and self.method != "gptq":
             raise ValueError("sym and static_groups are options of method='gptq'")
+        if self.static_groups and not self.act_order:
+            raise ValueError("static_groups only changes act_order quantization; set act_order=True or drop it")
         if not 1 <= self.bits <= 8:
             raise ValueError(f"BCQ bits must be in 1..8, got {self.bits}")
         if self.group_size != -1 and (self.group_size < 32 or self.group_size % 32):
@@ -175,7 +177,7 @@ def _uniform(w, bits, use_offset):
         codes = uniform.codes_for(w, s[:, None], z[:, None], bits)
         c = fp16_round(s * ((2 ** bits - 1) / 2 - z))
     else:
-        s = fp16_round(w.abs().max(1).values / ((2 ** bits - 1) / 2)).clamp(min=FP16_TINY)
+        s = fp16_round(w.abs().max(1).values / ((2 ** bits - 1) / 2)).clamp(min=UNIFORM_MIN_SCALE)
         c, codes = None, None
     alpha = fp16_round(s[:, None] * 2.0 ** (torch.arange(bits) - 1))
     if codes is None:
@@ -294,9 +296,10 @@ def quantize(weight: torch.Tensor, cfg: Config, hessian: torch.Tensor | None = N
         codes, scales, zeros, g_idx = gptq.quantize_uniform(
             weight, cfg.bits, g, hessian, sym=cfg.sym, damp=cfg.damp,
             act_order=cfg.act_order, static_groups=cfg.static_groups)
-        if cfg.act_order and not cfg.static_groups and g_idx is None:
-            g_idx = torch.arange(K, dtype=torch.int32) // g  # no Hessian: nothing to order by
-        return from_uniform(codes, scales, zeros, cfg.bits, g, g_idx)[1]
+        bufs = from_uniform(codes, scales, zeros, cfg.bits, g, g_idx)[1]
+        if cfg.act_order and not cfg.static_groups:  # identity order (no Hessian, or already sorted) included
+            bufs.setdefault("perm", torch.arange(K, dtype=torch.int32))
+        return bufs
     q = GroupQuantizer(N, K, cfg)
     if hessian is None or not cfg.error_feedback:
         if cfg.act_order:
@@ -362,10 +365,11 @@ def from_uniform(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
         if g_idx.shape != (K,) or int(g_idx.min()) < 0 or int(g_idx.max()) >= G:
             raise ValueError(f"g_idx must be [{K}] with values in [0, {G})")
         perm = torch.argsort(g_idx, stable=True)
-        if torch.equal(g_idx, torch.arange(K) // cfg.group(K)):  # GPTQ writes g_idx without act_order too
+        natural = torch.arange(K, device=g_idx.device) // cfg.group(K)
+        if torch.equal(g_idx, natural):  # GPTQ writes g_idx without act_order too
             perm = None
             cfg = dataclasses.replace(cfg, act_order=False)
-        elif not torch.equal(g_idx[perm], torch.arange(K) // cfg.group(K)):
+        elif not torch.equal(g_idx[perm], natural):
             raise ValueError(f"g_idx must put exactly group_size={cfg.group(K)} inputs in each group (the last may "
                              f"hold fewer), as GPTQ writes it; got group sizes {torch.bincount(g_idx).tolist()[:8]}...")
         if perm is not None:
@@ -399,7 +403,10 @@ def to_uniform(buffers: dict[str, torch.Tensor], cfg: Config, out_features: int,
         raise ValueError("α are not uniform (α_i = s·2^(i-2)): only uniform BCQ layers have int codes")
     c = buffers["offset"].to(torch.float32) if cfg.offset else torch.zeros_like(s)
     zeros = torch.round((2 ** bits - 1) / 2 - c / s)
-    if not torch.equal(s * ((2 ** bits - 1) / 2 - zeros), c) or int(zeros.min()) < 0 or int(zeros.max()) >= 1 << bits:
+    recon = s * ((2 ** bits - 1) / 2 - zeros)
+    if cfg.offset and buffers["offset"].dtype == torch.float16:  # round-to-nearest layers keep fp16 offsets
+        recon = fp16_round(recon)
+    if not torch.equal(recon, c) or int(zeros.min()) < 0 or int(zeros.max()) >= 1 << bits:
         raise ValueError("offsets are not s·((2^q−1)/2 − z) for integer zero points z in [0, 2^q)")
     codes = unpack_planes(buffers["planes"], K)
     g_idx = None
@@ -408,6 +415,6 @@ def to_uniform(buffers: dict[str, torch.Tensor], cfg: Config, out_features: int,
         in_order = torch.empty_like(codes)
         in_order[:, perm] = codes
         codes = in_order
-        g_idx = torch.empty(K, dtype=torch.int32)
-        g_idx[perm] = (torch.arange(K) // cfg.group(K)).to(torch.int32)
+        g_idx = torch.empty(K, dtype=torch.int32, device=perm.device)
+        g_idx[perm] = (torch.arange(K, device=perm.device) // cfg.group(K)).to(torch.int32)
     return codes, s, zeros.long(), g_idx

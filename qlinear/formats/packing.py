@@ -61,7 +61,11 @@ def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def unpack(words: torch.Tensor, bits: int, n: int) -> torch.Tensor:
-    """Inverse of :func:`pack`: int32 ``[..., w]`` -> int64 codes ``[..., n]`` in ``[0, 2**bits)``."""
+    """Inverse of :func:`pack`: int32 ``[..., w]`` -> int64 codes ``[..., n]`` in ``[0, 2**bits)``.
+
+    Raises:
+        ValueError: ``bits`` outside 1..16.  TypeError: ``words`` is not int32.
+    """
     _check_bits(bits)
     if words.dtype != torch.int32:
         raise TypeError(f"packed words must be int32, got {words.dtype}")

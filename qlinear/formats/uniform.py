@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import FP16_TINY, fp16_round, group_bounds, num_groups
+from .base import UNIFORM_MIN_SCALE, fp16_round, group_bounds, num_groups
 
 __all__ = ["fit", "fit_symmetric", "codes_for", "rtn", "GroupQuantizer"]
 
@@ -31,7 +31,7 @@ def fit(w: torch.Tensor, bits: int, weight: torch.Tensor | None = None,
     hi = w.max(dim=1).values.clamp(min=0)
 
     def grid(p: float) -> tuple[torch.Tensor, torch.Tensor]:
-        scale = fp16_round((hi - lo) * p / qmax).clamp(min=FP16_TINY)
+        scale = fp16_round((hi - lo) * p / qmax).clamp(min=UNIFORM_MIN_SCALE)
         return scale, torch.round(-lo * p / scale).clamp(0, qmax)
 
     if len(clip_grid) == 1:
@@ -54,7 +54,7 @@ def fit_symmetric(w: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tenso
     """GPTQ's symmetric grid for rows of ``w`` ``[M, g]``: zero point ``2^(bits-1)``, scale
     ``2·max|w| / (2^bits − 1)`` (fp16).  Returns ``(scale [M] float32, zero [M] int64)``."""
     qmax = (1 << bits) - 1
-    scale = fp16_round(2 * w.abs().amax(1) / qmax).clamp(min=FP16_TINY)
+    scale = fp16_round(2 * w.abs().amax(1) / qmax).clamp(min=UNIFORM_MIN_SCALE)
     return scale, torch.full_like(scale, 1 << (bits - 1), dtype=torch.int64)
 
 
@@ -70,16 +70,19 @@ class GroupQuantizer:
         self.codes = torch.zeros(out_features, in_features, dtype=torch.int64)
 
     def fit_group(self, index, start, w, d):
+        """Fit group ``index`` (scale and zero point per row) from its weights ``w`` ``[N, g]``."""
         s, z = fit_symmetric(w, self.bits) if self.sym else fit(w, self.bits)
         self.scales[:, index], self.zeros[:, index] = s, z
 
     def quantize(self, index, start, w):
+        """Codes of columns ``start:start + w.shape[1]`` under group ``index``; returns their dequantized values."""
         s, z = self.scales[:, index, None], self.zeros[:, index, None]
         q = codes_for(w, s, z, self.bits)
         self.codes[:, start:start + w.shape[1]] = q
         return s * (q - z)
 
     def finish(self):
+        """``{"codes" [N, K] int64, "scales" [N, G] float32, "zeros" [N, G] int64}``."""
         return {"codes": self.codes, "scales": self.scales, "zeros": self.zeros}
 
 
@@ -127,7 +130,10 @@ def pack_gptq(codes: torch.Tensor, zeros: torch.Tensor, bits: int, checkpoint_fo
         raise ValueError(f"in_features·bits must be a multiple of 32, got {codes.shape[1]}·{bits}")
     z = zeros.long()
     if checkpoint_format == "gptq":
-        z = (z - 1) & ((1 << bits) - 1)
+        if (z == 0).any():
+            raise ValueError("the v1 'gptq' format stores zero points minus one and cannot hold a zero point of 0 "
+                             "(other engines would read 2^bits); use checkpoint_format='gptq_v2'")
+        z = z - 1
     return pack(codes, bits).T.contiguous(), pack(z.T.contiguous(), bits)
 
 

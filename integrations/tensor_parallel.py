@@ -1,0 +1,211 @@
+"""Megatron-style tensor parallelism for transformers decoders whose linear layers may be quantized, with the
+act_order handling of "TP-Aware Dequantization" (Alg. 2 "naive" and Alg. 3 "tp_aware").
+
+:func:`parallelize` shards every decoder layer of a Llama-style model over a ``torch.distributed`` group:
+q/k/v and gate/up are column-parallel (output features split; whole attention heads per rank, GQA
+key/value heads split the same way), o_proj and down are row-parallel (input features split) followed by
+one all-reduce; embeddings, norms and lm_head stay replicated.  Quantized layers are sliced in their
+packed form (codes, scales, codebooks), never dequantized; an input split must fall on a group boundary.
+
+act_order layers are stored reordered (contiguous groups plus ``perm``, :mod:`qlinear.formats.bcq`).  For
+a column-parallel layer that is free (every rank gathers its full input by ``perm``).  For the row-parallel
+down projection with permutation P2 the rank owns stored positions ``[r·I/W, (r+1)·I/W)``:
+
+* ``naive`` (Alg. 2): gate/up keep their natural output split, so down's input shard must be gathered:
+  all-gather Y1, index it by P2's shard, then the local matmul and the all-reduce.
+* ``tp_aware`` (Alg. 3): gate and up (SwiGLU: both the same) take as their output rows exactly P2's shard,
+  so each rank's Y1 already is down's input shard: no all-gather.
+
+Attention: o_proj's input is the concatenation of heads, and a global act_order permutation mixes
+channels of different heads, so no offline permutation of q/k/v can put a rank's heads in o_proj's stored
+order.  The scheme used here needs no all-gather for layers quantized by qlinear: quantize o_proj with
+``static_groups=True`` (GPTQ still processes columns in act_order, but groups stay in input order, so the
+row split is the natural one; ``per_module={"*o_proj": ...}``).  An imported o_proj with a global
+permutation falls back to gathering the attention output (counted in :data:`STATS`).
+
+Source: Megatron-LM (Shoeybi et al. 2019) for the layer split; "TP-Aware Dequantization" (Hoque et al. 2024)
+for the act_order algorithms.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from qlinear.formats.packing import pack, unpack
+
+__all__ = ["parallelize", "shard_rows", "shard_inputs", "RowParallel", "STATS"]
+
+STATS = {"all_gather": 0, "all_reduce": 0, "bytes": 0}  # collectives issued by this process since import
+
+
+def _quant():
+    from qlinear import BCQLinear, CodebookLinear, QuantLinear
+
+    return QuantLinear, BCQLinear, CodebookLinear
+
+
+def _rebuild(layer, bufs: dict, in_features: int, out_features: int, cfg, bias: Optional[torch.Tensor]):
+    mod = type(layer)(in_features, out_features, bias is not None, cfg, backend=layer.backend, device="meta")
+    mod.load_packed(bufs)
+    if bias is not None:
+        mod.bias = nn.Parameter(bias.detach().clone(), requires_grad=False)
+    return mod.to(next(iter(bufs.values())).device)
+
+
+def shard_rows(layer: nn.Module, rows: torch.Tensor) -> nn.Module:
+    """The layer restricted to output features ``rows`` (int64 ``[n]``, any order): a new layer of the same
+    class with ``out_features = n``, packed data sliced without dequantizing.
+
+    Raises:
+        ValueError: a layer type that cannot be sliced (MixedPrecisionLinear).
+    """
+    QuantLinear, BCQLinear, CodebookLinear = _quant()
+    bias = None if layer.bias is None else layer.bias[rows]
+    if not isinstance(layer, QuantLinear):
+        out = nn.Linear(layer.in_features, len(rows), bias=bias is not None, device="meta", dtype=layer.weight.dtype)
+        out.weight = nn.Parameter(layer.weight.detach()[rows].clone(), requires_grad=False)
+        if bias is not None:
+            out.bias = nn.Parameter(bias.detach().clone(), requires_grad=False)
+        return out
+    b = layer.canonical()
+    if isinstance(layer, BCQLinear):
+        new = {"planes": b["planes"][:, rows], "alpha": b["alpha"][:, rows]}
+        if "offset" in b:
+            new["offset"] = b["offset"][rows]
+        if "perm" in b:
+            new["perm"] = b["perm"]
+    elif isinstance(layer, CodebookLinear):
+        new = {k: v[rows] if k != "codebooks" else v for k, v in b.items()}
+    else:
+        raise ValueError(f"{type(layer).__name__} cannot be sharded (its scales are packed across rows)")
+    return _rebuild(layer, {k: v.contiguous() for k, v in new.items()}, layer.in_features, len(rows), layer.config, bias)
+
+
+def shard_inputs(layer: nn.Module, start: int, end: int) -> nn.Module:
+    """The layer restricted to stored input positions ``[start, end)`` (for an act_order layer the stored order
+    is ``perm``'s; the result has no ``perm``: its input is ``x[..., perm[start:end]]``), bias dropped (a
+    row-parallel layer adds it once after the all-reduce).
+
+    Raises:
+        ValueError: ``start``/``end`` not on a quantization group boundary, or an unsliceable layer type.
+    """
+    QuantLinear, BCQLinear, CodebookLinear = _quant()
+    if not isinstance(layer, QuantLinear):
+        out = nn.Linear(end - start, layer.out_features, bias=False, device="meta", dtype=layer.weight.dtype)
+        out.weight = nn.Parameter(layer.weight.detach()[:, start:end].clone(), requires_grad=False)
+        return out
+    K = layer.in_features
+    g = K if getattr(layer.config, "group_size", -1) == -1 else layer.config.group_size
+    if start % g or (end % g and end != K):
+        raise ValueError(f"input shard [{start}, {end}) of a {layer.out_features}x{K} layer splits a quantization "
+                         f"group of {g}: the shard size must be a multiple of the group size")
+    b = layer.canonical()
+    if isinstance(layer, BCQLinear):
+        new = {"planes": b["planes"][:, :, start // 32:-(-end // 32)], "alpha": b["alpha"][:, :, start // g:-(-end // g)]}
+        if "offset" in b:
+            new["offset"] = b["offset"][:, start // g:-(-end // g)]
+        cfg = dataclasses.replace(layer.config, act_order=False, static_groups=False)
+    elif isinstance(layer, CodebookLinear):
+        cfg = layer.config
+        new = {"codes": pack(unpack(b["codes"], cfg.bits, K)[:, start:end], cfg.bits)}
+        if "book_idx" in b:
+            lb = int(math.log2(cfg.books))
+            new["book_idx"] = pack(unpack(b["book_idx"], lb, K // g)[:, start // g:end // g], lb)
+        new["scales"], new["codebooks"] = b["scales"][:, start // g:end // g], b["codebooks"]
+    else:
+        raise ValueError(f"{type(layer).__name__} cannot be sharded (its scales are packed across rows)")
+    return _rebuild(layer, {k: v.contiguous() for k, v in new.items()}, end - start, layer.out_features, cfg, None)
+
+
+def _all_gather(x: torch.Tensor, group) -> torch.Tensor:
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    STATS["all_gather"] += 1
+    STATS["bytes"] += x.numel() * x.element_size() * (len(parts) - 1)
+    return torch.cat(parts, -1)
+
+
+class RowParallel(nn.Module):
+    """Row-parallel linear: ``y = all_reduce(local(x_local)) + bias``; with ``gather`` (naive act_order, or an
+    imported act_order o_proj) the rank's input is first all-gathered and indexed by ``gather``."""
+
+    def __init__(self, local: nn.Module, bias: Optional[torch.Tensor], group, gather: Optional[torch.Tensor] = None):
+        super().__init__()
+        self.local, self.group = local, group
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+        self.register_buffer("gather", gather, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gather is not None:
+            x = _all_gather(x, self.group).index_select(-1, self.gather)
+        y = self.local(x)
+        dist.all_reduce(y, group=self.group)
+        STATS["all_reduce"] += 1
+        STATS["bytes"] += y.numel() * y.element_size()
+        return y if self.bias is None else y + self.bias.to(y.dtype)
+
+
+def _perm(layer) -> Optional[torch.Tensor]:
+    QuantLinear = _quant()[0]
+    if isinstance(layer, QuantLinear) and "perm" in layer._packed_names:
+        return layer.canonical()["perm"].long()
+    return None
+
+
+def parallelize(model: nn.Module, group=None, mode: str = "tp_aware") -> nn.Module:
+    """Shard ``model`` (a transformers Llama-style causal LM: ``model.model.layers[i].self_attn.{q,k,v,o}_proj``
+    and ``.mlp.{gate,up,down}_proj``) over ``group`` (default: the world) in place and return it.
+
+    Args:
+        mode: "tp_aware" (no all-gather for act_order down projections) or "naive" (Alg. 2).
+
+    Raises:
+        ValueError: an unknown mode, a world size that does not divide the attention heads, key/value heads or
+            the MLP width, or a shard boundary inside a quantization group (checked for every layer before
+            any module is replaced, so a failure leaves the model as it was).
+        RuntimeError: torch.distributed is not initialised.
+    """
+    if mode not in ("tp_aware", "naive"):
+        raise ValueError(f"mode must be 'tp_aware' or 'naive', got {mode!r}")
+    if not dist.is_initialized():
+        raise RuntimeError("parallelize needs torch.distributed initialised (init_process_group)")
+    W, r = dist.get_world_size(group), dist.get_rank(group)
+    cfg = model.config
+    H, Hkv = cfg.num_attention_heads, cfg.num_key_value_heads
+    hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // H
+    I = cfg.intermediate_size
+    for what, n in (("num_attention_heads", H), ("num_key_value_heads", Hkv), ("intermediate_size", I)):
+        if n % W:
+            raise ValueError(f"world size {W} does not divide {what}={n}")
+    q_rows = torch.arange(r * H // W * hd, (r + 1) * H // W * hd)
+    kv_rows = torch.arange(r * Hkv // W * hd, (r + 1) * Hkv // W * hd)
+    i0, i1 = r * I // W, (r + 1) * I // W
+    plan = []  # (parent, name, new module): built for every layer first, assigned only if all succeed
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        plan += [(attn, "q_proj", shard_rows(attn.q_proj, q_rows)), (attn, "k_proj", shard_rows(attn.k_proj, kv_rows)),
+                 (attn, "v_proj", shard_rows(attn.v_proj, kv_rows))]
+        o_perm = _perm(attn.o_proj)
+        if o_perm is None:
+            o = RowParallel(shard_inputs(attn.o_proj, q_rows[0].item(), q_rows[-1].item() + 1), attn.o_proj.bias, group)
+        else:  # imported global act_order: gather the heads' outputs (see the module docstring)
+            n = H * hd // W
+            o = RowParallel(shard_inputs(attn.o_proj, r * n, (r + 1) * n), attn.o_proj.bias, group,
+                            gather=o_perm[r * n:(r + 1) * n])
+        plan.append((attn, "o_proj", o))
+        p2 = _perm(mlp.down_proj)
+        if p2 is not None and mode == "tp_aware":
+            rows, gather = p2[i0:i1], None
+        else:
+            rows, gather = torch.arange(i0, i1), (None if p2 is None else p2[i0:i1])
+        plan += [(mlp, "gate_proj", shard_rows(mlp.gate_proj, rows)), (mlp, "up_proj", shard_rows(mlp.up_proj, rows)),
+                 (mlp, "down_proj", RowParallel(shard_inputs(mlp.down_proj, i0, i1), mlp.down_proj.bias, group, gather))]
+    for parent, name, new in plan:
+        setattr(parent, name, new)
+    return model

@@ -1,0 +1,76 @@
+"""One rank of the tensor-parallel tests (run by tests/test_tensor_parallel.py in a subprocess per rank).
+
+usage: python tests/tp_worker.py RANK WORLD PORT OUT_JSON
+Builds the same small Llama in every rank (9 query / 3 key-value heads, like SmolLM2), quantizes it several
+ways, runs it unsharded, shards it with qlinear.tensor_parallel.parallelize and compares logits, greedy text
+and the number of all-gathers per forward."""
+
+import datetime
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import qlinear
+from qlinear import QLinearConfig
+from qlinear.integrations import tensor_parallel as tp
+
+rank, world, port, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                        timeout=datetime.timedelta(seconds=120))
+torch.set_num_threads(1)
+
+
+def build(quant, heads=None):
+    torch.manual_seed(0)
+    heads = heads or ((9, 3) if world % 3 == 0 else (8, 4))  # SmolLM2's 9/3 heads at world size 3
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=32 * heads[0], intermediate_size=768,
+                                         num_hidden_layers=2, num_attention_heads=heads[0], num_key_value_heads=heads[1],
+                                         head_dim=32)).eval()
+    ids = torch.randint(0, 256, (4, 24), generator=torch.Generator().manual_seed(1))
+    if quant == "bcq":
+        qlinear.replace_linear(model, QLinearConfig("bcq", bits=4, group_size=32, iters=1), progress=False)
+    elif quant.startswith("gptq"):
+        H = qlinear.calibrate(model, [ids[i:i + 1] for i in range(4)], progress=False)
+        cfg = QLinearConfig("bcq", bits=4, group_size=32, method="gptq", act_order=True)
+        per = {"*o_proj": QLinearConfig("bcq", bits=4, group_size=32, method="gptq", act_order=True,
+                                        static_groups=quant == "gptq-static-o")}
+        qlinear.replace_linear(model, cfg, per_module=per, calibration_data=H, progress=False)
+    return model, ids
+
+
+results = []
+cases = [("none", "tp_aware"), ("bcq", "tp_aware"), ("gptq-static-o", "naive"), ("gptq-static-o", "tp_aware"),
+         ("gptq", "tp_aware")]
+with torch.no_grad():
+    for quant, mode in cases:
+        model, ids = build(quant)
+        ref = model(ids).logits
+        kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+        ref_gen = model.generate(ids[:1], **kw)
+        tp.parallelize(model, mode=mode)
+        before = dict(tp.STATS)
+        logits = model(ids).logits
+        gathers = tp.STATS["all_gather"] - before["all_gather"]
+        gen = model.generate(ids[:1], **kw)
+        results.append({"quant": quant, "mode": mode, "max_diff": float((logits - ref).abs().max()),
+                        "scale": float(ref.abs().max()), "same_text": bool(torch.equal(gen, ref_gen)),
+                        "all_gather_per_forward": gathers})
+    try:
+        model, _ = build("none")
+        tp.parallelize(model, mode="sideways")
+    except ValueError as e:
+        results.append({"error": str(e)})
+    if world == 2:
+        model, _ = build("none", heads=(9, 3))
+        q_before = model.model.layers[0].self_attn.q_proj
+        try:
+            tp.parallelize(model)
+        except ValueError as e:
+            results.append({"error_heads": str(e), "untouched": model.model.layers[0].self_attn.q_proj is q_before})
+dist.destroy_process_group()
+if rank == 0:
+    with open(out, "w") as f:
+        json.dump(results, f)
