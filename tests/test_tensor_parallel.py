@@ -37,7 +37,7 @@ def _run(world: int, tmp_path: Path) -> list[dict]:
     return json.loads(out.read_text())
 
 
-@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_sharded_model_matches_single_process(world, tmp_path):
     results = _run(world, tmp_path)
     cases = {(r["quant"], r["mode"]): r for r in results if "quant" in r}

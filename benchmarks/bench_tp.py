@@ -1,0 +1,123 @@
+"""Tensor-parallel MLP with act_order weights: naive (all-gather, "TP-Aware Dequantization" Alg. 2) vs TP-aware
+(Alg. 3, no all-gather), on CPU with gloo.
+
+    python benchmarks/bench_tp.py [--world 2] [--shapes llama70b,granite20b] [--batches 1,2,4,8,16] [--reps 5]
+
+Each rank holds only its shards, built directly with random 4-bit g128 act_order codes (the values do not change
+the timing): gate/up column-parallel (I/W output rows each), down row-parallel over its stored-order input
+shard; the down permutation P2 is shared.  Naive: gate/up take their natural rows, Y1 is all-gathered and
+indexed by P2's shard.  TP-aware: gate/up take P2's shard of rows, so no all-gather.  Both end with one
+all-reduce.  Reported: median ms per MLP forward over ``--reps`` calls (after one warm-up) on rank 0, bytes
+sent per forward by one rank, and naive/TP-aware.  The local matmuls use the ``arm_neon`` backend when it
+builds (SIMDe on x86), else the reference backend.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+SHAPES = {"llama70b": (8192, 28672, 8192), "granite20b": (6144, 24576, 6144)}
+
+
+def _layer(in_f: int, out_f: int, backend: str, act_order: bool = False):
+    from qlinear import BCQLinear
+    from qlinear.formats import bcq
+
+    cfg = bcq.Config(bits=4, group_size=128, init="uniform", iters=0, act_order=act_order, fp32_offset=True)
+    m = BCQLinear(in_f, out_f, False, cfg, backend=backend, device="meta")
+    g = torch.Generator().manual_seed(in_f * 7 + out_f)
+    bufs = {"planes": torch.randint(-2**31, 2**31 - 1, (4, out_f, in_f // 32), dtype=torch.int32, generator=g),
+            "alpha": (torch.rand(1, out_f, in_f // 128, generator=g) * 0.01 + 0.001).half()
+            * torch.tensor([0.5, 1.0, 2.0, 4.0]).half()[:, None, None],
+            "offset": torch.randn(out_f, in_f // 128, generator=g) * 0.01}
+    if act_order:
+        bufs["perm"] = torch.randperm(in_f, generator=g).to(torch.int32)
+    m.load_packed(bufs)
+    return m.to("cpu")
+
+
+def _rank(rank: int, world: int, port: int, args, out) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=600))
+    torch.set_num_threads(max(1, torch.get_num_threads() // world))
+    from qlinear.backends import arm_neon
+    from qlinear.integrations import tensor_parallel as tp
+
+    backend = "arm_neon" if arm_neon.available() is None else "reference"
+    rows = []
+    for shape in args.shapes.split(","):
+        K1, I, N2 = SHAPES[shape]
+        i0, i1 = rank * I // world, (rank + 1) * I // world
+        p2 = torch.randperm(I, generator=torch.Generator().manual_seed(0))
+        gate, up = _layer(K1, i1 - i0, backend), _layer(K1, i1 - i0, backend)
+        down = _layer(i1 - i0, N2, backend)
+        mlps = {"naive": tp.RowParallel(down, None, None, gather=p2[i0:i1]), "tp_aware": tp.RowParallel(down, None, None)}
+        for M in map(int, args.batches.split(",")):
+            x = torch.randn(M, K1, generator=torch.Generator().manual_seed(M))
+            res = {}
+            for mode, row in mlps.items():
+                def fwd():
+                    return row(torch.nn.functional.silu(gate(x)) * up(x))
+
+                with torch.no_grad():
+                    fwd()
+                    b0 = tp.STATS["bytes"]
+                    fwd()
+                    sent = tp.STATS["bytes"] - b0
+                    times = []
+                    for _ in range(args.reps):
+                        dist.barrier()
+                        t = time.perf_counter()
+                        fwd()
+                        times.append((time.perf_counter() - t) * 1e3)
+                res[mode] = (statistics.median(times), sent)
+            rows.append([shape, f"{K1}->{I}->{N2}", M, res["naive"][0], res["tp_aware"][0], res["naive"][1],
+                         res["tp_aware"][1], res["naive"][0] / res["tp_aware"][0]])
+            if rank == 0:
+                print(rows[-1], flush=True)
+    if rank == 0:
+        out.put((backend, rows))
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--shapes", default="llama70b,granite20b")
+    ap.add_argument("--batches", default="1,2,4,8,16")
+    ap.add_argument("--reps", type=int, default=5)
+    args = ap.parse_args()
+    sys.path.insert(0, str(Path(__file__).parent))
+    from common import table
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [ctx.Process(target=_rank, args=(r, args.world, port, args, q)) for r in range(args.world)]
+    for p in procs:
+        p.start()
+    backend, rows = q.get(timeout=3600)
+    for p in procs:
+        p.join(timeout=600)
+    print(f"{datetime.date.today()}, CPU gloo, world {args.world}, {os.cpu_count()} cores, local kernel: {backend}, "
+          f"4-bit g128 act_order")
+    print(table(["MLP", "K1->I->N2", "M", "naive (ms)", "TP-aware (ms)", "naive bytes sent", "TP-aware bytes sent",
+                 "naive / TP-aware"], rows))
+
+
+if __name__ == "__main__":
+    main()
