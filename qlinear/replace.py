@@ -122,7 +122,9 @@ def replace_linear(model: nn.Module, config: Any, *, modules_to_not_convert: Opt
         setattr(parent, child, q)
     # so that save_pretrained writes the config and from_pretrained rebuilds the same modules
     if hasattr(getattr(model, "config", None), "to_dict") and not per_module and new:
-        saved = copy.deepcopy(config)
-        saved.modules_to_not_convert = skip
+        saved = copy.copy(config)  # calibration data and tokenizer are not part of the saved config
+        saved.format_options, saved.modules_to_not_convert = dict(config.format_options), skip
+        if hasattr(saved, "dataset"):
+            saved.dataset = saved.tokenizer = None
         model.config.quantization_config = saved
     return model

@@ -214,3 +214,23 @@ def test_edge_cases_found_in_review(tmp_path):
         uniform.pack_gptq(torch.zeros(1, 32, dtype=torch.int64), torch.zeros(1, 1, dtype=torch.int64), 4, "gptq")
     with pytest.raises(ValueError, match="static_groups only changes act_order"):
         bcq.Config(bits=4, method="gptq", static_groups=True)
+
+
+def test_quantize_on_load_with_calibration_data(tmp_path):
+    """from_pretrained(quantization_config=QLinearConfig(..., dataset=...)) calibrates and runs GPTQ after loading,
+    like transformers' GPTQConfig(dataset=...); the saved model reloads without the data."""
+    from transformers import AutoModelForCausalLM
+
+    model = _tiny_llama()
+    model.save_pretrained(tmp_path / "fp")
+    ids = torch.randint(0, 128, (4, 24))
+    cfg = QLinearConfig("bcq", bits=4, group_size=32, method="gptq", act_order=True,
+                        dataset=[ids[i:i + 1] for i in range(4)])
+    q = AutoModelForCausalLM.from_pretrained(tmp_path / "fp", quantization_config=cfg, dtype=torch.float32).eval()
+    layers = [m for m in q.modules() if isinstance(m, BCQLinear)]
+    assert len(layers) == 14 and all("perm" in m._packed_names for m in layers)
+    out = q(ids).logits
+    q.save_pretrained(tmp_path / "q")
+    assert "dataset" not in (tmp_path / "q" / "config.json").read_text()
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "q", dtype=torch.float32).eval()
+    assert torch.equal(again(ids).logits, out)

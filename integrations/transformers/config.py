@@ -26,6 +26,11 @@ class QLinearConfig(QuantizationConfigMixin):
             codebook 2/32).
         backend: kernel backend override ("reference", ...); None selects automatically.
         modules_to_not_convert: module-name patterns left in full precision (default ``["lm_head"]``).
+        dataset: calibration data for quantize-on-load (texts, or integer token-id tensors), like
+            transformers' ``GPTQConfig(dataset=...)``: ``from_pretrained`` then loads the float model,
+            computes XᵀX per layer (:func:`qlinear.calibrate`) and quantizes with it (GPTQ, activation-aware
+            BCQ/codebooks, error feedback).  Not saved with the model.
+        tokenizer: tokenizer for text ``dataset`` entries (an object, or a name/path for ``AutoTokenizer``).
         **format_options: the format's other options (see ``qlinear.formats.<format>.Config``),
             e.g. ``iters=8`` (bcq), ``ratio_4bit=0.25`` (mixed), ``num_codebooks=4`` (codebook).
 
@@ -36,8 +41,9 @@ class QLinearConfig(QuantizationConfigMixin):
 
     def __init__(self, format: str = "bcq", bits: Optional[int] = None, group_size: Optional[int] = None,
                  backend: Optional[str] = None, modules_to_not_convert: Optional[list[str]] = None,
-                 **format_options: Any):
+                 dataset: Any = None, tokenizer: Any = None, **format_options: Any):
         format_options.pop("quant_method", None)
+        self.dataset, self.tokenizer = dataset, tokenizer
         self.quant_method = QUANT_METHOD
         self.format = format
         self.bits = bits

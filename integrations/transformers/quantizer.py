@@ -166,8 +166,8 @@ class QLinearHfQuantizer(HfQuantizer):
         self.modules_to_not_convert = self.get_modules_to_not_convert(
             model, [], list(fp32) if fp32 else None, add_default_skips=True)
         fc = self.quantization_config.format_config()
-        self._quantize_after_loading = (not self.pre_quantized and fc.format == "codebook"
-                                        and fc.codebook_scope == "model")
+        self._quantize_after_loading = not self.pre_quantized and (
+            (fc.format == "codebook" and fc.codebook_scope == "model") or self.quantization_config.dataset is not None)
         targets = self._targets(model)
         if not targets:
             warnings.warn(f"qlinear found no nn.Linear layer to quantize in {type(model).__name__} (layers such as "
@@ -264,7 +264,14 @@ class QLinearHfQuantizer(HfQuantizer):
             from qlinear.replace import replace_linear
 
             keep = [name for name, mod in model.named_modules() if name and is_quantizable_linear(mod) and self._skip(name)]
-            replace_linear(model, self.quantization_config, modules_to_not_convert=keep, progress=False)
+            cfg = self.quantization_config
+            tok = cfg.tokenizer
+            if isinstance(tok, str):
+                from transformers import AutoTokenizer
+
+                tok = AutoTokenizer.from_pretrained(tok)
+            replace_linear(model, cfg, modules_to_not_convert=keep, calibration_data=cfg.dataset, tokenizer=tok,
+                           progress=False)
             return model
         leftover = [name for name, mod in model.named_modules() if _has_placeholder(mod)]
         if leftover:
