@@ -100,3 +100,119 @@ def calibrate(model: nn.Module, data: Data, tokenizer=None, *, max_length: int =
             norm[key] = h / max(count[name], 1)
         out[name] = norm[key]
     return out
+
+
+class _Captured(Exception):
+    pass
+
+
+def decoder_blocks(model: nn.Module, names: Iterable[str]) -> tuple[str, Optional[nn.ModuleList]]:
+    """``(prefix, blocks)``: the ``nn.ModuleList`` of the model holding the most of the Linear layers ``names``
+    (a transformers decoder's layer list), or ``("", None)`` if none does."""
+    names = list(names)
+    best, best_n = ("", None), 0
+    for prefix, mod in model.named_modules():
+        if isinstance(mod, nn.ModuleList) and len(mod) > 1:
+            n = sum(1 for x in names if x.startswith(prefix + "."))
+            if n > best_n:
+                best, best_n = (prefix, mod), n
+    return best
+
+
+@torch.no_grad()
+def sequential(model: nn.Module, data: Data, tokenizer, targets: list, quantize, *, max_length: int = 512,
+               progress: bool = True) -> dict[str, nn.Module]:
+    """GPTQ's sequential calibration with bounded memory: decoder block after block, collect ``H = XᵀX / n`` of
+    that block's target Linears only, quantize them with ``quantize(name, module, cfg, H)``, swap them in, and feed
+    the quantized block's outputs to the next block.  Memory: one block's Hessians plus the block inputs of the
+    calibration batches (``n · T · hidden`` floats).
+
+    Args:
+        targets: ``[(name, nn.Linear, cfg)]``.  Layers outside the decoder blocks get Hessians from one pass
+            of :func:`calibrate` over the unquantized model.
+
+    Returns:
+        ``{name: quantized module}``, already swapped into ``model``.  On an error every swapped module is
+        put back, so the model is as it was, and the error is raised.
+
+    Raises:
+        Whatever ``quantize`` raises; TypeError/ValueError for bad data (see :func:`calibrate`).
+    """
+    names = [n for n, _, _ in targets]
+    prefix, blocks = decoder_blocks(model, names)
+    inside = {n for n in names if blocks is not None and n.startswith(prefix + ".")}
+    by_name = {n: (m, c) for n, m, c in targets}
+    done: dict[str, nn.Module] = {}
+
+    def swap(name, new):
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child, new)
+
+    was_training = model.training
+    model.eval()
+    try:
+        outside = [n for n in names if n not in inside]
+        if outside:
+            H = calibrate(model, data, tokenizer, max_length=max_length, modules=outside, progress=False)
+            for n in outside:
+                done[n] = quantize(n, *by_name[n], H.get(n))
+        if blocks is not None:
+            inputs = []
+
+            def grab(mod, args, kwargs):
+                inputs.append((args, kwargs))
+                raise _Captured
+
+            handle = blocks[0].register_forward_pre_hook(grab, with_kwargs=True)
+            try:
+                dev = next(model.parameters()).device
+                for ids in _batches(data, tokenizer, max_length):
+                    try:
+                        model(ids.to(dev), use_cache=False)
+                    except _Captured:
+                        pass
+            finally:
+                handle.remove()
+            for i, block in enumerate(tqdm(blocks, desc="quantize", disable=not progress)):
+                here = [n for n in names if n.startswith(f"{prefix}.{i}.")]
+                sub = {n: model.get_submodule(n) for n in here}
+                H: dict[str, torch.Tensor] = {}
+                count: dict[str, int] = {}
+
+                def hook(name):
+                    def fn(mod, args):
+                        x = args[0].detach().reshape(-1, args[0].shape[-1]).to(torch.float32)
+                        if name not in H:
+                            H[name] = torch.zeros(x.shape[1], x.shape[1], device=x.device)
+                            count[name] = 0
+                        H[name].addmm_(x.T, x)
+                        count[name] += x.shape[0]
+                    return fn
+
+                handles = [m.register_forward_pre_hook(hook(n)) for n, m in sub.items()]
+                try:
+                    for args, kwargs in inputs:
+                        block(*args, **kwargs)
+                finally:
+                    for h in handles:
+                        h.remove()
+                for n in here:
+                    new = quantize(n, *by_name[n], H[n] / max(count[n], 1) if n in H else None)
+                    swap(n, new)
+                    done[n] = new
+                del H
+                outs = []
+                for args, kwargs in inputs:
+                    out = block(*args, **kwargs)
+                    out = out[0] if isinstance(out, tuple) else out
+                    outs.append(((out,) + tuple(args[1:]), kwargs))
+                inputs = outs
+        for n in outside:
+            swap(n, done[n])
+    except BaseException:
+        for n in done:
+            swap(n, by_name[n][0])
+        raise
+    finally:
+        model.train(was_training)
+    return done

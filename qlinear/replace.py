@@ -82,7 +82,10 @@ def replace_linear(model: nn.Module, config: Any, *, modules_to_not_convert: Opt
         per_module: ``{pattern: QLinearConfig or None}``; the first matching pattern overrides
             ``config`` for that module (None keeps it unquantized).
         calibration_data: ``{name: H}`` from :func:`qlinear.calibrate`, or data for it (token-id
-            tensors, or texts with ``tokenizer``).  Enables Hessian-aware quantization.
+            tensors, or texts with ``tokenizer``).  Enables Hessian-aware quantization.  With data, the
+            decoder is calibrated and quantized block by block (:func:`qlinear.calibration.sequential`:
+            one block's Hessians in memory, each block calibrated on the quantized blocks before it, as
+            GPTQ does); with ``{name: H}`` every layer uses the given matrix.
         progress: show a tqdm bar.
 
     Raises:
@@ -99,10 +102,27 @@ def replace_linear(model: nn.Module, config: Any, *, modules_to_not_convert: Opt
     for name, _, cfg in targets:
         if not hasattr(cfg, "format_config"):
             raise TypeError(f"per_module config for {name!r} must be a QLinearConfig or None, got {type(cfg).__name__}")
+    def quantize(name, mod, cfg, hessian, **kwargs):
+        try:
+            return module_class(cfg.format).from_linear(mod, cfg, hessian, **kwargs)
+        except (ValueError, TypeError) as e:
+            raise type(e)(f"layer {name!r} ({mod.out_features}x{mod.in_features}): {e}") from e
+
+    model_scope = any(format_config(c.format, c)[0].format == "codebook"
+                      and format_config(c.format, c)[0].codebook_scope == "model" for _, _, c in targets)
     hessians: Mapping[str, torch.Tensor] = {}
     if calibration_data is not None:
         if isinstance(calibration_data, Mapping):
             hessians = calibration_data
+        elif not model_scope:  # block by block, one block's Hessians at a time, quantized inputs downstream
+            from .calibration import sequential
+
+            new = sequential(model, calibration_data, tokenizer, targets, quantize, progress=progress)
+            for name, q in new.items():
+                parent_name, _, child = name.rpartition(".")
+                q.train((model.get_submodule(parent_name) if parent_name else model).training)
+            _remember_config(model, config, skip, per_module, new)
+            return model
         else:
             from .calibration import calibrate
             hessians = calibrate(model, calibration_data, tokenizer, modules=[n for n, _, _ in targets],
@@ -110,16 +130,17 @@ def replace_linear(model: nn.Module, config: Any, *, modules_to_not_convert: Opt
     books = _shared_codebooks(targets, hessians)
     new = {}
     for name, mod, cfg in tqdm(targets, desc=f"quantize", disable=not progress):
-        kwargs = {"codebooks": books[name]} if name in books else {}
-        try:
-            new[name] = module_class(cfg.format).from_linear(mod, cfg, hessians.get(name), **kwargs)
-        except (ValueError, TypeError) as e:
-            raise type(e)(f"layer {name!r} ({mod.out_features}x{mod.in_features}): {e}") from e
+        new[name] = quantize(name, mod, cfg, hessians.get(name), **({"codebooks": books[name]} if name in books else {}))
     for name, q in new.items():
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         q.train(parent.training)
         setattr(parent, child, q)
+    _remember_config(model, config, skip, per_module, new)
+    return model
+
+
+def _remember_config(model, config, skip, per_module, new) -> None:
     # so that save_pretrained writes the config and from_pretrained rebuilds the same modules
     if hasattr(getattr(model, "config", None), "to_dict") and not per_module and new:
         saved = copy.copy(config)  # calibration data and tokenizer are not part of the saved config
@@ -127,4 +148,3 @@ def replace_linear(model: nn.Module, config: Any, *, modules_to_not_convert: Opt
         if hasattr(saved, "dataset"):
             saved.dataset = saved.tokenizer = None
         model.config.quantization_config = saved
-    return model

@@ -234,3 +234,33 @@ def test_quantize_on_load_with_calibration_data(tmp_path):
     assert "dataset" not in (tmp_path / "q" / "config.json").read_text()
     again = AutoModelForCausalLM.from_pretrained(tmp_path / "q", dtype=torch.float32).eval()
     assert torch.equal(again(ids).logits, out)
+
+
+def test_sequential_calibration_block_by_block():
+    """Raw calibration data quantizes the decoder block by block (quantized inputs downstream, one block's
+    Hessians at a time); an error part-way puts every swapped layer back."""
+    from qlinear.calibration import decoder_blocks
+
+    model = _tiny_llama()
+    ids = torch.randint(0, 128, (4, 24))
+    data = [ids[i:i + 1] for i in range(4)]
+    ref = model(ids).logits
+    names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"]
+    prefix, blocks = decoder_blocks(model, names)
+    assert prefix == "model.layers" and blocks is model.model.layers
+    cfg = QLinearConfig("bcq", bits=4, group_size=32, method="gptq", act_order=True)
+    seq = qlinear.replace_linear(_tiny_llama(), cfg, calibration_data=data, progress=False)
+    H = qlinear.calibrate(_tiny_llama(), data, progress=False)
+    allh = qlinear.replace_linear(_tiny_llama(), cfg, calibration_data=H, progress=False)
+    a = seq.model.layers[1].mlp.down_proj.dequantize()
+    b = allh.model.layers[1].mlp.down_proj.dequantize()
+    assert not torch.equal(a, b)  # block 1 was calibrated on block 0's quantized outputs
+    assert torch.equal(seq.model.layers[0].self_attn.q_proj.dequantize(), allh.model.layers[0].self_attn.q_proj.dequantize())
+    assert (seq(ids).logits - ref).abs().mean() < 0.1 * ref.abs().mean()
+
+    model = _tiny_llama()
+    before = {n: m for n, m in model.named_modules()}
+    bad = {"model.layers.1.mlp.down_proj": QLinearConfig("codebook", bits=2, group_size=96), "*": cfg}
+    with pytest.raises(ValueError, match="model.layers.1.mlp.down_proj"):
+        qlinear.replace_linear(model, cfg, per_module=bad, calibration_data=data, progress=False)
+    assert all(model.get_submodule(n) is m for n, m in before.items() if n)
