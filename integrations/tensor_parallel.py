@@ -20,8 +20,9 @@ Attention: o_proj's input is the concatenation of heads, and a global act_order 
 channels of different heads, so no offline permutation of q/k/v can put a rank's heads in o_proj's stored
 order.  The scheme used here needs no all-gather for layers quantized by qlinear: quantize o_proj with
 ``static_groups=True`` (GPTQ still processes columns in act_order, but groups stay in input order, so the
-row split is the natural one; ``per_module={"*o_proj": ...}``).  An imported o_proj with a global
-permutation falls back to gathering the attention output (counted in :data:`STATS`).
+row split is the natural one; ``per_module={"*o_proj": ...}``).  Its cost, measured on SmolLM2-135M at
+4-bit g128: perplexity 27.62 against 27.77 with act_order everywhere (README).  An imported o_proj with a
+global permutation falls back to gathering the attention output (counted in :data:`STATS`).
 
 Source: Megatron-LM (Shoeybi et al. 2019) for the layer split; "TP-Aware Dequantization" (Hoque et al. 2024)
 for the act_order algorithms.

@@ -168,7 +168,10 @@ def sequential(model: nn.Module, data: Data, tokenizer, targets: list, quantize,
                 dev = next(model.parameters()).device
                 for ids in _batches(data, tokenizer, max_length):
                     try:
-                        model(ids.to(dev), use_cache=False)
+                        try:
+                            model(ids.to(dev), use_cache=False)  # no KV cache: each block runs twice
+                        except TypeError:  # not a transformers model
+                            model(ids.to(dev))
                     except _Captured:
                         pass
             finally:
