@@ -5,9 +5,19 @@ Registered when qlinear is imported.  transformers has no entry-point discovery:
 only warns about the unknown quant_method and loads random weights.
 """
 
-from .config import QLinearConfig
-from .quantizer import QLinearHfQuantizer, register
+import warnings
 
-register()
+from .config import QLinearConfig
+
+try:  # the quantizer uses transformers 5 loading internals; an older 5.x must not break the rest of qlinear
+    from .quantizer import QLinearHfQuantizer, register
+except ImportError as e:  # pragma: no cover - depends on the installed transformers
+    import transformers
+
+    warnings.warn(f"qlinear's from_pretrained integration is unavailable with transformers {transformers.__version__}: "
+                  f"{e}; replace_linear and the modules still work", stacklevel=2)
+    QLinearHfQuantizer = None
+else:
+    register()
 
 __all__ = ["QLinearConfig", "QLinearHfQuantizer"]
