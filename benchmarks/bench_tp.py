@@ -34,7 +34,6 @@ def _layer(in_f: int, out_f: int, backend: str, act_order: bool = False):
     from qlinear.formats import bcq
 
     cfg = bcq.Config(bits=4, group_size=128, init="uniform", iters=0, act_order=act_order, fp32_offset=True)
-    m = BCQLinear(in_f, out_f, False, cfg, backend=backend, device="meta")
     g = torch.Generator().manual_seed(in_f * 7 + out_f)
     bufs = {"planes": torch.randint(-2**31, 2**31 - 1, (4, out_f, in_f // 32), dtype=torch.int32, generator=g),
             "alpha": (torch.rand(1, out_f, in_f // 128, generator=g) * 0.01 + 0.001).half()
@@ -42,8 +41,7 @@ def _layer(in_f: int, out_f: int, backend: str, act_order: bool = False):
             "offset": torch.randn(out_f, in_f // 128, generator=g) * 0.01}
     if act_order:
         bufs["perm"] = torch.randperm(in_f, generator=g).to(torch.int32)
-    m.load_packed(bufs)
-    return m.to("cpu")
+    return BCQLinear.from_packed(bufs, in_f, out_f, cfg, backend=backend)
 
 
 def _rank(rank: int, world: int, port: int, args, out) -> None:

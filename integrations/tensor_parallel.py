@@ -51,14 +51,6 @@ def _quant():
     return QuantLinear, BCQLinear, CodebookLinear
 
 
-def _rebuild(layer, bufs: dict, in_features: int, out_features: int, cfg, bias: Optional[torch.Tensor]):
-    mod = type(layer)(in_features, out_features, bias is not None, cfg, backend=layer.backend, device="meta")
-    mod.load_packed(bufs)
-    if bias is not None:
-        mod.bias = nn.Parameter(bias.detach().clone(), requires_grad=False)
-    return mod.to(next(iter(bufs.values())).device)
-
-
 def shard_rows(layer: nn.Module, rows: torch.Tensor) -> nn.Module:
     """The layer restricted to output features ``rows`` (int64 ``[n]``, any order): a new layer of the same
     class with ``out_features = n``, packed data sliced without dequantizing.
@@ -85,7 +77,8 @@ def shard_rows(layer: nn.Module, rows: torch.Tensor) -> nn.Module:
         new = {k: v[rows] if k != "codebooks" else v for k, v in b.items()}
     else:
         raise ValueError(f"{type(layer).__name__} cannot be sharded (its scales are packed across rows)")
-    return _rebuild(layer, {k: v.contiguous() for k, v in new.items()}, layer.in_features, len(rows), layer.config, bias)
+    return type(layer).from_packed({k: v.contiguous() for k, v in new.items()}, layer.in_features, len(rows),
+                                   layer.config, bias, backend=layer.backend)
 
 
 def shard_inputs(layer: nn.Module, start: int, end: int) -> nn.Module:
@@ -121,7 +114,8 @@ def shard_inputs(layer: nn.Module, start: int, end: int) -> nn.Module:
         new["scales"], new["codebooks"] = b["scales"][:, start // g:end // g], b["codebooks"]
     else:
         raise ValueError(f"{type(layer).__name__} cannot be sharded (its scales are packed across rows)")
-    return _rebuild(layer, {k: v.contiguous() for k, v in new.items()}, end - start, layer.out_features, cfg, None)
+    return type(layer).from_packed({k: v.contiguous() for k, v in new.items()}, end - start, layer.out_features, cfg,
+                                   backend=layer.backend)
 
 
 def _all_gather(x: torch.Tensor, group) -> torch.Tensor:

@@ -112,12 +112,23 @@ class QuantLinear(nn.Module):
         buffers = get_format(cls.format).quantize(w.detach().to("cpu", torch.float32), cfg,
                                                   None if hessian is None else hessian.detach().cpu(),
                                                   **quantize_kwargs)
-        mod = cls(w.shape[1], w.shape[0], linear.bias is not None, cfg, backend=backend or cfg_backend,
-                  device="meta")
+        return cls.from_packed(buffers, w.shape[1], w.shape[0], cfg, linear.bias, backend=backend or cfg_backend,
+                               device=w.device)
+
+    @classmethod
+    def from_packed(cls, buffers: dict[str, torch.Tensor], in_features: int, out_features: int, config: Any,
+                    bias: Optional[torch.Tensor] = None, *, backend: Optional[str] = None, device=None) -> "QuantLinear":
+        """A layer holding ``buffers`` (canonical names, shapes and dtypes of ``config``'s ``buffer_specs``) and a
+        copy of ``bias`` ``[N]``, on ``device`` (default: the buffers' device).
+
+        Raises:
+            ValueError: buffers that do not match the config's specs.
+        """
+        mod = cls(in_features, out_features, bias is not None, config, backend=backend, device="meta")
         mod.load_packed(buffers)
-        if linear.bias is not None:
-            mod.bias = nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
-        return mod.to(w.device)
+        if bias is not None:
+            mod.bias = nn.Parameter(bias.detach().clone(), requires_grad=False)
+        return mod.to(device if device is not None else next(iter(buffers.values())).device)
 
     def load_packed(self, buffers: dict[str, torch.Tensor]) -> None:
         """Set the packed buffers from ``buffers`` (names, shapes and dtypes must match exactly).
@@ -161,16 +172,13 @@ class QuantLinear(nn.Module):
         if len(devices) != 1:  # mid-load (some buffers still on meta): wait until all have landed
             return
         device = devices.pop()
-        kcfg, side = ops.kernel_view(self.config)
         want = None if device.type == "meta" else backends.layout_for(
-            self.format, kcfg, device, (self.out_features, self.in_features), self.backend)
+            self.format, ops.kernel_view(self.config)[0], device, (self.out_features, self.in_features), self.backend)
         if want is not self._layout:
             bufs = self.canonical()
             if want is not None:
                 try:
-                    main = want.repack({k: v for k, v in bufs.items() if k not in side}, kcfg, self.out_features,
-                                       self.in_features)
-                    bufs = {**main, **{k: bufs[k] for k in side}}
+                    bufs = ops.to_layout(bufs, self.config, want, self.out_features, self.in_features)
                 except ValueError as e:  # data the kernel cannot hold (e.g. α not uniform): stay canonical
                     warnings.warn(f"{type(self).__name__} {self.out_features}x{self.in_features} keeps the canonical "
                                   f"layout instead of {want.name}: {e}", stacklevel=2)
@@ -284,11 +292,7 @@ class BCQLinear(QuantLinear):
             ValueError: inconsistent shapes, codes out of range.
         """
         cfg, buffers = bcq.from_uniform(codes, scales, zeros, bits, group_size, g_idx)
-        mod = cls(codes.shape[1], codes.shape[0], bias is not None, cfg, backend=backend, device="meta")
-        mod.load_packed(buffers)
-        if bias is not None:
-            mod.bias = nn.Parameter(bias.detach().clone(), requires_grad=False)
-        return mod.to(codes.device)
+        return cls.from_packed(buffers, codes.shape[1], codes.shape[0], cfg, bias, backend=backend, device=codes.device)
 
     @classmethod
     def from_gptq(cls, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, *, bits: int,

@@ -57,10 +57,20 @@ def canonical(bufs: dict, cfg, layout: str, out_features: int, in_features: int)
     """Buffers held in kernel ``layout`` ("" = already canonical) back in the format's canonical layout."""
     if not layout:
         return bufs
+    return _convert(bufs, cfg, backends.get_layout(layout).unrepack, out_features, in_features)
+
+
+def to_layout(bufs: dict, cfg, layout, out_features: int, in_features: int) -> dict:
+    """Canonical buffers repacked into kernel ``layout`` (a :class:`qlinear.backends.Layout`).  Raises what the
+    layout's ``repack`` raises (ValueError for data it cannot hold)."""
+    return _convert(bufs, cfg, layout.repack, out_features, in_features)
+
+
+def _convert(bufs: dict, cfg, fn, out_features: int, in_features: int) -> dict:
+    # layouts see the kernels' view of the config; side buffers (an act_order perm) pass through unchanged
     kcfg, side = kernel_view(cfg)
-    main = {k: v for k, v in bufs.items() if k not in side}
-    return {**backends.get_layout(layout).unrepack(main, kcfg, out_features, in_features),
-            **{k: bufs[k] for k in side}}
+    main = fn({k: v for k, v in bufs.items() if k not in side}, kcfg, out_features, in_features)
+    return {**main, **{k: bufs[k] for k in side}}
 
 
 @torch.library.custom_op("qlinear::linear", mutates_args=())
@@ -79,11 +89,10 @@ def linear(x: torch.Tensor, packed: list[torch.Tensor], bias: Optional[torch.Ten
         x = x.index_select(-1, bufs.pop("perm"))
     kernel = backends.select(format, cfg, x.device, x.dtype, batch, backend or None, (out_features, in_features))
     want = "" if kernel.layout is None else kernel.layout.name
-    if want != layout:
-        if layout:
-            bufs = backends.get_layout(layout).unrepack(bufs, cfg, out_features, in_features)
+    if want != layout:  # a fallback kernel (e.g. the reference for a large batch): convert per call
+        bufs = canonical(bufs, cfg, layout, out_features, in_features)
         if want:
-            bufs = kernel.layout.repack(bufs, cfg, out_features, in_features)
+            bufs = to_layout(bufs, cfg, kernel.layout, out_features, in_features)
     return kernel.fn(x, bufs, bias, cfg, out_features, in_features)
 
 

@@ -37,26 +37,24 @@ MAX_BATCH = 8
 _HERE = Path(__file__).parent
 
 
+# canonical name -> (layout name, permutation of its dims): planes [Q, N, K/32] -> [K/32, Q, N], alpha [Q, N, G] ->
+# [G, Q, N], offset [N, G] -> [G, N]
+_PERMS = {"planes": ("lut_planes", (2, 0, 1)), "alpha": ("lut_alpha", (2, 0, 1)), "offset": ("lut_offset", (1, 0))}
+
+
 def _names(cfg) -> tuple[str, ...]:
-    return ("lut_planes", "lut_alpha") + (("lut_offset",) if cfg.offset else ())
+    return tuple(name for key, (name, _) in _PERMS.items() if key != "offset" or cfg.offset)
 
 
 def repack(buffers: dict, cfg, out_features: int, in_features: int) -> dict:
     """Canonical BCQ buffers -> layout ``cuda_lut`` (see the module docstring)."""
-    out = {"lut_planes": buffers["planes"].permute(2, 0, 1).contiguous(),
-           "lut_alpha": buffers["alpha"].permute(2, 0, 1).contiguous()}
-    if cfg.offset:
-        out["lut_offset"] = buffers["offset"].t().contiguous()
-    return out
+    return {name: buffers[key].permute(*dims).contiguous() for key, (name, dims) in _PERMS.items() if key in buffers}
 
 
 def unrepack(buffers: dict, cfg, out_features: int, in_features: int) -> dict:
     """Layout ``cuda_lut`` -> canonical BCQ buffers (exact inverse of :func:`repack`)."""
-    out = {"planes": buffers["lut_planes"].permute(1, 2, 0).contiguous(),
-           "alpha": buffers["lut_alpha"].permute(1, 2, 0).contiguous()}
-    if cfg.offset:
-        out["offset"] = buffers["lut_offset"].t().contiguous()
-    return out
+    return {key: buffers[name].permute(*sorted(range(len(dims)), key=dims.__getitem__)).contiguous()
+            for key, (name, dims) in _PERMS.items() if name in buffers}
 
 
 LAYOUT = Layout(name="cuda_lut", names=_names, repack=repack, unrepack=unrepack)
