@@ -160,4 +160,4 @@ def layout_for(format: str, cfg, device: torch.device, shape: tuple[int, int],
     return None
 
 
-from . import arm_neon, cuda_lut, reference  # noqa: E402,F401  (each registers its kernels)
+from . import arm_neon, cuda_lut, quick, reference  # noqa: E402,F401  (each registers its kernels)

@@ -25,6 +25,8 @@ import torch
 
 __all__ = ["build", "cache_dir", "cuda_arch_flags", "cuda_toolchain_problem"]
 
+SHARED_HEADERS = Path(__file__).parent / "_cuda"  # device helpers every CUDA backend includes
+
 
 def cache_dir() -> Path:
     """Folder of the built extensions."""
@@ -65,7 +67,7 @@ def build(name: str, sources: tuple[str, ...], cflags: tuple[str, ...] = (), cud
     if shutil.which("ninja") is None:
         return "ninja not found (pip install ninja)"
     digest = hashlib.sha256()
-    for src in sources:
+    for src in (*sources, *sorted(SHARED_HEADERS.iterdir())):
         digest.update(Path(src).read_bytes())
     digest.update(repr((cflags, cuda_cflags, ldflags, torch.__version__)).encode())
     folder = cache_dir() / f"{name}-{digest.hexdigest()[:16]}"

@@ -139,11 +139,11 @@ linear.register_autograd(_backward, setup_context=_setup_context)
 # Ops implemented by native backends (their bindings only register TORCH_LIBRARY_IMPL kernels) ---------
 _lib = torch.library.Library("qlinear", "FRAGMENT")
 _lib.define("bcq_lut_gemv(Tensor x, Tensor planes, Tensor alpha, Tensor? offset, Tensor? bias, int group_size, "
-            "int kt, int tiles_per_split, int splits, int threads) -> Tensor")
+            "int kt, int threads, int tiles_per_split, int splits) -> Tensor")
 
 
 @torch.library.register_fake("qlinear::bcq_lut_gemv")
-def _(x, planes, alpha, offset, bias, group_size, kt, tiles_per_split, splits, threads):
+def _(x, planes, alpha, offset, bias, group_size, kt, threads, tiles_per_split, splits):
     """LUT GEMV of :mod:`qlinear.backends.cuda_lut`: ``x`` ``[M, K]`` fp16/bf16 -> ``[M, N]``."""
     return x.new_empty(x.shape[0], planes.shape[2])
 _lib.define("arm_gemm(Tensor x, Tensor qw, Tensor qs, Tensor? qz, Tensor? qb, Tensor? books, Tensor? bias, "
@@ -153,4 +153,30 @@ _lib.define("arm_gemm(Tensor x, Tensor qw, Tensor qs, Tensor? qz, Tensor? qb, Te
 @torch.library.register_fake("qlinear::arm_gemm")
 def _(x, qw, qs, qz, qb, books, bias, format, num_books, N, group_size, path):
     """Arm NEON/SDOT/SMMLA kernels of :mod:`qlinear.backends.arm_neon`: ``x`` ``[M, K]`` fp32 -> ``[M, N]`` fp32."""
+    return x.new_empty(x.shape[0], N)
+_lib.define("quick_gemm(Tensor x, Tensor qweight, Tensor scales, Tensor? offset, Tensor? bias, int group_size, "
+            "int tile_m, int tiles_per_split, int splits) -> Tensor")
+_lib.define("quick_dequantize(Tensor qweight, Tensor scales, Tensor? offset, int group_size, int K, ScalarType dtype) "
+            "-> Tensor")
+
+
+@torch.library.register_fake("qlinear::quick_gemm")
+def _(x, qweight, scales, offset, bias, group_size, tile_m, tiles_per_split, splits):
+    """QUICK GEMM of :mod:`qlinear.backends.quick`: ``x`` ``[M, K]`` fp16/bf16 -> ``[M, N]``."""
+    return x.new_empty(x.shape[0], qweight.shape[0] * 32)
+
+
+@torch.library.register_fake("qlinear::quick_dequantize")
+def _(qweight, scales, offset, group_size, K, dtype):
+    """Dense ``Ŵ`` ``[N, K]`` of ``dtype`` from the :mod:`qlinear.backends.quick` layout."""
+    return qweight.new_empty(qweight.shape[0] * 32, K, dtype=dtype)
+_lib.define("mixed_gemv(Tensor x, Tensor codes, Tensor meta, Tensor sq, Tensor wtab, Tensor gtab, Tensor? outlier_values, "
+            "Tensor? outlier_cols, Tensor? outlier_row_ptr, Tensor? bias, int N, int group_size, int scale_bits, "
+            "int scale_group_size, int threads, int tiles_per_split, int splits, bool async_dequant) -> Tensor")
+
+
+@torch.library.register_fake("qlinear::mixed_gemv")
+def _(x, codes, meta, sq, wtab, gtab, outlier_values, outlier_cols, outlier_row_ptr, bias, N, group_size, scale_bits,
+      scale_group_size, threads, tiles_per_split, splits, async_dequant):
+    """Mixed 2/4/16 GEMV of :mod:`qlinear.backends.async_dequant`: ``x`` ``[M, K]`` fp16/bf16 -> ``[M, N]``."""
     return x.new_empty(x.shape[0], N)

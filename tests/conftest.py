@@ -18,3 +18,16 @@ def random_hessian(K: int, n: int = 4096, seed: int = 0) -> torch.Tensor:
     X = torch.randn(n, K, generator=g) * (torch.rand(K, generator=g) * 3 + 0.1)
     X = X + 0.5 * torch.randn(n, 1, generator=g)  # correlated channels
     return X.T @ X / n
+
+
+def ref64(mod, x: torch.Tensor) -> torch.Tensor:
+    """``x Ŵᵀ + b`` of a QuantLinear in float64 on CPU (the ground truth every kernel test compares with)."""
+    w = mod.dequantize(torch.float64).cpu()
+    y = x.double().cpu() @ w.T
+    return y if mod.bias is None else y + mod.bias.double().cpu()
+
+
+def poison_cuda_allocator() -> None:
+    """Fill freed CUDA allocator memory with NaN so an output element a kernel forgets to write shows up."""
+    t = torch.full((64 << 20,), float("nan"), device="cuda")
+    del t

@@ -13,6 +13,7 @@ import math
 
 import pytest
 import torch
+from conftest import poison_cuda_allocator, ref64
 
 import qlinear.backends as backends
 from qlinear import BCQLinear
@@ -44,12 +45,6 @@ def _bound(mod: BCQLinear, x: torch.Tensor, out_eps: float = 0.0, y64=None):
     return bound
 
 
-def _ref64(mod, x):
-    w = mod.dequantize(torch.float64).cpu()
-    y = x.double().cpu() @ w.T
-    return y if mod.bias is None else y + mod.bias.double().cpu()
-
-
 SHAPES = [(64, 64), (128, 96), (576, 576), (1536, 576), (256, 2048)]
 
 
@@ -61,7 +56,7 @@ def test_spec_matches_reference_in_float64(bits, group_size, N, K):
     bufs = cuda_lut.repack(mod.canonical(), mod.config, N, K)
     for M in (1, 3, 8):
         x = torch.randn(M, K)
-        y64 = _ref64(mod, x)
+        y64 = ref64(mod, x)
         for sms in (1, 132):  # one split and many splits
             launch = cuda_lut.plan(M, N, K, sms)
             y = cuda_lut.spec(x, bufs, mod.bias, mod.config, N, K, launch)
@@ -76,7 +71,7 @@ def test_spec_catches_a_wrong_layout():
     bufs["lut_planes"] = bufs["lut_planes"].flip(0).contiguous()
     x = torch.randn(1, 256)
     y = cuda_lut.spec(x, bufs, mod.bias, mod.config, 128, 256, cuda_lut.plan(1, 128, 256, 4))
-    assert not ((y.double() - _ref64(mod, x)).abs() <= _bound(mod, x)).all()
+    assert not ((y.double() - ref64(mod, x)).abs() <= _bound(mod, x)).all()
 
 
 @pytest.mark.parametrize("offset,fp32_offset", [(True, False), (False, False), (True, True)])
@@ -105,6 +100,15 @@ def test_plan_covers_every_tile_once_within_limits(M, N, K, sms):
     assert (splits - 1) * per_split < tiles <= splits * per_split
     smem = 4 * M * (kt // 8 * 256 + kt // 32 + kt)
     assert smem <= 48 * 1024  # no opt-in needed, several blocks per SM
+
+
+def test_op_schema_takes_the_launch_plan_in_plan_order():
+    # linear() passes *plan(...) after group_size: the schema must name the plan's fields in its order
+    import inspect
+
+    args = [a.name for a in torch.ops.qlinear.bcq_lut_gemv.default._schema.arguments]
+    ret = inspect.getsource(cuda_lut.plan).split('"""')[1].split("``(")[1].split(")``")[0]
+    assert args[-4:] == [n.strip() for n in ret.split(",")] == ["kt", "threads", "tiles_per_split", "splits"]
 
 
 def test_registry_rejects_with_reasons():
@@ -154,7 +158,7 @@ def test_module_holds_the_kernel_layout_and_saves_canonical(spec_kernel, tmp_pat
     assert list(mod.state_dict()) == list(sd) and all(torch.equal(mod.state_dict()[k], sd[k]) for k in sd)
     x = torch.randn(2, 3, 256)
     assert mod.kernel(x).backend == "lut_spec"
-    y64 = _ref64(canon_mod, x.reshape(-1, 256))
+    y64 = ref64(canon_mod, x.reshape(-1, 256))
     assert ((mod(x).reshape(-1, 128).double() - y64).abs() <= _bound(canon_mod, x.reshape(-1, 256))).all()
     big = torch.randn(9, 256)  # above max_batch: the reference kernel runs on the unrepacked buffers
     assert mod.kernel(big).backend == "reference"
@@ -198,12 +202,6 @@ def test_compile_fullgraph_with_layout(spec_kernel):
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
-def _poison():
-    """Fill freed allocator memory with NaN so an output element the kernel forgets to write shows up."""
-    t = torch.full((64 << 20,), float("nan"), device="cuda")
-    del t
-
-
 @functools.lru_cache(maxsize=None)
 def _gpu_layer(N, K, bits, group_size):
     """Quantized once per shape (greedy BCQ init, no refinement: fast, and α are not uniform)."""
@@ -227,13 +225,13 @@ def test_kernel_matches_reference_and_is_deterministic(dtype, group_size, bits, 
     for M in range(1, 9):
         x = torch.randn(M, K, device="cuda").to(dtype)
         assert mod.kernel(x).backend == "cuda_lut"
-        y64 = _ref64(mod, x)
-        _poison()
+        y64 = ref64(mod, x)
+        poison_cuda_allocator()
         y = mod(x)
         assert y.dtype == dtype and y.shape == (M, N)
         err = (y.double().cpu() - y64).abs()
         assert (err <= _bound(mod, x, eps, y64)).all(), err.max().item()
-        _poison()
+        poison_cuda_allocator()
         assert torch.equal(mod(x), y)
     assert mod.kernel(torch.randn(9, K, device="cuda", dtype=dtype)).backend == "reference"
 

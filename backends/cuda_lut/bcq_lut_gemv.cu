@@ -18,17 +18,11 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include "../_cuda/common.cuh"
 #include "bcq_lut_gemv.h"
 
 namespace qlinear {
 namespace {
-
-template <typename T> __device__ __forceinline__ float to_float(T v);
-template <> __device__ __forceinline__ float to_float<__half>(__half v) { return __half2float(v); }
-template <> __device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat16 v) { return __bfloat162float(v); }
-template <typename T> __device__ __forceinline__ T from_float(float v);
-template <> __device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(v); }
-template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
 
 __device__ __forceinline__ void half4_to_float(uint2 v, float out[4]) {
   const __half2 lo = *reinterpret_cast<const __half2*>(&v.x), hi = *reinterpret_cast<const __half2*>(&v.y);
@@ -150,17 +144,6 @@ __global__ void __launch_bounds__(256) lut_gemv_kernel(const LutGemvArgs a) {
   }
 }
 
-template <typename T>
-__global__ void reduce_splits_kernel(const float* __restrict__ partial, const float* __restrict__ bias, T* __restrict__ y,
-                                     int splits, int M, int N) {
-  const int i = blockIdx.x * blockDim.x + threadIdx.x;
-  if (i >= M * N) return;
-  float s = 0.f;
-  for (int p = 0; p < splits; ++p) s += partial[(size_t)p * M * N + i];  // fixed order: deterministic
-  if (bias) s += bias[i % N];
-  y[i] = from_float<T>(s);
-}
-
 template <typename T, int M, int Q>
 cudaError_t launch(const LutGemvArgs& a, cudaStream_t stream) {
   const size_t smem = lut_gemv_smem_bytes(M, a.kt);
@@ -172,9 +155,7 @@ cudaError_t launch(const LutGemvArgs& a, cudaStream_t stream) {
   const dim3 grid((a.N + 4 * a.threads - 1) / (4 * a.threads), a.splits);
   kernel<<<grid, a.threads, smem, stream>>>(a);
   if (a.splits > 1) {
-    const int total = a.M * a.N;
-    reduce_splits_kernel<T><<<(total + 255) / 256, 256, 0, stream>>>(a.partial, a.bias, static_cast<T*>(a.y),
-                                                                      a.splits, a.M, a.N);
+    reduce_splits<T>(a.partial, a.bias, a.y, a.splits, a.M, a.N, stream);
   }
   return cudaGetLastError();
 }

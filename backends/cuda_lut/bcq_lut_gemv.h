@@ -3,9 +3,9 @@
 #pragma once
 #include <cuda_runtime.h>
 
-namespace qlinear {
+#include "../_cuda/dtype.h"
 
-enum class DType : int { kHalf = 0, kBFloat16 = 1, kFloat = 2, kNone = 3 };
+namespace qlinear {
 
 // y[M, N] = x[M, K] · Ŵᵀ + bias with Ŵ[n, k] = Σ_q alpha[g, q, n]·(±1) + offset[g, n], g = k / group_size.
 // Layout "cuda_lut" (see backends/cuda_lut/__init__.py, which also holds the executable PyTorch spec):

@@ -20,7 +20,7 @@ qlinear::DType dtype_of(const at::Tensor& t) {
 
 at::Tensor bcq_lut_gemv(const at::Tensor& x, const at::Tensor& planes, const at::Tensor& alpha,
                         const std::optional<at::Tensor>& offset, const std::optional<at::Tensor>& bias,
-                        int64_t group_size, int64_t kt, int64_t tiles_per_split, int64_t splits, int64_t threads) {
+                        int64_t group_size, int64_t kt, int64_t threads, int64_t tiles_per_split, int64_t splits) {
   TORCH_CHECK(x.is_cuda() && x.dim() == 2 && x.is_contiguous(), "bcq_lut_gemv: x must be a contiguous CUDA [M, K] tensor");
   TORCH_CHECK_TYPE(x.scalar_type() == at::kHalf || x.scalar_type() == at::kBFloat16, "bcq_lut_gemv: x must be fp16 or bf16");
   TORCH_CHECK(planes.scalar_type() == at::kInt && planes.dim() == 3 && planes.is_contiguous(),

@@ -1,0 +1,300 @@
+"""QUICK tensor-core GEMM for uniform :class:`qlinear.BCQLinear` layers (Kim et al., "QUICK: Quantization-aware
+Interleaving and Conflict-free Kernel for efficient LLM inference", §3.1-3.2, Fig. 4-6).
+
+``y = x Ŵᵀ + b`` for ``x`` ``[M, K]`` fp16/bf16, ``M = 1..512``, BCQ with uniform α (``α_i = s·2^(i-2)``:
+group-wise int2/int3/int4 with a zero point, from round-to-nearest, GPTQ or an imported GPTQ/AWQ checkpoint),
+any group size that is a multiple of 32 or the whole row, fp32 accumulation with ``mma.sync.m16n8k16``,
+deterministic split-K.  Weights go from DRAM straight into the registers in the order the ``mma`` consumes
+them; only activations pass through shared memory (``cp.async`` pipeline + ``ldmatrix``).  The kernel is
+``quick_gemm.cu``; :func:`dequantize` is the dense fp16/bf16 weight (for dequantize + cuBLAS at large M).
+
+Layout ``quick`` (repacked once when a module lands on a GPU; :func:`unrepack` restores the canonical
+BCQ buffers exactly).  With ``s`` the group scale and ``c`` the canonical offset, a weight with integer
+code ``q = Σ_i bit_i·2^(i-1)`` is ``ŵ = s·(q − (2^Q − 1)/2) + c`` (BCQ module docstring).
+
+* **Tiles.**  A warp owns a tile of 32 output rows × 64 inputs: 4 ``n8`` column blocks × 4 ``k16`` steps of
+  the ``mma``'s B operand (B = Ŵᵀ, ``K × N``).  Tiles are stored row-tile-major, K-tile-minor, so a warp
+  walking K streams contiguous memory.
+* **Fragments (PTX ISA, "Matrix Fragments for mma.m16n8k16", B operand, .f16/.bf16).**  Lane ``l`` holds
+  ``b0, b1, b2, b3`` = ``B[k][n]`` with ``n = l / 4`` and ``k = 2·(l % 4) + (i % 2) + 8·(i / 2)`` for
+  ``b_i``; ``(b0, b1)`` and ``(b2, b3)`` are the two 32-bit registers.  A lane thus needs, per tile,
+  64 codes: the 16 fragments ``(ks, nt)``, register ``h``, element ``e``, in the order
+  ``pair p = (ks·4 + nt)·2 + h`` (32 pairs), ``e`` = low/high half.
+* **Converter order (Fig. 5-6).**  Codes are split into chunks of width ``c``: Q=4 → one 4-bit chunk;
+  Q=3 → a 2-bit chunk (bits 0-1) and a 1-bit chunk (bit 2); Q=2 → one 2-bit chunk.  A 32-bit word of a
+  width-``c`` chunk holds ``16/c`` pairs: pair ``j`` has its low element at bits ``c·j`` and its high
+  element at bits ``c·j + 16``, so ``(word >> c·j) & mask`` (``mask = (2^c − 1)·0x00010001``) puts both
+  codes of pair ``j`` in the two halves at once, and OR-ing the magic exponent (``0x6400`` = 1024.0 in
+  fp16, ``0x4300`` = 128.0 in bf16) turns them into ``1024 + q`` (``128 + q``) without a conversion
+  instruction (one ``lop3``).  Pair ``p`` sits in word ``p // (16/c)`` of its chunk.
+* ``quick_qweight`` int32 ``[N/32, K/64, 64·Q]``: per tile, chunk 0's words lane-major (lane ``l`` owns
+  words ``2c₀·l .. 2c₀·l + 2c₀ − 1``: one 32-byte (Q=4) or 16-byte (Q=2, 3) load), then chunk 1's (Q=3:
+  2 words per lane, one 8-byte load).  A warp reads ``256·Q`` contiguous bytes per tile.
+* ``quick_scales`` fp16 ``[G, N]`` (``s``; α_i = s·2^(i−2) is recomputed exactly on unrepack) and
+  ``quick_offset`` ``[G, N]`` (``c``, the canonical offset's dtype, absent without offset), rows permuted
+  within each 32-row tile to position ``(r % 8)·4 + r / 8``: the four rows ``nt·8 + l/4`` a lane needs are
+  contiguous (one 8-byte load of scales, one 8- or 16-byte load of offsets).
+
+Dequantization in the kernel, per register pair, in the activation dtype T: per group and row, once,
+``s_T = T(s)`` and ``c'_T = T(c − s·(2^Q − 1)/2)`` (fp32 arithmetic, exact before the rounding); per pair
+``v = (magic | q) − magic`` (exact: the integer code) and ``ŵ = fma(v, s_T, c'_T)`` (one rounding).
+:func:`fragments` is the executable spec of all of this: it computes, from the repacked buffers and with the
+kernel's index and bit arithmetic, the values every lane holds for every fragment; CPU tests compare it with
+the dense weight placed by the PTX table (:func:`ptx_fragments`), and GPU tests compare the kernel with the
+reference.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from qlinear.formats import bcq
+from qlinear.formats.packing import pack_planes, unpack_planes
+
+from .. import Kernel, Layout, register
+from .._native import build, cuda_toolchain_problem, sources_in
+
+__all__ = ["LAYOUT", "TILE_N", "TILE_K", "MAX_BATCH", "repack", "unrepack", "fragments", "ptx_fragments", "spec",
+           "dequantize", "plan", "linear", "supports"]
+
+TILE_N, TILE_K = 32, 64
+MAX_BATCH = 512
+BITS = (2, 3, 4)
+CHUNKS = {2: (2,), 3: (2, 1), 4: (4,)}  # chunk widths, lowest code bits first
+_HERE = Path(__file__).parent
+
+
+@functools.lru_cache(maxsize=None)
+def _lane_slots() -> tuple[torch.Tensor, torch.Tensor]:
+    """``(row, k)`` int64 ``[32, 64]``: for lane ``l`` and slot ``f = 2·p + e`` (pair ``p``, element ``e``),
+    the row (within the 32-row tile) and the input (within the 64-input tile) of the code it holds."""
+    lane = torch.arange(32)[:, None]
+    f = torch.arange(64)[None]
+    p, e = f // 2, f % 2
+    ks, nt, h = p // 8, (p // 2) % 4, p % 2
+    i = 2 * h + e                                   # b_i of the fragment
+    row = nt * 8 + lane // 4                        # n
+    k = ks * 16 + 2 * (lane % 4) + (i % 2) + 8 * (i // 2)
+    return row.expand(32, 64).contiguous(), k
+
+
+def _row_order(N: int) -> torch.Tensor:
+    """Stored position -> row of the scale/offset permutation (rows ``(r % 8)·4 + r / 8`` within 32-row tiles)."""
+    pos = torch.arange(TILE_N)
+    row_of_pos = (pos % 4) * 8 + pos // 4
+    return (torch.arange(0, N, TILE_N)[:, None] + row_of_pos).flatten()
+
+
+def _uniform_scale(alpha: torch.Tensor) -> torch.Tensor:
+    """``s`` ``[N, G]`` fp16 from uniform α ``[Q, N, G]``; ValueError if α is not ``s·2^(i-2)``."""
+    Q = alpha.shape[0]
+    s = alpha[1] if Q > 1 else alpha[0] * 2
+    if not torch.equal(alpha, _alpha_of(s, Q)):
+        raise ValueError("the quick layout needs uniform α (α_i = s·2^(i-2): round-to-nearest, GPTQ or imported "
+                         "GPTQ/AWQ weights); this layer's α are free BCQ values, use the cuda_lut backend")
+    return s
+
+
+def _alpha_of(s: torch.Tensor, Q: int) -> torch.Tensor:
+    return (s.float()[None] * 2.0 ** (torch.arange(Q, device=s.device) - 1.0)[:, None, None]).to(torch.float16)
+
+
+def _names(cfg) -> tuple[str, ...]:
+    return ("quick_qweight", "quick_scales") + (("quick_offset",) if cfg.offset else ())
+
+
+def repack(buffers: dict, cfg, out_features: int, in_features: int) -> dict:
+    """Canonical BCQ buffers -> layout ``quick`` (module docstring).  Raises ValueError for non-uniform α or a
+    shape the layout cannot tile (see :func:`supports`)."""
+    why = supports(cfg, out_features, in_features)
+    if why is not None:
+        raise ValueError(f"quick layout: {why}")
+    N, K, Q = out_features, in_features, cfg.bits
+    s = _uniform_scale(buffers["alpha"])
+    codes = unpack_planes(buffers["planes"], K)                                  # [N, K]
+    row, k = (t.to(codes.device) for t in _lane_slots())
+    tiles = codes.reshape(N // TILE_N, TILE_N, K // TILE_K, TILE_K).permute(0, 2, 1, 3)
+    slots = tiles[:, :, row, k]                                                   # [Nt, Kt, 32, 64]
+    words, shift = [], 0
+    for c in CHUNKS[Q]:
+        v = ((slots >> shift) & ((1 << c) - 1)).reshape(*slots.shape[:2], 32, 2 * c, 16 // c, 2)
+        pos = c * torch.arange(16 // c, device=codes.device)
+        w = ((v[..., 0] << pos) | (v[..., 1] << (pos + 16))).sum(-1)             # [Nt, Kt, 32, 2c]
+        words.append(w.reshape(*slots.shape[:2], -1))
+        shift += c
+    qweight = torch.cat(words, -1)
+    qweight = torch.where(qweight >= 2 ** 31, qweight - 2 ** 32, qweight).to(torch.int32)
+    order = _row_order(N).to(codes.device)
+    out = {"quick_qweight": qweight.contiguous(), "quick_scales": s.T[:, order].contiguous()}
+    if cfg.offset:
+        out["quick_offset"] = buffers["offset"].T[:, order].contiguous()
+    return out
+
+
+def _chunk_values(qweight: torch.Tensor, Q: int) -> torch.Tensor:
+    """Codes ``[Nt, Kt, 32, 64]`` (lane, slot) from ``quick_qweight`` with the kernel's shifts and masks."""
+    words = qweight.long() & 0xFFFFFFFF
+    codes, start, shift = 0, 0, 0
+    for c in CHUNKS[Q]:
+        n = 32 * 2 * c
+        w = words[..., start:start + n].reshape(*words.shape[:2], 32, 2 * c, 1)   # lane l: words 2c·l ..
+        j = torch.arange(16 // c, device=words.device)
+        both = (w >> (c * j)) & (((1 << c) - 1) * 0x00010001)                     # pair j in the two halves
+        pair = torch.stack((both & 0xFFFF, both >> 16), -1)                       # [.., 32, 2c, 16/c, 2]
+        codes = codes + (pair.reshape(*words.shape[:2], 32, 64) << shift)
+        start, shift = start + n, shift + c
+    return codes
+
+
+def unrepack(buffers: dict, cfg, out_features: int, in_features: int) -> dict:
+    """Layout ``quick`` -> canonical BCQ buffers (exact inverse of :func:`repack`)."""
+    N, K, Q = out_features, in_features, cfg.bits
+    slots = _chunk_values(buffers["quick_qweight"], Q)
+    row, k = (t.to(slots.device) for t in _lane_slots())
+    tiles = torch.empty(N // TILE_N, K // TILE_K, TILE_N, TILE_K, dtype=torch.int64, device=slots.device)
+    tiles[:, :, row, k] = slots
+    codes = tiles.permute(0, 2, 1, 3).reshape(N, K)
+    inv = torch.argsort(_row_order(N)).to(slots.device)
+    s = buffers["quick_scales"][:, inv].T.contiguous()
+    out = {"planes": pack_planes(codes, Q), "alpha": _alpha_of(s, Q)}
+    if "quick_offset" in buffers:
+        out["offset"] = buffers["quick_offset"][:, inv].T.contiguous()
+    return out
+
+
+LAYOUT = Layout(name="quick", names=_names, repack=repack, unrepack=unrepack)
+
+
+def fragments(buffers: dict, cfg, out_features: int, in_features: int, dtype: torch.dtype = torch.float16
+              ) -> torch.Tensor:
+    """Executable spec of the kernel's weight path: float32 ``[N/32, K/64, 4 (ks), 4 (nt), 32 (lane), 4 (b_i)]``,
+    the dequantized B-fragment values each lane holds, computed from the ``quick`` buffers with the kernel's
+    word addressing, shifts/masks, scale/offset addressing and rounding (``fma`` in ``dtype``)."""
+    N, K, Q = out_features, in_features, cfg.bits
+    v = _chunk_values(buffers["quick_qweight"], Q).double()                    # (magic | q) − magic: exact
+    Nt, Kt = N // TILE_N, K // TILE_K
+    lane = torch.arange(32)
+    f = torch.arange(64)
+    ks, nt = f // 16, (f // 4) % 4
+    gs = cfg.group(K)
+    group = (torch.arange(Kt)[:, None] * TILE_K + ks[None] * 16) // gs         # [Kt, 64]
+    pos = (lane // 4)[:, None] * 4 + nt[None]                                   # [32, 64] position in the row tile
+    col = torch.arange(Nt)[:, None, None, None] * TILE_N + pos[None, None]     # [Nt, 1, 32, 64]
+    g = group[None, :, None, :]                                                # [1, Kt, 1, 64]
+
+    def load(name):
+        return buffers[name].float()[g, col]                                   # [Nt, Kt, 32, 64]
+
+    s = load("quick_scales")
+    c = load("quick_offset") if "quick_offset" in buffers else torch.zeros_like(s)
+    c = (c - s * ((2 ** Q - 1) / 2)).to(dtype).double()                         # c'_T: fp32 math, one rounding
+    w = (v * s.to(dtype).double() + c).to(dtype).float()                        # fma in T: one rounding
+    return w.reshape(Nt, Kt, 32, 4, 4, 4).permute(0, 1, 3, 4, 2, 5).contiguous()  # p = (ks·4 + nt)·2 + h
+
+
+def ptx_fragments(weight: torch.Tensor) -> torch.Tensor:
+    """The B fragments of ``Bᵀ = weight`` ``[N, K]`` straight from the PTX ISA table for ``m16n8k16``
+    (lane ``l``, ``b_i``: ``n = l/4``, ``k = 2(l%4) + i%2 + 8(i/2)``), tiled like :func:`fragments`."""
+    N, K = weight.shape
+    lane, i = torch.arange(32)[:, None], torch.arange(4)[None]
+    n, k = lane // 4, 2 * (lane % 4) + i % 2 + 8 * (i // 2)                     # [32, 4]
+    t = weight.reshape(N // TILE_N, 4, 8, K // TILE_K, 4, 16).permute(0, 3, 4, 1, 2, 5)  # [Nt, Kt, ks, nt, n, k]
+    return t[..., n, k]                                                          # [Nt, Kt, ks, nt, 32, 4]
+
+
+def dense_from_fragments(frags: torch.Tensor) -> torch.Tensor:
+    """Inverse placement of :func:`ptx_fragments`: ``[N, K]`` from fragment values."""
+    Nt, Kt = frags.shape[:2]
+    lane, i = torch.arange(32)[:, None], torch.arange(4)[None]
+    n, k = lane // 4, 2 * (lane % 4) + i % 2 + 8 * (i // 2)
+    out = frags.new_empty(Nt, 4, 8, Kt, 4, 16)
+    out.permute(0, 3, 4, 1, 2, 5)[..., n, k] = frags
+    return out.reshape(Nt * TILE_N, Kt * TILE_K)
+
+
+def spec(x: torch.Tensor, buffers: dict, bias: Optional[torch.Tensor], cfg, out_features: int, in_features: int,
+         dtype: torch.dtype = torch.float16) -> torch.Tensor:
+    """``y`` float32 ``[M, N]`` = x (rounded to ``dtype``) times the spec's fragments, fp32 accumulation."""
+    w = dense_from_fragments(fragments(buffers, cfg, out_features, in_features, dtype))
+    y = x.to(dtype).float() @ w.T
+    return y if bias is None else y + bias.float()
+
+
+def supports(cfg, out_features: int, in_features: int) -> Optional[str]:
+    """Why the kernel cannot run a BCQ layer of this config and shape (None if it can)."""
+    if cfg.bits not in BITS:
+        return f"bits={cfg.bits} not in {list(BITS)}"
+    if not bcq.is_uniform(cfg):
+        return "α are not uniform (needs method='gptq', round-to-nearest init='uniform' iters=0, or imported weights)"
+    if out_features % TILE_N or in_features % TILE_K:
+        return f"needs out_features % {TILE_N} == 0 and in_features % {TILE_K} == 0, got {out_features}x{in_features}"
+    return None
+
+
+def plan(M: int, N: int, K: int, sms: int) -> tuple[int, int, int]:
+    """Launch shape ``(tile_m, tiles_per_split, splits)`` for ``x`` ``[M, K]`` and ``N`` rows.
+
+    ``tile_m`` (rows of x per block) is the smallest of 16/32/64/128 covering M (128: two warps along M).
+    Blocks own 128 rows of Ŵ; K (in 64-input tiles) is split until there are about two blocks per SM, keeping
+    ≥ 2 tiles per split and the fp32 partials (written and read once) below ~15% of the weight bytes.
+    A heuristic until ``benchmarks/tune_dispatch.py`` has measured it on a GPU.
+    """
+    tile_m = next(t for t in (16, 32, 64, 128) if M <= t or t == 128)
+    blocks = math.ceil(N / 128) * math.ceil(M / tile_m)
+    tiles = K // TILE_K
+    traffic_cap = max(1, int(0.15 * N * K / 2 / (8 * M * N)))  # 4-bit weight bytes vs splits·M·N·8 partial bytes
+    splits = max(1, min(math.ceil(2 * sms / blocks), tiles // 2, traffic_cap))
+    per_split = math.ceil(tiles / splits)
+    return tile_m, per_split, math.ceil(tiles / per_split)
+
+
+@functools.lru_cache(maxsize=None)
+def _sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _weights(buffers: dict, cfg, in_features: int):
+    return buffers["quick_qweight"], buffers["quick_scales"], buffers.get("quick_offset"), cfg.group(in_features)
+
+
+def linear(x: torch.Tensor, buffers: dict, bias, cfg, out_features: int, in_features: int) -> torch.Tensor:
+    """Registry entry of the GEMM: ``x`` ``[..., K]`` fp16/bf16 on CUDA, at most 512 rows -> ``[..., N]``."""
+    x2 = x.reshape(-1, in_features).contiguous()
+    launch = plan(x2.shape[0], out_features, in_features, _sms(x.device.index or 0))
+    y = torch.ops.qlinear.quick_gemm(x2, *_weights(buffers, cfg, in_features), bias, *launch)
+    return y.reshape(*x.shape[:-1], out_features)
+
+
+def dequantize(buffers: dict, cfg, out_features: int, in_features: int, dtype: torch.dtype) -> torch.Tensor:
+    """Dense ``Ŵ`` ``[N, K]`` of ``dtype`` (fp16/bf16) from the ``quick`` buffers on a GPU, rounded as in the GEMM."""
+    qweight, scales, offset, gs = _weights(buffers, cfg, in_features)
+    return torch.ops.qlinear.quick_dequantize(qweight, scales, offset, gs, in_features, dtype)
+
+
+def linear_dequantized(x: torch.Tensor, buffers: dict, bias, cfg, out_features: int, in_features: int) -> torch.Tensor:
+    """Registry entry of dequantize + cuBLAS (large M): ``x`` ``[..., K]`` fp16/bf16 on CUDA -> ``[..., N]``."""
+    w = dequantize(buffers, cfg, out_features, in_features, x.dtype)
+    return torch.nn.functional.linear(x, w, None if bias is None else bias.to(x.dtype))
+
+
+@functools.lru_cache(maxsize=1)
+def available() -> Optional[str]:
+    """None once the extension is built and loaded, else why it cannot be."""
+    why = cuda_toolchain_problem()
+    if why is not None:
+        return why
+    from .._native import cuda_arch_flags
+
+    return build("qlinear_quick", sources_in(_HERE, (".cu", ".cpp")), cflags=("-O3", "-std=c++17"),
+                 cuda_cflags=("-O3", "-std=c++17", *cuda_arch_flags()))
+
+
+_COMMON = dict(format="bcq", devices=frozenset({"cuda"}), dtypes=frozenset({torch.float16, torch.bfloat16}),
+               bits=frozenset(BITS), min_capability=(8, 0), supports=supports, available=available, layout=LAYOUT)
+register(Kernel(backend="quick", fn=linear, priority=20, max_batch=MAX_BATCH, **_COMMON))
+register(Kernel(backend="quick_dequant", fn=linear_dequantized, priority=5, **_COMMON))

@@ -1,0 +1,102 @@
+// Torch binding of the QUICK GEMM: CUDA implementations of qlinear::quick_gemm and qlinear::quick_dequantize,
+// whose schemas and fake implementations are declared in qlinear/ops.py.
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include "quick_gemm.h"
+
+namespace {
+
+qlinear::DType dtype_of(at::ScalarType t) {
+  switch (t) {
+    case at::kHalf: return qlinear::DType::kHalf;
+    case at::kBFloat16: return qlinear::DType::kBFloat16;
+    case at::kFloat: return qlinear::DType::kFloat;
+    default: TORCH_CHECK_TYPE(false, "quick: unsupported dtype ", t);
+  }
+}
+
+// Checks the quick buffers against N, K and fills the weight part of the launcher arguments.
+qlinear::QuickArgs weight_args(const at::Tensor& qweight, const at::Tensor& scales, const std::optional<at::Tensor>& offset,
+                               int64_t group_size, int64_t N, int64_t K, const at::Device& device) {
+  TORCH_CHECK(qweight.scalar_type() == at::kInt && qweight.dim() == 3 && qweight.is_contiguous() && qweight.device() == device,
+              "quick: qweight must be contiguous int32 [N/32, K/64, 64*Q] on the device of x");
+  const int64_t Q = qweight.size(2) / 64;
+  TORCH_CHECK(N % 32 == 0 && K % 64 == 0 && qweight.size(0) * 32 == N && qweight.size(1) * 64 == K && Q >= 2 && Q <= 4 &&
+                  qweight.size(2) == 64 * Q, "quick: qweight ", qweight.sizes(), " does not fit N=", N, ", K=", K);
+  TORCH_CHECK(group_size % 32 == 0 && group_size > 0, "quick: group_size must be a positive multiple of 32");
+  const int64_t G = (K + group_size - 1) / group_size;
+  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() && scales.dim() == 2 && scales.size(0) == G &&
+                  scales.size(1) == N && scales.device() == device, "quick: scales must be contiguous fp16 [G, N]");
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(qweight.data_ptr()) % 16 == 0, "quick: qweight must be 16-byte aligned");
+  qlinear::QuickArgs a{};
+  a.qweight = reinterpret_cast<const unsigned*>(qweight.data_ptr<int>());
+  a.scales = scales.data_ptr();
+  a.offset_dtype = qlinear::DType::kNone;
+  if (offset.has_value()) {
+    TORCH_CHECK(offset->is_contiguous() && offset->sizes() == scales.sizes() && offset->device() == device &&
+                    (offset->scalar_type() == at::kHalf || offset->scalar_type() == at::kFloat),
+                "quick: offset must be contiguous fp16 or fp32 [G, N]");
+    a.offset = offset->data_ptr();
+    a.offset_dtype = dtype_of(offset->scalar_type());
+  }
+  a.N = (int)N; a.K = (int)K; a.Q = (int)Q; a.group_size = (int)group_size;
+  return a;
+}
+
+at::Tensor quick_gemm(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                      const std::optional<at::Tensor>& offset, const std::optional<at::Tensor>& bias, int64_t group_size,
+                      int64_t tile_m, int64_t tiles_per_split, int64_t splits) {
+  TORCH_CHECK(x.is_cuda() && x.dim() == 2 && x.is_contiguous(), "quick_gemm: x must be a contiguous CUDA [M, K] tensor");
+  TORCH_CHECK_TYPE(x.scalar_type() == at::kHalf || x.scalar_type() == at::kBFloat16, "quick_gemm: x must be fp16 or bf16");
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0, "quick_gemm: x must be 16-byte aligned");
+  const int64_t M = x.size(0), K = x.size(1), N = qweight.size(0) * 32;
+  c10::cuda::CUDAGuard guard(x.device());
+  qlinear::QuickArgs a = weight_args(qweight, scales, offset, group_size, N, K, x.device());
+  TORCH_CHECK(splits >= 1 && tiles_per_split >= 1 && (splits - 1) * tiles_per_split < K / 64 &&
+                  splits * tiles_per_split >= K / 64, "quick_gemm: the split plan does not cover the K tiles once");
+  at::Tensor bias32;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->numel() == N && bias->device() == x.device(), "quick_gemm: bias must have N elements on x's device");
+    bias32 = bias->to(at::kFloat).contiguous();
+    a.bias = bias32.data_ptr<float>();
+  }
+  at::Tensor y = at::empty({M, N}, x.options());
+  at::Tensor partial;
+  if (splits > 1) {
+    partial = at::empty({splits, M, N}, x.options().dtype(at::kFloat));
+    a.partial = partial.data_ptr<float>();
+  }
+  a.x = x.data_ptr();
+  a.y = y.data_ptr();
+  a.M = (int)M; a.tile_m = (int)tile_m; a.tiles_per_split = (int)tiles_per_split; a.splits = (int)splits;
+  a.x_dtype = dtype_of(x.scalar_type());
+  const cudaError_t err = qlinear::quick_gemm(a, at::cuda::getCurrentCUDAStream());
+  TORCH_CHECK(err == cudaSuccess, "quick_gemm launch failed: ", cudaGetErrorString(err));
+  return y;
+}
+
+at::Tensor quick_dequantize(const at::Tensor& qweight, const at::Tensor& scales, const std::optional<at::Tensor>& offset,
+                            int64_t group_size, int64_t K, at::ScalarType dtype) {
+  TORCH_CHECK(qweight.is_cuda(), "quick_dequantize: qweight must be on a CUDA device");
+  TORCH_CHECK_TYPE(dtype == at::kHalf || dtype == at::kBFloat16, "quick_dequantize: dtype must be fp16 or bf16");
+  const int64_t N = qweight.size(0) * 32;
+  c10::cuda::CUDAGuard guard(qweight.device());
+  qlinear::QuickArgs a = weight_args(qweight, scales, offset, group_size, N, K, qweight.device());
+  at::Tensor w = at::empty({N, K}, qweight.options().dtype(dtype));
+  a.y = w.data_ptr();
+  a.splits = 1; a.tiles_per_split = 1;
+  a.x_dtype = dtype_of(dtype);
+  const cudaError_t err = qlinear::quick_dequantize(a, at::cuda::getCurrentCUDAStream());
+  TORCH_CHECK(err == cudaSuccess, "quick_dequantize launch failed: ", cudaGetErrorString(err));
+  return w;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(qlinear, CUDA, m) {
+  m.impl("quick_gemm", &quick_gemm);
+  m.impl("quick_dequantize", &quick_dequantize);
+}

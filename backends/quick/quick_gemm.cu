@@ -1,0 +1,341 @@
+// QUICK tensor-core GEMM for uniform BCQ weights (int2/int3/int4 with a per-group zero point), M = 1..512.
+//
+// Why: above M ≈ 8 CUDA-core kernels (the LUT GEMV) become compute bound, and dequantize-then-cuBLAS
+// re-expands the whole weight every call.  Here each warp's B fragments of `mma.m16n8k16` come straight
+// from DRAM into registers (the weights were interleaved offline in fragment order, QUICK §3.1-3.2), are
+// converted with one lop3 + one sub + one fma per register pair, and go into the tensor cores: no shared
+// memory write-back of dequantized weights and no ldmatrix for B.  Only x goes through shared memory, in a
+// STAGES-deep cp.async pipeline (XOR-swizzled so ldmatrix is conflict-free), which the public QUICK kernel
+// lacks.  B for the next K tile is loaded into registers while the current one is multiplied.
+//
+// Work split: warp = 32 output rows (4 n8 blocks) × (16·MT) rows of x; block = 4 warps along N × WM warps
+// along M; K is walked in 64-input tiles; gridDim.z = split-K slices (fp32 partials summed in slice order by a
+// second kernel: deterministic).  Accumulation is fp32.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <type_traits>
+
+#include "../_cuda/common.cuh"
+#include "quick_gemm.h"
+
+namespace qlinear {
+namespace {
+
+constexpr int kTileN = 32, kTileK = 64, kWarpsN = 4, kStages = 3;
+
+template <typename T> struct Num;
+template <> struct Num<__half> {
+  using T2 = __half2;
+  static constexpr unsigned kMagic = 0x64006400u;  // 1024.0 in both halves: (kMagic | q) = 1024 + q
+  static __device__ __forceinline__ T2 base() { return __half2half2(__ushort_as_half(0x6400)); }
+  static __device__ __forceinline__ T2 pair(float v) { return __float2half2_rn(v); }
+};
+template <> struct Num<__nv_bfloat16> {
+  using T2 = __nv_bfloat162;
+  static constexpr unsigned kMagic = 0x43004300u;  // 128.0 in both halves
+  static __device__ __forceinline__ T2 base() { return __bfloat162bfloat162(__ushort_as_bfloat16(0x4300)); }
+  static __device__ __forceinline__ T2 pair(float v) { return __float2bfloat162_rn(v); }
+};
+
+// Words of one tile a lane owns: chunk 0 (2·c0 words, c0 = 4 for Q = 4 else 2), then chunk 1 (Q = 3: 2 words).
+template <int Q> struct Words {
+  static constexpr int c0 = Q == 4 ? 4 : 2;
+  static constexpr int n0 = 2 * c0;
+  static constexpr int n1 = Q == 3 ? 2 : 0;
+  static constexpr int n = n0 + n1;
+};
+
+template <int Q>
+__device__ __forceinline__ void load_tile(unsigned (&w)[Words<Q>::n], const unsigned* __restrict__ tile, int lane) {
+  using W = Words<Q>;
+  const uint4* p = reinterpret_cast<const uint4*>(tile + W::n0 * lane);
+#pragma unroll
+  for (int i = 0; i < W::n0 / 4; ++i) {
+    const uint4 v = __ldg(p + i);
+    w[4 * i] = v.x; w[4 * i + 1] = v.y; w[4 * i + 2] = v.z; w[4 * i + 3] = v.w;
+  }
+  if constexpr (W::n1 > 0) {
+    const uint2 v = __ldg(reinterpret_cast<const uint2*>(tile + 32 * W::n0 + 2 * lane));
+    w[W::n0] = v.x; w[W::n0 + 1] = v.y;
+  }
+}
+
+// Codes of pair p (both halves of a 32-bit register), Q-bit, before the magic exponent is OR-ed in.
+template <int Q>
+__device__ __forceinline__ unsigned pair_codes(const unsigned (&w)[Words<Q>::n], int p) {
+  if constexpr (Q == 4) return (w[p / 4] >> (4 * (p % 4))) & 0x000f000fu;
+  if constexpr (Q == 2) return (w[p / 8] >> (2 * (p % 8))) & 0x00030003u;
+  return ((w[p / 8] >> (2 * (p % 8))) & 0x00030003u) | (((w[Words<Q>::n0 + p / 16] >> (p % 16)) & 0x00010001u) << 2);
+}
+
+template <typename T>
+__device__ __forceinline__ unsigned dequant_pair(unsigned codes, typename Num<T>::T2 s, typename Num<T>::T2 c) {
+  using T2 = typename Num<T>::T2;
+  const unsigned h = codes | Num<T>::kMagic;
+  const T2 v = __hsub2(*reinterpret_cast<const T2*>(&h), Num<T>::base());  // exact: the integer code
+  const T2 r = __hfma2(v, s, c);
+  return *reinterpret_cast<const unsigned*>(&r);
+}
+
+// Per-group s and c' = c − s·(2^Q − 1)/2 of the lane's 4 rows (stored contiguously), as T pairs.
+template <typename T, int Q>
+__device__ __forceinline__ void load_scales(typename Num<T>::T2 (&s2)[4], typename Num<T>::T2 (&c2)[4], const QuickArgs& a,
+                                            int g, int pos) {
+  const uint2 sraw = __ldg(reinterpret_cast<const uint2*>(static_cast<const __half*>(a.scales) + (size_t)g * a.N + pos));
+  const __half2 s01 = *reinterpret_cast<const __half2*>(&sraw.x), s23 = *reinterpret_cast<const __half2*>(&sraw.y);
+  const float s[4] = {__low2float(s01), __high2float(s01), __low2float(s23), __high2float(s23)};
+  float c[4] = {0.f, 0.f, 0.f, 0.f};
+  if (a.offset_dtype == DType::kFloat) {
+    const float4 v = __ldg(reinterpret_cast<const float4*>(static_cast<const float*>(a.offset) + (size_t)g * a.N + pos));
+    c[0] = v.x; c[1] = v.y; c[2] = v.z; c[3] = v.w;
+  } else if (a.offset_dtype == DType::kHalf) {
+    const uint2 v = __ldg(reinterpret_cast<const uint2*>(static_cast<const __half*>(a.offset) + (size_t)g * a.N + pos));
+    const __half2 c01 = *reinterpret_cast<const __half2*>(&v.x), c23 = *reinterpret_cast<const __half2*>(&v.y);
+    c[0] = __low2float(c01); c[1] = __high2float(c01); c[2] = __low2float(c23); c[3] = __high2float(c23);
+  }
+  constexpr float mid = ((1 << Q) - 1) * 0.5f;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    s2[i] = Num<T>::pair(s[i]);
+    c2[i] = Num<T>::pair(c[i] - s[i] * mid);  // s·mid is exact in fp32 (fp16 s times a 4-bit half-integer)
+  }
+}
+
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
+  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N> __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+__device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], const void* smem) {
+  const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+
+template <typename T>
+__device__ __forceinline__ void mma(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+  if constexpr (std::is_same_v<T, __half>) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+                 "{%0, %1, %2, %3};\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  } else {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+                 "{%0, %1, %2, %3};\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+}
+
+// Shared memory of one stage: BM rows × 64 inputs, 16-byte chunk c of row r stored at chunk c ^ (r & 7).
+template <typename T>
+__device__ __forceinline__ T* a_chunk(T* stage, int row, int chunk) { return stage + row * kTileK + ((chunk ^ (row & 7)) << 3); }
+
+template <typename T, int BM, int THREADS>
+__device__ __forceinline__ void load_a_stage(T* stage, const T* __restrict__ x, int M, int K, int m0, int k0, int tid) {
+#pragma unroll
+  for (int i = tid; i < BM * 8; i += THREADS) {
+    const int row = i >> 3, chunk = i & 7;
+    const bool valid = m0 + row < M;
+    cp_async16(a_chunk(stage, row, chunk), x + (size_t)(valid ? m0 + row : 0) * K + k0 + chunk * 8, valid);
+  }
+}
+
+template <typename T, int Q, int MT, int WM>
+__global__ void __launch_bounds__(32 * kWarpsN * WM) quick_gemm_kernel(const QuickArgs a) {
+  using T2 = typename Num<T>::T2;
+  using W = Words<Q>;
+  constexpr int BM = 16 * MT * WM, THREADS = 32 * kWarpsN * WM;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  T* smem = reinterpret_cast<T*>(smem_raw);
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int warp_n = warp % kWarpsN, warp_m = warp / kWarpsN;
+  const int n_tile = blockIdx.x * kWarpsN + warp_n;
+  const bool active = n_tile * kTileN < a.N;
+  const int m0 = blockIdx.y * BM;
+  const int k_tiles = a.K / kTileK;
+  const int t0 = blockIdx.z * a.tiles_per_split;
+  const int nt_count = min(a.tiles_per_split, k_tiles - t0);
+  const T* x = static_cast<const T*>(a.x);
+  const unsigned* wtile = a.qweight + ((size_t)(active ? n_tile : 0) * k_tiles + t0) * (64 * Q);
+  const int pos = n_tile * kTileN + (lane >> 2) * 4;
+
+  float acc[MT][4][4];
+#pragma unroll
+  for (int i = 0; i < MT; ++i)
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) acc[i][j][r] = 0.f;
+
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (s < nt_count) load_a_stage<T, BM, THREADS>(smem + s * BM * kTileK, x, a.M, a.K, m0, (t0 + s) * kTileK, tid);
+    cp_async_commit();
+  }
+  unsigned cur[W::n], nxt[W::n];
+  if (active) load_tile<Q>(cur, wtile, lane);
+
+  for (int it = 0; it < nt_count; ++it) {
+    const int k0 = (t0 + it) * kTileK;
+    if (active && it + 1 < nt_count) load_tile<Q>(nxt, wtile + (size_t)(it + 1) * 64 * Q, lane);
+    T2 s2[2][4], c2[2][4];  // groups of k16 steps 0-1 and 2-3 (group sizes are multiples of 32)
+    if (active) {
+      const int ga = k0 / a.group_size, gb = (k0 + 32) / a.group_size;
+      load_scales<T, Q>(s2[0], c2[0], a, ga, pos);
+      if (gb != ga) {
+        load_scales<T, Q>(s2[1], c2[1], a, gb, pos);
+      } else {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) { s2[1][i] = s2[0][i]; c2[1][i] = c2[0][i]; }
+      }
+    }
+    cp_async_wait<kStages - 2>();
+    __syncthreads();
+    {
+      const int nxt_stage = it + kStages - 1;
+      if (nxt_stage < nt_count)
+        load_a_stage<T, BM, THREADS>(smem + (nxt_stage % kStages) * BM * kTileK, x, a.M, a.K, m0,
+                                     (t0 + nxt_stage) * kTileK, tid);
+      cp_async_commit();
+    }
+    if (active) {
+      T* stage = smem + (it % kStages) * BM * kTileK;
+#pragma unroll
+      for (int ks = 0; ks < 4; ++ks) {
+        unsigned af[MT][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          const int row = (warp_m * MT + mt) * 16 + (lane & 15);
+          ldmatrix_x4(af[mt], a_chunk(stage, row, ks * 2 + (lane >> 4)));
+        }
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt) {
+          const int p = (ks * 4 + nt) * 2;
+          const unsigned b0 = dequant_pair<T>(pair_codes<Q>(cur, p), s2[ks >> 1][nt], c2[ks >> 1][nt]);
+          const unsigned b1 = dequant_pair<T>(pair_codes<Q>(cur, p + 1), s2[ks >> 1][nt], c2[ks >> 1][nt]);
+#pragma unroll
+          for (int mt = 0; mt < MT; ++mt) mma<T>(acc[mt][nt], af[mt], b0, b1);
+        }
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < W::n; ++i) cur[i] = nxt[i];
+  }
+  cp_async_wait<0>();
+  if (!active) return;
+
+  const bool direct = a.splits == 1;
+  float* part = a.partial + (size_t)blockIdx.z * a.M * a.N;
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int m = m0 + (warp_m * MT + mt) * 16 + (lane >> 2) + 8 * half;
+      if (m >= a.M) continue;
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt) {
+        const int n = n_tile * kTileN + nt * 8 + 2 * (lane & 3);
+        float v0 = acc[mt][nt][2 * half], v1 = acc[mt][nt][2 * half + 1];
+        if (direct) {
+          if (a.bias) { v0 += a.bias[n]; v1 += a.bias[n + 1]; }
+          T2 out;
+          out.x = from_float<T>(v0);
+          out.y = from_float<T>(v1);
+          *reinterpret_cast<T2*>(static_cast<T*>(a.y) + (size_t)m * a.N + n) = out;
+        } else {
+          *reinterpret_cast<float2*>(part + (size_t)m * a.N + n) = make_float2(v0, v1);
+        }
+      }
+    }
+  }
+}
+
+// One warp per 32×64 tile: the lane's fragments, dequantized exactly as in the GEMM, written to Ŵ[n][k].
+template <typename T, int Q>
+__global__ void __launch_bounds__(128) quick_dequantize_kernel(const QuickArgs a) {
+  using T2 = typename Num<T>::T2;
+  const int lane = threadIdx.x & 31;
+  const int tile = blockIdx.x * 4 + (threadIdx.x >> 5);
+  const int k_tiles = a.K / kTileK;
+  if (tile >= (a.N / kTileN) * k_tiles) return;
+  const int n_tile = tile / k_tiles, k0 = (tile % k_tiles) * kTileK;
+  unsigned w[Words<Q>::n];
+  load_tile<Q>(w, a.qweight + (size_t)tile * 64 * Q, lane);
+  T2 s2[4], c2[4];
+  T* out = static_cast<T*>(a.y);
+#pragma unroll
+  for (int ks = 0; ks < 4; ++ks) {
+    if (ks % 2 == 0) load_scales<T, Q>(s2, c2, a, (k0 + ks * 16) / a.group_size, n_tile * kTileN + (lane >> 2) * 4);
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const unsigned v = dequant_pair<T>(pair_codes<Q>(w, (ks * 4 + nt) * 2 + h), s2[nt], c2[nt]);
+        const int n = n_tile * kTileN + nt * 8 + (lane >> 2), k = k0 + ks * 16 + 2 * (lane & 3) + 8 * h;
+        *reinterpret_cast<unsigned*>(out + (size_t)n * a.K + k) = v;
+      }
+    }
+  }
+}
+
+template <typename T, int Q, int MT, int WM>
+cudaError_t launch(const QuickArgs& a, cudaStream_t stream) {
+  constexpr int BM = 16 * MT * WM;
+  const size_t smem = (size_t)kStages * BM * kTileK * sizeof(T);
+  const dim3 grid((a.N + kTileN * kWarpsN - 1) / (kTileN * kWarpsN), (a.M + BM - 1) / BM, a.splits);
+  quick_gemm_kernel<T, Q, MT, WM><<<grid, 32 * kWarpsN * WM, smem, stream>>>(a);
+  if (a.splits > 1) reduce_splits<T>(a.partial, a.bias, a.y, a.splits, a.M, a.N, stream);
+  return cudaGetLastError();
+}
+
+template <typename T, int Q>
+cudaError_t dispatch_tile(const QuickArgs& a, cudaStream_t s) {
+  switch (a.tile_m) {
+    case 16: return launch<T, Q, 1, 1>(a, s);
+    case 32: return launch<T, Q, 2, 1>(a, s);
+    case 64: return launch<T, Q, 4, 1>(a, s);
+    case 128: return launch<T, Q, 4, 2>(a, s);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+template <typename T>
+cudaError_t dispatch_q(const QuickArgs& a, cudaStream_t s, bool dequant) {
+  if (dequant) {
+    const int tiles = (a.N / kTileN) * (a.K / kTileK);
+    switch (a.Q) {
+      case 2: quick_dequantize_kernel<T, 2><<<(tiles + 3) / 4, 128, 0, s>>>(a); break;
+      case 3: quick_dequantize_kernel<T, 3><<<(tiles + 3) / 4, 128, 0, s>>>(a); break;
+      case 4: quick_dequantize_kernel<T, 4><<<(tiles + 3) / 4, 128, 0, s>>>(a); break;
+      default: return cudaErrorInvalidValue;
+    }
+    return cudaGetLastError();
+  }
+  switch (a.Q) {
+    case 2: return dispatch_tile<T, 2>(a, s);
+    case 3: return dispatch_tile<T, 3>(a, s);
+    case 4: return dispatch_tile<T, 4>(a, s);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+cudaError_t run(const QuickArgs& a, cudaStream_t stream, bool dequant) {
+  if (a.N % kTileN || a.K % kTileK || a.group_size % 32 || a.splits < 1 || a.tiles_per_split < 1) return cudaErrorInvalidValue;
+  if (a.x_dtype == DType::kHalf) return dispatch_q<__half>(a, stream, dequant);
+  if (a.x_dtype == DType::kBFloat16) return dispatch_q<__nv_bfloat16>(a, stream, dequant);
+  return cudaErrorInvalidValue;
+}
+
+}  // namespace
+
+cudaError_t quick_gemm(const QuickArgs& a, cudaStream_t stream) { return run(a, stream, false); }
+cudaError_t quick_dequantize(const QuickArgs& a, cudaStream_t stream) { return run(a, stream, true); }
+
+}  // namespace qlinear

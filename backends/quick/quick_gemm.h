@@ -1,0 +1,37 @@
+// QUICK tensor-core GEMM for uniform BCQ weights (Kim et al., QUICK, section 3): launchers over raw pointers.
+// Torch-free so it compiles with nvcc alone; binding.cpp is the only file that includes torch.
+#pragma once
+#include <cuda_runtime.h>
+
+#include "../_cuda/dtype.h"
+
+namespace qlinear {
+
+// y[M, N] = x[M, K] · Ŵᵀ + bias, Ŵ[n, k] = s·q + (c − s·(2^Q − 1)/2) with the code q of layout "quick"
+// (backends/quick/__init__.py documents it and holds the executable PyTorch spec):
+//   qweight uint32 [N/32, K/64, 64·Q]   per 32×64 tile, each lane's B-fragment codes in mma/converter order
+//   scales  fp16   [G, N]               rows permuted within 32-row tiles: position (r % 8)·4 + r / 8
+//   offset  fp16 or fp32 [G, N], same permutation, or null
+struct QuickArgs {
+  const void* x;              // [M, K], x_dtype (unused by quick_dequantize)
+  const unsigned* qweight;
+  const void* scales;
+  const void* offset;
+  const float* bias;          // [N] fp32, or nullptr
+  void* y;                    // [M, N] x_dtype; quick_dequantize: Ŵ [N, K] x_dtype
+  float* partial;             // [splits, M, N] fp32 workspace when splits > 1
+  int M, N, K, Q, group_size;
+  int tile_m;                 // rows of x per block: 16, 32, 64 or 128
+  int tiles_per_split;        // consecutive 64-input K tiles per block
+  int splits;                 // gridDim.z; partials summed in slice order (deterministic)
+  DType x_dtype, offset_dtype;
+};
+
+// Launches the GEMM (and the split-K reduction when splits > 1) on `stream`.  Returns
+// cudaErrorInvalidValue for an unsupported Q (2..4), tile_m, dtype or a shape that is not whole tiles.
+cudaError_t quick_gemm(const QuickArgs& args, cudaStream_t stream);
+
+// Writes the dense weight Ŵ [N, K] (x_dtype) from the quick layout, for dequantize + cuBLAS at large M.
+cudaError_t quick_dequantize(const QuickArgs& args, cudaStream_t stream);
+
+}  // namespace qlinear
