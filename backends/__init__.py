@@ -125,10 +125,20 @@ def _candidates(format: str, backend: Optional[str]) -> list[Kernel]:
     return cands
 
 
+def _layout_name(k: Kernel) -> str:
+    return "" if k.layout is None else k.layout.name
+
+
 def select(format: str, cfg, device: torch.device, dtype: torch.dtype, batch: int,
-           backend: Optional[str] = None, shape: Optional[tuple[int, int]] = None) -> Kernel:
+           backend: Optional[str] = None, shape: Optional[tuple[int, int]] = None,
+           layout: Optional[str] = None) -> Kernel:
     """The kernel to run a ``format`` layer with config ``cfg`` and ``shape`` = (N, K) on ``batch``
-    rows of ``dtype`` on ``device``.
+    rows of ``dtype`` on ``device``, for a layer holding packed ``layout`` ("" = canonical, None = unknown).
+
+    Without an explicit backend, a kernel named by the device's measured dispatch table
+    (:mod:`qlinear.backends.dispatch`) for this shape and batch comes first, if it reads the held layout or the
+    canonical one (what the tuner measured; a kernel of a third layout would repack on every call); then
+    priorities decide.
 
     Raises:
         ValueError: the requested backend does not exist or cannot run this call (the message says why),
@@ -136,7 +146,13 @@ def select(format: str, cfg, device: torch.device, dtype: torch.dtype, batch: in
     """
     backend = backend or os.environ.get(ENV_VAR) or None
     reasons = []
-    for k in _candidates(format, backend):
+    cands = _candidates(format, backend)
+    if backend is None and shape is not None:
+        pref = dispatch.preferred_backend(format, cfg, device, shape, batch)
+        if pref is not None:  # stable sort: the table's choice first, the rest by priority
+            cands = sorted(cands, key=lambda k: k.backend != pref or (layout is not None and k.layout is not None
+                                                                      and k.layout.name != layout))
+    for k in cands:
         why = k.reject(cfg, device, dtype, batch, shape)
         if why is None:
             return k
@@ -147,17 +163,23 @@ def select(format: str, cfg, device: torch.device, dtype: torch.dtype, batch: in
 
 def layout_for(format: str, cfg, device: torch.device, shape: tuple[int, int],
                backend: Optional[str] = None) -> Optional[Layout]:
-    """The packed layout a ``format`` layer of ``shape`` = (N, K) should hold on ``device``: that of
-    the kernel :func:`select` picks for a single-row (decode) input of any dtype; None = canonical.
+    """The packed layout a ``format`` layer of ``shape`` = (N, K) should hold on ``device``: the one the
+    device's measured dispatch table names for this shape if one of its kernels can run the layer, else that
+    of the kernel :func:`select` picks for a single-row (decode) input of any dtype; None = canonical.
 
     Raises:
         ValueError: the requested backend does not exist.
     """
     backend = backend or os.environ.get(ENV_VAR) or None
-    for k in _candidates(format, backend):
+    cands = _candidates(format, backend)
+    want = None if backend is not None else dispatch.preferred_layout(format, cfg, device, shape)
+    if want is not None:  # the measured table's layout first
+        cands = sorted(cands, key=lambda k: _layout_name(k) != want)
+    for k in cands:
         if k.reject(cfg, device, None, 1, shape) is None:
             return k.layout
     return None
 
 
-from . import arm_neon, cuda_lut, quick, reference  # noqa: E402,F401  (each registers its kernels)
+from . import dispatch  # noqa: E402
+from . import arm_neon, async_dequant, cuda_lut, quick, reference  # noqa: E402,F401  (each registers its kernels)

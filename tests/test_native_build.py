@@ -40,3 +40,32 @@ def test_cuda_source_compiles_for_sm80_and_sm90a(cu, tmp_path):
         spills = [ln for ln in out.splitlines() if "spill" in ln and not ln.strip().startswith("0 bytes")
                   and " 0 bytes spill stores, 0 bytes spill loads" not in ln]
         assert not spills, f"register spills in {cu.name} for sm_{arch}:\n" + "\n".join(spills[:5])
+
+
+BINDINGS = sorted(p for p in BACKENDS.rglob("binding.cpp") if any(p.parent.glob("*.cu")))
+# A CPU-only torch lacks c10's generated CUDA build macros: declare them so the binding's own code can be checked.
+_STUBS = {"c10/cuda/impl/cuda_cmake_macros.h": "#define C10_CUDA_BUILD_SHARED_LIBS"}
+
+
+def _cuda_include():
+    homes = [os.environ.get("CUDA_HOME"), Path(_nvcc()).resolve().parents[1] if _nvcc() else None, "/usr/local/cuda",
+             *sorted(Path("/usr/local").glob("cuda-*"))]
+    return next((Path(h) / "include" for h in homes if h and (Path(h) / "include" / "cuda_runtime_api.h").exists()),
+                None)
+
+
+@pytest.mark.skipif(_cuda_include() is None or shutil.which("g++") is None, reason="needs the CUDA headers and g++")
+@pytest.mark.parametrize("binding", BINDINGS, ids=lambda p: str(p.relative_to(BACKENDS)))
+def test_cuda_binding_compiles_against_torch_headers(binding, tmp_path):
+    """The torch side of each CUDA backend (syntax and types against this torch's C++ API), without a CUDA torch."""
+    from torch.utils.cpp_extension import include_paths
+
+    cuda_include = _cuda_include()
+    for name, text in _STUBS.items():
+        if not any((Path(d) / name).exists() for d in (cuda_include, *include_paths())):
+            (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+            (tmp_path / name).write_text("#pragma once\n" + text + "\n")
+    cmd = ["g++", "-std=c++17", "-fsyntax-only", f"-I{tmp_path}", f"-I{cuda_include}",
+           *(f"-I{p}" for p in include_paths()), str(binding)]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, f"{binding.name} does not compile:\n{p.stderr[-4000:]}"

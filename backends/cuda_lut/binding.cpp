@@ -1,22 +1,14 @@
 // Torch binding of the LUT GEMV: CUDA implementation of qlinear::bcq_lut_gemv, whose schema and fake
 // implementation are declared in qlinear/ops.py (one file holds the whole op surface).
 #include <ATen/ATen.h>
-#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
+#include "../_cuda/binding.h"
 #include "bcq_lut_gemv.h"
 
 namespace {
-
-qlinear::DType dtype_of(const at::Tensor& t) {
-  switch (t.scalar_type()) {
-    case at::kHalf: return qlinear::DType::kHalf;
-    case at::kBFloat16: return qlinear::DType::kBFloat16;
-    case at::kFloat: return qlinear::DType::kFloat;
-    default: TORCH_CHECK_TYPE(false, "bcq_lut_gemv: unsupported dtype ", t.scalar_type());
-  }
-}
 
 at::Tensor bcq_lut_gemv(const at::Tensor& x, const at::Tensor& planes, const at::Tensor& alpha,
                         const std::optional<at::Tensor>& offset, const std::optional<at::Tensor>& bias,
@@ -47,25 +39,17 @@ at::Tensor bcq_lut_gemv(const at::Tensor& x, const at::Tensor& planes, const at:
     TORCH_CHECK(offset->is_contiguous() && offset->dim() == 2 && offset->size(0) == alpha.size(0) && offset->size(1) == N,
                 "bcq_lut_gemv: offset must be contiguous [G, N]");
     a.offset = offset->data_ptr();
-    a.offset_dtype = dtype_of(*offset);
+    a.offset_dtype = qlinear::dtype_of(offset->scalar_type(), "bcq_lut_gemv");
   }
-  at::Tensor bias32;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->numel() == N, "bcq_lut_gemv: bias must have N elements");
-    bias32 = bias->to(at::kFloat).contiguous();
-    a.bias = bias32.data_ptr<float>();
-  }
+  at::Tensor bias32, partial;
+  a.bias = qlinear::bias_f32(bias, N, x, bias32, "bcq_lut_gemv");
+  a.partial = qlinear::split_workspace(splits, M, N, x, partial);
   at::Tensor y = at::empty({M, N}, x.options());
-  at::Tensor partial;
-  if (splits > 1) {
-    partial = at::empty({splits, M, N}, x.options().dtype(at::kFloat));
-    a.partial = partial.data_ptr<float>();
-  }
   a.y = y.data_ptr();
   a.M = (int)M; a.N = (int)N; a.K = (int)K; a.Q = (int)Q; a.group_size = (int)group_size;
   a.kt = (int)kt; a.tiles_per_split = (int)tiles_per_split; a.splits = (int)splits; a.threads = (int)threads;
-  a.x_dtype = dtype_of(x);
-  const cudaError_t err = qlinear::lut_gemv(a, at::cuda::getCurrentCUDAStream());
+  a.x_dtype = qlinear::dtype_of(x.scalar_type(), "bcq_lut_gemv");
+  const cudaError_t err = qlinear::lut_gemv(a, c10::cuda::getCurrentCUDAStream());
   TORCH_CHECK(err == cudaSuccess, "bcq_lut_gemv launch failed: ", cudaGetErrorString(err));
   return y;
 }

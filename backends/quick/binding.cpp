@@ -1,22 +1,14 @@
 // Torch binding of the QUICK GEMM: CUDA implementations of qlinear::quick_gemm and qlinear::quick_dequantize,
 // whose schemas and fake implementations are declared in qlinear/ops.py.
 #include <ATen/ATen.h>
-#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
+#include "../_cuda/binding.h"
 #include "quick_gemm.h"
 
 namespace {
-
-qlinear::DType dtype_of(at::ScalarType t) {
-  switch (t) {
-    case at::kHalf: return qlinear::DType::kHalf;
-    case at::kBFloat16: return qlinear::DType::kBFloat16;
-    case at::kFloat: return qlinear::DType::kFloat;
-    default: TORCH_CHECK_TYPE(false, "quick: unsupported dtype ", t);
-  }
-}
 
 // Checks the quick buffers against N, K and fills the weight part of the launcher arguments.
 qlinear::QuickArgs weight_args(const at::Tensor& qweight, const at::Tensor& scales, const std::optional<at::Tensor>& offset,
@@ -40,7 +32,7 @@ qlinear::QuickArgs weight_args(const at::Tensor& qweight, const at::Tensor& scal
                     (offset->scalar_type() == at::kHalf || offset->scalar_type() == at::kFloat),
                 "quick: offset must be contiguous fp16 or fp32 [G, N]");
     a.offset = offset->data_ptr();
-    a.offset_dtype = dtype_of(offset->scalar_type());
+    a.offset_dtype = qlinear::dtype_of(offset->scalar_type(), "quick");
   }
   a.N = (int)N; a.K = (int)K; a.Q = (int)Q; a.group_size = (int)group_size;
   return a;
@@ -57,23 +49,15 @@ at::Tensor quick_gemm(const at::Tensor& x, const at::Tensor& qweight, const at::
   qlinear::QuickArgs a = weight_args(qweight, scales, offset, group_size, N, K, x.device());
   TORCH_CHECK(splits >= 1 && tiles_per_split >= 1 && (splits - 1) * tiles_per_split < K / 64 &&
                   splits * tiles_per_split >= K / 64, "quick_gemm: the split plan does not cover the K tiles once");
-  at::Tensor bias32;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->numel() == N && bias->device() == x.device(), "quick_gemm: bias must have N elements on x's device");
-    bias32 = bias->to(at::kFloat).contiguous();
-    a.bias = bias32.data_ptr<float>();
-  }
+  at::Tensor bias32, partial;
+  a.bias = qlinear::bias_f32(bias, N, x, bias32, "quick_gemm");
+  a.partial = qlinear::split_workspace(splits, M, N, x, partial);
   at::Tensor y = at::empty({M, N}, x.options());
-  at::Tensor partial;
-  if (splits > 1) {
-    partial = at::empty({splits, M, N}, x.options().dtype(at::kFloat));
-    a.partial = partial.data_ptr<float>();
-  }
   a.x = x.data_ptr();
   a.y = y.data_ptr();
   a.M = (int)M; a.tile_m = (int)tile_m; a.tiles_per_split = (int)tiles_per_split; a.splits = (int)splits;
-  a.x_dtype = dtype_of(x.scalar_type());
-  const cudaError_t err = qlinear::quick_gemm(a, at::cuda::getCurrentCUDAStream());
+  a.x_dtype = qlinear::dtype_of(x.scalar_type(), "quick_gemm");
+  const cudaError_t err = qlinear::quick_gemm(a, c10::cuda::getCurrentCUDAStream());
   TORCH_CHECK(err == cudaSuccess, "quick_gemm launch failed: ", cudaGetErrorString(err));
   return y;
 }
@@ -88,8 +72,8 @@ at::Tensor quick_dequantize(const at::Tensor& qweight, const at::Tensor& scales,
   at::Tensor w = at::empty({N, K}, qweight.options().dtype(dtype));
   a.y = w.data_ptr();
   a.splits = 1; a.tiles_per_split = 1;
-  a.x_dtype = dtype_of(dtype);
-  const cudaError_t err = qlinear::quick_dequantize(a, at::cuda::getCurrentCUDAStream());
+  a.x_dtype = qlinear::dtype_of(dtype, "quick_dequantize");
+  const cudaError_t err = qlinear::quick_dequantize(a, c10::cuda::getCurrentCUDAStream());
   TORCH_CHECK(err == cudaSuccess, "quick_dequantize launch failed: ", cudaGetErrorString(err));
   return w;
 }

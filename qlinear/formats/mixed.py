@@ -10,16 +10,22 @@ Quantization (float32 math):
 1. Input channels are split into ``G = K / group_size`` groups.  Sensitivity of group i (eq. 9):
    ``S_i = Σ_{m in group} Σ_j w_{j,m}² / [H⁻¹]_{mm}²`` with H = XᵀX + damping (``H = I`` without
    calibration).  The ``round(ratio_4bit · G)`` most sensitive groups use 4-bit codes, the rest 2-bit.
+   Ablation (``group_selection="random"``): the same number of 4-bit groups, picked by a random
+   permutation of the G groups from a generator seeded with ``selection_seed`` (deterministic, and
+   independent of the weights and of H).
 2. Every (row, group) gets asymmetric uniform codes ``w ≈ ŝ·(q − z)`` with an integer zero ``z`` and
    a clipped min/max range (best of a shrink grid in diag(H)-weighted MSE).  The first-order scales
    are themselves quantized to ``scale_bits`` along the output dimension: per chunk of
    ``scale_group_size`` rows, ``ŝ = scale_zero + scale_scale · code`` with fp16 ``scale_scale`` and
    ``scale_zero`` (the chunk minimum).  This second-order quantization is applied to the 4-bit groups
    too (the paper keeps theirs in fp16), which keeps the default near 3 bits per weight.
-3. Outliers: ``round(outlier_ratio · N · K)`` weights, only inside 2-bit groups.  A round-to-nearest
-   pre-pass ranks all 2-bit weights by ``err² / [H⁻¹]_jj`` (the OBS saliency) to fix how many each
-   column keeps; each column then keeps its largest-error weights as it is quantized.  They are stored
-   as fp16 *corrections* in CSR: ``Ŵ = dequant(codes) + sparse(values, cols, row_ptr)``.
+3. Outliers: ``round(outlier_ratio · N · K)`` weights, only inside 2-bit groups (§4, "exclusive 2-bit
+   sparse outliers"; at most all 2-bit weights).  A round-to-nearest pre-pass ranks all 2-bit weights by
+   ``err² / [H⁻¹]_jj`` (the OBS saliency) to fix how many each column keeps; each column then keeps its
+   largest-error weights as it is quantized.  They are stored as fp16 *corrections* in CSR:
+   ``Ŵ = dequant(codes) + sparse(values, cols, row_ptr)``.  Ablation (``outlier_placement="any"``):
+   the same count may come from any group, 4-bit ones included (the pre-pass then ranks every weight,
+   each group at its own width); the CSR layout and :func:`dequantize` are unchanged.
 
 Packed layout (N = out_features, K = in_features, g = group_size, G4 4-bit groups, G2 = G − G4,
 K2 = G2·g, K4 = G4·g, S2 = ceil(N / scale_group_size), nnz outliers; packing per
@@ -47,6 +53,8 @@ from .packing import pack, packed_len, unpack
 
 NAME = "mixed"
 _CLIP = tuple(1.0 - 0.05 * i for i in range(10))
+GROUP_SELECTIONS = ("sensitivity", "random")
+OUTLIER_PLACEMENTS = ("2bit", "any")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,8 +68,17 @@ class Config(FormatConfig):
         ratio_4bit: fraction of input-channel groups stored with ``high_bits``.
         scale_bits: bits of the quantized first-order scales (2..8).
         scale_group_size: first-order scales per second-order (scale, zero) pair, along N.
-        outlier_ratio: fraction of all weights kept as fp16 outliers (in 2-bit groups), <= 0.005.
+        outlier_ratio: fraction of all weights kept as fp16 outliers (in 2-bit groups unless
+            ``outlier_placement="any"``), <= 0.005.
         damp: Hessian damping (relative to mean diag(H)).
+        group_selection: how the 4-bit groups are chosen: ``"sensitivity"`` (eq. 9, the default) or
+            ``"random"`` (ablation: the same count, by a permutation seeded with ``selection_seed``).
+        selection_seed: seed of the ``"random"`` selection (unused for ``"sensitivity"``).
+        outlier_placement: where outliers may sit: ``"2bit"`` (the paper's exclusive 2-bit outliers,
+            the default) or ``"any"`` (ablation: the same count taken from all groups).
+
+    The last three fields were added after the first checkpoints were written; a saved config
+    without them loads with these defaults, which reproduce the earlier behaviour exactly.
     """
 
     format = NAME
@@ -73,6 +90,9 @@ class Config(FormatConfig):
     scale_group_size: int = 16
     outlier_ratio: float = 0.002
     damp: float = 0.01
+    group_selection: str = "sensitivity"
+    selection_seed: int = 0
+    outlier_placement: str = "2bit"
 
     def validate(self) -> None:
         if self.bits != 2 or self.high_bits != 4:
@@ -90,6 +110,13 @@ class Config(FormatConfig):
             raise ValueError(f"outlier_ratio must be in [0, 0.005], got {self.outlier_ratio}")
         if not 0 <= self.damp < 1:
             raise ValueError(f"damp must be in [0, 1), got {self.damp}")
+        if self.group_selection not in GROUP_SELECTIONS:
+            raise ValueError(f"group_selection must be one of {GROUP_SELECTIONS}, got {self.group_selection!r}")
+        if self.selection_seed < 0:
+            raise ValueError(f"selection_seed must be >= 0, got {self.selection_seed}")
+        if self.outlier_placement not in OUTLIER_PLACEMENTS:
+            raise ValueError(f"outlier_placement must be one of {OUTLIER_PLACEMENTS}, "
+                             f"got {self.outlier_placement!r}")
 
     def check_shape(self, out_features: int, in_features: int) -> None:
         super().check_shape(out_features, in_features)
@@ -101,8 +128,9 @@ class Config(FormatConfig):
         """``(G, G4, nnz)`` for a layer of this shape."""
         G = in_features // self.group_size
         G4 = int(round(self.ratio_4bit * G))
+        room = G if self.outlier_placement == "any" else G - G4  # groups outliers may come from
         nnz = min(int(round(self.outlier_ratio * out_features * in_features)),
-                  (G - G4) * self.group_size * out_features)
+                  room * self.group_size * out_features)
         return G, G4, nnz
 
 
@@ -144,6 +172,21 @@ def sensitivity(weight: torch.Tensor, group_size: int, hinv_diag: torch.Tensor |
     if hinv_diag is not None:
         w2 = w2 / hinv_diag.to(torch.float64)[None] ** 2
     return w2.sum(0).reshape(-1, group_size).sum(1)
+
+
+def select_4bit_groups(weight: torch.Tensor, cfg: Config, hinv_diag: torch.Tensor | None) -> torch.Tensor:
+    """Bool mask ``[G]`` of the 4-bit groups of ``weight`` ``[N, K]``: the ``G4`` largest :func:`sensitivity`
+    (ties to the lower index) or, for ``cfg.group_selection == "random"``, the first ``G4`` of a permutation
+    drawn from ``torch.Generator().manual_seed(cfg.selection_seed)``."""
+    N, K = weight.shape
+    G, G4, _ = cfg.counts(N, K)
+    if cfg.group_selection == "random":
+        order = torch.randperm(G, generator=torch.Generator().manual_seed(cfg.selection_seed))
+    else:
+        order = torch.argsort(sensitivity(weight, cfg.group_size, hinv_diag), descending=True, stable=True)
+    is4 = torch.zeros(G, dtype=torch.bool)
+    is4[order[:G4]] = True
+    return is4
 
 
 def _second_order(s: torch.Tensor, cfg: Config):
@@ -195,7 +238,7 @@ class GroupQuantizer:
         codes = uniform.codes_for(w, self.s.clamp(min=1e-30)[:, None], self.z[:, None], self.bits)
         w_hat = self.s[:, None] * (codes - self.z[:, None])
         self.codes[:, start:start + c] = codes
-        if not self.is4[index]:
+        if self.cfg.outlier_placement == "any" or not self.is4[index]:
             for j in range(c):
                 k = int(self.quota[start + j])
                 if k:
@@ -236,7 +279,8 @@ class GroupQuantizer:
 
 
 def _quotas(weight, cfg, is4, hinv_diag, nnz):
-    """Outliers per column: the global top-``nnz`` 2-bit weights of a round-to-nearest pre-pass."""
+    """Outliers per column: the global top-``nnz`` weights of a round-to-nearest pre-pass, among the
+    2-bit groups' weights (``outlier_placement="2bit"``) or all weights (``"any"``)."""
     N, K = weight.shape
     quota = torch.zeros(K, dtype=torch.int64)
     if nnz == 0:
@@ -246,7 +290,7 @@ def _quotas(weight, cfg, is4, hinv_diag, nnz):
     sal = torch.full((N, K), -1.0)
     ones = torch.ones(g)
     for gi in range(K // g):
-        if is4[gi]:
+        if is4[gi] and cfg.outlier_placement != "any":
             continue
         s = gi * g
         w = weight[:, s:s + g]
@@ -258,8 +302,8 @@ def _quotas(weight, cfg, is4, hinv_diag, nnz):
 
 def quantize(weight: torch.Tensor, cfg: Config, hessian: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """Quantize ``weight`` ``[N, K]`` to the mixed format; with ``hessian`` ``[K, K]`` (XᵀX) the groups
-    are selected by eq. 9 and quantized with GPTQ error feedback (without it, H = I: plain
-    round-to-nearest under the fitted scales, groups ranked by Σ w²)."""
+    are selected by eq. 9 (or at random, ``group_selection="random"``) and quantized with GPTQ error feedback
+    (without it, H = I: plain round-to-nearest under the fitted scales, groups ranked by Σ w²)."""
     from .. import gptq
 
     N, K = weight.shape
@@ -269,9 +313,7 @@ def quantize(weight: torch.Tensor, cfg: Config, hessian: torch.Tensor | None = N
         w = w.masked_fill((torch.diagonal(hessian) == 0)[None], 0.0)
     G, G4, nnz = cfg.counts(N, K)
     hinv_diag = None if hessian is None else torch.diagonal(gptq.damped_inverse_hessian(hessian, K, cfg.damp)).float()
-    S = sensitivity(w, cfg.group_size, hinv_diag)
-    is4 = torch.zeros(G, dtype=torch.bool)
-    is4[torch.argsort(S, descending=True, stable=True)[:G4]] = True
+    is4 = select_4bit_groups(w, cfg, hinv_diag)
     quota = _quotas(w, cfg, is4, torch.ones(K) if hinv_diag is None else hinv_diag, nnz)
     q = GroupQuantizer(N, K, cfg, is4, quota)
     return gptq.run(w, cfg.group_size, q, hessian, damp=cfg.damp)

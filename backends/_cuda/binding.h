@@ -1,0 +1,36 @@
+// Helpers shared by the torch bindings of the CUDA backends (binding.cpp files only: this header needs torch).
+#pragma once
+#include <ATen/ATen.h>
+
+#include <optional>
+
+#include "dtype.h"
+
+namespace qlinear {
+
+inline DType dtype_of(at::ScalarType t, const char* op) {
+  switch (t) {
+    case at::kHalf: return DType::kHalf;
+    case at::kBFloat16: return DType::kBFloat16;
+    case at::kFloat: return DType::kFloat;
+    default: TORCH_CHECK_TYPE(false, op, ": unsupported dtype ", t);
+  }
+}
+
+// The bias as contiguous fp32 (kept alive in `holder`), or nullptr without one.
+inline const float* bias_f32(const std::optional<at::Tensor>& bias, int64_t N, const at::Tensor& x, at::Tensor& holder,
+                             const char* op) {
+  if (!bias.has_value()) return nullptr;
+  TORCH_CHECK(bias->numel() == N && bias->device() == x.device(), op, ": bias must have N = ", N, " elements on x's device");
+  holder = bias->to(at::kFloat).contiguous();
+  return holder.data_ptr<float>();
+}
+
+// fp32 [splits, M, N] workspace for split-K partial sums (kept alive in `holder`), or nullptr for one split.
+inline float* split_workspace(int64_t splits, int64_t M, int64_t N, const at::Tensor& x, at::Tensor& holder) {
+  if (splits <= 1) return nullptr;
+  holder = at::empty({splits, M, N}, x.options().dtype(at::kFloat));
+  return holder.data_ptr<float>();
+}
+
+}  // namespace qlinear

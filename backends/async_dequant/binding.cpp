@@ -1,0 +1,86 @@
+// Torch binding of the mixed 2/4/16 GEMV: CUDA implementation of qlinear::mixed_gemv, whose schema and fake
+// implementation are declared in qlinear/ops.py (one file holds the whole op surface).  M > 8 runs the same
+// kernel over chunks of 8 rows of x.
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAStream.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include "mixed_gemv.h"
+
+namespace {
+
+at::Tensor mixed_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& meta, const at::Tensor& sq,
+                      const at::Tensor& gtab, const std::optional<at::Tensor>& outlier_values,
+                      const std::optional<at::Tensor>& outlier_cols, const std::optional<at::Tensor>& outlier_row_ptr,
+                      const std::optional<at::Tensor>& bias, int64_t N, int64_t group_size, int64_t scale_bits,
+                      int64_t scale_group_size, int64_t threads, int64_t tiles_per_split, int64_t splits,
+                      bool async_dequant) {
+  TORCH_CHECK(x.is_cuda() && x.dim() == 2 && x.is_contiguous(), "mixed_gemv: x must be a contiguous CUDA [M, K] tensor");
+  TORCH_CHECK_TYPE(x.scalar_type() == at::kHalf || x.scalar_type() == at::kBFloat16, "mixed_gemv: x must be fp16 or bf16");
+  const int64_t M = x.size(0), K = x.size(1), G = gtab.numel();
+  for (const at::Tensor* t : {&codes, &meta, &sq, &gtab}) {
+    TORCH_CHECK(t->scalar_type() == at::kInt && t->is_contiguous() && t->device() == x.device(),
+                "mixed_gemv: codes, meta, sq and gtab must be contiguous int32 on x's device");
+  }
+  TORCH_CHECK(N >= 1 && codes.numel() % N == 0, "mixed_gemv: codes hold ", codes.numel(), " words, not N·W");
+  const int64_t W = codes.numel() / N;  // code words per row
+  TORCH_CHECK(K % 16 == 0 && group_size % 16 == 0 && G * group_size == K, "mixed_gemv: K=", K, " group_size=",
+              group_size, " and ", G, " groups do not fit");
+  TORCH_CHECK(W >= G * group_size / 16 && W <= G * group_size / 8, "mixed_gemv: ", W, " words per row do not fit K=", K);
+  TORCH_CHECK(meta.dim() == 2 && meta.size(1) == N, "mixed_gemv: meta must be [MW, N]");
+  const int64_t S2 = (N + scale_group_size - 1) / scale_group_size;
+  TORCH_CHECK(sq.dim() == 2 && sq.size(0) == S2 && sq.size(1) == G, "mixed_gemv: sq must be [S2, G]");
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(codes.data_ptr()) % 16 == 0, "mixed_gemv: codes must be 16-byte aligned");
+  TORCH_CHECK(N >= 1 && N < (1LL << 31) / 8 && N * W < (1LL << 40), "mixed_gemv: N out of range");
+  c10::cuda::CUDAGuard guard(x.device());
+  qlinear::mixed::MixedGemvArgs a{};
+  a.codes = reinterpret_cast<const unsigned*>(codes.data_ptr<int>());
+  a.meta = reinterpret_cast<const unsigned*>(meta.data_ptr<int>());
+  a.sq = reinterpret_cast<const unsigned*>(sq.data_ptr<int>());
+  a.gtab = gtab.data_ptr<int>();
+  if (outlier_values.has_value() && outlier_values->numel() > 0) {
+    TORCH_CHECK(outlier_cols.has_value() && outlier_row_ptr.has_value(), "mixed_gemv: outliers need cols and row_ptr");
+    TORCH_CHECK(outlier_values->scalar_type() == at::kHalf && outlier_values->is_contiguous() &&
+                    outlier_values->device() == x.device(), "mixed_gemv: outlier values must be contiguous fp16");
+    TORCH_CHECK((outlier_cols->scalar_type() == at::kShort || outlier_cols->scalar_type() == at::kInt) &&
+                    outlier_cols->is_contiguous() && outlier_cols->numel() == outlier_values->numel() &&
+                    outlier_cols->device() == x.device(), "mixed_gemv: outlier cols must be contiguous int16/int32 [nnz]");
+    TORCH_CHECK(outlier_row_ptr->scalar_type() == at::kInt && outlier_row_ptr->numel() == N + 1 &&
+                    outlier_row_ptr->is_contiguous() && outlier_row_ptr->device() == x.device(),
+                "mixed_gemv: outlier row_ptr must be contiguous int32 [N + 1]");
+    a.outlier_values = outlier_values->data_ptr();
+    a.outlier_cols = outlier_cols->data_ptr();
+    a.outlier_row_ptr = outlier_row_ptr->data_ptr<int>();
+    a.cols_int32 = outlier_cols->scalar_type() == at::kInt;
+  }
+  at::Tensor bias32;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->numel() == N && bias->device() == x.device(), "mixed_gemv: bias must have N elements on x's device");
+    bias32 = bias->to(at::kFloat).contiguous();
+    a.bias = bias32.data_ptr<float>();
+  }
+  at::Tensor y = at::empty({M, N}, x.options());
+  at::Tensor partial;
+  if (splits > 1) partial = at::empty({splits, std::min<int64_t>(M, 8), N}, x.options().dtype(at::kFloat));
+  a.N = (int)N; a.K = (int)K; a.W = (int)W; a.G = (int)G; a.MW = (int)meta.size(0);
+  a.group_size = (int)group_size; a.scale_bits = (int)scale_bits; a.scale_group_size = (int)scale_group_size;
+  a.threads = (int)threads; a.tiles_per_split = (int)tiles_per_split; a.splits = (int)splits;
+  a.async_dequant = async_dequant ? 1 : 0;
+  a.x_dtype = x.scalar_type() == at::kHalf ? qlinear::DType::kHalf : qlinear::DType::kBFloat16;
+  a.partial = splits > 1 ? partial.data_ptr<float>() : nullptr;
+  const auto stream = c10::cuda::getCurrentCUDAStream();
+  const size_t row_bytes = x.element_size();
+  for (int64_t m0 = 0; m0 < M; m0 += 8) {  // M > 8: the same kernel over chunks of 8 rows
+    a.M = (int)std::min<int64_t>(8, M - m0);
+    a.x = static_cast<const char*>(x.data_ptr()) + m0 * K * row_bytes;
+    a.y = static_cast<char*>(y.data_ptr()) + m0 * N * row_bytes;
+    const cudaError_t err = qlinear::mixed::mixed_gemv(a, stream);
+    TORCH_CHECK(err == cudaSuccess, "mixed_gemv launch failed: ", cudaGetErrorString(err));
+  }
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(qlinear, CUDA, m) { m.impl("mixed_gemv", &mixed_gemv); }

@@ -1,0 +1,52 @@
+// GEMV for the mixed 2/4/16 format with asynchronous dequantization (2/4/16-bit paper, section 5, Alg. 1):
+// launcher over raw pointers.  Torch-free so it compiles with nvcc alone; binding.cpp is the only file
+// that includes torch.  The layout is documented (and specified executably) in
+// backends/async_dequant/__init__.py.
+#pragma once
+#include <cuda_runtime.h>
+
+#include "../_cuda/dtype.h"
+
+namespace qlinear {
+namespace mixed {
+
+// y[M, N] = x[M, K] · Ŵᵀ + bias, M = 1..8 per launch (the binding loops over chunks of 8 rows).
+// Layout "async_dequant" (W = code words per row, T = ceil(W / 4) tiles of 4 words, Tf = W / 4 full tiles):
+//   codes  uint32 [N·W]: full tiles [Tf][N][4] (one 16-byte load per row and tile), then the tail [N][W − 4·Tf]
+//   meta   uint32 [MW][N]: per row, bit stream of (zero | scale_code << zero_bits) records in group order
+//   sq     uint32 [S2][G]: second-order pair per (row chunk, group) as half2 bits, low = scale, high = zero
+//   gtab   int32  [G]: bit offset of each group's record in a row's meta stream | is_4bit << 31; the offset
+//          also locates the group's first word: (g + n4) · group_size / 16 with n4 = (offset − g·(2 + scale_bits)) / 2
+//          4-bit groups before g
+//   outliers: CSR (fp16 values, int16/int32 columns, int32 row pointers), or null
+struct MixedGemvArgs {
+  const void* x;               // [M, K], x_dtype
+  const unsigned* codes;
+  const unsigned* meta;
+  const unsigned* sq;
+  const int* gtab;
+  const void* outlier_values;  // [nnz] fp16, or nullptr (no fused outliers)
+  const void* outlier_cols;    // [nnz] int16 (cols_int32 = 0) or int32
+  const int* outlier_row_ptr;  // [N + 1]
+  const float* bias;           // [N] fp32, or nullptr
+  void* y;                     // [M, N], x_dtype
+  float* partial;              // [splits, M, N] fp32 workspace when splits > 1
+  int M, N, K, W, G, MW;          // W = code words per row
+  int group_size, scale_bits, scale_group_size;
+  int threads;                 // threads per block (multiple of 32, <= 256); a thread owns 2 rows
+  int tiles_per_split;         // consecutive tiles per block along K (x of their K span sits in shared memory)
+  int splits;                  // gridDim.y; partial sums reduced in a fixed order (deterministic)
+  int cols_int32;
+  int async_dequant;           // 1: scales of tile t+1 dequantized while its codes load; 0: synchronous
+  DType x_dtype;               // kHalf or kBFloat16
+};
+
+// Shared memory (bytes) one block needs.
+size_t mixed_gemv_smem_bytes(int M, int K, int tiles_per_split);
+
+// Launches the GEMV (and the split-K reduction when splits > 1) on `stream`.
+// Returns cudaErrorInvalidValue for an unsupported M (1..8), dtype or launch shape.
+cudaError_t mixed_gemv(const MixedGemvArgs& args, cudaStream_t stream);
+
+}  // namespace mixed
+}  // namespace qlinear

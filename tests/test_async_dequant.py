@@ -1,0 +1,683 @@
+"""Mixed 2/4/16 GEMV with asynchronous dequantization: its layout and executable spec on CPU, registry rules,
+and the kernel on a GPU.
+
+Error bound used throughout (fp32 accumulation): per word the kernel forms Σ_i (q_i − z)·x_i over ≤ 16 inputs
+(exact products q − z), scales it by ŝ = fma(scale_scale, code, scale_zero) (one rounding, the reference
+rounds twice and once more for ŝ·(q − z)), accumulates the W words of a split and the row's outliers in
+sequence, then sums the splits, so ``|y − y₆₄| ≤ (W + 64 + nnz_row)·u₃₂ · Σ_k (|ŵ_k| + |o_k|)·|x_k|`` with
+``u₃₂ = 2⁻²⁴``, ``ŵ`` the codes' part of the weight and ``o`` the outliers, plus one rounding of the output
+(``u_out·|y|``) for fp16/bf16 outputs.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import poison_cuda_allocator, ref64
+
+import qlinear.backends as backends
+from qlinear import MixedPrecisionLinear
+from qlinear.backends import Kernel
+from qlinear.backends import async_dequant as ad
+from qlinear.formats import mixed
+from qlinear.formats.base import spec_bits
+
+U32 = 2.0 ** -24
+DEFAULT = mixed.Config()
+
+
+def _mag(bufs: dict, cfg, N: int, K: int, x: torch.Tensor) -> torch.Tensor:
+    """``Σ_k (|ŵ_k| + |o_k|)·|x_k|`` ``[M, N]`` float64 from canonical buffers."""
+    no_out = dict(bufs, outlier_values=torch.zeros_like(bufs["outlier_values"]))
+    w = mixed.dequantize(no_out, cfg, N, K).double().abs()
+    vals = bufs["outlier_values"]
+    if vals.numel():
+        rows = torch.repeat_interleave(torch.arange(N, device=vals.device), bufs["outlier_row_ptr"].long().diff())
+        w.index_put_((rows, bufs["outlier_cols"].long()), vals.double().abs(), accumulate=True)
+    return x.double().abs().to(w.device) @ w.T
+
+
+def _bound(bufs, cfg, N, K, x, out_eps=0.0, y64=None):
+    W = ad._word_table(ad._group_kinds(bufs["idx4"], K // cfg.group_size), cfg.group_size)[0].numel()
+    nnz_row = int(bufs["outlier_row_ptr"].long().diff().max()) if N else 0
+    bound = (W + 64 + nnz_row) * U32 * _mag(bufs, cfg, N, K, x)
+    if out_eps:
+        bound = bound + out_eps * y64.abs().to(bound.device)
+    return bound
+
+
+def _ref(bufs, cfg, N, K, x, bias=None):
+    y = x.double() @ mixed.dequantize(bufs, cfg, N, K).double().to(x.device).T
+    return y if bias is None else y + bias.double()
+
+
+def _W(bufs, cfg) -> int:
+    return ad.num_words(bufs, cfg)
+
+
+CONFIGS = {
+    "default": DEFAULT,
+    "g32": mixed.Config(group_size=32),
+    "g48_sb8_sg7": mixed.Config(group_size=48, scale_bits=8, scale_group_size=7),
+    "sb2_no_outliers": mixed.Config(scale_bits=2, outlier_ratio=0.0),
+    "outliers_0.005": mixed.Config(outlier_ratio=0.005),
+    "no_4bit": mixed.Config(ratio_4bit=0.0, outlier_ratio=0.005),
+    "all_4bit": mixed.Config(ratio_4bit=1.0, outlier_ratio=0.0),
+}
+SHAPES = [(64, 64), (128, 320), (576, 576), (1536, 576), (96, 2048), (100, 112)]
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("N,K", SHAPES)
+def test_spec_matches_reference_in_float64(name, N, K):
+    cfg = CONFIGS[name]
+    if K % cfg.group_size:
+        pytest.skip("shape not divisible by the group size")
+    canon = ad.random_buffers(N, K, cfg, seed=N + K)
+    bufs = ad.repack(canon, cfg, N, K)
+    bias = torch.randn(N)
+    for M in (1, 3, 8):
+        x = torch.randn(M, K)
+        y64 = _ref(canon, cfg, N, K, x, bias)
+        bound = _bound(canon, cfg, N, K, x)
+        T = math.ceil(_W(bufs, cfg) / 4)
+        launches = {ad.plan(M, N, K, _W(bufs, cfg), sms) for sms in (1, 132)} | {(32, 1, T), (64, T, 1)}
+        for launch in launches:
+            y = ad.spec(x, bufs, bias, cfg, N, K, launch)
+            err = (y.double() - y64).abs()
+            assert (err <= bound).all(), (launch, err.max().item())
+
+
+def test_spec_matches_a_quantized_layer():
+    """A layer from the real quantizer (calibrated: sensitivity-selected groups, GPTQ, saliency outliers)."""
+    from conftest import random_hessian
+
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(256, 96)
+    cfg = mixed.Config(outlier_ratio=0.005)
+    mod = MixedPrecisionLinear.from_linear(lin, cfg, random_hessian(256), backend="reference")
+    canon = mod.canonical()
+    bufs = ad.repack(canon, cfg, 96, 256)
+    x = torch.randn(5, 256)
+    y = ad.spec(x, bufs, mod.bias, cfg, 96, 256, ad.plan(5, 96, 256, _W(bufs, cfg), 132))
+    assert ((y.double() - ref64(mod, x)).abs() <= _bound(canon, cfg, 96, 256, x)).all()
+
+
+def test_spec_handles_outliers_in_4bit_groups():
+    """``outlier_placement="any"`` may put outliers in 4-bit groups: the fused path adds every column of a split."""
+    cfg = mixed.Config(outlier_ratio=0.005, outlier_placement="any")
+    N, K = 64, 256
+    canon = ad.random_buffers(N, K, cfg, seed=3)
+    G = K // cfg.group_size
+    is4 = ad._group_kinds(canon["idx4"], G)
+    cols4 = (torch.nonzero(is4).flatten()[:, None] * 16 + torch.arange(16)).flatten()
+    rp = canon["outlier_row_ptr"].long()
+    r = int(rp.diff().argmax())                            # move the busiest row's outliers into 4-bit groups
+    cols = canon["outlier_cols"].clone()
+    cols[rp[r]:rp[r + 1]] = cols4[: int(rp[r + 1] - rp[r])].to(cols.dtype)
+    canon["outlier_cols"] = cols
+    bufs = ad.repack(canon, cfg, N, K)
+    x = torch.randn(2, K)
+    for launch in ((32, 1, math.ceil(_W(bufs, cfg) / 4)), ad.plan(2, N, K, _W(bufs, cfg), 132)):
+        y = ad.spec(x, bufs, None, cfg, N, K, launch)
+        assert ((y.double() - _ref(canon, cfg, N, K, x)).abs() <= _bound(canon, cfg, N, K, x)).all()
+
+
+def test_spec_catches_a_wrong_layout():
+    """The spec reads the repacked buffers, so codes in canonical (row-major) order or a wrong record offset
+    must fail the bound."""
+    cfg, N, K = DEFAULT, 128, 256
+    canon = ad.random_buffers(N, K, cfg, seed=1)
+    bufs = ad.repack(canon, cfg, N, K)
+    x = torch.randn(1, K)
+    launch = ad.plan(1, N, K, _W(bufs, cfg), 4)
+    bound = _bound(canon, cfg, N, K, x)
+    y64 = _ref(canon, cfg, N, K, x)
+    W = _W(bufs, cfg)
+    row_major = bufs["ad_codes"][: 4 * (W // 4) * N].reshape(W // 4, N, 4).transpose(0, 1).reshape(-1)
+    for key, bad in (("ad_codes", torch.cat([row_major, bufs["ad_codes"][4 * (W // 4) * N:]])),
+                     ("ad_gtab", bufs["ad_gtab"] + 1),
+                     ("ad_sq", bufs["ad_sq"].flip(0).contiguous())):
+        y = ad.spec(x, dict(bufs, **{key: bad}), None, cfg, N, K, launch)
+        assert not ((y.double() - y64).abs() <= bound).all(), key
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_layout_round_trip_is_bit_exact(name):
+    cfg = CONFIGS[name]
+    N, K = 80, 480 if cfg.group_size != 32 else 512
+    canon = ad.random_buffers(N, K, cfg, seed=7)
+    packed = ad.repack(canon, cfg, N, K)
+    assert tuple(packed) == ad.LAYOUT.names(cfg)
+    assert all(t.dtype == torch.int32 for k, t in packed.items() if not k.startswith("ad_outlier"))
+    back = ad.unrepack(packed, cfg, N, K)
+    assert set(back) == set(canon) and all(torch.equal(back[k], canon[k]) and back[k].dtype == canon[k].dtype
+                                           for k in canon)
+
+
+def test_round_trip_of_a_fresh_module_s_zero_buffers():
+    """A module constructed without data holds zero buffers (``idx4`` all zeros, not a set of groups): the layout
+    keeps that ``idx4`` verbatim so the round trip stays exact."""
+    cfg, N, K = DEFAULT, 32, 256
+    canon = {k: torch.zeros(shape, dtype=dt) for k, (shape, dt) in mixed.buffer_specs(N, K, cfg).items()}
+    packed = ad.repack(canon, cfg, N, K)
+    assert packed["ad_idx4"].numel() == canon["idx4"].numel() > 1
+    back = ad.unrepack(packed, cfg, N, K)
+    assert all(torch.equal(back[k], canon[k]) and back[k].dtype == canon[k].dtype for k in canon)
+    valid = ad.repack(ad.random_buffers(N, K, cfg), cfg, N, K)
+    assert valid["ad_idx4"].numel() == 0  # a real layer: idx4 is read back from the group table
+
+
+def test_round_trip_with_int32_outlier_columns():
+    cfg = mixed.Config(outlier_ratio=0.005)
+    N, K = 8, 32784  # K > 32767: outlier columns are int32
+    canon = ad.random_buffers(N, K, cfg, seed=2)
+    assert canon["outlier_cols"].dtype == torch.int32
+    back = ad.unrepack(ad.repack(canon, cfg, N, K), cfg, N, K)
+    assert all(torch.equal(back[k], canon[k]) for k in canon)
+
+
+def test_word_table_walks_K_in_order():
+    cfg = DEFAULT
+    G = 40
+    is4 = torch.rand(G, generator=torch.Generator().manual_seed(0)) < 0.3
+    wtab, _ = ad._word_table(is4, cfg.group_size)
+    spans = [ad._entry(int(e), cfg.group_size) for e in wtab]
+    k = 0
+    for grp, w4, k0, cnt in spans:
+        assert k0 == k and bool(is4[grp]) == w4 and grp == k0 // cfg.group_size
+        k += cnt
+    assert k == G * cfg.group_size and len(spans) == int((~is4).sum()) + 2 * int(is4.sum())
+
+
+@pytest.mark.parametrize("name", ["default", "g32", "g48_sb8_sg7", "no_4bit", "all_4bit"])
+def test_blocks_expand_the_group_table_into_the_word_table(name):
+    """What each block rebuilds in shared memory from ``ad_gtab`` (binary search + expansion) is the word table."""
+    cfg = CONFIGS[name]
+    N, K = 16, 48 * 16 * 4
+    bufs = ad.repack(ad.random_buffers(N, K, cfg, seed=9), cfg, N, K)
+    G = K // cfg.group_size
+    wtab, _ = ad._word_table((bufs["ad_gtab"] < 0), cfg.group_size)
+    full = [int(e) & 0xFFFFFFFF for e in wtab]
+    gtab = [int(v) & 0xFFFFFFFF for v in bufs["ad_gtab"]]
+    W = len(full)
+    assert W == ad.num_words(bufs, cfg) and len(gtab) == G
+    for w0 in range(0, W, 4):
+        for w1 in {min(W, w0 + 4), min(W, w0 + 12), W}:
+            assert ad._slice_words(gtab, cfg.group_size, cfg.scale_bits, w0, w1) == full[w0:w1]
+
+
+@pytest.mark.parametrize("N,K", [(576, 576), (1536, 576), (576, 1536), (4096, 4096), (8192, 8192), (11008, 4096),
+                                 (4096, 11008), (28672, 8192)])
+@pytest.mark.parametrize("name", ["default", "g32", "no_4bit", "all_4bit", "outliers_0.005", "sb2_no_outliers"])
+def test_repacked_bits_stay_within_002_of_canonical(N, K, name):
+    cfg = CONFIGS[name]
+    canon_bits, rep_bits = ad.layout_bits(cfg, N, K)
+    assert canon_bits == pytest.approx(spec_bits(mixed.buffer_specs(N, K, cfg)) / (N * K))
+    assert rep_bits - canon_bits <= 0.02, (canon_bits, rep_bits)
+
+
+def test_layout_bits_counts_the_repacked_tensors():
+    for name in ("default", "g48_sb8_sg7", "no_4bit", "all_4bit"):
+        cfg = CONFIGS[name]
+        N, K = 64, 480
+        packed = ad.repack(ad.random_buffers(N, K, cfg), cfg, N, K)
+        stored = sum(t.numel() * t.element_size() * 8 for t in packed.values())
+        assert ad.layout_bits(cfg, N, K)[1] == pytest.approx(stored / (N * K)), name
+
+
+@pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 6, 7, 8, 16, 64])
+@pytest.mark.parametrize("N,K", [(576, 576), (1536, 576), (4096, 4096), (8192, 8192), (28672, 8192), (4096, 11008),
+                                 (11008, 4096), (64, 64), (100, 112)])
+@pytest.mark.parametrize("sms", [1, 78, 132])
+def test_plan_covers_every_tile_once_within_limits(M, N, K, sms):
+    G = K // 16
+    W = (G - round(0.25 * G)) + 2 * round(0.25 * G)
+    threads, per, splits = ad.plan(M, N, K, W, sms)
+    tiles = math.ceil(W / 4)
+    assert threads % 32 == 0 and 32 <= threads <= 256
+    assert (splits - 1) * per < tiles <= splits * per and splits <= 65535
+    m = min(M, 8)
+    smem = 4 * m * min(K, 64 * per) + 16 * per
+    assert smem <= 48 * 1024
+
+
+def test_op_schema_takes_the_launch_plan_in_plan_order():
+    import inspect
+
+    args = [a.name for a in torch.ops.qlinear.mixed_gemv.default._schema.arguments]
+    ret = inspect.getsource(ad.plan).split('"""')[1].split("``(")[1].split(")``")[0]
+    assert args[-4:-1] == [n.strip() for n in ret.split(",")] == ["threads", "tiles_per_split", "splits"]
+    assert args[-1] == "async_dequant"
+
+
+def test_fake_op_gives_the_output_shape():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    cfg, N, K = DEFAULT, 64, 128
+    bufs = ad.repack(ad.random_buffers(N, K, cfg), cfg, N, K)
+    with FakeTensorMode() as mode:
+        x = torch.empty(3, K, dtype=torch.float16)
+        fb = {k: mode.from_tensor(v) for k, v in bufs.items()}
+        y = torch.ops.qlinear.mixed_gemv(x, fb["ad_codes"], fb["ad_meta"], fb["ad_sq"], fb["ad_gtab"],
+                                         None, None, None, None, N, 16, 4, 16, 32, 1, 1, True)
+    assert y.shape == (3, N) and y.dtype == torch.float16
+
+
+def test_registry_rejects_with_reasons():
+    cuda = torch.device("cuda")
+    k = next(k for k in backends.kernels("mixed") if k.backend == "async_dequant")
+    assert "multiple of 16" in k.reject(mixed.Config(group_size=8), cuda, torch.float16, 1, (64, 64))
+    assert "dtype" in k.reject(DEFAULT, cuda, torch.float32, 1, (64, 64))
+    assert "batch 65" in k.reject(DEFAULT, cuda, torch.float16, 65, (64, 64))
+    assert "device cpu" in k.reject(DEFAULT, torch.device("cpu"), torch.float16, 1, (64, 64))
+    with pytest.raises(ValueError, match="async_dequant: device cpu"):
+        backends.select("mixed", DEFAULT, torch.device("cpu"), torch.float16, 1, "async_dequant", (64, 64))
+    cpu = backends.select("mixed", DEFAULT, torch.device("cpu"), torch.float16, 1, None, (64, 64))
+    assert cpu.backend == "reference"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU fallback")
+def test_unavailable_without_gpu_and_module_stays_canonical():
+    assert ad.available() is not None
+    cfg, N, K = DEFAULT, 64, 128
+    mod = MixedPrecisionLinear.from_packed(ad.random_buffers(N, K, cfg), K, N, cfg, torch.randn(N))
+    assert mod.layout == "" and mod.kernel(torch.randn(1, K)).backend == "reference"
+    assert backends.layout_for("mixed", cfg, torch.device("cuda"), (N, K)) is None  # extension cannot load
+
+
+# --- the layout machinery, driven on CPU by a kernel that runs the spec --------------------------------
+@pytest.fixture
+def spec_kernel():
+    """Register the executable spec as a CPU kernel with the async_dequant layout (highest priority)."""
+
+    def fn(x, bufs, bias, cfg, N, K):
+        x2 = x.reshape(-1, K)
+        y = ad.spec(x2, bufs, bias, cfg, N, K, ad.plan(x2.shape[0], N, K, ad.num_words(bufs, cfg), 4))
+        return y.to(x.dtype).reshape(*x.shape[:-1], N)
+
+    k = backends.register(Kernel(backend="ad_spec", format="mixed", fn=fn, priority=100, devices=frozenset({"cpu"}),
+                                 max_batch=ad.MAX_BATCH, supports=ad.supports, layout=ad.LAYOUT))
+    yield k
+    backends._KERNELS.remove(k)
+
+
+def test_module_holds_the_kernel_layout_and_saves_canonical(spec_kernel, tmp_path):
+    cfg, N, K = DEFAULT, 96, 320
+    canon = ad.random_buffers(N, K, cfg, seed=5)
+    ref_mod = MixedPrecisionLinear.from_packed(canon, K, N, cfg, torch.randn(N), backend="reference")
+    sd = ref_mod.state_dict()
+    mod = MixedPrecisionLinear(K, N, True, cfg)
+    mod.load_state_dict(sd)
+    assert mod.layout == "async_dequant" and {n for n, _ in mod.named_buffers()} == set(ad.NAMES)
+    assert list(mod.state_dict()) == list(sd) and all(torch.equal(mod.state_dict()[k], sd[k]) for k in sd)
+    assert abs(mod.bits_per_weight - ad.layout_bits(cfg, N, K)[1]) < 1e-9
+    x = torch.randn(2, 3, K)
+    assert mod.kernel(x).backend == "ad_spec"
+    y64 = ref64(ref_mod, x.reshape(-1, K))
+    assert ((mod(x).reshape(-1, N).double() - y64).abs() <= _bound(canon, cfg, N, K, x.reshape(-1, K))).all()
+    big = torch.randn(65, K)  # above max_batch: the reference kernel runs on the unrepacked buffers
+    assert mod.kernel(big).backend == "reference"
+    assert torch.equal(mod(big), ref_mod(big))
+    assert torch.equal(mod.dequantize(), ref_mod.dequantize())
+    mod.half().float()
+    assert mod.layout == "async_dequant" and torch.equal(mod.dequantize(), ref_mod.dequantize())
+    torch.save(mod.state_dict(), tmp_path / "m.pt")
+    again = MixedPrecisionLinear(K, N, True, cfg)
+    again.load_state_dict(torch.load(tmp_path / "m.pt"))
+    assert torch.equal(again.dequantize(), ref_mod.dequantize())
+
+
+def test_compile_fullgraph_with_layout(spec_kernel):
+    cfg, N, K = DEFAULT, 64, 128
+    m = MixedPrecisionLinear.from_packed(ad.random_buffers(N, K, cfg), K, N, cfg, torch.randn(N))
+    assert m.layout == "async_dequant"
+    x = torch.randn(3, K)
+    assert torch.equal(m(x), torch.compile(m, fullgraph=True, backend="eager")(x))
+
+
+# --- the kernel's own source, run on the CPU under a host emulation -----------------------------------------
+# mixed_gemv.cu is compiled with g++ against the CUDA headers: every CUDA thread of a block becomes a std::thread,
+# blocks run one after another over one poisoned shared-memory array, __syncthreads is a std::barrier, __ldg a
+# plain load and the <<<>>> launches are cut out; a small driver reads one call from a file and writes y.  This
+# runs the kernel's real index arithmetic (tiles, tail, table decoding, meta window, outlier search, split
+# partials and their reduction) without a GPU; what it cannot see is GPU-only behaviour (memory alignment,
+# coalescing, timing).
+_EMU_SHIM = r'''// Host emulation of the mixed GEMV kernel source: every CUDA thread of a block is a std::thread, blocks run
+// one after another, shared memory is one global array, __syncthreads is a std::barrier.
+#include <cuda_runtime.h>
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+#include <barrier>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <algorithm>
+#include <memory>
+#include <thread>
+#include <vector>
+#undef __global__
+#undef __device__
+#undef __forceinline__
+#undef __launch_bounds__
+#undef __shared__
+#define __global__
+#define __device__
+#define __forceinline__ inline
+#define __launch_bounds__(...)
+#define __shared__
+thread_local uint3 tl_threadIdx;
+dim3 g_blockIdx, g_blockDim;
+#define threadIdx tl_threadIdx
+#define blockIdx g_blockIdx
+#define blockDim g_blockDim
+std::unique_ptr<std::barrier<>> g_barrier;
+inline void __syncthreads() { g_barrier->arrive_and_wait(); }
+template <class T> inline T __ldg(const T* p) { return *p; }
+inline unsigned __funnelshift_r(unsigned lo, unsigned hi, unsigned s) {
+  return (unsigned)((((unsigned long long)hi << 32) | lo) >> (s & 31));
+}
+inline float __uint_as_float(unsigned u) { float f; std::memcpy(&f, &u, 4); return f; }
+inline unsigned __float_as_uint(float f) { unsigned u; std::memcpy(&u, &f, 4); return u; }
+using std::min;
+using std::max;
+alignas(16) float4 g_smem4[48 * 1024 / 16];
+template <class F> cudaError_t cudaFuncSetAttribute(F* f, cudaFuncAttribute attr, int value) { return cudaSuccess; }
+'''
+
+_EMU_DRIVER = r'''// Driver: reads one call from argv[1], writes y (fp32 [M, N]) to argv[2].
+namespace emu {
+using namespace qlinear;
+using namespace qlinear::mixed;
+template <class T> std::vector<T> rd(FILE* f, size_t n) { std::vector<T> v(n); if (n && fread(v.data(), sizeof(T), n, f) != n) { fprintf(stderr, "short read\n"); exit(2); } return v; }
+
+template <typename T, int M, bool ASYNC>
+void run_blocks(const MixedGemvArgs& a) {
+  const int gx = (a.N + 2 * a.threads - 1) / (2 * a.threads);
+  for (int by = 0; by < a.splits; ++by)
+    for (int bx = 0; bx < gx; ++bx) {
+      g_blockIdx = dim3(bx, by, 0);
+      g_blockDim = dim3(a.threads, 1, 1);
+      g_barrier = std::make_unique<std::barrier<>>(a.threads);
+      std::memset(g_smem4, 0xFF, sizeof(g_smem4));  // poison shared memory
+      std::vector<std::thread> ts;
+      for (int t = 0; t < a.threads; ++t)
+        ts.emplace_back([&a, t] { tl_threadIdx = make_uint3(t, 0, 0); mixed_gemv_kernel<T, M, ASYNC>(a); });
+      for (auto& th : ts) th.join();
+    }
+  if (a.splits > 1) {
+    g_blockDim = dim3(256, 1, 1);
+    for (int i = 0; i < a.M * a.N; ++i) {
+      g_blockIdx = dim3(i / 256, 0, 0);
+      tl_threadIdx = make_uint3(i % 256, 0, 0);
+      reduce_splits_kernel<T>(a.partial, a.bias, static_cast<T*>(a.y), a.splits, a.M, a.N);
+    }
+  }
+}
+
+template <typename T, int M>
+void run_m(const MixedGemvArgs& a) { a.async_dequant ? run_blocks<T, M, true>(a) : run_blocks<T, M, false>(a); }
+
+template <typename T>
+void run(const MixedGemvArgs& a) {
+  switch (a.M) {
+    case 1: return run_m<T, 1>(a); case 2: return run_m<T, 2>(a); case 3: return run_m<T, 3>(a);
+    case 4: return run_m<T, 4>(a); case 5: return run_m<T, 5>(a); case 6: return run_m<T, 6>(a);
+    case 7: return run_m<T, 7>(a); case 8: return run_m<T, 8>(a);
+  }
+}
+}  // namespace emu
+
+int main(int argc, char** argv) {
+  using namespace emu;
+  FILE* f = fopen(argv[1], "rb");
+  auto h = rd<int>(f, 19);
+  const int M = h[0], N = h[1], K = h[2], W = h[3], G = h[4], MW = h[5], S2 = h[16], nnz = h[15];
+  auto x = rd<uint16_t>(f, (size_t)M * K);
+  auto codes = rd<unsigned>(f, (size_t)N * W);
+  auto meta = rd<unsigned>(f, (size_t)MW * N);
+  auto sq = rd<unsigned>(f, (size_t)S2 * G);
+  auto gtab = rd<int>(f, G);
+  std::vector<uint16_t> vals; std::vector<char> cols; std::vector<int> rp; std::vector<float> bias;
+  if (h[13]) { vals = rd<uint16_t>(f, nnz); cols = rd<char>(f, (size_t)nnz * (h[14] ? 4 : 2)); rp = rd<int>(f, N + 1); }
+  if (h[18]) bias = rd<float>(f, N);
+  fclose(f);
+  qlinear::mixed::MixedGemvArgs a{};
+  a.x = x.data(); a.codes = codes.data(); a.meta = meta.data(); a.sq = sq.data(); a.gtab = gtab.data();
+  if (h[13]) { a.outlier_values = vals.data(); a.outlier_cols = cols.data(); a.outlier_row_ptr = rp.data(); a.cols_int32 = h[14]; }
+  a.bias = h[18] ? bias.data() : nullptr;
+  std::vector<uint16_t> y((size_t)M * N, 0x7E00);  // NaN-poisoned output
+  std::vector<float> partial((size_t)h[11] * M * N, NAN);
+  a.y = y.data(); a.partial = partial.data();
+  a.M = M; a.N = N; a.K = K; a.W = W; a.G = G; a.MW = MW;
+  a.group_size = h[6]; a.scale_bits = h[7]; a.scale_group_size = h[8];
+  a.threads = h[9]; a.tiles_per_split = h[10]; a.splits = h[11]; a.async_dequant = h[12];
+  a.x_dtype = h[17] ? qlinear::DType::kBFloat16 : qlinear::DType::kHalf;
+  if (h[17]) run<__nv_bfloat16>(a); else run<__half>(a);
+  std::vector<float> out((size_t)M * N);
+  for (size_t i = 0; i < out.size(); ++i) {
+    if (h[17]) { __nv_bfloat16 b; std::memcpy(&b, &y[i], 2); out[i] = __bfloat162float(b); }
+    else { __half b; std::memcpy(&b, &y[i], 2); out[i] = __half2float(b); }
+  }
+  FILE* o = fopen(argv[2], "wb"); fwrite(out.data(), 4, out.size(), o); fclose(o);
+  return 0;
+}
+'''
+
+
+def _emu_sources(dst):
+    """Copies of the kernel sources with the launches cut out and dynamic shared memory made a global."""
+    import re
+
+    root = Path(ad.__file__).resolve().parents[1]
+    for rel in ("async_dequant/mixed_gemv.cu", "async_dequant/mixed_gemv.h", "_cuda/common.cuh", "_cuda/dtype.h"):
+        text = (root / rel).read_text()
+        text = re.sub(r"\b\w+(?:<\w+>)?<<<[^;]*?>>>\([^;]*\);", "(void)0;  // launch cut (host emulation)", text)
+        text = text.replace("extern __shared__ float4 smem4[];", "float4* smem4 = ::g_smem4;")
+        (dst / rel).parent.mkdir(parents=True, exist_ok=True)
+        (dst / rel).write_text(text)
+    main = dst / "emu.cpp"
+    main.write_text(_EMU_SHIM + '\n#include "async_dequant/mixed_gemv.cu"\n' + _EMU_DRIVER)
+    return main
+
+
+@pytest.fixture(scope="module")
+def emulator(tmp_path_factory):
+    import shutil
+    import subprocess
+
+    cuda_home = Path(os.environ.get("CUDA_HOME", "/usr/local/cuda"))
+    if shutil.which("g++") is None or not (cuda_home / "include" / "cuda_fp16.h").exists():
+        pytest.skip("needs g++ and the CUDA headers")
+    dst = tmp_path_factory.mktemp("emu")
+    main = _emu_sources(dst)
+    exe = dst / "emu"
+    base = ["g++", "-std=c++20", "-O1", "-pthread", "-w", f"-I{cuda_home / 'include'}", "-x", "c++", str(main), "-o",
+            str(exe)]
+    r = subprocess.run(base + [f"-L{cuda_home / 'lib64'}", "-lcudart"], capture_output=True, text=True)
+    if r.returncode:
+        r = subprocess.run(base + ["-Wl,--unresolved-symbols=ignore-all"], capture_output=True, text=True)
+    if r.returncode and "barrier" in r.stderr:
+        pytest.skip("g++ without C++20 <barrier>")
+    assert r.returncode == 0, r.stderr[-3000:]
+    return exe
+
+
+def _emulate(exe, x, bufs, bias, cfg, N, K, launch, async_dequant=True):
+    import subprocess
+
+    import numpy as np
+
+    M = x.shape[0]
+    threads, per, splits = launch
+    has_out = bufs["ad_outlier_values"].numel() > 0
+    hdr = [M, N, K, _W(bufs, cfg), bufs["ad_gtab"].numel(), bufs["ad_meta"].shape[0], cfg.group_size, cfg.scale_bits,
+           cfg.scale_group_size, threads, per, splits, int(async_dequant), int(has_out),
+           int(bufs["ad_outlier_cols"].dtype == torch.int32), bufs["ad_outlier_values"].numel(), bufs["ad_sq"].shape[0],
+           int(x.dtype == torch.bfloat16), int(bias is not None)]
+    raw = lambda t: t.contiguous().numpy().tobytes()
+    parts = [np.array(hdr, np.int32).tobytes(), raw(x.view(torch.int16))]
+    parts += [raw(bufs[k]) for k in ("ad_codes", "ad_meta", "ad_sq", "ad_gtab")]
+    if has_out:
+        parts += [raw(bufs["ad_outlier_values"].view(torch.int16)), raw(bufs["ad_outlier_cols"]),
+                  raw(bufs["ad_outlier_row_ptr"])]
+    if bias is not None:
+        parts.append(raw(bias.float()))
+    src = exe.parent / "call.bin"
+    src.write_bytes(b"".join(parts))
+    subprocess.run([str(exe), str(src), str(src) + ".y"], check=True, timeout=600)
+    return torch.from_numpy(np.fromfile(str(src) + ".y", np.float32).reshape(M, N).copy())
+
+
+@pytest.mark.parametrize("name,N,K", [("default", 100, 112), ("default", 576, 576), ("g32", 130, 256),
+                                      ("g48_sb8_sg7", 96, 480), ("no_4bit", 64, 320), ("all_4bit", 64, 320),
+                                      ("outliers_0.005", 200, 400), ("sb2_no_outliers", 70, 144)])
+def test_kernel_source_under_host_emulation(emulator, name, N, K):
+    cfg = CONFIGS[name]
+    canon = ad.random_buffers(N, K, cfg, seed=N * K)
+    bufs = ad.repack(canon, cfg, N, K)
+    bias = torch.randn(N)
+    T = math.ceil(_W(bufs, cfg) / 4)
+    for M, dtype in ((1, torch.float16), (5, torch.bfloat16), (8, torch.float16)):
+        eps = {torch.float16: 2.0 ** -11, torch.bfloat16: 2.0 ** -8}[dtype]
+        x = torch.randn(M, K).to(dtype)
+        y64 = _ref(canon, cfg, N, K, x, bias)
+        bound = _bound(canon, cfg, N, K, x, eps, y64)
+        for launch in {ad.plan(M, N, K, _W(bufs, cfg), 132), ad.plan(M, N, K, _W(bufs, cfg), 1), (32, 1, T)}:
+            y = _emulate(emulator, x, bufs, bias, cfg, N, K, launch)
+            err = (y.double() - y64).abs()
+            assert (err <= bound).all(), (launch, err.max().item())
+            assert torch.equal(_emulate(emulator, x, bufs, bias, cfg, N, K, launch, async_dequant=False), y)
+
+
+def test_kernel_source_under_host_emulation_int32_columns(emulator):
+    cfg = mixed.Config(outlier_ratio=0.005)
+    N, K = 8, 32784
+    canon = ad.random_buffers(N, K, cfg, seed=4)
+    bufs = ad.repack(canon, cfg, N, K)
+    assert bufs["ad_outlier_cols"].dtype == torch.int32
+    x = torch.randn(2, K).half()
+    y64 = _ref(canon, cfg, N, K, x)
+    y = _emulate(emulator, x, bufs, None, cfg, N, K, ad.plan(2, N, K, _W(bufs, cfg), 132))
+    assert ((y.double() - y64).abs() <= _bound(canon, cfg, N, K, x, 2.0 ** -11, y64)).all()
+
+
+# --- on a GPU ---------------------------------------------------------------------------------------------
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+GPU_SHAPES = [(576, 576), (1536, 576), (576, 1536), (4096, 4096), (11008, 4096), (4096, 11008), (8192, 8192),
+              (28672, 8192)]
+GPU_M = (1, 2, 3, 4, 5, 6, 7, 8, 9, 16, 31, 33, 64)
+
+
+@functools.lru_cache(maxsize=4)
+def _gpu_layer(N, K, ratio_4bit, outlier_ratio, bias):
+    """Random-but-valid buffers (quantizing large layers is slow) as a module on the GPU, with the float64 weight
+    ``Ŵ`` and the magnitudes ``|ŵ| + |o|`` of the error bound (computed once per layer)."""
+    cfg = mixed.Config(ratio_4bit=ratio_4bit, outlier_ratio=outlier_ratio)
+    canon = ad.random_buffers(N, K, cfg, seed=N + K, device="cuda")
+    b = torch.randn(N, device="cuda") if bias else None
+    mod = MixedPrecisionLinear.from_packed(canon, K, N, cfg, b)
+    w64 = mixed.dequantize(canon, cfg, N, K).double()
+    wabs = mixed.dequantize(dict(canon, outlier_values=torch.zeros_like(canon["outlier_values"])), cfg, N, K).double()
+    wabs = wabs.abs_() + (w64 - wabs).abs()  # outliers are the only difference (distinct positions)
+    W = ad._word_table(ad._group_kinds(canon["idx4"], K // cfg.group_size), cfg.group_size)[0].numel()
+    nnz_row = int(canon["outlier_row_ptr"].long().diff().max())
+    return mod, cfg, w64, wabs, (W + 64 + nnz_row) * U32
+
+
+def _check(layer, x, dtype, **kw):
+    mod, cfg, w64, wabs, rel = layer
+    N, K = mod.out_features, mod.in_features
+    eps = {torch.float16: 2.0 ** -11, torch.bfloat16: 2.0 ** -8}[dtype]
+    y64 = x.double() @ w64.T + (0 if mod.bias is None else mod.bias.double())
+    mag = x.double().abs() @ wabs.T
+    bufs = {n: b for n, b in zip(mod._packed_names, mod.packed())}
+    poison_cuda_allocator()
+    y = ad.linear(x, bufs, mod.bias, cfg, N, K, **kw)
+    assert y.dtype == dtype and y.shape == (x.shape[0], N)
+    bound = rel * mag + eps * y64.abs()
+    if kw.get("outliers") == "separate":  # the kernel's output is rounded before the SpMV is added
+        bound = bound + 2 * eps * mag
+    err = (y.double() - y64).abs()
+    assert (err <= bound).all(), err.max().item()
+    poison_cuda_allocator()
+    assert torch.equal(ad.linear(x, bufs, mod.bias, cfg, N, K, **kw), y)  # bitwise reproducible
+    return y
+
+
+@gpu
+@pytest.mark.parametrize("N,K", GPU_SHAPES)
+@pytest.mark.parametrize("outlier_ratio", [0.0, 0.005])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_kernel_matches_reference_and_is_deterministic(dtype, outlier_ratio, N, K):
+    assert ad.available() is None, ad.available()
+    layer = _gpu_layer(N, K, 0.25, outlier_ratio, True)
+    mod, cfg = layer[:2]
+    assert mod.layout == "async_dequant"
+    for M in GPU_M:
+        x = torch.randn(M, K, device="cuda").to(dtype)
+        assert mod.kernel(x).backend == "async_dequant"
+        y = _check(layer, x, dtype)
+        assert torch.equal(mod(x), y)
+        sync = ad.linear(x, {n: b for n, b in zip(mod._packed_names, mod.packed())}, mod.bias, cfg, N, K,
+                         async_dequant=False)
+        assert torch.equal(sync, y)  # same arithmetic in the same order
+    assert mod.kernel(torch.randn(65, K, device="cuda", dtype=dtype)).backend == "reference"
+
+
+@gpu
+@pytest.mark.parametrize("ratio_4bit", [0.0, 1.0])
+@pytest.mark.parametrize("N,K", [(576, 576), (1536, 576), (4096, 4096)])
+def test_kernel_without_4bit_groups_and_all_4bit(ratio_4bit, N, K):
+    layer = _gpu_layer(N, K, ratio_4bit, 0.005 if ratio_4bit == 0 else 0.0, False)
+    for dtype in (torch.float16, torch.bfloat16):
+        for M in (1, 8, 33):
+            _check(layer, torch.randn(M, K, device="cuda").to(dtype), dtype)
+
+
+@gpu
+@pytest.mark.parametrize("N,K", [(576, 576), (4096, 4096)])
+def test_separate_outlier_path_matches(N, K):
+    layer = _gpu_layer(N, K, 0.25, 0.005, True)
+    for M in (1, 8):
+        _check(layer, torch.randn(M, K, device="cuda").half(), torch.float16, outliers="separate")
+
+
+@gpu
+def test_kernel_under_cuda_graph_and_compile():
+    mod = _gpu_layer(1536, 576, 0.25, 0.005, True)[0]
+    x = torch.randn(1, 576, device="cuda", dtype=torch.float16)
+    eager = mod(x)
+    f = torch.compile(mod, fullgraph=True, mode="reduce-overhead")
+    for _ in range(3):
+        assert torch.equal(f(x), eager)
+
+
+@gpu
+def test_smollm2_shaped_model_compiled_matches_eager():
+    """A SmolLM2-135M-shaped Llama (4 layers, random weights) in the mixed format: compile(fullgraph,
+    reduce-overhead) decodes the same tokens as eager, through this kernel."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import qlinear
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=4,
+                      num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True)
+    model = LlamaForCausalLM(cfg).eval()
+    qlinear.replace_linear(model, qlinear.QLinearConfig("mixed"), progress=False)
+    model = model.to("cuda", torch.float16)
+    assert model.model.layers[0].mlp.down_proj.layout == "async_dequant"
+    model.generation_config.cache_implementation = "static"
+    ids = torch.randint(0, 49152, (1, 8), device="cuda")
+    kw = dict(max_new_tokens=12, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        eager = model.generate(ids, **kw)
+        model.forward = torch.compile(model.forward, fullgraph=True, mode="reduce-overhead")
+        assert torch.equal(model.generate(ids, **kw), eager)

@@ -1,0 +1,41 @@
+"""The GPU benchmarks' weight builders and call helpers, run on CPU with the reference kernel (not timed: this
+only checks that what the GPU benchmarks time is a valid layer in each layout)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from bench_e2e import quantize_randomly  # noqa: E402
+from common import op_calls, uniform_bcq_sets  # noqa: E402
+
+import qlinear  # noqa: E402
+
+
+def test_weight_sets_are_the_same_layer_in_every_layout():
+    x = torch.randn(3, 128)
+    ys = []
+    for layout in ("", "quick", "cuda_lut"):
+        torch.manual_seed(0)
+        cfg, sets = uniform_bcq_sets(64, 128, 3, 64, layout, 2, device="cpu")
+        assert len(sets) == 2 and qlinear.formats.bcq.is_uniform(cfg)
+        ys.append([call() for call in op_calls(x, cfg, sets, 64, 128, "reference", layout)])
+    assert all(torch.equal(a, b) for y in ys[1:] for a, b in zip(ys[0], y))
+    assert not torch.equal(ys[0][0], ys[0][1])  # two different weight sets
+
+
+def test_random_quantization_of_a_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=100)
+    model = LlamaForCausalLM(cfg).eval()
+    quantize_randomly(model, 4, 32, device="cpu")
+    q = [m for m in model.modules() if isinstance(m, qlinear.BCQLinear)]
+    assert len(q) == 14 and isinstance(model.lm_head, torch.nn.Linear)
+    out = model.generate(torch.randint(0, 100, (2, 5)), max_new_tokens=3, min_new_tokens=3, do_sample=False,
+                         pad_token_id=0, eos_token_id=None)
+    assert out.shape == (2, 8)

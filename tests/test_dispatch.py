@@ -1,0 +1,100 @@
+"""The measured dispatch table: plan construction from timings, table lookup, and how select/layout_for use it
+(driven on CPU by spec kernels standing in for the GPU kernels, with a fake device name)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import qlinear.backends as backends
+from qlinear import BCQLinear, QLinearConfig
+from qlinear.backends import Kernel, cuda_lut, dispatch, quick
+
+LAYOUTS = {"cuda_lut": "cuda_lut", "ref_from_lut": "cuda_lut", "quick": "quick", "quick_dequant": "quick"}
+
+
+def test_plan_picks_the_layout_with_the_smallest_worst_slowdown():
+    t = {"cuda_lut": {1: 10.0, 8: 20.0}, "ref_from_lut": {16: 200.0, 64: 300.0},
+         "quick": {1: 12.0, 8: 14.0, 16: 15.0, 64: 50.0}, "quick_dequant": {1: 90.0, 8: 90.0, 16: 90.0, 64: 45.0}}
+    layout, plan, worst = dispatch.plan_from_timings(t, LAYOUTS)
+    assert layout == "quick" and plan == [[16, "quick"], [None, "quick_dequant"]] and worst == pytest.approx(1.2)
+    t["ref_from_lut"] = {16: 15.0, 64: 45.0}  # now the LUT layout is never slower than the best
+    t["cuda_lut"][8] = 13.0
+    layout, plan, worst = dispatch.plan_from_timings(t, LAYOUTS)
+    assert layout == "cuda_lut" and plan == [[8, "cuda_lut"], [None, "ref_from_lut"]] and worst == 1.0
+    with pytest.raises(ValueError, match="every measured batch"):
+        dispatch.plan_from_timings({"cuda_lut": {1: 1.0}, "quick": {8: 1.0}}, LAYOUTS)
+
+
+@pytest.fixture
+def fake_gpu(tmp_path, monkeypatch):
+    """A dispatch table for a fake device name that the CPU reports, plus spec kernels of both layouts."""
+
+    def write(entries):
+        (tmp_path / "fake-gpu-x1.json").write_text(json.dumps({"device": "Fake GPU x1", "entries": entries}))
+        dispatch.entries.cache_clear()
+        dispatch._lookup.cache_clear()
+
+    monkeypatch.setattr(dispatch, "_HERE", tmp_path)
+    monkeypatch.setattr(dispatch, "_device_name", lambda device: "Fake GPU x1")
+
+    def lut_fn(x, bufs, bias, cfg, N, K):
+        y = cuda_lut.spec(x.reshape(-1, K), bufs, bias, cfg, N, K, cuda_lut.plan(x.numel() // K, N, K, 4))
+        return y.to(x.dtype).reshape(*x.shape[:-1], N)
+
+    def quick_fn(x, bufs, bias, cfg, N, K):
+        return quick.spec(x.reshape(-1, K), bufs, bias, cfg, N, K).to(x.dtype).reshape(*x.shape[:-1], N)
+
+    cpu = frozenset({"cpu"})
+    ks = [backends.register(Kernel(backend="lut_spec", format="bcq", fn=lut_fn, priority=90, devices=cpu, max_batch=8,
+                                   supports=cuda_lut.supports, layout=cuda_lut.LAYOUT)),
+          backends.register(Kernel(backend="quick_spec", format="bcq", fn=quick_fn, priority=100, devices=cpu,
+                                   max_batch=512, supports=quick.supports, layout=quick.LAYOUT))]
+    yield write
+    for k in ks:
+        backends._KERNELS.remove(k)
+    dispatch.entries.cache_clear()
+    dispatch._lookup.cache_clear()
+
+
+def _uniform_module():
+    cfg = QLinearConfig("bcq", bits=4, group_size=64, init="uniform", iters=0)
+    ref = BCQLinear.from_linear(torch.nn.Linear(128, 64), cfg, backend="reference")
+    mod = BCQLinear(128, 64, True, ref.config)
+    return ref, mod
+
+
+def test_without_an_entry_priorities_decide(fake_gpu):
+    fake_gpu([])
+    ref, mod = _uniform_module()
+    mod.load_state_dict(ref.state_dict())
+    assert mod.layout == "quick" and mod.kernel(torch.randn(1, 128)).backend == "quick_spec"
+
+
+def test_the_table_chooses_layout_and_kernel_per_batch(fake_gpu):
+    fake_gpu([{"format": "bcq", "bits": 4, "group_size": 64, "N": 80, "K": 128, "layout": "cuda_lut",
+               "plan": [[4, "lut_spec"], [None, "reference"]]}])
+    ref, mod = _uniform_module()
+    mod.load_state_dict(ref.state_dict())
+    assert mod.layout == "cuda_lut"  # nearest entry (N within a factor of 2)
+    assert mod.kernel(torch.randn(2, 128)).backend == "lut_spec"
+    # above batch 4 the table names the reference kernel (canonical layout, converted per call): it overrides
+    # quick_spec's higher priority
+    assert mod.kernel(torch.randn(16, 128)).backend == "reference"
+    x = torch.randn(3, 128)
+    assert torch.allclose(mod(x), ref(x), atol=1e-4)
+    other = BCQLinear(256, 512, True, ref.config)  # no entry within a factor of 2: priorities
+    assert other.layout == "quick"
+
+
+def test_malformed_table_is_a_clear_error(fake_gpu):
+    fake_gpu([{"format": "bcq", "bits": 4}])
+    with pytest.raises(ValueError, match="malformed.*tune_dispatch"):
+        dispatch.entries("Fake GPU x1")
+
+
+def test_default_table_is_valid_and_used_for_unknown_gpus():
+    assert dispatch.table_path("Some Future GPU").name == "default.json"
+    assert dispatch.entries("Some Future GPU") == ()
