@@ -23,7 +23,7 @@ from typing import Optional, Sequence
 
 import torch
 
-__all__ = ["build", "cache_dir", "cuda_arch_flags", "cuda_toolchain_problem"]
+__all__ = ["build", "build_cuda_backend", "cache_dir", "cuda_arch_flags", "cuda_toolchain_problem"]
 
 SHARED_HEADERS = Path(__file__).parent / "_cuda"  # device helpers every CUDA backend includes
 
@@ -35,10 +35,13 @@ def cache_dir() -> Path:
 
 
 def cuda_arch_flags() -> list[str]:
-    """nvcc ``-gencode`` flags for every visible GPU (sm_90 becomes sm_90a, for wgmma/setmaxnreg)."""
+    """nvcc ``-gencode`` flags for every visible GPU of compute capability 8.0 or newer (sm_90 becomes sm_90a,
+    for wgmma/setmaxnreg)."""
     flags = set()
     for i in range(torch.cuda.device_count()):
         major, minor = torch.cuda.get_device_capability(i)
+        if major < 8:  # every CUDA kernel here needs sm_80+ (bf16 mma, cp.async); older GPUs fall back
+            continue
         arch = f"{major}{minor}" + ("a" if (major, minor) == (9, 0) else "")
         flags.add(f"-gencode=arch=compute_{arch},code=sm_{arch}")
     return sorted(flags)
@@ -90,3 +93,13 @@ def build(name: str, sources: tuple[str, ...], cflags: tuple[str, ...] = (), cud
 def sources_in(folder: Path, suffixes: Sequence[str]) -> tuple[str, ...]:
     """The source files of ``folder`` with one of ``suffixes``, sorted (the build's input list)."""
     return tuple(sorted(str(p) for p in folder.iterdir() if p.suffix in suffixes))
+
+
+def build_cuda_backend(name: str, folder: Path) -> Optional[str]:
+    """Build the CUDA backend in ``folder`` (its ``.cu`` and ``.cpp`` files) as op library ``name`` for the visible
+    GPUs.  Returns None once it is loaded, else why it cannot be (no CUDA toolchain or GPU, or a failed build)."""
+    why = cuda_toolchain_problem()
+    if why is not None:
+        return why
+    return build(name, sources_in(folder, (".cu", ".cpp")), cflags=("-O3", "-std=c++17"),
+                 cuda_cflags=("-O3", "-std=c++17", *cuda_arch_flags()))

@@ -9,7 +9,8 @@
 #   bash benchmarks/gpu_checks.sh e2e        # bench_e2e.py
 #   bash benchmarks/gpu_checks.sh quick      # build + tests + the --quick benchmarks, one short call
 # Outputs land in $OUT (or ./gpu-out) for benchmarks/RESULTS.md.  GemLite is installed from wheels/ if present
-# (carry it: there is no internet on the GPU machine).
+# (there is no internet on the GPU machine: build it here with
+#  `pip wheel --no-deps --no-build-isolation gemlite==0.6.0.post2 -w wheels/` and carry wheels/ and .qlinear-cache).
 set -u
 STAGE=${1:-quick}
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"

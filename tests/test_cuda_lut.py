@@ -249,9 +249,11 @@ def test_kernel_under_cuda_graph_and_compile():
 
 
 @gpu
-def test_smollm2_shaped_model_compiled_matches_eager():
+@pytest.mark.parametrize("init,layout", [("best", "cuda_lut"), ("uniform", "quick")])
+def test_smollm2_shaped_model_compiled_matches_eager(init, layout):
     """A SmolLM2-135M-shaped Llama (4 of its 30 layers, random weights: the real checkpoint cannot reach the
-    GPU machine) quantized to BCQ 4-bit: compile(fullgraph, reduce-overhead) decodes the same tokens as eager."""
+    GPU machine) quantized to BCQ 4-bit (free α: LUT GEMV; round-to-nearest: QUICK): compile(fullgraph,
+    reduce-overhead) decodes the same tokens as eager."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     import qlinear
@@ -260,9 +262,10 @@ def test_smollm2_shaped_model_compiled_matches_eager():
     cfg = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=4,
                       num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True)
     model = LlamaForCausalLM(cfg).eval()
-    qlinear.replace_linear(model, qlinear.QLinearConfig("bcq", bits=4, group_size=64, iters=1), progress=False)
+    qcfg = qlinear.QLinearConfig("bcq", bits=4, group_size=64, init=init, iters=1 if init == "best" else 0)
+    qlinear.replace_linear(model, qcfg, progress=False)
     model = model.to("cuda", torch.float16)
-    assert model.model.layers[0].mlp.down_proj.layout == "cuda_lut"
+    assert model.model.layers[0].mlp.down_proj.layout == layout
     model.generation_config.cache_implementation = "static"
     ids = torch.randint(0, 49152, (1, 8), device="cuda")
     kw = dict(max_new_tokens=12, do_sample=False, pad_token_id=0)

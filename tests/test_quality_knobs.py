@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from conftest import random_hessian
+from qlinear import gptq
 from qlinear.formats import config_from_dict, mixed
 
 N, K, g = 64, 256, 16
@@ -37,8 +38,7 @@ def test_defaults_are_the_explicit_defaults_and_the_paper_rule(calibrated):
     # the default still is eq. 9 top-G4 and exclusive 2-bit outliers
     cfg = mixed.Config()
     _, G4, nnz = cfg.counts(N, K)
-    hinv = None if H is None else torch.diagonal(
-        __import__("qlinear.gptq", fromlist=["x"]).damped_inverse_hessian(H, K, cfg.damp)).float()
+    hinv = None if H is None else torch.diagonal(gptq.damped_inverse_hessian(H, K, cfg.damp)).float()
     S = mixed.sensitivity(w, g, hinv)
     assert default["idx4"].tolist() == sorted(torch.argsort(S, descending=True, stable=True)[:G4].tolist())
     assert default["outlier_values"].numel() == nnz > 0

@@ -71,7 +71,7 @@ from qlinear.formats import mixed
 from qlinear.formats.packing import pack, unpack
 
 from .. import Kernel, Layout, register
-from .._native import build, cuda_toolchain_problem, sources_in
+from .._native import build_cuda_backend
 
 __all__ = ["LAYOUT", "MAX_BATCH", "NAMES", "plan", "spec", "repack", "unrepack", "linear", "supports", "available",
            "layout_bits", "num_words", "random_buffers"]
@@ -400,13 +400,7 @@ def supports(cfg, out_features: int, in_features: int) -> Optional[str]:
 @functools.lru_cache(maxsize=1)
 def available() -> Optional[str]:
     """None once the extension is built and loaded, else why it cannot be."""
-    why = cuda_toolchain_problem()
-    if why is not None:
-        return why
-    from .._native import cuda_arch_flags
-
-    return build("qlinear_async_dequant", sources_in(_HERE, (".cu", ".cpp")), cflags=("-O3", "-std=c++17"),
-                 cuda_cflags=("-O3", "-std=c++17", *cuda_arch_flags()))
+    return build_cuda_backend("qlinear_async_dequant", _HERE)
 
 
 def random_buffers(out_features: int, in_features: int, cfg, seed: int = 0, device="cpu",

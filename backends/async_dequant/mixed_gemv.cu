@@ -110,6 +110,30 @@ __device__ __forceinline__ void tile_scales(const MixedGemvArgs& a, const int* w
   }
 }
 
+// dot[r][m] = Σ_i (q_i − z_r)·x[m][i] over the 32/BITS codes of word wd[r] (code i at bits BITS·i); the magic
+// 2^23 offset in c turns the code bits into a float with one OR.
+template <int BITS, int M>
+__device__ __forceinline__ void word_dot(const unsigned (&wd)[2], const float (&c)[2], const float* xw, int span,
+                                         float (&dot)[2][M]) {
+#pragma unroll
+  for (int i4 = 0; i4 < 8 / BITS; ++i4) {
+    float f[2][4];
+#pragma unroll
+    for (int r = 0; r < 2; ++r)
+#pragma unroll
+      for (int ii = 0; ii < 4; ++ii)
+        f[r][ii] = __uint_as_float(0x4B000000u | ((wd[r] >> (BITS * (4 * i4 + ii))) & ((1u << BITS) - 1u))) - c[r];
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+      const float4 xv = *reinterpret_cast<const float4*>(xw + m * span + 4 * i4);
+#pragma unroll
+      for (int ii = 0; ii < 4; ++ii)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) dot[r][m] = fmaf(f[r][ii], elem(xv, ii), dot[r][m]);
+    }
+  }
+}
+
 // acc[r][m] += Σ over the words of tile t of ŝ·Σ_i (q_i − z)·x[m][k_i].
 template <int M>
 __device__ __forceinline__ void tile_fma(const int* wt, int w_begin, int w_end, int t, int gs, int k_lo, int span,
@@ -127,42 +151,10 @@ __device__ __forceinline__ void tile_fma(const int* wt, int w_begin, int w_end, 
     for (int r = 0; r < 2; ++r)
 #pragma unroll
       for (int m = 0; m < M; ++m) dot[r][m] = 0.f;
-    if (!entry_is4(e)) {  // 16 2-bit codes: code i at bits 2i
-#pragma unroll
-      for (int i4 = 0; i4 < 4; ++i4) {
-        float f[2][4];
-#pragma unroll
-        for (int r = 0; r < 2; ++r)
-#pragma unroll
-          for (int ii = 0; ii < 4; ++ii)
-            f[r][ii] = __uint_as_float(0x4B000000u | ((wd[r] >> (2 * (4 * i4 + ii))) & 3u)) - c[j][r];
-#pragma unroll
-        for (int m = 0; m < M; ++m) {
-          const float4 xv = *reinterpret_cast<const float4*>(xw + m * span + 4 * i4);
-#pragma unroll
-          for (int ii = 0; ii < 4; ++ii)
-#pragma unroll
-            for (int r = 0; r < 2; ++r) dot[r][m] = fmaf(f[r][ii], elem(xv, ii), dot[r][m]);
-        }
-      }
-    } else {  // 8 4-bit codes: code i at bits 4i
-#pragma unroll
-      for (int i4 = 0; i4 < 2; ++i4) {
-        float f[2][4];
-#pragma unroll
-        for (int r = 0; r < 2; ++r)
-#pragma unroll
-          for (int ii = 0; ii < 4; ++ii)
-            f[r][ii] = __uint_as_float(0x4B000000u | ((wd[r] >> (4 * (4 * i4 + ii))) & 15u)) - c[j][r];
-#pragma unroll
-        for (int m = 0; m < M; ++m) {
-          const float4 xv = *reinterpret_cast<const float4*>(xw + m * span + 4 * i4);
-#pragma unroll
-          for (int ii = 0; ii < 4; ++ii)
-#pragma unroll
-            for (int r = 0; r < 2; ++r) dot[r][m] = fmaf(f[r][ii], elem(xv, ii), dot[r][m]);
-        }
-      }
+    if (!entry_is4(e)) {
+      word_dot<2, M>(wd, c[j], xw, span, dot);  // 16 2-bit codes: code i at bits 2i
+    } else {
+      word_dot<4, M>(wd, c[j], xw, span, dot);  // 8 4-bit codes: code i at bits 4i
     }
 #pragma unroll
     for (int r = 0; r < 2; ++r)

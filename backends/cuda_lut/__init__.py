@@ -29,7 +29,7 @@ from typing import Optional
 import torch
 
 from .. import Kernel, Layout, register
-from .._native import build, cuda_toolchain_problem, sources_in
+from .._native import build_cuda_backend
 
 __all__ = ["LAYOUT", "MAX_BATCH", "plan", "spec", "repack", "unrepack", "linear"]
 
@@ -150,13 +150,7 @@ def supports(cfg, out_features: int, in_features: int) -> Optional[str]:
 @functools.lru_cache(maxsize=1)
 def available() -> Optional[str]:
     """None once the extension is built and loaded, else why it cannot be."""
-    why = cuda_toolchain_problem()
-    if why is not None:
-        return why
-    from .._native import cuda_arch_flags
-
-    return build("qlinear_cuda_lut", sources_in(_HERE, (".cu", ".cpp")), cflags=("-O3", "-std=c++17"),
-                 cuda_cflags=("-O3", "-std=c++17", *cuda_arch_flags()))
+    return build_cuda_backend("qlinear_cuda_lut", _HERE)
 
 
 register(Kernel(backend="cuda_lut", format="bcq", fn=linear, priority=10, devices=frozenset({"cuda"}),

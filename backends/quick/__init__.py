@@ -57,9 +57,9 @@ from qlinear.formats import bcq
 from qlinear.formats.packing import pack_planes, unpack_planes
 
 from .. import Kernel, Layout, register
-from .._native import build, cuda_toolchain_problem, sources_in
+from .._native import build_cuda_backend
 
-__all__ = ["LAYOUT", "TILE_N", "TILE_K", "MAX_BATCH", "repack", "unrepack", "fragments", "ptx_fragments", "spec",
+__all__ = ["LAYOUT", "TILE_N", "TILE_K", "MAX_BATCH", "repack", "unrepack", "fragments", "ptx_fragments", "round_to", "spec",
            "dequantize", "plan", "linear", "supports"]
 
 TILE_N, TILE_K = 32, 64
@@ -193,8 +193,20 @@ def fragments(buffers: dict, cfg, out_features: int, in_features: int, dtype: to
     s = load("quick_scales")
     c = load("quick_offset") if "quick_offset" in buffers else torch.zeros_like(s)
     c = (c - s * ((2 ** Q - 1) / 2)).to(dtype).double()                         # c'_T: fp32 math, one rounding
-    w = (v * s.to(dtype).double() + c).to(dtype).float()                        # fma in T: one rounding
+    w = round_to(v * s.to(dtype).double() + c, dtype).float()                   # fma in T: one rounding
     return w.reshape(Nt, Kt, 32, 4, 4, 4).permute(0, 1, 3, 4, 2, 5).contiguous()  # p = (ks·4 + nt)·2 + h
+
+
+_FORMATS = {torch.float16: (10, -14), torch.bfloat16: (7, -126), torch.float32: (23, -126)}  # mantissa bits, emin
+
+
+def round_to(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """float64 ``x`` rounded once (to nearest, ties to even) to ``dtype`` (torch's own float64 -> fp16/bf16
+    conversion goes through float32 and can round twice; a fused multiply-add rounds once)."""
+    mant, emin = _FORMATS[dtype]
+    exp = torch.floor(torch.log2(x.abs())).clamp(min=emin)
+    ulp = torch.exp2(exp - mant)
+    return (torch.round(x / ulp) * ulp).to(dtype)
 
 
 def ptx_fragments(weight: torch.Tensor) -> torch.Tensor:
@@ -266,7 +278,8 @@ def linear(x: torch.Tensor, buffers: dict, bias, cfg, out_features: int, in_feat
     """Registry entry of the GEMM: ``x`` ``[..., K]`` fp16/bf16 on CUDA, at most 512 rows -> ``[..., N]``."""
     x2 = x.reshape(-1, in_features).contiguous()
     launch = plan(x2.shape[0], out_features, in_features, _sms(x.device.index or 0))
-    y = torch.ops.qlinear.quick_gemm(x2, *_weights(buffers, cfg, in_features), bias, *launch)
+    qweight, scales, offset, gs = _weights(buffers, cfg, in_features)
+    y = torch.ops.qlinear.quick_gemm(x2, qweight, scales, offset, bias, gs, *launch)
     return y.reshape(*x.shape[:-1], out_features)
 
 
@@ -285,13 +298,7 @@ def linear_dequantized(x: torch.Tensor, buffers: dict, bias, cfg, out_features: 
 @functools.lru_cache(maxsize=1)
 def available() -> Optional[str]:
     """None once the extension is built and loaded, else why it cannot be."""
-    why = cuda_toolchain_problem()
-    if why is not None:
-        return why
-    from .._native import cuda_arch_flags
-
-    return build("qlinear_quick", sources_in(_HERE, (".cu", ".cpp")), cflags=("-O3", "-std=c++17"),
-                 cuda_cflags=("-O3", "-std=c++17", *cuda_arch_flags()))
+    return build_cuda_backend("qlinear_quick", _HERE)
 
 
 _COMMON = dict(format="bcq", devices=frozenset({"cuda"}), dtypes=frozenset({torch.float16, torch.bfloat16}),

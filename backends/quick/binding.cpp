@@ -22,7 +22,8 @@ qlinear::QuickArgs weight_args(const at::Tensor& qweight, const at::Tensor& scal
   const int64_t G = (K + group_size - 1) / group_size;
   TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() && scales.dim() == 2 && scales.size(0) == G &&
                   scales.size(1) == N && scales.device() == device, "quick: scales must be contiguous fp16 [G, N]");
-  TORCH_CHECK(reinterpret_cast<uintptr_t>(qweight.data_ptr()) % 16 == 0, "quick: qweight must be 16-byte aligned");
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(qweight.data_ptr()) % 16 == 0 && reinterpret_cast<uintptr_t>(scales.data_ptr()) % 8 == 0,
+              "quick: qweight must be 16-byte and scales 8-byte aligned");
   qlinear::QuickArgs a{};
   a.qweight = reinterpret_cast<const unsigned*>(qweight.data_ptr<int>());
   a.scales = scales.data_ptr();
@@ -31,6 +32,8 @@ qlinear::QuickArgs weight_args(const at::Tensor& qweight, const at::Tensor& scal
     TORCH_CHECK(offset->is_contiguous() && offset->sizes() == scales.sizes() && offset->device() == device &&
                     (offset->scalar_type() == at::kHalf || offset->scalar_type() == at::kFloat),
                 "quick: offset must be contiguous fp16 or fp32 [G, N]");
+    TORCH_CHECK(reinterpret_cast<uintptr_t>(offset->data_ptr()) % (4 * offset->element_size()) == 0,
+                "quick: offset must be aligned to 4 elements");
     a.offset = offset->data_ptr();
     a.offset_dtype = qlinear::dtype_of(offset->scalar_type(), "quick");
   }
@@ -45,6 +48,8 @@ at::Tensor quick_gemm(const at::Tensor& x, const at::Tensor& qweight, const at::
   TORCH_CHECK_TYPE(x.scalar_type() == at::kHalf || x.scalar_type() == at::kBFloat16, "quick_gemm: x must be fp16 or bf16");
   TORCH_CHECK(reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0, "quick_gemm: x must be 16-byte aligned");
   const int64_t M = x.size(0), K = x.size(1), N = qweight.size(0) * 32;
+  TORCH_CHECK(M >= 1 && M * N < (int64_t{1} << 31) && M <= 65535 * 16, "quick_gemm: M=", M, " out of range (1..",
+              std::min<int64_t>(65535 * 16, ((int64_t{1} << 31) - 1) / std::max<int64_t>(N, 1)), ")");
   c10::cuda::CUDAGuard guard(x.device());
   qlinear::QuickArgs a = weight_args(qweight, scales, offset, group_size, N, K, x.device());
   TORCH_CHECK(splits >= 1 && tiles_per_split >= 1 && (splits - 1) * tiles_per_split < K / 64 &&
