@@ -36,14 +36,14 @@ PATHS = {"cuda_lut": ("cuda_lut", cuda_lut.MAX_BATCH), "reference": ("cuda_lut",
 def measure(N, K, bits, g, batches, dtype=torch.float16):
     """``{backend: {M: µs}}`` for one layer shape."""
     times = {b: {} for b in PATHS}
-    n = pool_size(N * K * bits // 8)
     for backend, (layout, max_m) in PATHS.items():
-        cfg, sets = uniform_bcq_sets(N, K, bits, g, layout, n)
+        slow = backend == "reference"  # converts and dequantizes in fp32 on every call: ms, not µs, per call
+        cfg, sets = uniform_bcq_sets(N, K, bits, g, layout, 2 if slow else pool_size(N * K * bits // 8))
         for M in batches:
-            if max_m is not None and M > max_m:
+            if max_m is not None and M > max_m or slow and M <= cuda_lut.MAX_BATCH:
                 continue
             x = torch.randn(M, K, device="cuda", dtype=dtype)
-            times[backend][M] = gpu_time_us(op_calls(x, cfg, sets, N, K, backend, layout), replays=10)
+            times[backend][M] = gpu_time_us(op_calls(x, cfg, sets, N, K, backend, layout), replays=3 if slow else 10)
         del sets
         torch.cuda.empty_cache()
     return times

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
-from pathlib import Path
 
 import pytest
 import torch
@@ -341,84 +339,19 @@ def test_compile_fullgraph_with_layout(spec_kernel):
     assert torch.equal(m(x), torch.compile(m, fullgraph=True, backend="eager")(x))
 
 
-# --- the kernel's own source, run on the CPU under a host emulation -----------------------------------------
-# mixed_gemv.cu is compiled with g++ against the CUDA headers: every CUDA thread of a block becomes a std::thread,
-# blocks run one after another over one poisoned shared-memory array, __syncthreads is a std::barrier, __ldg a
-# plain load and the <<<>>> launches are cut out; a small driver reads one call from a file and writes y.  This
-# runs the kernel's real index arithmetic (tiles, tail, table decoding, meta window, outlier search, split
-# partials and their reduction) without a GPU; what it cannot see is GPU-only behaviour (memory alignment,
-# coalescing, timing).
-_EMU_SHIM = r'''// Host emulation of the mixed GEMV kernel source: every CUDA thread of a block is a std::thread, blocks run
-// one after another, shared memory is one global array, __syncthreads is a std::barrier.
-#include <cuda_runtime.h>
-#include <cuda_fp16.h>
-#include <cuda_bf16.h>
-#include <barrier>
-#include <cmath>
-#include <cstdint>
-#include <cstdio>
-#include <cstring>
-#include <algorithm>
-#include <memory>
-#include <thread>
-#include <vector>
-#undef __global__
-#undef __device__
-#undef __forceinline__
-#undef __launch_bounds__
-#undef __shared__
-#define __global__
-#define __device__
-#define __forceinline__ inline
-#define __launch_bounds__(...)
-#define __shared__
-thread_local uint3 tl_threadIdx;
-dim3 g_blockIdx, g_blockDim;
-#define threadIdx tl_threadIdx
-#define blockIdx g_blockIdx
-#define blockDim g_blockDim
-std::unique_ptr<std::barrier<>> g_barrier;
-inline void __syncthreads() { g_barrier->arrive_and_wait(); }
-template <class T> inline T __ldg(const T* p) { return *p; }
-inline unsigned __funnelshift_r(unsigned lo, unsigned hi, unsigned s) {
-  return (unsigned)((((unsigned long long)hi << 32) | lo) >> (s & 31));
-}
-inline float __uint_as_float(unsigned u) { float f; std::memcpy(&f, &u, 4); return f; }
-inline unsigned __float_as_uint(float f) { unsigned u; std::memcpy(&u, &f, 4); return u; }
-using std::min;
-using std::max;
-alignas(16) float4 g_smem4[48 * 1024 / 16];
-template <class F> cudaError_t cudaFuncSetAttribute(F* f, cudaFuncAttribute attr, int value) { return cudaSuccess; }
-'''
-
+# --- the kernel's own source, run on the CPU under the host emulation (tests/cuda_emulation.py) -------------
+# It runs the kernel's real index arithmetic (tiles, tail, table decoding, meta window, outlier search, split
+# partials and their reduction) without a GPU.
 _EMU_DRIVER = r'''// Driver: reads one call from argv[1], writes y (fp32 [M, N]) to argv[2].
 namespace emu {
 using namespace qlinear;
 using namespace qlinear::mixed;
-template <class T> std::vector<T> rd(FILE* f, size_t n) { std::vector<T> v(n); if (n && fread(v.data(), sizeof(T), n, f) != n) { fprintf(stderr, "short read\n"); exit(2); } return v; }
 
 template <typename T, int M, bool ASYNC>
 void run_blocks(const MixedGemvArgs& a) {
-  const int gx = (a.N + 2 * a.threads - 1) / (2 * a.threads);
-  for (int by = 0; by < a.splits; ++by)
-    for (int bx = 0; bx < gx; ++bx) {
-      g_blockIdx = dim3(bx, by, 0);
-      g_blockDim = dim3(a.threads, 1, 1);
-      g_barrier = std::make_unique<std::barrier<>>(a.threads);
-      std::memset(g_smem4, 0xFF, sizeof(g_smem4));  // poison shared memory
-      std::vector<std::thread> ts;
-      for (int t = 0; t < a.threads; ++t)
-        ts.emplace_back([&a, t] { tl_threadIdx = make_uint3(t, 0, 0); mixed_gemv_kernel<T, M, ASYNC>(a); });
-      for (auto& th : ts) th.join();
-    }
-  if (a.splits > 1) {
-    g_blockDim = dim3(256, 1, 1);
-    for (int i = 0; i < a.M * a.N; ++i) {
-      g_blockIdx = dim3(i / 256, 0, 0);
-      tl_threadIdx = make_uint3(i % 256, 0, 0);
-      reduce_splits_kernel<T>(a.partial, a.bias, static_cast<T*>(a.y), a.splits, a.M, a.N);
-    }
-  }
+  run_grid(dim3((a.N + 2 * a.threads - 1) / (2 * a.threads), a.splits, 1), a.threads,
+           [&a] { mixed_gemv_kernel<T, M, ASYNC>(a); });
+  if (a.splits > 1) emulate_reduce_splits<T>(a.partial, a.bias, a.y, a.splits, a.M, a.N);
 }
 
 template <typename T, int M>
@@ -437,16 +370,16 @@ void run(const MixedGemvArgs& a) {
 int main(int argc, char** argv) {
   using namespace emu;
   FILE* f = fopen(argv[1], "rb");
-  auto h = rd<int>(f, 19);
+  auto h = emu_read<int>(f, 19);
   const int M = h[0], N = h[1], K = h[2], W = h[3], G = h[4], MW = h[5], S2 = h[16], nnz = h[15];
-  auto x = rd<uint16_t>(f, (size_t)M * K);
-  auto codes = rd<unsigned>(f, (size_t)N * W);
-  auto meta = rd<unsigned>(f, (size_t)MW * N);
-  auto sq = rd<unsigned>(f, (size_t)S2 * G);
-  auto gtab = rd<int>(f, G);
+  auto x = emu_read<uint16_t>(f, (size_t)M * K);
+  auto codes = emu_read<unsigned>(f, (size_t)N * W);
+  auto meta = emu_read<unsigned>(f, (size_t)MW * N);
+  auto sq = emu_read<unsigned>(f, (size_t)S2 * G);
+  auto gtab = emu_read<int>(f, G);
   std::vector<uint16_t> vals; std::vector<char> cols; std::vector<int> rp; std::vector<float> bias;
-  if (h[13]) { vals = rd<uint16_t>(f, nnz); cols = rd<char>(f, (size_t)nnz * (h[14] ? 4 : 2)); rp = rd<int>(f, N + 1); }
-  if (h[18]) bias = rd<float>(f, N);
+  if (h[13]) { vals = emu_read<uint16_t>(f, nnz); cols = emu_read<char>(f, (size_t)nnz * (h[14] ? 4 : 2)); rp = emu_read<int>(f, N + 1); }
+  if (h[18]) bias = emu_read<float>(f, N);
   fclose(f);
   qlinear::mixed::MixedGemvArgs a{};
   a.x = x.data(); a.codes = codes.data(); a.meta = meta.data(); a.sq = sq.data(); a.gtab = gtab.data();
@@ -460,53 +393,21 @@ int main(int argc, char** argv) {
   a.threads = h[9]; a.tiles_per_split = h[10]; a.splits = h[11]; a.async_dequant = h[12];
   a.x_dtype = h[17] ? qlinear::DType::kBFloat16 : qlinear::DType::kHalf;
   if (h[17]) run<__nv_bfloat16>(a); else run<__half>(a);
-  std::vector<float> out((size_t)M * N);
-  for (size_t i = 0; i < out.size(); ++i) {
-    if (h[17]) { __nv_bfloat16 b; std::memcpy(&b, &y[i], 2); out[i] = __bfloat162float(b); }
-    else { __half b; std::memcpy(&b, &y[i], 2); out[i] = __half2float(b); }
-  }
-  FILE* o = fopen(argv[2], "wb"); fwrite(out.data(), 4, out.size(), o); fclose(o);
+  emu_write(argv[2], y, h[17]);
   return 0;
 }
 '''
 
 
-def _emu_sources(dst):
-    """Copies of the kernel sources with the launches cut out and dynamic shared memory made a global."""
-    import re
-
-    root = Path(ad.__file__).resolve().parents[1]
-    for rel in ("async_dequant/mixed_gemv.cu", "async_dequant/mixed_gemv.h", "_cuda/common.cuh", "_cuda/dtype.h"):
-        text = (root / rel).read_text()
-        text = re.sub(r"\b\w+(?:<\w+>)?<<<[^;]*?>>>\([^;]*\);", "(void)0;  // launch cut (host emulation)", text)
-        text = text.replace("extern __shared__ float4 smem4[];", "float4* smem4 = ::g_smem4;")
-        (dst / rel).parent.mkdir(parents=True, exist_ok=True)
-        (dst / rel).write_text(text)
-    main = dst / "emu.cpp"
-    main.write_text(_EMU_SHIM + '\n#include "async_dequant/mixed_gemv.cu"\n' + _EMU_DRIVER)
-    return main
-
-
 @pytest.fixture(scope="module")
 def emulator(tmp_path_factory):
-    import shutil
-    import subprocess
+    import cuda_emulation
 
-    cuda_home = Path(os.environ.get("CUDA_HOME", "/usr/local/cuda"))
-    if shutil.which("g++") is None or not (cuda_home / "include" / "cuda_fp16.h").exists():
-        pytest.skip("needs g++ and the CUDA headers")
-    dst = tmp_path_factory.mktemp("emu")
-    main = _emu_sources(dst)
-    exe = dst / "emu"
-    base = ["g++", "-std=c++20", "-O1", "-pthread", "-w", f"-I{cuda_home / 'include'}", "-x", "c++", str(main), "-o",
-            str(exe)]
-    r = subprocess.run(base + [f"-L{cuda_home / 'lib64'}", "-lcudart"], capture_output=True, text=True)
-    if r.returncode:
-        r = subprocess.run(base + ["-Wl,--unresolved-symbols=ignore-all"], capture_output=True, text=True)
-    if r.returncode and "barrier" in r.stderr:
-        pytest.skip("g++ without C++20 <barrier>")
-    assert r.returncode == 0, r.stderr[-3000:]
-    return exe
+    return cuda_emulation.build(
+        tmp_path_factory.mktemp("emu"),
+        ["async_dequant/mixed_gemv.cu", "async_dequant/mixed_gemv.h", "_cuda/common.cuh", "_cuda/dtype.h"],
+        {"extern __shared__ float4 smem4[];": "float4* smem4 = ::g_smem4;"}, "", _EMU_DRIVER,
+        "async_dequant/mixed_gemv.cu")
 
 
 def _emulate(exe, x, bufs, bias, cfg, N, K, launch, async_dequant=True):

@@ -35,7 +35,7 @@ def _uniform(N, K, bits, group_size, fp32_offset=False, offset=True, seed=0):
 
 def _weight_error_bound(canon, cfg, N, K, dtype):
     """Per-weight bound of the module docstring, ``[N, K]`` float64."""
-    g = torch.arange(K) // cfg.group(K)
+    g = torch.arange(K, device=canon["planes"].device) // cfg.group(K)
     s = canon["alpha"][1].double()[:, g] if cfg.bits > 1 else 2 * canon["alpha"][0].double()[:, g]
     mid = (2 ** cfg.bits - 1) / 2
     v = unpack_planes(canon["planes"], K).double()
@@ -202,17 +202,24 @@ def _gpu_layer(N, K, bits, group_size, bias):
     return mod.cuda()
 
 
-def _check_gpu(mod, x):
-    y64 = ref64(mod, x)
-    canon = {k: v.cpu() for k, v in mod.canonical().items()}
-    werr = _weight_error_bound(canon, mod.config, mod.out_features, mod.in_features, x.dtype)
-    xa = x.double().abs().cpu()
-    bound = (xa @ werr.T + mod.in_features * 2.0 ** -24 * (xa @ (mod.dequantize(torch.float64).cpu().abs() + werr).T)
-             + U[x.dtype] * y64.abs())
+def _gpu_reference(mod, dtype):
+    """``(Ŵ, per-weight error bound)`` float64 ``[N, K]`` on the GPU (float64 reference without a CPU round trip)."""
+    return (mod.dequantize(torch.float64),
+            _weight_error_bound(mod.canonical(), mod.config, mod.out_features, mod.in_features, dtype))
+
+
+def _check_gpu(mod, x, ref, acc_eps=2.0 ** -24):
+    """Kernel output vs the float64 reference within the module docstring's bound; ``ref`` from
+    :func:`_gpu_reference`; ``acc_eps``: unit roundoff of the accumulation (fp32 in the QUICK kernel; cuBLAS
+    half-precision GEMMs may reduce in half precision)."""
+    w64, werr = ref
+    xa = x.double().abs()
+    y64 = x.double() @ w64.T + (0 if mod.bias is None else mod.bias.double())
+    bound = xa @ werr.T + mod.in_features * acc_eps * (xa @ (w64.abs() + werr).T) + U[x.dtype] * y64.abs()
     poison_cuda_allocator()
     y = mod(x)
     assert y.dtype == x.dtype and y.shape == (x.shape[0], mod.out_features)
-    err = (y.double().cpu() - y64).abs()
+    err = (y.double() - y64).abs()
     assert (err <= bound).all(), (x.shape, err.max().item())
     poison_cuda_allocator()
     assert torch.equal(mod(x), y)  # deterministic
@@ -227,18 +234,21 @@ def test_kernel_matches_reference_and_is_deterministic(dtype, group_size, bits, 
     assert quick.available() is None, quick.available()
     mod = _gpu_layer(N, K, bits, group_size, bias=(bits != 3))
     assert mod.layout == "quick"
-    for M in (1, 2, 5, 8, 15, 16, 17, 31, 32, 33, 63, 64, 65, 127, 128, 129, 255, 300):
+    ref = _gpu_reference(mod, dtype)
+    for M in range(1, 301) if N * K <= 1536 * 576 else (1, 2, 5, 8, 15, 16, 17, 31, 32, 33, 63, 64, 65, 127, 128,
+                                                        129, 255, 300):
         x = torch.randn(M, K, device="cuda").to(dtype)
         assert mod.kernel(x).backend == "quick"
-        _check_gpu(mod, x)
+        _check_gpu(mod, x, ref)
 
 
 @gpu
 @pytest.mark.parametrize("N,K", [(8192, 8192), (28672, 8192), (8192, 28672)])
 def test_kernel_on_large_layers(N, K):
     mod = _gpu_layer(N, K, 4, 128, bias=False)
+    ref = _gpu_reference(mod, torch.float16)
     for M in (1, 16, 64, 256, 512):
-        _check_gpu(mod, torch.randn(M, K, device="cuda", dtype=torch.float16))
+        _check_gpu(mod, torch.randn(M, K, device="cuda", dtype=torch.float16), ref)
 
 
 @gpu
@@ -253,7 +263,7 @@ def test_dequantize_kernel_is_the_spec_bit_for_bit(bits, dtype):
     assert torch.equal(w.cpu(), want)
     x = torch.randn(600, 576, device="cuda", dtype=dtype)
     assert mod.kernel(x).backend == "quick_dequant"
-    _check_gpu(mod, x)
+    _check_gpu(mod, x, _gpu_reference(mod, dtype), acc_eps=U[dtype])
 
 
 @gpu
@@ -265,3 +275,123 @@ def test_kernel_under_cuda_graph_and_compile():
         f = torch.compile(mod, fullgraph=True, mode="reduce-overhead")
         for _ in range(3):
             assert torch.equal(f(x), eager)
+
+
+# --- the kernel's own source, run on the CPU under the host emulation (tests/cuda_emulation.py) -------------
+_QUICK_DRIVER = r'''
+// Driver: reads one call from argv[1] (header, x, qweight, scales, offset, bias), writes y or Ŵ (fp32) to argv[2].
+namespace emu {
+using namespace qlinear;
+template <typename T, int Q, int MT, int WM> void gemm(const QuickArgs& a) {
+  constexpr int BM = 16 * MT * WM, THREADS = 32 * 4 * WM;
+  emu_warp::reset(THREADS);
+  run_grid(dim3((a.N + 127) / 128, (a.M + BM - 1) / BM, a.splits), THREADS, [&a] { quick_gemm_kernel<T, Q, MT, WM>(a); });
+  if (a.splits > 1) emulate_reduce_splits<T>(a.partial, a.bias, a.y, a.splits, a.M, a.N);
+}
+template <typename T, int Q> void run(const QuickArgs& a, bool dequant) {
+  if (dequant) {
+    const int tiles = (a.N / 32) * (a.K / 64);
+    emu_warp::reset(128);
+    run_grid(dim3((tiles + 3) / 4, 1, 1), 128, [&a] { quick_dequantize_kernel<T, Q>(a); });
+    return;
+  }
+  switch (a.tile_m) {
+    case 16: return gemm<T, Q, 1, 1>(a);
+    case 32: return gemm<T, Q, 2, 1>(a);
+    case 64: return gemm<T, Q, 4, 1>(a);
+    default: return gemm<T, Q, 4, 2>(a);
+  }
+}
+template <typename T> void run_q(const QuickArgs& a, bool dequant) {
+  if (a.Q == 2) run<T, 2>(a, dequant); else if (a.Q == 3) run<T, 3>(a, dequant); else run<T, 4>(a, dequant);
+}
+}  // namespace emu
+
+int main(int argc, char** argv) {
+  using namespace emu;
+  FILE* f = fopen(argv[1], "rb");
+  auto h = emu_read<int>(f, 12);
+  const int M = h[0], N = h[1], K = h[2], Q = h[3], gs = h[4], bf16 = h[8], off_kind = h[9], has_bias = h[10];
+  const int dequant = h[11], G = (K + gs - 1) / gs;
+  auto x = emu_read<uint16_t>(f, (size_t)M * K);
+  auto qweight = emu_read<unsigned>(f, (size_t)N * K * Q / 32);
+  auto scales = emu_read<uint16_t>(f, (size_t)G * N);
+  std::vector<char> offset = emu_read<char>(f, (size_t)G * N * (off_kind == 2 ? 4 : off_kind == 1 ? 2 : 0));
+  std::vector<float> bias = emu_read<float>(f, has_bias ? N : 0);
+  fclose(f);
+  QuickArgs a{};
+  a.x = x.data(); a.qweight = qweight.data(); a.scales = scales.data();
+  a.offset = off_kind ? offset.data() : nullptr;
+  a.offset_dtype = off_kind == 2 ? DType::kFloat : off_kind == 1 ? DType::kHalf : DType::kNone;
+  a.bias = has_bias ? bias.data() : nullptr;
+  const size_t outs = dequant ? (size_t)N * K : (size_t)M * N;
+  std::vector<uint16_t> y(outs, 0x7E00);  // NaN-poisoned output
+  std::vector<float> partial((size_t)h[7] * M * N, NAN);
+  a.y = y.data(); a.partial = partial.data();
+  a.M = M; a.N = N; a.K = K; a.Q = Q; a.group_size = gs; a.tile_m = h[5]; a.tiles_per_split = h[6]; a.splits = h[7];
+  a.x_dtype = bf16 ? DType::kBFloat16 : DType::kHalf;
+  if (bf16) run_q<__nv_bfloat16>(a, dequant); else run_q<__half>(a, dequant);
+  emu_write(argv[2], y, bf16);
+  return 0;
+}
+'''
+
+
+@pytest.fixture(scope="module")
+def emulator(tmp_path_factory):
+    import cuda_emulation
+
+    return cuda_emulation.build(
+        tmp_path_factory.mktemp("quick_emu"),
+        ["quick/quick_gemm.cu", "quick/quick_gemm.h", "_cuda/common.cuh", "_cuda/dtype.h"],
+        {"extern __shared__ __align__(16) unsigned char smem_raw[];":
+         "unsigned char* smem_raw = reinterpret_cast<unsigned char*>(::g_smem4);"},
+        cuda_emulation.WARP_PTX, _QUICK_DRIVER, "quick/quick_gemm.cu")
+
+
+def _emulate(exe, x, bufs, bias, cfg, N, K, launch, dequant=False):
+    """The kernel (or, with ``dequant``, the dequantize kernel) run by the emulator: float32 ``[M, N]`` (``[N, K]``)."""
+    import subprocess
+
+    import numpy as np
+
+    off = bufs.get("quick_offset")
+    kind = 0 if off is None else 2 if off.dtype == torch.float32 else 1
+    hdr = [x.shape[0], N, K, cfg.bits, cfg.group(K), *launch, int(x.dtype == torch.bfloat16), kind,
+           int(bias is not None), int(dequant)]
+    raw = lambda t: t.contiguous().numpy().tobytes()
+    parts = [np.array(hdr, np.int32).tobytes(), raw(x.view(torch.int16)), raw(bufs["quick_qweight"]),
+             raw(bufs["quick_scales"].view(torch.int16))]
+    if off is not None:
+        parts.append(raw(off if kind == 2 else off.view(torch.int16)))
+    if bias is not None:
+        parts.append(raw(bias.float()))
+    src = exe.parent / "call.bin"
+    src.write_bytes(b"".join(parts))
+    subprocess.run([str(exe), str(src), str(src) + ".y"], check=True, timeout=900)
+    shape = (N, K) if dequant else (x.shape[0], N)
+    return torch.from_numpy(np.fromfile(str(src) + ".y", np.float32).reshape(shape).copy())
+
+
+@pytest.mark.parametrize("bits,fp32_offset,dtype", [(4, True, torch.float16), (3, False, torch.bfloat16),
+                                                    (2, True, torch.bfloat16), (4, False, torch.float16)])
+def test_kernel_source_under_host_emulation(emulator, bits, fp32_offset, dtype):
+    """quick_gemm.cu itself (its tiles, cp.async stages, swizzle, ldmatrix/mma fragment use, split-K and output
+    mapping) on the CPU: within the error bound of the float64 reference for every tile_m, one split and several,
+    M not a multiple of the tile; its dequantize kernel equals the spec bit for bit."""
+    N, K = 160, 192
+    cfg, canon = _uniform(N, K, bits, 64, fp32_offset, seed=bits)
+    bufs = quick.repack(canon, cfg, N, K)
+    w64 = bcq.dequantize(canon, cfg, N, K).double()
+    werr = _weight_error_bound(canon, cfg, N, K, dtype)
+    bias = torch.randn(N)
+    for M, tile_m, per_split, splits in ((1, 16, 3, 1), (5, 16, 1, 3), (20, 32, 2, 2), (40, 64, 3, 1),
+                                         (130, 128, 1, 3)):
+        x = torch.randn(M, K).to(dtype)
+        y = _emulate(emulator, x, bufs, bias, cfg, N, K, (tile_m, per_split, splits))
+        xa = x.double().abs()
+        y64 = x.double() @ w64.T + bias.double()
+        bound = xa @ werr.T + K * 2.0 ** -24 * (xa @ (w64.abs() + werr).T) + U[dtype] * y64.abs()
+        assert ((y.double() - y64).abs() <= bound).all(), (M, tile_m, splits)
+    w = _emulate(emulator, torch.zeros(1, K).to(dtype), bufs, None, cfg, N, K, (16, 3, 1), dequant=True)
+    assert torch.equal(w, quick.dense_from_fragments(quick.fragments(bufs, cfg, N, K, dtype)))

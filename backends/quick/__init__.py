@@ -59,8 +59,8 @@ from qlinear.formats.packing import pack_planes, unpack_planes
 from .. import Kernel, Layout, register
 from .._native import build_cuda_backend
 
-__all__ = ["LAYOUT", "TILE_N", "TILE_K", "MAX_BATCH", "repack", "unrepack", "fragments", "ptx_fragments", "round_to", "spec",
-           "dequantize", "plan", "linear", "supports"]
+__all__ = ["LAYOUT", "TILE_N", "TILE_K", "MAX_BATCH", "repack", "unrepack", "fragments", "ptx_fragments",
+           "dense_from_fragments", "round_to", "spec", "dequantize", "plan", "linear", "linear_dequantized", "supports"]
 
 TILE_N, TILE_K = 32, 64
 MAX_BATCH = 512

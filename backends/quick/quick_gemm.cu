@@ -104,6 +104,7 @@ __device__ __forceinline__ void load_scales(typename Num<T>::T2 (&s2)[4], typena
   }
 }
 
+#ifndef QLINEAR_HOST_EMULATION  // tests/cuda_emulation.py supplies host versions of these PTX wrappers
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
   const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(valid ? 16 : 0) : "memory");
@@ -131,6 +132,7 @@ __device__ __forceinline__ void mma(float (&d)[4], const unsigned (&a)[4], unsig
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
   }
 }
+#endif
 
 // Shared memory of one stage: BM rows × 64 inputs, 16-byte chunk c of row r stored at chunk c ^ (r & 7).
 template <typename T>

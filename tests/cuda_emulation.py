@@ -1,0 +1,211 @@
+"""Run a CUDA kernel's own source on the CPU: the host emulation the kernel tests share.
+
+The ``.cu`` file is compiled with g++ against the CUDA headers: every CUDA thread of a block becomes a
+std::thread, blocks run one after another over one poisoned shared-memory array, ``__syncthreads`` is a
+std::barrier, ``__ldg`` a plain load, and the ``<<<>>>`` launches are cut out; a small driver per kernel reads
+one call from a file and writes the output.  This runs the kernel's real index arithmetic without a GPU; what it
+cannot see is GPU-only behaviour (alignment faults, coalescing, timing).  Warp-collective PTX (``ldmatrix``,
+``mma``) is emulated by kernels that guard their inline assembly with ``QLINEAR_HOST_EMULATION``
+(:data:`WARP_PTX`).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+BACKENDS = Path(__file__).resolve().parents[1] / "backends"
+
+SHIM = r'''// Host emulation of a CUDA kernel source (tests/cuda_emulation.py).
+#include <cuda_runtime.h>
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+#include <barrier>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <algorithm>
+#include <memory>
+#include <thread>
+#include <vector>
+#undef __global__
+#undef __device__
+#undef __forceinline__
+#undef __launch_bounds__
+#undef __shared__
+#define __global__
+#define __device__
+#define __forceinline__ inline
+#define __launch_bounds__(...)
+#define __shared__
+thread_local uint3 tl_threadIdx;
+dim3 g_blockIdx, g_blockDim;
+#define threadIdx tl_threadIdx
+#define blockIdx g_blockIdx
+#define blockDim g_blockDim
+std::unique_ptr<std::barrier<>> g_barrier;
+inline void __syncthreads() { g_barrier->arrive_and_wait(); }
+template <class T> inline T __ldg(const T* p) { return *p; }
+inline unsigned __funnelshift_r(unsigned lo, unsigned hi, unsigned s) {
+  return (unsigned)((((unsigned long long)hi << 32) | lo) >> (s & 31));
+}
+inline float __uint_as_float(unsigned u) { float f; std::memcpy(&f, &u, 4); return f; }
+inline unsigned __float_as_uint(float f) { unsigned u; std::memcpy(&u, &f, 4); return u; }
+using std::min;
+using std::max;
+alignas(16) float4 g_smem4[64 * 1024 / 16];
+template <class F> cudaError_t cudaFuncSetAttribute(F* f, cudaFuncAttribute attr, int value) { return cudaSuccess; }
+
+// Driver I/O: n values of T from f; y (fp16 or bf16 bits) written to path as fp32.
+template <class T> std::vector<T> emu_read(FILE* f, size_t n) {
+  std::vector<T> v(n);
+  if (n && fread(v.data(), sizeof(T), n, f) != n) { fprintf(stderr, "short read\n"); exit(2); }
+  return v;
+}
+inline void emu_write(const char* path, const std::vector<uint16_t>& y, bool bf16) {
+  std::vector<float> out(y.size());
+  for (size_t i = 0; i < y.size(); ++i) {
+    if (bf16) { __nv_bfloat16 b; std::memcpy(&b, &y[i], 2); out[i] = __bfloat162float(b); }
+    else { __half b; std::memcpy(&b, &y[i], 2); out[i] = __half2float(b); }
+  }
+  FILE* o = fopen(path, "wb"); fwrite(out.data(), 4, out.size(), o); fclose(o);
+}
+
+// Runs `kernel` (a callable taking no arguments, run by every thread) for every block of `grid`, `threads` threads each.
+template <class K> void run_grid(dim3 grid, int threads, K&& kernel) {
+  for (unsigned z = 0; z < grid.z; ++z)
+    for (unsigned y = 0; y < grid.y; ++y)
+      for (unsigned x = 0; x < grid.x; ++x) {
+        g_blockIdx = dim3(x, y, z);
+        g_blockDim = dim3(threads, 1, 1);
+        g_barrier = std::make_unique<std::barrier<>>(threads);
+        std::memset(g_smem4, 0xFF, sizeof(g_smem4));  // poison shared memory
+        std::vector<std::thread> ts;
+        for (int t = 0; t < threads; ++t) ts.emplace_back([&kernel, t] { tl_threadIdx = make_uint3(t, 0, 0); kernel(); });
+        for (auto& th : ts) th.join();
+      }
+}
+'''
+
+# Warp-collective PTX for kernels that guard their inline assembly with QLINEAR_HOST_EMULATION: every lane posts its
+# operands, the warp meets at a barrier, each lane computes its own results from all lanes' operands, and the warp
+# meets again before the exchange slots are reused.
+WARP_PTX = r'''
+#define QLINEAR_HOST_EMULATION 1
+namespace emu_warp {
+constexpr int kMaxWarps = 32;
+std::unique_ptr<std::barrier<>> bar[kMaxWarps];
+const void* addr[kMaxWarps][32];
+unsigned a_reg[kMaxWarps][32][4], b_reg[kMaxWarps][32][2];
+inline void reset(int threads) { for (int w = 0; w < threads / 32; ++w) bar[w] = std::make_unique<std::barrier<>>(32); }
+inline int warp() { return threadIdx.x / 32; }
+inline int lane() { return threadIdx.x % 32; }
+template <typename T> float elem(unsigned reg, int half) {
+  T v; std::memcpy(&v, reinterpret_cast<const char*>(&reg) + 2 * half, 2); return (float)v;
+}
+}  // namespace emu_warp
+inline unsigned __cvta_generic_to_shared(const void* p) { return 0; }
+inline __half2 __hfma2(__half2 a, __half2 b, __half2 c) {  // one rounding, as fma.rn.f16x2
+  return __halves2half2(__double2half((double)__low2float(a) * __low2float(b) + __low2float(c)),
+                        __double2half((double)__high2float(a) * __high2float(b) + __high2float(c)));
+}
+inline __nv_bfloat162 __hfma2(__nv_bfloat162 a, __nv_bfloat162 b, __nv_bfloat162 c) {
+  return __halves2bfloat162(__double2bfloat16((double)__low2float(a) * __low2float(b) + __low2float(c)),
+                            __double2bfloat16((double)__high2float(a) * __high2float(b) + __high2float(c)));
+}
+namespace qlinear { namespace {
+inline void cp_async16(void* smem, const void* gmem, bool valid) {
+  if (valid) std::memcpy(smem, gmem, 16); else std::memset(smem, 0, 16);
+}
+inline void cp_async_commit() {}
+template <int N> inline void cp_async_wait() {}
+// ldmatrix.x4: lanes 8j..8j+7 give the row addresses of matrix j; lane l receives row l/4, columns 2(l%4), +1 of each.
+inline void ldmatrix_x4(unsigned (&r)[4], const void* smem) {
+  using namespace emu_warp;
+  const int w = warp(), l = lane();
+  addr[w][l] = smem;
+  bar[w]->arrive_and_wait();
+  for (int j = 0; j < 4; ++j) std::memcpy(&r[j], static_cast<const char*>(addr[w][8 * j + l / 4]) + 4 * (l % 4), 4);
+  bar[w]->arrive_and_wait();
+}
+// mma.m16n8k16.row.col, fp32 accumulate: fragments per the PTX ISA tables.
+template <typename T> inline void mma(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+  using namespace emu_warp;
+  const int w = warp(), l = lane();
+  for (int i = 0; i < 4; ++i) a_reg[w][l][i] = a[i];
+  b_reg[w][l][0] = b0; b_reg[w][l][1] = b1;
+  bar[w]->arrive_and_wait();
+  using E = std::conditional_t<std::is_same_v<T, __half>, __half, __nv_bfloat16>;
+  auto A = [&](int m, int k) {  // a0: (g, 2t..), a1: (g+8, 2t..), a2: (g, 2t+8..), a3: (g+8, 2t+8..)
+    const int owner = (m % 8) * 4 + (k % 8) / 2, reg = (m / 8) + 2 * (k / 8);
+    return elem<E>(a_reg[w][owner][reg], k % 2);
+  };
+  auto B = [&](int k, int n) {  // b0: (k = 2t, 2t+1; n = g), b1: (k + 8)
+    const int owner = n * 4 + (k % 8) / 2;
+    return elem<E>(b_reg[w][owner][k / 8], k % 2);
+  };
+  for (int i = 0; i < 4; ++i) {
+    const int m = l / 4 + 8 * (i / 2), n = 2 * (l % 4) + i % 2;
+    double acc = d[i];
+    for (int k = 0; k < 16; ++k) acc += (double)A(m, k) * B(k, n);
+    d[i] = (float)acc;
+  }
+  bar[w]->arrive_and_wait();
+}
+} }  // namespace qlinear::(anonymous)
+'''
+
+
+# After the kernel source: the split-K reduction of backends/_cuda/common.cuh, one emulated thread at a time.
+AFTER = r'''
+template <typename T> void emulate_reduce_splits(const float* partial, const float* bias, void* y, int splits, int M,
+                                                 int N) {
+  g_blockDim = dim3(256, 1, 1);
+  for (int i = 0; i < M * N; ++i) {
+    g_blockIdx = dim3(i / 256, 0, 0);
+    tl_threadIdx = make_uint3(i % 256, 0, 0);
+    qlinear::reduce_splits_kernel<T>(partial, bias, static_cast<T*>(y), splits, M, N);
+  }
+}
+'''
+
+
+def cuda_home() -> Path | None:
+    """The CUDA toolkit whose headers the emulation compiles against, or None."""
+    for home in (os.environ.get("CUDA_HOME"), "/usr/local/cuda", *sorted(Path("/usr/local").glob("cuda-*"))):
+        if home and (Path(home) / "include" / "cuda_fp16.h").exists():
+            return Path(home)
+    return None
+
+
+def build(dst: Path, files: list[str], replace: dict[str, str], prelude: str, driver: str, main_cu: str) -> Path:
+    """Copy ``files`` (paths under backends/) to ``dst`` with the launches cut out and each ``replace`` key (e.g. the
+    ``extern __shared__`` declaration) substituted, then compile ``SHIM + prelude + #include main_cu + driver`` with
+    g++.  Skips the test when g++, the CUDA headers or C++20 ``<barrier>`` are missing."""
+    home = cuda_home()
+    if shutil.which("g++") is None or home is None:
+        pytest.skip("needs g++ and the CUDA headers")
+    for rel in files:
+        text = (BACKENDS / rel).read_text()
+        text = re.sub(r"\b[\w:]+(?:<[\w:, ]+>)?<<<[^;]*?>>>\([^;]*\);", "(void)0;  // launch cut (host emulation)", text)
+        for old, new in replace.items():
+            text = text.replace(old, new)
+        (dst / rel).parent.mkdir(parents=True, exist_ok=True)
+        (dst / rel).write_text(text)
+    main = dst / "emu.cpp"
+    main.write_text(SHIM + prelude + f'\n#include "{main_cu}"\n' + AFTER + driver)
+    exe = dst / "emu"
+    base = ["g++", "-std=c++20", "-O1", "-pthread", "-w", f"-I{home / 'include'}", "-x", "c++", str(main), "-o", str(exe)]
+    r = subprocess.run(base + [f"-L{home / 'lib64'}", "-lcudart"], capture_output=True, text=True)
+    if r.returncode:
+        r = subprocess.run(base + ["-Wl,--unresolved-symbols=ignore-all"], capture_output=True, text=True)
+    if r.returncode and "barrier" in r.stderr:
+        pytest.skip("g++ without C++20 <barrier>")
+    assert r.returncode == 0, r.stderr[-3000:]
+    return exe
