@@ -209,3 +209,23 @@ def build(dst: Path, files: list[str], replace: dict[str, str], prelude: str, dr
         pytest.skip("g++ without C++20 <barrier>")
     assert r.returncode == 0, r.stderr[-3000:]
     return exe
+
+
+def dtype_kind(t) -> int:
+    """Header code of an optional buffer's element type: 0 absent, 1 fp16 (or bf16), 2 fp32."""
+    import torch
+
+    return 0 if t is None else 2 if t.dtype == torch.float32 else 1
+
+
+def run(exe: Path, header: list[int], tensors: list, out_shape: tuple[int, ...]):
+    """One call of an emulator: ``header`` as int32, then the raw bytes of every tensor that is not None (16-bit
+    floats as their bits), in order; returns the float32 output of ``out_shape``."""
+    import numpy as np
+    import torch
+
+    raw = lambda t: (t.view(torch.int16) if t.element_size() == 2 and t.is_floating_point() else t).contiguous().numpy()
+    src = exe.parent / "call.bin"
+    src.write_bytes(np.array(header, np.int32).tobytes() + b"".join(raw(t).tobytes() for t in tensors if t is not None))
+    subprocess.run([str(exe), str(src), str(src) + ".y"], check=True, timeout=900)
+    return torch.from_numpy(np.fromfile(str(src) + ".y", np.float32).reshape(out_shape).copy())

@@ -411,29 +411,18 @@ def emulator(tmp_path_factory):
 
 
 def _emulate(exe, x, bufs, bias, cfg, N, K, launch, async_dequant=True):
-    import subprocess
+    from cuda_emulation import run
 
-    import numpy as np
-
-    M = x.shape[0]
     threads, per, splits = launch
     has_out = bufs["ad_outlier_values"].numel() > 0
-    hdr = [M, N, K, _W(bufs, cfg), bufs["ad_gtab"].numel(), bufs["ad_meta"].shape[0], cfg.group_size, cfg.scale_bits,
-           cfg.scale_group_size, threads, per, splits, int(async_dequant), int(has_out),
+    hdr = [x.shape[0], N, K, _W(bufs, cfg), bufs["ad_gtab"].numel(), bufs["ad_meta"].shape[0], cfg.group_size,
+           cfg.scale_bits, cfg.scale_group_size, threads, per, splits, int(async_dequant), int(has_out),
            int(bufs["ad_outlier_cols"].dtype == torch.int32), bufs["ad_outlier_values"].numel(), bufs["ad_sq"].shape[0],
            int(x.dtype == torch.bfloat16), int(bias is not None)]
-    raw = lambda t: t.contiguous().numpy().tobytes()
-    parts = [np.array(hdr, np.int32).tobytes(), raw(x.view(torch.int16))]
-    parts += [raw(bufs[k]) for k in ("ad_codes", "ad_meta", "ad_sq", "ad_gtab")]
-    if has_out:
-        parts += [raw(bufs["ad_outlier_values"].view(torch.int16)), raw(bufs["ad_outlier_cols"]),
-                  raw(bufs["ad_outlier_row_ptr"])]
-    if bias is not None:
-        parts.append(raw(bias.float()))
-    src = exe.parent / "call.bin"
-    src.write_bytes(b"".join(parts))
-    subprocess.run([str(exe), str(src), str(src) + ".y"], check=True, timeout=600)
-    return torch.from_numpy(np.fromfile(str(src) + ".y", np.float32).reshape(M, N).copy())
+    outliers = [bufs[k] for k in ("ad_outlier_values", "ad_outlier_cols", "ad_outlier_row_ptr")] if has_out else []
+    tensors = [x, *(bufs[k] for k in ("ad_codes", "ad_meta", "ad_sq", "ad_gtab")), *outliers,
+               None if bias is None else bias.float()]
+    return run(exe, hdr, tensors, (x.shape[0], N))
 
 
 @pytest.mark.parametrize("name,N,K", [("default", 100, 112), ("default", 576, 576), ("g32", 130, 256),

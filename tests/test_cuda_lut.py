@@ -292,3 +292,95 @@ def test_act_order_layer_runs_through_the_kernel_layout(spec_kernel):
     again = BCQLinear(256, 64, True, m.config)
     again.load_state_dict(m.state_dict())
     assert torch.equal(again(x), m(x))
+
+
+# --- the kernel's own source, run on the CPU under the host emulation (tests/cuda_emulation.py) -------------
+_LUT_DRIVER = r'''
+// Driver: reads one call from argv[1] (header, x, planes, alpha, offset, bias), writes y (fp32) to argv[2].
+namespace emu {
+using namespace qlinear;
+template <typename T, int M, int Q> void run(const LutGemvArgs& a) {
+  run_grid(dim3((a.N + 4 * a.threads - 1) / (4 * a.threads), a.splits, 1), a.threads,
+           [&a] { lut_gemv_kernel<T, M, Q>(a); });
+  if (a.splits > 1) emulate_reduce_splits<T>(a.partial, a.bias, a.y, a.splits, a.M, a.N);
+}
+template <typename T, int M> void run_q(const LutGemvArgs& a) {
+  switch (a.Q) { case 1: return run<T, M, 1>(a); case 2: return run<T, M, 2>(a); case 3: return run<T, M, 3>(a);
+                 default: return run<T, M, 4>(a); }
+}
+template <typename T> void run_m(const LutGemvArgs& a) {
+  switch (a.M) { case 1: return run_q<T, 1>(a); case 3: return run_q<T, 3>(a); default: return run_q<T, 8>(a); }
+}
+}  // namespace emu
+
+int main(int argc, char** argv) {
+  using namespace emu;
+  FILE* f = fopen(argv[1], "rb");
+  auto h = emu_read<int>(f, 12);
+  const int M = h[0], N = h[1], K = h[2], Q = h[3], gs = h[4], bf16 = h[9], off_kind = h[10], has_bias = h[11];
+  const int G = (K + gs - 1) / gs;
+  auto x = emu_read<uint16_t>(f, (size_t)M * K);
+  auto planes = emu_read<unsigned>(f, (size_t)K / 32 * Q * N);
+  auto alpha = emu_read<uint16_t>(f, (size_t)G * Q * N);
+  std::vector<char> offset = emu_read<char>(f, (size_t)G * N * (off_kind == 2 ? 4 : off_kind == 1 ? 2 : 0));
+  std::vector<float> bias = emu_read<float>(f, has_bias ? N : 0);
+  fclose(f);
+  LutGemvArgs a{};
+  a.x = x.data(); a.planes = planes.data(); a.alpha = alpha.data();
+  a.offset = off_kind ? offset.data() : nullptr;
+  a.offset_dtype = off_kind == 2 ? DType::kFloat : off_kind == 1 ? DType::kHalf : DType::kNone;
+  a.bias = has_bias ? bias.data() : nullptr;
+  std::vector<uint16_t> y((size_t)M * N, 0x7E00);  // NaN-poisoned output
+  std::vector<float> partial((size_t)h[8] * M * N, NAN);
+  a.y = y.data(); a.partial = partial.data();
+  a.M = M; a.N = N; a.K = K; a.Q = Q; a.group_size = gs;
+  a.kt = h[5]; a.threads = h[6]; a.tiles_per_split = h[7]; a.splits = h[8];
+  a.x_dtype = bf16 ? DType::kBFloat16 : DType::kHalf;
+  if (bf16) run_m<__nv_bfloat16>(a); else run_m<__half>(a);
+  emu_write(argv[2], y, bf16);
+  return 0;
+}
+'''
+
+
+@pytest.fixture(scope="module")
+def emulator(tmp_path_factory):
+    import cuda_emulation
+
+    return cuda_emulation.build(
+        tmp_path_factory.mktemp("lut_emu"),
+        ["cuda_lut/bcq_lut_gemv.cu", "cuda_lut/bcq_lut_gemv.h", "_cuda/common.cuh", "_cuda/dtype.h"],
+        {"extern __shared__ float smem[];": "float* smem = reinterpret_cast<float*>(::g_smem4);"}, "", _LUT_DRIVER,
+        "cuda_lut/bcq_lut_gemv.cu")
+
+
+def _emulate(exe, x, bufs, bias, cfg, N, K, launch):
+    from cuda_emulation import dtype_kind, run
+
+    off = bufs.get("lut_offset")
+    hdr = [x.shape[0], N, K, cfg.bits, cfg.group(K), *launch, int(x.dtype == torch.bfloat16), dtype_kind(off),
+           int(bias is not None)]
+    return run(exe, hdr, [x, bufs["lut_planes"], bufs["lut_alpha"], off, None if bias is None else bias.float()],
+               (x.shape[0], N))
+
+
+@pytest.mark.parametrize("bits,group_size,offset,fp32_offset,dtype", [
+    (1, 32, False, False, torch.float16), (2, 64, True, False, torch.bfloat16), (3, -1, True, True, torch.float16),
+    (4, 128, True, False, torch.float16)])
+def test_kernel_source_under_host_emulation(emulator, bits, group_size, offset, fp32_offset, dtype):
+    """bcq_lut_gemv.cu itself (tables, lookups, α/offset per word, split-K and reduction) on the CPU, against the
+    float64 reference within the module docstring's bound, for M = 1, 3, 8 and one split or many."""
+    N, K = 96, 320
+    torch.manual_seed(bits)
+    cfg = bcq.Config(bits=bits, group_size=group_size, offset=offset, fp32_offset=fp32_offset, iters=0)
+    mod = BCQLinear.from_linear(torch.nn.Linear(K, N), cfg, backend="reference")
+    bufs = cuda_lut.repack(mod.canonical(), cfg, N, K)
+    eps = {torch.float16: 2.0 ** -11, torch.bfloat16: 2.0 ** -8}[dtype]
+    for M in (1, 3, 8):
+        x = torch.randn(M, K).to(dtype)
+        y64 = ref64(mod, x)
+        for sms in (1, 132):
+            launch = cuda_lut.plan(M, N, K, sms)
+            y = _emulate(emulator, x, bufs, mod.bias, cfg, N, K, launch)
+            err = (y.double() - y64).abs()
+            assert (err <= _bound(mod, x, eps, y64)).all(), (M, launch, err.max().item())

@@ -351,26 +351,13 @@ def emulator(tmp_path_factory):
 
 def _emulate(exe, x, bufs, bias, cfg, N, K, launch, dequant=False):
     """The kernel (or, with ``dequant``, the dequantize kernel) run by the emulator: float32 ``[M, N]`` (``[N, K]``)."""
-    import subprocess
-
-    import numpy as np
+    from cuda_emulation import dtype_kind, run
 
     off = bufs.get("quick_offset")
-    kind = 0 if off is None else 2 if off.dtype == torch.float32 else 1
-    hdr = [x.shape[0], N, K, cfg.bits, cfg.group(K), *launch, int(x.dtype == torch.bfloat16), kind,
+    hdr = [x.shape[0], N, K, cfg.bits, cfg.group(K), *launch, int(x.dtype == torch.bfloat16), dtype_kind(off),
            int(bias is not None), int(dequant)]
-    raw = lambda t: t.contiguous().numpy().tobytes()
-    parts = [np.array(hdr, np.int32).tobytes(), raw(x.view(torch.int16)), raw(bufs["quick_qweight"]),
-             raw(bufs["quick_scales"].view(torch.int16))]
-    if off is not None:
-        parts.append(raw(off if kind == 2 else off.view(torch.int16)))
-    if bias is not None:
-        parts.append(raw(bias.float()))
-    src = exe.parent / "call.bin"
-    src.write_bytes(b"".join(parts))
-    subprocess.run([str(exe), str(src), str(src) + ".y"], check=True, timeout=900)
-    shape = (N, K) if dequant else (x.shape[0], N)
-    return torch.from_numpy(np.fromfile(str(src) + ".y", np.float32).reshape(shape).copy())
+    tensors = [x, bufs["quick_qweight"], bufs["quick_scales"], off, None if bias is None else bias.float()]
+    return run(exe, hdr, tensors, (N, K) if dequant else (x.shape[0], N))
 
 
 @pytest.mark.parametrize("bits,fp32_offset,dtype", [(4, True, torch.float16), (3, False, torch.bfloat16),
