@@ -52,7 +52,8 @@ class Kernel:
 
     ``fn(x, buffers, bias, cfg, out_features, in_features) -> y`` computes ``y = x Wᵀ + b`` for
     ``x`` ``[..., K]`` with the packed ``buffers`` (dict of the format's buffer names, or of
-    ``layout``'s buffer names when the kernel has its own layout).  ``supports(cfg, N, K)`` returns
+    ``layout``'s buffer names when the kernel has its own layout; plus ``perm`` for an act_order layer when
+    ``gathers_perm``, which then reads ``x[..., perm]`` as it loads x instead of the op gathering it first).  ``supports(cfg, N, K)`` returns
     why a config or shape cannot run (None if it can); ``available()`` returns why the kernel cannot
     run on this machine (e.g. its native extension failed to build), None if it can.
     """
@@ -71,6 +72,7 @@ class Kernel:
     supports: Optional[Callable[..., Optional[str]]] = None
     available: Optional[Callable[[], Optional[str]]] = None
     layout: Optional[Layout] = None
+    gathers_perm: bool = False  # takes an act_order layer's ``perm`` in ``buffers`` and gathers x itself
 
     def reject(self, cfg, device: torch.device, dtype: Optional[torch.dtype], batch: int,
                shape: Optional[tuple[int, int]] = None) -> Optional[str]:

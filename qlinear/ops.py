@@ -85,15 +85,18 @@ def linear(x: torch.Tensor, packed: list[torch.Tensor], bias: Optional[torch.Ten
     if batch == 0:  # like nn.Linear (e.g. an MoE expert that received no tokens)
         return x.new_empty(*x.shape[:-1], out_features)
     cfg, side = kernel_view(cfg)
-    if side:
-        x = x.index_select(-1, bufs.pop("perm"))
+    perm = bufs.pop("perm") if side else None
     kernel = backends.select(format, cfg, x.device, x.dtype, batch, backend or None, (out_features, in_features),
                              layout)
+    if perm is not None and not kernel.gathers_perm:
+        x, perm = x.index_select(-1, perm), None
     want = "" if kernel.layout is None else kernel.layout.name
     if want != layout:  # a fallback kernel (e.g. the reference for a large batch): convert per call
         bufs = canonical(bufs, cfg, layout, out_features, in_features)
         if want:
             bufs = to_layout(bufs, cfg, kernel.layout, out_features, in_features)
+    if perm is not None:
+        bufs = {**bufs, "perm": perm}
     return kernel.fn(x, bufs, bias, cfg, out_features, in_features)
 
 
@@ -155,15 +158,16 @@ _lib.define("arm_gemm(Tensor x, Tensor qw, Tensor qs, Tensor? qz, Tensor? qb, Te
 def _(x, qw, qs, qz, qb, books, bias, format, num_books, N, group_size, path):
     """Arm NEON/SDOT/SMMLA kernels of :mod:`qlinear.backends.arm_neon`: ``x`` ``[M, K]`` fp32 -> ``[M, N]`` fp32."""
     return x.new_empty(x.shape[0], N)
-_lib.define("quick_gemm(Tensor x, Tensor qweight, Tensor scales, Tensor? offset, Tensor? bias, int group_size, "
-            "int tile_m, int tiles_per_split, int splits) -> Tensor")
+_lib.define("quick_gemm(Tensor x, Tensor qweight, Tensor scales, Tensor? offset, Tensor? perm, Tensor? bias, "
+            "int group_size, int tile_m, int tiles_per_split, int splits) -> Tensor")
 _lib.define("quick_dequantize(Tensor qweight, Tensor scales, Tensor? offset, int group_size, int K, ScalarType dtype) "
             "-> Tensor")
 
 
 @torch.library.register_fake("qlinear::quick_gemm")
-def _(x, qweight, scales, offset, bias, group_size, tile_m, tiles_per_split, splits):
-    """QUICK GEMM of :mod:`qlinear.backends.quick`: ``x`` ``[M, K]`` fp16/bf16 -> ``[M, N]``."""
+def _(x, qweight, scales, offset, perm, bias, group_size, tile_m, tiles_per_split, splits):
+    """QUICK GEMM of :mod:`qlinear.backends.quick`: ``x`` ``[M, K]`` fp16/bf16 (read as ``x[:, perm]`` if given)
+    -> ``[M, N]``."""
     return x.new_empty(x.shape[0], qweight.shape[0] * 32)
 
 

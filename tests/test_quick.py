@@ -137,14 +137,20 @@ def test_plan_covers_every_tile_once(M, N, K, sms):
 # --- the layout machinery, driven on CPU by a kernel that runs the spec --------------------------------
 @pytest.fixture
 def spec_kernel():
-    """The executable spec registered as a CPU kernel with the quick layout (highest priority, batch <= 512)."""
+    """The executable spec registered as a CPU kernel with the quick layout (highest priority, batch <= 512); like
+    the GPU kernel it gathers an act_order layer's x by perm itself (``k.gathered`` counts those calls)."""
 
     def fn(x, bufs, bias, cfg, N, K):
+        if "perm" in bufs:
+            x = x.index_select(-1, bufs["perm"])
+            k.gathered.append(1)
         y = quick.spec(x.reshape(-1, K), bufs, bias, cfg, N, K, torch.float16)
         return y.to(x.dtype).reshape(*x.shape[:-1], N)
 
     k = backends.register(Kernel(backend="quick_spec", format="bcq", fn=fn, priority=100, devices=frozenset({"cpu"}),
-                                 max_batch=quick.MAX_BATCH, supports=quick.supports, layout=quick.LAYOUT))
+                                 max_batch=quick.MAX_BATCH, supports=quick.supports, layout=quick.LAYOUT,
+                                 gathers_perm=True))
+    object.__setattr__(k, "gathered", [])
     yield k
     backends._KERNELS.remove(k)
 
@@ -186,6 +192,9 @@ def test_act_order_gptq_layer_through_the_quick_layout(spec_kernel):
     assert m.layout == "quick" and m._packed_names[-1] == "perm"
     x = torch.randn(3, 256).half().float()
     assert torch.allclose(m(x), x @ m.dequantize().T + lin.bias, atol=2e-2)
+    assert spec_kernel.gathered  # the kernel got perm and x unpermuted: the op did not gather first
+    big = torch.randn(600, 256)  # the reference fallback does not gather: the op does
+    assert m.kernel(big).backend == "reference" and torch.allclose(m(big), big @ m.dequantize().T + lin.bias, atol=1e-4)
 
 
 # --- on a GPU ---------------------------------------------------------------------------------------------
@@ -310,7 +319,7 @@ template <typename T> void run_q(const QuickArgs& a, bool dequant) {
 int main(int argc, char** argv) {
   using namespace emu;
   FILE* f = fopen(argv[1], "rb");
-  auto h = emu_read<int>(f, 12);
+  auto h = emu_read<int>(f, 13);
   const int M = h[0], N = h[1], K = h[2], Q = h[3], gs = h[4], bf16 = h[8], off_kind = h[9], has_bias = h[10];
   const int dequant = h[11], G = (K + gs - 1) / gs;
   auto x = emu_read<uint16_t>(f, (size_t)M * K);
@@ -318,8 +327,10 @@ int main(int argc, char** argv) {
   auto scales = emu_read<uint16_t>(f, (size_t)G * N);
   std::vector<char> offset = emu_read<char>(f, (size_t)G * N * (off_kind == 2 ? 4 : off_kind == 1 ? 2 : 0));
   std::vector<float> bias = emu_read<float>(f, has_bias ? N : 0);
+  std::vector<int> perm = emu_read<int>(f, h[12] ? K : 0);
   fclose(f);
   QuickArgs a{};
+  a.perm = h[12] ? perm.data() : nullptr;
   a.x = x.data(); a.qweight = qweight.data(); a.scales = scales.data();
   a.offset = off_kind ? offset.data() : nullptr;
   a.offset_dtype = off_kind == 2 ? DType::kFloat : off_kind == 1 ? DType::kHalf : DType::kNone;
@@ -349,14 +360,15 @@ def emulator(tmp_path_factory):
         cuda_emulation.WARP_PTX, _QUICK_DRIVER, "quick/quick_gemm.cu")
 
 
-def _emulate(exe, x, bufs, bias, cfg, N, K, launch, dequant=False):
-    """The kernel (or, with ``dequant``, the dequantize kernel) run by the emulator: float32 ``[M, N]`` (``[N, K]``)."""
+def _emulate(exe, x, bufs, bias, cfg, N, K, launch, dequant=False, perm=None):
+    """The kernel (or, with ``dequant``, the dequantize kernel) run by the emulator: float32 ``[M, N]`` (``[N, K]``);
+    with ``perm`` the kernel reads ``x[:, perm]``."""
     from cuda_emulation import dtype_kind, run
 
     off = bufs.get("quick_offset")
     hdr = [x.shape[0], N, K, cfg.bits, cfg.group(K), *launch, int(x.dtype == torch.bfloat16), dtype_kind(off),
-           int(bias is not None), int(dequant)]
-    tensors = [x, bufs["quick_qweight"], bufs["quick_scales"], off, None if bias is None else bias.float()]
+           int(bias is not None), int(dequant), int(perm is not None)]
+    tensors = [x, bufs["quick_qweight"], bufs["quick_scales"], off, None if bias is None else bias.float(), perm]
     return run(exe, hdr, tensors, (N, K) if dequant else (x.shape[0], N))
 
 
@@ -382,3 +394,29 @@ def test_kernel_source_under_host_emulation(emulator, bits, fp32_offset, dtype):
         assert ((y.double() - y64).abs() <= bound).all(), (M, tile_m, splits)
     w = _emulate(emulator, torch.zeros(1, K).to(dtype), bufs, None, cfg, N, K, (16, 3, 1), dequant=True)
     assert torch.equal(w, quick.dense_from_fragments(quick.fragments(bufs, cfg, N, K, dtype)))
+    # act_order: the kernel gathers x[:, perm] while loading x (bitwise the same as gathering first)
+    perm = torch.randperm(K, generator=torch.Generator().manual_seed(1)).to(torch.int32)
+    for M, launch in ((3, (16, 1, 3)), (70, (128, 3, 1))):
+        x = torch.randn(M, K).to(dtype)
+        y = _emulate(emulator, x, bufs, bias, cfg, N, K, launch, perm=perm)
+        assert torch.equal(y, _emulate(emulator, x[:, perm.long()], bufs, bias, cfg, N, K, launch))
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_act_order_layer_gathers_x_inside_the_kernel(dtype):
+    """A GPTQ act_order layer: the kernel reads x[:, perm] while loading x, bitwise equal to gathering first."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(576, 1536)
+    X = torch.randn(1024, 576) * torch.linspace(0.1, 2.0, 576)
+    cfg = QLinearConfig("bcq", bits=4, group_size=64, method="gptq", act_order=True)
+    mod = BCQLinear.from_linear(lin, cfg, X.T @ X, backend="reference")
+    mod.backend = None
+    mod.cuda()
+    assert mod.layout == "quick" and mod.kernel(torch.randn(1, 576, device="cuda", dtype=dtype)).backend == "quick"
+    qw, sc, off, perm = (getattr(mod, n) for n in ("quick_qweight", "quick_scales", "quick_offset", "perm"))
+    for M in (1, 37, 300):
+        x = torch.randn(M, 576, device="cuda", dtype=dtype)
+        launch = quick.plan(M, 1536, 576, torch.cuda.get_device_properties(0).multi_processor_count)
+        gathered = torch.ops.qlinear.quick_gemm(x[:, perm.long()].contiguous(), qw, sc, off, None, mod.bias, 64, *launch)
+        assert torch.equal(mod(x), gathered)

@@ -275,11 +275,12 @@ def _weights(buffers: dict, cfg, in_features: int):
 
 
 def linear(x: torch.Tensor, buffers: dict, bias, cfg, out_features: int, in_features: int) -> torch.Tensor:
-    """Registry entry of the GEMM: ``x`` ``[..., K]`` fp16/bf16 on CUDA, at most 512 rows -> ``[..., N]``."""
+    """Registry entry of the GEMM: ``x`` ``[..., K]`` fp16/bf16 on CUDA, at most 512 rows -> ``[..., N]``.  An act_order
+    layer's ``perm`` (in ``buffers``) is applied as the kernel loads x into shared memory (no separate gather)."""
     x2 = x.reshape(-1, in_features).contiguous()
     launch = plan(x2.shape[0], out_features, in_features, _sms(x.device.index or 0))
     qweight, scales, offset, gs = _weights(buffers, cfg, in_features)
-    y = torch.ops.qlinear.quick_gemm(x2, qweight, scales, offset, bias, gs, *launch)
+    y = torch.ops.qlinear.quick_gemm(x2, qweight, scales, offset, buffers.get("perm"), bias, gs, *launch)
     return y.reshape(*x.shape[:-1], out_features)
 
 
@@ -303,5 +304,5 @@ def available() -> Optional[str]:
 
 _COMMON = dict(format="bcq", devices=frozenset({"cuda"}), dtypes=frozenset({torch.float16, torch.bfloat16}),
                bits=frozenset(BITS), min_capability=(8, 0), supports=supports, available=available, layout=LAYOUT)
-register(Kernel(backend="quick", fn=linear, priority=20, max_batch=MAX_BATCH, **_COMMON))
+register(Kernel(backend="quick", fn=linear, priority=20, max_batch=MAX_BATCH, gathers_perm=True, **_COMMON))
 register(Kernel(backend="quick_dequant", fn=linear_dequantized, priority=5, **_COMMON))

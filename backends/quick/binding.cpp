@@ -42,8 +42,9 @@ qlinear::QuickArgs weight_args(const at::Tensor& qweight, const at::Tensor& scal
 }
 
 at::Tensor quick_gemm(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
-                      const std::optional<at::Tensor>& offset, const std::optional<at::Tensor>& bias, int64_t group_size,
-                      int64_t tile_m, int64_t tiles_per_split, int64_t splits) {
+                      const std::optional<at::Tensor>& offset, const std::optional<at::Tensor>& perm,
+                      const std::optional<at::Tensor>& bias, int64_t group_size, int64_t tile_m, int64_t tiles_per_split,
+                      int64_t splits) {
   TORCH_CHECK(x.is_cuda() && x.dim() == 2 && x.is_contiguous(), "quick_gemm: x must be a contiguous CUDA [M, K] tensor");
   TORCH_CHECK_TYPE(x.scalar_type() == at::kHalf || x.scalar_type() == at::kBFloat16, "quick_gemm: x must be fp16 or bf16");
   TORCH_CHECK(reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0, "quick_gemm: x must be 16-byte aligned");
@@ -54,6 +55,11 @@ at::Tensor quick_gemm(const at::Tensor& x, const at::Tensor& qweight, const at::
   qlinear::QuickArgs a = weight_args(qweight, scales, offset, group_size, N, K, x.device());
   TORCH_CHECK(splits >= 1 && tiles_per_split >= 1 && (splits - 1) * tiles_per_split < K / 64 &&
                   splits * tiles_per_split >= K / 64, "quick_gemm: the split plan does not cover the K tiles once");
+  if (perm.has_value()) {
+    TORCH_CHECK(perm->scalar_type() == at::kInt && perm->dim() == 1 && perm->size(0) == K && perm->is_contiguous() &&
+                    perm->device() == x.device(), "quick_gemm: perm must be contiguous int32 [K] on x's device");
+    a.perm = perm->data_ptr<int>();
+  }
   at::Tensor bias32, partial;
   a.bias = qlinear::bias_f32(bias, N, x, bias32, "quick_gemm");
   a.partial = qlinear::split_workspace(splits, M, N, x, partial);

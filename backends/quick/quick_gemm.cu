@@ -138,13 +138,31 @@ __device__ __forceinline__ void mma(float (&d)[4], const unsigned (&a)[4], unsig
 template <typename T>
 __device__ __forceinline__ T* a_chunk(T* stage, int row, int chunk) { return stage + row * kTileK + ((chunk ^ (row & 7)) << 3); }
 
+// x rows m0.. and inputs k0..k0+63 into a stage (rows >= M zero).  With perm (act_order) the inputs are
+// x[:, perm[k]]: gathered with plain loads and one 16-byte shared store per chunk (cp.async cannot gather 2-byte
+// elements); the next __syncthreads publishes them like a completed cp.async group.
 template <typename T, int BM, int THREADS>
-__device__ __forceinline__ void load_a_stage(T* stage, const T* __restrict__ x, int M, int K, int m0, int k0, int tid) {
+__device__ __forceinline__ void load_a_stage(T* stage, const T* __restrict__ x, const int* __restrict__ perm, int M,
+                                             int K, int m0, int k0, int tid) {
 #pragma unroll
   for (int i = tid; i < BM * 8; i += THREADS) {
     const int row = i >> 3, chunk = i & 7;
     const bool valid = m0 + row < M;
-    cp_async16(a_chunk(stage, row, chunk), x + (size_t)(valid ? m0 + row : 0) * K + k0 + chunk * 8, valid);
+    const T* src = x + (size_t)(valid ? m0 + row : 0) * K;
+    if (perm == nullptr) {
+      cp_async16(a_chunk(stage, row, chunk), src + k0 + chunk * 8, valid);
+    } else {
+      const unsigned short* xs = reinterpret_cast<const unsigned short*>(src);
+      const int* p = perm + k0 + chunk * 8;
+      uint4 v = make_uint4(0u, 0u, 0u, 0u);
+      if (valid) {
+        v.x = xs[__ldg(p)] | (unsigned)xs[__ldg(p + 1)] << 16;
+        v.y = xs[__ldg(p + 2)] | (unsigned)xs[__ldg(p + 3)] << 16;
+        v.z = xs[__ldg(p + 4)] | (unsigned)xs[__ldg(p + 5)] << 16;
+        v.w = xs[__ldg(p + 6)] | (unsigned)xs[__ldg(p + 7)] << 16;
+      }
+      *reinterpret_cast<uint4*>(a_chunk(stage, row, chunk)) = v;
+    }
   }
 }
 
@@ -178,7 +196,7 @@ __global__ void __launch_bounds__(32 * kWarpsN * WM) quick_gemm_kernel(const Qui
 
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) {
-    if (s < nt_count) load_a_stage<T, BM, THREADS>(smem + s * BM * kTileK, x, a.M, a.K, m0, (t0 + s) * kTileK, tid);
+    if (s < nt_count) load_a_stage<T, BM, THREADS>(smem + s * BM * kTileK, x, a.perm, a.M, a.K, m0, (t0 + s) * kTileK, tid);
     cp_async_commit();
   }
   unsigned cur[W::n], nxt[W::n];
@@ -203,7 +221,7 @@ __global__ void __launch_bounds__(32 * kWarpsN * WM) quick_gemm_kernel(const Qui
     {
       const int nxt_stage = it + kStages - 1;
       if (nxt_stage < nt_count)
-        load_a_stage<T, BM, THREADS>(smem + (nxt_stage % kStages) * BM * kTileK, x, a.M, a.K, m0,
+        load_a_stage<T, BM, THREADS>(smem + (nxt_stage % kStages) * BM * kTileK, x, a.perm, a.M, a.K, m0,
                                      (t0 + nxt_stage) * kTileK, tid);
       cp_async_commit();
     }

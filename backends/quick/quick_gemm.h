@@ -17,6 +17,7 @@ struct QuickArgs {
   const unsigned* qweight;
   const void* scales;
   const void* offset;
+  const int* perm;            // [K] int32: the kernel reads x[:, perm] (act_order layers), or nullptr
   const float* bias;          // [N] fp32, or nullptr
   void* y;                    // [M, N] x_dtype; quick_dequantize: Ŵ [N, K] x_dtype
   float* partial;             // [splits, M, N] fp32 workspace when splits > 1
