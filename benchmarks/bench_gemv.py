@@ -59,7 +59,7 @@ def lut_calls(M, N, K, q, g, sms):
     launch = cuda_lut.plan(M, N, K, sms)
     sets = [(torch.randint(-2**31, 2**31 - 1, (K // 32, q, N), dtype=torch.int32, device="cuda"),
              torch.rand(G, q, N, device="cuda").half(), torch.randn(G, N, device="cuda").half()) for _ in range(n)]
-    return [lambda s=s: torch.ops.qlinear.bcq_lut_gemv(x, s[0], s[1], s[2], None, g, *launch) for s in sets]
+    return [lambda s=s: torch.ops.qlinear.bcq_lut_gemv(x, s[0], s[1], s[2], None, None, g, *launch) for s in sets]
 
 
 def cublas_calls(M, N, K):

@@ -142,13 +142,15 @@ linear.register_autograd(_backward, setup_context=_setup_context)
 
 # Ops implemented by native backends (their bindings only register TORCH_LIBRARY_IMPL kernels) ---------
 _lib = torch.library.Library("qlinear", "FRAGMENT")
-_lib.define("bcq_lut_gemv(Tensor x, Tensor planes, Tensor alpha, Tensor? offset, Tensor? bias, int group_size, "
+_lib.define("bcq_lut_gemv(Tensor x, Tensor planes, Tensor alpha, Tensor? offset, Tensor? perm, Tensor? bias, "
+            "int group_size, "
             "int kt, int threads, int tiles_per_split, int splits) -> Tensor")
 
 
 @torch.library.register_fake("qlinear::bcq_lut_gemv")
-def _(x, planes, alpha, offset, bias, group_size, kt, threads, tiles_per_split, splits):
-    """LUT GEMV of :mod:`qlinear.backends.cuda_lut`: ``x`` ``[M, K]`` fp16/bf16 -> ``[M, N]``."""
+def _(x, planes, alpha, offset, perm, bias, group_size, kt, threads, tiles_per_split, splits):
+    """LUT GEMV of :mod:`qlinear.backends.cuda_lut`: ``x`` ``[M, K]`` fp16/bf16 (read as ``x[:, perm]`` if given)
+    -> ``[M, N]``."""
     return x.new_empty(x.shape[0], planes.shape[2])
 _lib.define("arm_gemm(Tensor x, Tensor qw, Tensor qs, Tensor? qz, Tensor? qb, Tensor? books, Tensor? bias, "
             "int format, int num_books, int N, int group_size, int path) -> Tensor")

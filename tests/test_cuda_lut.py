@@ -137,13 +137,17 @@ def spec_kernel():
     """Register the executable spec as a CPU kernel with the cuda_lut layout (highest priority, batch <= 8)."""
 
     def fn(x, bufs, bias, cfg, N, K):
+        if "perm" in bufs:  # like the kernel, gather an act_order layer's x itself
+            x = x.index_select(-1, bufs["perm"])
+            k.gathered.append(1)
         x2 = x.reshape(-1, K)
         y = cuda_lut.spec(x2, bufs, bias, cfg, N, K, cuda_lut.plan(x2.shape[0], N, K, 4))
         return y.to(x.dtype).reshape(*x.shape[:-1], N)
 
     k = backends.register(Kernel(backend="lut_spec", format="bcq", fn=fn, priority=100,
                                  devices=frozenset({"cpu"}), max_batch=8, supports=cuda_lut.supports,
-                                 layout=cuda_lut.LAYOUT))
+                                 layout=cuda_lut.LAYOUT, gathers_perm=True))
+    object.__setattr__(k, "gathered", [])
     yield k
     backends._KERNELS.remove(k)
 
@@ -289,6 +293,7 @@ def test_act_order_layer_runs_through_the_kernel_layout(spec_kernel):
     x = torch.randn(3, 256)
     assert m.kernel(x).backend == "lut_spec"
     assert torch.allclose(m(x), x @ m.dequantize().T + lin.bias, atol=1e-4)
+    assert spec_kernel.gathered  # the kernel got perm and x unpermuted: the op did not gather first
     again = BCQLinear(256, 64, True, m.config)
     again.load_state_dict(m.state_dict())
     assert torch.equal(again(x), m(x))
@@ -316,7 +321,7 @@ template <typename T> void run_m(const LutGemvArgs& a) {
 int main(int argc, char** argv) {
   using namespace emu;
   FILE* f = fopen(argv[1], "rb");
-  auto h = emu_read<int>(f, 12);
+  auto h = emu_read<int>(f, 13);
   const int M = h[0], N = h[1], K = h[2], Q = h[3], gs = h[4], bf16 = h[9], off_kind = h[10], has_bias = h[11];
   const int G = (K + gs - 1) / gs;
   auto x = emu_read<uint16_t>(f, (size_t)M * K);
@@ -324,8 +329,10 @@ int main(int argc, char** argv) {
   auto alpha = emu_read<uint16_t>(f, (size_t)G * Q * N);
   std::vector<char> offset = emu_read<char>(f, (size_t)G * N * (off_kind == 2 ? 4 : off_kind == 1 ? 2 : 0));
   std::vector<float> bias = emu_read<float>(f, has_bias ? N : 0);
+  std::vector<int> perm = emu_read<int>(f, h[12] ? K : 0);
   fclose(f);
   LutGemvArgs a{};
+  a.perm = h[12] ? perm.data() : nullptr;
   a.x = x.data(); a.planes = planes.data(); a.alpha = alpha.data();
   a.offset = off_kind ? offset.data() : nullptr;
   a.offset_dtype = off_kind == 2 ? DType::kFloat : off_kind == 1 ? DType::kHalf : DType::kNone;
@@ -354,14 +361,14 @@ def emulator(tmp_path_factory):
         "cuda_lut/bcq_lut_gemv.cu")
 
 
-def _emulate(exe, x, bufs, bias, cfg, N, K, launch):
+def _emulate(exe, x, bufs, bias, cfg, N, K, launch, perm=None):
     from cuda_emulation import dtype_kind, run
 
     off = bufs.get("lut_offset")
     hdr = [x.shape[0], N, K, cfg.bits, cfg.group(K), *launch, int(x.dtype == torch.bfloat16), dtype_kind(off),
-           int(bias is not None)]
-    return run(exe, hdr, [x, bufs["lut_planes"], bufs["lut_alpha"], off, None if bias is None else bias.float()],
-               (x.shape[0], N))
+           int(bias is not None), int(perm is not None)]
+    tensors = [x, bufs["lut_planes"], bufs["lut_alpha"], off, None if bias is None else bias.float(), perm]
+    return run(exe, hdr, tensors, (x.shape[0], N))
 
 
 @pytest.mark.parametrize("bits,group_size,offset,fp32_offset,dtype", [
@@ -384,3 +391,29 @@ def test_kernel_source_under_host_emulation(emulator, bits, group_size, offset, 
             y = _emulate(emulator, x, bufs, mod.bias, cfg, N, K, launch)
             err = (y.double() - y64).abs()
             assert (err <= _bound(mod, x, eps, y64)).all(), (M, launch, err.max().item())
+    # act_order: the kernel reads x[:, perm] as it loads x (bitwise the same as gathering first)
+    perm = torch.randperm(K, generator=torch.Generator().manual_seed(1)).to(torch.int32)
+    x = torch.randn(3, K).to(dtype)
+    launch = cuda_lut.plan(3, N, K, 132)
+    assert torch.equal(_emulate(emulator, x, bufs, mod.bias, cfg, N, K, launch, perm=perm),
+                       _emulate(emulator, x[:, perm.long()], bufs, mod.bias, cfg, N, K, launch))
+
+
+@gpu
+def test_act_order_layer_gathers_x_inside_the_kernel():
+    """A GPTQ act_order layer held in the LUT layout: the kernel reads x[:, perm] while building its tables,
+    bitwise equal to gathering first."""
+    from qlinear import QLinearConfig
+
+    torch.manual_seed(0)
+    X = torch.randn(1024, 576) * torch.linspace(0.1, 2.0, 576)
+    cfg = QLinearConfig("bcq", bits=4, group_size=64, method="gptq", act_order=True)
+    mod = BCQLinear.from_linear(torch.nn.Linear(576, 1536), cfg, X.T @ X, backend="cuda_lut").cuda()
+    assert mod.layout == "cuda_lut"
+    planes, alpha, offset, perm = (getattr(mod, n) for n in ("lut_planes", "lut_alpha", "lut_offset", "perm"))
+    for M in (1, 8):
+        x = torch.randn(M, 576, device="cuda", dtype=torch.float16)
+        launch = cuda_lut.plan(M, 1536, 576, torch.cuda.get_device_properties(0).multi_processor_count)
+        gathered = torch.ops.qlinear.bcq_lut_gemv(x[:, perm.long()].contiguous(), planes, alpha, offset, None, mod.bias,
+                                                  64, *launch)
+        assert torch.equal(mod(x), gathered)

@@ -132,11 +132,12 @@ def _sms(index: int) -> int:
 
 
 def linear(x: torch.Tensor, buffers: dict, bias, cfg, out_features: int, in_features: int) -> torch.Tensor:
-    """Registry entry: ``x`` ``[..., K]`` fp16/bf16 on CUDA, at most 8 rows -> ``[..., N]``."""
+    """Registry entry: ``x`` ``[..., K]`` fp16/bf16 on CUDA, at most 8 rows -> ``[..., N]``.  An act_order layer's
+    ``perm`` (in ``buffers``) is applied as the kernel loads x into shared memory (no separate gather)."""
     x2 = x.reshape(-1, in_features).contiguous()
     launch = plan(x2.shape[0], out_features, in_features, _sms(x.device.index or 0))
     y = torch.ops.qlinear.bcq_lut_gemv(x2, buffers["lut_planes"], buffers["lut_alpha"], buffers.get("lut_offset"),
-                                       bias, cfg.group(in_features), *launch)
+                                       buffers.get("perm"), bias, cfg.group(in_features), *launch)
     return y.reshape(*x.shape[:-1], out_features)
 
 
@@ -156,4 +157,4 @@ def available() -> Optional[str]:
 register(Kernel(backend="cuda_lut", format="bcq", fn=linear, priority=10, devices=frozenset({"cuda"}),
                 dtypes=frozenset({torch.float16, torch.bfloat16}), bits=frozenset({1, 2, 3, 4}),
                 min_capability=(8, 0), max_batch=MAX_BATCH, supports=supports, available=available,
-                layout=LAYOUT))
+                layout=LAYOUT, gathers_perm=True))

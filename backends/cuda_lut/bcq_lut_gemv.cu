@@ -63,7 +63,7 @@ __global__ void __launch_bounds__(256) lut_gemv_kernel(const LutGemvArgs a) {
     __syncthreads();  // the previous tile's lookups are done
     for (int i = tid; i < M * kw; i += blockDim.x) {
       const int m = i / kw, k = i - m * kw;
-      xs[m * kt + k] = to_float<T>(x[(size_t)m * K + k0 + k]);
+      xs[m * kt + k] = to_float<T>(x[(size_t)m * K + (a.perm ? __ldg(a.perm + k0 + k) : k0 + k)]);  // act_order: x[:, perm]
     }
     __syncthreads();
     for (int i = tid; i < M * (kw / 32); i += blockDim.x) {

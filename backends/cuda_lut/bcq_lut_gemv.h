@@ -17,6 +17,7 @@ struct LutGemvArgs {
   const unsigned* planes;   // [K/32, Q, N]
   const void* alpha;        // [G, Q, N] fp16
   const void* offset;       // [G, N] offset_dtype, or nullptr
+  const int* perm;          // [K]: the kernel reads x[:, perm] (act_order layers), or nullptr
   const float* bias;        // [N] fp32, or nullptr
   void* y;                  // [M, N], x_dtype
   float* partial;           // [splits, M, N] fp32 workspace when splits > 1

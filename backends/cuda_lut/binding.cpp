@@ -11,7 +11,8 @@
 namespace {
 
 at::Tensor bcq_lut_gemv(const at::Tensor& x, const at::Tensor& planes, const at::Tensor& alpha,
-                        const std::optional<at::Tensor>& offset, const std::optional<at::Tensor>& bias,
+                        const std::optional<at::Tensor>& offset, const std::optional<at::Tensor>& perm,
+                        const std::optional<at::Tensor>& bias,
                         int64_t group_size, int64_t kt, int64_t threads, int64_t tiles_per_split, int64_t splits) {
   TORCH_CHECK(x.is_cuda() && x.dim() == 2 && x.is_contiguous(), "bcq_lut_gemv: x must be a contiguous CUDA [M, K] tensor");
   TORCH_CHECK_TYPE(x.scalar_type() == at::kHalf || x.scalar_type() == at::kBFloat16, "bcq_lut_gemv: x must be fp16 or bf16");
@@ -40,6 +41,11 @@ at::Tensor bcq_lut_gemv(const at::Tensor& x, const at::Tensor& planes, const at:
                 "bcq_lut_gemv: offset must be contiguous [G, N]");
     a.offset = offset->data_ptr();
     a.offset_dtype = qlinear::dtype_of(offset->scalar_type(), "bcq_lut_gemv");
+  }
+  if (perm.has_value()) {
+    TORCH_CHECK(perm->scalar_type() == at::kInt && perm->dim() == 1 && perm->size(0) == K && perm->is_contiguous() &&
+                    perm->device() == x.device(), "bcq_lut_gemv: perm must be contiguous int32 [K] on x's device");
+    a.perm = perm->data_ptr<int>();
   }
   at::Tensor bias32, partial;
   a.bias = qlinear::bias_f32(bias, N, x, bias32, "bcq_lut_gemv");
