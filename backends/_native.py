@@ -23,7 +23,7 @@ from typing import Optional, Sequence
 
 import torch
 
-__all__ = ["build", "build_cuda_backend", "cache_dir", "cuda_arch_flags", "cuda_toolchain_problem"]
+__all__ = ["build", "build_cuda_backend", "cache_dir", "cuda_arch_flags", "cuda_toolchain_problem", "sm_count"]
 
 SHARED_HEADERS = Path(__file__).parent / "_cuda"  # device helpers every CUDA backend includes
 
@@ -103,3 +103,9 @@ def build_cuda_backend(name: str, folder: Path) -> Optional[str]:
         return why
     return build(name, sources_in(folder, (".cu", ".cpp")), cflags=("-O3", "-std=c++17"),
                  cuda_cflags=("-O3", "-std=c++17", *cuda_arch_flags()))
+
+
+@functools.lru_cache(maxsize=None)
+def sm_count(index: int) -> int:
+    """Streaming multiprocessors of CUDA device ``index`` (launch plans size their grids by it)."""
+    return torch.cuda.get_device_properties(index).multi_processor_count

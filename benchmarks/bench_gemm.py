@@ -16,7 +16,6 @@ Effective TB/s counts the packed weights, fp16 scales, offsets, x and y.
 from __future__ import annotations
 
 import argparse
-import datetime
 import math
 import sys
 from pathlib import Path
@@ -25,7 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_gemv import cublas_calls, tinygemm_calls  # noqa: E402
-from common import copy_bandwidth_tbs, gpu_time_us, op_calls, pool_size, table, uniform_bcq_sets  # noqa: E402
+from common import gpu_run_header, gpu_time_us, op_calls, pool_size, table, uniform_bcq_sets  # noqa: E402
 
 from qlinear import backends  # noqa: E402
 from qlinear.backends import cuda_lut, quick  # noqa: E402
@@ -74,10 +73,8 @@ def main() -> None:
         args.shapes, args.batches = "8192x8192", "1,16,64,256"
     if not torch.cuda.is_available() or quick.available() is not None:
         sys.exit(f"needs a CUDA GPU and the quick extension: {quick.available()}")
-    props = torch.cuda.get_device_properties(0)
-    copy_bw = copy_bandwidth_tbs()
-    head = (f"{props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}, {datetime.date.today()}; "
-            f"copy bandwidth {copy_bw:.2f} TB/s; group {args.group}")
+    head, _ = gpu_run_header()
+    head += f"; group {args.group}"
     print(head, flush=True)
     rows, g = [], args.group
     for shape in args.shapes.split(","):

@@ -26,7 +26,6 @@ targets at 8192², M = 1: ≤ 11 µs, outliers at 0.2 % cost ≤ 5 %, async ≥ 
 from __future__ import annotations
 
 import argparse
-import datetime
 import functools
 import math
 import sys
@@ -36,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import copy_bandwidth_tbs, gpu_time_us, pool_size, table, timeit  # noqa: E402
+from common import gpu_run_header, gpu_time_us, pool_size, table, timeit  # noqa: E402
 
 from qlinear.backends import async_dequant, cuda_lut  # noqa: E402
 from qlinear.formats import mixed  # noqa: E402
@@ -142,9 +141,7 @@ def main() -> None:
     if not torch.cuda.is_available() or cuda_lut.available() is not None:
         sys.exit(f"needs a CUDA GPU and the cuda_lut extension: {cuda_lut.available()}")
     props = torch.cuda.get_device_properties(0)
-    copy_bw = copy_bandwidth_tbs()
-    head = (f"{props.name}, {props.multi_processor_count} SMs, L2 {props.L2_cache_size >> 20} MiB, torch "
-            f"{torch.__version__}, {datetime.date.today()}; copy bandwidth {copy_bw:.2f} TB/s (read+write)")
+    head, copy_bw = gpu_run_header()
     print(head, flush=True)
     rows = []
     fp16_us, int4_us = {}, {}

@@ -72,6 +72,17 @@ def copy_bandwidth_tbs(nbytes: int = 1 << 30) -> float:
     return 2 * nbytes / (us * 1e-6) / 1e12
 
 
+def gpu_run_header() -> tuple[str, float]:
+    """``(line, copy TB/s)``: device, SMs, L2, torch version, date and the copy bandwidth measured now, for the
+    head of a GPU benchmark table."""
+    import datetime
+
+    props = torch.cuda.get_device_properties(0)
+    copy_bw = copy_bandwidth_tbs()
+    return (f"{props.name}, {props.multi_processor_count} SMs, L2 {props.L2_cache_size >> 20} MiB, torch "
+            f"{torch.__version__}, {datetime.date.today()}; copy bandwidth {copy_bw:.2f} TB/s (read+write)"), copy_bw
+
+
 def uniform_bcq_sets(N: int, K: int, bits: int, group_size: int, layout: str, n: int, device: str = "cuda"):
     """``(cfg, [packed list, ...])``: ``n`` random uniform BCQ weight sets (int codes with fp16 scales and zero points,
     as round-to-nearest or GPTQ produce) on ``device``, in kernel ``layout`` ("" = canonical).  Values do not

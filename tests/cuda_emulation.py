@@ -184,22 +184,23 @@ def cuda_home() -> Path | None:
     return None
 
 
-def build(dst: Path, files: list[str], replace: dict[str, str], prelude: str, driver: str, main_cu: str) -> Path:
-    """Copy ``files`` (paths under backends/) to ``dst`` with the launches cut out and each ``replace`` key (e.g. the
-    ``extern __shared__`` declaration) substituted, then compile ``SHIM + prelude + #include main_cu + driver`` with
-    g++.  Skips the test when g++, the CUDA headers or C++20 ``<barrier>`` are missing."""
+def build(dst: Path, kernel: str, shared_memory: tuple[str, str], prelude: str, driver: str) -> Path:
+    """Compile ``SHIM + prelude + #include kernel + AFTER + driver`` with g++.  ``kernel`` (a ``.cu`` path under
+    backends/), the headers beside it and backends/_cuda are copied to ``dst`` with the launches cut out and the
+    ``extern __shared__`` declaration ``shared_memory[0]`` replaced by ``shared_memory[1]`` (a pointer into the
+    emulated shared memory).  Skips the test when g++, the CUDA headers or C++20 ``<barrier>`` are missing."""
     home = cuda_home()
     if shutil.which("g++") is None or home is None:
         pytest.skip("needs g++ and the CUDA headers")
-    for rel in files:
-        text = (BACKENDS / rel).read_text()
-        text = re.sub(r"\b[\w:]+(?:<[\w:, ]+>)?<<<[^;]*?>>>\([^;]*\);", "(void)0;  // launch cut (host emulation)", text)
-        for old, new in replace.items():
-            text = text.replace(old, new)
-        (dst / rel).parent.mkdir(parents=True, exist_ok=True)
-        (dst / rel).write_text(text)
+    sources = [BACKENDS / kernel, *(BACKENDS / kernel).parent.glob("*.h"), *(BACKENDS / "_cuda").iterdir()]
+    for src in sources:
+        text = re.sub(r"\b[\w:]+(?:<[\w:, ]+>)?<<<[^;]*?>>>\([^;]*\);", "(void)0;  // launch cut (host emulation)",
+                      src.read_text()).replace(*shared_memory)
+        out = dst / src.relative_to(BACKENDS)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text)
     main = dst / "emu.cpp"
-    main.write_text(SHIM + prelude + f'\n#include "{main_cu}"\n' + AFTER + driver)
+    main.write_text(SHIM + prelude + f'\n#include "{kernel}"\n' + AFTER + driver)
     exe = dst / "emu"
     base = ["g++", "-std=c++20", "-O1", "-pthread", "-w", f"-I{home / 'include'}", "-x", "c++", str(main), "-o", str(exe)]
     r = subprocess.run(base + [f"-L{home / 'lib64'}", "-lcudart"], capture_output=True, text=True)

@@ -404,10 +404,8 @@ def emulator(tmp_path_factory):
     import cuda_emulation
 
     return cuda_emulation.build(
-        tmp_path_factory.mktemp("emu"),
-        ["async_dequant/mixed_gemv.cu", "async_dequant/mixed_gemv.h", "_cuda/common.cuh", "_cuda/dtype.h"],
-        {"extern __shared__ float4 smem4[];": "float4* smem4 = ::g_smem4;"}, "", _EMU_DRIVER,
-        "async_dequant/mixed_gemv.cu")
+        tmp_path_factory.mktemp("emu"), "async_dequant/mixed_gemv.cu",
+        ("extern __shared__ float4 smem4[];", "float4* smem4 = ::g_smem4;"), "", _EMU_DRIVER)
 
 
 def _emulate(exe, x, bufs, bias, cfg, N, K, launch, async_dequant=True):

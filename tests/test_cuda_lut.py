@@ -355,10 +355,8 @@ def emulator(tmp_path_factory):
     import cuda_emulation
 
     return cuda_emulation.build(
-        tmp_path_factory.mktemp("lut_emu"),
-        ["cuda_lut/bcq_lut_gemv.cu", "cuda_lut/bcq_lut_gemv.h", "_cuda/common.cuh", "_cuda/dtype.h"],
-        {"extern __shared__ float smem[];": "float* smem = reinterpret_cast<float*>(::g_smem4);"}, "", _LUT_DRIVER,
-        "cuda_lut/bcq_lut_gemv.cu")
+        tmp_path_factory.mktemp("lut_emu"), "cuda_lut/bcq_lut_gemv.cu",
+        ("extern __shared__ float smem[];", "float* smem = reinterpret_cast<float*>(::g_smem4);"), "", _LUT_DRIVER)
 
 
 def _emulate(exe, x, bufs, bias, cfg, N, K, launch, perm=None):

@@ -353,11 +353,9 @@ def emulator(tmp_path_factory):
     import cuda_emulation
 
     return cuda_emulation.build(
-        tmp_path_factory.mktemp("quick_emu"),
-        ["quick/quick_gemm.cu", "quick/quick_gemm.h", "_cuda/common.cuh", "_cuda/dtype.h"],
-        {"extern __shared__ __align__(16) unsigned char smem_raw[];":
-         "unsigned char* smem_raw = reinterpret_cast<unsigned char*>(::g_smem4);"},
-        cuda_emulation.WARP_PTX, _QUICK_DRIVER, "quick/quick_gemm.cu")
+        tmp_path_factory.mktemp("quick_emu"), "quick/quick_gemm.cu",
+        ("extern __shared__ __align__(16) unsigned char smem_raw[];",
+         "unsigned char* smem_raw = reinterpret_cast<unsigned char*>(::g_smem4);"), cuda_emulation.WARP_PTX, _QUICK_DRIVER)
 
 
 def _emulate(exe, x, bufs, bias, cfg, N, K, launch, dequant=False, perm=None):

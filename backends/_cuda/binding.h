@@ -26,6 +26,14 @@ inline const float* bias_f32(const std::optional<at::Tensor>& bias, int64_t N, c
   return holder.data_ptr<float>();
 }
 
+// An act_order input permutation (contiguous int32 [K] on x's device) the kernel gathers x by, or nullptr.
+inline const int* perm_ptr(const std::optional<at::Tensor>& perm, int64_t K, const at::Tensor& x, const char* op) {
+  if (!perm.has_value()) return nullptr;
+  TORCH_CHECK(perm->scalar_type() == at::kInt && perm->dim() == 1 && perm->size(0) == K && perm->is_contiguous() &&
+                  perm->device() == x.device(), op, ": perm must be contiguous int32 [K] on x's device");
+  return perm->data_ptr<int>();
+}
+
 // fp32 [splits, M, N] workspace for split-K partial sums (kept alive in `holder`), or nullptr for one split.
 inline float* split_workspace(int64_t splits, int64_t M, int64_t N, const at::Tensor& x, at::Tensor& holder) {
   if (splits <= 1) return nullptr;

@@ -84,20 +84,10 @@ def _unpack_nibbles(qw: torch.Tensor) -> torch.Tensor:
     return torch.stack([b & 15, b >> 4], 4).reshape(*qw.shape[:2], 4, 4, 16)
 
 
-def _uniform_scale(alpha: torch.Tensor) -> torch.Tensor:
-    """``s`` of uniform 4-bit BCQ α ``[4, N, G]`` (α_i = s·2^(i-2)); ValueError if α are not uniform."""
-    s = alpha[1].float()
-    want = s[None] * torch.tensor([0.5, 1.0, 2.0, 4.0], device=s.device)[:, None, None]
-    if not torch.equal(alpha.float(), want):
-        raise ValueError("BCQ α are not uniform (α_i = s·2^(i-2)): the arm_neon kernel needs round-to-nearest "
-                         "(init='uniform', iters=0) or imported GPTQ/AWQ weights; use backend='reference'")
-    return alpha[1]
-
-
 def repack_bcq(buffers: dict, cfg, N: int, K: int) -> dict:
     """Canonical uniform 4-bit BCQ -> layout ``arm_neon_bcq`` (``arm_qw`` uint8 ``[Nb, K/32, 128]``, ``arm_qs``
     fp16 ``[Nb, G, 8]``, ``arm_qz`` ``[Nb, G, 8]`` of the offset's dtype).  Raises ValueError for non-uniform α."""
-    s = _uniform_scale(buffers["alpha"])
+    s = bcq.uniform_scale(buffers["alpha"], "the arm_neon kernel needs them; use backend='reference'")
     codes = unpack_planes(buffers["planes"], K)
     out = {"arm_qw": _pack_nibbles(_blocks(codes ^ 8, N, K)), "arm_qs": _pad_groups(s, N)}
     if cfg.offset:
@@ -136,7 +126,7 @@ def repack_codebook(buffers: dict, cfg, N: int, K: int) -> dict:
 
 def unrepack_codebook(buffers: dict, cfg, N: int, K: int) -> dict:
     """Layout ``arm_neon_codebook`` -> canonical codebook buffers (exact inverse of :func:`repack_codebook`)."""
-    G, C = K // cfg.group_size, cfg.books
+    C = cfg.books
     qw = buffers["arm_qw"]
     if cfg.bits == 4:
         v = _unpack_nibbles(qw)

@@ -72,6 +72,7 @@ from qlinear.formats.packing import pack, unpack
 
 from .. import Kernel, Layout, register
 from .._native import build_cuda_backend
+from .._native import sm_count as _sms  # module attribute: tests replace it without a GPU
 
 __all__ = ["LAYOUT", "MAX_BATCH", "NAMES", "plan", "spec", "repack", "unrepack", "linear", "supports", "available",
            "layout_bits", "num_words", "random_buffers"]
@@ -349,11 +350,6 @@ def spec(x: torch.Tensor, buffers: dict, bias: Optional[torch.Tensor], cfg, out_
     for s in range(1, splits):
         y += partial[s]
     return y if bias is None else y + bias.float()
-
-
-@functools.lru_cache(maxsize=None)
-def _sms(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def _sparse(buffers: dict, N: int, K: int, dtype) -> torch.Tensor:

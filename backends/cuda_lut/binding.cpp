@@ -42,11 +42,7 @@ at::Tensor bcq_lut_gemv(const at::Tensor& x, const at::Tensor& planes, const at:
     a.offset = offset->data_ptr();
     a.offset_dtype = qlinear::dtype_of(offset->scalar_type(), "bcq_lut_gemv");
   }
-  if (perm.has_value()) {
-    TORCH_CHECK(perm->scalar_type() == at::kInt && perm->dim() == 1 && perm->size(0) == K && perm->is_contiguous() &&
-                    perm->device() == x.device(), "bcq_lut_gemv: perm must be contiguous int32 [K] on x's device");
-    a.perm = perm->data_ptr<int>();
-  }
+  a.perm = qlinear::perm_ptr(perm, K, x, "bcq_lut_gemv");
   at::Tensor bias32, partial;
   a.bias = qlinear::bias_f32(bias, N, x, bias32, "bcq_lut_gemv");
   a.partial = qlinear::split_workspace(splits, M, N, x, partial);

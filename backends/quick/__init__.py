@@ -58,6 +58,7 @@ from qlinear.formats.packing import pack_planes, unpack_planes
 
 from .. import Kernel, Layout, register
 from .._native import build_cuda_backend
+from .._native import sm_count as _sms  # module attribute: tests replace it without a GPU
 
 __all__ = ["LAYOUT", "TILE_N", "TILE_K", "MAX_BATCH", "repack", "unrepack", "fragments", "ptx_fragments",
            "dense_from_fragments", "round_to", "spec", "dequantize", "plan", "linear", "linear_dequantized", "supports"]
@@ -90,20 +91,6 @@ def _row_order(N: int) -> torch.Tensor:
     return (torch.arange(0, N, TILE_N)[:, None] + row_of_pos).flatten()
 
 
-def _uniform_scale(alpha: torch.Tensor) -> torch.Tensor:
-    """``s`` ``[N, G]`` fp16 from uniform α ``[Q, N, G]``; ValueError if α is not ``s·2^(i-2)``."""
-    Q = alpha.shape[0]
-    s = alpha[1] if Q > 1 else alpha[0] * 2
-    if not torch.equal(alpha, _alpha_of(s, Q)):
-        raise ValueError("the quick layout needs uniform α (α_i = s·2^(i-2): round-to-nearest, GPTQ or imported "
-                         "GPTQ/AWQ weights); this layer's α are free BCQ values, use the cuda_lut backend")
-    return s
-
-
-def _alpha_of(s: torch.Tensor, Q: int) -> torch.Tensor:
-    return (s.float()[None] * 2.0 ** (torch.arange(Q, device=s.device) - 1.0)[:, None, None]).to(torch.float16)
-
-
 def _names(cfg) -> tuple[str, ...]:
     return ("quick_qweight", "quick_scales") + (("quick_offset",) if cfg.offset else ())
 
@@ -115,7 +102,7 @@ def repack(buffers: dict, cfg, out_features: int, in_features: int) -> dict:
     if why is not None:
         raise ValueError(f"quick layout: {why}")
     N, K, Q = out_features, in_features, cfg.bits
-    s = _uniform_scale(buffers["alpha"])
+    s = bcq.uniform_scale(buffers["alpha"], "the quick layout needs them; use the cuda_lut backend")
     codes = unpack_planes(buffers["planes"], K)                                  # [N, K]
     row, k = (t.to(codes.device) for t in _lane_slots())
     tiles = codes.reshape(N // TILE_N, TILE_N, K // TILE_K, TILE_K).permute(0, 2, 1, 3)
@@ -161,7 +148,7 @@ def unrepack(buffers: dict, cfg, out_features: int, in_features: int) -> dict:
     codes = tiles.permute(0, 2, 1, 3).reshape(N, K)
     inv = torch.argsort(_row_order(N)).to(slots.device)
     s = buffers["quick_scales"][:, inv].T.contiguous()
-    out = {"planes": pack_planes(codes, Q), "alpha": _alpha_of(s, Q)}
+    out = {"planes": pack_planes(codes, Q), "alpha": bcq.uniform_alpha(s, Q).to(torch.float16)}
     if "quick_offset" in buffers:
         out["offset"] = buffers["quick_offset"][:, inv].T.contiguous()
     return out
@@ -263,11 +250,6 @@ def plan(M: int, N: int, K: int, sms: int) -> tuple[int, int, int]:
     splits = max(1, min(math.ceil(2 * sms / blocks), tiles // 2, traffic_cap))
     per_split = math.ceil(tiles / splits)
     return tile_m, per_split, math.ceil(tiles / per_split)
-
-
-@functools.lru_cache(maxsize=None)
-def _sms(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def _weights(buffers: dict, cfg, in_features: int):

@@ -55,11 +55,7 @@ at::Tensor quick_gemm(const at::Tensor& x, const at::Tensor& qweight, const at::
   qlinear::QuickArgs a = weight_args(qweight, scales, offset, group_size, N, K, x.device());
   TORCH_CHECK(splits >= 1 && tiles_per_split >= 1 && (splits - 1) * tiles_per_split < K / 64 &&
                   splits * tiles_per_split >= K / 64, "quick_gemm: the split plan does not cover the K tiles once");
-  if (perm.has_value()) {
-    TORCH_CHECK(perm->scalar_type() == at::kInt && perm->dim() == 1 && perm->size(0) == K && perm->is_contiguous() &&
-                    perm->device() == x.device(), "quick_gemm: perm must be contiguous int32 [K] on x's device");
-    a.perm = perm->data_ptr<int>();
-  }
+  a.perm = qlinear::perm_ptr(perm, K, x, "quick_gemm");
   at::Tensor bias32, partial;
   a.bias = qlinear::bias_f32(bias, N, x, bias32, "quick_gemm");
   a.partial = qlinear::split_workspace(splits, M, N, x, partial);

@@ -139,6 +139,25 @@ def _signs(bits: int) -> torch.Tensor:
     return (((lv >> torch.arange(bits)) & 1) * 2 - 1).to(torch.float32)
 
 
+def uniform_alpha(s: torch.Tensor, bits: int) -> torch.Tensor:
+    """Uniform α ``[bits, *s.shape]`` float32: ``α_i = s·2^(i-2)``, i = 1..bits (exact for fp16 scales ≥ 2^-13)."""
+    return s.float()[None] * (2.0 ** (torch.arange(bits, dtype=torch.float32, device=s.device) - 1)).view(
+        -1, *([1] * s.dim()))
+
+
+def uniform_scale(alpha: torch.Tensor, hint: str = "") -> torch.Tensor:
+    """The scale ``s`` (``alpha[1:].shape[1:]``, α's dtype) of uniform α ``[bits, ...]`` (``α_i = s·2^(i-2)``).
+
+    Raises:
+        ValueError: α are not uniform (free BCQ values); ``hint`` is appended to the message.
+    """
+    s = alpha[1] if alpha.shape[0] > 1 else alpha[0] * 2
+    if not torch.equal(alpha.float(), uniform_alpha(s, alpha.shape[0])):
+        raise ValueError("α are not uniform (α_i = s·2^(i-2)): only round-to-nearest (init='uniform', iters=0), "
+                         "GPTQ and imported GPTQ/AWQ layers have int codes" + (f"; {hint}" if hint else ""))
+    return s
+
+
 def levels(alpha: torch.Tensor, offset: torch.Tensor | None) -> torch.Tensor:
     """The ``2^q`` levels ``[M, 2^q]`` of rows with ``alpha`` ``[M, q]``, indexed by integer code."""
     lv = alpha @ _signs(alpha.shape[1]).T
@@ -179,7 +198,7 @@ def _uniform(w, bits, use_offset):
     else:
         s = fp16_round(w.abs().max(1).values / ((2 ** bits - 1) / 2)).clamp(min=UNIFORM_MIN_SCALE)
         c, codes = None, None
-    alpha = fp16_round(s[:, None] * 2.0 ** (torch.arange(bits) - 1))
+    alpha = fp16_round(uniform_alpha(s, bits).T)
     if codes is None:
         codes = nearest(levels(alpha, None), w)
     return alpha, c, codes
@@ -375,7 +394,7 @@ def from_uniform(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
         if perm is not None:
             codes = codes[:, perm]
     s = scales.to(torch.float32)
-    alpha = s[None] * (2.0 ** (torch.arange(bits, dtype=torch.float32) - 1))[:, None, None]
+    alpha = uniform_alpha(s, bits)
     if not torch.equal(alpha.to(torch.float16).to(torch.float32), alpha):
         raise ValueError(f"scales·2^(i-2) for i = 1..{bits} must be exact fp16 values (scales between "
                          f"{2.0 ** -13:g} and {65504 / 2 ** (bits - 2):g} with fp16 precision); got scales in "
@@ -396,11 +415,7 @@ def to_uniform(buffers: dict[str, torch.Tensor], cfg: Config, out_features: int,
         ValueError: α not uniform, or offsets that are not ``s·((2^q−1)/2 − z)`` for an integer ``z``.
     """
     K, bits = in_features, cfg.bits
-    alpha = buffers["alpha"].to(torch.float32)
-    s = alpha[1] if bits > 1 else alpha[0] * 2
-    want = s[None] * (2.0 ** (torch.arange(bits, dtype=torch.float32) - 1))[:, None, None]
-    if not torch.equal(alpha, want):
-        raise ValueError("α are not uniform (α_i = s·2^(i-2)): only uniform BCQ layers have int codes")
+    s = uniform_scale(buffers["alpha"]).to(torch.float32)
     c = buffers["offset"].to(torch.float32) if cfg.offset else torch.zeros_like(s)
     zeros = torch.round((2 ** bits - 1) / 2 - c / s)
     recon = s * ((2 ** bits - 1) / 2 - zeros)
