@@ -24,6 +24,11 @@ row split is the natural one; ``per_module={"*o_proj": ...}``).  Its cost, measu
 4-bit g128: perplexity 27.62 against 27.77 with act_order everywhere (README).  An imported o_proj with a
 global permutation falls back to gathering the attention output (counted in :data:`STATS`).
 
+transformers' own tensor-parallel loading (``from_pretrained(..., distributed_config=DistributedConfig(tp_size=W))``)
+of a saved qlinear checkpoint goes through :func:`check_tp_plan` (before any weight is read) and
+:func:`shard_loaded` (after loading), called by the qlinear quantizer; both cut layers with the same helpers as
+:func:`parallelize`.
+
 Source: Megatron-LM (Shoeybi et al. 2019) for the layer split; "TP-Aware Dequantization" (Hoque et al. 2024)
 for the act_order algorithms.
 """
@@ -40,7 +45,7 @@ from torch import nn
 
 from qlinear.formats.packing import pack, unpack
 
-__all__ = ["parallelize", "shard_rows", "shard_inputs", "RowParallel", "STATS"]
+__all__ = ["parallelize", "shard_rows", "shard_inputs", "RowParallel", "STATS", "check_tp_plan", "shard_loaded"]
 
 STATS = {"all_gather": 0, "all_reduce": 0, "bytes": 0}  # collectives issued by this process since import
 
@@ -51,21 +56,22 @@ def _quant():
     return QuantLinear, BCQLinear, CodebookLinear
 
 
-def shard_rows(layer: nn.Module, rows: torch.Tensor) -> nn.Module:
-    """The layer restricted to output features ``rows`` (int64 ``[n]``, any order): a new layer of the same
-    class with ``out_features = n``, packed data sliced without dequantizing.
-
-    Raises:
-        ValueError: a layer type that cannot be sliced (MixedPrecisionLinear).
-    """
+def _check_sliceable(layer, start: Optional[int] = None, end: Optional[int] = None) -> None:
+    """ValueError unless the QuantLinear ``layer`` can be sliced (by rows, or by stored inputs ``[start, end)``)."""
     QuantLinear, BCQLinear, CodebookLinear = _quant()
-    bias = None if layer.bias is None else layer.bias[rows]
-    if not isinstance(layer, QuantLinear):
-        out = nn.Linear(layer.in_features, len(rows), bias=bias is not None, device="meta", dtype=layer.weight.dtype)
-        out.weight = nn.Parameter(layer.weight.detach()[rows].clone(), requires_grad=False)
-        if bias is not None:
-            out.bias = nn.Parameter(bias.detach().clone(), requires_grad=False)
-        return out
+    if not isinstance(layer, (BCQLinear, CodebookLinear)):
+        raise ValueError(f"{type(layer).__name__} cannot be sharded (its scales are packed across rows)")
+    K = layer.in_features
+    g = K if getattr(layer.config, "group_size", -1) == -1 else layer.config.group_size
+    if start is not None and (start % g or (end % g and end != K)):
+        raise ValueError(f"input shard [{start}, {end}) of a {layer.out_features}x{K} layer splits a quantization "
+                         f"group of {g}: the shard size must be a multiple of the group size")
+
+
+def _rows_packed(layer, rows: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Canonical packed tensors of a QuantLinear restricted to output features ``rows``."""
+    QuantLinear, BCQLinear, CodebookLinear = _quant()
+    _check_sliceable(layer)
     b = layer.canonical()
     if isinstance(layer, BCQLinear):
         new = {"planes": b["planes"][:, rows], "alpha": b["alpha"][:, rows]}
@@ -73,12 +79,51 @@ def shard_rows(layer: nn.Module, rows: torch.Tensor) -> nn.Module:
             new["offset"] = b["offset"][rows]
         if "perm" in b:
             new["perm"] = b["perm"]
-    elif isinstance(layer, CodebookLinear):
-        new = {k: v[rows] if k != "codebooks" else v for k, v in b.items()}
     else:
-        raise ValueError(f"{type(layer).__name__} cannot be sharded (its scales are packed across rows)")
-    return type(layer).from_packed({k: v.contiguous() for k, v in new.items()}, layer.in_features, len(rows),
-                                   layer.config, bias, backend=layer.backend)
+        new = {k: v[rows] if k != "codebooks" else v for k, v in b.items()}
+    return {k: v.contiguous() for k, v in new.items()}
+
+
+def shard_rows(layer: nn.Module, rows: torch.Tensor) -> nn.Module:
+    """The layer restricted to output features ``rows`` (int64 ``[n]``, any order): a new layer of the same
+    class with ``out_features = n``, packed data sliced without dequantizing.
+
+    Raises:
+        ValueError: a layer type that cannot be sliced (MixedPrecisionLinear).
+    """
+    QuantLinear = _quant()[0]
+    bias = None if layer.bias is None else layer.bias[rows]
+    if not isinstance(layer, QuantLinear):
+        out = nn.Linear(layer.in_features, len(rows), bias=bias is not None, device="meta", dtype=layer.weight.dtype)
+        out.weight = nn.Parameter(layer.weight.detach()[rows].clone(), requires_grad=False)
+        if bias is not None:
+            out.bias = nn.Parameter(bias.detach().clone(), requires_grad=False)
+        return out
+    return type(layer).from_packed(_rows_packed(layer, rows), layer.in_features, len(rows), layer.config, bias,
+                                   backend=layer.backend)
+
+
+def _inputs_packed(layer, start: int, end: int):
+    """``(canonical packed tensors, config)`` of a QuantLinear restricted to stored input positions
+    ``[start, end)``; ValueError if a bound splits a quantization group."""
+    QuantLinear, BCQLinear, CodebookLinear = _quant()
+    _check_sliceable(layer, start, end)
+    K = layer.in_features
+    g = K if getattr(layer.config, "group_size", -1) == -1 else layer.config.group_size
+    b = layer.canonical()
+    if isinstance(layer, BCQLinear):
+        new = {"planes": b["planes"][:, :, start // 32:-(-end // 32)], "alpha": b["alpha"][:, :, start // g:-(-end // g)]}
+        if "offset" in b:
+            new["offset"] = b["offset"][:, start // g:-(-end // g)]
+        cfg = dataclasses.replace(layer.config, act_order=False, static_groups=False)
+    else:
+        cfg = layer.config
+        new = {"codes": pack(unpack(b["codes"], cfg.bits, K)[:, start:end], cfg.bits)}
+        if "book_idx" in b:
+            lb = int(math.log2(cfg.books))
+            new["book_idx"] = pack(unpack(b["book_idx"], lb, K // g)[:, start // g:end // g], lb)
+        new["scales"], new["codebooks"] = b["scales"][:, start // g:end // g], b["codebooks"]
+    return {k: v.contiguous() for k, v in new.items()}, cfg
 
 
 def shard_inputs(layer: nn.Module, start: int, end: int) -> nn.Module:
@@ -89,33 +134,13 @@ def shard_inputs(layer: nn.Module, start: int, end: int) -> nn.Module:
     Raises:
         ValueError: ``start``/``end`` not on a quantization group boundary, or an unsliceable layer type.
     """
-    QuantLinear, BCQLinear, CodebookLinear = _quant()
+    QuantLinear = _quant()[0]
     if not isinstance(layer, QuantLinear):
         out = nn.Linear(end - start, layer.out_features, bias=False, device="meta", dtype=layer.weight.dtype)
         out.weight = nn.Parameter(layer.weight.detach()[:, start:end].clone(), requires_grad=False)
         return out
-    K = layer.in_features
-    g = K if getattr(layer.config, "group_size", -1) == -1 else layer.config.group_size
-    if start % g or (end % g and end != K):
-        raise ValueError(f"input shard [{start}, {end}) of a {layer.out_features}x{K} layer splits a quantization "
-                         f"group of {g}: the shard size must be a multiple of the group size")
-    b = layer.canonical()
-    if isinstance(layer, BCQLinear):
-        new = {"planes": b["planes"][:, :, start // 32:-(-end // 32)], "alpha": b["alpha"][:, :, start // g:-(-end // g)]}
-        if "offset" in b:
-            new["offset"] = b["offset"][:, start // g:-(-end // g)]
-        cfg = dataclasses.replace(layer.config, act_order=False, static_groups=False)
-    elif isinstance(layer, CodebookLinear):
-        cfg = layer.config
-        new = {"codes": pack(unpack(b["codes"], cfg.bits, K)[:, start:end], cfg.bits)}
-        if "book_idx" in b:
-            lb = int(math.log2(cfg.books))
-            new["book_idx"] = pack(unpack(b["book_idx"], lb, K // g)[:, start // g:end // g], lb)
-        new["scales"], new["codebooks"] = b["scales"][:, start // g:end // g], b["codebooks"]
-    else:
-        raise ValueError(f"{type(layer).__name__} cannot be sharded (its scales are packed across rows)")
-    return type(layer).from_packed({k: v.contiguous() for k, v in new.items()}, end - start, layer.out_features, cfg,
-                                   backend=layer.backend)
+    packed, cfg = _inputs_packed(layer, start, end)
+    return type(layer).from_packed(packed, end - start, layer.out_features, cfg, backend=layer.backend)
 
 
 def _all_gather(x: torch.Tensor, group) -> torch.Tensor:
@@ -204,3 +229,97 @@ def parallelize(model: nn.Module, group=None, mode: str = "tp_aware") -> nn.Modu
     for parent, name, new in plan:
         setattr(parent, name, new)
     return model
+
+
+# transformers' own tensor-parallel loading -------------------------------------------------------------------------
+TP_STYLES = ("colwise", "rowwise")  # the transformers plan styles a quantized layer can take
+
+
+def _plan_style(name: str, plan: dict[str, str]) -> Optional[str]:
+    from transformers.distributed.parallel_utils import replace_layer_number_by_wildcard
+
+    return plan.get(replace_layer_number_by_wildcard(name))
+
+
+def check_tp_plan(model: nn.Module, plan: dict[str, str], world: int) -> None:
+    """Check, before any weight is read, that every quantized layer a transformers ``tp_plan`` names can be split
+    ``world`` ways (the meta model's shapes suffice).
+
+    Raises:
+        ValueError: a quantized layer under a style other than "colwise"/"rowwise", a format that cannot be
+            sliced (MixedPrecisionLinear), a world size that does not divide its output (colwise) or input
+            (rowwise) features, or an input shard that splits a quantization group.
+    """
+    QuantLinear = _quant()[0]
+    problems = []
+    for name, mod in model.named_modules():
+        style = _plan_style(name, plan) if isinstance(mod, QuantLinear) else None
+        if style is None:
+            continue
+        size = mod.out_features if style == "colwise" else mod.in_features
+        try:
+            if style not in TP_STYLES:
+                raise ValueError(f"style {style!r}: quantized layers take 'colwise' or 'rowwise' only")
+            if size % world:
+                raise ValueError(f"world size {world} does not divide its {size} "
+                                 f"{'output' if style == 'colwise' else 'input'} features")
+            _check_sliceable(mod, *(() if style == "colwise" else (0, size // world)))
+        except ValueError as e:
+            problems.append(f"{name}: {e}")
+    if problems:
+        raise ValueError("cannot shard these quantized layers for tensor parallelism (keep them in float with "
+                         "modules_to_not_convert, or choose another tp_size):\n  " + "\n  ".join(problems))
+
+
+def _gather_hook(index: torch.Tensor, group):
+    def hook(module, args):
+        x = _all_gather(args[0], group)
+        return (x.index_select(-1, index.to(x.device)),) + tuple(args[1:])
+    return hook
+
+
+def shard_loaded(model: nn.Module, plan: dict[str, str], group) -> None:
+    """Shard, in place, the quantized layers of a model transformers loaded with a tensor-parallel plan (called by
+    the qlinear quantizer after loading; every rank holds the full packed tensors at that point).
+
+    Each QuantLinear the plan names keeps its module object (transformers' "colwise"/"rowwise" forward wrappers
+    sit on it and do the communication, through its ``_hf_quantized_needs_local_tp`` local path) and takes over
+    its slice, cut by the same code as :func:`parallelize`: "colwise" a contiguous block of output features,
+    "rowwise" a contiguous block of stored inputs.  act_order, as in :func:`parallelize` "tp_aware": where a
+    "rowwise" ``down_proj`` holds a permutation P2 and its sibling ``gate_proj``/``up_proj`` are quantized,
+    "colwise" and bias-free, they take P2's block as their output rows, so no all-gather is needed.  Any other
+    row-parallel act_order layer (an imported o_proj, a down_proj next to float or biased gate/up, whose bias
+    transformers has already sharded in natural order) all-gathers its input and indexes it by its block of
+    ``perm`` (Alg. 2), counted in :data:`STATS`.
+
+    Raises:
+        ValueError: as :func:`check_tp_plan`.
+    """
+    QuantLinear = _quant()[0]
+    W, r = dist.get_world_size(group), dist.get_rank(group)
+    mods = dict(model.named_modules())
+    check_tp_plan(model, plan, W)
+    styles = {n: s for n, m in mods.items() if isinstance(m, QuantLinear) and (s := _plan_style(n, plan))}
+    rows_of, aware = {}, set()
+    for name, style in styles.items():
+        parent, _, leaf = name.rpartition(".")
+        p2 = _perm(mods[name]) if (style, leaf) == ("rowwise", "down_proj") else None
+        sibs = [f"{parent}.gate_proj", f"{parent}.up_proj"]
+        if p2 is not None and all(styles.get(s) == "colwise" and mods[s].bias is None for s in sibs):
+            n = mods[name].in_features // W
+            rows_of.update(dict.fromkeys(sibs, p2[r * n:(r + 1) * n]))
+            aware.add(name)
+    for name, style in styles.items():
+        mod = mods[name]
+        if style == "colwise":
+            n = mod.out_features // W
+            rows = rows_of.get(name, torch.arange(r * n, (r + 1) * n))
+            new = type(mod).from_packed(_rows_packed(mod, rows), mod.in_features, n, mod.config, backend=mod.backend)
+        else:
+            n = mod.in_features // W
+            perm = _perm(mod)
+            packed, cfg = _inputs_packed(mod, r * n, (r + 1) * n)
+            new = type(mod).from_packed(packed, n, mod.out_features, cfg, backend=mod.backend)
+            if perm is not None and name not in aware:
+                mod.register_forward_pre_hook(_gather_hook(perm[r * n:(r + 1) * n], group))
+        mod.adopt(new)

@@ -146,6 +146,22 @@ class QuantLinear(nn.Module):
         self._set_packed({n: buffers[n] for n in self._specs}, None)
         self.repack_for_device()
 
+    def adopt(self, other: "QuantLinear") -> None:
+        """Take over ``other``'s shape, config and packed buffers in place, keeping this module object, its
+        bias and any hooks on it (used where the object itself is referenced elsewhere, e.g. by the forward
+        wrappers transformers' tensor-parallel styles install).
+
+        Raises:
+            TypeError: ``other`` is a layer of another class.
+        """
+        if type(other) is not type(self):
+            raise TypeError(f"a {type(self).__name__} cannot adopt a {type(other).__name__}")
+        for name in self._packed_names:
+            self._buffers.pop(name, None)
+        self.in_features, self.out_features = other.in_features, other.out_features
+        self.config, self._config_json, self._specs = other.config, other._config_json, other._specs
+        self._set_packed({n: other._buffers[n] for n in other._packed_names}, other._layout)
+
     # kernel layouts -----------------------------------------------------------------------------
     @property
     def layout(self) -> str:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import fnmatch
 from typing import Any, Mapping, Optional, Sequence
 
@@ -36,7 +35,7 @@ def _targets(model, config, modules_to_not_convert, per_module):
         if any(matches(name, p) for p in modules_to_not_convert):
             continue
         cfg = config
-        for pat, c in (per_module or {}).items():
+        for pat, c in per_module.items():
             if matches(name, pat):
                 cfg = c
                 break
@@ -80,7 +79,8 @@ def replace_linear(model: nn.Module, config: Any, *, modules_to_not_convert: Opt
         modules_to_not_convert: name patterns (see :func:`matches`) to keep in full precision;
             default ``config.modules_to_not_convert`` (``["lm_head"]``).
         per_module: ``{pattern: QLinearConfig or None}``; the first matching pattern overrides
-            ``config`` for that module (None keeps it unquantized).
+            ``config`` for that module (None keeps it unquantized).  Default ``config.per_module``; it is
+            saved with the model either way.
         calibration_data: ``{name: H}`` from :func:`qlinear.calibrate`, or data for it (token-id
             tensors, or texts with ``tokenizer``).  Enables Hessian-aware quantization.  With data, the
             decoder is calibrated and quantized block by block (:func:`qlinear.calibration.sequential`:
@@ -98,6 +98,7 @@ def replace_linear(model: nn.Module, config: Any, *, modules_to_not_convert: Opt
         raise TypeError(f"config must be a qlinear.QLinearConfig, got {type(config).__name__}")
     skip = list(modules_to_not_convert if modules_to_not_convert is not None
                 else getattr(config, "modules_to_not_convert", ["lm_head"]))
+    per_module = dict(per_module if per_module is not None else getattr(config, "per_module", None) or {})
     targets = _targets(model, config, skip, per_module)
     for name, _, cfg in targets:
         if not hasattr(cfg, "format_config"):
@@ -142,9 +143,7 @@ def replace_linear(model: nn.Module, config: Any, *, modules_to_not_convert: Opt
 
 def _remember_config(model, config, skip, per_module, new) -> None:
     # so that save_pretrained writes the config and from_pretrained rebuilds the same modules
-    if hasattr(getattr(model, "config", None), "to_dict") and not per_module and new:
-        saved = copy.copy(config)  # calibration data and tokenizer are not part of the saved config
-        saved.format_options, saved.modules_to_not_convert = dict(config.format_options), skip
-        if hasattr(saved, "dataset"):
-            saved.dataset = saved.tokenizer = None
+    if hasattr(getattr(model, "config", None), "to_dict") and new:
+        # calibration data and tokenizer are not part of the saved config
+        saved = type(config)(**{**config.to_dict(), "modules_to_not_convert": skip, "per_module": per_module})
         model.config.quantization_config = saved

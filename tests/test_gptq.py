@@ -3,6 +3,8 @@ checkpoint import/export."""
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 
@@ -264,3 +266,29 @@ def test_sequential_calibration_block_by_block():
     with pytest.raises(ValueError, match="model.layers.1.mlp.down_proj"):
         qlinear.replace_linear(model, cfg, per_module=bad, calibration_data=data, progress=False)
     assert all(model.get_submodule(n) is m for n, m in before.items() if n)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("gptqmodel") is None,
+                    reason="gptqmodel is not installable here: 7.7.0 needs torch>=2.14.1 (this environment has 2.13), "
+                           "and auto-gptq 0.7.1 imports transformers 4 internals that transformers 5 removed")
+def test_loads_what_gptqmodel_writes(tmp_path):
+    """GPTQModel's own act_order output, loaded by qlinear, runs like GPTQModel's CPU forward of it."""
+    from gptqmodel import GPTQModel, QuantizeConfig
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2)).save_pretrained(tmp_path / "float")
+    ids = torch.randint(0, 256, (8, 32), generator=torch.Generator().manual_seed(1))
+    calib = [{"input_ids": row[None], "attention_mask": torch.ones_like(row[None])} for row in ids]
+    model = GPTQModel.load(str(tmp_path / "float"), QuantizeConfig(bits=4, group_size=32, desc_act=True),
+                           device="cpu")
+    model.quantize(calib)
+    model.save(str(tmp_path / "gptq"))
+    theirs = GPTQModel.load(str(tmp_path / "gptq"), device="cpu")
+    ours = qlinear.load_gptq(tmp_path / "gptq", dtype=torch.float32)
+    assert any(isinstance(m, BCQLinear) and "perm" in m.canonical() for m in ours.modules())
+    with torch.no_grad():
+        want = theirs.model(ids[:2]).logits.float()
+        got = ours(ids[:2]).logits.float()
+    assert (got - want).abs().max() <= 2e-2 * want.abs().max()

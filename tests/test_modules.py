@@ -242,3 +242,24 @@ def test_bad_hessian_in_from_linear():
             module_class(fmt).from_linear(lin, None, hessian=torch.eye(65))
         with pytest.raises(TypeError):
             module_class(fmt).from_linear(lin, None, hessian=torch.eye(64, dtype=torch.int64))
+
+
+def test_adopt_takes_over_shape_and_packed_data_in_place(layers):
+    lin, mods = layers
+    mod = BCQLinear.from_linear(lin, CONFIGS["bcq"])
+    calls = []
+    mod.register_forward_pre_hook(lambda m, args: calls.append(1))
+    bias = mod.bias
+    other = BCQLinear.from_linear(nn.Linear(64, 16), QLinearConfig("bcq", bits=2, group_size=32, iters=0))
+    mod.adopt(other)
+    assert (mod.in_features, mod.out_features, mod.config) == (64, 16, other.config) and mod.bias is bias
+    assert all(torch.equal(a, b) for a, b in zip(mod.canonical().values(), other.canonical().values()))
+    mod.bias = None  # the kept bias is the caller's business (TP: transformers' replicated/sharded one)
+    x = torch.randn(3, 64)
+    ref = x.double() @ other.dequantize(torch.float64).T
+    torch.testing.assert_close(mod(x).double(), ref, atol=1e-5, rtol=1e-5)
+    assert calls  # the hook on the object survived
+    sd = mod.state_dict()
+    assert set(sd) == set(other.state_dict()) - {"bias"}
+    with pytest.raises(TypeError, match="cannot adopt"):
+        mod.adopt(mods["codebook"])

@@ -1,4 +1,6 @@
 """Tensor parallelism on CPU with gloo: every rank is a subprocess (tests/tp_worker.py), killed on timeout.
+Both ways in: qlinear.tensor_parallel.parallelize on a model in memory, and transformers' own tensor-parallel
+loading (``from_pretrained(..., distributed_config=DistributedConfig(tp_size=W))``) of saved qlinear checkpoints.
 
 Bound: sharding only changes the order of fp32 sums (partial products all-reduced), so logits agree with the
 single-process model within 1e-4 of their largest magnitude; greedy text is identical."""
@@ -50,10 +52,32 @@ def test_sharded_model_matches_single_process(world, tmp_path):
     assert gathers[("gptq-static-o", "tp_aware")] == 0
     assert gathers[("gptq-static-o", "naive")] == layers  # Alg. 2: one all-gather per down projection
     assert gathers[("gptq", "tp_aware")] == layers  # imported-style global act_order o_proj: gathered
-    errors = {k: v for r in results for k, v in r.items() if k.startswith("error") or k == "untouched"}
+    errors = {k: v for r in results for k, v in r.items() if "error" in k or k == "untouched"}
     assert "mode must be" in errors["error"]
     if world == 2:
         assert "does not divide num_attention_heads=9" in errors["error_heads"] and errors["untouched"]
+    if world == 1:
+        return
+    hf = {r["hf_quant"]: r for r in results if "hf_quant" in r}
+    assert set(hf) == {"bcq", "codebook", "gptq", "gptq-static-o", "gptq-mlp-bias"}
+    heads = 9 if world % 3 == 0 else 8
+    for quant, r in hf.items():
+        assert r["max_diff"] <= 1e-4 * r["scale"] + 1e-5, (quant, r)
+        assert r["same_text"], quant
+        assert r["q_class"] == ("CodebookLinear" if quant == "codebook" else "BCQLinear")
+        assert r["local_q_rows"] * world == 32 * heads
+        # each rank holds its share of the packed tensors (act_order perms of column-parallel layers are replicated)
+        assert r["ref_packed_bytes"] / world <= r["packed_bytes"] <= 1.15 * r["ref_packed_bytes"] / world, (quant, r)
+    assert hf["bcq"]["all_gather_per_forward"] == hf["codebook"]["all_gather_per_forward"] == 0
+    assert hf["gptq-static-o"]["all_gather_per_forward"] == 0  # act_order everywhere, o_proj static groups
+    assert hf["gptq"]["all_gather_per_forward"] == layers  # global act_order o_proj gathers; down is TP-aware
+    assert hf["gptq-mlp-bias"]["all_gather_per_forward"] == 2 * layers  # biased gate/up: down falls back to Alg. 2
+    assert "cannot quantize on load under tensor parallelism" in errors["hf_error_quantize_on_load"]
+    if world == 2:  # g128 splits evenly in two
+        assert errors["hf_error_split"] == ""
+    else:
+        assert "o_proj: input shard [0, " in errors["hf_error_split"]
+        assert "splits a quantization group of 128" in errors["hf_error_split"]
 
 
 def test_bad_world_sizes_and_group_boundaries_are_rejected():

@@ -141,6 +141,34 @@ def test_config_round_trip():
     assert again.format_config() == cfg.format_config()
 
 
+def test_per_module_configs_are_saved_and_rebuilt(float_llama, tmp_path):
+    fp_model, path = float_llama
+    per = {"*o_proj": QLinearConfig("codebook", bits=2), "*.0.mlp.down_proj": None,
+           "*down_proj": QLinearConfig("bcq", bits=3, group_size=32, iters=0)}
+    cfg = QLinearConfig("bcq", bits=4, group_size=64, per_module=per)
+    again = QLinearConfig(**json.loads(cfg.to_json_string()))
+    assert again.to_dict() == cfg.to_dict() and again.per_module["*.0.mlp.down_proj"] is None
+    assert again.config_for("model.layers.1.mlp.down_proj").format_config().bits == 3
+    model = replace_linear(copy.deepcopy(fp_model), QLinearConfig("bcq", bits=4, group_size=64), per_module=per,
+                           progress=False)
+    kinds = {n: (type(m).__name__, m.config.bits) for n, m in quant_layers(model).items()}
+    assert kinds["model.layers.0.self_attn.o_proj"] == ("CodebookLinear", 2)
+    assert kinds["model.layers.1.mlp.down_proj"] == ("BCQLinear", 3)
+    assert kinds["model.layers.0.mlp.up_proj"] == ("BCQLinear", 4)
+    assert "model.layers.0.mlp.down_proj" not in kinds
+    model.save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert {n: (type(m).__name__, m.config.bits) for n, m in quant_layers(loaded).items()} == kinds
+    assert_same_state(model, loaded)
+    assert torch.equal(logits(model), logits(loaded))
+    on_load = AutoModelForCausalLM.from_pretrained(path, quantization_config=cfg)  # quantize on load, same layers
+    assert_same_state(model, on_load)
+    with pytest.raises(TypeError, match="per_module"):
+        QLinearConfig("bcq", per_module={"*": 4})
+    with pytest.raises(ValueError, match="nesting"):
+        QLinearConfig("bcq", per_module={"*": cfg})
+
+
 # quantize on load ---------------------------------------------------------------------------------
 
 

@@ -3,11 +3,16 @@
 usage: python tests/tp_worker.py RANK WORLD PORT OUT_JSON
 Builds the same small Llama in every rank (9 query / 3 key-value heads, like SmolLM2), quantizes it several
 ways, runs it unsharded, shards it with qlinear.tensor_parallel.parallelize and compares logits, greedy text
-and the number of all-gathers per forward."""
+and the number of all-gathers per forward.  Then (world > 1) rank 0 saves quantized checkpoints and every rank
+loads them with transformers' own tensor-parallel loading (``distributed_config=DistributedConfig(tp_size=W)``)
+and compares with the same checkpoint loaded in one process."""
 
 import datetime
 import json
+import os
 import sys
+import warnings
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -23,32 +28,34 @@ dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank
 torch.set_num_threads(1)
 
 
-def build(quant, heads=None):
+def build(quant, heads=None, group_size=32):
     torch.manual_seed(0)
     heads = heads or ((9, 3) if world % 3 == 0 else (8, 4))  # SmolLM2's 9/3 heads at world size 3
     model = LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=32 * heads[0], intermediate_size=768,
                                          num_hidden_layers=2, num_attention_heads=heads[0], num_key_value_heads=heads[1],
-                                         head_dim=32)).eval()
+                                         head_dim=32, mlp_bias=quant.endswith("mlp-bias"))).eval()
     ids = torch.randint(0, 256, (4, 24), generator=torch.Generator().manual_seed(1))
     if quant == "bcq":
-        qlinear.replace_linear(model, QLinearConfig("bcq", bits=4, group_size=32, iters=1), progress=False)
+        qlinear.replace_linear(model, QLinearConfig("bcq", bits=4, group_size=group_size, iters=1), progress=False)
+    elif quant == "codebook":
+        qlinear.replace_linear(model, QLinearConfig("codebook", bits=2, group_size=group_size), progress=False)
     elif quant.startswith("gptq"):
         H = qlinear.calibrate(model, [ids[i:i + 1] for i in range(4)], progress=False)
-        cfg = QLinearConfig("bcq", bits=4, group_size=32, method="gptq", act_order=True)
-        per = {"*o_proj": QLinearConfig("bcq", bits=4, group_size=32, method="gptq", act_order=True,
-                                        static_groups=quant == "gptq-static-o")}
+        cfg = QLinearConfig("bcq", bits=4, group_size=group_size, method="gptq", act_order=True)
+        per = {"*o_proj": QLinearConfig("bcq", bits=4, group_size=group_size, method="gptq", act_order=True,
+                                        static_groups=True)} if quant == "gptq-static-o" else None
         qlinear.replace_linear(model, cfg, per_module=per, calibration_data=H, progress=False)
     return model, ids
 
 
 results = []
+kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
 cases = [("none", "tp_aware"), ("bcq", "tp_aware"), ("gptq-static-o", "naive"), ("gptq-static-o", "tp_aware"),
          ("gptq", "tp_aware")]
 with torch.no_grad():
     for quant, mode in cases:
         model, ids = build(quant)
         ref = model(ids).logits
-        kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
         ref_gen = model.generate(ids[:1], **kw)
         tp.parallelize(model, mode=mode)
         before = dict(tp.STATS)
@@ -70,6 +77,48 @@ with torch.no_grad():
             tp.parallelize(model)
         except ValueError as e:
             results.append({"error_heads": str(e), "untouched": model.model.layers[0].self_attn.q_proj is q_before})
+
+if world > 1:  # transformers' tensor-parallel loading of saved qlinear checkpoints
+    from transformers import AutoModelForCausalLM
+    from transformers.distributed import DistributedConfig
+
+    root = Path(out).parent / "ckpt"
+    hf_cases = ["bcq", "codebook", "gptq", "gptq-static-o", "gptq-mlp-bias"]
+    if rank == 0:
+        for quant in hf_cases:
+            build(quant)[0].save_pretrained(root / quant)
+        build("bcq", group_size=128)[0].save_pretrained(root / "g128")
+        build("none")[0].save_pretrained(root / "float")
+    dist.barrier()
+    ids = build("none")[1]
+    tp_config = DistributedConfig(tp_size=world)
+    warnings.filterwarnings("ignore")
+    with torch.no_grad():
+        for quant in hf_cases:
+            ref_model = AutoModelForCausalLM.from_pretrained(root / quant)
+            ref, ref_gen = ref_model(ids).logits, ref_model.generate(ids[:1], **kw)
+            model = AutoModelForCausalLM.from_pretrained(root / quant, distributed_config=tp_config)
+            q = model.model.layers[0].self_attn.q_proj
+            before = dict(tp.STATS)
+            logits = model(ids).logits
+            gathers = tp.STATS["all_gather"] - before["all_gather"]
+            results.append({"hf_quant": quant, "max_diff": float((logits - ref).abs().max()),
+                            "scale": float(ref.abs().max()), "all_gather_per_forward": gathers,
+                            "same_text": bool(torch.equal(model.generate(ids[:1], **kw), ref_gen)),
+                            "local_q_rows": q.out_features, "q_class": type(q).__name__,
+                            "packed_bytes": sum(m.memory_footprint() for m in model.modules()
+                                                if isinstance(m, qlinear.QuantLinear)),
+                            "ref_packed_bytes": sum(m.memory_footprint() for m in ref_model.modules()
+                                                    if isinstance(m, qlinear.QuantLinear))})
+        for name, kwargs in (("hf_error_split", {}),
+                             ("hf_error_quantize_on_load", {"quantization_config": QLinearConfig("bcq", bits=4)})):
+            try:
+                AutoModelForCausalLM.from_pretrained(root / ("g128" if name == "hf_error_split" else "float"),
+                                                     distributed_config=tp_config, **kwargs)
+                results.append({name: ""})
+            except ValueError as e:
+                results.append({name: str(e)})
+    dist.barrier()
 dist.destroy_process_group()
 if rank == 0:
     with open(out, "w") as f:

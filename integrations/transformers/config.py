@@ -31,6 +31,10 @@ class QLinearConfig(QuantizationConfigMixin):
             computes XᵀX per layer (:func:`qlinear.calibrate`) and quantizes with it (GPTQ, activation-aware
             BCQ/codebooks, error feedback).  Not saved with the model.
         tokenizer: tokenizer for text ``dataset`` entries (an object, or a name/path for ``AutoTokenizer``).
+        per_module: ``{pattern: QLinearConfig | dict | None}``: the first pattern matching a module's name
+            (:func:`qlinear.replace.matches`) gives its config instead of this one (None keeps it in float),
+            e.g. ``{"*o_proj": QLinearConfig("bcq", method="gptq", act_order=True, static_groups=True)}``.
+            Saved with the model, so ``from_pretrained`` rebuilds the same layers.
         **format_options: the format's other options (see ``qlinear.formats.<format>.Config``),
             e.g. ``iters=8`` (bcq), ``ratio_4bit=0.25`` (mixed), ``num_codebooks=4`` (codebook).
 
@@ -41,8 +45,19 @@ class QLinearConfig(QuantizationConfigMixin):
 
     def __init__(self, format: str = "bcq", bits: Optional[int] = None, group_size: Optional[int] = None,
                  backend: Optional[str] = None, modules_to_not_convert: Optional[list[str]] = None,
-                 dataset: Any = None, tokenizer: Any = None, **format_options: Any):
+                 dataset: Any = None, tokenizer: Any = None, per_module: Optional[dict[str, Any]] = None,
+                 **format_options: Any):
         format_options.pop("quant_method", None)
+        self.per_module = {}
+        for pattern, c in (per_module or {}).items():
+            if isinstance(c, dict):
+                c = QLinearConfig(**c)
+            if c is not None and not isinstance(c, QLinearConfig):
+                raise TypeError(f"per_module[{pattern!r}] must be a QLinearConfig, a dict of its options or None, "
+                                f"got {type(c).__name__}")
+            if c is not None and c.per_module:
+                raise ValueError(f"per_module[{pattern!r}] has its own per_module: nesting is not supported")
+            self.per_module[pattern] = c
         self.dataset, self.tokenizer = dataset, tokenizer
         self.quant_method = QUANT_METHOD
         self.format = format
@@ -63,12 +78,27 @@ class QLinearConfig(QuantizationConfigMixin):
             opts["group_size"] = self.group_size
         return get_format(self.format).Config.from_dict({"format": self.format, **opts})
 
+    def config_for(self, name: str) -> Optional["QLinearConfig"]:
+        """The config of module ``name``: the first matching ``per_module`` entry (None: keep it in float), else
+        this one.  ``modules_to_not_convert`` is the caller's to apply first."""
+        from qlinear.replace import matches
+
+        for pattern, c in self.per_module.items():
+            if matches(name, pattern):
+                return c
+        return self
+
     def to_dict(self) -> dict[str, Any]:
         """What ``save_pretrained`` writes to ``config.json["quantization_config"]``; ``QLinearConfig(**d)``
         rebuilds it."""
-        return {"quant_method": QUANT_METHOD, "format": self.format, "bits": self.bits,
-                "group_size": self.group_size, "backend": self.backend,
-                "modules_to_not_convert": list(self.modules_to_not_convert), **self.format_options}
+        d = {"quant_method": QUANT_METHOD, "format": self.format, "bits": self.bits,
+             "group_size": self.group_size, "backend": self.backend,
+             "modules_to_not_convert": list(self.modules_to_not_convert), **self.format_options}
+        if self.per_module:
+            d["per_module"] = {p: None if c is None else {k: v for k, v in c.to_dict().items()
+                                                          if k not in ("quant_method", "modules_to_not_convert")}
+                               for p, c in self.per_module.items()}
+        return d
 
     def __repr__(self) -> str:
         return f"QLinearConfig({self.to_json_string(use_diff=False).strip()})"

@@ -87,7 +87,7 @@ class QLinearQuantize(ConversionOps):
             linear = nn.Linear(module.in_features, module.out_features, bias=False, device="meta")
             linear.weight = nn.Parameter(weight, requires_grad=False)
             try:
-                q = type(module).from_linear(linear, self.hf_quantizer.quantization_config)
+                q = type(module).from_linear(linear, self.hf_quantizer.quantization_config.config_for(module_name))
             except (ValueError, TypeError) as e:
                 raise type(e)(f"layer {module_name!r} ({module.out_features}x{module.in_features}): {e}") from e
             del module._parameters["weight"]
@@ -155,9 +155,11 @@ class QLinearHfQuantizer(HfQuantizer):
         return (any(matches(name, p) for p in self.quantization_config.modules_to_not_convert)
                 or not should_convert_module(name, self.modules_to_not_convert))
 
-    def _targets(self, model) -> list[tuple[str, nn.Linear]]:
-        return [(name, mod) for name, mod in model.named_modules()
-                if name and is_quantizable_linear(mod) and not self._skip(name)]
+    def _targets(self, model) -> list[tuple[str, nn.Linear, QLinearConfig]]:
+        """``(name, float layer, its config)`` of every layer to quantize (``per_module`` applied)."""
+        found = [(name, mod, self.quantization_config.config_for(name)) for name, mod in model.named_modules()
+                 if name and is_quantizable_linear(mod) and not self._skip(name)]
+        return [t for t in found if t[2] is not None]
 
     def _process_model_before_weight_loading(self, model, checkpoint_files=None, **kwargs):
         fp32 = getattr(model, "_keep_in_fp32_modules", None)
@@ -165,32 +167,55 @@ class QLinearHfQuantizer(HfQuantizer):
         # config's own patterns use qlinear's glob/dotted-name matching (see _skip)
         self.modules_to_not_convert = self.get_modules_to_not_convert(
             model, [], list(fp32) if fp32 else None, add_default_skips=True)
-        fc = self.quantization_config.format_config()
-        self._quantize_after_loading = not self.pre_quantized and (
-            (fc.format == "codebook" and fc.codebook_scope == "model") or self.quantization_config.dataset is not None)
         targets = self._targets(model)
+        model_scope = any(c.format_config().format == "codebook" and c.format_config().codebook_scope == "model"
+                          for _, _, c in targets)
+        self._quantize_after_loading = not self.pre_quantized and (
+            model_scope or self.quantization_config.dataset is not None)
         if not targets:
             warnings.warn(f"qlinear found no nn.Linear layer to quantize in {type(model).__name__} (layers such as "
                           f"GPT-2's Conv1D are not nn.Linear, and modules_to_not_convert / tied or output "
                           f"embeddings are skipped): the model stays in full precision", stacklevel=2)
         if self._quantize_after_loading:
             return model  # shared codebooks need every layer: replace_linear after loading
-        cls = module_class(fc.format)
-        for name, mod in targets:
+        for name, mod, cfg in targets:
             try:
-                q = cls(mod.in_features, mod.out_features, mod.bias is not None, self.quantization_config,
-                        device="meta", dtype=mod.weight.dtype if mod.bias is None else mod.bias.dtype)
+                q = module_class(cfg.format)(mod.in_features, mod.out_features, mod.bias is not None, cfg,
+                                             device="meta", dtype=mod.weight.dtype if mod.bias is None else mod.bias.dtype)
             except ValueError as e:
                 raise ValueError(f"layer {name!r} ({mod.out_features}x{mod.in_features}) cannot be stored in "
-                                 f"format {fc.format!r}: {e}; add it to modules_to_not_convert") from e
+                                 f"format {cfg.format!r}: {e}; add it to modules_to_not_convert") from e
             if not self.pre_quantized:
                 q.weight = nn.Parameter(torch.empty_like(mod.weight, device="meta"), requires_grad=False)
             q.train(mod.training)
+            q._hf_quantized_needs_local_tp = True  # transformers' TP styles then hand it local tensors
             parent_name, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent_name) if parent_name else model, child, q)
         if self.pre_quantized and checkpoint_files:
             self._check_checkpoint(model, checkpoint_files)
         return model
+
+    def update_parallel_plan(self, model, plan: dict[str, str]):
+        """Tensor-parallel loading (``distributed_config=DistributedConfig(tp_size=W)``, or ``tp_plan="auto"``):
+        the plan keeps transformers' own "colwise"/"rowwise" styles, which run each quantized layer on local
+        tensors; the packed tensors are sliced after loading (:func:`qlinear.tensor_parallel.shard_loaded`).
+        Checked here, before any weight is read.
+
+        Raises:
+            ValueError: quantize-on-load under tensor parallelism (quantize and save first), or a quantized layer
+                the plan cannot split (:func:`qlinear.tensor_parallel.check_tp_plan`).
+        """
+        super().update_parallel_plan(model, plan)
+        dc = getattr(model.config, "distributed_config", None)
+        world = getattr(dc, "tp_size", 1) or 1
+        if world <= 1 or plan is not model.tp_plan:
+            return
+        if not self.pre_quantized:
+            raise ValueError("qlinear cannot quantize on load under tensor parallelism: quantize and save_pretrained "
+                             "the model in one process first, then load that checkpoint with the distributed_config")
+        from qlinear.integrations.tensor_parallel import check_tp_plan
+
+        check_tp_plan(model, plan, world)
 
     def _check_checkpoint(self, model, checkpoint_files) -> None:
         """Compare the packed tensors of safetensors checkpoints with the empty modules (headers only)."""
@@ -298,6 +323,10 @@ class QLinearHfQuantizer(HfQuantizer):
         if bad:
             raise ValueError(f"qlinear checkpoint does not match its quantization_config "
                              f"({self.quantization_config.format_config().to_json()}):{_listing(bad)}")
+        if (getattr(model, "tp_size", None) or 1) > 1:
+            from qlinear.integrations.tensor_parallel import shard_loaded
+
+            shard_loaded(model, model.tp_plan, model._mesh_manager.get_mesh("tp").get_group())
         for mod in model.modules():  # tensors were assigned in place: derive each kernel's layout once now
             if isinstance(mod, QuantLinear):
                 mod.repack_for_device()
