@@ -39,3 +39,11 @@ def test_random_quantization_of_a_llama():
     out = model.generate(torch.randint(0, 100, (2, 5)), max_new_tokens=3, min_new_tokens=3, do_sample=False,
                          pad_token_id=0, eos_token_id=None)
     assert out.shape == (2, 8)
+
+
+def test_single_device_act_order_table_runs_on_cpu():
+    from bench_tp import SINGLE_HEADER, single_device_rows
+
+    rows = single_device_rows({"tiny": (256, 384, 128)}, [1, 3], "cpu", reps=1)
+    assert len(rows) == 4 and all(len(r) == len(SINGLE_HEADER) for r in rows)
+    assert all(isinstance(v, float) and v > 0 for r in rows for v in r[5:])
