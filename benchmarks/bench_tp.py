@@ -16,7 +16,7 @@ builds (SIMDe on x86), else the reference backend.
 layer as qlinear runs it (reordered, the kernel or the op gathering ``x[..., perm]``), the same-size layer
 without act_order (the kernel alone), the unreordered g_idx path of a plain PyTorch GPTQ fallback
 (``W = scales[:, g_idx]·(codes − zeros[:, g_idx])`` from unpacked uint8 codes, then a dense matmul, per call)
-and the dense fp16 matmul (cuBLAS on GPU).
+and the dense matmul (fp16 cuBLAS on GPU, fp32 on CPU).
 """
 
 from __future__ import annotations
@@ -144,7 +144,7 @@ def single_device_rows(shapes: dict, batches: list[int], device: str, reps: int 
 
 
 SINGLE_HEADER = ["MLP", "layer", "NxK", "M", "kernel", "act_order reordered (us)", "no act_order (us)",
-                 "g_idx dequant + matmul (us)", "dense fp16 (us)", "act_order / no act_order", "g_idx / reordered"]
+                 "g_idx dequant + matmul (us)", "dense matmul (us)", "act_order / no act_order", "g_idx / reordered"]
 
 
 def main() -> None:
@@ -164,7 +164,8 @@ def main() -> None:
         if args.single.startswith("cuda"):
             from common import gpu_run_header
             print(gpu_run_header()[0])
-        print(f"{datetime.date.today()}, TP=1 on {args.single}, 4-bit g128 act_order")
+        print(f"{datetime.date.today()}, TP=1 on {args.single}, 4-bit g128 act_order, x and dense weight in "
+              f"{'fp16' if args.single.startswith('cuda') else 'fp32'}")
         print(table(SINGLE_HEADER, rows))
         return
 

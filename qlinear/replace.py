@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import fnmatch
 from typing import Any, Mapping, Optional, Sequence
 
@@ -98,11 +99,10 @@ def replace_linear(model: nn.Module, config: Any, *, modules_to_not_convert: Opt
         raise TypeError(f"config must be a qlinear.QLinearConfig, got {type(config).__name__}")
     skip = list(modules_to_not_convert if modules_to_not_convert is not None
                 else getattr(config, "modules_to_not_convert", ["lm_head"]))
-    per_module = dict(per_module if per_module is not None else getattr(config, "per_module", None) or {})
+    from qlinear.integrations.transformers.config import per_module_configs
+
+    per_module = per_module_configs(per_module if per_module is not None else getattr(config, "per_module", None))
     targets = _targets(model, config, skip, per_module)
-    for name, _, cfg in targets:
-        if not hasattr(cfg, "format_config"):
-            raise TypeError(f"per_module config for {name!r} must be a QLinearConfig or None, got {type(cfg).__name__}")
     def quantize(name, mod, cfg, hessian, **kwargs):
         try:
             return module_class(cfg.format).from_linear(mod, cfg, hessian, **kwargs)
@@ -130,7 +130,7 @@ def replace_linear(model: nn.Module, config: Any, *, modules_to_not_convert: Opt
                                  progress=progress)
     books = _shared_codebooks(targets, hessians)
     new = {}
-    for name, mod, cfg in tqdm(targets, desc=f"quantize", disable=not progress):
+    for name, mod, cfg in tqdm(targets, desc="quantize", disable=not progress):
         new[name] = quantize(name, mod, cfg, hessians.get(name), **({"codebooks": books[name]} if name in books else {}))
     for name, q in new.items():
         parent_name, _, child = name.rpartition(".")
@@ -144,6 +144,9 @@ def replace_linear(model: nn.Module, config: Any, *, modules_to_not_convert: Opt
 def _remember_config(model, config, skip, per_module, new) -> None:
     # so that save_pretrained writes the config and from_pretrained rebuilds the same modules
     if hasattr(getattr(model, "config", None), "to_dict") and new:
-        # calibration data and tokenizer are not part of the saved config
-        saved = type(config)(**{**config.to_dict(), "modules_to_not_convert": skip, "per_module": per_module})
+        saved = copy.copy(config)  # calibration data and tokenizer are not part of the saved config
+        saved.format_options, saved.modules_to_not_convert = dict(config.format_options), skip
+        saved.per_module = dict(per_module)
+        if hasattr(saved, "dataset"):
+            saved.dataset = saved.tokenizer = None
         model.config.quantization_config = saved

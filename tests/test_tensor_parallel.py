@@ -73,6 +73,8 @@ def test_sharded_model_matches_single_process(world, tmp_path):
     assert hf["gptq"]["all_gather_per_forward"] == layers  # global act_order o_proj gathers; down is TP-aware
     assert hf["gptq-mlp-bias"]["all_gather_per_forward"] == 2 * layers  # biased gate/up: down falls back to Alg. 2
     assert "cannot quantize on load under tensor parallelism" in errors["hf_error_quantize_on_load"]
+    assert "not serializable" in errors["hf_error_save"]
+    assert "o_proj: style 'rowwise_rep'" in errors["hf_error_override"]
     if world == 2:  # g128 splits evenly in two
         assert errors["hf_error_split"] == ""
     else:

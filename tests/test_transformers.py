@@ -167,6 +167,30 @@ def test_per_module_configs_are_saved_and_rebuilt(float_llama, tmp_path):
         QLinearConfig("bcq", per_module={"*": 4})
     with pytest.raises(ValueError, match="nesting"):
         QLinearConfig("bcq", per_module={"*": cfg})
+    with pytest.raises(ValueError, match="calibration data"):
+        QLinearConfig("bcq", per_module={"*": QLinearConfig("bcq", dataset=[TOKENS])})
+
+
+def test_per_module_order_survives_saving(float_llama, tmp_path):
+    """The first matching pattern wins, and config.json is written with sorted keys: the order must be kept."""
+    fp_model, _ = float_llama
+    per = {"*down_proj": QLinearConfig("bcq", bits=3, group_size=32, iters=0), "*.0.mlp.down_proj": None}
+    model = replace_linear(copy.deepcopy(fp_model), QLinearConfig("bcq", bits=4, group_size=64), per_module=per,
+                           progress=False)
+    assert "model.layers.0.mlp.down_proj" in quant_layers(model)  # "*down_proj" comes first
+    model.save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert list(loaded.config.quantization_config.per_module) == list(per)
+    assert_same_state(model, loaded)
+
+
+def test_bad_per_module_leaves_the_model_untouched(float_llama):
+    fp_model, _ = float_llama
+    model = copy.deepcopy(fp_model)
+    nested = QLinearConfig("bcq", per_module={"*q_proj": None})
+    with pytest.raises(ValueError, match="nesting"):
+        replace_linear(model, QLinearConfig("bcq"), per_module={"*o_proj": nested}, progress=False)
+    assert not quant_layers(model) and getattr(model.config, "quantization_config", None) is None
 
 
 # quantize on load ---------------------------------------------------------------------------------

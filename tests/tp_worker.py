@@ -110,11 +110,18 @@ if world > 1:  # transformers' tensor-parallel loading of saved qlinear checkpoi
                                                 if isinstance(m, qlinear.QuantLinear)),
                             "ref_packed_bytes": sum(m.memory_footprint() for m in ref_model.modules()
                                                     if isinstance(m, qlinear.QuantLinear))})
-        for name, kwargs in (("hf_error_split", {}),
-                             ("hf_error_quantize_on_load", {"quantization_config": QLinearConfig("bcq", bits=4)})):
+        try:
+            model.save_pretrained(root / f"resave{rank}")
+            results.append({"hf_error_save": ""})
+        except ValueError as e:
+            results.append({"hf_error_save": str(e)})
+        rep = DistributedConfig(tp_size=world, tp_plan={"model.layers.*.self_attn.o_proj": "rowwise_rep"})
+        for name, src, kwargs in (("hf_error_split", "g128", {"distributed_config": tp_config}),
+                                  ("hf_error_quantize_on_load", "float",
+                                   {"distributed_config": tp_config, "quantization_config": QLinearConfig("bcq")}),
+                                  ("hf_error_override", "bcq", {"distributed_config": rep})):
             try:
-                AutoModelForCausalLM.from_pretrained(root / ("g128" if name == "hf_error_split" else "float"),
-                                                     distributed_config=tp_config, **kwargs)
+                AutoModelForCausalLM.from_pretrained(root / src, **kwargs)
                 results.append({name: ""})
             except ValueError as e:
                 results.append({name: str(e)})

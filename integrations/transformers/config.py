@@ -16,6 +16,34 @@ from qlinear.formats import FormatConfig, get_format
 QUANT_METHOD = "qlinear"
 
 
+def per_module_configs(per_module: Any) -> dict[str, Optional["QLinearConfig"]]:
+    """``{pattern: QLinearConfig or None}`` in match order from a dict or a list of ``(pattern, config)`` pairs
+    whose configs are QLinearConfigs, dicts of their options or None.
+
+    Raises:
+        TypeError: an entry that is none of those.
+        ValueError: an entry with its own ``per_module`` or calibration data (those belong to the top level).
+    """
+    items = per_module.items() if isinstance(per_module, dict) else (per_module or [])
+    out: dict[str, Optional[QLinearConfig]] = {}
+    for item in items:
+        if not (isinstance(item, (tuple, list)) and len(item) == 2 and isinstance(item[0], str)):
+            raise TypeError(f"per_module must map name patterns to configs, got the entry {item!r}")
+        pattern, c = item
+        if isinstance(c, dict):
+            c = QLinearConfig(**c)
+        if c is not None and not isinstance(c, QLinearConfig):
+            raise TypeError(f"per_module[{pattern!r}] must be a QLinearConfig, a dict of its options or None, "
+                            f"got {type(c).__name__}")
+        if c is not None and c.per_module:
+            raise ValueError(f"per_module[{pattern!r}] has its own per_module: nesting is not supported")
+        if c is not None and (c.dataset is not None or c.tokenizer is not None):
+            raise ValueError(f"per_module[{pattern!r}] has calibration data: pass dataset/tokenizer on the "
+                             f"top-level config (or calibration_data= to replace_linear), which calibrates every layer")
+        out[pattern] = c
+    return out
+
+
 class QLinearConfig(QuantizationConfigMixin):
     """Quantization config for qlinear.
 
@@ -31,10 +59,11 @@ class QLinearConfig(QuantizationConfigMixin):
             computes XᵀX per layer (:func:`qlinear.calibrate`) and quantizes with it (GPTQ, activation-aware
             BCQ/codebooks, error feedback).  Not saved with the model.
         tokenizer: tokenizer for text ``dataset`` entries (an object, or a name/path for ``AutoTokenizer``).
-        per_module: ``{pattern: QLinearConfig | dict | None}``: the first pattern matching a module's name
-            (:func:`qlinear.replace.matches`) gives its config instead of this one (None keeps it in float),
-            e.g. ``{"*o_proj": QLinearConfig("bcq", method="gptq", act_order=True, static_groups=True)}``.
-            Saved with the model, so ``from_pretrained`` rebuilds the same layers.
+        per_module: ``{pattern: QLinearConfig | dict | None}`` (or a list of ``[pattern, config]`` pairs): the
+            first pattern, in order, matching a module's name (:func:`qlinear.replace.matches`) gives its config
+            instead of this one (None keeps it in float), e.g.
+            ``{"*o_proj": QLinearConfig("bcq", method="gptq", act_order=True, static_groups=True)}``.  Saved
+            with the model (as an ordered list), so ``from_pretrained`` rebuilds the same layers.
         **format_options: the format's other options (see ``qlinear.formats.<format>.Config``),
             e.g. ``iters=8`` (bcq), ``ratio_4bit=0.25`` (mixed), ``num_codebooks=4`` (codebook).
 
@@ -45,19 +74,10 @@ class QLinearConfig(QuantizationConfigMixin):
 
     def __init__(self, format: str = "bcq", bits: Optional[int] = None, group_size: Optional[int] = None,
                  backend: Optional[str] = None, modules_to_not_convert: Optional[list[str]] = None,
-                 dataset: Any = None, tokenizer: Any = None, per_module: Optional[dict[str, Any]] = None,
+                 dataset: Any = None, tokenizer: Any = None, per_module: Any = None,
                  **format_options: Any):
         format_options.pop("quant_method", None)
-        self.per_module = {}
-        for pattern, c in (per_module or {}).items():
-            if isinstance(c, dict):
-                c = QLinearConfig(**c)
-            if c is not None and not isinstance(c, QLinearConfig):
-                raise TypeError(f"per_module[{pattern!r}] must be a QLinearConfig, a dict of its options or None, "
-                                f"got {type(c).__name__}")
-            if c is not None and c.per_module:
-                raise ValueError(f"per_module[{pattern!r}] has its own per_module: nesting is not supported")
-            self.per_module[pattern] = c
+        self.per_module = per_module_configs(per_module)
         self.dataset, self.tokenizer = dataset, tokenizer
         self.quant_method = QUANT_METHOD
         self.format = format
@@ -94,10 +114,10 @@ class QLinearConfig(QuantizationConfigMixin):
         d = {"quant_method": QUANT_METHOD, "format": self.format, "bits": self.bits,
              "group_size": self.group_size, "backend": self.backend,
              "modules_to_not_convert": list(self.modules_to_not_convert), **self.format_options}
-        if self.per_module:
-            d["per_module"] = {p: None if c is None else {k: v for k, v in c.to_dict().items()
-                                                          if k not in ("quant_method", "modules_to_not_convert")}
-                               for p, c in self.per_module.items()}
+        if self.per_module:  # a list: config.json is written with sorted keys, and the first match wins
+            d["per_module"] = [[p, None if c is None else {k: v for k, v in c.to_dict().items()
+                                                           if k not in ("quant_method", "modules_to_not_convert")}]
+                               for p, c in self.per_module.items()]
         return d
 
     def __repr__(self) -> str:

@@ -108,9 +108,14 @@ class QLinearHfQuantizer(HfQuantizer):
         super().__init__(quantization_config, **kwargs)
         self.modules_to_not_convert: list[str] = []
         self._quantize_after_loading = False
+        self._tp_sharded = False
 
     # capabilities ---------------------------------------------------------------------------------
     def is_serializable(self, *args, **kwargs) -> bool:
+        if self._tp_sharded:  # each rank holds plain local slices, which transformers' save would not gather
+            warnings.warn("qlinear cannot save a model loaded tensor-parallel: each rank holds only its slice of the "
+                          "packed tensors; save from a single-process load instead", stacklevel=2)
+            return False
         return True
 
     @property
@@ -199,7 +204,8 @@ class QLinearHfQuantizer(HfQuantizer):
         """Tensor-parallel loading (``distributed_config=DistributedConfig(tp_size=W)``, or ``tp_plan="auto"``):
         the plan keeps transformers' own "colwise"/"rowwise" styles, which run each quantized layer on local
         tensors; the packed tensors are sliced after loading (:func:`qlinear.tensor_parallel.shard_loaded`).
-        Checked here, before any weight is read.
+        Checked here, before any weight is read, against the model's plan with the ``DistributedConfig``'s
+        ``tp_plan`` override applied.  A model loaded this way cannot be saved (``is_serializable`` is False).
 
         Raises:
             ValueError: quantize-on-load under tensor parallelism (quantize and save first), or a quantized layer
@@ -215,6 +221,9 @@ class QLinearHfQuantizer(HfQuantizer):
                              "the model in one process first, then load that checkpoint with the distributed_config")
         from qlinear.integrations.tensor_parallel import check_tp_plan
 
+        override = getattr(dc, "tp_plan", None)  # merged into the plan by transformers after this hook
+        if isinstance(override, dict):
+            plan = {**plan, **override} if override else {}
         check_tp_plan(model, plan, world)
 
     def _check_checkpoint(self, model, checkpoint_files) -> None:
@@ -327,6 +336,7 @@ class QLinearHfQuantizer(HfQuantizer):
             from qlinear.integrations.tensor_parallel import shard_loaded
 
             shard_loaded(model, model.tp_plan, model._mesh_manager.get_mesh("tp").get_group())
+            self._tp_sharded = True
         for mod in model.modules():  # tensors were assigned in place: derive each kernel's layout once now
             if isinstance(mod, QuantLinear):
                 mod.repack_for_device()
