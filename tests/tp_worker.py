@@ -1,15 +1,15 @@
 """One rank of the tensor-parallel tests (run by tests/test_tensor_parallel.py in a subprocess per rank).
 
-usage: python tests/tp_worker.py RANK WORLD PORT OUT_JSON
+usage: python tests/tp_worker.py RANK WORLD PORT OUT_JSON [CHECKPOINT IDS_PT]
 Builds the same small Llama in every rank (9 query / 3 key-value heads, like SmolLM2), quantizes it several
 ways, runs it unsharded, shards it with qlinear.tensor_parallel.parallelize and compares logits, greedy text
 and the number of all-gathers per forward.  Then (world > 1) rank 0 saves quantized checkpoints and every rank
 loads them with transformers' own tensor-parallel loading (``distributed_config=DistributedConfig(tp_size=W)``)
-and compares with the same checkpoint loaded in one process."""
+and compares with the same checkpoint loaded in one process.  With CHECKPOINT and IDS_PT (a saved token-id
+tensor) only that comparison runs, on that checkpoint (the real SmolLM2 test)."""
 
 import datetime
 import json
-import os
 import sys
 import warnings
 from pathlib import Path
@@ -50,9 +50,13 @@ def build(quant, heads=None, group_size=32):
 
 results = []
 kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+checkpoint_mode = len(sys.argv) > 5
 cases = [("none", "tp_aware"), ("bcq", "tp_aware"), ("gptq-static-o", "naive"), ("gptq-static-o", "tp_aware"),
          ("gptq", "tp_aware")]
-with torch.no_grad():
+
+
+def parallelize_cases():
+    """qlinear.tensor_parallel.parallelize on models in memory: logits, greedy text, all-gathers, bad input."""
     for quant, mode in cases:
         model, ids = build(quant)
         ref = model(ids).logits
@@ -78,53 +82,67 @@ with torch.no_grad():
         except ValueError as e:
             results.append({"error_heads": str(e), "untouched": model.model.layers[0].self_attn.q_proj is q_before})
 
+
+if not checkpoint_mode:
+    with torch.no_grad():
+        parallelize_cases()
+
+
+def hf_compare(path, ids, label, tp_config):
+    """Load ``path`` in one process and tensor-parallel; logits, greedy text, all-gathers and packed bytes."""
+    from transformers import AutoModelForCausalLM
+
+    ref_model = AutoModelForCausalLM.from_pretrained(path)
+    ref, ref_gen = ref_model(ids).logits, ref_model.generate(ids[:1], **kw)
+    model = AutoModelForCausalLM.from_pretrained(path, distributed_config=tp_config)
+    q = model.model.layers[0].self_attn.q_proj
+    before = dict(tp.STATS)
+    logits = model(ids).logits
+    gathers = tp.STATS["all_gather"] - before["all_gather"]
+    packed = lambda m: sum(x.memory_footprint() for x in m.modules() if isinstance(x, qlinear.QuantLinear))
+    return model, {"hf_quant": label, "max_diff": float((logits - ref).abs().max()), "scale": float(ref.abs().max()),
+                   "all_gather_per_forward": gathers, "same_text": bool(torch.equal(model.generate(ids[:1], **kw), ref_gen)),
+                   "local_q_rows": q.out_features, "q_class": type(q).__name__, "packed_bytes": packed(model),
+                   "ref_packed_bytes": packed(ref_model)}
+
+
 if world > 1:  # transformers' tensor-parallel loading of saved qlinear checkpoints
     from transformers import AutoModelForCausalLM
     from transformers.distributed import DistributedConfig
 
+    tp_config = DistributedConfig(tp_size=world)
+    warnings.filterwarnings("ignore")
     root = Path(out).parent / "ckpt"
-    hf_cases = ["bcq", "codebook", "gptq", "gptq-static-o", "gptq-mlp-bias"]
+    hf_cases = [] if checkpoint_mode else ["bcq", "codebook", "gptq", "gptq-static-o", "gptq-mlp-bias"]
     if rank == 0:
         for quant in hf_cases:
             build(quant)[0].save_pretrained(root / quant)
-        build("bcq", group_size=128)[0].save_pretrained(root / "g128")
-        build("none")[0].save_pretrained(root / "float")
+        if hf_cases:
+            build("bcq", group_size=128)[0].save_pretrained(root / "g128")
+            build("none")[0].save_pretrained(root / "float")
     dist.barrier()
-    ids = build("none")[1]
-    tp_config = DistributedConfig(tp_size=world)
-    warnings.filterwarnings("ignore")
     with torch.no_grad():
+        if checkpoint_mode:
+            results.append(hf_compare(sys.argv[5], torch.load(sys.argv[6]), "checkpoint", tp_config)[1])
         for quant in hf_cases:
-            ref_model = AutoModelForCausalLM.from_pretrained(root / quant)
-            ref, ref_gen = ref_model(ids).logits, ref_model.generate(ids[:1], **kw)
-            model = AutoModelForCausalLM.from_pretrained(root / quant, distributed_config=tp_config)
-            q = model.model.layers[0].self_attn.q_proj
-            before = dict(tp.STATS)
-            logits = model(ids).logits
-            gathers = tp.STATS["all_gather"] - before["all_gather"]
-            results.append({"hf_quant": quant, "max_diff": float((logits - ref).abs().max()),
-                            "scale": float(ref.abs().max()), "all_gather_per_forward": gathers,
-                            "same_text": bool(torch.equal(model.generate(ids[:1], **kw), ref_gen)),
-                            "local_q_rows": q.out_features, "q_class": type(q).__name__,
-                            "packed_bytes": sum(m.memory_footprint() for m in model.modules()
-                                                if isinstance(m, qlinear.QuantLinear)),
-                            "ref_packed_bytes": sum(m.memory_footprint() for m in ref_model.modules()
-                                                    if isinstance(m, qlinear.QuantLinear))})
-        try:
-            model.save_pretrained(root / f"resave{rank}")
-            results.append({"hf_error_save": ""})
-        except ValueError as e:
-            results.append({"hf_error_save": str(e)})
-        rep = DistributedConfig(tp_size=world, tp_plan={"model.layers.*.self_attn.o_proj": "rowwise_rep"})
-        for name, src, kwargs in (("hf_error_split", "g128", {"distributed_config": tp_config}),
-                                  ("hf_error_quantize_on_load", "float",
-                                   {"distributed_config": tp_config, "quantization_config": QLinearConfig("bcq")}),
-                                  ("hf_error_override", "bcq", {"distributed_config": rep})):
+            model, r = hf_compare(root / quant, build("none")[1], quant, tp_config)
+            results.append(r)
+        if hf_cases:
             try:
-                AutoModelForCausalLM.from_pretrained(root / src, **kwargs)
-                results.append({name: ""})
+                model.save_pretrained(root / f"resave{rank}")
+                results.append({"hf_error_save": ""})
             except ValueError as e:
-                results.append({name: str(e)})
+                results.append({"hf_error_save": str(e)})
+            rep = DistributedConfig(tp_size=world, tp_plan={"model.layers.*.self_attn.o_proj": "rowwise_rep"})
+            for name, src, kwargs in (("hf_error_split", "g128", {"distributed_config": tp_config}),
+                                      ("hf_error_quantize_on_load", "float",
+                                       {"distributed_config": tp_config, "quantization_config": QLinearConfig("bcq")}),
+                                      ("hf_error_override", "bcq", {"distributed_config": rep})):
+                try:
+                    AutoModelForCausalLM.from_pretrained(root / src, **kwargs)
+                    results.append({name: ""})
+                except ValueError as e:
+                    results.append({name: str(e)})
     dist.barrier()
 dist.destroy_process_group()
 if rank == 0:
