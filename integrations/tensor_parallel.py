@@ -25,9 +25,10 @@ row split is the natural one; ``per_module={"*o_proj": ...}``).  Its cost, measu
 global permutation falls back to gathering the attention output (counted in :data:`STATS`).
 
 transformers' own tensor-parallel loading (``from_pretrained(..., distributed_config=DistributedConfig(tp_size=W))``)
-of a saved qlinear checkpoint goes through :func:`check_tp_plan` (before any weight is read) and
-:func:`shard_loaded` (after loading), called by the qlinear quantizer; both cut layers with the same helpers as
-:func:`parallelize`.
+of a saved qlinear checkpoint goes through :func:`check_tp_plan` and :func:`load_shards` (before any weight is
+read: each rank reads only its slices) or, for checkpoints qlinear cannot index, :func:`shard_loaded` (after a
+full load), called by the qlinear quantizer; :func:`plan_shards` decides the slices for both, and they are cut
+with the same helpers as :func:`parallelize`.
 
 Source: Megatron-LM (Shoeybi et al. 2019) for the layer split; "TP-Aware Dequantization" (Hoque et al. 2024)
 for the act_order algorithms.
@@ -45,7 +46,8 @@ from torch import nn
 
 from qlinear.formats.packing import pack, unpack
 
-__all__ = ["parallelize", "shard_rows", "shard_inputs", "RowParallel", "STATS", "check_tp_plan", "shard_loaded"]
+__all__ = ["parallelize", "shard_rows", "shard_inputs", "RowParallel", "STATS", "check_tp_plan", "plan_shards",
+           "load_shards", "finish_load_shards", "shard_loaded", "add_gather_hooks"]
 
 STATS = {"all_gather": 0, "all_reduce": 0, "bytes": 0}  # collectives issued by this process since import
 
@@ -278,48 +280,117 @@ def _gather_hook(index: torch.Tensor, group):
     return hook
 
 
-def shard_loaded(model: nn.Module, plan: dict[str, str], group) -> None:
-    """Shard, in place, the quantized layers of a model transformers loaded with a tensor-parallel plan (called by
-    the qlinear quantizer after loading; every rank holds the full packed tensors at that point).
+def plan_shards(model: nn.Module, plan: dict[str, str], world: int, rank: int, perm_of) -> dict[str, tuple]:
+    """What rank ``rank`` of ``world`` keeps of every quantized layer a transformers ``tp_plan`` names:
+    ``{name: ("rows", rows)}`` for "colwise" layers and ``{name: ("inputs", start, end, gather)}`` for "rowwise"
+    ones, ``gather`` being the ``perm`` block to index the all-gathered input by, or None.
 
-    Each QuantLinear the plan names keeps its module object (transformers' "colwise"/"rowwise" forward wrappers
-    sit on it and do the communication, through its ``_hf_quantized_needs_local_tp`` local path) and takes over
-    its slice, cut by the same code as :func:`parallelize`: "colwise" a contiguous block of output features,
-    "rowwise" a contiguous block of stored inputs.  act_order, as in :func:`parallelize` "tp_aware": where a
-    "rowwise" ``down_proj`` holds a permutation P2 and its sibling ``gate_proj``/``up_proj`` are quantized,
-    "colwise" and bias-free, they take P2's block as their output rows, so no all-gather is needed.  Any other
-    row-parallel act_order layer (an imported o_proj, a down_proj next to float or biased gate/up, whose bias
-    transformers has already sharded in natural order) all-gathers its input and indexes it by its block of
-    ``perm`` (Alg. 2), counted in :data:`STATS`.
+    "colwise" takes a contiguous block of output features and "rowwise" one of stored inputs.  act_order, as in
+    :func:`parallelize` "tp_aware": where a "rowwise" ``down_proj`` holds a permutation P2 and its sibling
+    ``gate_proj``/``up_proj`` are quantized, "colwise" and bias-free, they take P2's block as their rows and
+    down needs no gather.  Any other row-parallel act_order layer (an imported o_proj, a down_proj next to float
+    or biased gate/up, whose bias transformers shards in natural order) gathers (Alg. 2).
+
+    Args:
+        perm_of: ``perm_of(name)`` -> the layer's act_order permutation (int64 ``[K]``) or None.
 
     Raises:
         ValueError: as :func:`check_tp_plan`.
     """
     QuantLinear = _quant()[0]
-    W, r = dist.get_world_size(group), dist.get_rank(group)
+    check_tp_plan(model, plan, world)
     mods = dict(model.named_modules())
-    check_tp_plan(model, plan, W)
     styles = {n: s for n, m in mods.items() if isinstance(m, QuantLinear) and (s := _plan_style(n, plan))}
+    perms = {n: perm_of(n) for n, s in styles.items() if s == "rowwise"}
     rows_of, aware = {}, set()
     for name, style in styles.items():
         parent, _, leaf = name.rpartition(".")
-        p2 = _perm(mods[name]) if (style, leaf) == ("rowwise", "down_proj") else None
+        p2 = perms[name] if (style, leaf) == ("rowwise", "down_proj") else None
         sibs = [f"{parent}.gate_proj", f"{parent}.up_proj"]
         if p2 is not None and all(styles.get(s) == "colwise" and mods[s].bias is None for s in sibs):
-            n = mods[name].in_features // W
-            rows_of.update(dict.fromkeys(sibs, p2[r * n:(r + 1) * n]))
+            n = mods[name].in_features // world
+            rows_of.update(dict.fromkeys(sibs, p2[rank * n:(rank + 1) * n]))
             aware.add(name)
+    specs = {}
     for name, style in styles.items():
         mod = mods[name]
         if style == "colwise":
-            n = mod.out_features // W
-            rows = rows_of.get(name, torch.arange(r * n, (r + 1) * n))
-            new = type(mod).from_packed(_rows_packed(mod, rows), mod.in_features, n, mod.config, backend=mod.backend)
+            n = mod.out_features // world
+            specs[name] = ("rows", rows_of.get(name, torch.arange(rank * n, (rank + 1) * n)))
         else:
-            n = mod.in_features // W
-            perm = _perm(mod)
-            packed, cfg = _inputs_packed(mod, r * n, (r + 1) * n)
-            new = type(mod).from_packed(packed, n, mod.out_features, cfg, backend=mod.backend)
-            if perm is not None and name not in aware:
-                mod.register_forward_pre_hook(_gather_hook(perm[r * n:(r + 1) * n], group))
-        mod.adopt(new)
+            n = mod.in_features // world
+            perm = perms[name]
+            gather = None if perm is None or name in aware else perm[rank * n:(rank + 1) * n]
+            specs[name] = ("inputs", rank * n, (rank + 1) * n, gather)
+    return specs
+
+
+def _local_layer(layer, spec: tuple, backend: Optional[str]):
+    """The slice ``spec`` (of :func:`plan_shards`) of QuantLinear ``layer``, without bias."""
+    if spec[0] == "rows":
+        return type(layer).from_packed(_rows_packed(layer, spec[1]), layer.in_features, len(spec[1]), layer.config,
+                                       backend=backend)
+    packed, cfg = _inputs_packed(layer, spec[1], spec[2])
+    return type(layer).from_packed(packed, spec[2] - spec[1], layer.out_features, cfg, backend=backend)
+
+
+def add_gather_hooks(model: nn.Module, specs: dict[str, tuple], group) -> None:
+    """Register the Alg. 2 input all-gather on the row-parallel layers of ``specs`` that need one."""
+    for name, spec in specs.items():
+        if spec[0] == "inputs" and spec[3] is not None:
+            model.get_submodule(name).register_forward_pre_hook(_gather_hook(spec[3], group))
+
+
+def shard_loaded(model: nn.Module, plan: dict[str, str], group) -> dict[str, tuple]:
+    """Shard, in place, the quantized layers of a model transformers loaded with a tensor-parallel plan while
+    every rank holds the full packed tensors (the qlinear quantizer's fallback when it could not read the shards
+    from safetensors files itself, :func:`load_shards`).  Each QuantLinear keeps its module object
+    (transformers' "colwise"/"rowwise" forward wrappers sit on it and do the communication through its
+    ``_hf_quantized_needs_local_tp`` local path) and takes over its slice (:func:`plan_shards`), cut by the same
+    helpers as :func:`parallelize`.  Returns the specs.
+
+    Raises:
+        ValueError: as :func:`check_tp_plan`.
+    """
+    mods = dict(model.named_modules())
+    specs = plan_shards(model, plan, dist.get_world_size(group), dist.get_rank(group), lambda n: _perm(mods[n]))
+    for name, spec in specs.items():
+        mods[name].adopt(_local_layer(mods[name], spec, mods[name].backend))
+    add_gather_hooks(model, specs, group)
+    return specs
+
+
+def load_shards(model: nn.Module, plan: dict[str, str], world: int, rank: int, read) -> dict[str, tuple]:
+    """Before transformers loads the weights: give each quantized layer a tensor-parallel plan names only its
+    slice (:func:`plan_shards`), read from the checkpoint one layer at a time, so a rank never holds more than its
+    shards plus one full layer.  The sliced buffers are left out of the layers' state dicts for the duration of
+    the load, so transformers skips the checkpoint's full tensors (the caller ignores them as unexpected keys and
+    calls :func:`finish_load_shards` afterwards).  Returns the specs, for :func:`add_gather_hooks`.
+
+    Args:
+        read: ``read(name)`` -> the full canonical packed tensors of layer ``name``, by buffer name.
+
+    Raises:
+        ValueError: as :func:`check_tp_plan`.
+    """
+    mods = dict(model.named_modules())
+
+    def perm_of(name):
+        return read(name)["perm"].long() if "perm" in mods[name]._specs else None
+
+    specs = plan_shards(model, plan, world, rank, perm_of)
+    for name, spec in specs.items():
+        meta = mods[name]
+        full = type(meta).from_packed(read(name), meta.in_features, meta.out_features, meta.config, backend="reference")
+        meta.adopt(_local_layer(full, spec, meta.backend))
+        meta.packed_in_state_dict = False
+    return specs
+
+
+def finish_load_shards(model: nn.Module, specs: dict[str, tuple], device) -> None:
+    """After loading: the layers :func:`load_shards` sliced move to ``device`` and show their packed buffers in
+    their state dicts again."""
+    for name in specs:
+        mod = model.get_submodule(name)
+        mod.packed_in_state_dict = True
+        mod.to(device)

@@ -9,7 +9,6 @@ scales stay bit-exact.
 
 from __future__ import annotations
 
-import math
 import warnings
 from typing import Any, ClassVar, Optional
 
@@ -64,6 +63,9 @@ class QuantLinear(nn.Module):
     """
 
     format: ClassVar[str] = ""
+    #: whether ``state_dict()`` includes the packed buffers (False only while a loader fills them itself,
+    #: e.g. :func:`qlinear.tensor_parallel.load_shards`)
+    packed_in_state_dict: bool = True
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, config: Any = None, *,
                  backend: Optional[str] = None, device=None, dtype=None):
@@ -218,7 +220,7 @@ class QuantLinear(nn.Module):
 
     # checkpoints always hold the canonical layout -------------------------------------------------
     def _save_to_state_dict(self, destination, prefix, keep_vars):
-        for name, t in self.canonical().items():
+        for name, t in (self.canonical() if self.packed_in_state_dict else {}).items():
             destination[prefix + name] = t if keep_vars else t.detach()
         packed = {n: self._buffers.pop(n) for n in self._packed_names}
         try:

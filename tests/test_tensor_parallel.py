@@ -60,7 +60,9 @@ def test_sharded_model_matches_single_process(world, tmp_path):
     if world == 1:
         return
     hf = {r["hf_quant"]: r for r in results if "hf_quant" in r}
-    assert set(hf) == {"bcq", "codebook", "gptq", "gptq-static-o", "gptq-mlp-bias"}
+    assert set(hf) == {"bcq", "codebook", "gptq", "gptq-static-o", "gptq-mlp-bias", "gptq-full-load"}
+    # each rank read only its slices from the safetensors files, except in the whole-load fallback
+    assert {k: r["read_shards"] for k, r in hf.items()} == {k: k != "gptq-full-load" for k in hf}
     heads = 9 if world % 3 == 0 else 8
     for quant, r in hf.items():
         assert r["max_diff"] <= 1e-4 * r["scale"] + 1e-5, (quant, r)
@@ -72,6 +74,7 @@ def test_sharded_model_matches_single_process(world, tmp_path):
     assert hf["bcq"]["all_gather_per_forward"] == hf["codebook"]["all_gather_per_forward"] == 0
     assert hf["gptq-static-o"]["all_gather_per_forward"] == 0  # act_order everywhere, o_proj static groups
     assert hf["gptq"]["all_gather_per_forward"] == layers  # global act_order o_proj gathers; down is TP-aware
+    assert hf["gptq-full-load"]["all_gather_per_forward"] == layers
     assert hf["gptq-mlp-bias"]["all_gather_per_forward"] == 2 * layers  # biased gate/up: down falls back to Alg. 2
     assert "cannot quantize on load under tensor parallelism" in errors["hf_error_quantize_on_load"]
     assert "not serializable" in errors["hf_error_save"]
@@ -126,5 +129,5 @@ def test_smollm2_checkpoint_loads_tensor_parallel_at_world_3(tmp_path):
     (r,) = _run(3, tmp_path, str(tmp_path / "smollm2"), str(tmp_path / "ids.pt"))
     assert r["max_diff"] <= 1e-4 * r["scale"] + 1e-5, r
     assert r["same_text"] and r["q_class"] == "BCQLinear" and r["local_q_rows"] == 576 // 3
-    assert r["all_gather_per_forward"] == 0  # TP-aware MLPs, static-group o_proj
+    assert r["all_gather_per_forward"] == 0 and r["read_shards"]  # TP-aware MLPs, static-group o_proj
     assert r["ref_packed_bytes"] / 3 <= r["packed_bytes"] <= 1.15 * r["ref_packed_bytes"] / 3, r

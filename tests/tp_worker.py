@@ -103,7 +103,7 @@ def hf_compare(path, ids, label, tp_config):
     return model, {"hf_quant": label, "max_diff": float((logits - ref).abs().max()), "scale": float(ref.abs().max()),
                    "all_gather_per_forward": gathers, "same_text": bool(torch.equal(model.generate(ids[:1], **kw), ref_gen)),
                    "local_q_rows": q.out_features, "q_class": type(q).__name__, "packed_bytes": packed(model),
-                   "ref_packed_bytes": packed(ref_model)}
+                   "ref_packed_bytes": packed(ref_model), "read_shards": model.hf_quantizer._tp_specs is not None}
 
 
 if world > 1:  # transformers' tensor-parallel loading of saved qlinear checkpoints
@@ -127,6 +127,15 @@ if world > 1:  # transformers' tensor-parallel loading of saved qlinear checkpoi
         for quant in hf_cases:
             model, r = hf_compare(root / quant, build("none")[1], quant, tp_config)
             results.append(r)
+        if hf_cases:  # the fallback for checkpoints qlinear cannot index (not safetensors): load whole, then slice
+            from qlinear.integrations.transformers.quantizer import QLinearHfQuantizer
+
+            check = QLinearHfQuantizer._check_checkpoint
+            QLinearHfQuantizer._check_checkpoint = lambda self, model, files: None
+            try:
+                results.append(hf_compare(root / "gptq", build("none")[1], "gptq-full-load", tp_config)[1])
+            finally:
+                QLinearHfQuantizer._check_checkpoint = check
         if hf_cases:
             try:
                 model.save_pretrained(root / f"resave{rank}")

@@ -109,6 +109,8 @@ class QLinearHfQuantizer(HfQuantizer):
         self.modules_to_not_convert: list[str] = []
         self._quantize_after_loading = False
         self._tp_sharded = False
+        self._checkpoint_index: dict[str, dict[str, tuple[str, str]]] = {}  # module -> tensor -> (file, key)
+        self._tp_specs: Optional[dict] = None  # layers load_shards sliced before loading
 
     # capabilities ---------------------------------------------------------------------------------
     def is_serializable(self, *args, **kwargs) -> bool:
@@ -203,9 +205,12 @@ class QLinearHfQuantizer(HfQuantizer):
     def update_parallel_plan(self, model, plan: dict[str, str]):
         """Tensor-parallel loading (``distributed_config=DistributedConfig(tp_size=W)``, or ``tp_plan="auto"``):
         the plan keeps transformers' own "colwise"/"rowwise" styles, which run each quantized layer on local
-        tensors; the packed tensors are sliced after loading (:func:`qlinear.tensor_parallel.shard_loaded`).
-        Checked here, before any weight is read, against the model's plan with the ``DistributedConfig``'s
-        ``tp_plan`` override applied.  A model loaded this way cannot be saved (``is_serializable`` is False).
+        tensors (``_hf_quantized_needs_local_tp``).  Checked here, before any weight is read, against the model's
+        plan with the ``DistributedConfig``'s ``tp_plan`` override applied.  From a safetensors checkpoint each
+        rank then reads only its slices, one layer at a time (:func:`qlinear.tensor_parallel.load_shards`), and
+        transformers is told to skip the full packed tensors; otherwise the full tensors load and are sliced
+        afterwards (:func:`qlinear.tensor_parallel.shard_loaded`).  A model loaded this way cannot be saved
+        (``is_serializable`` is False).
 
         Raises:
             ValueError: quantize-on-load under tensor parallelism (quantize and save first), or a quantized layer
@@ -225,6 +230,32 @@ class QLinearHfQuantizer(HfQuantizer):
         if isinstance(override, dict):
             plan = {**plan, **override} if override else {}
         check_tp_plan(model, plan, world)
+        layers = {n: m for n, m in model.named_modules() if isinstance(m, QuantLinear)}
+        if layers and all(set(m._specs) <= set(self._checkpoint_index.get(n, ())) for n, m in layers.items()):
+            # safetensors: read only this rank's slices
+            import re
+
+            import torch.distributed as dist
+            from qlinear.integrations.tensor_parallel import load_shards
+
+            bufs = "|".join(sorted({b for m in layers.values() for b in m._specs}))
+            with torch.device("cpu"):  # this hook runs under transformers' meta-device init context
+                self._tp_specs = load_shards(model, plan, world, dist.get_rank() % world, self._read_layer)
+            if self._tp_specs:  # transformers must not load the full tensors over the slices
+                names = "|".join(re.escape(n) for n in self._tp_specs)
+                model._keys_to_ignore_on_load_unexpected = set(model._keys_to_ignore_on_load_unexpected or ()) | {
+                    rf"(^|\.)({names})\.({bufs})$"}
+
+    def _read_layer(self, name: str) -> dict[str, torch.Tensor]:
+        """The packed tensors of quantized layer ``name``, read from the safetensors checkpoint."""
+        from safetensors import safe_open
+
+        out = {}
+        for buf, (path, key) in self._checkpoint_index[name].items():
+            if buf != "bias":
+                with safe_open(path, framework="pt") as f:
+                    out[buf] = f.get_tensor(key)
+        return out
 
     def _check_checkpoint(self, model, checkpoint_files) -> None:
         """Compare the packed tensors of safetensors checkpoints with the empty modules (headers only)."""
@@ -248,6 +279,8 @@ class QLinearHfQuantizer(HfQuantizer):
                         name = key
                     sl = f.get_slice(key)
                     found[name] = (tuple(sl.get_shape()), sl.get_dtype(), key)
+                    module_name, _, tensor_name = name.rpartition(".")
+                    self._checkpoint_index.setdefault(module_name, {})[tensor_name] = (str(path), key)
         by_module: dict[str, set[str]] = {}
         for key in found:
             module_name, _, tensor_name = key.rpartition(".")
@@ -327,15 +360,24 @@ class QLinearHfQuantizer(HfQuantizer):
                 t = held[buf]
                 if tuple(t.shape) != tuple(shape) or t.dtype != dt:
                     bad.append(f"{name}.{buf}: loaded {t.dtype} {list(t.shape)}, expected {dt} {list(shape)}")
-                elif check_loaded and (t.device.type == "meta" or not getattr(t, "_is_hf_initialized", False)):
+                elif check_loaded and name not in (self._tp_specs or {}) and (  # those were read by load_shards
+                        t.device.type == "meta" or not getattr(t, "_is_hf_initialized", False)):
                     bad.append(f"{name}.{buf}: missing from the checkpoint")
         if bad:
             raise ValueError(f"qlinear checkpoint does not match its quantization_config "
                              f"({self.quantization_config.format_config().to_json()}):{_listing(bad)}")
         if (getattr(model, "tp_size", None) or 1) > 1:
-            from qlinear.integrations.tensor_parallel import shard_loaded
+            from qlinear.integrations import tensor_parallel as tp
 
-            shard_loaded(model, model.tp_plan, model._mesh_manager.get_mesh("tp").get_group())
+            mesh = model._mesh_manager.get_mesh("tp")
+            if self._tp_specs is None:
+                tp.shard_loaded(model, model.tp_plan, mesh.get_group())
+            else:
+                if mesh.get_local_rank() != torch.distributed.get_rank() % mesh.size():
+                    raise RuntimeError("qlinear sliced the layers for another tensor-parallel rank than transformers' "
+                                       "mesh gives this process; load with tp as the innermost mesh dimension")
+                tp.finish_load_shards(model, self._tp_specs, next(model.parameters()).device)
+                tp.add_gather_hooks(model, self._tp_specs, mesh.get_group())
             self._tp_sharded = True
         for mod in model.modules():  # tensors were assigned in place: derive each kernel's layout once now
             if isinstance(mod, QuantLinear):
