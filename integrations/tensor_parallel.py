@@ -368,7 +368,7 @@ def load_shards(model: nn.Module, plan: dict[str, str], world: int, rank: int, r
     calls :func:`finish_load_shards` afterwards).  Returns the specs, for :func:`add_gather_hooks`.
 
     Args:
-        read: ``read(name)`` -> the full canonical packed tensors of layer ``name``, by buffer name.
+        read: ``read(name, buffers)`` -> the full canonical packed tensors ``buffers`` of layer ``name``, by name.
 
     Raises:
         ValueError: as :func:`check_tp_plan`.
@@ -376,12 +376,12 @@ def load_shards(model: nn.Module, plan: dict[str, str], world: int, rank: int, r
     mods = dict(model.named_modules())
 
     def perm_of(name):
-        return read(name)["perm"].long() if "perm" in mods[name]._specs else None
+        return read(name, ["perm"])["perm"].long() if "perm" in mods[name]._specs else None
 
     specs = plan_shards(model, plan, world, rank, perm_of)
     for name, spec in specs.items():
         meta = mods[name]
-        full = type(meta).from_packed(read(name), meta.in_features, meta.out_features, meta.config, backend="reference")
+        full = type(meta).from_packed(read(name, list(meta._specs)), meta.in_features, meta.out_features, meta.config, backend="reference")
         meta.adopt(_local_layer(full, spec, meta.backend))
         meta.packed_in_state_dict = False
     return specs

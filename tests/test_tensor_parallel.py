@@ -60,13 +60,14 @@ def test_sharded_model_matches_single_process(world, tmp_path):
     if world == 1:
         return
     hf = {r["hf_quant"]: r for r in results if "hf_quant" in r}
-    assert set(hf) == {"bcq", "codebook", "gptq", "gptq-static-o", "gptq-mlp-bias", "gptq-full-load"}
+    assert set(hf) == {"bcq", "codebook", "gptq", "gptq-static-o", "gptq-mlp-bias", "gptq-full-load", "gptq-base"}
     # each rank read only its slices from the safetensors files, except in the whole-load fallback
     assert {k: r["read_shards"] for k, r in hf.items()} == {k: k != "gptq-full-load" for k in hf}
     heads = 9 if world % 3 == 0 else 8
     for quant, r in hf.items():
         assert r["max_diff"] <= 1e-4 * r["scale"] + 1e-5, (quant, r)
         assert r["same_text"], quant
+        assert r["unexpected"] == [], (quant, r["unexpected"])  # the full packed tensors skipped without a word
         assert r["q_class"] == ("CodebookLinear" if quant == "codebook" else "BCQLinear")
         assert r["local_q_rows"] * world == 32 * heads
         # each rank holds its share of the packed tensors (act_order perms of column-parallel layers are replicated)

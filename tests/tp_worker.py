@@ -88,20 +88,25 @@ if not checkpoint_mode:
         parallelize_cases()
 
 
-def hf_compare(path, ids, label, tp_config):
-    """Load ``path`` in one process and tensor-parallel; logits, greedy text, all-gathers and packed bytes."""
+def hf_compare(path, ids, label, tp_config, base=False):
+    """Load ``path`` in one process and tensor-parallel; logits (``base``: the decoder's hidden states, for a
+    checkpoint saved from the base model, whose lm_head is then random), greedy text, all-gathers, packed bytes
+    and unexpected checkpoint keys."""
     from transformers import AutoModelForCausalLM
 
     ref_model = AutoModelForCausalLM.from_pretrained(path)
-    ref, ref_gen = ref_model(ids).logits, ref_model.generate(ids[:1], **kw)
-    model = AutoModelForCausalLM.from_pretrained(path, distributed_config=tp_config)
+    out = (lambda m: m.model(ids).last_hidden_state) if base else (lambda m: m(ids).logits)
+    ref = out(ref_model)
+    ref_gen = None if base else ref_model.generate(ids[:1], **kw)
+    model, info = AutoModelForCausalLM.from_pretrained(path, distributed_config=tp_config, output_loading_info=True)
     q = model.model.layers[0].self_attn.q_proj
     before = dict(tp.STATS)
-    logits = model(ids).logits
+    logits = out(model)
     gathers = tp.STATS["all_gather"] - before["all_gather"]
     packed = lambda m: sum(x.memory_footprint() for x in m.modules() if isinstance(x, qlinear.QuantLinear))
+    same = True if base else bool(torch.equal(model.generate(ids[:1], **kw), ref_gen))
     return model, {"hf_quant": label, "max_diff": float((logits - ref).abs().max()), "scale": float(ref.abs().max()),
-                   "all_gather_per_forward": gathers, "same_text": bool(torch.equal(model.generate(ids[:1], **kw), ref_gen)),
+                   "all_gather_per_forward": gathers, "same_text": same, "unexpected": sorted(info["unexpected_keys"]),
                    "local_q_rows": q.out_features, "q_class": type(q).__name__, "packed_bytes": packed(model),
                    "ref_packed_bytes": packed(ref_model), "read_shards": model.hf_quantizer._tp_specs is not None}
 
@@ -118,6 +123,7 @@ if world > 1:  # transformers' tensor-parallel loading of saved qlinear checkpoi
         for quant in hf_cases:
             build(quant)[0].save_pretrained(root / quant)
         if hf_cases:
+            build("gptq")[0].model.save_pretrained(root / "gptq-base")  # keys without the "model." prefix
             build("bcq", group_size=128)[0].save_pretrained(root / "g128")
             build("none")[0].save_pretrained(root / "float")
     dist.barrier()
@@ -136,6 +142,7 @@ if world > 1:  # transformers' tensor-parallel loading of saved qlinear checkpoi
                 results.append(hf_compare(root / "gptq", build("none")[1], "gptq-full-load", tp_config)[1])
             finally:
                 QLinearHfQuantizer._check_checkpoint = check
+            results.append(hf_compare(root / "gptq-base", build("none")[1], "gptq-base", tp_config, base=True)[1])
         if hf_cases:
             try:
                 model.save_pretrained(root / f"resave{rank}")

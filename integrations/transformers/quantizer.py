@@ -238,23 +238,27 @@ class QLinearHfQuantizer(HfQuantizer):
             import torch.distributed as dist
             from qlinear.integrations.tensor_parallel import load_shards
 
-            bufs = "|".join(sorted({b for m in layers.values() for b in m._specs}))
+            bufs = {n: "|".join(m._specs) for n, m in layers.items()}  # each layer's own tensors, before slicing
             with torch.device("cpu"):  # this hook runs under transformers' meta-device init context
                 self._tp_specs = load_shards(model, plan, world, dist.get_rank() % world, self._read_layer)
             if self._tp_specs:  # transformers must not load the full tensors over the slices
-                names = "|".join(re.escape(n) for n in self._tp_specs)
+                # without the base model's prefix: a base-model checkpoint's keys keep theirs unprefixed
+                base = f"{model.base_model_prefix}."
+                by_bufs: dict[str, list[str]] = {}
+                for n in self._tp_specs:
+                    by_bufs.setdefault(bufs[n], []).append(re.escape(n.removeprefix(base)))
                 model._keys_to_ignore_on_load_unexpected = set(model._keys_to_ignore_on_load_unexpected or ()) | {
-                    rf"(^|\.)({names})\.({bufs})$"}
+                    rf"(^|\.)({'|'.join(names)})\.({b})$" for b, names in by_bufs.items()}
 
-    def _read_layer(self, name: str) -> dict[str, torch.Tensor]:
-        """The packed tensors of quantized layer ``name``, read from the safetensors checkpoint."""
+    def _read_layer(self, name: str, buffers: list[str]) -> dict[str, torch.Tensor]:
+        """Packed tensors ``buffers`` of quantized layer ``name``, read from the safetensors checkpoint."""
         from safetensors import safe_open
 
         out = {}
-        for buf, (path, key) in self._checkpoint_index[name].items():
-            if buf != "bias":
-                with safe_open(path, framework="pt") as f:
-                    out[buf] = f.get_tensor(key)
+        for buf in buffers:
+            path, key = self._checkpoint_index[name][buf]
+            with safe_open(path, framework="pt") as f:
+                out[buf] = f.get_tensor(key)
         return out
 
     def _check_checkpoint(self, model, checkpoint_files) -> None:
