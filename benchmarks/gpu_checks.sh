@@ -2,7 +2,7 @@
 # Every GPU check the CUDA backends (cuda_lut, quick, async_dequant) still need, for the device tool
 # (each device call is limited to 10 minutes, so the work is split into stages; run them in order):
 #   bash benchmarks/gpu_checks.sh build      # JIT-build the three extensions (cached in .qlinear-cache: carry it)
-#   bash benchmarks/gpu_checks.sh test       # GPU tests of every backend
+#   bash benchmarks/gpu_checks.sh test [kernels|rest]  # GPU tests of every backend (all, or in two halves)
 #   bash benchmarks/gpu_checks.sh sanitize   # compute-sanitizer memcheck + racecheck over one run of each kernel
 #   bash benchmarks/gpu_checks.sh bench      # bench_gemv.py (LUT + mixed rows) and bench_gemm.py
 #   bash benchmarks/gpu_checks.sh tune       # tune_dispatch.py: writes backends/dispatch/<gpu>.json
@@ -11,7 +11,10 @@
 #   bash benchmarks/gpu_checks.sh quick      # build + tests + the --quick benchmarks, one short call
 # Outputs land in $OUT (or ./gpu-out) for benchmarks/RESULTS.md.  GemLite is installed from wheels/ if present
 # (there is no internet on the GPU machine: build it here with
-#  `pip wheel --no-deps --no-build-isolation gemlite==0.6.0.post2 -w wheels/` and carry wheels/ and .qlinear-cache).
+#  `pip wheel --no-deps --no-build-isolation gemlite==0.6.0.post2 -w wheels/` and carry wheels/).
+# Seen on the H100 (2026-11-23): the build takes ~50 s (carrying a .qlinear-cache from another machine does not
+# save it); `test` needs more than one 10-minute call (88 % done after 400 s with -n 4; the two
+# test_compile_fullgraph_matches_eager cases take 67 s each), so run it as `test kernels` then `test rest`.
 set -u
 STAGE=${1:-quick}
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
@@ -23,20 +26,29 @@ TESTS="tests/test_cuda_lut.py tests/test_quick.py tests/test_async_dequant.py te
 
 build() {
   nvidia-smi --query-gpu=name,clocks.max.sm,clocks.max.mem --format=csv | tee "$OUT/gpu.txt"
-  for b in $BACKENDS; do
-    python3 -c "from qlinear.backends import $b; print('$b build:', $b.available() or 'ok')" 2>&1 | tee -a "$OUT/build.txt"
+  for b in $BACKENDS; do  # concurrently: each build is mostly one long nvcc process
+    python3 -c "from qlinear.backends import $b; print('$b build:', $b.available() or 'ok')" >"$OUT/build_$b.txt" 2>&1 &
   done
+  wait; cat "$OUT"/build_*.txt
 }
-tests() { python3 -m pytest -q $TESTS 2>&1 | tail -25 | tee "$OUT/pytest_gpu.txt"; }
+# the full log goes to $OUT (a run stopped at its time limit still returns it); -n 4 when pytest-xdist is there
+tests() {
+  case "${1:-all}" in
+    kernels) files="tests/test_cuda_lut.py tests/test_quick.py tests/test_async_dequant.py" ;;
+    rest) files="tests/test_dispatch.py tests/test_modules.py" ;;
+    *) files=$TESTS ;;
+  esac
+  python3 -c "import xdist" 2>/dev/null && XDIST="-n 4" || XDIST=""
+  python3 -m pytest -q -rfEs --durations=15 -p no:cacheprovider $XDIST $files >"$OUT/pytest_gpu_${1:-all}.txt" 2>&1
+  tail -40 "$OUT/pytest_gpu_${1:-all}.txt"
+}
 sanitize() {
   for tool in memcheck racecheck; do
-    compute-sanitizer --tool $tool --error-exitcode 9 python3 -m pytest -q -x tests/test_cuda_lut.py \
-      -k "kernel_matches and 576 and 128 and float16 and 4" 2>&1 | tail -4 | tee -a "$OUT/sanitizer.txt"
-    compute-sanitizer --tool $tool --error-exitcode 9 python3 -m pytest -q -x tests/test_quick.py \
-      -k "kernel_matches and 576 and 4 and 128 and float16" 2>&1 | tail -4 | tee -a "$OUT/sanitizer.txt"
-    compute-sanitizer --tool $tool --error-exitcode 9 python3 -m pytest -q -x tests/test_async_dequant.py \
-      -k "kernel_matches and 576-576 or without_4bit and 576-576 or separate and 576-576" 2>&1 | tail -4 \
-      | tee -a "$OUT/sanitizer.txt"
+    for b in $BACKENDS; do
+      timeout 120 compute-sanitizer --tool $tool --error-exitcode 9 python3 -m pytest -q -x -p no:cacheprovider \
+        tests/test_$b.py -k "kernel_matches and 576-576 and dtype0" >"$OUT/${tool}_$b.txt" 2>&1
+      echo "$tool $b: rc $? $(grep -E 'passed|ERROR SUMMARY' "$OUT/${tool}_$b.txt" | tr '\n' ' ')"
+    done
   done
   # SASS of the mixed GEMV (sync mode must issue its code loads after the scale math) and of the QUICK GEMM
   for b in async_dequant quick; do
@@ -46,7 +58,7 @@ sanitize() {
 
 case "$STAGE" in
   build) build ;;
-  test) tests ;;
+  test) tests "${2:-all}" ;;
   sanitize) sanitize ;;
   bench)
     python3 benchmarks/bench_gemv.py --markdown "$OUT/bench_gemv.md" 2>&1 | tail -5

@@ -98,3 +98,20 @@ def test_malformed_table_is_a_clear_error(fake_gpu):
 def test_default_table_is_valid_and_used_for_unknown_gpus():
     assert dispatch.table_path("Some Future GPU").name == "default.json"
     assert dispatch.entries("Some Future GPU") == ()
+
+
+@pytest.mark.parametrize("path", sorted(dispatch._HERE.glob("*.json")), ids=lambda p: p.name)
+def test_committed_tables_name_registered_kernels_of_their_layout(path):
+    """Every measured table in the repository parses, was written for the GPU its file name says, and each plan
+    names kernels that are registered for the entry's format and read the layout the entry holds."""
+    data = json.loads(path.read_text())
+    if data["device"] != "default":
+        assert dispatch.device_table_path(data["device"]) == path
+    for e in dispatch.entries(data["device"]) if data["device"] != "default" else ():
+        by_name = {k.backend: k for k in backends.kernels(e["format"])}
+        assert e["plan"] and e["plan"][-1][0] is None, f"{path.name}: plan of {e} must end with a catch-all"
+        for max_batch, name in e["plan"]:
+            assert name in by_name, f"{path.name}: {name} is not a registered {e['format']} kernel"
+            assert (by_name[name].layout.name if by_name[name].layout else "") == e["layout"], (path.name, name)
+            cap = by_name[name].max_batch
+            assert cap is None or (max_batch is not None and max_batch <= cap), f"{path.name}: {name} beyond M={cap}"
