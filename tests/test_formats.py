@@ -8,7 +8,7 @@ import torch
 
 from conftest import random_hessian
 from qlinear.formats import bcq, bits_per_weight, codebook, config_from_dict, mixed, uniform
-from qlinear.formats.packing import unpack, unpack_planes
+from qlinear.formats.packing import pack_planes, unpack, unpack_planes
 
 N, K = 96, 256
 
@@ -72,6 +72,29 @@ def test_bcq_dequant_matches_float64_formula():
     alpha = b["alpha"].double().repeat_interleave(64, 2)
     ref = (alpha * signs).sum(0) + b["offset"].double().repeat_interleave(64, 1)
     assert torch.allclose(bcq.dequantize(b, cfg, N, K).double(), ref, atol=1e-7, rtol=0)
+
+
+@pytest.mark.parametrize("bits", range(1, 9))
+@pytest.mark.parametrize("group_size,K", [(32, 96), (64, 160), (128, 256), (-1, 128)])
+@pytest.mark.parametrize("offset", [False, True])
+def test_bcq_dequant_is_the_float32_plane_sum_bit_for_bit(bits, group_size, K, offset):
+    """Both dequantization paths (levels looked up when 2^q <= group_size, planes summed per weight otherwise) give
+    exactly ``((α_1 b_1 + α_2 b_2) + ...) + c`` in float32, ragged last groups and non-contiguous α included."""
+    N, cfg = 24, bcq.Config(bits=bits, group_size=group_size, offset=offset)
+    g = cfg.group(K)
+    G = -(-K // g)
+    codes = torch.randint(0, 1 << bits, (N, K))
+    b = {"planes": pack_planes(codes, bits), "alpha": (torch.randn(bits, G, N) * 0.1).half().transpose(1, 2)}
+    if offset:
+        b["offset"] = (torch.randn(N, G) * 0.1).half()
+    alpha = b["alpha"].float().repeat_interleave(g, 2)[:, :, :K]
+    ref = alpha[0] * (((codes >> 0) & 1) * 2 - 1)
+    for i in range(1, bits):
+        ref = ref + alpha[i] * (((codes >> i) & 1) * 2 - 1)
+    if offset:
+        ref = ref + b["offset"].float().repeat_interleave(g, 1)[:, :K]
+    out = bcq.dequantize(b, cfg, N, K)
+    assert out.dtype == torch.float32 and out.shape == (N, K) and torch.equal(out, ref)
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4])

@@ -2,7 +2,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from qlinear.formats.packing import pack, pack_planes, packed_len, unpack, unpack_planes
+from qlinear.formats.packing import pack, pack_planes, packed_len, unpack, unpack_planes, unpack_u8
 
 
 @settings(max_examples=60, deadline=None)
@@ -23,6 +23,28 @@ def test_planes_roundtrip_bit_exact(bits, rows, words, seed):
     planes = pack_planes(codes, bits)
     assert planes.shape == (bits, rows, words) and planes.dtype == torch.int32
     assert torch.equal(unpack_planes(planes, 32 * words), codes)
+
+
+@settings(max_examples=60, deadline=None)
+@given(bits=st.integers(1, 8), rows=st.integers(1, 4), n=st.integers(1, 100), seed=st.integers(0, 2**16),
+       transposed=st.booleans())
+def test_unpack_u8_is_unpack_in_bytes(bits, rows, n, seed, transposed):
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 1 << bits, (rows, n), generator=g)
+    words = pack(codes, bits)
+    if transposed:  # a non-contiguous view of the same words
+        words = words.T.contiguous().T
+    out = unpack_u8(words, bits, n)
+    assert out.dtype == torch.uint8 and out.shape == (rows, n) and torch.equal(out.long(), codes)
+    planes = pack_planes(codes, bits)
+    assert torch.equal(unpack_planes(planes, n, torch.uint8).long(), codes)
+
+
+def test_unpack_u8_rejects_bad_input():
+    with pytest.raises(ValueError, match="1..8"):
+        unpack_u8(torch.zeros(1, 1, dtype=torch.int32), 9, 1)
+    with pytest.raises(TypeError, match="int32"):
+        unpack_u8(torch.zeros(1, 1, dtype=torch.int64), 2, 1)
 
 
 def test_pack_layout_little_endian():

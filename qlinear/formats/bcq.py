@@ -330,20 +330,31 @@ def quantize(weight: torch.Tensor, cfg: Config, hessian: torch.Tensor | None = N
 
 
 def dequantize(buffers: dict[str, torch.Tensor], cfg: Config, out_features: int, in_features: int) -> torch.Tensor:
-    """Dense weight ``[N, K]`` float32 from BCQ buffers."""
-    g = cfg.group(in_features)
-    K = in_features
-    planes = buffers["planes"]
-    shifts = torch.arange(32, dtype=torch.int32, device=planes.device)
-    signs = ((planes.unsqueeze(-1) >> shifts) & 1).reshape(cfg.bits, out_features, K).to(torch.float32) * 2 - 1
-    alpha = buffers["alpha"].to(torch.float32)
+    """Dense weight ``[N, K]`` float32 from BCQ buffers: ``Σ_i α_i b_i`` summed in plane order, plus the offset.
+
+    The codes are unpacked to one byte per weight; when a group's ``2^q`` levels are no more than its weights, the
+    levels are computed once per (row, group) and each weight is one lookup, else the planes are summed per weight
+    (the same float32 sums either way).
+    """
+    g, K, N, q = cfg.group(in_features), in_features, out_features, cfg.bits
+    codes = unpack_planes(buffers["planes"], K, torch.uint8)
+    alpha = buffers["alpha"].to(torch.float32).contiguous()
     G = alpha.shape[2]
-    # broadcast α per group instead of materialising it per input (a ragged last group is padded)
-    signs = torch.nn.functional.pad(signs, (0, G * g - K)).view(cfg.bits, out_features, G, g)
-    w = (alpha[..., None] * signs).sum(0)
+    codes = torch.nn.functional.pad(codes, (0, G * g - K)).view(N, G, g)  # a ragged last group is padded
+    if (1 << q) <= g:
+        levels = torch.arange(1 << q, device=codes.device)
+        terms = alpha[..., None] * (((levels >> torch.arange(q, device=codes.device)[:, None]) & 1) * 2 - 1)[:, None, None]
+    else:
+        terms = alpha[..., None] * (((codes >> torch.arange(q, device=codes.device).view(q, 1, 1, 1)) & 1) * 2 - 1)
+    w = terms[0]
+    for i in range(1, q):
+        w = w + terms[i]
     if cfg.offset:
-        w += buffers["offset"].to(torch.float32)[..., None]
-    w = w.view(out_features, G * g)[:, :K]
+        w = w + buffers["offset"].to(torch.float32)[..., None]
+    if (1 << q) <= g:  # w holds the levels [N, G, 2^q]: look each weight up
+        base = (torch.arange(N * G, device=codes.device, dtype=torch.int32) << q).view(N, G, 1)
+        w = w.reshape(-1).index_select(0, codes.to(torch.int32).add_(base).reshape(-1)).view(N, G, g)
+    w = w.reshape(N, G * g)[:, :K]
     if "perm" in buffers:  # stored position j is input column perm[j]
         out = torch.empty_like(w)
         out[:, buffers["perm"].long()] = w

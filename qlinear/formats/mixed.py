@@ -49,7 +49,7 @@ import torch
 
 from . import uniform
 from .base import BufferSpecs, FormatConfig, fp16_round
-from .packing import pack, packed_len, unpack
+from .packing import pack, packed_len, unpack, unpack_u8
 
 NAME = "mixed"
 _CLIP = tuple(1.0 - 0.05 * i for i in range(10))
@@ -338,8 +338,8 @@ def dequantize(buffers: dict[str, torch.Tensor], cfg: Config, out_features: int,
         n = idx.numel()
         if n == 0:
             continue
-        codes = unpack(buffers[qw], bits, n * g).reshape(N, n, g).to(torch.float32)
-        z = unpack(buffers[zw], bits, n).to(torch.float32)
+        codes = unpack_u8(buffers[qw], bits, n * g).reshape(N, n, g).to(torch.float32)
+        z = unpack_u8(buffers[zw], bits, n).to(torch.float32)
         vals = scales[:, idx, None] * (codes - z[:, :, None])
         w.view(N, G, g)[:, idx] = vals
     vals = buffers["outlier_values"]

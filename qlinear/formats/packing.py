@@ -14,9 +14,12 @@ consecutive codes per int32 word.  This is the BCQ storage of LUT-GEMM (Park et 
 
 from __future__ import annotations
 
+import functools
+import sys
+
 import torch
 
-__all__ = ["pack", "unpack", "pack_planes", "unpack_planes", "packed_len"]
+__all__ = ["pack", "unpack", "unpack_u8", "pack_planes", "unpack_planes", "packed_len"]
 
 
 def _check_bits(bits: int) -> int:
@@ -60,6 +63,31 @@ def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     return _to_int32((stream.reshape(*c.shape[:-1], -1, 32) << torch.arange(32, device=c.device)).sum(-1))
 
 
+@functools.lru_cache(maxsize=None)
+def _byte_table(bits: int, device: torch.device) -> torch.Tensor:
+    """uint8 ``[256, 8 // bits]``: the codes a byte holds, lowest bits first."""
+    t = torch.arange(256, dtype=torch.int32)[:, None] >> (torch.arange(8 // bits, dtype=torch.int32) * bits)
+    return (t & ((1 << bits) - 1)).to(torch.uint8).to(device)
+
+
+def unpack_u8(words: torch.Tensor, bits: int, n: int) -> torch.Tensor:
+    """:func:`unpack` into uint8 codes ``[..., n]`` for ``bits`` 1..8: the dequantization paths' form, one byte per
+    code instead of eight.  Widths dividing 8 read each byte of the stream through a 256-entry table.
+
+    Raises:
+        ValueError: ``bits`` outside 1..8.  TypeError: ``words`` is not int32.
+    """
+    if not 1 <= bits <= 8:
+        raise ValueError(f"unpack_u8 needs bits in 1..8, got {bits}")
+    if words.dtype != torch.int32:
+        raise TypeError(f"packed words must be int32, got {words.dtype}")
+    if 8 % bits or sys.byteorder != "little":  # memory byte order is the stream's order only on little-endian hosts
+        return unpack(words, bits, n).to(torch.uint8)
+    stream = words.contiguous().view(torch.uint8)  # [..., 4w]: byte k holds stream bits 8k..8k+7
+    codes = _byte_table(bits, words.device).index_select(0, stream.reshape(-1).to(torch.int32))
+    return codes.reshape(*words.shape[:-1], -1)[..., :n]
+
+
 def unpack(words: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     """Inverse of :func:`pack`: int32 ``[..., w]`` -> int64 codes ``[..., n]`` in ``[0, 2**bits)``.
 
@@ -69,6 +97,8 @@ def unpack(words: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     _check_bits(bits)
     if words.dtype != torch.int32:
         raise TypeError(f"packed words must be int32, got {words.dtype}")
+    if 8 % bits == 0:
+        return unpack_u8(words, bits, n).to(torch.int64)
     if 32 % bits == 0:
         shifts = torch.arange(32 // bits, device=words.device, dtype=torch.int32) * bits
         # int32 arithmetic shifts sign-extend; the mask keeps only the code's own bits
@@ -91,7 +121,11 @@ def pack_planes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     return torch.stack([pack((c >> i) & 1, 1) for i in range(bits)])
 
 
-def unpack_planes(planes: torch.Tensor, n: int) -> torch.Tensor:
-    """Inverse of :func:`pack_planes`: int32 ``[bits, N, w]`` -> int64 codes ``[N, n]``."""
-    weights = 2 ** torch.arange(planes.shape[0], device=planes.device)
-    return (unpack(planes, 1, n) * weights[:, None, None]).sum(0)
+def unpack_planes(planes: torch.Tensor, n: int, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """Inverse of :func:`pack_planes`: int32 ``[bits, N, w]`` -> codes ``[N, n]`` of ``dtype`` (int64, or uint8 for
+    the dequantization paths)."""
+    bits = unpack_u8(planes, 1, n)
+    codes = bits[0].clone()
+    for i in range(1, planes.shape[0]):
+        codes |= bits[i] << i
+    return codes.to(dtype)
