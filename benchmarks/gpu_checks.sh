@@ -8,6 +8,7 @@
 #   bash benchmarks/gpu_checks.sh tune       # tune_dispatch.py: writes backends/dispatch/<gpu>.json
 #   bash benchmarks/gpu_checks.sh e2e        # bench_e2e.py
 #   bash benchmarks/gpu_checks.sh tp         # bench_tp.py --single cuda: act_order reordered vs the g_idx path
+#   bash benchmarks/gpu_checks.sh sweep      # sweep_plans.py: every launch around plan() of the LUT GEMV and QUICK
 #   bash benchmarks/gpu_checks.sh quick      # build + tests + the --quick benchmarks, one short call
 # Outputs land in $OUT (or ./gpu-out) for benchmarks/RESULTS.md.  GemLite is installed from wheels/ if present
 # (there is no internet on the GPU machine: build it here with
@@ -66,9 +67,10 @@ case "$STAGE" in
   tune) python3 benchmarks/tune_dispatch.py 2>&1 | tail -5; cp backends/dispatch/*.json "$OUT/" ;;
   e2e) python3 benchmarks/bench_e2e.py --markdown "$OUT/bench_e2e.md" 2>&1 | tail -15 ;;
   tp) python3 benchmarks/bench_tp.py --single cuda 2>&1 | tee "$OUT/bench_tp_single.md" | tail -25 ;;
+  sweep) timeout 560 python3 benchmarks/sweep_plans.py --markdown "$OUT/sweep_plans.md" 2>&1 | tail -60 ;;
   quick)
     build; tests
     python3 benchmarks/bench_gemv.py --quick --markdown "$OUT/bench_gemv.md" 2>&1 | tail -12
     python3 benchmarks/bench_gemm.py --quick --markdown "$OUT/bench_gemm.md" 2>&1 | tail -12 ;;
-  *) echo "unknown stage $STAGE (build|test|sanitize|bench|tune|e2e|tp|quick)"; exit 2 ;;
+  *) echo "unknown stage $STAGE (build|test|sanitize|bench|tune|e2e|tp|sweep|quick)"; exit 2 ;;
 esac

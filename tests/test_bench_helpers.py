@@ -47,3 +47,31 @@ def test_single_device_act_order_table_runs_on_cpu():
     rows = single_device_rows({"tiny": (256, 384, 128)}, [1, 3], "cpu", reps=1)
     assert len(rows) == 4 and all(len(r) == len(SINGLE_HEADER) for r in rows)
     assert all(isinstance(v, float) and v > 0 for r in rows for v in r[5:])
+
+
+def test_sweep_launch_grids_are_valid_launches():
+    """Every launch benchmarks/sweep_plans.py times is one the kernels accept: LUT launches give the heuristic's
+    result under the kernel's executable spec, QUICK launches cover K's tiles exactly once (the binding's check)."""
+    import sweep_plans
+    from qlinear.backends import cuda_lut, quick
+    from qlinear.ops import to_layout
+
+    N, K = 256, 576
+    cfg, (canon,) = uniform_bcq_sets(N, K, 4, 64, "", 1, device="cpu")
+    bufs = to_layout(dict(zip(qlinear.ops._names("bcq", cfg.to_json(), N, K), canon)), cfg,
+                     qlinear.backends.get_layout("cuda_lut"), N, K)
+    for M in (1, 4, 8):
+        x = torch.randn(M, K)
+        launches = sweep_plans.lut_launches(M, N, K, 132)
+        assert launches[0] == cuda_lut.plan(M, N, K, 132) and len(set(launches)) == len(launches) > 10
+        want = cuda_lut.spec(x, bufs, None, cfg, N, K, launches[0])
+        for launch in launches:
+            kt, threads, per, splits = launch
+            assert M * kt <= 256 and (splits - 1) * per < -(-K // kt) <= splits * per, launch
+            got = cuda_lut.spec(x, bufs, None, cfg, N, K, launch)
+            assert ((got - want).abs().max() / want.abs().max()) < 1e-5, launch
+    for M in (1, 16, 64, 256):
+        launches = sweep_plans.quick_launches(M, 8192, 8192, 132)
+        assert launches[0] == quick.plan(M, 8192, 8192, 132) and len(set(launches)) == len(launches) > 10
+        for tile_m, per, splits in launches:
+            assert tile_m in (16, 32, 64, 128) and (splits - 1) * per < 8192 // quick.TILE_K <= splits * per

@@ -85,7 +85,7 @@ def unpack_u8(words: torch.Tensor, bits: int, n: int) -> torch.Tensor:
         return unpack(words, bits, n).to(torch.uint8)
     stream = words.contiguous().view(torch.uint8)  # [..., 4w]: byte k holds stream bits 8k..8k+7
     codes = _byte_table(bits, words.device).index_select(0, stream.reshape(-1).to(torch.int32))
-    return codes.reshape(*words.shape[:-1], -1)[..., :n]
+    return codes.reshape(*words.shape[:-1], words.shape[-1] * 32 // bits)[..., :n]
 
 
 def unpack(words: torch.Tensor, bits: int, n: int) -> torch.Tensor:
@@ -103,7 +103,7 @@ def unpack(words: torch.Tensor, bits: int, n: int) -> torch.Tensor:
         shifts = torch.arange(32 // bits, device=words.device, dtype=torch.int32) * bits
         # int32 arithmetic shifts sign-extend; the mask keeps only the code's own bits
         codes = (words.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
-        return codes.reshape(*words.shape[:-1], -1)[..., :n].to(torch.int64)
+        return codes.reshape(*words.shape[:-1], words.shape[-1] * 32 // bits)[..., :n].to(torch.int64)
     stream = (words.unsqueeze(-1) >> torch.arange(32, device=words.device, dtype=torch.int32)) & 1
     stream = stream.reshape(*words.shape[:-1], -1)[..., :n * bits].reshape(*words.shape[:-1], n, bits)
     return (stream.to(torch.int64) << torch.arange(bits, device=words.device)).sum(-1)

@@ -1,0 +1,145 @@
+"""Launch-plan sweep of the LUT GEMV and the QUICK GEMM on one GPU: is the heuristic ``plan()`` the best launch?
+
+    python benchmarks/sweep_plans.py [--kernels cuda_lut,quick] [--shapes 576x576,...] [--bits 4] [--markdown out.md]
+
+The first H100 run (2026-11-23, RESULTS.md) left two questions only a sweep answers: the LUT GEMV costs 16-23 µs on
+SmolLM2-sized layers at every M (a grid of a few one-warp blocks), and the QUICK GEMM moves 0.8 TB/s at M = 1
+(few bytes in flight).  For each (kernel, shape, M) this times every launch in a grid around the heuristic's
+(LUT: ``kt`` × ``threads`` × splits; QUICK: ``tile_m`` × splits), checks each launch's output against the
+heuristic's (split-K changes only the fp32 summation order), and prints the heuristic's time next to the best.
+It also times act_order layers both ways: ``perm`` gathered inside the kernel, and ``x[:, perm]`` gathered by one
+``index_select`` before the plain kernel.  Timing as in bench_gemv.py (CUDA-graph replay of a pool of weight sets).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import math
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import gpu_run_header, gpu_time_us, pool_size, table, uniform_bcq_sets  # noqa: E402
+
+from qlinear import ops as _ops  # noqa: E402
+from qlinear.backends import cuda_lut, quick  # noqa: E402
+
+SHAPES = "576x576,1536x576,576x1536,4096x4096,8192x8192,28672x8192"
+SPLIT_TARGETS = (1, 2, 4, 8, 16, 32)
+
+
+def lut_launches(M: int, N: int, K: int, sms: int) -> list[tuple[int, int, int, int]]:
+    """``(kt, threads, tiles_per_split, splits)`` grid for the LUT GEMV: tables within 32 KiB (``M·kt <= 256``),
+    32..256 threads, K split into 1..32 parts; the heuristic's plan first."""
+    out = [cuda_lut.plan(M, N, K, sms)]
+    for kt, threads, s in itertools.product((32, 64, 128, 256), (32, 64, 128, 256), SPLIT_TARGETS):
+        tiles = math.ceil(K / kt)
+        if M * kt > 256 or threads > 32 * math.ceil(N / 128):
+            continue
+        per = math.ceil(tiles / min(tiles, s))
+        launch = (kt, threads, per, math.ceil(tiles / per))
+        if launch not in out:
+            out.append(launch)
+    return out
+
+
+def quick_launches(M: int, N: int, K: int, sms: int) -> list[tuple[int, int, int]]:
+    """``(tile_m, tiles_per_split, splits)`` grid for the QUICK GEMM: tile_m 16..128, K split into 1..32 parts (at
+    least one 64-input tile each); the heuristic's plan first."""
+    out = [quick.plan(M, N, K, sms)]
+    tiles = K // quick.TILE_K
+    for tile_m, s in itertools.product((16, 32, 64, 128), SPLIT_TARGETS):
+        per = math.ceil(tiles / min(tiles, s))
+        launch = (tile_m, per, math.ceil(tiles / per))
+        if launch not in out:
+            out.append(launch)
+    return out
+
+
+def _op(kernel: str, x, bufs: dict, perm, gs: int, launch):
+    if kernel == "cuda_lut":
+        return torch.ops.qlinear.bcq_lut_gemv(x, bufs["lut_planes"], bufs["lut_alpha"], bufs.get("lut_offset"), perm,
+                                              None, gs, *launch)
+    return torch.ops.qlinear.quick_gemm(x, bufs["quick_qweight"], bufs["quick_scales"], bufs.get("quick_offset"), perm,
+                                        None, gs, *launch)
+
+
+def sweep(kernel: str, N: int, K: int, M: int, bits: int, group: int, sms: int) -> tuple[list, list]:
+    """Rows ``[kernel, shape, M, launch, µs, max rel diff vs heuristic]`` for every launch, and the act_order rows."""
+    cfg, sets = uniform_bcq_sets(N, K, bits, group, kernel, 1)
+    bytes_per_set = sum(t.numel() * t.element_size() for t in sets[0])
+    cfg, sets = uniform_bcq_sets(N, K, bits, group, kernel, min(pool_size(bytes_per_set), 256))
+    pool = [dict(zip(_ops._names("bcq", cfg.to_json(), N, K, kernel), s)) for s in sets]
+    gs = cfg.group(K)
+    x = torch.randn(M, K, device="cuda", dtype=torch.float16)
+    launches = (lut_launches if kernel == "cuda_lut" else quick_launches)(M, N, K, sms)
+    want = _op(kernel, x, pool[0], None, gs, launches[0]).float()
+    rows = []
+    for launch in launches:
+        try:
+            got = _op(kernel, x, pool[0], None, gs, launch).float()
+        except RuntimeError as e:  # a launch the binding rejects
+            rows.append([kernel, f"{N}x{K}", M, str(launch), float("nan"), str(e).splitlines()[0][:60]])
+            continue
+        err = ((got - want).abs().max() / want.abs().max()).item()
+        us = gpu_time_us([lambda b=b, l=launch: _op(kernel, x, b, None, gs, l) for b in pool], replays=10)
+        rows.append([kernel, f"{N}x{K}", M, str(launch), us, f"{err:.1e}" + (" WRONG" if err > 1e-2 else "")])
+    best = min((r for r in rows if r[4] == r[4]), key=lambda r: r[4])
+    perm = torch.randperm(K, device="cuda").int()
+    inside = gpu_time_us([lambda b=b: _op(kernel, x, b, perm, gs, best_launch(best)) for b in pool], replays=10)
+    outside = gpu_time_us([lambda b=b: _op(kernel, x.index_select(1, perm), b, None, gs, best_launch(best))
+                           for b in pool], replays=10)
+    act = [kernel, f"{N}x{K}", M, best[3], best[4], inside, outside]
+    return rows, act
+
+
+def best_launch(row) -> tuple[int, ...]:
+    return tuple(int(v) for v in row[3].strip("()").split(","))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--kernels", default="cuda_lut,quick")
+    ap.add_argument("--shapes", default=SHAPES, help="NxK list (out x in)")
+    ap.add_argument("--lut-batches", default="1,4,8")
+    ap.add_argument("--quick-batches", default="1,16,64,256")
+    ap.add_argument("--bits", type=int, default=4)
+    ap.add_argument("--group", type=int, default=128)
+    ap.add_argument("--markdown", help="also write every row to this file")
+    args = ap.parse_args()
+    kernels = args.kernels.split(",")
+    for k in kernels:
+        why = {"cuda_lut": cuda_lut, "quick": quick}[k].available()
+        if not torch.cuda.is_available() or why:
+            sys.exit(f"needs a CUDA GPU and the {k} extension: {why}")
+    header, _ = gpu_run_header()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    every, summary, acts = [], [], []
+    for k in kernels:
+        for shape in args.shapes.split(","):
+            N, K = map(int, shape.split("x"))
+            for M in map(int, (args.lut_batches if k == "cuda_lut" else args.quick_batches).split(",")):
+                rows, act = sweep(k, N, K, M, args.bits, args.group, sms)
+                every += rows
+                acts.append(act)
+                best = min((r for r in rows if r[4] == r[4]), key=lambda r: r[4])
+                summary.append([k, shape, M, rows[0][3], rows[0][4], best[3], best[4], rows[0][4] / best[4],
+                                sum("WRONG" in str(r[5]) for r in rows)])
+                print(summary[-1], flush=True)
+    out = "\n\n".join([
+        f"{header}; {args.bits}-bit g{args.group}",
+        table(["kernel", "N x K", "M", "heuristic launch", "µs", "best launch", "best µs", "heuristic / best",
+               "launches off by > 1e-2"], summary),
+        "act_order at the best launch: perm gathered inside the kernel vs x.index_select(1, perm) then the plain kernel",
+        table(["kernel", "N x K", "M", "launch", "no perm µs", "perm in kernel µs", "index_select + kernel µs"], acts)])
+    print(out)
+    if args.markdown:
+        Path(args.markdown).write_text(out + "\n\n" + table(["kernel", "N x K", "M", "launch", "µs", "max rel diff"],
+                                                             every) + "\n")
+
+
+if __name__ == "__main__":
+    main()
