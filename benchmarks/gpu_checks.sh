@@ -1,9 +1,9 @@
 #!/bin/bash
 # Every GPU check the CUDA backends (cuda_lut, quick, async_dequant) still need, for the device tool
 # (each device call is limited to 10 minutes, so the work is split into stages; run them in order):
-#   bash benchmarks/gpu_checks.sh build      # JIT-build the three extensions (cached in .qlinear-cache: carry it)
+#   bash benchmarks/gpu_checks.sh build      # JIT-build the three extensions (cached in .qlinear-cache on that machine)
 #   bash benchmarks/gpu_checks.sh test [kernels|rest]  # GPU tests of every backend (all, or in two halves)
-#   bash benchmarks/gpu_checks.sh sanitize   # compute-sanitizer memcheck + racecheck over one run of each kernel
+#   bash benchmarks/gpu_checks.sh sanitize [memcheck|racecheck]  # compute-sanitizer over one run of each kernel
 #   bash benchmarks/gpu_checks.sh bench      # bench_gemv.py (LUT + mixed rows) and bench_gemm.py
 #   bash benchmarks/gpu_checks.sh tune       # tune_dispatch.py: writes backends/dispatch/<gpu>.json
 #   bash benchmarks/gpu_checks.sh e2e        # bench_e2e.py
@@ -44,7 +44,7 @@ tests() {
   tail -40 "$OUT/pytest_gpu_${1:-all}.txt"
 }
 sanitize() {
-  for tool in memcheck racecheck; do
+  for tool in ${1:-memcheck racecheck}; do  # one tool per call fits the 10-minute limit better
     for b in $BACKENDS; do
       timeout 120 compute-sanitizer --tool $tool --error-exitcode 9 python3 -m pytest -q -x -p no:cacheprovider \
         tests/test_$b.py -k "kernel_matches and 576-576 and dtype0" >"$OUT/${tool}_$b.txt" 2>&1
@@ -60,7 +60,7 @@ sanitize() {
 case "$STAGE" in
   build) build ;;
   test) tests "${2:-all}" ;;
-  sanitize) sanitize ;;
+  sanitize) sanitize "${2:-}" ;;
   bench)
     python3 benchmarks/bench_gemv.py --markdown "$OUT/bench_gemv.md" 2>&1 | tail -5
     python3 benchmarks/bench_gemm.py --markdown "$OUT/bench_gemm.md" 2>&1 | tail -5 ;;

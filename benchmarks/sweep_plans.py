@@ -67,12 +67,16 @@ def _op(kernel: str, x, bufs: dict, perm, gs: int, launch):
                                         None, gs, *launch)
 
 
-def sweep(kernel: str, N: int, K: int, M: int, bits: int, group: int, sms: int) -> tuple[list, list]:
-    """Rows ``[kernel, shape, M, launch, µs, max rel diff vs heuristic]`` for every launch, and the act_order rows."""
-    cfg, sets = uniform_bcq_sets(N, K, bits, group, kernel, 1)
-    bytes_per_set = sum(t.numel() * t.element_size() for t in sets[0])
-    cfg, sets = uniform_bcq_sets(N, K, bits, group, kernel, min(pool_size(bytes_per_set), 256))
-    pool = [dict(zip(_ops._names("bcq", cfg.to_json(), N, K, kernel), s)) for s in sets]
+def weight_pool(kernel: str, N: int, K: int, bits: int, group: int) -> tuple[object, list[dict]]:
+    """``(cfg, pool)``: random uniform BCQ weight sets in ``kernel``'s layout, 3x the L2 in all (as bench_gemv)."""
+    cfg, first = uniform_bcq_sets(N, K, bits, group, kernel, 1)
+    _, rest = uniform_bcq_sets(N, K, bits, group, kernel, pool_size(sum(t.nbytes for t in first[0])) - 1)
+    return cfg, [dict(zip(_ops._names("bcq", cfg.to_json(), N, K, kernel), s)) for s in first + rest]
+
+
+def sweep(kernel: str, cfg, pool: list[dict], N: int, K: int, M: int, sms: int) -> tuple[list, list]:
+    """Rows ``[kernel, shape, M, launch, µs, max rel diff vs heuristic]`` for every launch, and the act_order row
+    ``[kernel, shape, M, best launch, µs, µs with perm in the kernel, µs with index_select first]``."""
     gs = cfg.group(K)
     x = torch.randn(M, K, device="cuda", dtype=torch.float16)
     launches = (lut_launches if kernel == "cuda_lut" else quick_launches)(M, N, K, sms)
@@ -82,22 +86,17 @@ def sweep(kernel: str, N: int, K: int, M: int, bits: int, group: int, sms: int) 
         try:
             got = _op(kernel, x, pool[0], None, gs, launch).float()
         except RuntimeError as e:  # a launch the binding rejects
-            rows.append([kernel, f"{N}x{K}", M, str(launch), float("nan"), str(e).splitlines()[0][:60]])
+            rows.append([kernel, f"{N}x{K}", M, launch, float("nan"), str(e).splitlines()[0][:60]])
             continue
         err = ((got - want).abs().max() / want.abs().max()).item()
         us = gpu_time_us([lambda b=b, l=launch: _op(kernel, x, b, None, gs, l) for b in pool], replays=10)
-        rows.append([kernel, f"{N}x{K}", M, str(launch), us, f"{err:.1e}" + (" WRONG" if err > 1e-2 else "")])
-    best = min((r for r in rows if r[4] == r[4]), key=lambda r: r[4])
+        rows.append([kernel, f"{N}x{K}", M, launch, us, f"{err:.1e}" + (" WRONG" if err > 1e-2 else "")])
+    best = min((r for r in rows if r[4] == r[4] and "WRONG" not in r[5]), key=lambda r: r[4])
     perm = torch.randperm(K, device="cuda").int()
-    inside = gpu_time_us([lambda b=b: _op(kernel, x, b, perm, gs, best_launch(best)) for b in pool], replays=10)
-    outside = gpu_time_us([lambda b=b: _op(kernel, x.index_select(1, perm), b, None, gs, best_launch(best))
-                           for b in pool], replays=10)
-    act = [kernel, f"{N}x{K}", M, best[3], best[4], inside, outside]
-    return rows, act
-
-
-def best_launch(row) -> tuple[int, ...]:
-    return tuple(int(v) for v in row[3].strip("()").split(","))
+    inside = gpu_time_us([lambda b=b: _op(kernel, x, b, perm, gs, best[3]) for b in pool], replays=10)
+    outside = gpu_time_us([lambda b=b: _op(kernel, x.index_select(1, perm), b, None, gs, best[3]) for b in pool],
+                          replays=10)
+    return rows, [kernel, f"{N}x{K}", M, best[3], best[4], inside, outside]
 
 
 def main() -> None:
@@ -117,18 +116,26 @@ def main() -> None:
             sys.exit(f"needs a CUDA GPU and the {k} extension: {why}")
     header, _ = gpu_run_header()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    every, summary, acts = [], [], []
+    md = Path(args.markdown) if args.markdown else None
+    if md:  # every launch's row is appended as it is measured, so a run stopped at its time limit keeps them
+        md.write_text(f"{header}; {args.bits}-bit g{args.group}\n\n" + table(
+            ["kernel", "N x K", "M", "launch", "µs", "max rel diff vs heuristic"], []) + "\n")
+    summary, acts = [], []
     for k in kernels:
         for shape in args.shapes.split(","):
             N, K = map(int, shape.split("x"))
+            cfg, pool = weight_pool(k, N, K, args.bits, args.group)
             for M in map(int, (args.lut_batches if k == "cuda_lut" else args.quick_batches).split(",")):
-                rows, act = sweep(k, N, K, M, args.bits, args.group, sms)
-                every += rows
+                rows, act = sweep(k, cfg, pool, N, K, M, sms)
+                if md:
+                    with md.open("a") as f:
+                        f.write(table([""] * 6, rows).split("\n", 2)[2] + "\n")
                 acts.append(act)
-                best = min((r for r in rows if r[4] == r[4]), key=lambda r: r[4])
+                best = min((r for r in rows if r[4] == r[4] and "WRONG" not in r[5]), key=lambda r: r[4])
                 summary.append([k, shape, M, rows[0][3], rows[0][4], best[3], best[4], rows[0][4] / best[4],
-                                sum("WRONG" in str(r[5]) for r in rows)])
-                print(summary[-1], flush=True)
+                                sum("WRONG" in r[5] for r in rows)])
+                print(summary[-1], act[4:], flush=True)
+            del pool
     out = "\n\n".join([
         f"{header}; {args.bits}-bit g{args.group}",
         table(["kernel", "N x K", "M", "heuristic launch", "µs", "best launch", "best µs", "heuristic / best",
@@ -136,9 +143,9 @@ def main() -> None:
         "act_order at the best launch: perm gathered inside the kernel vs x.index_select(1, perm) then the plain kernel",
         table(["kernel", "N x K", "M", "launch", "no perm µs", "perm in kernel µs", "index_select + kernel µs"], acts)])
     print(out)
-    if args.markdown:
-        Path(args.markdown).write_text(out + "\n\n" + table(["kernel", "N x K", "M", "launch", "µs", "max rel diff"],
-                                                             every) + "\n")
+    if md:
+        with md.open("a") as f:
+            f.write("\n" + out + "\n")
 
 
 if __name__ == "__main__":

@@ -204,6 +204,7 @@ def test_compile_fullgraph_with_layout(spec_kernel):
 
 # --- on a GPU ---------------------------------------------------------------------------------------------
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytestmark = pytest.mark.usefixtures("without_dispatch_table")
 
 
 @functools.lru_cache(maxsize=None)

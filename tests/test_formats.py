@@ -78,23 +78,25 @@ def test_bcq_dequant_matches_float64_formula():
 @pytest.mark.parametrize("group_size,K", [(32, 96), (64, 160), (128, 256), (-1, 128)])
 @pytest.mark.parametrize("offset", [False, True])
 def test_bcq_dequant_is_the_float32_plane_sum_bit_for_bit(bits, group_size, K, offset):
-    """Both dequantization paths (levels looked up when 2^q <= group_size, planes summed per weight otherwise) give
-    exactly ``((α_1 b_1 + α_2 b_2) + ...) + c`` in float32, ragged last groups and non-contiguous α included."""
+    """Both dequantization paths (levels looked up when 2^q <= group_size, planes added per weight otherwise) give
+    the bits of the plain float32 formula ``Σ_i α_i·(±1)`` (a sum from +0 over planes) ``+ c``, signed zeros of
+    all-zero α groups, ragged last groups and non-contiguous α included."""
     N, cfg = 24, bcq.Config(bits=bits, group_size=group_size, offset=offset)
     g = cfg.group(K)
     G = -(-K // g)
     codes = torch.randint(0, 1 << bits, (N, K))
-    b = {"planes": pack_planes(codes, bits), "alpha": (torch.randn(bits, G, N) * 0.1).half().transpose(1, 2)}
+    alpha = (torch.randn(bits, G, N) * 0.1).half().transpose(1, 2)
+    alpha[:, 0, 0], alpha[:, 1, 0] = 0.0, -0.0
+    b = {"planes": pack_planes(codes, bits), "alpha": alpha}
     if offset:
         b["offset"] = (torch.randn(N, G) * 0.1).half()
-    alpha = b["alpha"].float().repeat_interleave(g, 2)[:, :, :K]
-    ref = alpha[0] * (((codes >> 0) & 1) * 2 - 1)
-    for i in range(1, bits):
-        ref = ref + alpha[i] * (((codes >> i) & 1) * 2 - 1)
+    signs = torch.stack([((codes >> i) & 1) * 2.0 - 1 for i in range(bits)])  # [q, N, K]
+    ref = (alpha.float().repeat_interleave(g, 2)[:, :, :K] * signs).sum(0)
     if offset:
         ref = ref + b["offset"].float().repeat_interleave(g, 1)[:, :K]
     out = bcq.dequantize(b, cfg, N, K)
-    assert out.dtype == torch.float32 and out.shape == (N, K) and torch.equal(out, ref)
+    assert out.dtype == torch.float32 and out.shape == (N, K)
+    assert torch.equal(out.contiguous().view(torch.int32), ref.view(torch.int32))
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4])

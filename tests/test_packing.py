@@ -1,3 +1,5 @@
+import sys
+
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
@@ -38,6 +40,22 @@ def test_unpack_u8_is_unpack_in_bytes(bits, rows, n, seed, transposed):
     assert out.dtype == torch.uint8 and out.shape == (rows, n) and torch.equal(out.long(), codes)
     planes = pack_planes(codes, bits)
     assert torch.equal(unpack_planes(planes, n, torch.uint8).long(), codes)
+
+
+@pytest.mark.parametrize("byteorder", ["little", "big"])
+@pytest.mark.parametrize("bits", range(1, 17))
+def test_unpack_on_either_byte_order_and_empty_tensors(monkeypatch, bits, byteorder):
+    """The byte-table path is taken on little-endian hosts only; elsewhere (simulated) the shift path gives the same
+    codes.  Tensors with no rows or no codes unpack to the right empty shapes."""
+    monkeypatch.setattr(sys, "byteorder", byteorder)
+    codes = torch.randint(0, 1 << bits, (3, 45))
+    words = pack(codes, bits)
+    assert torch.equal(unpack(words, bits, 45), codes)
+    if bits <= 8:
+        assert torch.equal(unpack_u8(words, bits, 45).long(), codes)
+        assert torch.equal(unpack_planes(pack_planes(codes, bits), 45), codes)
+    assert unpack(torch.zeros(0, 3, dtype=torch.int32), bits, 3 * 32 // bits).shape == (0, 3 * 32 // bits)
+    assert unpack(torch.zeros(4, 0, dtype=torch.int32), bits, 0).shape == (4, 0)
 
 
 def test_unpack_u8_rejects_bad_input():

@@ -330,30 +330,30 @@ def quantize(weight: torch.Tensor, cfg: Config, hessian: torch.Tensor | None = N
 
 
 def dequantize(buffers: dict[str, torch.Tensor], cfg: Config, out_features: int, in_features: int) -> torch.Tensor:
-    """Dense weight ``[N, K]`` float32 from BCQ buffers: ``Σ_i α_i b_i`` summed in plane order, plus the offset.
+    """Dense weight ``[N, K]`` float32 from BCQ buffers: ``±α_1 ± α_2 ...`` summed in plane order from +0, plus the offset.
 
-    The codes are unpacked to one byte per weight; when a group's ``2^q`` levels are no more than its weights, the
-    levels are computed once per (row, group) and each weight is one lookup, else the planes are summed per weight
-    (the same float32 sums either way).
+    The codes are unpacked to one byte per weight.  When a group's ``2^q`` levels are no more than its weights, the
+    levels are computed once per (row, group) and each weight is one lookup; otherwise the planes are added per
+    weight.  Both give the same float32 values.
     """
     g, K, N, q = cfg.group(in_features), in_features, out_features, cfg.bits
     codes = unpack_planes(buffers["planes"], K, torch.uint8)
-    alpha = buffers["alpha"].to(torch.float32).contiguous()
+    alpha = buffers["alpha"].to(torch.float32)
     G = alpha.shape[2]
     codes = torch.nn.functional.pad(codes, (0, G * g - K)).view(N, G, g)  # a ragged last group is padded
-    if (1 << q) <= g:
-        levels = torch.arange(1 << q, device=codes.device)
-        terms = alpha[..., None] * (((levels >> torch.arange(q, device=codes.device)[:, None]) & 1) * 2 - 1)[:, None, None]
-    else:
-        terms = alpha[..., None] * (((codes >> torch.arange(q, device=codes.device).view(q, 1, 1, 1)) & 1) * 2 - 1)
-    w = terms[0]
-    for i in range(1, q):
-        w = w + terms[i]
+    lookup = (1 << q) <= g
+    bits = torch.arange(1 << q, device=codes.device).view(1, 1, -1) if lookup else codes
+    w = None
+    for i in range(q):  # one plane at a time keeps the peak at two float32 copies
+        a = alpha[i][..., None]
+        term = torch.where(((bits >> i) & 1).bool(), a, -a)
+        w = term.add_(0.0) if w is None else w.add_(term)  # + 0.0: an all-zero sum is +0, as in a sum from 0
     if cfg.offset:
-        w = w + buffers["offset"].to(torch.float32)[..., None]
-    if (1 << q) <= g:  # w holds the levels [N, G, 2^q]: look each weight up
-        base = (torch.arange(N * G, device=codes.device, dtype=torch.int32) << q).view(N, G, 1)
-        w = w.reshape(-1).index_select(0, codes.to(torch.int32).add_(base).reshape(-1)).view(N, G, g)
+        w = w.add_(buffers["offset"].to(torch.float32)[..., None])
+    if lookup:  # w holds the levels [N, G, 2^q]: look each weight up
+        index_dtype = torch.int32 if (N * G) << q < 2 ** 31 else torch.int64
+        base = (torch.arange(N * G, device=codes.device, dtype=index_dtype) << q).view(N, G, 1)
+        w = w.reshape(-1).index_select(0, codes.to(index_dtype).add_(base).reshape(-1)).view(N, G, g)
     w = w.reshape(N, G * g)[:, :K]
     if "perm" in buffers:  # stored position j is input column perm[j]
         out = torch.empty_like(w)

@@ -97,7 +97,7 @@ def unpack(words: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     _check_bits(bits)
     if words.dtype != torch.int32:
         raise TypeError(f"packed words must be int32, got {words.dtype}")
-    if 8 % bits == 0:
+    if 8 % bits == 0 and sys.byteorder == "little":
         return unpack_u8(words, bits, n).to(torch.int64)
     if 32 % bits == 0:
         shifts = torch.arange(32 // bits, device=words.device, dtype=torch.int32) * bits
@@ -105,7 +105,7 @@ def unpack(words: torch.Tensor, bits: int, n: int) -> torch.Tensor:
         codes = (words.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
         return codes.reshape(*words.shape[:-1], words.shape[-1] * 32 // bits)[..., :n].to(torch.int64)
     stream = (words.unsqueeze(-1) >> torch.arange(32, device=words.device, dtype=torch.int32)) & 1
-    stream = stream.reshape(*words.shape[:-1], -1)[..., :n * bits].reshape(*words.shape[:-1], n, bits)
+    stream = stream.reshape(*words.shape[:-1], words.shape[-1] * 32)[..., :n * bits].reshape(*words.shape[:-1], n, bits)
     return (stream.to(torch.int64) << torch.arange(bits, device=words.device)).sum(-1)
 
 
