@@ -88,8 +88,9 @@ def main() -> None:
             torch.cuda.reset_peak_memory_stats()
             with torch.no_grad():
                 prefill, tps = run(model, batch, args.prompt, args.new)
-            base.setdefault(batch, tps)
-            rows.append([variant, batch, prefill * 1e3, tps, tps / base[batch],
+            if variant == "fp16":
+                base[batch] = tps
+            rows.append([variant, batch, prefill * 1e3, tps, tps / base[batch] if batch in base else float("nan"),
                          torch.cuda.max_memory_allocated() / 2 ** 30])
             print(rows[-1], flush=True)
         del model

@@ -6,7 +6,7 @@
 #   bash benchmarks/gpu_checks.sh sanitize [memcheck|racecheck]  # compute-sanitizer over one run of each kernel
 #   bash benchmarks/gpu_checks.sh bench      # bench_gemv.py (LUT + mixed rows) and bench_gemm.py
 #   bash benchmarks/gpu_checks.sh tune       # tune_dispatch.py: writes backends/dispatch/<gpu>.json
-#   bash benchmarks/gpu_checks.sh e2e        # bench_e2e.py
+#   bash benchmarks/gpu_checks.sh e2e [fp16|bcq4|bcq3]  # bench_e2e.py, all variants or one per call (compiles are slow)
 #   bash benchmarks/gpu_checks.sh tp         # bench_tp.py --single cuda: act_order reordered vs the g_idx path
 #   bash benchmarks/gpu_checks.sh sweep      # sweep_plans.py: every launch around plan() of the LUT GEMV and QUICK
 #   bash benchmarks/gpu_checks.sh quick      # build + tests + the --quick benchmarks, one short call
@@ -65,7 +65,7 @@ case "$STAGE" in
     python3 benchmarks/bench_gemv.py --markdown "$OUT/bench_gemv.md" 2>&1 | tail -5
     python3 benchmarks/bench_gemm.py --markdown "$OUT/bench_gemm.md" 2>&1 | tail -5 ;;
   tune) python3 benchmarks/tune_dispatch.py 2>&1 | tail -5; cp backends/dispatch/*.json "$OUT/" ;;
-  e2e) python3 benchmarks/bench_e2e.py --markdown "$OUT/bench_e2e.md" 2>&1 | tail -15 ;;
+  e2e) python3 benchmarks/bench_e2e.py --variants "${2:-fp16,bcq4,bcq3}" --markdown "$OUT/bench_e2e_${2:-all}.md" 2>&1 | tail -15 ;;
   tp) python3 benchmarks/bench_tp.py --single cuda 2>&1 | tee "$OUT/bench_tp_single.md" | tail -25 ;;
   sweep) timeout 560 python3 benchmarks/sweep_plans.py --markdown "$OUT/sweep_plans.md" 2>&1 | tail -60 ;;
   quick)
