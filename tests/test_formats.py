@@ -8,7 +8,7 @@ import torch
 
 from conftest import random_hessian
 from qlinear.formats import bcq, bits_per_weight, codebook, config_from_dict, mixed, uniform
-from qlinear.formats.packing import pack_planes, unpack, unpack_planes
+from qlinear.formats.packing import pack, pack_planes, unpack, unpack_planes
 
 N, K = 96, 256
 
@@ -233,6 +233,29 @@ def test_codebook_dequant_matches_float64_formula():
     book = unpack(b["book_idx"], 2, K // 32).repeat_interleave(32, 1)
     ref = b["scales"].double().repeat_interleave(32, 1) * b["codebooks"].double()[book, idx]
     assert torch.allclose(codebook.dequantize(b, cfg, N, K).double(), ref, atol=1e-9, rtol=1e-6)
+
+
+@pytest.mark.parametrize("bits,books", [(1, 1), (1, 4), (2, 1), (2, 2), (2, 4), (4, 1)])
+@pytest.mark.parametrize("group_size", [32, 64])
+def test_codebook_dequant_is_the_float32_formula_bit_for_bit(bits, books, group_size):
+    """The per-(row, group) level lookup gives the bits of ``float32(scale) · float32(codebook[book][idx])``,
+    signed zeros of zero scales included."""
+    N, K = 24, 192
+    G = K // group_size
+    cfg = codebook.Config(bits=bits, group_size=group_size, num_codebooks=books)
+    codes, book = torch.randint(0, 1 << bits, (N, K)), torch.randint(0, books, (N, G))
+    b = {"codes": pack(codes, bits), "scales": (torch.rand(N, G) - 0.5).half(),
+         "codebooks": torch.randint(-128, 128, (books, 1 << bits), dtype=torch.int8)}
+    b["scales"][0, 0], b["scales"][1, 0] = 0.0, -0.0
+    if books > 1:
+        b["book_idx"] = pack(book, int(math.log2(books)))
+    else:
+        book.zero_()
+    ref = b["scales"].float().repeat_interleave(group_size, 1) * b["codebooks"].float()[
+        book.repeat_interleave(group_size, 1), codes]
+    out = codebook.dequantize(b, cfg, N, K)
+    assert out.dtype == torch.float32 and out.shape == (N, K)
+    assert torch.equal(out.contiguous().view(torch.int32), ref.view(torch.int32))
 
 
 def test_codebook_beats_single_codebook_and_uniform():

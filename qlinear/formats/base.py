@@ -109,6 +109,17 @@ def importance(hessian: torch.Tensor | None, in_features: int) -> torch.Tensor:
     return d + 1e-6 * d.mean() + 1e-12
 
 
+def group_lookup(levels: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+    """Each weight's value from its (row, group)'s levels: ``levels`` float ``[N, G, L]``, ``codes`` uint8 ``[N, G, g]``
+    (values < L) -> ``levels[n, g, codes[n, g, j]]`` ``[N, G, g]``.  One gather over a flat int32 index (int64 for
+    layers of 2^31 levels or more): the dequantization paths' replacement of per-weight arithmetic."""
+    N, G, L = levels.shape
+    dtype = torch.int32 if N * G * L < 2 ** 31 else torch.int64
+    base = (torch.arange(N * G, device=codes.device, dtype=dtype) * L).view(N, G, 1)
+    index = codes.to(dtype).add_(base).reshape(-1)
+    return levels.reshape(-1).index_select(0, index).view(codes.shape)
+
+
 def fp16_round(t: torch.Tensor) -> torch.Tensor:
     """Round float32 values to the nearest fp16 (saturating), returned as float32."""
     return t.clamp(-65504.0, 65504.0).to(torch.float16).to(torch.float32)

@@ -35,7 +35,7 @@ import dataclasses
 import torch
 
 from . import uniform
-from .base import UNIFORM_MIN_SCALE, BufferSpecs, FormatConfig, fp16_round, importance, num_groups
+from .base import UNIFORM_MIN_SCALE, BufferSpecs, FormatConfig, fp16_round, group_lookup, importance, num_groups
 from .packing import pack_planes, unpack_planes
 
 NAME = "bcq"
@@ -351,9 +351,7 @@ def dequantize(buffers: dict[str, torch.Tensor], cfg: Config, out_features: int,
     if cfg.offset:
         w = w.add_(buffers["offset"].to(torch.float32)[..., None])
     if lookup:  # w holds the levels [N, G, 2^q]: look each weight up
-        index_dtype = torch.int32 if (N * G) << q < 2 ** 31 else torch.int64
-        base = (torch.arange(N * G, device=codes.device, dtype=index_dtype) << q).view(N, G, 1)
-        w = w.reshape(-1).index_select(0, codes.to(index_dtype).add_(base).reshape(-1)).view(N, G, g)
+        w = group_lookup(w, codes)
     w = w.reshape(N, G * g)[:, :K]
     if "perm" in buffers:  # stored position j is input column perm[j]
         out = torch.empty_like(w)

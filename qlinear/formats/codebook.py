@@ -38,7 +38,7 @@ import math
 
 import torch
 
-from .base import FP16_TINY, BufferSpecs, FormatConfig, fp16_round, importance
+from .base import FP16_TINY, BufferSpecs, FormatConfig, fp16_round, group_lookup, importance
 from .packing import pack, packed_len, unpack_u8
 
 NAME = "codebook"
@@ -275,8 +275,8 @@ def dequantize(buffers: dict[str, torch.Tensor], cfg: Config, out_features: int,
     """Dense weight ``[N, K]`` float32: ``scale · codebook[book][idx]``."""
     N, K, g = out_features, in_features, cfg.group_size
     G = K // g
-    idx = unpack_u8(buffers["codes"], cfg.bits, K).reshape(N, G, g).to(torch.int32)
-    if cfg.books > 1:  # entry (book, i) of the flattened codebooks is book·2^bits + i
-        idx.add_(unpack_u8(buffers["book_idx"], int(math.log2(cfg.books)), G).to(torch.int32)[:, :, None] << cfg.bits)
-    cent = buffers["codebooks"].to(torch.float32).reshape(-1).index_select(0, idx.reshape(-1)).view(N, G, g)
-    return (buffers["scales"].to(torch.float32)[:, :, None] * cent).reshape(N, K)
+    books = buffers["codebooks"].to(torch.float32)  # [C, 2^bits]
+    if cfg.books > 1:
+        books = books[unpack_u8(buffers["book_idx"], int(math.log2(cfg.books)), G).long()]  # [N, G, 2^bits]
+    levels = buffers["scales"].to(torch.float32)[:, :, None] * books  # scale · centroid, once per (row, group)
+    return group_lookup(levels.expand(N, G, -1), unpack_u8(buffers["codes"], cfg.bits, K).reshape(N, G, g)).view(N, K)
