@@ -254,11 +254,14 @@ class QLinearHfQuantizer(HfQuantizer):
         """Packed tensors ``buffers`` of quantized layer ``name``, read from the safetensors checkpoint."""
         from safetensors import safe_open
 
-        out = {}
+        by_file: dict[str, dict[str, str]] = {}
         for buf in buffers:
             path, key = self._checkpoint_index[name][buf]
+            by_file.setdefault(path, {})[buf] = key
+        out = {}
+        for path, keys in by_file.items():  # one open per file, not per tensor
             with safe_open(path, framework="pt") as f:
-                out[buf] = f.get_tensor(key)
+                out.update({buf: f.get_tensor(key) for buf, key in keys.items()})
         return out
 
     def _check_checkpoint(self, model, checkpoint_files) -> None:

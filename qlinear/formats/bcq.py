@@ -340,7 +340,9 @@ def dequantize(buffers: dict[str, torch.Tensor], cfg: Config, out_features: int,
     codes = unpack_planes(buffers["planes"], K, torch.uint8)
     alpha = buffers["alpha"].to(torch.float32)
     G = alpha.shape[2]
-    codes = torch.nn.functional.pad(codes, (0, G * g - K)).view(N, G, g)  # a ragged last group is padded
+    if G * g != K:  # a ragged last group is padded
+        codes = torch.nn.functional.pad(codes, (0, G * g - K))
+    codes = codes.view(N, G, g)
     lookup = (1 << q) <= g
     bits = torch.arange(1 << q, device=codes.device).view(1, 1, -1) if lookup else codes
     w = None

@@ -278,5 +278,5 @@ def dequantize(buffers: dict[str, torch.Tensor], cfg: Config, out_features: int,
     books = buffers["codebooks"].to(torch.float32)  # [C, 2^bits]
     if cfg.books > 1:
         books = books[unpack_u8(buffers["book_idx"], int(math.log2(cfg.books)), G).long()]  # [N, G, 2^bits]
-    levels = buffers["scales"].to(torch.float32)[:, :, None] * books  # scale · centroid, once per (row, group)
-    return group_lookup(levels.expand(N, G, -1), unpack_u8(buffers["codes"], cfg.bits, K).reshape(N, G, g)).view(N, K)
+    levels = buffers["scales"].to(torch.float32)[:, :, None] * books  # [N, G, 2^bits]: scale · centroid
+    return group_lookup(levels, unpack_u8(buffers["codes"], cfg.bits, K).reshape(N, G, g)).view(N, K)
