@@ -4,8 +4,9 @@ on Arm CPUs", §4 kernels, §5 codebooks).
 
 ``y = x Ŵᵀ + b`` for ``x`` ``[..., K]`` fp32/bf16/fp16 on CPU: activations are quantized to int8 per 32
 inputs (one fp32 scale each, round half to even), weights decoded to int8 (MSB-toggled nibbles with
-one shift or mask for BCQ; one ``vqtbl1q_s8`` lookup into the ≤ 16-byte codebook register for
-codebooks), products accumulated exactly in int32 by SDOT (decode, M ≤ 3) or SMMLA (M ≥ 4, i8mm), then
+one shift or mask for BCQ; one table lookup per 16 weights for codebooks: ``vqtbl1q_s8`` into the
+16-byte codebook register at 4 bits, ``vqtbl4q_s8`` into 64-entry tables indexed by book and two 2-bit
+indices at 2 bits), products accumulated exactly in int32 by SDOT (decode, M ≤ 3) or SMMLA (M ≥ 4, i8mm), then
 scaled in fp32.  Runtime dispatch by CPU features (``getauxval``), plain-NEON fallback.  Built just in
 time (``backends/_native.py``); on x86 the same source compiles through SIMDe.
 
@@ -84,6 +85,29 @@ def _unpack_nibbles(qw: torch.Tensor) -> torch.Tensor:
     return torch.stack([b & 15, b >> 4], 4).reshape(*qw.shape[:2], 4, 4, 16)
 
 
+def _pack_crumbs(v: torch.Tensor) -> torch.Tensor:
+    """``V[c][p]`` values 0..3 -> 64 bytes per block: byte ``16k + i`` (``k = 2·(c // 2) + p // 2``) holds the
+    index of ``V[c][p]`` byte ``i`` at bits ``2f, 2f + 1`` with ``f = 2·(p % 2) + c % 2``."""
+    Nb, H = v.shape[:2]
+    f = v.view(Nb, H, 2, 2, 2, 2, 16).permute(0, 1, 2, 4, 5, 3, 6).reshape(Nb, H, 4, 4, 16)
+    return sum(f[:, :, :, j] << (2 * j) for j in range(4)).to(torch.uint8).reshape(Nb, H, 64)
+
+
+def _unpack_crumbs(qw: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`_pack_crumbs`: ``[Nb, H, 64]`` -> ``[Nb, H, 4, 4, 16]``."""
+    Nb, H = qw.shape[:2]
+    b = qw.view(Nb, H, 4, 1, 16).to(torch.int64)
+    f = (b >> (2 * torch.arange(4, device=qw.device)).view(1, 1, 1, 4, 1)) & 3
+    return f.view(Nb, H, 2, 2, 2, 2, 16).permute(0, 1, 2, 5, 3, 4, 6).reshape(Nb, H, 4, 4, 16)
+
+
+def _book_shifts(device) -> torch.Tensor:
+    """Bit position of row ``r``'s 2-bit codebook id in the ``arm_qb`` word: even rows in the low byte, odd rows
+    in the high byte (one byte per lane half of a row-pair vector)."""
+    r = torch.arange(8, device=device)
+    return 8 * (r % 2) + 2 * (r // 2)
+
+
 def repack_bcq(buffers: dict, cfg, N: int, K: int) -> dict:
     """Canonical uniform 4-bit BCQ -> layout ``arm_neon_bcq`` (``arm_qw`` uint8 ``[Nb, K/32, 128]``, ``arm_qs``
     fp16 ``[Nb, G, 8]``, ``arm_qz`` ``[Nb, G, 8]`` of the offset's dtype).  Raises ValueError for non-uniform α."""
@@ -111,14 +135,11 @@ def repack_codebook(buffers: dict, cfg, N: int, K: int) -> dict:
     ``arm_qs`` fp16 ``[Nb, G, 8]``, ``arm_qb`` int16 ``[Nb, G]`` when C > 1, ``codebooks`` unchanged)."""
     G, C = K // cfg.group_size, cfg.books
     v = _blocks(unpack(buffers["codes"], cfg.bits, K), N, K)
-    if cfg.bits == 4:
-        qw = _pack_nibbles(v)
-    else:
-        qw = sum(v[:, :, :, p] << (2 * p) for p in range(4)).to(torch.uint8).reshape(*v.shape[:2], 64)
+    qw = _pack_nibbles(v) if cfg.bits == 4 else _pack_crumbs(v)
     out = {"arm_qw": qw, "arm_qs": _pad_groups(buffers["scales"], N)}
     if C > 1:
         books = _pad_groups(unpack(buffers["book_idx"], int(math.log2(C)), G), N)     # [Nb, G, 8]
-        word = (books << (2 * torch.arange(8, device=books.device))).sum(-1)           # 16 bits
+        word = (books << _book_shifts(books.device)).sum(-1)                           # 16 bits
         out["arm_qb"] = torch.where(word >= 32768, word - 65536, word).to(torch.int16)
     out["codebooks"] = buffers["codebooks"]
     return out
@@ -128,15 +149,11 @@ def unrepack_codebook(buffers: dict, cfg, N: int, K: int) -> dict:
     """Layout ``arm_neon_codebook`` -> canonical codebook buffers (exact inverse of :func:`repack_codebook`)."""
     C = cfg.books
     qw = buffers["arm_qw"]
-    if cfg.bits == 4:
-        v = _unpack_nibbles(qw)
-    else:
-        b = qw.view(*qw.shape[:2], 4, 1, 16).to(torch.int64)
-        v = (b >> (2 * torch.arange(4, device=qw.device)).view(1, 1, 1, 4, 1)) & 3
+    v = _unpack_nibbles(qw) if cfg.bits == 4 else _unpack_crumbs(qw)
     out = {"codes": pack(_unblocks(v, N, K), cfg.bits)}
     if C > 1:
         word = buffers["arm_qb"].to(torch.int64) & 0xFFFF
-        books = (word[..., None] >> (2 * torch.arange(8, device=word.device))) & 3     # [Nb, G, 8]
+        books = (word[..., None] >> _book_shifts(word.device)) & 3                     # [Nb, G, 8]
         out["book_idx"] = pack(_unpad_groups(books, N), int(math.log2(C)))
     out["scales"] = _unpad_groups(buffers["arm_qs"], N)
     out["codebooks"] = buffers["codebooks"]
@@ -163,18 +180,14 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def _weights_int8(buffers: dict, format: int, cfg, N: int, K: int) -> torch.Tensor:
     """The int8 weights ``[Nb·8, K]`` (int64) the kernels decode, read through the packed layout."""
     qw = buffers["arm_qw"]
-    if format == _FMT_CB2:
-        b = qw.view(*qw.shape[:2], 4, 1, 16).to(torch.int64)
-        idx = (b >> (2 * torch.arange(4, device=qw.device)).view(1, 1, 1, 4, 1)) & 3
-    else:
-        idx = _unpack_nibbles(qw)
+    idx = _unpack_crumbs(qw) if format == _FMT_CB2 else _unpack_nibbles(qw)
     rows = _unblocks(idx, qw.shape[0] * 8, K)
     if format == _FMT_BCQ4:
         return torch.where(rows >= 8, rows - 16, rows) * 16  # (nibble << 4) as int8 = 16·(code − 8)
     book = torch.zeros_like(rows)
     if cfg.books > 1:
         word = buffers["arm_qb"].to(torch.int64) & 0xFFFF
-        books = ((word[..., None] >> (2 * torch.arange(8, device=qw.device))) & 3).transpose(1, 2)  # [Nb, 8, G]
+        books = ((word[..., None] >> _book_shifts(qw.device)) & 3).transpose(1, 2)  # [Nb, 8, G]
         book = books.reshape(-1, books.shape[-1]).repeat_interleave(cfg.group_size, 1)
     return buffers["codebooks"].to(torch.int64)[book, rows]
 

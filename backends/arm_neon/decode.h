@@ -3,20 +3,38 @@
 #pragma once
 #include <string.h>
 
+#include <type_traits>
+
 #include "neon.h"
 #include "qgemm.h"
+
+// GCC would otherwise call the decoders out of line, passing the decoded vectors through the stack.
+#define QL_INLINE inline __attribute__((always_inline))
 
 namespace qlinear_arm {
 namespace {  // internal linkage: each translation unit (built for its own -march) keeps its own copy
 
-// BCQ uniform int4: MSB-toggled nibbles, unpacked by one shift or one mask (values are 16x).
-struct DecBCQ4 {
+// Decoders turn one packed (8-row, 32-input) block into V[c][p] two chunks at a time: pair(blk, ch, v)
+// gives v[j][p] = V[2ch + j][p].  kRB: 8-row blocks per M = 1 pass (activation loads shared).
+
+// The 4-bit formats: chunk c is the 32 bytes 32c..32c+31.
+template <typename D>
+struct ByChunk {
   static constexpr int kBytes = 128;
+  static constexpr int kRB = 2;
+  QL_INLINE void group(const Weights&, int, int) {}
+  QL_INLINE void pair(const uint8_t* blk, int ch, int8x16_t v[2][4]) const {
+    static_cast<const D*>(this)->chunk(blk, 2 * ch, v[0]);
+    static_cast<const D*>(this)->chunk(blk, 2 * ch + 1, v[1]);
+  }
+};
+
+// BCQ uniform int4: MSB-toggled nibbles, unpacked by one shift or one mask (values are 16x).
+struct DecBCQ4 : ByChunk<DecBCQ4> {
   static constexpr bool kOffset = true;
   DecBCQ4() = default;
   explicit DecBCQ4(const Weights&) {}
-  inline void group(const Weights&, int, int) {}
-  inline void chunk(const uint8_t* blk, int c, int8x16_t v[4]) const {
+  QL_INLINE void chunk(const uint8_t* blk, int c, int8x16_t v[4]) const {
     const uint8x16_t p0 = vld1q_u8(blk + 32 * c), p1 = vld1q_u8(blk + 32 * c + 16);
     const uint8x16_t hi = vdupq_n_u8(0xF0);
     v[0] = vreinterpretq_s8_u8(vshlq_n_u8(p0, 4));
@@ -27,14 +45,12 @@ struct DecBCQ4 {
 };
 
 // Codebook, 16 centroids, 4-bit indices: one TBL per vector.
-struct DecCB4 {
-  static constexpr int kBytes = 128;
+struct DecCB4 : ByChunk<DecCB4> {
   static constexpr bool kOffset = false;
   int8x16_t table;
   DecCB4() = default;
   explicit DecCB4(const Weights& w) : table(vld1q_s8(w.books)) {}
-  inline void group(const Weights&, int, int) {}
-  inline void chunk(const uint8_t* blk, int c, int8x16_t v[4]) const {
+  QL_INLINE void chunk(const uint8_t* blk, int c, int8x16_t v[4]) const {
     const uint8x16_t p0 = vld1q_u8(blk + 32 * c), p1 = vld1q_u8(blk + 32 * c + 16);
     const uint8x16_t lo = vdupq_n_u8(0x0F);
     v[0] = vqtbl1q_s8(table, vandq_u8(p0, lo));
@@ -44,53 +60,66 @@ struct DecCB4 {
   }
 };
 
-// Codebook, 2-bit indices, C <= 4 codebooks of 4 centroids all in one register: TBL index
-// (book << 2 | idx) for row pairs 0, 2 and (idx << 2 | book) with the transposed table for 1, 3.
+QL_INLINE int8x16_t lookup(int8x16_t t, uint8x16_t i) { return vqtbl1q_s8(t, i); }
+QL_INLINE int8x16_t lookup(int8x16x4_t t, uint8x16_t i) { return vqtbl4q_s8(t, i); }
+
+// Codebook, 2-bit indices, C <= 4 codebooks of 4 centroids.  Register k = 2ch + ph of chunk pair ch holds
+// in its byte i the four indices of V[2ch + cl][2ph + pl] at bits 2(2pl + cl): its low nibble serves
+// row pair 2ph of both chunks, its high nibble row pair 2ph + 1.  One instruction per nibble makes the
+// TBL index (book << 4 | nibble) (SLI inserts the lanes' books; with one codebook a mask or a shift),
+// and two tables read the nibble's low / high index: 2 + 4 TBL per 4 vectors, no merge per vector.
 template <bool kMulti>
 struct DecCB2 {
   static constexpr int kBytes = 64;
+  static constexpr int kRB = kMulti ? 1 : 2;  // the 64-byte tables and books leave no room for 2 blocks
   static constexpr bool kOffset = false;
-  int8x16_t table, table_t;
-  uint8x16_t o[4];
+  using Table = typename std::conditional<kMulti, int8x16x4_t, int8x16_t>::type;
+  Table lo, hi;           // [book << 4 | j << 2 | i] -> book[i] (lo) / book[j] (hi)
+  uint8x16_t books[4];    // per row pair p: book of row 2p in lanes 0-7, of row 2p + 1 in lanes 8-15
+  uint8x16_t halves;      // byte 0 of the books word to lanes 0-7, byte 1 to lanes 8-15
+  const uint16_t* qb;
+  int G;
   DecCB2() = default;
-  explicit DecCB2(const Weights& w) {
-    int8_t t[16] = {0}, tt[16] = {0};
-    memcpy(t, w.books, (size_t)w.num_books * 4);
-    for (int book = 0; book < 4; ++book)
-      for (int idx = 0; idx < 4; ++idx) tt[idx * 4 + book] = t[book * 4 + idx];
-    table = vld1q_s8(t);
-    table_t = vld1q_s8(tt);
-    for (int p = 0; p < 4; ++p) o[p] = vdupq_n_u8(0);
-    if (kMulti) init_constants();
+  explicit DecCB2(const Weights& w) : qb(w.qb), G((w.K + w.group_size - 1) / w.group_size) {
+    int8_t t[2][64] = {{0}};
+    for (int book = 0; book < (kMulti ? w.num_books : 1); ++book)
+      for (int x = 0; x < 16; ++x) {
+        t[0][book * 16 + x] = w.books[book * 4 + (x & 3)];
+        t[1][book * 16 + x] = w.books[book * 4 + (x >> 2)];
+      }
+    load(lo, t[0]);
+    load(hi, t[1]);
+    halves = vcombine_u8(vdup_n_u8(0), vdup_n_u8(1));
   }
-  // The 8 rows' books of (block b, group g) -> per row pair p the book bits of its 16 lanes: one register
-  // `books` with (book_r << 2) in lanes 0-7 and book_r in lanes 8-15, then one TBL per row pair.
-  uint8x16_t byte_of, shift, mask, pat[4];
-  inline void init_constants() {
-    static const uint8_t kByteOf[16] = {0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1};
-    static const int8_t kShift[16] = {2, 0, -2, -4, 2, 0, -2, -4, 0, -2, -4, -6, 0, -2, -4, -6};
-    static const uint8_t kMask[16] = {12, 12, 12, 12, 12, 12, 12, 12, 3, 3, 3, 3, 3, 3, 3, 3};
-    static const uint8_t kPat[4][2] = {{0, 1}, {10, 11}, {4, 5}, {14, 15}};
-    byte_of = vld1q_u8(kByteOf);
-    shift = vreinterpretq_u8_s8(vld1q_s8(kShift));
-    mask = vld1q_u8(kMask);
-    for (int p = 0; p < 4; ++p) pat[p] = vcombine_u8(vdup_n_u8(kPat[p][0]), vdup_n_u8(kPat[p][1]));
-  }
-  inline void group(const Weights& w, int b, int g) {
+  static void load(int8x16_t& t, const int8_t* p) { t = vld1q_s8(p); }
+  static void load(int8x16x4_t& t, const int8_t* p) { t = vld1q_s8_x4(p); }
+  // The word has row 2p's book at bits 2p, 2p + 1 and row 2p + 1's at bits 8 + 2p, 9 + 2p.
+  QL_INLINE void group(const Weights&, int b, int g) {
     if (!kMulti) return;
-    const uint16_t word = w.qb[(size_t)b * ((w.K + w.group_size - 1) / w.group_size) + g];
-    const uint8x16_t bytes = vqtbl1q_u8(vreinterpretq_u8_u16(vdupq_n_u16(word)), byte_of);
-    const uint8x16_t books = vandq_u8(vshlq_u8(bytes, vreinterpretq_s8_u8(shift)), mask);
-#pragma GCC unroll 4
-    for (int p = 0; p < 4; ++p) o[p] = vqtbl1q_u8(books, pat[p]);
+    const uint8x16_t x = vqtbl1q_u8(vreinterpretq_u8_u16(vld1q_dup_u16(qb + (size_t)b * G + g)), halves);
+    const uint8x16_t three = vdupq_n_u8(3);
+    books[0] = vandq_u8(x, three);
+    books[1] = vandq_u8(vshrq_n_u8(x, 2), three);
+    books[2] = vandq_u8(vshrq_n_u8(x, 4), three);
+    books[3] = vshrq_n_u8(x, 6);
   }
-  inline void chunk(const uint8_t* blk, int c, int8x16_t v[4]) const {
-    const uint8x16_t p = vld1q_u8(blk + 16 * c), p4 = vshrq_n_u8(p, 4);
-    const uint8x16_t m03 = vdupq_n_u8(0x03), m0c = vdupq_n_u8(0x0C);
-    v[0] = vqtbl1q_s8(table, vorrq_u8(vandq_u8(p, m03), o[0]));
-    v[1] = vqtbl1q_s8(table_t, vorrq_u8(vandq_u8(p, m0c), o[1]));
-    v[2] = vqtbl1q_s8(table, vorrq_u8(vandq_u8(p4, m03), o[2]));
-    v[3] = vqtbl1q_s8(table_t, vorrq_u8(vandq_u8(p4, m0c), o[3]));
+  QL_INLINE void pair(const uint8_t* blk, int ch, int8x16_t v[2][4]) const {
+#pragma GCC unroll 2
+    for (int ph = 0; ph < 2; ++ph) {
+      const uint8x16_t q = vld1q_u8(blk + 16 * (2 * ch + ph));
+      uint8x16_t ia, ib;
+      if (kMulti) {
+        ib = vsliq_n_u8(vshrq_n_u8(q, 4), books[2 * ph + 1], 4);
+        ia = vsliq_n_u8(q, books[2 * ph], 4);
+      } else {
+        ia = vandq_u8(q, vdupq_n_u8(0x0F));
+        ib = vshrq_n_u8(q, 4);
+      }
+      v[0][2 * ph] = lookup(lo, ia);
+      v[1][2 * ph] = lookup(hi, ia);
+      v[0][2 * ph + 1] = lookup(lo, ib);
+      v[1][2 * ph + 1] = lookup(hi, ib);
+    }
   }
 };
 
@@ -109,7 +138,7 @@ struct GroupScales {
     qz_kind = w.qz == nullptr ? 0 : w.qz_f32 ? 2 : 1;
     qz = qz_kind ? static_cast<const uint8_t*>(w.qz) + at * (qz_kind == 2 ? 4 : 2) : nullptr;
   }
-  inline void next(float32x4_t ws[2], float32x4_t z[2]) {
+  QL_INLINE void next(float32x4_t ws[2], float32x4_t z[2]) {
     ws[0] = load_f16x4(qs);
     ws[1] = load_f16x4(qs + 4);
     qs += 8;

@@ -3,8 +3,10 @@
 //   harness test                      every available path vs the scalar reference, bit for bit, on
 //                                     random layouts: all formats, 1/2/4 codebooks, group 32/64/128,
 //                                     N not a multiple of 8, M = 1..9; prints the dispatched path
-//   harness bench FORMAT M N K REPS   REPS calls of the auto-dispatched kernel (for the qemu plugin
-//                                     that counts executed instructions per symbol); FORMAT bcq4|cb4|cb2
+//   harness bench FORMAT M N K REPS [GROUP [BOOKS]]
+//                                     REPS calls of the auto-dispatched kernel (for the qemu plugin
+//                                     that counts executed instructions per symbol); FORMAT bcq4|cb4|cb2,
+//                                     GROUP 128 (bcq4) / 32, BOOKS 4 (cb2) / 1 by default
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -106,11 +108,10 @@ static int test() {
   return failures ? 1 : 0;
 }
 
-static int bench(const char* fmt, int M, int N, int K, int reps) {
+static int bench(const char* fmt, int M, int N, int K, int reps, int group, int books) {
   const int f = !strcmp(fmt, "bcq4") ? kBCQ4 : !strcmp(fmt, "cb4") ? kCB4 : kCB2;
   Layer L;
-  const int group = f == kBCQ4 ? 128 : 32;
-  make_layer(L, f, f == kCB2 ? 4 : 1, N, K, group, f == kBCQ4 ? 1 : 0);
+  make_layer(L, f, books, N, K, group, f == kBCQ4 ? 1 : 0);
   std::vector<float> x((size_t)M * K), y((size_t)M * N);
   for (auto& v : x) v = ((int)(rnd() % 2001) - 1000) / 100.f;
   std::vector<char> ws(acts_bytes(M, K, group) + 16);
@@ -125,7 +126,11 @@ static int bench(const char* fmt, int M, int N, int K, int reps) {
 
 int main(int argc, char** argv) {
   if (argc >= 2 && !strcmp(argv[1], "test")) return test();
-  if (argc >= 7 && !strcmp(argv[1], "bench")) return bench(argv[2], atoi(argv[3]), atoi(argv[4]), atoi(argv[5]), atoi(argv[6]));
-  fprintf(stderr, "usage: harness test | harness bench bcq4|cb4|cb2 M N K REPS\n");
+  if (argc >= 7 && !strcmp(argv[1], "bench")) {
+    const bool bcq = !strcmp(argv[2], "bcq4"), cb2 = !strcmp(argv[2], "cb2");
+    return bench(argv[2], atoi(argv[3]), atoi(argv[4]), atoi(argv[5]), atoi(argv[6]),
+                 argc >= 8 ? atoi(argv[7]) : bcq ? 128 : 32, argc >= 9 ? atoi(argv[8]) : cb2 ? 4 : 1);
+  }
+  fprintf(stderr, "usage: harness test | harness bench bcq4|cb4|cb2 M N K REPS [GROUP [BOOKS]]\n");
   return 2;
 }

@@ -114,8 +114,8 @@ struct DotPlain {  // without the dotprod extension: widening multiplies and pai
   }
 };
 
-// M activation rows x RB blocks of 8 weight rows per pass (RB = 2 for M = 1 halves the activation loads
-// and loop control per weight).
+// M activation rows x RB blocks of 8 weight rows per pass (RB = Dec::kRB for M = 1 shares the activation
+// loads and loop control between blocks).
 template <int M, int RB, typename Dot, typename Dec>
 static void gemv_pass(const Weights& w, const Acts& a, int m0, const float* bias, float* y, int b, const Dec& proto) {
   const int H = w.K / 32, per_group = w.group_size / 32, G = (w.K + w.group_size - 1) / w.group_size;
@@ -159,19 +159,23 @@ static void gemv_pass(const Weights& w, const Acts& a, int m0, const float* bias
       for (int r = 0; r < RB; ++r)
 #pragma GCC unroll 16
         for (int p = 0; p < 4; ++p) isum[m][r][p] = vdupq_n_s32(0);
+#pragma GCC unroll 2
+    for (int ch = 0; ch < 2; ++ch) {
+      int8x16_t x[M][2];
 #pragma GCC unroll 16
-    for (int c = 0; c < 4; ++c) {
-      int8x16_t x[M];
-#pragma GCC unroll 16
-      for (int m = 0; m < M; ++m) x[m] = vld1q_s8(a.xd + (((size_t)(m0 + m) * H + h) * 4 + c) * 16);
+      for (int m = 0; m < M; ++m)
+#pragma GCC unroll 2
+        for (int j = 0; j < 2; ++j) x[m][j] = vld1q_s8(a.xd + (((size_t)(m0 + m) * H + h) * 4 + 2 * ch + j) * 16);
 #pragma GCC unroll 2
       for (int r = 0; r < RB; ++r) {
-        int8x16_t v[4];
-        dec[r].chunk(blk[r], c, v);
+        int8x16_t v[2][4];
+        dec[r].pair(blk[r], ch, v);
 #pragma GCC unroll 16
         for (int m = 0; m < M; ++m)
+#pragma GCC unroll 2
+          for (int j = 0; j < 2; ++j)
 #pragma GCC unroll 16
-          for (int p = 0; p < 4; ++p) isum[m][r][p] = Dot::dot(isum[m][r][p], v[p], x[m]);
+            for (int p = 0; p < 4; ++p) isum[m][r][p] = Dot::dot(isum[m][r][p], v[j][p], x[m][j]);
       }
     }
 #pragma GCC unroll 16
@@ -204,7 +208,7 @@ static void gemv_pass(const Weights& w, const Acts& a, int m0, const float* bias
 template <int M, typename Dot, typename Dec>
 static void gemv(const Weights& w, const Acts& a, int m0, const float* bias, float* y, int b0, int b1, Dec& dec) {
   int b = b0;
-  if (M == 1)
+  if (M == 1 && Dec::kRB == 2)
     for (; b + 2 <= b1; b += 2) gemv_pass<M, 2, Dot>(w, a, m0, bias, y, b, dec);
   for (; b < b1; ++b) gemv_pass<M, 1, Dot>(w, a, m0, bias, y, b, dec);
 }
@@ -262,11 +266,11 @@ static int weight_at(const Weights& w, int b, int h, int r, int k) {
   const int H = w.K / 32, c = k / 8, p = r / 2, i = (r % 2) * 8 + k % 8;
   const uint8_t* blk = w.qw + ((size_t)b * H + h) * block_bytes(w.format);
   if (w.format == kCB2) {
-    const int idx = (blk[16 * c + i] >> (2 * p)) & 3;
+    const int idx = (blk[16 * (2 * (c / 2) + p / 2) + i] >> (2 * (2 * (p % 2) + c % 2))) & 3;
     int book = 0;
     if (w.num_books > 1) {
       const int G = (w.K + w.group_size - 1) / w.group_size, g = h / (w.group_size / 32);
-      book = (w.qb[(size_t)b * G + g] >> (2 * r)) & 3;
+      book = (w.qb[(size_t)b * G + g] >> (8 * (r % 2) + 2 * (r / 2))) & 3;
     }
     return w.books[book * 4 + idx];
   }

@@ -51,16 +51,18 @@ static void mmla_tile(const Weights& w, const Acts& a, int mp0, const float* bia
       for (int q = 0; q < MP; ++q)
 #pragma GCC unroll 16
         for (int p = 0; p < 4; ++p) isum[q][p] = vdupq_n_s32(0);
+#pragma GCC unroll 2
+      for (int ch = 0; ch < 2; ++ch) {
+        int8x16_t v[2][4];
+        dec.pair(blk, ch, v);
+#pragma GCC unroll 2
+        for (int j = 0; j < 2; ++j)
 #pragma GCC unroll 16
-      for (int c = 0; c < 4; ++c) {
-        int8x16_t v[4];
-        dec.chunk(blk, c, v);
+          for (int q = 0; q < MP; ++q) {
+            const int8x16_t xa = vld1q_s8(xp + (((size_t)(mp0 + q) * H + h) * 4 + 2 * ch + j) * 16);
 #pragma GCC unroll 16
-        for (int q = 0; q < MP; ++q) {
-          const int8x16_t xa = vld1q_s8(xp + (((size_t)(mp0 + q) * H + h) * 4 + c) * 16);
-#pragma GCC unroll 16
-          for (int p = 0; p < 4; ++p) isum[q][p] = vmmlaq_s32(isum[q][p], xa, v[p]);
-        }
+            for (int p = 0; p < 4; ++p) isum[q][p] = vmmlaq_s32(isum[q][p], xa, v[j][p]);
+          }
       }
 #pragma GCC unroll 16
       for (int q = 0; q < MP; ++q) {

@@ -13,11 +13,11 @@
 //     P0, P1; V[c][0] / V[c][1] are the low / high nibbles of P0, V[c][2] / V[c][3] those of P1.
 //     BCQ stores code XOR 8 (MSB toggled), so (P << 4) and (P & 0xF0) are 16·(code − 8) as int8.
 //     Codebook bits=4 stores the centroid index; decoding is one TBL per vector.
-//   - 2 bits (codebook bits=2): 64 bytes; chunk c is bytes 16c..16c+15 = P; bits 2j..2j+1 of P's
-//     byte i are the index of V[c][j] byte i.  TBL index = (book << 2) | idx (p = 0, 2) or
-//     (idx << 2) | book (p = 1, 3, with the transposed table), merged in one BSL per vector.
+//   - 2 bits (codebook bits=2): 64 bytes; register k = 2·ch + ph (bytes 16k..16k+15) holds in its byte i
+//     the indices of V[2ch + cl][2ph + pl] byte i at bits 2(2pl + cl)..2(2pl + cl)+1 (cl, pl = 0, 1):
+//     a nibble covers one row pair in two chunks.  TBL index = book << 4 | nibble into 64-entry tables.
 //   qs[b][g][8] fp16 scales of the 8 rows for group g; qz[b][g][8] BCQ offsets (fp16 or fp32);
-//   qb[b][g] codebook ids of the 8 rows, 2 bits each (row r at bits 2r..2r+1), when C > 1.
+//   qb[b][g] codebook ids of the 8 rows, 2 bits each (row r at bits 8(r%2) + 2(r/2), + 1), when C > 1.
 //
 // Per row n, in this order, identically on every path (so all paths agree bit for bit): at the start
 // of each group g, BCQ only: z = fma(0.5, s, c); acc = fma(z, xsum[g], acc)  (w = s·(code − 7.5) + c);
