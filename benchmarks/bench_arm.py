@@ -9,7 +9,7 @@ Instruction counts: the standalone harness (backends/arm_neon/harness.cpp) is cr
 the count is every instruction executed inside the kernels' symbols (decode, dot products, scaling,
 loop control; not the activation quantization, done once per call), divided by N·K·reps (M = 1) or
 N·K·M·reps (M = 8).  N = K = 4096; BCQ uniform int4 at group 128, codebooks at group 32 (2-bit with
-4 codebooks).
+4 codebooks), and two 2-bit variants (group 128; one codebook).
 """
 
 from __future__ import annotations
@@ -32,7 +32,11 @@ from common import table, timeit  # noqa: E402
 from qlinear import BCQLinear, CodebookLinear  # noqa: E402
 
 ARM = Path(__file__).resolve().parents[1] / "backends" / "arm_neon"
-FORMATS = {"bcq4": "BCQ uniform int4 g128", "cb4": "codebook 4-bit g32", "cb2": "codebook 2-bit g32, 4 books"}
+# (harness format, group size, codebooks, label): the issue's three formats, then 2-bit variants that show what
+# the per-32-input codebook choice costs.
+FORMATS = [("bcq4", 128, 1, "BCQ uniform int4 g128"), ("cb4", 32, 1, "codebook 4-bit g32"),
+           ("cb2", 32, 4, "codebook 2-bit g32, 4 books"), ("cb2", 128, 4, "codebook 2-bit g128, 4 books"),
+           ("cb2", 32, 1, "codebook 2-bit g32, 1 book")]
 
 
 def count(plugin: str, work: Path) -> list[list[object]]:
@@ -42,11 +46,12 @@ def count(plugin: str, work: Path) -> list[list[object]]:
                    check=True)
     rows = []
     N = K = 4096
-    for fmt, label in FORMATS.items():
+    for fmt, group, books, label in FORMATS:
         for M, kind in ((1, "GEMV (SDOT)"), (8, "GEMM (SMMLA)")):
-            log = work / f"{fmt}-{M}.txt"
+            log = work / f"{fmt}-{group}-{books}-{M}.txt"
             subprocess.run(["qemu-aarch64", "-cpu", "max", "-plugin", f"{plugin},top=40", "-d", "plugin", "-D", str(log),
-                            str(exe), "bench", fmt, str(M), str(N), str(K), "2"], check=True, capture_output=True)
+                            str(exe), "bench", fmt, str(M), str(N), str(K), "2", str(group), str(books)],
+                           check=True, capture_output=True)
             n = sum(int(m.group(1)) for m in re.finditer(r"sym\s+(\d+)\s+(\S*qlinear_arm\S*)", log.read_text())
                     if not re.search("prepare_acts|reference|weight_at|half_to_float|cpu_path", m.group(2)))
             per = n / (N * K * 2 * M)
