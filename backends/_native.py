@@ -63,14 +63,16 @@ def cuda_toolchain_problem() -> Optional[str]:
 @functools.lru_cache(maxsize=None)
 def build(name: str, sources: tuple[str, ...], cflags: tuple[str, ...] = (), cuda_cflags: tuple[str, ...] = (),
           ldflags: tuple[str, ...] = ()) -> Optional[str]:
-    """Build (once per process, cached on disk) and load the op library ``name`` from ``sources``.
+    """Build (once per process, cached on disk under a hash of the sources, the headers beside them, the shared
+    CUDA headers, the flags and the torch version) and load the op library ``name`` from ``sources``.
 
     Returns None on success (the ops are registered with torch), else the reason it failed, one line.
     """
     if shutil.which("ninja") is None:
         return "ninja not found (pip install ninja)"
     digest = hashlib.sha256()
-    for src in (*sources, *sorted(SHARED_HEADERS.iterdir())):
+    headers = sorted({h for src in sources for h in Path(src).parent.iterdir() if h.suffix in (".h", ".cuh")})
+    for src in (*sources, *headers, *sorted(SHARED_HEADERS.iterdir())):
         digest.update(Path(src).read_bytes())
     digest.update(repr((cflags, cuda_cflags, ldflags, torch.__version__)).encode())
     folder = cache_dir() / f"{name}-{digest.hexdigest()[:16]}"

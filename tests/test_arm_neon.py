@@ -171,6 +171,27 @@ def test_all_paths_agree_bitwise():
 
 
 @native
+def test_op_rejects_inconsistent_codebook_buffers():
+    cfg, bufs = _codebook(16, 64, 2, 4)
+    p = arm_neon.repack_codebook(bufs, cfg, 16, 64)
+    x = torch.randn(1, 64)
+
+    def call(books=4, qb=p["arm_qb"], table=p["codebooks"], group=32):
+        return torch.ops.qlinear.arm_gemm(x, p["arm_qw"], p["arm_qs"], None, qb, table, None, arm_neon._FMT_CB2,
+                                          books, 16, group, 0)
+
+    assert call().shape == (1, 16)
+    with pytest.raises(RuntimeError, match="do not fit in 16 bytes"):
+        call(books=5, table=torch.zeros(20, dtype=torch.int8))
+    with pytest.raises(RuntimeError, match=r"codebooks must be contiguous int8 \[4, 4\]"):
+        call(table=p["codebooks"].flatten()[:8].contiguous())
+    with pytest.raises(RuntimeError, match="qb .codebook ids. is needed exactly when"):
+        call(qb=None)
+    with pytest.raises(RuntimeError, match="positive multiples of 32"):
+        call(group=0)
+
+
+@native
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_modules_on_the_arm_backend(dtype, tmp_path):
     torch.manual_seed(0)

@@ -5,8 +5,8 @@ on Arm CPUs", §4 kernels, §5 codebooks).
 ``y = x Ŵᵀ + b`` for ``x`` ``[..., K]`` fp32/bf16/fp16 on CPU: activations are quantized to int8 per 32
 inputs (one fp32 scale each, round half to even), weights decoded to int8 (MSB-toggled nibbles with
 one shift or mask for BCQ; one table lookup per 16 weights for codebooks: ``vqtbl1q_s8`` into the
-16-byte codebook register at 4 bits, ``vqtbl4q_s8`` into 64-entry tables indexed by book and two 2-bit
-indices at 2 bits), products accumulated exactly in int32 by SDOT (decode, M ≤ 3) or SMMLA (M ≥ 4, i8mm), then
+16-byte codebook register at 4 bits; at 2 bits, a lookup of two 2-bit indices (a nibble) into 16-entry
+tables, or with several codebooks of (codebook id, nibble) into 64-entry ``vqtbl4q_s8`` tables), products accumulated exactly in int32 by SDOT (decode, M ≤ 3) or SMMLA (M ≥ 4, i8mm), then
 scaled in fp32.  Runtime dispatch by CPU features (``getauxval``), plain-NEON fallback.  Built just in
 time (``backends/_native.py``); on x86 the same source compiles through SIMDe.
 

@@ -15,9 +15,11 @@ at::Tensor arm_gemm(const at::Tensor& x, const at::Tensor& qw, const at::Tensor&
                     int64_t group_size, int64_t path) {
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(),
               "arm_gemm: x must be a contiguous float32 CPU [M, K] tensor");
-  const int64_t M = x.size(0), K = x.size(1), Nb = (N + 7) / 8, G = (K + group_size - 1) / group_size;
+  const int64_t M = x.size(0), K = x.size(1), Nb = (N + 7) / 8;
   TORCH_CHECK(format >= 0 && format <= 2, "arm_gemm: unknown format ", format);
-  TORCH_CHECK(K % 32 == 0 && group_size % 32 == 0, "arm_gemm: K and group_size must be multiples of 32");
+  TORCH_CHECK(K > 0 && K % 32 == 0 && group_size > 0 && group_size % 32 == 0,
+              "arm_gemm: K and group_size must be positive multiples of 32");
+  const int64_t G = (K + group_size - 1) / group_size;
   const int64_t bb = qlinear_arm::block_bytes((int)format);
   TORCH_CHECK(qw.scalar_type() == at::kByte && qw.is_contiguous() && qw.numel() == Nb * (K / 32) * bb,
               "arm_gemm: qw must be contiguous uint8 [", Nb, ", ", K / 32, ", ", bb, "]");
@@ -43,12 +45,16 @@ at::Tensor arm_gemm(const at::Tensor& x, const at::Tensor& qw, const at::Tensor&
                 "arm_gemm: qb must be contiguous int16 [", Nb, ", ", G, "]");
     w.qb = reinterpret_cast<const uint16_t*>(qb->data_ptr<int16_t>());
   }
-  if (books.has_value()) {
-    TORCH_CHECK(books->scalar_type() == at::kChar && books->is_contiguous() && books->numel() <= 16,
-                "arm_gemm: codebooks must be contiguous int8 with at most 16 entries");
+  if (format != qlinear_arm::kBCQ4) {
+    const int64_t levels = format == qlinear_arm::kCB4 ? 16 : 4;
+    TORCH_CHECK(num_books >= 1 && num_books * levels <= 16,
+                "arm_gemm: ", num_books, " codebooks of ", levels, " entries do not fit in 16 bytes");
+    TORCH_CHECK(books.has_value() && books->scalar_type() == at::kChar && books->is_contiguous() &&
+                    books->numel() == num_books * levels,
+                "arm_gemm: codebooks must be contiguous int8 [", num_books, ", ", levels, "]");
+    TORCH_CHECK(qb.has_value() == (num_books > 1), "arm_gemm: qb (codebook ids) is needed exactly when num_books > 1");
     w.books = books->data_ptr<int8_t>();
   }
-  TORCH_CHECK(format == qlinear_arm::kBCQ4 || w.books, "arm_gemm: codebook formats need the codebooks");
   at::Tensor bias32;
   if (bias.has_value()) {
     TORCH_CHECK(bias->numel() == N, "arm_gemm: bias must have N elements");

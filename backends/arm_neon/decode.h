@@ -65,9 +65,10 @@ QL_INLINE int8x16_t lookup(int8x16x4_t t, uint8x16_t i) { return vqtbl4q_s8(t, i
 
 // Codebook, 2-bit indices, C <= 4 codebooks of 4 centroids.  Register k = 2ch + ph of chunk pair ch holds
 // in its byte i the four indices of V[2ch + cl][2ph + pl] at bits 2(2pl + cl): its low nibble serves
-// row pair 2ph of both chunks, its high nibble row pair 2ph + 1.  One instruction per nibble makes the
-// TBL index (book << 4 | nibble) (SLI inserts the lanes' books; with one codebook a mask or a shift),
-// and two tables read the nibble's low / high index: 2 + 4 TBL per 4 vectors, no merge per vector.
+// row pair 2ph of both chunks, its high nibble row pair 2ph + 1.  The TBL index is (book << 4 | nibble)
+// (SLI inserts the lanes' books: 3 instructions per register with several codebooks; with one, the
+// nibble itself after a mask or a shift: 2), and two tables read the nibble's low / high index, so
+// 4 TBL per 4 vectors and no merge per vector.
 template <bool kMulti>
 struct DecCB2 {
   static constexpr int kBytes = 64;

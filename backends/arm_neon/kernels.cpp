@@ -211,6 +211,7 @@ static void gemv_pass(const Weights& w, const Acts& a, int m0, const float* bias
 #if defined(__aarch64__)
 // gemv_pass<1, 1, DotSDOT, DecCB2<true>> in assembly: GCC spills and reloads the 64-byte tables in that
 // loop (0.38 instructions per weight against 0.30 here).  Same arithmetic in the same order, bit for bit.
+// Needs group_size to divide K (whole groups; codebook layers always have them).
 // Registers: v0-v3 / v4-v7 tables lo / hi, v8-v11 books per row pair, v12-v13 acc, v14-v15 scales,
 // v16-v19 activation chunks, v20-v23 packed codes, v24-v27 int32 sums, v28 lane-half pattern, v29-v31 temps.
 #define QL_CB2_NIBBLES(Q, BL, BH, SL, SH, X0, X1)                                       \
@@ -300,8 +301,10 @@ static void gemv(const Weights& w, const Acts& a, int m0, const float* bias, flo
   int b = b0;
 #if defined(__aarch64__)
   if constexpr (M == 1 && std::is_same<Dot, DotSDOT>::value && std::is_same<Dec, DecCB2<true>>::value) {
-    for (; b < b1; ++b) cb2_gemv_asm(w, a, m0, bias, y, b, dec);
-    return;
+    if (w.K % w.group_size == 0) {
+      for (; b < b1; ++b) cb2_gemv_asm(w, a, m0, bias, y, b, dec);
+      return;
+    }
   }
 #endif
   if (M == 1 && Dec::kRB == 2)

@@ -15,9 +15,11 @@
 //     Codebook bits=4 stores the centroid index; decoding is one TBL per vector.
 //   - 2 bits (codebook bits=2): 64 bytes; register k = 2·ch + ph (bytes 16k..16k+15) holds in its byte i
 //     the indices of V[2ch + cl][2ph + pl] byte i at bits 2(2pl + cl)..2(2pl + cl)+1 (cl, pl = 0, 1):
-//     a nibble covers one row pair in two chunks.  TBL index = book << 4 | nibble into 64-entry tables.
+//     a nibble covers one row pair in two chunks.  TBL index = book << 4 | nibble into 64-entry tables
+//     (with one codebook: the nibble into 16-entry tables).
 //   qs[b][g][8] fp16 scales of the 8 rows for group g; qz[b][g][8] BCQ offsets (fp16 or fp32);
-//   qb[b][g] codebook ids of the 8 rows, 2 bits each (row r at bits 8(r%2) + 2(r/2), + 1), when C > 1.
+//   qb[b][g] codebook ids of the 8 rows, 2 bits each, row r at bits 8(r%2)+2(r/2) and 8(r%2)+2(r/2)+1
+//   (even rows in the low byte, odd rows in the high byte), when C > 1.
 //
 // Per row n, in this order, identically on every path (so all paths agree bit for bit): at the start
 // of each group g, BCQ only: z = fma(0.5, s, c); acc = fma(z, xsum[g], acc)  (w = s·(code − 7.5) + c);
