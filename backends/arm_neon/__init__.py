@@ -6,7 +6,8 @@ on Arm CPUs", §4 kernels, §5 codebooks).
 inputs (one fp32 scale each, round half to even), weights decoded to int8 (MSB-toggled nibbles with
 one shift or mask for BCQ; one table lookup per 16 weights for codebooks: ``vqtbl1q_s8`` into the
 16-byte codebook register at 4 bits; at 2 bits, a lookup of two 2-bit indices (a nibble) into 16-entry
-tables, or with several codebooks of (codebook id, nibble) into 64-entry ``vqtbl4q_s8`` tables), products accumulated exactly in int32 by SDOT (decode, M ≤ 3) or SMMLA (M ≥ 4, i8mm), then
+tables, or with several codebooks of (codebook id, nibble) into 64-entry ``vqtbl4q_s8`` tables),
+products accumulated exactly in int32 by SDOT (decode, M ≤ 3) or SMMLA (M ≥ 4, i8mm), then
 scaled in fp32.  Runtime dispatch by CPU features (``getauxval``), plain-NEON fallback.  Built just in
 time (``backends/_native.py``); on x86 the same source compiles through SIMDe.
 
@@ -108,6 +109,12 @@ def _book_shifts(device) -> torch.Tensor:
     return 8 * (r % 2) + 2 * (r // 2)
 
 
+def _word_books(qb: torch.Tensor) -> torch.Tensor:
+    """``arm_qb`` int16 ``[Nb, G]`` -> the 8 rows' codebook ids int64 ``[Nb, G, 8]``."""
+    word = qb.to(torch.int64) & 0xFFFF
+    return (word[..., None] >> _book_shifts(qb.device)) & 3
+
+
 def repack_bcq(buffers: dict, cfg, N: int, K: int) -> dict:
     """Canonical uniform 4-bit BCQ -> layout ``arm_neon_bcq`` (``arm_qw`` uint8 ``[Nb, K/32, 128]``, ``arm_qs``
     fp16 ``[Nb, G, 8]``, ``arm_qz`` ``[Nb, G, 8]`` of the offset's dtype).  Raises ValueError for non-uniform α."""
@@ -152,9 +159,7 @@ def unrepack_codebook(buffers: dict, cfg, N: int, K: int) -> dict:
     v = _unpack_nibbles(qw) if cfg.bits == 4 else _unpack_crumbs(qw)
     out = {"codes": pack(_unblocks(v, N, K), cfg.bits)}
     if C > 1:
-        word = buffers["arm_qb"].to(torch.int64) & 0xFFFF
-        books = (word[..., None] >> _book_shifts(word.device)) & 3                     # [Nb, G, 8]
-        out["book_idx"] = pack(_unpad_groups(books, N), int(math.log2(C)))
+        out["book_idx"] = pack(_unpad_groups(_word_books(buffers["arm_qb"]), N), int(math.log2(C)))
     out["scales"] = _unpad_groups(buffers["arm_qs"], N)
     out["codebooks"] = buffers["codebooks"]
     return out
@@ -186,8 +191,7 @@ def _weights_int8(buffers: dict, format: int, cfg, N: int, K: int) -> torch.Tens
         return torch.where(rows >= 8, rows - 16, rows) * 16  # (nibble << 4) as int8 = 16·(code − 8)
     book = torch.zeros_like(rows)
     if cfg.books > 1:
-        word = buffers["arm_qb"].to(torch.int64) & 0xFFFF
-        books = ((word[..., None] >> _book_shifts(qw.device)) & 3).transpose(1, 2)  # [Nb, 8, G]
+        books = _word_books(buffers["arm_qb"]).transpose(1, 2)  # [Nb, 8, G]
         book = books.reshape(-1, books.shape[-1]).repeat_interleave(cfg.group_size, 1)
     return buffers["codebooks"].to(torch.int64)[book, rows]
 

@@ -1,8 +1,6 @@
 // Weight decoders and scale helpers shared by the SDOT/plain (kernels.cpp) and SMMLA (kernels_i8mm.cpp)
 // kernels: each turns one packed (8-row, 32-input) block into int8 vectors V[c][p] (see qgemm.h).
 #pragma once
-#include <string.h>
-
 #include <type_traits>
 
 #include "neon.h"

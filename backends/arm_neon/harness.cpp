@@ -50,7 +50,7 @@ static void make_layer(Layer& L, int format, int books, int N, int K, int group,
   L.qb.resize((size_t)Nb * G);
   for (auto& v : L.qb) {
     uint16_t word = 0;
-    for (int r = 0; r < 8; ++r) word |= (uint16_t)((rnd() % books) << (8 * (r % 2) + 2 * (r / 2)));
+    for (int r = 0; r < 8; ++r) word |= (uint16_t)((rnd() % books) << book_shift(r));
     v = word;
   }
   L.books.resize(16);

@@ -369,7 +369,7 @@ static int weight_at(const Weights& w, int b, int h, int r, int k) {
     int book = 0;
     if (w.num_books > 1) {
       const int G = (w.K + w.group_size - 1) / w.group_size, g = h / (w.group_size / 32);
-      book = (w.qb[(size_t)b * G + g] >> (8 * (r % 2) + 2 * (r / 2))) & 3;
+      book = (w.qb[(size_t)b * G + g] >> book_shift(r)) & 3;
     }
     return w.books[book * 4 + idx];
   }

@@ -57,6 +57,8 @@ struct Acts {
 };
 
 int block_bytes(int format);
+// Bit position of row r's 2-bit codebook id in the qb word (see the layout above).
+inline int book_shift(int r) { return 8 * (r % 2) + 2 * (r / 2); }
 size_t acts_bytes(int M, int K, int group_size);
 // x: [M][K] fp32.  workspace: acts_bytes(M, K, group_size) bytes, 16-byte aligned.
 void prepare_acts(const float* x, int M, int K, int group_size, int format, void* workspace, Acts* out);
