@@ -87,19 +87,17 @@ def _unpack_nibbles(qw: torch.Tensor) -> torch.Tensor:
 
 
 def _pack_crumbs(v: torch.Tensor) -> torch.Tensor:
-    """``V[c][p]`` values 0..3 -> 64 bytes per block: byte ``16k + i`` (``k = 2·(c // 2) + p // 2``) holds the
-    index of ``V[c][p]`` byte ``i`` at bits ``2f, 2f + 1`` with ``f = 2·(p % 2) + c % 2``."""
+    """``V[c][p]`` values 0..3 -> 64 bytes per block: byte ``16p + i`` holds the index of ``V[c][p]`` byte ``i``
+    at bits ``2c, 2c + 1`` (its low nibble serves chunks 0-1 of row pair ``p``, its high nibble chunks 2-3)."""
     Nb, H = v.shape[:2]
-    f = v.view(Nb, H, 2, 2, 2, 2, 16).permute(0, 1, 2, 4, 5, 3, 6).reshape(Nb, H, 4, 4, 16)
-    return sum(f[:, :, :, j] << (2 * j) for j in range(4)).to(torch.uint8).reshape(Nb, H, 64)
+    return sum(v[:, :, c] << (2 * c) for c in range(4)).to(torch.uint8).reshape(Nb, H, 64)
 
 
 def _unpack_crumbs(qw: torch.Tensor) -> torch.Tensor:
     """Inverse of :func:`_pack_crumbs`: ``[Nb, H, 64]`` -> ``[Nb, H, 4, 4, 16]``."""
     Nb, H = qw.shape[:2]
-    b = qw.view(Nb, H, 4, 1, 16).to(torch.int64)
-    f = (b >> (2 * torch.arange(4, device=qw.device)).view(1, 1, 1, 4, 1)) & 3
-    return f.view(Nb, H, 2, 2, 2, 2, 16).permute(0, 1, 2, 5, 3, 4, 6).reshape(Nb, H, 4, 4, 16)
+    b = qw.view(Nb, H, 1, 4, 16).to(torch.int64)
+    return (b >> (2 * torch.arange(4, device=qw.device)).view(1, 1, 4, 1, 1)) & 3
 
 
 def _book_shifts(device) -> torch.Tensor:

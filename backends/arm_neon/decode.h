@@ -61,12 +61,10 @@ struct DecCB4 : ByChunk<DecCB4> {
 QL_INLINE int8x16_t lookup(int8x16_t t, uint8x16_t i) { return vqtbl1q_s8(t, i); }
 QL_INLINE int8x16_t lookup(int8x16x4_t t, uint8x16_t i) { return vqtbl4q_s8(t, i); }
 
-// Codebook, 2-bit indices, C <= 4 codebooks of 4 centroids.  Register k = 2ch + ph of chunk pair ch holds
-// in its byte i the four indices of V[2ch + cl][2ph + pl] at bits 2(2pl + cl): its low nibble serves
-// row pair 2ph of both chunks, its high nibble row pair 2ph + 1.  The TBL index is (book << 4 | nibble)
-// (SLI inserts the lanes' books: 3 instructions per register with several codebooks; with one, the
-// nibble itself after a mask or a shift: 2), and two tables read the nibble's low / high index, so
-// 4 TBL per 4 vectors and no merge per vector.
+// Codebook, 2-bit indices, C <= 4 codebooks of 4 centroids.  Bytes 16p.. hold row pair p: the low nibble of
+// byte i the indices of V[0][p], V[1][p] byte i, the high nibble those of V[2][p], V[3][p].  The TBL index is
+// (book << 4 | nibble) (SLI inserts the lanes' books; with one codebook, the nibble itself after a mask or a
+// shift), and two tables read the nibble's low / high index, so 2 TBL per index vector and no merge.
 template <bool kMulti>
 struct DecCB2 {
   static constexpr int kBytes = 64;
@@ -103,21 +101,16 @@ struct DecCB2 {
     books[3] = vshrq_n_u8(x, 6);
   }
   QL_INLINE void pair(const uint8_t* blk, int ch, int8x16_t v[2][4]) const {
-#pragma GCC unroll 2
-    for (int ph = 0; ph < 2; ++ph) {
-      const uint8x16_t q = vld1q_u8(blk + 16 * (2 * ch + ph));
-      uint8x16_t ia, ib;
-      if (kMulti) {
-        ib = vsliq_n_u8(vshrq_n_u8(q, 4), books[2 * ph + 1], 4);
-        ia = vsliq_n_u8(q, books[2 * ph], 4);
-      } else {
-        ia = vandq_u8(q, vdupq_n_u8(0x0F));
-        ib = vshrq_n_u8(q, 4);
-      }
-      v[0][2 * ph] = lookup(lo, ia);
-      v[1][2 * ph] = lookup(hi, ia);
-      v[0][2 * ph + 1] = lookup(lo, ib);
-      v[1][2 * ph + 1] = lookup(hi, ib);
+#pragma GCC unroll 4
+    for (int p = 0; p < 4; ++p) {
+      const uint8x16_t q = vld1q_u8(blk + 16 * p);
+      uint8x16_t i;
+      if (kMulti)
+        i = vsliq_n_u8(ch ? vshrq_n_u8(q, 4) : q, books[p], 4);
+      else
+        i = ch ? vshrq_n_u8(q, 4) : vandq_u8(q, vdupq_n_u8(0x0F));
+      v[0][p] = lookup(lo, i);
+      v[1][p] = lookup(hi, i);
     }
   }
 };

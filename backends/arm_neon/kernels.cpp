@@ -209,98 +209,149 @@ static void gemv_pass(const Weights& w, const Acts& a, int m0, const float* bias
 }
 
 #if defined(__aarch64__)
-// gemv_pass<1, 1, DotSDOT, DecCB2<true>> in assembly: GCC spills and reloads the 64-byte tables in that
-// loop (0.38 instructions per weight against 0.30 here).  Same arithmetic in the same order, bit for bit.
-// Needs group_size to divide K (whole groups; codebook layers always have them).
-// Registers: v0-v3 / v4-v7 tables lo / hi, v8-v11 books per row pair, v12-v13 acc, v14-v15 scales,
-// v16-v19 activation chunks, v20-v23 packed codes, v24-v27 int32 sums, v28 lane-half pattern, v29-v31 temps.
-#define QL_CB2_NIBBLES(Q, BL, BH, SL, SH, X0, X1)                                       \
-  "ushr v29.16b, " Q ".16b, #4\n"                                                        \
-  "sli v29.16b, " BH ".16b, #4\n"                                                        \
-  "sli " Q ".16b, " BL ".16b, #4\n"                                                      \
-  "tbl v30.16b, {v0.16b-v3.16b}, " Q ".16b\n"                                            \
-  "tbl v31.16b, {v4.16b-v7.16b}, " Q ".16b\n"                                            \
-  "sdot " SL ".4s, v30.16b, " X0 ".16b\n"                                                \
-  "sdot " SL ".4s, v31.16b, " X1 ".16b\n"                                                \
-  "tbl v30.16b, {v0.16b-v3.16b}, v29.16b\n"                                              \
-  "tbl v31.16b, {v4.16b-v7.16b}, v29.16b\n"                                              \
-  "sdot " SH ".4s, v30.16b, " X0 ".16b\n"                                                \
-  "sdot " SH ".4s, v31.16b, " X1 ".16b\n"
+// gemv_pass<1, 1, DotSDOT, DecCB2<...>> in assembly (with intrinsics GCC spills and reloads the 64-byte
+// tables in that loop; at N = K = 4096, group 32: 0.265 instructions per weight here against 0.39, and
+// 0.238 against 0.280 with one codebook).  Same arithmetic in the same order, bit for bit.  Needs
+// group_size to divide K (whole groups; codebook layers always have them).
+// Registers: v0-v3 / v4-v7 tables lo / hi (v0 / v4 with one codebook), v8-v11 books of row pair 0-3,
+// v12-v13 acc, v14-v15 scales, v16-v19 activation chunks, v20-v23 packed codes of row pair 0-3, v24-v27
+// int32 sums, v28 0xF0, v29-v30 temps, v31 0x33 (0x0F with one codebook).
+#define QL_CB2_SCALES            \
+  "ldp d14, d15, [%[qs]], #16\n" \
+  "fcvtl v14.4s, v14.4h\n"       \
+  "fcvtl v15.4s, v15.4h\n"
+// Several codebooks, at a group start: the books word to lane halves (byte 0, even rows, to lanes 0-7), then
+// each row pair's books moved to bits 4-5 with bits 6-7 clear (SRI and BIT read only the high nibble of a
+// book vector): pair 0 = (x & 0x33) << 4, pair 1 = (x << 4) >> 2, pair 2 = x & 0x33, pair 3 = x >> 2.
+#define QL_CB2_BOOKS                     \
+  "ld2r {v24.8b, v25.8b}, [%[qb]], #2\n" \
+  "mov v24.d[1], v25.d[0]\n"             \
+  "and v10.16b, v24.16b, v31.16b\n"      \
+  "shl v8.16b, v10.16b, #4\n"            \
+  "shl v9.16b, v24.16b, #4\n"            \
+  "ushr v9.16b, v9.16b, #2\n"            \
+  "ushr v11.16b, v24.16b, #2\n" QL_CB2_SCALES
+// Row pair: index vectors Q (chunks 0-1) and IB (chunks 2-3), each read by the lo and hi tables.
+#define QL_CB2_DOTS(LO, HI, Q, IB, ACC)       \
+  "tbl v29.16b, " LO ", " Q ".16b\n"          \
+  "tbl " Q ".16b, " HI ", " Q ".16b\n"        \
+  "sdot " ACC ".4s, v29.16b, v16.16b\n"       \
+  "sdot " ACC ".4s, " Q ".16b, v17.16b\n"     \
+  "tbl v29.16b, " LO ", " IB ".16b\n"         \
+  "tbl " IB ".16b, " HI ", " IB ".16b\n"      \
+  "sdot " ACC ".4s, v29.16b, v18.16b\n"       \
+  "sdot " ACC ".4s, " IB ".16b, v19.16b\n"
+#define QL_CB2_LO4 "{v0.16b-v3.16b}"
+#define QL_CB2_HI4 "{v4.16b-v7.16b}"
+// One block per group: the books are spent (SRI turns them into the high-nibble index, BIT copies their
+// high nibble into the codes for the low-nibble index).
+#define QL_CB2_PAIR_ONCE(Q, B, ACC)     \
+  "sri " B ".16b, " Q ".16b, #4\n"      \
+  "bit " Q ".16b, " B ".16b, v28.16b\n" \
+  QL_CB2_DOTS(QL_CB2_LO4, QL_CB2_HI4, Q, B, ACC)
+// Several blocks per group: the books stay.
+#define QL_CB2_PAIR_KEEP(Q, B, ACC)       \
+  "ushr v30.16b, " Q ".16b, #4\n"         \
+  "bit v30.16b, " B ".16b, v28.16b\n"     \
+  "bit " Q ".16b, " B ".16b, v28.16b\n"   \
+  QL_CB2_DOTS(QL_CB2_LO4, QL_CB2_HI4, Q, "v30", ACC)
+// One codebook: the nibbles index 16-entry tables.
+#define QL_CB2_PAIR_ONE(Q, B, ACC)       \
+  "ushr " B ".16b, " Q ".16b, #4\n"      \
+  "and " Q ".16b, " Q ".16b, v31.16b\n"  \
+  QL_CB2_DOTS("{v0.16b}", "{v4.16b}", Q, B, ACC)
+#define QL_CB2_BLOCK(PAIR)                                                                                \
+  "ld1 {v20.16b-v23.16b}, [%[qw]], #64\n"                                                                 \
+  "ld1 {v16.16b-v19.16b}, [%[xd]], #64\n"                                                                 \
+  "movi v24.4s, #0\n"                                                                                     \
+  "movi v25.4s, #0\n"                                                                                     \
+  "movi v26.4s, #0\n"                                                                                     \
+  "movi v27.4s, #0\n"                                                                                     \
+  PAIR("v20", "v8", "v24") PAIR("v21", "v9", "v25") PAIR("v22", "v10", "v26") PAIR("v23", "v11", "v27") \
+  "addp v24.4s, v24.4s, v25.4s\n"                                                                         \
+  "addp v26.4s, v26.4s, v27.4s\n"                                                                         \
+  "ldr s30, [%[xs]], #4\n"                                                                                \
+  "scvtf v24.4s, v24.4s\n"                                                                                \
+  "scvtf v26.4s, v26.4s\n"                                                                                \
+  "fmul v25.4s, v14.4s, v30.s[0]\n"                                                                       \
+  "fmul v27.4s, v15.4s, v30.s[0]\n"                                                                       \
+  "fmla v12.4s, v24.4s, v25.4s\n"                                                                         \
+  "fmla v13.4s, v26.4s, v27.4s\n"
+// One 32-input block per group (group_size 32): one loop; otherwise a loop over the group's blocks.
+#define QL_CB2_LOOPS(SETUP, PAIR_ONCE, PAIR_KEEP) \
+  "movi v12.4s, #0\n"                             \
+  "movi v13.4s, #0\n"                             \
+  "cmp %[per_group], #1\n"                        \
+  "b.ne 3f\n"                                     \
+  "1:\n" SETUP QL_CB2_BLOCK(PAIR_ONCE)            \
+  "subs %[groups], %[groups], #1\n"               \
+  "b.ne 1b\n"                                     \
+  "b 5f\n"                                        \
+  "3:\n" SETUP                                    \
+  "mov %[left], %[per_group]\n"                   \
+  "4:\n" QL_CB2_BLOCK(PAIR_KEEP)                  \
+  "subs %[left], %[left], #1\n"                   \
+  "b.ne 4b\n"                                     \
+  "subs %[groups], %[groups], #1\n"               \
+  "b.ne 3b\n"                                     \
+  "5:\n"                                          \
+  "stp q12, q13, [%[out]]\n"
 
-static void cb2_gemv_asm(const Weights& w, const Acts& a, int m0, const float* bias, float* y, int b,
-                         const DecCB2<true>& dec) {
+template <bool kMulti>
+__attribute__((noinline)) static void cb2_gemv_asm(const Weights& w, const Acts& a, int m0, const float* bias,
+                                                   float* y, int b, const DecCB2<kMulti>& dec) {
   const int H = w.K / 32, G = w.K / w.group_size;
   const uint8_t* qw = w.qw + (size_t)b * H * 64;
   const int8_t* xd = a.xd + (size_t)m0 * H * 64;
   const float* xs = a.xs + (size_t)m0 * H;
   const uint16_t* qs = w.qs + (size_t)b * G * 8;
-  const uint16_t* qb = w.qb + (size_t)b * G;
+  const uint16_t* qb = kMulti ? w.qb + (size_t)b * G : nullptr;
   const void* lo = &dec.lo;
   const void* hi = &dec.hi;
   long groups = G, left = 0;
   const long per_group = w.group_size / 32;
   float out[8];
-  asm volatile(
-      "ld1 {v0.16b-v3.16b}, [%[lo]]\n"
-      "ld1 {v4.16b-v7.16b}, [%[hi]]\n"
-      "ldr q28, [%[halves]]\n"
-      "movi v12.4s, #0\n"
-      "movi v13.4s, #0\n"
-      "1:\n"
-      "ld1r {v8.8h}, [%[qb]], #2\n"
-      "tbl v8.16b, {v8.16b}, v28.16b\n"
-      "movi v30.16b, #3\n"
-      "ushr v9.16b, v8.16b, #2\n"
-      "ushr v10.16b, v8.16b, #4\n"
-      "ushr v11.16b, v8.16b, #6\n"
-      "and v8.16b, v8.16b, v30.16b\n"
-      "and v9.16b, v9.16b, v30.16b\n"
-      "and v10.16b, v10.16b, v30.16b\n"
-      "ldp d14, d15, [%[qs]], #16\n"
-      "fcvtl v14.4s, v14.4h\n"
-      "fcvtl v15.4s, v15.4h\n"
-      "mov %[left], %[per_group]\n"
-      "2:\n"
-      "ld1 {v20.16b-v23.16b}, [%[qw]], #64\n"
-      "ld1 {v16.16b-v19.16b}, [%[xd]], #64\n"
-      "movi v24.4s, #0\n"
-      "movi v25.4s, #0\n"
-      "movi v26.4s, #0\n"
-      "movi v27.4s, #0\n"
-      QL_CB2_NIBBLES("v20", "v8", "v9", "v24", "v25", "v16", "v17")
-      QL_CB2_NIBBLES("v21", "v10", "v11", "v26", "v27", "v16", "v17")
-      QL_CB2_NIBBLES("v22", "v8", "v9", "v24", "v25", "v18", "v19")
-      QL_CB2_NIBBLES("v23", "v10", "v11", "v26", "v27", "v18", "v19")
-      "addp v24.4s, v24.4s, v25.4s\n"
-      "addp v26.4s, v26.4s, v27.4s\n"
-      "ldr s29, [%[xs]], #4\n"
-      "scvtf v24.4s, v24.4s\n"
-      "scvtf v26.4s, v26.4s\n"
-      "fmul v30.4s, v14.4s, v29.s[0]\n"
-      "fmul v31.4s, v15.4s, v29.s[0]\n"
-      "fmla v12.4s, v24.4s, v30.4s\n"
-      "fmla v13.4s, v26.4s, v31.4s\n"
-      "subs %[left], %[left], #1\n"
-      "b.ne 2b\n"
-      "subs %[groups], %[groups], #1\n"
-      "b.ne 1b\n"
-      "stp q12, q13, [%[out]]\n"
-      : [qw] "+r"(qw), [xd] "+r"(xd), [xs] "+r"(xs), [qs] "+r"(qs), [qb] "+r"(qb), [groups] "+r"(groups),
-        [left] "+r"(left)
-      : [lo] "r"(lo), [hi] "r"(hi), [halves] "r"(&dec.halves), [per_group] "r"(per_group), [out] "r"(out)
-      : "cc", "memory", "v0", "v1", "v2", "v3", "v4", "v5", "v6", "v7", "v8", "v9", "v10", "v11", "v12", "v13",
-        "v14", "v15", "v16", "v17", "v18", "v19", "v20", "v21", "v22", "v23", "v24", "v25", "v26", "v27", "v28",
-        "v29", "v30", "v31");
+#define QL_CB2_OPERANDS                                                                                     \
+  : [qw] "+r"(qw), [xd] "+r"(xd), [xs] "+r"(xs), [qs] "+r"(qs), [qb] "+r"(qb), [groups] "+r"(groups),      \
+    [left] "+r"(left)                                                                                       \
+  : [lo] "r"(lo), [hi] "r"(hi), [per_group] "r"(per_group), [out] "r"(out)                                  \
+  : "cc", "memory", "v0", "v1", "v2", "v3", "v4", "v5", "v6", "v7", "v8", "v9", "v10", "v11", "v12", "v13", \
+    "v14", "v15", "v16", "v17", "v18", "v19", "v20", "v21", "v22", "v23", "v24", "v25", "v26", "v27", "v28", \
+    "v29", "v30", "v31"
+  if constexpr (kMulti)
+    asm volatile(
+        "ld1 {v0.16b-v3.16b}, [%[lo]]\n"
+        "ld1 {v4.16b-v7.16b}, [%[hi]]\n"
+        "movi v28.16b, #0xf0\n"
+        "movi v31.16b, #0x33\n"
+        QL_CB2_LOOPS(QL_CB2_BOOKS, QL_CB2_PAIR_ONCE, QL_CB2_PAIR_KEEP) QL_CB2_OPERANDS);
+  else
+    asm volatile(
+        "ld1 {v0.16b}, [%[lo]]\n"
+        "ld1 {v4.16b}, [%[hi]]\n"
+        "movi v31.16b, #0x0f\n"
+        QL_CB2_LOOPS(QL_CB2_SCALES, QL_CB2_PAIR_ONE, QL_CB2_PAIR_ONE) QL_CB2_OPERANDS);
+#undef QL_CB2_OPERANDS
   store_block(w, bias, y + (size_t)m0 * w.N, b, out);
 }
-#undef QL_CB2_NIBBLES
+#undef QL_CB2_SCALES
+#undef QL_CB2_BOOKS
+#undef QL_CB2_DOTS
+#undef QL_CB2_LO4
+#undef QL_CB2_HI4
+#undef QL_CB2_PAIR_ONCE
+#undef QL_CB2_PAIR_KEEP
+#undef QL_CB2_PAIR_ONE
+#undef QL_CB2_BLOCK
+#undef QL_CB2_LOOPS
 #endif
 
 template <int M, typename Dot, typename Dec>
 static void gemv(const Weights& w, const Acts& a, int m0, const float* bias, float* y, int b0, int b1, Dec& dec) {
   int b = b0;
 #if defined(__aarch64__)
-  if constexpr (M == 1 && std::is_same<Dot, DotSDOT>::value && std::is_same<Dec, DecCB2<true>>::value) {
+  if constexpr (M == 1 && std::is_same<Dot, DotSDOT>::value &&
+                (std::is_same<Dec, DecCB2<true>>::value || std::is_same<Dec, DecCB2<false>>::value)) {
     if (w.K % w.group_size == 0) {
       for (; b < b1; ++b) cb2_gemv_asm(w, a, m0, bias, y, b, dec);
       return;
@@ -365,7 +416,7 @@ static int weight_at(const Weights& w, int b, int h, int r, int k) {
   const int H = w.K / 32, c = k / 8, p = r / 2, i = (r % 2) * 8 + k % 8;
   const uint8_t* blk = w.qw + ((size_t)b * H + h) * block_bytes(w.format);
   if (w.format == kCB2) {
-    const int idx = (blk[16 * (2 * (c / 2) + p / 2) + i] >> (2 * (2 * (p % 2) + c % 2))) & 3;
+    const int idx = (blk[16 * p + i] >> (2 * c)) & 3;
     int book = 0;
     if (w.num_books > 1) {
       const int G = (w.K + w.group_size - 1) / w.group_size, g = h / (w.group_size / 32);

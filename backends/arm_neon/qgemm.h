@@ -13,10 +13,10 @@
 //     P0, P1; V[c][0] / V[c][1] are the low / high nibbles of P0, V[c][2] / V[c][3] those of P1.
 //     BCQ stores code XOR 8 (MSB toggled), so (P << 4) and (P & 0xF0) are 16·(code − 8) as int8.
 //     Codebook bits=4 stores the centroid index; decoding is one TBL per vector.
-//   - 2 bits (codebook bits=2): 64 bytes; register k = 2·ch + ph (bytes 16k..16k+15) holds in its byte i
-//     the indices of V[2ch + cl][2ph + pl] byte i at bits 2(2pl + cl)..2(2pl + cl)+1 (cl, pl = 0, 1):
-//     a nibble covers one row pair in two chunks.  TBL index = book << 4 | nibble into 64-entry tables
-//     (with one codebook: the nibble into 16-entry tables).
+//   - 2 bits (codebook bits=2): 64 bytes; bytes 16p..16p+15 (row pair p) hold in byte i the indices of
+//     V[c][p] byte i at bits 2c, 2c+1: the low nibble serves chunks 0-1 of the row pair, the high nibble
+//     chunks 2-3.  TBL index = book << 4 | nibble into 64-entry tables (with one codebook: the nibble into
+//     16-entry tables).
 //   qs[b][g][8] fp16 scales of the 8 rows for group g; qz[b][g][8] BCQ offsets (fp16 or fp32);
 //   qb[b][g] codebook ids of the 8 rows, 2 bits each, row r at bits 8(r%2)+2(r/2) and 8(r%2)+2(r/2)+1
 //   (even rows in the low byte, odd rows in the high byte), when C > 1.
