@@ -209,20 +209,58 @@ static void gemv_pass(const Weights& w, const Acts& a, int m0, const float* bias
 }
 
 #if defined(__aarch64__)
-// gemv_pass<1, 1, DotSDOT, DecCB2<...>> in assembly (with intrinsics GCC spills and reloads the 64-byte
-// tables in that loop; at N = K = 4096, group 32: 0.265 instructions per weight here against 0.39, and
-// 0.238 against 0.280 with one codebook).  Same arithmetic in the same order, bit for bit.  Needs
-// group_size to divide K (whole groups; codebook layers always have them).
-// Registers: v0-v3 / v4-v7 tables lo / hi (v0 / v4 with one codebook), v8-v11 books of row pair 0-3,
-// v12-v13 acc, v14-v15 scales, v16-v19 activation chunks, v20-v23 packed codes of row pair 0-3, v24-v27
-// int32 sums, v28 0xF0, v29-v30 temps, v31 0x33 (0x0F with one codebook).
-#define QL_CB2_SCALES            \
+// The codebook GEMVs (gemv_pass<1, 1, DotSDOT, DecCB2<...> or DecCB4>) in assembly: with intrinsics GCC spills
+// and reloads the 64-byte tables of several codebooks in that loop.  At N = K = 4096, group 32, instructions
+// per weight here / with intrinsics: 2 bits, 4 codebooks 0.265 / 0.39; one codebook 0.238 / 0.280; 4 bits
+// 0.273 / 0.329.  Same arithmetic in the same order, bit for bit.  Needs group_size to divide K (whole groups;
+// codebook layers always have them).
+// Registers: v12-v13 acc, v14-v15 scales, v16-v19 activation chunks, v24-v27 int32 sums of row pair 0-3,
+// v29-v30 temps; 2 bits: v0-v3 / v4-v7 tables lo / hi (v0 / v4 with one codebook), v8-v11 books of row pair
+// 0-3, v20-v23 packed codes of row pair 0-3, v28 0xF0, v31 0x33 (0x0F with one codebook); 4 bits: v0 table,
+// v2-v9 packed codes, v31 0x0F.
+#define QL_ASM_SCALES            \
   "ldp d14, d15, [%[qs]], #16\n" \
   "fcvtl v14.4s, v14.4h\n"       \
   "fcvtl v15.4s, v15.4h\n"
-// Several codebooks, at a group start: the books word to lane halves (byte 0, even rows, to lanes 0-7), then
-// each row pair's books moved to bits 4-5 with bits 6-7 clear (SRI and BIT read only the high nibble of a
-// book vector): pair 0 = (x & 0x33) << 4, pair 1 = (x << 4) >> 2, pair 2 = x & 0x33, pair 3 = x >> 2.
+#define QL_ASM_ZERO_SUMS \
+  "movi v24.4s, #0\n"    \
+  "movi v25.4s, #0\n"    \
+  "movi v26.4s, #0\n"    \
+  "movi v27.4s, #0\n"
+#define QL_ASM_EPILOGUE                \
+  "addp v24.4s, v24.4s, v25.4s\n"      \
+  "addp v26.4s, v26.4s, v27.4s\n"      \
+  "ldr s30, [%[xs]], #4\n"             \
+  "scvtf v24.4s, v24.4s\n"             \
+  "scvtf v26.4s, v26.4s\n"             \
+  "fmul v25.4s, v14.4s, v30.s[0]\n"    \
+  "fmul v27.4s, v15.4s, v30.s[0]\n"    \
+  "fmla v12.4s, v24.4s, v25.4s\n"      \
+  "fmla v13.4s, v26.4s, v27.4s\n"
+// BLOCK_ONCE when a group is one 32-input block (group_size 32): one loop; otherwise BLOCK_KEEP in a loop over
+// the group's blocks.
+#define QL_ASM_LOOPS(SETUP, BLOCK_ONCE, BLOCK_KEEP) \
+  "movi v12.4s, #0\n"                               \
+  "movi v13.4s, #0\n"                               \
+  "cmp %[per_group], #1\n"                          \
+  "b.ne 3f\n"                                       \
+  "1:\n" SETUP BLOCK_ONCE                           \
+  "subs %[groups], %[groups], #1\n"                 \
+  "b.ne 1b\n"                                       \
+  "b 5f\n"                                          \
+  "3:\n" SETUP                                      \
+  "mov %[left], %[per_group]\n"                     \
+  "4:\n" BLOCK_KEEP                                 \
+  "subs %[left], %[left], #1\n"                     \
+  "b.ne 4b\n"                                       \
+  "subs %[groups], %[groups], #1\n"                 \
+  "b.ne 3b\n"                                       \
+  "5:\n"                                            \
+  "stp q12, q13, [%[out]]\n"
+
+// 2 bits, several codebooks, at a group start: the books word to lane halves (byte 0, even rows, to lanes
+// 0-7), then each row pair's books moved to bits 4-5 with bits 6-7 clear (SRI and BIT read only the high
+// nibble of a book vector): pair 0 = (x & 0x33) << 4, pair 1 = (x << 4) >> 2, pair 2 = x & 0x33, pair 3 = x >> 2.
 #define QL_CB2_BOOKS                     \
   "ld2r {v24.8b, v25.8b}, [%[qb]], #2\n" \
   "mov v24.d[1], v25.d[0]\n"             \
@@ -230,7 +268,7 @@ static void gemv_pass(const Weights& w, const Acts& a, int m0, const float* bias
   "shl v8.16b, v10.16b, #4\n"            \
   "shl v9.16b, v24.16b, #4\n"            \
   "ushr v9.16b, v9.16b, #2\n"            \
-  "ushr v11.16b, v24.16b, #2\n" QL_CB2_SCALES
+  "ushr v11.16b, v24.16b, #2\n" QL_ASM_SCALES
 // Row pair: index vectors Q (chunks 0-1) and IB (chunks 2-3), each read by the lo and hi tables.
 #define QL_CB2_DOTS(LO, HI, Q, IB, ACC)       \
   "tbl v29.16b, " LO ", " Q ".16b\n"          \
@@ -262,79 +300,89 @@ static void gemv_pass(const Weights& w, const Acts& a, int m0, const float* bias
   QL_CB2_DOTS("{v0.16b}", "{v4.16b}", Q, B, ACC)
 #define QL_CB2_BLOCK(PAIR)                                                                                \
   "ld1 {v20.16b-v23.16b}, [%[qw]], #64\n"                                                                 \
-  "ld1 {v16.16b-v19.16b}, [%[xd]], #64\n"                                                                 \
-  "movi v24.4s, #0\n"                                                                                     \
-  "movi v25.4s, #0\n"                                                                                     \
-  "movi v26.4s, #0\n"                                                                                     \
-  "movi v27.4s, #0\n"                                                                                     \
+  "ld1 {v16.16b-v19.16b}, [%[xd]], #64\n" QL_ASM_ZERO_SUMS                                                \
   PAIR("v20", "v8", "v24") PAIR("v21", "v9", "v25") PAIR("v22", "v10", "v26") PAIR("v23", "v11", "v27") \
-  "addp v24.4s, v24.4s, v25.4s\n"                                                                         \
-  "addp v26.4s, v26.4s, v27.4s\n"                                                                         \
-  "ldr s30, [%[xs]], #4\n"                                                                                \
-  "scvtf v24.4s, v24.4s\n"                                                                                \
-  "scvtf v26.4s, v26.4s\n"                                                                                \
-  "fmul v25.4s, v14.4s, v30.s[0]\n"                                                                       \
-  "fmul v27.4s, v15.4s, v30.s[0]\n"                                                                       \
-  "fmla v12.4s, v24.4s, v25.4s\n"                                                                         \
-  "fmla v13.4s, v26.4s, v27.4s\n"
-// One 32-input block per group (group_size 32): one loop; otherwise a loop over the group's blocks.
-#define QL_CB2_LOOPS(SETUP, PAIR_ONCE, PAIR_KEEP) \
-  "movi v12.4s, #0\n"                             \
-  "movi v13.4s, #0\n"                             \
-  "cmp %[per_group], #1\n"                        \
-  "b.ne 3f\n"                                     \
-  "1:\n" SETUP QL_CB2_BLOCK(PAIR_ONCE)            \
-  "subs %[groups], %[groups], #1\n"               \
-  "b.ne 1b\n"                                     \
-  "b 5f\n"                                        \
-  "3:\n" SETUP                                    \
-  "mov %[left], %[per_group]\n"                   \
-  "4:\n" QL_CB2_BLOCK(PAIR_KEEP)                  \
-  "subs %[left], %[left], #1\n"                   \
-  "b.ne 4b\n"                                     \
-  "subs %[groups], %[groups], #1\n"               \
-  "b.ne 3b\n"                                     \
-  "5:\n"                                          \
-  "stp q12, q13, [%[out]]\n"
+  QL_ASM_EPILOGUE
+// 4 bits, chunk X: P0 holds V[c][0] / V[c][1] in its low / high nibbles, P1 V[c][2] / V[c][3].
+#define QL_CB4_CHUNK(P0, P1, X)              \
+  "and v29.16b, " P0 ".16b, v31.16b\n"       \
+  "ushr " P0 ".16b, " P0 ".16b, #4\n"        \
+  "tbl v29.16b, {v0.16b}, v29.16b\n"         \
+  "tbl " P0 ".16b, {v0.16b}, " P0 ".16b\n"   \
+  "sdot v24.4s, v29.16b, " X ".16b\n"        \
+  "sdot v25.4s, " P0 ".16b, " X ".16b\n"     \
+  "and v29.16b, " P1 ".16b, v31.16b\n"       \
+  "ushr " P1 ".16b, " P1 ".16b, #4\n"        \
+  "tbl v29.16b, {v0.16b}, v29.16b\n"         \
+  "tbl " P1 ".16b, {v0.16b}, " P1 ".16b\n"   \
+  "sdot v26.4s, v29.16b, " X ".16b\n"        \
+  "sdot v27.4s, " P1 ".16b, " X ".16b\n"
+#define QL_CB4_BLOCK                                                                                 \
+  "ld1 {v2.16b-v5.16b}, [%[qw]], #64\n"                                                              \
+  "ld1 {v6.16b-v9.16b}, [%[qw]], #64\n"                                                              \
+  "ld1 {v16.16b-v19.16b}, [%[xd]], #64\n" QL_ASM_ZERO_SUMS                                           \
+  QL_CB4_CHUNK("v2", "v3", "v16") QL_CB4_CHUNK("v4", "v5", "v17") QL_CB4_CHUNK("v6", "v7", "v18")   \
+  QL_CB4_CHUNK("v8", "v9", "v19") QL_ASM_EPILOGUE
 
-template <bool kMulti>
-__attribute__((noinline)) static void cb2_gemv_asm(const Weights& w, const Acts& a, int m0, const float* bias,
-                                                   float* y, int b, const DecCB2<kMulti>& dec) {
+template <typename Dec>
+constexpr bool kHasAsm = std::is_same<Dec, DecCB2<true>>::value || std::is_same<Dec, DecCB2<false>>::value ||
+                         std::is_same<Dec, DecCB4>::value;
+
+template <typename Dec>
+__attribute__((noinline)) static void gemv_asm(const Weights& w, const Acts& a, int m0, const float* bias, float* y,
+                                               int b, const Dec& dec) {
   const int H = w.K / 32, G = w.K / w.group_size;
-  const uint8_t* qw = w.qw + (size_t)b * H * 64;
+  const uint8_t* qw = w.qw + (size_t)b * H * Dec::kBytes;
   const int8_t* xd = a.xd + (size_t)m0 * H * 64;
   const float* xs = a.xs + (size_t)m0 * H;
   const uint16_t* qs = w.qs + (size_t)b * G * 8;
-  const uint16_t* qb = kMulti ? w.qb + (size_t)b * G : nullptr;
-  const void* lo = &dec.lo;
-  const void* hi = &dec.hi;
+  const uint16_t* qb = std::is_same<Dec, DecCB2<true>>::value ? w.qb + (size_t)b * G : nullptr;
+  const void* lo;
+  const void* hi;
+  if constexpr (std::is_same<Dec, DecCB4>::value) {
+    lo = hi = &dec.table;
+  } else {
+    lo = &dec.lo;
+    hi = &dec.hi;
+  }
   long groups = G, left = 0;
   const long per_group = w.group_size / 32;
   float out[8];
-#define QL_CB2_OPERANDS                                                                                     \
+#define QL_ASM_OPERANDS                                                                                     \
   : [qw] "+r"(qw), [xd] "+r"(xd), [xs] "+r"(xs), [qs] "+r"(qs), [qb] "+r"(qb), [groups] "+r"(groups),      \
     [left] "+r"(left)                                                                                       \
   : [lo] "r"(lo), [hi] "r"(hi), [per_group] "r"(per_group), [out] "r"(out)                                  \
   : "cc", "memory", "v0", "v1", "v2", "v3", "v4", "v5", "v6", "v7", "v8", "v9", "v10", "v11", "v12", "v13", \
     "v14", "v15", "v16", "v17", "v18", "v19", "v20", "v21", "v22", "v23", "v24", "v25", "v26", "v27", "v28", \
     "v29", "v30", "v31"
-  if constexpr (kMulti)
+  if constexpr (std::is_same<Dec, DecCB2<true>>::value)
     asm volatile(
         "ld1 {v0.16b-v3.16b}, [%[lo]]\n"
         "ld1 {v4.16b-v7.16b}, [%[hi]]\n"
         "movi v28.16b, #0xf0\n"
         "movi v31.16b, #0x33\n"
-        QL_CB2_LOOPS(QL_CB2_BOOKS, QL_CB2_PAIR_ONCE, QL_CB2_PAIR_KEEP) QL_CB2_OPERANDS);
-  else
+        QL_ASM_LOOPS(QL_CB2_BOOKS, QL_CB2_BLOCK(QL_CB2_PAIR_ONCE), QL_CB2_BLOCK(QL_CB2_PAIR_KEEP))
+        QL_ASM_OPERANDS);
+  else if constexpr (std::is_same<Dec, DecCB2<false>>::value)
     asm volatile(
         "ld1 {v0.16b}, [%[lo]]\n"
         "ld1 {v4.16b}, [%[hi]]\n"
         "movi v31.16b, #0x0f\n"
-        QL_CB2_LOOPS(QL_CB2_SCALES, QL_CB2_PAIR_ONE, QL_CB2_PAIR_ONE) QL_CB2_OPERANDS);
-#undef QL_CB2_OPERANDS
+        QL_ASM_LOOPS(QL_ASM_SCALES, QL_CB2_BLOCK(QL_CB2_PAIR_ONE), QL_CB2_BLOCK(QL_CB2_PAIR_ONE))
+        QL_ASM_OPERANDS);
+  else
+    asm volatile(
+        "ld1 {v0.16b}, [%[lo]]\n"
+        "movi v31.16b, #0x0f\n"
+        QL_ASM_LOOPS(QL_ASM_SCALES, QL_CB4_BLOCK, QL_CB4_BLOCK)
+        QL_ASM_OPERANDS);
+#undef QL_ASM_OPERANDS
   store_block(w, bias, y + (size_t)m0 * w.N, b, out);
 }
-#undef QL_CB2_SCALES
+#undef QL_ASM_SCALES
+#undef QL_ASM_ZERO_SUMS
+#undef QL_ASM_EPILOGUE
+#undef QL_ASM_LOOPS
 #undef QL_CB2_BOOKS
 #undef QL_CB2_DOTS
 #undef QL_CB2_LO4
@@ -343,17 +391,17 @@ __attribute__((noinline)) static void cb2_gemv_asm(const Weights& w, const Acts&
 #undef QL_CB2_PAIR_KEEP
 #undef QL_CB2_PAIR_ONE
 #undef QL_CB2_BLOCK
-#undef QL_CB2_LOOPS
+#undef QL_CB4_CHUNK
+#undef QL_CB4_BLOCK
 #endif
 
 template <int M, typename Dot, typename Dec>
 static void gemv(const Weights& w, const Acts& a, int m0, const float* bias, float* y, int b0, int b1, Dec& dec) {
   int b = b0;
 #if defined(__aarch64__)
-  if constexpr (M == 1 && std::is_same<Dot, DotSDOT>::value &&
-                (std::is_same<Dec, DecCB2<true>>::value || std::is_same<Dec, DecCB2<false>>::value)) {
+  if constexpr (M == 1 && std::is_same<Dot, DotSDOT>::value && kHasAsm<Dec>) {
     if (w.K % w.group_size == 0) {
-      for (; b < b1; ++b) cb2_gemv_asm(w, a, m0, bias, y, b, dec);
+      for (; b < b1; ++b) gemv_asm(w, a, m0, bias, y, b, dec);
       return;
     }
   }
