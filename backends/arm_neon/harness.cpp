@@ -75,7 +75,7 @@ static int test() {
           const int N = s[0], K = s[1];
           for (int M = 1; M <= 9; ++M) {
             Layer L;
-            make_layer(L, f, book_opts[bi], N, K, group, f == kBCQ4 ? (M % 3) : 0);
+            make_layer(L, f, book_opts[bi], N, K, group, f == kBCQ4 ? bi : 0);  // BCQ: offsets none, fp16, fp32
             std::vector<float> x((size_t)M * K), bias(N);
             for (auto& v : x) v = ((int)(rnd() % 20001) - 10000) / 3000.f;
             if (M == 5) for (int k = 0; k < K; ++k) x[k] = 0.f;  // an all-zero row

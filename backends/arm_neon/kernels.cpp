@@ -209,15 +209,17 @@ static void gemv_pass(const Weights& w, const Acts& a, int m0, const float* bias
 }
 
 #if defined(__aarch64__)
-// The codebook GEMVs (gemv_pass<1, 1, DotSDOT, DecCB2<...> or DecCB4>) in assembly: with intrinsics GCC spills
-// and reloads the 64-byte tables of several codebooks in that loop.  At N = K = 4096, group 32, instructions
-// per weight here / with intrinsics: 2 bits, 4 codebooks 0.265 / 0.39; one codebook 0.238 / 0.280; 4 bits
-// 0.273 / 0.329.  Same arithmetic in the same order, bit for bit.  Needs group_size to divide K (whole groups;
-// codebook layers always have them).
-// Registers: v12-v13 acc, v14-v15 scales, v16-v19 activation chunks, v24-v27 int32 sums of row pair 0-3,
-// v29-v30 temps; 2 bits: v0-v3 / v4-v7 tables lo / hi (v0 / v4 with one codebook), v8-v11 books of row pair
-// 0-3, v20-v23 packed codes of row pair 0-3, v28 0xF0, v31 0x33 (0x0F with one codebook); 4 bits: v0 table,
-// v2-v9 packed codes, v31 0x0F.
+// The M = 1 GEMVs with DotSDOT (gemv_pass with DecCB2<...>, DecCB4 or DecBCQ4) in assembly: with intrinsics GCC
+// spills and reloads the 64-byte tables of several codebooks, and keeps fewer values in registers elsewhere.
+// At N = K = 4096, instructions per weight here / with intrinsics: 2 bits g32, 4 codebooks 0.265 / 0.39; one
+// codebook 0.238 / 0.280; 4-bit codebook g32 0.273 / 0.329; uniform int4 g128 0.213 / 0.245.  Same arithmetic
+// in the same order, bit for bit.  Needs group_size to divide K (whole groups; codebook layers always have them).
+// Registers: v12-v13 acc, v14-v15 scales, v16-v19 activation chunks, v24-v27 int32 sums of row pair 0-3 (v24-v25
+// also the books word at a group start; v25, v27 also t = ws·xs in the epilogue), v29-v30 temps (v30 also the
+// activation scale); 2 bits: v0-v3 / v4-v7 tables lo / hi (v0 / v4 with one codebook), v8-v11 books of row
+// pair 0-3 (with one codebook: the high-nibble indices), v20-v23 packed codes of row pair 0-3, v28 0xF0, v31
+// 0x33 (0x0F with one codebook); 4 bits: v2-v9 packed codes; codebook: v0 table, v31 0x0F; BCQ: v0 0.5,
+// v1 0xF0, v20-v21 offsets then z, v22 Σx of the group.
 #define QL_ASM_SCALES            \
   "ldp d14, d15, [%[qs]], #16\n" \
   "fcvtl v14.4s, v14.4h\n"       \
@@ -317,16 +319,51 @@ static void gemv_pass(const Weights& w, const Acts& a, int m0, const float* bias
   "tbl " P1 ".16b, {v0.16b}, " P1 ".16b\n"   \
   "sdot v26.4s, v29.16b, " X ".16b\n"        \
   "sdot v27.4s, " P1 ".16b, " X ".16b\n"
-#define QL_CB4_BLOCK                                                                                 \
-  "ld1 {v2.16b-v5.16b}, [%[qw]], #64\n"                                                              \
-  "ld1 {v6.16b-v9.16b}, [%[qw]], #64\n"                                                              \
-  "ld1 {v16.16b-v19.16b}, [%[xd]], #64\n" QL_ASM_ZERO_SUMS                                           \
-  QL_CB4_CHUNK("v2", "v3", "v16") QL_CB4_CHUNK("v4", "v5", "v17") QL_CB4_CHUNK("v6", "v7", "v18")   \
-  QL_CB4_CHUNK("v8", "v9", "v19") QL_ASM_EPILOGUE
+#define QL_ASM_LOAD128                  \
+  "ld1 {v2.16b-v5.16b}, [%[qw]], #64\n" \
+  "ld1 {v6.16b-v9.16b}, [%[qw]], #64\n" \
+  "ld1 {v16.16b-v19.16b}, [%[xd]], #64\n" QL_ASM_ZERO_SUMS
+#define QL_CB4_BLOCK                                                                               \
+  QL_ASM_LOAD128 QL_CB4_CHUNK("v2", "v3", "v16") QL_CB4_CHUNK("v4", "v5", "v17")                   \
+  QL_CB4_CHUNK("v6", "v7", "v18") QL_CB4_CHUNK("v8", "v9", "v19") QL_ASM_EPILOGUE
+// BCQ uniform int4, same nibble order: the MSB-toggled codes are 16·(code − 8) after one shift or mask.
+#define QL_BCQ_CHUNK(P0, P1, X)               \
+  "shl v29.16b, " P0 ".16b, #4\n"             \
+  "and " P0 ".16b, " P0 ".16b, v1.16b\n"      \
+  "sdot v24.4s, v29.16b, " X ".16b\n"         \
+  "sdot v25.4s, " P0 ".16b, " X ".16b\n"      \
+  "shl v29.16b, " P1 ".16b, #4\n"             \
+  "and " P1 ".16b, " P1 ".16b, v1.16b\n"      \
+  "sdot v26.4s, v29.16b, " X ".16b\n"         \
+  "sdot v27.4s, " P1 ".16b, " X ".16b\n"
+#define QL_BCQ_BLOCK                                                                               \
+  QL_ASM_LOAD128 QL_BCQ_CHUNK("v2", "v3", "v16") QL_BCQ_CHUNK("v4", "v5", "v17")                   \
+  QL_BCQ_CHUNK("v6", "v7", "v18") QL_BCQ_CHUNK("v8", "v9", "v19") QL_ASM_EPILOGUE
+// BCQ at a group start: offsets c (OFFSETS: fp16, fp32 or none) into v20-v21, z = fma(0.5, s, c), then
+// acc = fma(z, xsum[g], acc).
+#define QL_BCQ_SETUP(OFFSETS)             \
+  QL_ASM_SCALES OFFSETS                   \
+  "fmla v20.4s, v14.4s, v0.4s\n"          \
+  "fmla v21.4s, v15.4s, v0.4s\n"          \
+  "ldr s22, [%[xsum]], #4\n"              \
+  "fmla v12.4s, v20.4s, v22.s[0]\n"       \
+  "fmla v13.4s, v21.4s, v22.s[0]\n"
+#define QL_BCQ_C16               \
+  "ldp d20, d21, [%[qz]], #16\n" \
+  "fcvtl v20.4s, v20.4h\n"       \
+  "fcvtl v21.4s, v21.4h\n"
+#define QL_BCQ_C32 "ldp q20, q21, [%[qz]], #32\n"
+#define QL_BCQ_C0   \
+  "movi v20.4s, #0\n" \
+  "movi v21.4s, #0\n"
+#define QL_BCQ_ASM(OFFSETS)                                                         \
+  asm volatile("fmov v0.4s, #0.5\n"                                                 \
+               "movi v1.16b, #0xf0\n" QL_ASM_LOOPS(QL_BCQ_SETUP(OFFSETS), QL_BCQ_BLOCK, \
+                                                   QL_BCQ_BLOCK) QL_ASM_OPERANDS)
 
 template <typename Dec>
 constexpr bool kHasAsm = std::is_same<Dec, DecCB2<true>>::value || std::is_same<Dec, DecCB2<false>>::value ||
-                         std::is_same<Dec, DecCB4>::value;
+                         std::is_same<Dec, DecCB4>::value || std::is_same<Dec, DecBCQ4>::value;
 
 template <typename Dec>
 __attribute__((noinline)) static void gemv_asm(const Weights& w, const Acts& a, int m0, const float* bias, float* y,
@@ -337,11 +374,19 @@ __attribute__((noinline)) static void gemv_asm(const Weights& w, const Acts& a, 
   const float* xs = a.xs + (size_t)m0 * H;
   const uint16_t* qs = w.qs + (size_t)b * G * 8;
   const uint16_t* qb = std::is_same<Dec, DecCB2<true>>::value ? w.qb + (size_t)b * G : nullptr;
-  const void* lo;
-  const void* hi;
+  const float* xsum = nullptr;
+  const uint8_t* qz = nullptr;
+  int qz_kind = 0;  // BCQ offsets: none, fp16, fp32
+  if constexpr (std::is_same<Dec, DecBCQ4>::value) {
+    xsum = a.xsum + (size_t)m0 * G;
+    qz_kind = w.qz == nullptr ? 0 : w.qz_f32 ? 2 : 1;
+    if (qz_kind) qz = static_cast<const uint8_t*>(w.qz) + (size_t)b * G * 8 * (qz_kind == 2 ? 4 : 2);
+  }
+  const void* lo = nullptr;
+  const void* hi = nullptr;
   if constexpr (std::is_same<Dec, DecCB4>::value) {
     lo = hi = &dec.table;
-  } else {
+  } else if constexpr (!std::is_same<Dec, DecBCQ4>::value) {
     lo = &dec.lo;
     hi = &dec.hi;
   }
@@ -350,7 +395,7 @@ __attribute__((noinline)) static void gemv_asm(const Weights& w, const Acts& a, 
   float out[8];
 #define QL_ASM_OPERANDS                                                                                     \
   : [qw] "+r"(qw), [xd] "+r"(xd), [xs] "+r"(xs), [qs] "+r"(qs), [qb] "+r"(qb), [groups] "+r"(groups),      \
-    [left] "+r"(left)                                                                                       \
+    [left] "+r"(left), [qz] "+r"(qz), [xsum] "+r"(xsum)                                                     \
   : [lo] "r"(lo), [hi] "r"(hi), [per_group] "r"(per_group), [out] "r"(out)                                  \
   : "cc", "memory", "v0", "v1", "v2", "v3", "v4", "v5", "v6", "v7", "v8", "v9", "v10", "v11", "v12", "v13", \
     "v14", "v15", "v16", "v17", "v18", "v19", "v20", "v21", "v22", "v23", "v24", "v25", "v26", "v27", "v28", \
@@ -370,12 +415,18 @@ __attribute__((noinline)) static void gemv_asm(const Weights& w, const Acts& a, 
         "movi v31.16b, #0x0f\n"
         QL_ASM_LOOPS(QL_ASM_SCALES, QL_CB2_BLOCK(QL_CB2_PAIR_ONE), QL_CB2_BLOCK(QL_CB2_PAIR_ONE))
         QL_ASM_OPERANDS);
-  else
+  else if constexpr (std::is_same<Dec, DecCB4>::value)
     asm volatile(
         "ld1 {v0.16b}, [%[lo]]\n"
         "movi v31.16b, #0x0f\n"
         QL_ASM_LOOPS(QL_ASM_SCALES, QL_CB4_BLOCK, QL_CB4_BLOCK)
         QL_ASM_OPERANDS);
+  else if (qz_kind == 1)
+    QL_BCQ_ASM(QL_BCQ_C16);
+  else if (qz_kind == 2)
+    QL_BCQ_ASM(QL_BCQ_C32);
+  else
+    QL_BCQ_ASM(QL_BCQ_C0);
 #undef QL_ASM_OPERANDS
   store_block(w, bias, y + (size_t)m0 * w.N, b, out);
 }
@@ -393,6 +444,14 @@ __attribute__((noinline)) static void gemv_asm(const Weights& w, const Acts& a, 
 #undef QL_CB2_BLOCK
 #undef QL_CB4_CHUNK
 #undef QL_CB4_BLOCK
+#undef QL_ASM_LOAD128
+#undef QL_BCQ_CHUNK
+#undef QL_BCQ_BLOCK
+#undef QL_BCQ_SETUP
+#undef QL_BCQ_C16
+#undef QL_BCQ_C32
+#undef QL_BCQ_C0
+#undef QL_BCQ_ASM
 #endif
 
 template <int M, typename Dot, typename Dec>
