@@ -9,6 +9,40 @@
 
 namespace qlinear_arm {
 
+// out[q][p][i]: activation row 2(mp0 + q) + i / 2, weight row 8b + 2p + i % 2.
+static void store_tile(const Weights& w, const Acts& a, int mp0, int MP, const float* out, const float* bias, float* y,
+                       int b) {
+  const int n0 = 8 * b;
+  for (int q = 0; q < MP; ++q) {
+    const int m0 = 2 * (mp0 + q);
+    const float* o = out + q * 16;
+    if (m0 + 1 < a.M && n0 + 8 <= w.N) {  // both rows, all 8 outputs: lanes (m0, n), (m0, n + 1), (m1, n), (m1, n + 1)
+      const float32x4_t t0 = vld1q_f32(o), t1 = vld1q_f32(o + 4), t2 = vld1q_f32(o + 8), t3 = vld1q_f32(o + 12);
+      float32x4_t r[4] = {vcombine_f32(vget_low_f32(t0), vget_low_f32(t1)), vcombine_f32(vget_low_f32(t2), vget_low_f32(t3)),
+                          vcombine_f32(vget_high_f32(t0), vget_high_f32(t1)),
+                          vcombine_f32(vget_high_f32(t2), vget_high_f32(t3))};
+      if (bias) {
+        const float32x4_t b0 = vld1q_f32(bias + n0), b1 = vld1q_f32(bias + n0 + 4);
+        r[0] = vaddq_f32(r[0], b0);
+        r[1] = vaddq_f32(r[1], b1);
+        r[2] = vaddq_f32(r[2], b0);
+        r[3] = vaddq_f32(r[3], b1);
+      }
+      float* y0 = y + (size_t)m0 * w.N + n0;
+      vst1q_f32(y0, r[0]);
+      vst1q_f32(y0 + 4, r[1]);
+      vst1q_f32(y0 + w.N, r[2]);
+      vst1q_f32(y0 + w.N + 4, r[3]);
+      continue;
+    }
+    for (int p = 0; p < 4; ++p)
+      for (int i = 0; i < 4; ++i) {
+        const int m = m0 + i / 2, n = n0 + 2 * p + i % 2;
+        if (m < a.M && n < w.N) y[(size_t)m * w.N + n] = o[p * 4 + i] + (bias ? bias[n] : 0.f);
+      }
+  }
+}
+
 template <int MP, typename Dec>
 static void mmla_tile(const Weights& w, const Acts& a, int mp0, const float* bias, float* y, int b, Dec& dec) {
   const int H = w.K / 32, per_group = w.group_size / 32, G = (w.K + w.group_size - 1) / w.group_size;
@@ -74,18 +108,185 @@ static void mmla_tile(const Weights& w, const Acts& a, int mp0, const float* bia
       }
     }
   }
+  float out[MP][4][4];
 #pragma GCC unroll 16
-  for (int q = 0; q < MP; ++q) {
+  for (int q = 0; q < MP; ++q)
 #pragma GCC unroll 16
-    for (int p = 0; p < 4; ++p) {
-      float out[4];
-      vst1q_f32(out, acc[q][p]);
-      for (int i = 0; i < 4; ++i) {
-        const int m = 2 * (mp0 + q) + i / 2, n = 8 * b + 2 * p + i % 2;
-        if (m < a.M && n < w.N) y[(size_t)m * w.N + n] = out[i] + (bias ? bias[n] : 0.f);
-      }
-    }
+    for (int p = 0; p < 4; ++p) vst1q_f32(out[q][p], acc[q][p]);
+  store_tile(w, a, mp0, MP, &out[0][0][0], bias, y, b);
+}
+
+#if defined(__aarch64__)
+// mmla_tile<2> for the 4-bit formats in assembly (GCC spills in that loop): same arithmetic in the same order,
+// bit for bit.  Needs group_size to divide K.  Registers: v0 table (codebook) or 0.5 (BCQ), v1 nibble mask,
+// v2-v3 activation chunk of pair 0 / 1, v4-v5 their activation scales, v6-v7 Σx of the group (BCQ), v8-v11 /
+// v12-v15 acc of pair 0 / 1 by row pair, v16-v19 / v20-v23 int32 sums likewise, v24-v27 (w_2p, w_2p+1) twice,
+// v28-v29 packed codes of a chunk, v30-v31 temps.
+#define QL_MM_SCALES                    \
+  "ldp d30, d31, [%[qs]], #16\n"        \
+  "fcvtl v30.4s, v30.4h\n"              \
+  "fcvtl v31.4s, v31.4h\n"              \
+  "dup v24.2d, v30.d[0]\n"              \
+  "dup v25.2d, v30.d[1]\n"              \
+  "dup v26.2d, v31.d[0]\n"              \
+  "dup v27.2d, v31.d[1]\n"
+// BCQ at a group start: z = fma(0.5, s, c) per row, then acc = fma((z_2p, z_2p+1) twice, Σx, acc).
+#define QL_MM_Z(ZS, LANE, P0, P1)               \
+  "dup v2.2d, " ZS ".d[" LANE "]\n"             \
+  "fmla " P0 ".4s, v2.4s, v6.4s\n"              \
+  "fmla " P1 ".4s, v2.4s, v7.4s\n"
+#define QL_MM_BCQ_SETUP(OFFSETS)                                                            \
+  QL_MM_SCALES OFFSETS                                                                      \
+  "fmla v28.4s, v30.4s, v0.4s\n"                                                            \
+  "fmla v29.4s, v31.4s, v0.4s\n"                                                            \
+  "ldr q6, [%[xsum0]], #16\n"                                                               \
+  "ldr q7, [%[xsum1]], #16\n"                                                               \
+  QL_MM_Z("v28", "0", "v8", "v12") QL_MM_Z("v28", "1", "v9", "v13") QL_MM_Z("v29", "0", "v10", "v14") \
+  QL_MM_Z("v29", "1", "v11", "v15")
+#define QL_MM_C16                \
+  "ldp d28, d29, [%[qz]], #16\n" \
+  "fcvtl v28.4s, v28.4h\n"       \
+  "fcvtl v29.4s, v29.4h\n"
+#define QL_MM_C32 "ldp q28, q29, [%[qz]], #32\n"
+#define QL_MM_C0      \
+  "movi v28.4s, #0\n" \
+  "movi v29.4s, #0\n"
+#define QL_MM_SMMLA(V, S0, S1)                  \
+  "smmla " S0 ".4s, v2.16b, " V ".16b\n"        \
+  "smmla " S1 ".4s, v3.16b, " V ".16b\n"
+#define QL_MM_LOAD_CHUNK                  \
+  "ldr q2, [%[xp0]], #16\n"               \
+  "ldr q3, [%[xp1]], #16\n"               \
+  "ldp q28, q29, [%[qw]], #32\n"
+#define QL_MM_BCQ_CHUNK                                                  \
+  QL_MM_LOAD_CHUNK                                                       \
+  "shl v30.16b, v28.16b, #4\n" QL_MM_SMMLA("v30", "v16", "v20")          \
+  "and v28.16b, v28.16b, v1.16b\n" QL_MM_SMMLA("v28", "v17", "v21")      \
+  "shl v30.16b, v29.16b, #4\n" QL_MM_SMMLA("v30", "v18", "v22")          \
+  "and v29.16b, v29.16b, v1.16b\n" QL_MM_SMMLA("v29", "v19", "v23")
+#define QL_MM_CB4_CHUNK                                                                        \
+  QL_MM_LOAD_CHUNK                                                                             \
+  "and v30.16b, v28.16b, v1.16b\n"                                                             \
+  "tbl v30.16b, {v0.16b}, v30.16b\n" QL_MM_SMMLA("v30", "v16", "v20")                          \
+  "ushr v28.16b, v28.16b, #4\n"                                                                \
+  "tbl v28.16b, {v0.16b}, v28.16b\n" QL_MM_SMMLA("v28", "v17", "v21")                          \
+  "and v30.16b, v29.16b, v1.16b\n"                                                             \
+  "tbl v30.16b, {v0.16b}, v30.16b\n" QL_MM_SMMLA("v30", "v18", "v22")                          \
+  "ushr v29.16b, v29.16b, #4\n"                                                                \
+  "tbl v29.16b, {v0.16b}, v29.16b\n" QL_MM_SMMLA("v29", "v19", "v23")
+// acc = fma(float(isum), w · xs, acc) for row pair p of both activation pairs.
+#define QL_MM_SCALE(S0, S1, A0, A1, WS)         \
+  "scvtf " S0 ".4s, " S0 ".4s\n"                \
+  "scvtf " S1 ".4s, " S1 ".4s\n"                \
+  "fmul v30.4s, " WS ".4s, v4.4s\n"             \
+  "fmul v31.4s, " WS ".4s, v5.4s\n"             \
+  "fmla " A0 ".4s, " S0 ".4s, v30.4s\n"         \
+  "fmla " A1 ".4s, " S1 ".4s, v31.4s\n"
+#define QL_MM_BLOCK(CHUNK)                                                                         \
+  "movi v16.4s, #0\n" "movi v17.4s, #0\n" "movi v18.4s, #0\n" "movi v19.4s, #0\n"                  \
+  "movi v20.4s, #0\n" "movi v21.4s, #0\n" "movi v22.4s, #0\n" "movi v23.4s, #0\n"                  \
+  CHUNK CHUNK CHUNK CHUNK                                                                          \
+  "ldr q4, [%[xsp0]], #16\n"                                                                       \
+  "ldr q5, [%[xsp1]], #16\n"                                                                       \
+  QL_MM_SCALE("v16", "v20", "v8", "v12", "v24") QL_MM_SCALE("v17", "v21", "v9", "v13", "v25")      \
+  QL_MM_SCALE("v18", "v22", "v10", "v14", "v26") QL_MM_SCALE("v19", "v23", "v11", "v15", "v27")
+// One loop when a group is one 32-input block (group_size 32), else a loop over the group's blocks.
+#define QL_MM_LOOPS(SETUP, BLOCK)                                                                  \
+  "movi v8.4s, #0\n" "movi v9.4s, #0\n" "movi v10.4s, #0\n" "movi v11.4s, #0\n"                    \
+  "movi v12.4s, #0\n" "movi v13.4s, #0\n" "movi v14.4s, #0\n" "movi v15.4s, #0\n"                  \
+  "cmp %[per_group], #1\n"                                                                         \
+  "b.ne 3f\n"                                                                                      \
+  "1:\n" SETUP BLOCK                                                                               \
+  "subs %[groups], %[groups], #1\n"                                                                \
+  "b.ne 1b\n"                                                                                      \
+  "b 5f\n"                                                                                         \
+  "3:\n" SETUP                                                                                     \
+  "mov %[left], %[per_group]\n"                                                                    \
+  "4:\n" BLOCK                                                                                     \
+  "subs %[left], %[left], #1\n"                                                                    \
+  "b.ne 4b\n"                                                                                      \
+  "subs %[groups], %[groups], #1\n"                                                                \
+  "b.ne 3b\n"                                                                                      \
+  "5:\n"                                                                                           \
+  "st1 {v8.4s-v11.4s}, [%[out]], #64\n"                                                            \
+  "st1 {v12.4s-v15.4s}, [%[out]]\n"
+#define QL_MM_OPERANDS                                                                                      \
+  : [qw] "+r"(qw), [qs] "+r"(qs), [qz] "+r"(qz), [xp0] "+r"(xp0), [xp1] "+r"(xp1), [xsp0] "+r"(xsp0),        \
+    [xsp1] "+r"(xsp1), [xsum0] "+r"(xsum0), [xsum1] "+r"(xsum1), [groups] "+r"(groups), [left] "+r"(left),  \
+    [out] "+r"(out_p)                                                                                       \
+  : [table] "r"(table), [per_group] "r"(per_group)                                                          \
+  : "cc", "memory", "v0", "v1", "v2", "v3", "v4", "v5", "v6", "v7", "v8", "v9", "v10", "v11", "v12", "v13", \
+    "v14", "v15", "v16", "v17", "v18", "v19", "v20", "v21", "v22", "v23", "v24", "v25", "v26", "v27", "v28", \
+    "v29", "v30", "v31"
+#define QL_MM_BCQ_ASM(OFFSETS)                                                                  \
+  asm volatile("fmov v0.4s, #0.5\n"                                                             \
+               "movi v1.16b, #0xf0\n" QL_MM_LOOPS(QL_MM_BCQ_SETUP(OFFSETS), QL_MM_BLOCK(QL_MM_BCQ_CHUNK)) \
+                   QL_MM_OPERANDS)
+
+template <typename Dec>
+constexpr bool kHasMmlaAsm = std::is_same<Dec, DecBCQ4>::value || std::is_same<Dec, DecCB4>::value;
+
+template <typename Dec>
+__attribute__((noinline)) static void mmla_tile2_asm(const Weights& w, const Acts& a, int mp0, const float* bias,
+                                                     float* y, int b, const Dec& dec) {
+  const int H = w.K / 32, G = w.K / w.group_size;
+  const uint8_t* qw = w.qw + (size_t)b * H * Dec::kBytes;
+  const uint16_t* qs = w.qs + (size_t)b * G * 8;
+  const int8_t* xp0 = a.xp + (size_t)mp0 * H * 64;
+  const int8_t* xp1 = xp0 + (size_t)H * 64;
+  const float* xsp0 = a.xsp + (size_t)mp0 * H * 4;
+  const float* xsp1 = xsp0 + (size_t)H * 4;
+  const float* xsum0 = a.xsump + (size_t)mp0 * G * 4;
+  const float* xsum1 = xsum0 + (size_t)G * 4;
+  const uint8_t* qz = nullptr;
+  int qz_kind = 0;  // BCQ offsets: none, fp16, fp32
+  const void* table = nullptr;
+  if constexpr (std::is_same<Dec, DecBCQ4>::value) {
+    qz_kind = w.qz == nullptr ? 0 : w.qz_f32 ? 2 : 1;
+    if (qz_kind) qz = static_cast<const uint8_t*>(w.qz) + (size_t)b * G * 8 * (qz_kind == 2 ? 4 : 2);
+  } else {
+    table = &dec.table;
   }
+  long groups = G, left = 0;
+  const long per_group = w.group_size / 32;
+  float out[2][4][4];
+  float* out_p = &out[0][0][0];
+  if constexpr (std::is_same<Dec, DecCB4>::value)
+    asm volatile("ld1 {v0.16b}, [%[table]]\n"
+                 "movi v1.16b, #0x0f\n" QL_MM_LOOPS(QL_MM_SCALES, QL_MM_BLOCK(QL_MM_CB4_CHUNK)) QL_MM_OPERANDS);
+  else if (qz_kind == 1)
+    QL_MM_BCQ_ASM(QL_MM_C16);
+  else if (qz_kind == 2)
+    QL_MM_BCQ_ASM(QL_MM_C32);
+  else
+    QL_MM_BCQ_ASM(QL_MM_C0);
+  store_tile(w, a, mp0, 2, &out[0][0][0], bias, y, b);
+}
+#undef QL_MM_SCALES
+#undef QL_MM_Z
+#undef QL_MM_BCQ_SETUP
+#undef QL_MM_C16
+#undef QL_MM_C32
+#undef QL_MM_C0
+#undef QL_MM_SMMLA
+#undef QL_MM_LOAD_CHUNK
+#undef QL_MM_BCQ_CHUNK
+#undef QL_MM_CB4_CHUNK
+#undef QL_MM_SCALE
+#undef QL_MM_BLOCK
+#undef QL_MM_LOOPS
+#undef QL_MM_OPERANDS
+#undef QL_MM_BCQ_ASM
+#endif
+
+template <typename Dec>
+static void tile2(const Weights& w, const Acts& a, int mp0, const float* bias, float* y, int b, Dec& dec) {
+#if defined(__aarch64__)
+  if constexpr (kHasMmlaAsm<Dec>) {
+    if (w.K % w.group_size == 0) return mmla_tile2_asm(w, a, mp0, bias, y, b, dec);
+  }
+#endif
+  mmla_tile<2>(w, a, mp0, bias, y, b, dec);
 }
 
 __attribute__((noinline)) void qlinear_arm_mmla(const Weights& w, const Acts& a, const float* bias, float* y, int b0,
@@ -94,7 +295,7 @@ __attribute__((noinline)) void qlinear_arm_mmla(const Weights& w, const Acts& a,
   with_decoder(w, [&](auto& dec) {
     for (int b = b0; b < b1; ++b)
       for (int q = 0; q < pairs; q += 2) {
-        if (pairs - q >= 2) mmla_tile<2>(w, a, q, bias, y, b, dec);
+        if (pairs - q >= 2) tile2(w, a, q, bias, y, b, dec);
         else mmla_tile<1>(w, a, q, bias, y, b, dec);
       }
   });
