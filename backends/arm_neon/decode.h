@@ -115,6 +115,13 @@ struct DecCB2 {
   }
 };
 
+// BCQ offsets of 8-row block b (nullptr when there are none); kind: 0 none, 1 fp16, 2 fp32.
+inline const uint8_t* block_offsets(const Weights& w, int b, int& kind) {
+  kind = w.qz == nullptr ? 0 : w.qz_f32 ? 2 : 1;
+  const size_t at = (size_t)b * ((w.K + w.group_size - 1) / w.group_size) * 8;
+  return kind ? static_cast<const uint8_t*>(w.qz) + at * (kind == 2 ? 4 : 2) : nullptr;
+}
+
 inline float32x4_t load_f16x4(const uint16_t* p) { return vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(p))); }
 
 // Scales of one 8-row block, group after group: ws[0..1] = rows 0-3, 4-7; BCQ also z = fma(0.5, s, c).
@@ -124,11 +131,8 @@ struct GroupScales {
   const uint8_t* qz;
   int qz_kind;  // 0 none, 1 fp16, 2 fp32
   GroupScales() = default;
-  GroupScales(const Weights& w, int b) {
-    const size_t at = (size_t)b * ((w.K + w.group_size - 1) / w.group_size) * 8;
-    qs = w.qs + at;
-    qz_kind = w.qz == nullptr ? 0 : w.qz_f32 ? 2 : 1;
-    qz = qz_kind ? static_cast<const uint8_t*>(w.qz) + at * (qz_kind == 2 ? 4 : 2) : nullptr;
+  GroupScales(const Weights& w, int b) : qs(w.qs + (size_t)b * ((w.K + w.group_size - 1) / w.group_size) * 8) {
+    qz = block_offsets(w, b, qz_kind);
   }
   QL_INLINE void next(float32x4_t ws[2], float32x4_t z[2]) {
     ws[0] = load_f16x4(qs);

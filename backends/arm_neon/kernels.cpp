@@ -379,8 +379,7 @@ __attribute__((noinline)) static void gemv_asm(const Weights& w, const Acts& a, 
   int qz_kind = 0;  // BCQ offsets: none, fp16, fp32
   if constexpr (std::is_same<Dec, DecBCQ4>::value) {
     xsum = a.xsum + (size_t)m0 * G;
-    qz_kind = w.qz == nullptr ? 0 : w.qz_f32 ? 2 : 1;
-    if (qz_kind) qz = static_cast<const uint8_t*>(w.qz) + (size_t)b * G * 8 * (qz_kind == 2 ? 4 : 2);
+    qz = block_offsets(w, b, qz_kind);
   }
   const void* lo = nullptr;
   const void* hi = nullptr;

@@ -21,13 +21,13 @@ static void store_tile(const Weights& w, const Acts& a, int mp0, int MP, const f
       float32x4_t r[4] = {vcombine_f32(vget_low_f32(t0), vget_low_f32(t1)), vcombine_f32(vget_low_f32(t2), vget_low_f32(t3)),
                           vcombine_f32(vget_high_f32(t0), vget_high_f32(t1)),
                           vcombine_f32(vget_high_f32(t2), vget_high_f32(t3))};
-      if (bias) {
-        const float32x4_t b0 = vld1q_f32(bias + n0), b1 = vld1q_f32(bias + n0 + 4);
-        r[0] = vaddq_f32(r[0], b0);
-        r[1] = vaddq_f32(r[1], b1);
-        r[2] = vaddq_f32(r[2], b0);
-        r[3] = vaddq_f32(r[3], b1);
-      }
+      // acc + 0 without a bias, as on every other path (turns -0 into +0)
+      const float32x4_t b0 = bias ? vld1q_f32(bias + n0) : vdupq_n_f32(0.f);
+      const float32x4_t b1 = bias ? vld1q_f32(bias + n0 + 4) : vdupq_n_f32(0.f);
+      r[0] = vaddq_f32(r[0], b0);
+      r[1] = vaddq_f32(r[1], b1);
+      r[2] = vaddq_f32(r[2], b0);
+      r[3] = vaddq_f32(r[3], b1);
       float* y0 = y + (size_t)m0 * w.N + n0;
       vst1q_f32(y0, r[0]);
       vst1q_f32(y0 + 4, r[1]);
@@ -119,9 +119,10 @@ static void mmla_tile(const Weights& w, const Acts& a, int mp0, const float* bia
 #if defined(__aarch64__)
 // mmla_tile<2> for the 4-bit formats in assembly (GCC spills in that loop): same arithmetic in the same order,
 // bit for bit.  Needs group_size to divide K.  Registers: v0 table (codebook) or 0.5 (BCQ), v1 nibble mask,
-// v2-v3 activation chunk of pair 0 / 1, v4-v5 their activation scales, v6-v7 Σx of the group (BCQ), v8-v11 /
-// v12-v15 acc of pair 0 / 1 by row pair, v16-v19 / v20-v23 int32 sums likewise, v24-v27 (w_2p, w_2p+1) twice,
-// v28-v29 packed codes of a chunk, v30-v31 temps.
+// v2-v3 activation chunk of pair 0 / 1 (v2 also the duplicated z at a BCQ group start), v4-v5 their activation
+// scales, v6-v7 Σx of the group (BCQ), v8-v11 / v12-v15 acc of pair 0 / 1 by row pair, v16-v19 / v20-v23 int32
+// sums likewise, v24-v27 (w_2p, w_2p+1) twice, v28-v29 packed codes of a chunk (at a BCQ group start: offsets,
+// then z), v30-v31 temps (at a group start: the scales of rows 0-3 / 4-7).
 #define QL_MM_SCALES                    \
   "ldp d30, d31, [%[qs]], #16\n"        \
   "fcvtl v30.4s, v30.4h\n"              \
@@ -242,8 +243,7 @@ __attribute__((noinline)) static void mmla_tile2_asm(const Weights& w, const Act
   int qz_kind = 0;  // BCQ offsets: none, fp16, fp32
   const void* table = nullptr;
   if constexpr (std::is_same<Dec, DecBCQ4>::value) {
-    qz_kind = w.qz == nullptr ? 0 : w.qz_f32 ? 2 : 1;
-    if (qz_kind) qz = static_cast<const uint8_t*>(w.qz) + (size_t)b * G * 8 * (qz_kind == 2 ? 4 : 2);
+    qz = block_offsets(w, b, qz_kind);
   } else {
     table = &dec.table;
   }
