@@ -8,8 +8,10 @@ one shift or mask for BCQ; one table lookup per 16 weights for codebooks: ``vqtb
 16-byte codebook register at 4 bits; at 2 bits, a lookup of two 2-bit indices (a nibble) into 16-entry
 tables, or with several codebooks of (codebook id, nibble) into 64-entry ``vqtbl4q_s8`` tables),
 products accumulated exactly in int32 by SDOT (decode, M ≤ 3) or SMMLA (M ≥ 4, i8mm), then
-scaled in fp32.  Runtime dispatch by CPU features (``getauxval``), plain-NEON fallback.  Built just in
-time (``backends/_native.py``); on x86 the same source compiles through SIMDe.
+scaled in fp32.  Runtime dispatch by CPU features (``getauxval``), plain-NEON fallback.  On aarch64 the
+M = 1 GEMVs and the 4-bit SMMLA tile for two activation-row pairs are inline assembly with the same
+arithmetic as the intrinsics (checked bit for bit by the qemu harness).  Built just in time
+(``backends/_native.py``); on x86 the same source compiles through SIMDe (intrinsics only).
 
 Layouts (repacked once at load; :func:`repack_bcq` / :func:`repack_codebook` and their inverses are
 exact, and the codes take the same bytes as the canonical ones): 8-row blocks (N padded with zero
