@@ -362,10 +362,6 @@ static void gemv_pass(const Weights& w, const Acts& a, int m0, const float* bias
                                                    QL_BCQ_BLOCK) QL_ASM_OPERANDS)
 
 template <typename Dec>
-constexpr bool kHasAsm = std::is_same<Dec, DecCB2<true>>::value || std::is_same<Dec, DecCB2<false>>::value ||
-                         std::is_same<Dec, DecCB4>::value || std::is_same<Dec, DecBCQ4>::value;
-
-template <typename Dec>
 __attribute__((noinline)) static void gemv_asm(const Weights& w, const Acts& a, int m0, const float* bias, float* y,
                                                int b, const Dec& dec) {
   const int H = w.K / 32, G = w.K / w.group_size;
@@ -457,7 +453,7 @@ template <int M, typename Dot, typename Dec>
 static void gemv(const Weights& w, const Acts& a, int m0, const float* bias, float* y, int b0, int b1, Dec& dec) {
   int b = b0;
 #if defined(__aarch64__)
-  if constexpr (M == 1 && std::is_same<Dot, DotSDOT>::value && kHasAsm<Dec>) {
+  if constexpr (M == 1 && std::is_same<Dot, DotSDOT>::value) {  // every decoder has an assembly GEMV
     if (w.K % w.group_size == 0) {
       for (; b < b1; ++b) gemv_asm(w, a, m0, bias, y, b, dec);
       return;

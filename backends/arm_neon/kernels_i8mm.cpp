@@ -16,9 +16,10 @@ static void store_tile(const Weights& w, const Acts& a, int mp0, int MP, const f
   for (int q = 0; q < MP; ++q) {
     const int m0 = 2 * (mp0 + q);
     const float* o = out + q * 16;
-    if (m0 + 1 < a.M && n0 + 8 <= w.N) {  // both rows, all 8 outputs: lanes (m0, n), (m0, n + 1), (m1, n), (m1, n + 1)
+    if (m0 + 1 < a.M && n0 + 8 <= w.N) {  // both rows, all 8 outputs; lanes (m0, n), (m0, n+1), (m1, n), (m1, n+1)
       const float32x4_t t0 = vld1q_f32(o), t1 = vld1q_f32(o + 4), t2 = vld1q_f32(o + 8), t3 = vld1q_f32(o + 12);
-      float32x4_t r[4] = {vcombine_f32(vget_low_f32(t0), vget_low_f32(t1)), vcombine_f32(vget_low_f32(t2), vget_low_f32(t3)),
+      float32x4_t r[4] = {vcombine_f32(vget_low_f32(t0), vget_low_f32(t1)),
+                          vcombine_f32(vget_low_f32(t2), vget_low_f32(t3)),
                           vcombine_f32(vget_high_f32(t0), vget_high_f32(t1)),
                           vcombine_f32(vget_high_f32(t2), vget_high_f32(t3))};
       // acc + 0 without a bias, as on every other path (turns -0 into +0)
