@@ -153,11 +153,11 @@ def _(x, planes, alpha, offset, perm, bias, group_size, kt, threads, tiles_per_s
     -> ``[M, N]``."""
     return x.new_empty(x.shape[0], planes.shape[2])
 _lib.define("arm_gemm(Tensor x, Tensor qw, Tensor qs, Tensor? qz, Tensor? qb, Tensor? books, Tensor? bias, "
-            "int format, int num_books, int N, int group_size, int path) -> Tensor")
+            "int format, int num_books, int N, int group_size, int path, int layout) -> Tensor")
 
 
 @torch.library.register_fake("qlinear::arm_gemm")
-def _(x, qw, qs, qz, qb, books, bias, format, num_books, N, group_size, path):
+def _(x, qw, qs, qz, qb, books, bias, format, num_books, N, group_size, path, layout):
     """Arm NEON/SDOT/SMMLA kernels of :mod:`qlinear.backends.arm_neon`: ``x`` ``[M, K]`` fp32 -> ``[M, N]`` fp32."""
     return x.new_empty(x.shape[0], N)
 _lib.define("quick_gemm(Tensor x, Tensor qweight, Tensor scales, Tensor? offset, Tensor? perm, Tensor? bias, "

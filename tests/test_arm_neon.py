@@ -76,18 +76,43 @@ def _dense(cfg, bufs, N, K):
     return get_format(cfg.format).dequantize(bufs, cfg, N, K)
 
 
+def _repack(cfg, bufs, N, K, layout):
+    fn = arm_neon.repack_bcq if cfg.format == "bcq" else arm_neon.repack_codebook
+    return fn(bufs, cfg, N, K, layout=layout)
+
+
+LAYOUTS = ["mmla", "sdot"]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("name,cfg,bufs", CASES, ids=IDS)
-def test_layout_round_trip_is_exact(name, cfg, bufs):
+def test_layout_round_trip_is_exact(name, cfg, bufs, layout):
     (N, K) = _shape(cfg, bufs)
-    layout = _layout(cfg)
-    packed = layout.repack(bufs, cfg, N, K)
-    assert tuple(packed) == layout.names(cfg)
+    packed = _repack(cfg, bufs, N, K, layout)
+    assert tuple(packed) == _layout(cfg).names(cfg)
     canon_code_bytes = bufs["planes" if cfg.format == "bcq" else "codes"].numel() * 4
     assert packed["arm_qw"].numel() <= canon_code_bytes + 8 * 4 * K  # same code bits (+ padding rows)
-    back = layout.unrepack(packed, cfg, N, K)
+    unrepack = arm_neon.unrepack_bcq if cfg.format == "bcq" else arm_neon.unrepack_codebook
+    back = unrepack(packed, cfg, N, K, layout=layout)
     assert set(back) == set(bufs)
     for k in bufs:
         assert back[k].dtype == bufs[k].dtype and torch.equal(back[k], bufs[k]), k
+
+
+def test_the_two_layouts_differ_where_documented():
+    """Row ``r``, input ``k`` of a block lands at byte ``i`` of ``V[c][p]`` as qgemm.h says, in each layout."""
+    N, K = 8, 32
+    codes = torch.arange(N * K).view(N, K)
+    mmla = arm_neon._blocks(codes, N, K, "mmla")[0, 0]   # [c, p, i]
+    sdot = arm_neon._blocks(codes, N, K, "sdot")[0, 0]
+    for r in range(8):
+        for k in range(32):
+            assert mmla[k // 8, r // 2, (r % 2) * 8 + k % 8] == codes[r, k]
+            assert sdot[k % 16 // 4, 2 * (r // 4) + k // 16, 4 * (r % 4) + k % 4] == codes[r, k]
+    assert arm_neon.machine_layout() in LAYOUTS and arm_neon.LAYOUT == arm_neon.machine_layout()
+    assert arm_neon.BCQ_LAYOUT.name == "arm_neon_bcq" + ("" if arm_neon.LAYOUT == "mmla" else "_sdot")
+    with pytest.raises(ValueError, match="layout 'laneq' is not one of"):
+        arm_neon.repack_codebook(*_codebook(8, 32, 2, 1)[::-1], 8, 32, layout="laneq")
 
 
 def _shape(cfg, bufs):
@@ -116,27 +141,30 @@ def test_registry_reasons():
                                      1, (8, 64))
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("name,cfg,bufs", CASES, ids=IDS)
-def test_spec_matches_reference_within_activation_bound(name, cfg, bufs):
+def test_spec_matches_reference_within_activation_bound(name, cfg, bufs, layout):
     N, K = _shape(cfg, bufs)
-    packed = _layout(cfg).repack(bufs, cfg, N, K)
+    packed = _repack(cfg, bufs, N, K, layout)
     w = _dense(cfg, bufs, N, K)
     for M in (1, 3, 8):
         x = torch.randn(M, K) * 2
         bias = torch.randn(N)
-        y = arm_neon.spec(x, packed, bias, cfg, arm_neon._format(cfg), N, K)
+        y = arm_neon.spec(x, packed, bias, cfg, arm_neon._format(cfg), N, K, layout)
         ref = x.double() @ w.double().T + bias.double()
         assert ((y.double() - ref).abs() <= _bound(w, x)).all()
 
 
 def test_spec_catches_a_wrong_layout():
     cfg, bufs = _codebook(16, 128, 2, 4)
-    packed = arm_neon.repack_codebook(bufs, cfg, 16, 128)
-    packed["arm_qw"] = packed["arm_qw"].flip(-1).contiguous()
-    x = torch.randn(2, 128)
-    y = arm_neon.spec(x, packed, None, cfg, arm_neon._FMT_CB2, 16, 128)
     w = _dense(cfg, bufs, 16, 128)
-    assert not ((y.double() - x.double() @ w.double().T).abs() <= _bound(w, x)).all()
+    x = torch.randn(2, 128)
+    packed = arm_neon.repack_codebook(bufs, cfg, 16, 128)
+    flipped = dict(packed, arm_qw=packed["arm_qw"].flip(-1).contiguous())
+    sdot = arm_neon.repack_codebook(bufs, cfg, 16, 128, layout="sdot")
+    for bufs_, layout in ((flipped, "mmla"), (sdot, "mmla"), (packed, "sdot")):
+        y = arm_neon.spec(x, bufs_, None, cfg, arm_neon._FMT_CB2, 16, 128, layout)
+        assert not ((y.double() - x.double() @ w.double().T).abs() <= _bound(w, x)).all()
 
 
 # --- the native op ----------------------------------------------------------------------------------------------
@@ -145,29 +173,37 @@ native = pytest.mark.skipif(arm_neon.available() is not None, reason=f"arm_neon 
 
 @native
 @pytest.mark.parametrize("name,cfg,bufs", CASES, ids=IDS)
-@pytest.mark.parametrize("path", ["neon", "dotprod", "i8mm"])
-def test_native_op_matches_spec_and_reference(name, cfg, bufs, path):
+@pytest.mark.parametrize("path,layout", [("neon", "mmla"), ("dotprod", "mmla"), ("i8mm", "mmla"), ("neon", "sdot"),
+                                         ("dotprod", "sdot")])
+def test_native_op_matches_spec_and_reference(name, cfg, bufs, path, layout):
     N, K = _shape(cfg, bufs)
-    packed = _layout(cfg).repack(bufs, cfg, N, K)
+    packed = _repack(cfg, bufs, N, K, layout)
     w = _dense(cfg, bufs, N, K)
     for M in (1, 2, 3, 4, 5, 8, 17, 64):
         x = torch.randn(M, K)
         for bias in (None, torch.randn(N)):
-            y = arm_neon.linear(x, packed, bias, cfg, N, K, path)
+            y = arm_neon.linear(x, packed, bias, cfg, N, K, path, layout)
             assert y.shape == (M, N) and y.dtype == torch.float32
-            s = arm_neon.spec(x, packed, bias, cfg, arm_neon._format(cfg), N, K)
+            s = arm_neon.spec(x, packed, bias, cfg, arm_neon._format(cfg), N, K, layout)
             assert torch.allclose(y, s, rtol=1e-5, atol=1e-5 * float(s.abs().max()) + 1e-6)
             ref = x.double() @ w.double().T + (0 if bias is None else bias.double())
             assert ((y.double() - ref).abs() <= _bound(w, x)).all()
 
 
 @native
-def test_all_paths_agree_bitwise():
-    cfg, bufs = _codebook(40, 256, 2, 4)
-    packed = arm_neon.repack_codebook(bufs, cfg, 40, 256)
+@pytest.mark.parametrize("cfg,bufs", [_codebook(40, 256, 2, 4), _bcq_uniform(40, 256, 64), _codebook(40, 256, 4, 1)],
+                         ids=["cb2", "bcq", "cb4"])
+def test_all_paths_and_layouts_agree_bitwise(cfg, bufs):
     x = torch.randn(9, 256)
-    outs = [arm_neon.linear(x, packed, None, cfg, 40, 256, p) for p in ("neon", "dotprod", "i8mm")]
-    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[1], outs[2])
+    outs = []
+    for layout in LAYOUTS:
+        packed = _repack(cfg, bufs, 40, 256, layout)
+        for p in ("neon", "dotprod", "i8mm"):  # i8mm runs layout sdot with SDOT
+            outs += [arm_neon.linear(x[:m], packed, None, cfg, 40, 256, p, layout) for m in (1, 9)]
+    for o in outs[2::2]:
+        assert torch.equal(o, outs[0])
+    for o in outs[3::2]:
+        assert torch.equal(o, outs[1])
 
 
 @native
@@ -176,9 +212,9 @@ def test_op_rejects_inconsistent_codebook_buffers():
     p = arm_neon.repack_codebook(bufs, cfg, 16, 64)
     x = torch.randn(1, 64)
 
-    def call(books=4, qb=p["arm_qb"], table=p["codebooks"], group=32):
+    def call(books=4, qb=p["arm_qb"], table=p["codebooks"], group=32, layout=0):
         return torch.ops.qlinear.arm_gemm(x, p["arm_qw"], p["arm_qs"], None, qb, table, None, arm_neon._FMT_CB2,
-                                          books, 16, group, 0)
+                                          books, 16, group, 0, layout)
 
     assert call().shape == (1, 16)
     with pytest.raises(RuntimeError, match="do not fit in 16 bytes"):
@@ -189,6 +225,8 @@ def test_op_rejects_inconsistent_codebook_buffers():
         call(qb=None)
     with pytest.raises(RuntimeError, match="positive multiples of 32"):
         call(group=0)
+    with pytest.raises(RuntimeError, match="unknown layout 2"):
+        call(layout=2)
 
 
 @native

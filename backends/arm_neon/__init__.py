@@ -9,16 +9,19 @@ one shift or mask for BCQ; one table lookup per 16 weights for codebooks: ``vqtb
 tables, or with several codebooks of (codebook id, nibble) into 64-entry ``vqtbl4q_s8`` tables),
 products accumulated exactly in int32 by SDOT (decode, M ≤ 3) or SMMLA (M ≥ 4, i8mm), then
 scaled in fp32.  Runtime dispatch by CPU features (``getauxval``), plain-NEON fallback.  On aarch64 the
-M = 1 GEMVs and the 4-bit SMMLA tile for two activation-row pairs are inline assembly with the same
-arithmetic as the intrinsics (checked bit for bit by the qemu harness).  Built just in time
+M = 1 GEMVs (both layouts) and the 4-bit SMMLA tile for two activation-row pairs are inline assembly with the
+same arithmetic as the intrinsics (checked bit for bit by the qemu harness).  Built just in time
 (``backends/_native.py``); on x86 the same source compiles through SIMDe (intrinsics only).
 
 Layouts (repacked once at load; :func:`repack_bcq` / :func:`repack_codebook` and their inverses are
 exact, and the codes take the same bytes as the canonical ones): 8-row blocks (N padded with zero
-rows), 32-input blocks, 16-byte vectors ``V[c][p]`` of 2 rows x 8 inputs; the byte order is
-documented in ``qgemm.h``.  BCQ must have uniform α (``α_i = s·2^(i-2)``: round-to-nearest with
-``init="uniform", iters=0``, or imported GPTQ/AWQ weights): its layout stores the int4 code XOR 8, one
-fp16 ``s`` per group and the offset ``c`` as canonical (``w = s·(code − 7.5) + c``).
+rows), 32-input blocks, 16-byte vectors ``V[c][p]``: of 2 rows x 8 inputs in layout ``mmla`` (SMMLA, and the
+SDOT GEMV with one pairwise add per 4 rows and 32 inputs), of 4 rows x 4 inputs in layout ``sdot`` (SDOT by
+element, ``vdotq_laneq_s32``: a row per lane, no horizontal adds).  The repack picks ``sdot`` on Arm CPUs
+without i8mm (:func:`machine_layout`), ``mmla`` elsewhere; the byte order is documented in ``qgemm.h``.
+BCQ must have uniform α (``α_i = s·2^(i-2)``: round-to-nearest with ``init="uniform", iters=0``, or imported
+GPTQ/AWQ weights): its layout stores the int4 code XOR 8, one fp16 ``s`` per group and the offset ``c`` as
+canonical (``w = s·(code − 7.5) + c``).
 
 :func:`spec` is the executable PyTorch specification of the kernels' arithmetic over these layouts.
 Error versus the reference backend comes only from the int8 activations: per output
@@ -28,6 +31,7 @@ Error versus the reference backend comes only from the int8 activations: per out
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import math
 import platform
@@ -42,26 +46,45 @@ from qlinear.formats.packing import pack, pack_planes, unpack, unpack_planes
 from .. import Kernel, Layout, register
 from .._native import build
 
-__all__ = ["BCQ_LAYOUT", "CODEBOOK_LAYOUT", "spec", "linear", "available", "PATHS"]
+__all__ = ["BCQ_LAYOUT", "CODEBOOK_LAYOUT", "LAYOUT", "machine_layout", "spec", "linear", "available", "PATHS"]
 
 _HERE = Path(__file__).parent
 PATHS = {"auto": 0, "neon": 1, "dotprod": 2, "i8mm": 3}
 _FMT_BCQ4, _FMT_CB4, _FMT_CB2 = 0, 1, 2
 
 
-def _blocks(codes: torch.Tensor, N: int, K: int) -> torch.Tensor:
-    """``[N, K]`` -> ``[Nb, H, 4 (chunk c), 4 (row pair p), 16]``: byte ``i`` of ``V[c][p]`` of block
-    ``(b, h)`` is row ``8b + 2p + i // 8``, input ``32h + 8c + i % 8`` (zero rows pad N to 8)."""
+# Per layout: the [Nb·8, K] codes viewed as (Nb, row bits.., H, input bits..) and the permutation to
+# [Nb, H, c, p, i] (see _blocks).
+_BLOCK_VIEWS = {
+    "mmla": ((4, 2, -1, 4, 8), (0, 3, 4, 1, 2, 5)),        # (Nb, p, i//8, H, c, i%8)
+    "sdot": ((2, 4, -1, 2, 4, 4), (0, 3, 5, 1, 4, 2, 6)),  # (Nb, p//2, i//4, H, p%2, c, i%4)
+}
+
+
+def _check_layout(layout: str) -> None:
+    if layout not in _BLOCK_VIEWS:
+        raise ValueError(f"layout {layout!r} is not one of {sorted(_BLOCK_VIEWS)}")
+
+
+def _blocks(codes: torch.Tensor, N: int, K: int, layout: str = "mmla") -> torch.Tensor:
+    """``[N, K]`` -> ``[Nb, H, 4 (chunk c), 4 (row pair p), 16]`` (zero rows pad N to 8): byte ``i`` of ``V[c][p]``
+    of block ``(b, h)`` is, in layout ``mmla``, row ``8b + 2p + i // 8``, input ``32h + 8c + i % 8`` (2 rows x 8
+    inputs, SMMLA), in layout ``sdot`` row ``8b + 4(p // 2) + i // 4``, input ``32h + 16(p % 2) + 4c + i % 4``
+    (a row per 4-byte lane, SDOT by element)."""
     Nb, H = math.ceil(N / 8), K // 32
     padded = codes.new_zeros(Nb * 8, K)
     padded[:N] = codes
-    return padded.view(Nb, 4, 2, H, 4, 8).permute(0, 3, 4, 1, 2, 5).reshape(Nb, H, 4, 4, 16)
+    shape, perm = _BLOCK_VIEWS[layout]
+    return padded.view(Nb, *[H if d == -1 else d for d in shape]).permute(*perm).reshape(Nb, H, 4, 4, 16)
 
 
-def _unblocks(v: torch.Tensor, N: int, K: int) -> torch.Tensor:
+def _unblocks(v: torch.Tensor, N: int, K: int, layout: str = "mmla") -> torch.Tensor:
     """Inverse of :func:`_blocks`."""
     Nb, H = v.shape[:2]
-    return v.view(Nb, H, 4, 4, 2, 8).permute(0, 3, 4, 1, 2, 5).reshape(Nb * 8, K)[:N]
+    shape, perm = _BLOCK_VIEWS[layout]
+    dims = [Nb] + [H if d == -1 else d for d in shape]
+    inv = [perm.index(i) for i in range(len(perm))]
+    return v.reshape([dims[i] for i in perm]).permute(*inv).reshape(Nb * 8, K)[:N]
 
 
 def _pad_groups(t: torch.Tensor, N: int) -> torch.Tensor:
@@ -102,33 +125,37 @@ def _unpack_crumbs(qw: torch.Tensor) -> torch.Tensor:
     return (b >> (2 * torch.arange(4, device=qw.device)).view(1, 1, 4, 1, 1)) & 3
 
 
-def _book_shifts(device) -> torch.Tensor:
-    """Bit position of row ``r``'s 2-bit codebook id in the ``arm_qb`` word: even rows in the low byte, odd rows
-    in the high byte (one byte per lane half of a row-pair vector)."""
+def _book_shifts(device, layout: str) -> torch.Tensor:
+    """Bit position of row ``r``'s 2-bit codebook id in the ``arm_qb`` word: layout ``mmla``, even rows in the low
+    byte and odd rows in the high byte (one byte per lane half of a row-pair vector); layout ``sdot``, rows 0-3
+    in the low byte and rows 4-7 in the high byte (one byte per 4-row vector)."""
     r = torch.arange(8, device=device)
-    return 8 * (r % 2) + 2 * (r // 2)
+    return 8 * (r % 2) + 2 * (r // 2) if layout == "mmla" else 8 * (r // 4) + 2 * (r % 4)
 
 
-def _word_books(qb: torch.Tensor) -> torch.Tensor:
+def _word_books(qb: torch.Tensor, layout: str) -> torch.Tensor:
     """``arm_qb`` int16 ``[Nb, G]`` -> the 8 rows' codebook ids int64 ``[Nb, G, 8]``."""
     word = qb.to(torch.int64) & 0xFFFF
-    return (word[..., None] >> _book_shifts(qb.device)) & 3
+    return (word[..., None] >> _book_shifts(qb.device, layout)) & 3
 
 
-def repack_bcq(buffers: dict, cfg, N: int, K: int) -> dict:
-    """Canonical uniform 4-bit BCQ -> layout ``arm_neon_bcq`` (``arm_qw`` uint8 ``[Nb, K/32, 128]``, ``arm_qs``
-    fp16 ``[Nb, G, 8]``, ``arm_qz`` ``[Nb, G, 8]`` of the offset's dtype).  Raises ValueError for non-uniform α."""
+def repack_bcq(buffers: dict, cfg, N: int, K: int, layout: str = "mmla") -> dict:
+    """Canonical uniform 4-bit BCQ -> ``layout`` (``arm_qw`` uint8 ``[Nb, K/32, 128]``, ``arm_qs`` fp16
+    ``[Nb, G, 8]``, ``arm_qz`` ``[Nb, G, 8]`` of the offset's dtype).  Raises ValueError for non-uniform α or an
+    unknown layout."""
+    _check_layout(layout)
     s = bcq.uniform_scale(buffers["alpha"], "the arm_neon kernel needs them; use backend='reference'")
     codes = unpack_planes(buffers["planes"], K)
-    out = {"arm_qw": _pack_nibbles(_blocks(codes ^ 8, N, K)), "arm_qs": _pad_groups(s, N)}
+    out = {"arm_qw": _pack_nibbles(_blocks(codes ^ 8, N, K, layout)), "arm_qs": _pad_groups(s, N)}
     if cfg.offset:
         out["arm_qz"] = _pad_groups(buffers["offset"], N)
     return out
 
 
-def unrepack_bcq(buffers: dict, cfg, N: int, K: int) -> dict:
-    """Layout ``arm_neon_bcq`` -> canonical BCQ buffers (exact inverse of :func:`repack_bcq`)."""
-    codes = _unblocks(_unpack_nibbles(buffers["arm_qw"]), N, K) ^ 8
+def unrepack_bcq(buffers: dict, cfg, N: int, K: int, layout: str = "mmla") -> dict:
+    """``layout`` -> canonical BCQ buffers (exact inverse of :func:`repack_bcq`)."""
+    _check_layout(layout)
+    codes = _unblocks(_unpack_nibbles(buffers["arm_qw"]), N, K, layout) ^ 8
     s = _unpad_groups(buffers["arm_qs"], N)
     alpha = (s.float()[None] * torch.tensor([0.5, 1.0, 2.0, 4.0], device=s.device)[:, None, None]).half()
     out = {"planes": pack_planes(codes, 4), "alpha": alpha}
@@ -137,39 +164,61 @@ def unrepack_bcq(buffers: dict, cfg, N: int, K: int) -> dict:
     return out
 
 
-def repack_codebook(buffers: dict, cfg, N: int, K: int) -> dict:
-    """Canonical codebook buffers -> layout ``arm_neon_codebook`` (``arm_qw`` uint8 ``[Nb, K/32, 32·bits]``,
-    ``arm_qs`` fp16 ``[Nb, G, 8]``, ``arm_qb`` int16 ``[Nb, G]`` when C > 1, ``codebooks`` unchanged)."""
+def repack_codebook(buffers: dict, cfg, N: int, K: int, layout: str = "mmla") -> dict:
+    """Canonical codebook buffers -> ``layout`` (``arm_qw`` uint8 ``[Nb, K/32, 32·bits]``, ``arm_qs`` fp16
+    ``[Nb, G, 8]``, ``arm_qb`` int16 ``[Nb, G]`` when C > 1, ``codebooks`` unchanged).  Raises ValueError for an
+    unknown layout."""
+    _check_layout(layout)
     G, C = K // cfg.group_size, cfg.books
-    v = _blocks(unpack(buffers["codes"], cfg.bits, K), N, K)
+    v = _blocks(unpack(buffers["codes"], cfg.bits, K), N, K, layout)
     qw = _pack_nibbles(v) if cfg.bits == 4 else _pack_crumbs(v)
     out = {"arm_qw": qw, "arm_qs": _pad_groups(buffers["scales"], N)}
     if C > 1:
         books = _pad_groups(unpack(buffers["book_idx"], int(math.log2(C)), G), N)     # [Nb, G, 8]
-        word = (books << _book_shifts(books.device)).sum(-1)                           # 16 bits
+        word = (books << _book_shifts(books.device, layout)).sum(-1)                   # 16 bits
         out["arm_qb"] = torch.where(word >= 32768, word - 65536, word).to(torch.int16)
     out["codebooks"] = buffers["codebooks"]
     return out
 
 
-def unrepack_codebook(buffers: dict, cfg, N: int, K: int) -> dict:
-    """Layout ``arm_neon_codebook`` -> canonical codebook buffers (exact inverse of :func:`repack_codebook`)."""
+def unrepack_codebook(buffers: dict, cfg, N: int, K: int, layout: str = "mmla") -> dict:
+    """``layout`` -> canonical codebook buffers (exact inverse of :func:`repack_codebook`)."""
+    _check_layout(layout)
     C = cfg.books
     qw = buffers["arm_qw"]
     v = _unpack_nibbles(qw) if cfg.bits == 4 else _unpack_crumbs(qw)
-    out = {"codes": pack(_unblocks(v, N, K), cfg.bits)}
+    out = {"codes": pack(_unblocks(v, N, K, layout), cfg.bits)}
     if C > 1:
-        out["book_idx"] = pack(_unpad_groups(_word_books(buffers["arm_qb"]), N), int(math.log2(C)))
+        out["book_idx"] = pack(_unpad_groups(_word_books(buffers["arm_qb"], layout), N), int(math.log2(C)))
     out["scales"] = _unpad_groups(buffers["arm_qs"], N)
     out["codebooks"] = buffers["codebooks"]
     return out
 
 
-BCQ_LAYOUT = Layout(name="arm_neon_bcq", names=lambda cfg: ("arm_qw", "arm_qs") + (("arm_qz",) if cfg.offset else ()),
-                    repack=repack_bcq, unrepack=unrepack_bcq)
-CODEBOOK_LAYOUT = Layout(name="arm_neon_codebook",
+def machine_layout() -> str:
+    """The layout this machine's repack produces: ``sdot`` on an Arm CPU without i8mm (no SMMLA kernel can run
+    there, and SDOT by element needs no pairwise adds), else ``mmla`` (also on x86, where SIMDe emulates
+    every instruction).  Same rule as ``cpu_layout()`` in kernels.cpp (``getauxval(AT_HWCAP2)`` bit 13)."""
+    if platform.machine() not in ("aarch64", "arm64"):
+        return "mmla"
+    try:
+        getauxval = ctypes.CDLL(None).getauxval
+    except (OSError, AttributeError):  # not Linux: the kernels see no i8mm either
+        return "sdot"
+    getauxval.restype, getauxval.argtypes = ctypes.c_ulong, [ctypes.c_ulong]
+    return "mmla" if getauxval(26) & (1 << 13) else "sdot"
+
+
+LAYOUT = machine_layout()
+_SUFFIX = "" if LAYOUT == "mmla" else "_sdot"
+BCQ_LAYOUT = Layout(name="arm_neon_bcq" + _SUFFIX,
+                    names=lambda cfg: ("arm_qw", "arm_qs") + (("arm_qz",) if cfg.offset else ()),
+                    repack=functools.partial(repack_bcq, layout=LAYOUT),
+                    unrepack=functools.partial(unrepack_bcq, layout=LAYOUT))
+CODEBOOK_LAYOUT = Layout(name="arm_neon_codebook" + _SUFFIX,
                          names=lambda cfg: ("arm_qw", "arm_qs") + (("arm_qb",) if cfg.books > 1 else ()) + ("codebooks",),
-                         repack=repack_codebook, unrepack=unrepack_codebook)
+                         repack=functools.partial(repack_codebook, layout=LAYOUT),
+                         unrepack=functools.partial(unrepack_codebook, layout=LAYOUT))
 
 
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -182,27 +231,28 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.reshape(x.shape).long(), amax / 127.0
 
 
-def _weights_int8(buffers: dict, format: int, cfg, N: int, K: int) -> torch.Tensor:
-    """The int8 weights ``[Nb·8, K]`` (int64) the kernels decode, read through the packed layout."""
+def _weights_int8(buffers: dict, format: int, cfg, N: int, K: int, layout: str) -> torch.Tensor:
+    """The int8 weights ``[Nb·8, K]`` (int64) the kernels decode, read through the packed ``layout``."""
     qw = buffers["arm_qw"]
     idx = _unpack_crumbs(qw) if format == _FMT_CB2 else _unpack_nibbles(qw)
-    rows = _unblocks(idx, qw.shape[0] * 8, K)
+    rows = _unblocks(idx, qw.shape[0] * 8, K, layout)
     if format == _FMT_BCQ4:
         return torch.where(rows >= 8, rows - 16, rows) * 16  # (nibble << 4) as int8 = 16·(code − 8)
     book = torch.zeros_like(rows)
     if cfg.books > 1:
-        books = _word_books(buffers["arm_qb"]).transpose(1, 2)  # [Nb, 8, G]
+        books = _word_books(buffers["arm_qb"], layout).transpose(1, 2)  # [Nb, 8, G]
         book = books.reshape(-1, books.shape[-1]).repeat_interleave(cfg.group_size, 1)
     return buffers["codebooks"].to(torch.int64)[book, rows]
 
 
-def spec(x: torch.Tensor, buffers: dict, bias, cfg, format: int, N: int, K: int) -> torch.Tensor:
-    """The kernels' arithmetic in PyTorch: ``x`` ``[M, K]`` -> ``[M, N]`` float32 (equal to the native op up to
-    the order of fp32 roundings)."""
+def spec(x: torch.Tensor, buffers: dict, bias, cfg, format: int, N: int, K: int, layout: str = "mmla") -> torch.Tensor:
+    """The kernels' arithmetic in PyTorch over buffers packed in ``layout``: ``x`` ``[M, K]`` -> ``[M, N]`` float32
+    (equal to the native op up to the order of fp32 roundings)."""
+    _check_layout(layout)
     gs = K if cfg.group_size == -1 else cfg.group_size
     xq, xs = quantize_activations(x)
     M, H = x.shape[0], K // 32
-    w = _weights_int8(buffers, format, cfg, N, K)                              # [Nb·8, K]
+    w = _weights_int8(buffers, format, cfg, N, K, layout)                      # [Nb·8, K]
     isum = torch.einsum("mhk,nhk->mnh", xq.view(M, H, 32).double(), w.view(-1, H, 32).double())  # exact
     s = _unpad_groups(buffers["arm_qs"], buffers["arm_qs"].shape[0] * 8).float()  # [Nb·8, G]
     per = gs // 32
@@ -237,13 +287,18 @@ def _format(cfg) -> int:
     return _FMT_BCQ4 if cfg.format == "bcq" else (_FMT_CB4 if cfg.bits == 4 else _FMT_CB2)
 
 
-def linear(x: torch.Tensor, buffers: dict, bias, cfg, out_features: int, in_features: int, path: str = "auto"):
-    """Registry entry: ``x`` ``[..., K]`` on CPU -> ``[..., N]`` of ``x.dtype``."""
+def linear(x: torch.Tensor, buffers: dict, bias, cfg, out_features: int, in_features: int, path: str = "auto",
+           layout: Optional[str] = None):
+    """Registry entry: ``x`` ``[..., K]`` on CPU -> ``[..., N]`` of ``x.dtype``, over buffers packed in ``layout``
+    (default: :data:`LAYOUT`, what this machine's repack produces)."""
+    layout = LAYOUT if layout is None else layout
+    _check_layout(layout)
     x2 = x.reshape(-1, in_features).float().contiguous()
     gs = in_features if cfg.group_size == -1 else cfg.group_size
     y = torch.ops.qlinear.arm_gemm(x2, buffers["arm_qw"], buffers["arm_qs"], buffers.get("arm_qz"),
                                    buffers.get("arm_qb"), buffers.get("codebooks"), bias, _format(cfg),
-                                   getattr(cfg, "books", 1), out_features, gs, PATHS[path])
+                                   getattr(cfg, "books", 1), out_features, gs, PATHS[path],
+                                   0 if layout == "mmla" else 1)
     return y.to(x.dtype).reshape(*x.shape[:-1], out_features)
 
 

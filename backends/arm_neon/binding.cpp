@@ -12,11 +12,13 @@ namespace {
 at::Tensor arm_gemm(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& qs, const std::optional<at::Tensor>& qz,
                     const std::optional<at::Tensor>& qb, const std::optional<at::Tensor>& books,
                     const std::optional<at::Tensor>& bias, int64_t format, int64_t num_books, int64_t N,
-                    int64_t group_size, int64_t path) {
+                    int64_t group_size, int64_t path, int64_t layout) {
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(),
               "arm_gemm: x must be a contiguous float32 CPU [M, K] tensor");
   const int64_t M = x.size(0), K = x.size(1), Nb = (N + 7) / 8;
   TORCH_CHECK(format >= 0 && format <= 2, "arm_gemm: unknown format ", format);
+  TORCH_CHECK(layout == qlinear_arm::kLayoutMMLA || layout == qlinear_arm::kLayoutSDOT, "arm_gemm: unknown layout ",
+              layout);
   TORCH_CHECK(K > 0 && K % 32 == 0 && group_size > 0 && group_size % 32 == 0,
               "arm_gemm: K and group_size must be positive multiples of 32");
   const int64_t G = (K + group_size - 1) / group_size;
@@ -33,6 +35,7 @@ at::Tensor arm_gemm(const at::Tensor& x, const at::Tensor& qw, const at::Tensor&
   w.N = (int)N;
   w.K = (int)K;
   w.group_size = (int)group_size;
+  w.layout = (int)layout;
   if (qz.has_value()) {
     TORCH_CHECK(qz->is_contiguous() && qz->numel() == Nb * G * 8 &&
                     (qz->scalar_type() == at::kHalf || qz->scalar_type() == at::kFloat),

@@ -65,14 +65,16 @@ QL_INLINE int8x16_t lookup(int8x16x4_t t, uint8x16_t i) { return vqtbl4q_s8(t, i
 // byte i the indices of V[0][p], V[1][p] byte i, the high nibble those of V[2][p], V[3][p].  The TBL index is
 // (book << 4 | nibble) (SLI inserts the lanes' books; with one codebook, the nibble itself after a mask or a
 // shift), and two tables read the nibble's low / high index, so 2 TBL per index vector and no merge.
-template <bool kMulti>
+// kSdot: layout sdot (the books word and book vectors differ; see group()).
+alignas(16) static const int8_t kQuadShifts[16] = {0, 0, 0, 0, -2, -2, -2, -2, -4, -4, -4, -4, -6, -6, -6, -6};
+template <bool kMulti, bool kSdot>
 struct DecCB2 {
   static constexpr int kBytes = 64;
   static constexpr int kRB = kMulti ? 1 : 2;  // the 64-byte tables and books leave no room for 2 blocks
   static constexpr bool kOffset = false;
   using Table = typename std::conditional<kMulti, int8x16x4_t, int8x16_t>::type;
   Table lo, hi;           // [book << 4 | j << 2 | i] -> book[i] (lo) / book[j] (hi)
-  uint8x16_t books[4];    // per row pair p: book of row 2p in lanes 0-7, of row 2p + 1 in lanes 8-15
+  uint8x16_t books[4];    // per row pair p, the book of each lane's row (see the layouts in qgemm.h)
   uint8x16_t halves;      // byte 0 of the books word to lanes 0-7, byte 1 to lanes 8-15
   const uint16_t* qb;
   int G;
@@ -90,11 +92,19 @@ struct DecCB2 {
   }
   static void load(int8x16_t& t, const int8_t* p) { t = vld1q_s8(p); }
   static void load(int8x16x4_t& t, const int8_t* p) { t = vld1q_s8_x4(p); }
-  // The word has row 2p's book at bits 2p, 2p + 1 and row 2p + 1's at bits 8 + 2p, 9 + 2p.
+  // Layout mmla: the word has row 2p's book at bits 2p, 2p + 1 and row 2p + 1's at bits 8 + 2p, 9 + 2p.
+  // Layout sdot: rows 0-3 (row pairs 0, 1) in the low byte, rows 4-7 (row pairs 2, 3) in the high byte.
   QL_INLINE void group(const Weights&, int b, int g) {
     if (!kMulti) return;
-    const uint8x16_t x = vqtbl1q_u8(vreinterpretq_u8_u16(vld1q_dup_u16(qb + (size_t)b * G + g)), halves);
+    const uint8x16_t word = vreinterpretq_u8_u16(vld1q_dup_u16(qb + (size_t)b * G + g));
     const uint8x16_t three = vdupq_n_u8(3);
+    if constexpr (kSdot) {  // lane i: the book of row i / 4 of the quad, at bits 2(i / 4) of its byte
+      const int8x16_t quads = vld1q_s8(kQuadShifts);
+      books[0] = books[1] = vandq_u8(vshlq_u8(vqtbl1q_u8(word, vdupq_n_u8(0)), quads), three);
+      books[2] = books[3] = vandq_u8(vshlq_u8(vqtbl1q_u8(word, vdupq_n_u8(1)), quads), three);
+      return;
+    }
+    const uint8x16_t x = vqtbl1q_u8(word, halves);
     books[0] = vandq_u8(x, three);
     books[1] = vandq_u8(vshrq_n_u8(x, 2), three);
     books[2] = vandq_u8(vshrq_n_u8(x, 4), three);
@@ -154,13 +164,13 @@ struct GroupScales {
   }
 };
 
-template <typename F>
+template <bool kSdot = false, typename F>
 inline void with_decoder(const Weights& w, F&& f) {
   switch (w.format) {
     case kBCQ4: { DecBCQ4 d(w); f(d); break; }
     case kCB4: { DecCB4 d(w); f(d); break; }
     default:
-      if (w.num_books > 1) { DecCB2<true> d(w); f(d); } else { DecCB2<false> d(w); f(d); }
+      if (w.num_books > 1) { DecCB2<true, kSdot> d(w); f(d); } else { DecCB2<false, kSdot> d(w); f(d); }
   }
 }
 

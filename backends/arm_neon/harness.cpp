@@ -1,11 +1,12 @@
 // Standalone test and instruction-count harness for the Arm kernels (no torch).  Cross-compiled
 // statically and run under qemu-aarch64 in CI (see .ci/run):
 //   harness test                      every available path vs the scalar reference, bit for bit, on
-//                                     random layouts: all formats, 1/2/4 codebooks, group 32/64/128 (also a
-//                                     partial last group),
+//                                     random weights in both layouts (mmla, sdot): all formats, 1/2/4
+//                                     codebooks, group 32/64/96/128 (also a partial last group),
 //                                     N not a multiple of 8, M = 1..9; prints the dispatched path
 //   harness bench FORMAT M N K REPS [GROUP [BOOKS]]
-//                                     REPS calls of the auto-dispatched kernel (for the qemu plugin
+//                                     REPS calls of the auto-dispatched kernel on the layout this CPU's
+//                                     repack picks (cpu_layout) (for the qemu plugin
 //                                     that counts executed instructions per symbol); FORMAT bcq4|cb4|cb2,
 //                                     GROUP 128 (bcq4) / 32, BOOKS 4 (cb2) / 1 by default
 #include <stdio.h>
@@ -37,7 +38,7 @@ struct Layer {
   Weights w;
 };
 
-static void make_layer(Layer& L, int format, int books, int N, int K, int group, int offset_kind) {
+static void make_layer(Layer& L, int format, int books, int N, int K, int group, int offset_kind, int layout) {
   const int Nb = (N + 7) / 8, H = K / 32, G = (K + group - 1) / group;
   L.qw.resize((size_t)Nb * H * block_bytes(format));
   for (auto& v : L.qw) v = (uint8_t)rnd();
@@ -50,13 +51,13 @@ static void make_layer(Layer& L, int format, int books, int N, int K, int group,
   L.qb.resize((size_t)Nb * G);
   for (auto& v : L.qb) {
     uint16_t word = 0;
-    for (int r = 0; r < 8; ++r) word |= (uint16_t)((rnd() % books) << book_shift(r));
+    for (int r = 0; r < 8; ++r) word |= (uint16_t)((rnd() % books) << book_shift(r, layout));
     v = word;
   }
   L.books.resize(16);
   for (auto& v : L.books) v = (int8_t)(rnd() % 255 - 127);
   L.w = Weights{L.qw.data(), L.qs.data(), nullptr, books > 1 ? L.qb.data() : nullptr,
-                format == kBCQ4 ? nullptr : L.books.data(), format, books, N, K, group, false};
+                format == kBCQ4 ? nullptr : L.books.data(), format, books, N, K, group, false, layout};
   if (format == kBCQ4 && offset_kind == 1) L.w.qz = L.qz16.data();
   if (format == kBCQ4 && offset_kind == 2) { L.w.qz = L.qz32.data(); L.w.qz_f32 = true; }
 }
@@ -67,15 +68,17 @@ static int test() {
   int failures = 0, cases = 0;
   const int formats[] = {kBCQ4, kCB4, kCB2};
   const int shapes[][2] = {{8, 32}, {13, 96}, {24, 128}, {40, 160}, {64, 256}, {3, 64}};
+  for (int layout : {kLayoutMMLA, kLayoutSDOT})
   for (int f : formats) {
     const int book_opts[3] = {1, f == kCB2 ? 2 : 1, f == kCB2 ? 4 : 1};
     for (int bi = 0; bi < 3; ++bi) {
-      for (int group : {32, 64, 128}) {
+      for (int group : {32, 64, 96, 128}) {
         for (auto& s : shapes) {
           const int N = s[0], K = s[1];
           for (int M = 1; M <= 9; ++M) {
             Layer L;
-            make_layer(L, f, book_opts[bi], N, K, group, f == kBCQ4 ? bi : 0);  // BCQ: offsets none, fp16, fp32
+            // BCQ: offsets none, fp16, fp32
+            make_layer(L, f, book_opts[bi], N, K, group, f == kBCQ4 ? bi : 0, layout);
             std::vector<float> x((size_t)M * K), bias(N);
             for (auto& v : x) v = ((int)(rnd() % 20001) - 10000) / 3000.f;
             if (M == 5) for (int k = 0; k < K; ++k) x[k] = 0.f;  // an all-zero row
@@ -96,8 +99,8 @@ static int test() {
               if (memcmp(out.data(), ref.data(), out.size() * 4)) {
                 ++failures;
                 if (failures < 10)
-                  printf("MISMATCH format=%d books=%d group=%d N=%d K=%d M=%d path=%s\n", f, book_opts[bi], group, N,
-                         K, M, path_name(path));
+                  printf("MISMATCH layout=%d format=%d books=%d group=%d N=%d K=%d M=%d path=%s\n", layout, f,
+                         book_opts[bi], group, N, K, M, path_name(path));
               }
             }
           }
@@ -109,7 +112,7 @@ static int test() {
   // acc + 0 = +0, like the reference.
   for (int M : {1, 4}) {
     Layer L;
-    make_layer(L, kBCQ4, 1, 8, 128, 128, 0);
+    make_layer(L, kBCQ4, 1, 8, 128, 128, 0, M == 1 ? kLayoutSDOT : kLayoutMMLA);
     std::fill(L.qw.begin(), L.qw.end(), 0);
     std::fill(L.qs.begin(), L.qs.end(), 0x8001);
     std::vector<float> x((size_t)M * 128, 1.4e-45f), ref((size_t)M * 8), out((size_t)M * 8);
@@ -133,7 +136,7 @@ static int test() {
 static int bench(const char* fmt, int M, int N, int K, int reps, int group, int books) {
   const int f = !strcmp(fmt, "bcq4") ? kBCQ4 : !strcmp(fmt, "cb4") ? kCB4 : kCB2;
   Layer L;
-  make_layer(L, f, books, N, K, group, f == kBCQ4 ? 1 : 0);
+  make_layer(L, f, books, N, K, group, f == kBCQ4 ? 1 : 0, cpu_layout());
   std::vector<float> x((size_t)M * K), y((size_t)M * N);
   for (auto& v : x) v = ((int)(rnd() % 2001) - 1000) / 100.f;
   std::vector<char> ws(acts_bytes(M, K, group) + 16);
@@ -141,8 +144,9 @@ static int bench(const char* fmt, int M, int N, int K, int reps, int group, int 
   Acts a;
   prepare_acts(x.data(), M, K, group, f, aligned, &a);
   for (int i = 0; i < reps; ++i) run(L.w, a, nullptr, y.data(), 0, (N + 7) / 8, kAuto);
-  printf("%s M=%d N=%d K=%d reps=%d path=%s weights=%lld y0=%g\n", fmt, M, N, K, reps,
-         path_name(M >= 4 ? cpu_path() : (cpu_path() == kMMLA ? kDot : cpu_path())), (long long)N * K * reps, y[0]);
+  printf("%s M=%d N=%d K=%d reps=%d path=%s layout=%s weights=%lld y0=%g\n", fmt, M, N, K, reps,
+         path_name(M >= 4 ? cpu_path() : (cpu_path() == kMMLA ? kDot : cpu_path())),
+         cpu_layout() == kLayoutSDOT ? "sdot" : "mmla", (long long)N * K * reps, y[0]);
   return 0;
 }
 

@@ -1,8 +1,10 @@
 // Activation quantization, the SDOT GEMV (M = 1..3 rows at once; larger M in chunks of 3 when the CPU
 // has no i8mm), the plain-NEON fallback of the same kernel, runtime dispatch and the scalar reference.
-// SDOT form: weight vector V[c][p] = 2 rows x 8 inputs, activation = the 8 inputs twice, so the four
+// Layout mmla: weight vector V[c][p] = 2 rows x 8 inputs, activation = the 8 inputs twice, so the four
 // int32 lanes are (row a, inputs 0-3), (row a, 4-7), (row b, 0-3), (row b, 4-7): different output
 // rows in different lanes; one pairwise add per 32-input block turns 2 row pairs into 4 row sums.
+// Layout sdot (CPUs without i8mm): V[c][p] = 4 rows x 4 inputs, SDOT by element (vdotq_laneq_s32) against
+// 4 inputs: each lane one row's sum, no horizontal adds.
 #include <math.h>
 #include <string.h>
 
@@ -26,8 +28,8 @@ static inline size_t align16(size_t n) { return (n + 15) & ~(size_t)15; }
 
 size_t acts_bytes(int M, int K, int group_size) {
   const size_t H = K / 32, P = (M + 1) / 2, G = (K + group_size - 1) / group_size;
-  return align16(M * H * 64) + align16(P * H * 64) + align16(M * H * 4) + align16(M * G * 4) + align16(P * H * 16) +
-         align16(P * G * 16);
+  return align16(M * H * 64) + align16(M * H * 32) + align16(P * H * 64) + align16(M * H * 4) + align16(M * G * 4) +
+         align16(P * H * 16) + align16(P * G * 16);
 }
 
 void prepare_acts(const float* x, int M, int K, int group_size, int format, void* workspace, Acts* a) {
@@ -37,6 +39,7 @@ void prepare_acts(const float* x, int M, int K, int group_size, int format, void
   a->M = M;
   a->K = K;
   a->xd = reinterpret_cast<int8_t*>(take((size_t)M * H * 64));
+  a->xq = reinterpret_cast<int8_t*>(take((size_t)M * H * 32));
   a->xp = reinterpret_cast<int8_t*>(take((size_t)P * H * 64));
   a->xs = reinterpret_cast<float*>(take((size_t)M * H * 4));
   a->xsum = reinterpret_cast<float*>(take((size_t)M * G * 4));
@@ -67,6 +70,7 @@ void prepare_acts(const float* x, int M, int K, int group_size, int format, void
       }
       const float xs = amax / 127.f * unit;
       a->xs[(size_t)m * H + h] = xs;
+      memcpy(a->xq + ((size_t)m * H + h) * 32, q, 32);
       int8_t* d = a->xd + ((size_t)m * H + h) * 64;
       int8_t* p = a->xp + ((size_t)(m / 2) * H + h) * 64 + (m % 2) * 8;
       for (int c = 0; c < 4; ++c) {
@@ -93,6 +97,14 @@ int cpu_path() {
 #endif
 }
 
+int cpu_layout() {
+#if defined(__aarch64__)
+  return cpu_path() == kMMLA ? kLayoutMMLA : kLayoutSDOT;
+#else
+  return kLayoutMMLA;
+#endif
+}
+
 const char* path_name(int path) {
   switch (path) {
     case kPlain: return "neon";
@@ -102,9 +114,18 @@ const char* path_name(int path) {
   }
 }
 
-// acc lanes j += Σ_{i<4} a[4j+i]·b[4j+i]
+// dot: acc lanes j += Σ_{i<4} a[4j+i]·b[4j+i];  lane: acc lanes j += Σ_{i<4} a[4j+i]·b[4l+i] (l constant
+// once inlined)
 struct DotSDOT {
   static inline int32x4_t dot(int32x4_t acc, int8x16_t a, int8x16_t b) { return vdotq_s32(acc, a, b); }
+  static QL_INLINE int32x4_t lane(int32x4_t acc, int8x16_t a, int8x16_t b, int l) {
+    switch (l) {
+      case 0: return vdotq_laneq_s32(acc, a, b, 0);
+      case 1: return vdotq_laneq_s32(acc, a, b, 1);
+      case 2: return vdotq_laneq_s32(acc, a, b, 2);
+      default: return vdotq_laneq_s32(acc, a, b, 3);
+    }
+  }
 };
 struct DotPlain {  // without the dotprod extension: widening multiplies and pairwise adds
   static inline int32x4_t dot(int32x4_t acc, int8x16_t a, int8x16_t b) {
@@ -112,16 +133,117 @@ struct DotPlain {  // without the dotprod extension: widening multiplies and pai
     const int16x8_t hi = vmull_s8(vget_high_s8(a), vget_high_s8(b));
     return vaddq_s32(acc, vpaddq_s32(vpaddlq_s16(lo), vpaddlq_s16(hi)));
   }
+  static QL_INLINE int32x4_t lane(int32x4_t acc, int8x16_t a, int8x16_t b, int l) {
+    const int32x4_t b32 = vreinterpretq_s32_s8(b);
+    int32x4_t d;
+    switch (l) {
+      case 0: d = vdupq_laneq_s32(b32, 0); break;
+      case 1: d = vdupq_laneq_s32(b32, 1); break;
+      case 2: d = vdupq_laneq_s32(b32, 2); break;
+      default: d = vdupq_laneq_s32(b32, 3); break;
+    }
+    return dot(acc, a, vreinterpretq_s8_s32(d));
+  }
 };
 
 // Row outputs out[0..7] of 8-row block b (+ bias) into y (one activation row), rows past N dropped.
 static inline void store_block(const Weights& w, const float* bias, float* y, int b, const float* out) {
+  if (8 * b + 8 <= w.N) {  // a full block: + bias, or + 0 (which turns -0 into +0 like the scalar form)
+    const float32x4_t b0 = bias ? vld1q_f32(bias + 8 * b) : vdupq_n_f32(0.f);
+    const float32x4_t b1 = bias ? vld1q_f32(bias + 8 * b + 4) : vdupq_n_f32(0.f);
+    vst1q_f32(y + 8 * b, vaddq_f32(vld1q_f32(out), b0));
+    vst1q_f32(y + 8 * b + 4, vaddq_f32(vld1q_f32(out + 4), b1));
+    return;
+  }
   for (int i = 0; i < 8 && 8 * b + i < w.N; ++i) y[8 * b + i] = out[i] + (bias ? bias[8 * b + i] : 0.f);
+}
+
+// One 32-input block h of RB 8-row blocks for M activation rows: acc += float(isum)·(ws·xs).
+// Layout mmla: V[c][p] against the duplicated chunk c; one pairwise add turns row pairs 0-1 / 2-3 into rows 0-3 / 4-7.
+template <int M, int RB, typename Dot, typename Dec>
+QL_INLINE void block_mmla(const Acts& a, int m0, int h, int H, const Dec* dec, const uint8_t* const* blk,
+                          const float32x4_t (*ws)[2], float32x4_t (*acc)[RB][2]) {
+  int32x4_t isum[M][RB][4];
+#pragma GCC unroll 16
+  for (int m = 0; m < M; ++m)
+#pragma GCC unroll 16
+    for (int r = 0; r < RB; ++r)
+#pragma GCC unroll 16
+      for (int p = 0; p < 4; ++p) isum[m][r][p] = vdupq_n_s32(0);
+#pragma GCC unroll 2
+  for (int ch = 0; ch < 2; ++ch) {
+    int8x16_t x[M][2];
+#pragma GCC unroll 16
+    for (int m = 0; m < M; ++m)
+#pragma GCC unroll 2
+      for (int j = 0; j < 2; ++j) x[m][j] = vld1q_s8(a.xd + (((size_t)(m0 + m) * H + h) * 4 + 2 * ch + j) * 16);
+#pragma GCC unroll 2
+    for (int r = 0; r < RB; ++r) {
+      int8x16_t v[2][4];
+      dec[r].pair(blk[r], ch, v);
+#pragma GCC unroll 16
+      for (int m = 0; m < M; ++m)
+#pragma GCC unroll 2
+        for (int j = 0; j < 2; ++j)
+#pragma GCC unroll 16
+          for (int p = 0; p < 4; ++p) isum[m][r][p] = Dot::dot(isum[m][r][p], v[j][p], x[m][j]);
+    }
+  }
+#pragma GCC unroll 16
+  for (int m = 0; m < M; ++m) {
+    const float xs = a.xs[(size_t)(m0 + m) * H + h];
+#pragma GCC unroll 2
+    for (int r = 0; r < RB; ++r)
+#pragma GCC unroll 16
+      for (int half = 0; half < 2; ++half) {
+        const int32x4_t rows = vpaddq_s32(isum[m][r][2 * half], isum[m][r][2 * half + 1]);
+        acc[m][r][half] = vfmaq_f32(acc[m][r][half], vcvtq_f32_s32(rows), vmulq_n_f32(ws[r][half], xs));
+      }
+  }
+}
+
+// Layout sdot: V[c][p] holds rows 4(p/2).. (one per lane) and inputs 16(p%2) + 4c..: SDOT by element c of the
+// activation vector p%2 accumulates rows 0-3 / 4-7 directly.
+template <int M, int RB, typename Dot, typename Dec>
+QL_INLINE void block_sdot(const Acts& a, int m0, int h, int H, const Dec* dec, const uint8_t* const* blk,
+                          const float32x4_t (*ws)[2], float32x4_t (*acc)[RB][2]) {
+  int32x4_t isum[M][RB][2];
+  int8x16_t x[M][2];
+#pragma GCC unroll 16
+  for (int m = 0; m < M; ++m) {
+    x[m][0] = vld1q_s8(a.xq + ((size_t)(m0 + m) * H + h) * 32);
+    x[m][1] = vld1q_s8(a.xq + ((size_t)(m0 + m) * H + h) * 32 + 16);
+#pragma GCC unroll 16
+    for (int r = 0; r < RB; ++r) isum[m][r][0] = isum[m][r][1] = vdupq_n_s32(0);
+  }
+#pragma GCC unroll 2
+  for (int ch = 0; ch < 2; ++ch)
+#pragma GCC unroll 2
+    for (int r = 0; r < RB; ++r) {
+      int8x16_t v[2][4];
+      dec[r].pair(blk[r], ch, v);
+#pragma GCC unroll 16
+      for (int m = 0; m < M; ++m)
+#pragma GCC unroll 2
+        for (int j = 0; j < 2; ++j)
+#pragma GCC unroll 4
+          for (int p = 0; p < 4; ++p)
+            isum[m][r][p / 2] = Dot::lane(isum[m][r][p / 2], v[j][p], x[m][p % 2], 2 * ch + j);
+    }
+#pragma GCC unroll 16
+  for (int m = 0; m < M; ++m) {
+    const float xs = a.xs[(size_t)(m0 + m) * H + h];
+#pragma GCC unroll 2
+    for (int r = 0; r < RB; ++r)
+#pragma GCC unroll 2
+      for (int q = 0; q < 2; ++q)
+        acc[m][r][q] = vfmaq_f32(acc[m][r][q], vcvtq_f32_s32(isum[m][r][q]), vmulq_n_f32(ws[r][q], xs));
+  }
 }
 
 // M activation rows x RB blocks of 8 weight rows per pass (RB = Dec::kRB for M = 1 shares the activation
 // loads and loop control between blocks).
-template <int M, int RB, typename Dot, typename Dec>
+template <int M, int RB, typename Dot, bool kSdot, typename Dec>
 static void gemv_pass(const Weights& w, const Acts& a, int m0, const float* bias, float* y, int b, const Dec& proto) {
   const int H = w.K / 32, per_group = w.group_size / 32, G = (w.K + w.group_size - 1) / w.group_size;
   float32x4_t acc[M][RB][2];
@@ -157,43 +279,10 @@ static void gemv_pass(const Weights& w, const Acts& a, int m0, const float* bias
       ++g;
       left = per_group;
     }
-    int32x4_t isum[M][RB][4];
-#pragma GCC unroll 16
-    for (int m = 0; m < M; ++m)
-#pragma GCC unroll 16
-      for (int r = 0; r < RB; ++r)
-#pragma GCC unroll 16
-        for (int p = 0; p < 4; ++p) isum[m][r][p] = vdupq_n_s32(0);
-#pragma GCC unroll 2
-    for (int ch = 0; ch < 2; ++ch) {
-      int8x16_t x[M][2];
-#pragma GCC unroll 16
-      for (int m = 0; m < M; ++m)
-#pragma GCC unroll 2
-        for (int j = 0; j < 2; ++j) x[m][j] = vld1q_s8(a.xd + (((size_t)(m0 + m) * H + h) * 4 + 2 * ch + j) * 16);
-#pragma GCC unroll 2
-      for (int r = 0; r < RB; ++r) {
-        int8x16_t v[2][4];
-        dec[r].pair(blk[r], ch, v);
-#pragma GCC unroll 16
-        for (int m = 0; m < M; ++m)
-#pragma GCC unroll 2
-          for (int j = 0; j < 2; ++j)
-#pragma GCC unroll 16
-            for (int p = 0; p < 4; ++p) isum[m][r][p] = Dot::dot(isum[m][r][p], v[j][p], x[m][j]);
-      }
-    }
-#pragma GCC unroll 16
-    for (int m = 0; m < M; ++m) {
-      const float xs = a.xs[(size_t)(m0 + m) * H + h];
-#pragma GCC unroll 2
-      for (int r = 0; r < RB; ++r)
-#pragma GCC unroll 16
-        for (int half = 0; half < 2; ++half) {
-          const int32x4_t rows = vpaddq_s32(isum[m][r][2 * half], isum[m][r][2 * half + 1]);
-          acc[m][r][half] = vfmaq_f32(acc[m][r][half], vcvtq_f32_s32(rows), vmulq_n_f32(ws[r][half], xs));
-        }
-    }
+    if constexpr (kSdot)
+      block_sdot<M, RB, Dot>(a, m0, h, H, dec, blk, ws, acc);
+    else
+      block_mmla<M, RB, Dot>(a, m0, h, H, dec, blk, ws, acc);
 #pragma GCC unroll 2
     for (int r = 0; r < RB; ++r) blk[r] += Dec::kBytes;
   }
@@ -209,27 +298,36 @@ static void gemv_pass(const Weights& w, const Acts& a, int m0, const float* bias
 }
 
 #if defined(__aarch64__)
-// The M = 1 GEMVs with DotSDOT (gemv_pass with DecCB2<...>, DecCB4 or DecBCQ4) in assembly: with intrinsics GCC
-// spills and reloads the 64-byte tables of several codebooks, and keeps fewer values in registers elsewhere.
-// At N = K = 4096, instructions per weight here / with intrinsics: 2 bits g32, 4 codebooks 0.265 / 0.39; one
-// codebook 0.238 / 0.280; 4-bit codebook g32 0.273 / 0.329; uniform int4 g128 0.213 / 0.245.  Same arithmetic
-// in the same order, bit for bit.  Needs group_size to divide K (whole groups; codebook layers always have them).
-// Registers: v12-v13 acc, v14-v15 scales, v16-v19 activation chunks, v24-v27 int32 sums of row pair 0-3 (v24-v25
-// also the books word at a group start; v25, v27 also t = ws·xs in the epilogue), v29-v30 temps (v30 also the
-// activation scale); 2 bits: v0-v3 / v4-v7 tables lo / hi (v0 / v4 with one codebook), v8-v11 books of row
-// pair 0-3 (with one codebook: the high-nibble indices), v20-v23 packed codes of row pair 0-3, v28 0xF0, v31
-// 0x33 (0x0F with one codebook); 4 bits: v2-v9 packed codes; codebook: v0 table, v31 0x0F; BCQ: v0 0.5,
-// v1 0xF0, v20-v21 offsets then z, v22 Σx of the group.
+// The M = 1 GEMVs with DotSDOT (gemv_pass with DecCB2<..., kSdot>, DecCB4 or DecBCQ4, both layouts) in assembly: with
+// intrinsics GCC spills and reloads the 64-byte tables of several codebooks, and keeps fewer values in
+// registers elsewhere.  Same arithmetic in the same order, bit for bit.  Needs group_size to divide K (whole
+// groups; codebook layers always have them).  Instructions per weight: benchmarks/RESULTS.md.
+// Registers: v12-v13 acc, v14-v15 scales, v16-v19 activations (layout mmla: chunks 0-3 duplicated; sdot:
+// v16-v17 inputs 0-15 / 16-31), v24-v27 int32 sums (mmla: of row pairs 0-3, v24-v25 also the books word at a
+// group start, v25 / v27 also t = ws·xs in the epilogue; sdot: v24-v25 of rows 0-3 / 4-7, v26-v27 t), v29-v30
+// temps (v30 also the activation scale); 2 bits: v0-v3 / v4-v7 tables lo / hi (v0 / v4 with one codebook),
+// v8-v11 books of row pair 0-3 (sdot: v8-v9 of rows 0-3 / 4-7, v10 their shifts), v20-v23 packed codes of row
+// pair 0-3, v28 0xF0, v31 0x33 (sdot: 0x30; 0x0F with one codebook); 4 bits: v2-v9 packed codes; codebook: v0
+// table, v31 0x0F; BCQ: v0 0.5, v1 0xF0, v20-v21 offsets then z, v22 Σx of the group.
+#define QL_CALL(M, ...) M(__VA_ARGS__)
 #define QL_ASM_SCALES            \
   "ldp d14, d15, [%[qs]], #16\n" \
   "fcvtl v14.4s, v14.4h\n"       \
   "fcvtl v15.4s, v15.4h\n"
-#define QL_ASM_ZERO_SUMS \
+// Per layout (QL_MM: mmla, QL_SD: sdot): the activation load, the zeroed int32 sums, the epilogue, and for each
+// decoded vector W[c][p] its sums and activation operand: _AXc lists (sums, operand) of W[c][0..3], _Pp lists
+// (packed codes, books, sums, operands of W[0..3][p]).
+#define QL_MM_LOADX "ld1 {v16.16b-v19.16b}, [%[xd]], #64\n"
+#define QL_SD_LOADX "ld1 {v16.16b, v17.16b}, [%[xd]], #32\n"
+#define QL_MM_ZERO \
   "movi v24.4s, #0\n"    \
   "movi v25.4s, #0\n"    \
   "movi v26.4s, #0\n"    \
   "movi v27.4s, #0\n"
-#define QL_ASM_EPILOGUE                \
+#define QL_SD_ZERO   \
+  "movi v24.4s, #0\n" \
+  "movi v25.4s, #0\n"
+#define QL_MM_EPI                      \
   "addp v24.4s, v24.4s, v25.4s\n"      \
   "addp v26.4s, v26.4s, v27.4s\n"      \
   "ldr s30, [%[xs]], #4\n"             \
@@ -239,31 +337,69 @@ static void gemv_pass(const Weights& w, const Acts& a, int m0, const float* bias
   "fmul v27.4s, v15.4s, v30.s[0]\n"    \
   "fmla v12.4s, v24.4s, v25.4s\n"      \
   "fmla v13.4s, v26.4s, v27.4s\n"
-// BLOCK_ONCE when a group is one 32-input block (group_size 32): one loop; otherwise BLOCK_KEEP in a loop over
-// the group's blocks.
+#define QL_SD_EPI                      \
+  "ldr s30, [%[xs]], #4\n"             \
+  "scvtf v24.4s, v24.4s\n"             \
+  "scvtf v25.4s, v25.4s\n"             \
+  "fmul v26.4s, v14.4s, v30.s[0]\n"    \
+  "fmul v27.4s, v15.4s, v30.s[0]\n"    \
+  "fmla v12.4s, v24.4s, v26.4s\n"      \
+  "fmla v13.4s, v25.4s, v27.4s\n"
+#define QL_MM_AX(v) "v24", v, "v25", v, "v26", v, "v27", v
+#define QL_MM_AX0 QL_MM_AX("v16.16b")
+#define QL_MM_AX1 QL_MM_AX("v17.16b")
+#define QL_MM_AX2 QL_MM_AX("v18.16b")
+#define QL_MM_AX3 QL_MM_AX("v19.16b")
+#define QL_SD_AX(c) "v24", "v16.4b[" #c "]", "v24", "v17.4b[" #c "]", "v25", "v16.4b[" #c "]", "v25", "v17.4b[" #c "]"
+#define QL_SD_AX0 QL_SD_AX(0)
+#define QL_SD_AX1 QL_SD_AX(1)
+#define QL_SD_AX2 QL_SD_AX(2)
+#define QL_SD_AX3 QL_SD_AX(3)
+#define QL_MM_P(q, b, acc) q, b, acc, "v16.16b", "v17.16b", "v18.16b", "v19.16b"
+#define QL_MM_P0 QL_MM_P("v20", "v8", "v24")
+#define QL_MM_P1 QL_MM_P("v21", "v9", "v25")
+#define QL_MM_P2 QL_MM_P("v22", "v10", "v26")
+#define QL_MM_P3 QL_MM_P("v23", "v11", "v27")
+#define QL_SD_P(q, b, acc, x) q, b, acc, x ".4b[0]", x ".4b[1]", x ".4b[2]", x ".4b[3]"
+#define QL_SD_P0 QL_SD_P("v20", "v8", "v24", "v16")
+#define QL_SD_P1 QL_SD_P("v21", "v8", "v24", "v17")
+#define QL_SD_P2 QL_SD_P("v22", "v9", "v25", "v16")
+#define QL_SD_P3 QL_SD_P("v23", "v9", "v25", "v17")
+#define QL_SDOT(ACC, W, X) "sdot " ACC ".4s, " W ".16b, " X "\n"
+// BLOCK_ONCE when a group is one 32-input block (group_size 32): one loop over the groups; otherwise BLOCK_KEEP
+// in a loop over the group's blocks.  Both loops take two per iteration, after one alone for an odd count.
 #define QL_ASM_LOOPS(SETUP, BLOCK_ONCE, BLOCK_KEEP) \
   "movi v12.4s, #0\n"                               \
   "movi v13.4s, #0\n"                               \
   "cmp %[per_group], #1\n"                          \
   "b.ne 3f\n"                                       \
-  "1:\n" SETUP BLOCK_ONCE                           \
+  "tbz %[groups], #0, 1f\n" SETUP BLOCK_ONCE        \
   "subs %[groups], %[groups], #1\n"                 \
+  "b.eq 5f\n"                                       \
+  "1:\n" SETUP BLOCK_ONCE SETUP BLOCK_ONCE          \
+  "subs %[groups], %[groups], #2\n"                 \
   "b.ne 1b\n"                                       \
   "b 5f\n"                                          \
   "3:\n" SETUP                                      \
   "mov %[left], %[per_group]\n"                     \
-  "4:\n" BLOCK_KEEP                                 \
+  "tbz %[left], #0, 4f\n" BLOCK_KEEP                \
   "subs %[left], %[left], #1\n"                     \
+  "b.eq 6f\n"                                       \
+  "4:\n" BLOCK_KEEP BLOCK_KEEP                      \
+  "subs %[left], %[left], #2\n"                     \
   "b.ne 4b\n"                                       \
+  "6:\n"                                            \
   "subs %[groups], %[groups], #1\n"                 \
   "b.ne 3b\n"                                       \
   "5:\n"                                            \
   "stp q12, q13, [%[out]]\n"
 
-// 2 bits, several codebooks, at a group start: the books word to lane halves (byte 0, even rows, to lanes
-// 0-7), then each row pair's books moved to bits 4-5 with bits 6-7 clear (SRI and BIT read only the high
-// nibble of a book vector): pair 0 = (x & 0x33) << 4, pair 1 = (x << 4) >> 2, pair 2 = x & 0x33, pair 3 = x >> 2.
-#define QL_CB2_BOOKS                     \
+// 2 bits, several codebooks, at a group start: the book vectors with each lane's book at bits 4-5 and bits 6-7
+// clear (SRI and BIT read only their high nibble).  mmla: the books word to lane halves (byte 0, even rows, to
+// lanes 0-7), then pair 0 = (x & 0x33) << 4, pair 1 = (x << 4) >> 2, pair 2 = x & 0x33, pair 3 = x >> 2.
+// sdot: byte 0 (rows 0-3) and byte 1 (rows 4-7) to all lanes, lane i shifted by 4 - 2(i / 4), masked by 0x30.
+#define QL_MM_CB2_INIT "movi v31.16b, #0x33\n"
+#define QL_MM_CB2_BOOKS                  \
   "ld2r {v24.8b, v25.8b}, [%[qb]], #2\n" \
   "mov v24.d[1], v25.d[0]\n"             \
   "and v10.16b, v24.16b, v31.16b\n"      \
@@ -271,74 +407,64 @@ static void gemv_pass(const Weights& w, const Acts& a, int m0, const float* bias
   "shl v9.16b, v24.16b, #4\n"            \
   "ushr v9.16b, v9.16b, #2\n"            \
   "ushr v11.16b, v24.16b, #2\n" QL_ASM_SCALES
+#define QL_SD_CB2_INIT         \
+  "movi v31.16b, #0x30\n"      \
+  "ld1 {v10.16b}, [%[shifts]]\n"
+#define QL_SD_CB2_BOOKS                    \
+  "ld2r {v8.16b, v9.16b}, [%[qb]], #2\n"   \
+  "ushl v8.16b, v8.16b, v10.16b\n"         \
+  "ushl v9.16b, v9.16b, v10.16b\n"         \
+  "and v8.16b, v8.16b, v31.16b\n"          \
+  "and v9.16b, v9.16b, v31.16b\n" QL_ASM_SCALES
 // Row pair: index vectors Q (chunks 0-1) and IB (chunks 2-3), each read by the lo and hi tables.
-#define QL_CB2_DOTS(LO, HI, Q, IB, ACC)       \
-  "tbl v29.16b, " LO ", " Q ".16b\n"          \
-  "tbl " Q ".16b, " HI ", " Q ".16b\n"        \
-  "sdot " ACC ".4s, v29.16b, v16.16b\n"       \
-  "sdot " ACC ".4s, " Q ".16b, v17.16b\n"     \
-  "tbl v29.16b, " LO ", " IB ".16b\n"         \
-  "tbl " IB ".16b, " HI ", " IB ".16b\n"      \
-  "sdot " ACC ".4s, v29.16b, v18.16b\n"       \
-  "sdot " ACC ".4s, " IB ".16b, v19.16b\n"
+#define QL_CB2_DOTS(LO, HI, Q, IB, ACC, X0, X1, X2, X3) \
+  "tbl v29.16b, " LO ", " Q ".16b\n"                    \
+  "tbl " Q ".16b, " HI ", " Q ".16b\n"                  \
+  QL_SDOT(ACC, "v29", X0) QL_SDOT(ACC, Q, X1)           \
+  "tbl v29.16b, " LO ", " IB ".16b\n"                   \
+  "tbl v30.16b, " HI ", " IB ".16b\n"                   \
+  QL_SDOT(ACC, "v29", X2) QL_SDOT(ACC, "v30", X3)
 #define QL_CB2_LO4 "{v0.16b-v3.16b}"
 #define QL_CB2_HI4 "{v4.16b-v7.16b}"
-// One block per group: the books are spent (SRI turns them into the high-nibble index, BIT copies their
-// high nibble into the codes for the low-nibble index).
-#define QL_CB2_PAIR_ONCE(Q, B, ACC)     \
-  "sri " B ".16b, " Q ".16b, #4\n"      \
-  "bit " Q ".16b, " B ".16b, v28.16b\n" \
-  QL_CB2_DOTS(QL_CB2_LO4, QL_CB2_HI4, Q, B, ACC)
-// Several blocks per group: the books stay.
-#define QL_CB2_PAIR_KEEP(Q, B, ACC)       \
-  "ushr v30.16b, " Q ".16b, #4\n"         \
-  "bit v30.16b, " B ".16b, v28.16b\n"     \
-  "bit " Q ".16b, " B ".16b, v28.16b\n"   \
-  QL_CB2_DOTS(QL_CB2_LO4, QL_CB2_HI4, Q, "v30", ACC)
+// Several codebooks: SRI writes the high-nibble index into the book vector's low nibble, BIT copies the book
+// (its high nibble) into the codes for the low-nibble index; both keep the book for the next row pair or block.
+#define QL_CB2_MULTI(Q, B, ACC, X0, X1, X2, X3) \
+  "sri " B ".16b, " Q ".16b, #4\n"              \
+  "bit " Q ".16b, " B ".16b, v28.16b\n"         \
+  QL_CB2_DOTS(QL_CB2_LO4, QL_CB2_HI4, Q, B, ACC, X0, X1, X2, X3)
 // One codebook: the nibbles index 16-entry tables.
-#define QL_CB2_PAIR_ONE(Q, B, ACC)       \
-  "ushr " B ".16b, " Q ".16b, #4\n"      \
-  "and " Q ".16b, " Q ".16b, v31.16b\n"  \
-  QL_CB2_DOTS("{v0.16b}", "{v4.16b}", Q, B, ACC)
-#define QL_CB2_BLOCK(PAIR)                                                                                \
-  "ld1 {v20.16b-v23.16b}, [%[qw]], #64\n"                                                                 \
-  "ld1 {v16.16b-v19.16b}, [%[xd]], #64\n" QL_ASM_ZERO_SUMS                                                \
-  PAIR("v20", "v8", "v24") PAIR("v21", "v9", "v25") PAIR("v22", "v10", "v26") PAIR("v23", "v11", "v27") \
-  QL_ASM_EPILOGUE
-// 4 bits, chunk X: P0 holds V[c][0] / V[c][1] in its low / high nibbles, P1 V[c][2] / V[c][3].
-#define QL_CB4_CHUNK(P0, P1, X)              \
-  "and v29.16b, " P0 ".16b, v31.16b\n"       \
-  "ushr " P0 ".16b, " P0 ".16b, #4\n"        \
-  "tbl v29.16b, {v0.16b}, v29.16b\n"         \
-  "tbl " P0 ".16b, {v0.16b}, " P0 ".16b\n"   \
-  "sdot v24.4s, v29.16b, " X ".16b\n"        \
-  "sdot v25.4s, " P0 ".16b, " X ".16b\n"     \
-  "and v29.16b, " P1 ".16b, v31.16b\n"       \
-  "ushr " P1 ".16b, " P1 ".16b, #4\n"        \
-  "tbl v29.16b, {v0.16b}, v29.16b\n"         \
-  "tbl " P1 ".16b, {v0.16b}, " P1 ".16b\n"   \
-  "sdot v26.4s, v29.16b, " X ".16b\n"        \
-  "sdot v27.4s, " P1 ".16b, " X ".16b\n"
-#define QL_ASM_LOAD128                  \
-  "ld1 {v2.16b-v5.16b}, [%[qw]], #64\n" \
-  "ld1 {v6.16b-v9.16b}, [%[qw]], #64\n" \
-  "ld1 {v16.16b-v19.16b}, [%[xd]], #64\n" QL_ASM_ZERO_SUMS
-#define QL_CB4_BLOCK                                                                               \
-  QL_ASM_LOAD128 QL_CB4_CHUNK("v2", "v3", "v16") QL_CB4_CHUNK("v4", "v5", "v17")                   \
-  QL_CB4_CHUNK("v6", "v7", "v18") QL_CB4_CHUNK("v8", "v9", "v19") QL_ASM_EPILOGUE
+#define QL_CB2_ONE(Q, B, ACC, X0, X1, X2, X3) \
+  "ushr v30.16b, " Q ".16b, #4\n"             \
+  "and " Q ".16b, " Q ".16b, v31.16b\n"       \
+  QL_CB2_DOTS("{v0.16b}", "{v4.16b}", Q, "v30", ACC, X0, X1, X2, X3)
+#define QL_CB2_BLOCK(L, PAIR)                                                                     \
+  "ld1 {v20.16b-v23.16b}, [%[qw]], #64\n" L##_LOADX L##_ZERO QL_CALL(PAIR, L##_P0)              \
+  QL_CALL(PAIR, L##_P1) QL_CALL(PAIR, L##_P2) QL_CALL(PAIR, L##_P3) L##_EPI
+// 4 bits, chunk c: P0 holds W[c][0] / W[c][1] in its low / high nibbles, P1 W[c][2] / W[c][3].
+#define QL_CB4_CHUNK(P0, P1, A0, X0, A1, X1, A2, X2, A3, X3) \
+  "and v29.16b, " P0 ".16b, v31.16b\n"                        \
+  "ushr " P0 ".16b, " P0 ".16b, #4\n"                         \
+  "tbl v29.16b, {v0.16b}, v29.16b\n"                          \
+  "tbl " P0 ".16b, {v0.16b}, " P0 ".16b\n"                    \
+  QL_SDOT(A0, "v29", X0) QL_SDOT(A1, P0, X1)                  \
+  "and v29.16b, " P1 ".16b, v31.16b\n"                        \
+  "ushr " P1 ".16b, " P1 ".16b, #4\n"                         \
+  "tbl v29.16b, {v0.16b}, v29.16b\n"                          \
+  "tbl " P1 ".16b, {v0.16b}, " P1 ".16b\n"                    \
+  QL_SDOT(A2, "v29", X2) QL_SDOT(A3, P1, X3)
 // BCQ uniform int4, same nibble order: the MSB-toggled codes are 16·(code − 8) after one shift or mask.
-#define QL_BCQ_CHUNK(P0, P1, X)               \
-  "shl v29.16b, " P0 ".16b, #4\n"             \
-  "and " P0 ".16b, " P0 ".16b, v1.16b\n"      \
-  "sdot v24.4s, v29.16b, " X ".16b\n"         \
-  "sdot v25.4s, " P0 ".16b, " X ".16b\n"      \
-  "shl v29.16b, " P1 ".16b, #4\n"             \
-  "and " P1 ".16b, " P1 ".16b, v1.16b\n"      \
-  "sdot v26.4s, v29.16b, " X ".16b\n"         \
-  "sdot v27.4s, " P1 ".16b, " X ".16b\n"
-#define QL_BCQ_BLOCK                                                                               \
-  QL_ASM_LOAD128 QL_BCQ_CHUNK("v2", "v3", "v16") QL_BCQ_CHUNK("v4", "v5", "v17")                   \
-  QL_BCQ_CHUNK("v6", "v7", "v18") QL_BCQ_CHUNK("v8", "v9", "v19") QL_ASM_EPILOGUE
+#define QL_BCQ_CHUNK(P0, P1, A0, X0, A1, X1, A2, X2, A3, X3) \
+  "shl v29.16b, " P0 ".16b, #4\n"                             \
+  "and " P0 ".16b, " P0 ".16b, v1.16b\n"                      \
+  QL_SDOT(A0, "v29", X0) QL_SDOT(A1, P0, X1)                  \
+  "shl v29.16b, " P1 ".16b, #4\n"                             \
+  "and " P1 ".16b, " P1 ".16b, v1.16b\n"                      \
+  QL_SDOT(A2, "v29", X2) QL_SDOT(A3, P1, X3)
+#define QL_4BIT_BLOCK(L, CHUNK)                                                                            \
+  "ld1 {v2.16b-v5.16b}, [%[qw]], #64\n"                                                                    \
+  "ld1 {v6.16b-v9.16b}, [%[qw]], #64\n" L##_LOADX L##_ZERO QL_CALL(CHUNK, "v2", "v3", L##_AX0)            \
+  QL_CALL(CHUNK, "v4", "v5", L##_AX1) QL_CALL(CHUNK, "v6", "v7", L##_AX2) QL_CALL(CHUNK, "v8", "v9", L##_AX3) \
+  L##_EPI
 // BCQ at a group start: offsets c (OFFSETS: fp16, fp32 or none) into v20-v21, z = fma(0.5, s, c), then
 // acc = fma(z, xsum[g], acc).
 #define QL_BCQ_SETUP(OFFSETS)             \
@@ -356,20 +482,48 @@ static void gemv_pass(const Weights& w, const Acts& a, int m0, const float* bias
 #define QL_BCQ_C0   \
   "movi v20.4s, #0\n" \
   "movi v21.4s, #0\n"
-#define QL_BCQ_ASM(OFFSETS)                                                         \
-  asm volatile("fmov v0.4s, #0.5\n"                                                 \
-               "movi v1.16b, #0xf0\n" QL_ASM_LOOPS(QL_BCQ_SETUP(OFFSETS), QL_BCQ_BLOCK, \
-                                                   QL_BCQ_BLOCK) QL_ASM_OPERANDS)
+// One asm statement per decoder and layout L.
+#define QL_ASM_CB2_MULTI(L)                                                                                 \
+  asm volatile("ld1 {v0.16b-v3.16b}, [%[lo]]\n"                                                              \
+               "ld1 {v4.16b-v7.16b}, [%[hi]]\n"                                                              \
+               "movi v28.16b, #0xf0\n" L##_CB2_INIT                                                          \
+               QL_ASM_LOOPS(L##_CB2_BOOKS, QL_CB2_BLOCK(L, QL_CB2_MULTI), QL_CB2_BLOCK(L, QL_CB2_MULTI))     \
+               QL_ASM_OPERANDS)
+#define QL_ASM_CB2_ONE(L)                                                                                       \
+  asm volatile("ld1 {v0.16b}, [%[lo]]\n"                                                                         \
+               "ld1 {v4.16b}, [%[hi]]\n"                                                                         \
+               "movi v31.16b, #0x0f\n"                                                                           \
+               QL_ASM_LOOPS(QL_ASM_SCALES, QL_CB2_BLOCK(L, QL_CB2_ONE), QL_CB2_BLOCK(L, QL_CB2_ONE)) QL_ASM_OPERANDS)
+#define QL_ASM_CB4(L)                                                                                        \
+  asm volatile("ld1 {v0.16b}, [%[lo]]\n"                                                                      \
+               "movi v31.16b, #0x0f\n"                                                                        \
+               QL_ASM_LOOPS(QL_ASM_SCALES, QL_4BIT_BLOCK(L, QL_CB4_CHUNK), QL_4BIT_BLOCK(L, QL_CB4_CHUNK))    \
+               QL_ASM_OPERANDS)
+#define QL_ASM_BCQ(L, OFFSETS)                                                                               \
+  asm volatile("fmov v0.4s, #0.5\n"                                                                          \
+               "movi v1.16b, #0xf0\n" QL_ASM_LOOPS(QL_BCQ_SETUP(OFFSETS), QL_4BIT_BLOCK(L, QL_BCQ_CHUNK),   \
+                                                   QL_4BIT_BLOCK(L, QL_BCQ_CHUNK)) QL_ASM_OPERANDS)
+#define QL_ASM_BCQ16(L) QL_ASM_BCQ(L, QL_BCQ_C16)
+#define QL_ASM_BCQ32(L) QL_ASM_BCQ(L, QL_BCQ_C32)
+#define QL_ASM_BCQ0(L) QL_ASM_BCQ(L, QL_BCQ_C0)
+#define QL_BY_LAYOUT(X) \
+  if constexpr (kSdot)  \
+    X(QL_SD);           \
+  else                  \
+    X(QL_MM)
 
-template <typename Dec>
+// Layout sdot, v10: lane i moves row i / 4's book from bits 2(i / 4) of its byte to bits 4-5.
+alignas(16) static const int8_t kSdotBookShifts[16] = {4, 4, 4, 4, 2, 2, 2, 2, 0, 0, 0, 0, -2, -2, -2, -2};
+
+template <bool kSdot, typename Dec>
 __attribute__((noinline)) static void gemv_asm(const Weights& w, const Acts& a, int m0, const float* bias, float* y,
                                                int b, const Dec& dec) {
   const int H = w.K / 32, G = w.K / w.group_size;
   const uint8_t* qw = w.qw + (size_t)b * H * Dec::kBytes;
-  const int8_t* xd = a.xd + (size_t)m0 * H * 64;
+  const int8_t* xd = kSdot ? a.xq + (size_t)m0 * H * 32 : a.xd + (size_t)m0 * H * 64;
   const float* xs = a.xs + (size_t)m0 * H;
   const uint16_t* qs = w.qs + (size_t)b * G * 8;
-  const uint16_t* qb = std::is_same<Dec, DecCB2<true>>::value ? w.qb + (size_t)b * G : nullptr;
+  const uint16_t* qb = std::is_same<Dec, DecCB2<true, kSdot>>::value ? w.qb + (size_t)b * G : nullptr;
   const float* xsum = nullptr;
   const uint8_t* qz = nullptr;
   int qz_kind = 0;  // BCQ offsets: none, fp16, fp32
@@ -391,106 +545,134 @@ __attribute__((noinline)) static void gemv_asm(const Weights& w, const Acts& a, 
 #define QL_ASM_OPERANDS                                                                                     \
   : [qw] "+r"(qw), [xd] "+r"(xd), [xs] "+r"(xs), [qs] "+r"(qs), [qb] "+r"(qb), [groups] "+r"(groups),      \
     [left] "+r"(left), [qz] "+r"(qz), [xsum] "+r"(xsum)                                                     \
-  : [lo] "r"(lo), [hi] "r"(hi), [per_group] "r"(per_group), [out] "r"(out)                                  \
+  : [lo] "r"(lo), [hi] "r"(hi), [per_group] "r"(per_group), [out] "r"(out), [shifts] "r"(kSdotBookShifts)  \
   : "cc", "memory", "v0", "v1", "v2", "v3", "v4", "v5", "v6", "v7", "v8", "v9", "v10", "v11", "v12", "v13", \
     "v14", "v15", "v16", "v17", "v18", "v19", "v20", "v21", "v22", "v23", "v24", "v25", "v26", "v27", "v28", \
     "v29", "v30", "v31"
-  if constexpr (std::is_same<Dec, DecCB2<true>>::value)
-    asm volatile(
-        "ld1 {v0.16b-v3.16b}, [%[lo]]\n"
-        "ld1 {v4.16b-v7.16b}, [%[hi]]\n"
-        "movi v28.16b, #0xf0\n"
-        "movi v31.16b, #0x33\n"
-        QL_ASM_LOOPS(QL_CB2_BOOKS, QL_CB2_BLOCK(QL_CB2_PAIR_ONCE), QL_CB2_BLOCK(QL_CB2_PAIR_KEEP))
-        QL_ASM_OPERANDS);
-  else if constexpr (std::is_same<Dec, DecCB2<false>>::value)
-    asm volatile(
-        "ld1 {v0.16b}, [%[lo]]\n"
-        "ld1 {v4.16b}, [%[hi]]\n"
-        "movi v31.16b, #0x0f\n"
-        QL_ASM_LOOPS(QL_ASM_SCALES, QL_CB2_BLOCK(QL_CB2_PAIR_ONE), QL_CB2_BLOCK(QL_CB2_PAIR_ONE))
-        QL_ASM_OPERANDS);
-  else if constexpr (std::is_same<Dec, DecCB4>::value)
-    asm volatile(
-        "ld1 {v0.16b}, [%[lo]]\n"
-        "movi v31.16b, #0x0f\n"
-        QL_ASM_LOOPS(QL_ASM_SCALES, QL_CB4_BLOCK, QL_CB4_BLOCK)
-        QL_ASM_OPERANDS);
-  else if (qz_kind == 1)
-    QL_BCQ_ASM(QL_BCQ_C16);
-  else if (qz_kind == 2)
-    QL_BCQ_ASM(QL_BCQ_C32);
-  else
-    QL_BCQ_ASM(QL_BCQ_C0);
+  if constexpr (std::is_same<Dec, DecCB2<true, kSdot>>::value) {
+    QL_BY_LAYOUT(QL_ASM_CB2_MULTI);
+  } else if constexpr (std::is_same<Dec, DecCB2<false, kSdot>>::value) {
+    QL_BY_LAYOUT(QL_ASM_CB2_ONE);
+  } else if constexpr (std::is_same<Dec, DecCB4>::value) {
+    QL_BY_LAYOUT(QL_ASM_CB4);
+  } else if (qz_kind == 1) {
+    QL_BY_LAYOUT(QL_ASM_BCQ16);
+  } else if (qz_kind == 2) {
+    QL_BY_LAYOUT(QL_ASM_BCQ32);
+  } else {
+    QL_BY_LAYOUT(QL_ASM_BCQ0);
+  }
 #undef QL_ASM_OPERANDS
   store_block(w, bias, y + (size_t)m0 * w.N, b, out);
 }
+#undef QL_CALL
 #undef QL_ASM_SCALES
-#undef QL_ASM_ZERO_SUMS
-#undef QL_ASM_EPILOGUE
+#undef QL_MM_LOADX
+#undef QL_SD_LOADX
+#undef QL_MM_ZERO
+#undef QL_SD_ZERO
+#undef QL_MM_EPI
+#undef QL_SD_EPI
+#undef QL_MM_AX
+#undef QL_MM_AX0
+#undef QL_MM_AX1
+#undef QL_MM_AX2
+#undef QL_MM_AX3
+#undef QL_SD_AX
+#undef QL_SD_AX0
+#undef QL_SD_AX1
+#undef QL_SD_AX2
+#undef QL_SD_AX3
+#undef QL_MM_P
+#undef QL_MM_P0
+#undef QL_MM_P1
+#undef QL_MM_P2
+#undef QL_MM_P3
+#undef QL_SD_P
+#undef QL_SD_P0
+#undef QL_SD_P1
+#undef QL_SD_P2
+#undef QL_SD_P3
+#undef QL_SDOT
 #undef QL_ASM_LOOPS
-#undef QL_CB2_BOOKS
+#undef QL_MM_CB2_INIT
+#undef QL_MM_CB2_BOOKS
+#undef QL_SD_CB2_INIT
+#undef QL_SD_CB2_BOOKS
 #undef QL_CB2_DOTS
 #undef QL_CB2_LO4
 #undef QL_CB2_HI4
-#undef QL_CB2_PAIR_ONCE
-#undef QL_CB2_PAIR_KEEP
-#undef QL_CB2_PAIR_ONE
+#undef QL_CB2_MULTI
+#undef QL_CB2_ONE
 #undef QL_CB2_BLOCK
 #undef QL_CB4_CHUNK
-#undef QL_CB4_BLOCK
-#undef QL_ASM_LOAD128
 #undef QL_BCQ_CHUNK
-#undef QL_BCQ_BLOCK
+#undef QL_4BIT_BLOCK
 #undef QL_BCQ_SETUP
 #undef QL_BCQ_C16
 #undef QL_BCQ_C32
 #undef QL_BCQ_C0
-#undef QL_BCQ_ASM
+#undef QL_ASM_CB2_MULTI
+#undef QL_ASM_CB2_ONE
+#undef QL_ASM_CB4
+#undef QL_ASM_BCQ
+#undef QL_ASM_BCQ16
+#undef QL_ASM_BCQ32
+#undef QL_ASM_BCQ0
+#undef QL_BY_LAYOUT
 #endif
 
-template <int M, typename Dot, typename Dec>
+template <int M, typename Dot, bool kSdot, typename Dec>
 static void gemv(const Weights& w, const Acts& a, int m0, const float* bias, float* y, int b0, int b1, Dec& dec) {
   int b = b0;
 #if defined(__aarch64__)
   if constexpr (M == 1 && std::is_same<Dot, DotSDOT>::value) {  // every decoder has an assembly GEMV
     if (w.K % w.group_size == 0) {
-      for (; b < b1; ++b) gemv_asm(w, a, m0, bias, y, b, dec);
+      for (; b < b1; ++b) gemv_asm<kSdot>(w, a, m0, bias, y, b, dec);
       return;
     }
   }
 #endif
   if (M == 1 && Dec::kRB == 2)
-    for (; b + 2 <= b1; b += 2) gemv_pass<M, 2, Dot>(w, a, m0, bias, y, b, dec);
-  for (; b < b1; ++b) gemv_pass<M, 1, Dot>(w, a, m0, bias, y, b, dec);
+    for (; b + 2 <= b1; b += 2) gemv_pass<M, 2, Dot, kSdot>(w, a, m0, bias, y, b, dec);
+  for (; b < b1; ++b) gemv_pass<M, 1, Dot, kSdot>(w, a, m0, bias, y, b, dec);
 }
 
-template <typename Dot>
+template <typename Dot, bool kSdot>
 static void run_rows(const Weights& w, const Acts& a, const float* bias, float* y, int b0, int b1) {
-  with_decoder(w, [&](auto& dec) {
+  with_decoder<kSdot>(w, [&](auto& dec) {
     for (int m0 = 0; m0 < a.M; m0 += 3) {
       switch (a.M - m0 >= 3 ? 3 : a.M - m0) {
-        case 1: gemv<1, Dot>(w, a, m0, bias, y, b0, b1, dec); break;
-        case 2: gemv<2, Dot>(w, a, m0, bias, y, b0, b1, dec); break;
-        default: gemv<3, Dot>(w, a, m0, bias, y, b0, b1, dec); break;
+        case 1: gemv<1, Dot, kSdot>(w, a, m0, bias, y, b0, b1, dec); break;
+        case 2: gemv<2, Dot, kSdot>(w, a, m0, bias, y, b0, b1, dec); break;
+        default: gemv<3, Dot, kSdot>(w, a, m0, bias, y, b0, b1, dec); break;
       }
     }
   });
 }
 
+template <typename Dot>
+static void run_layout(const Weights& w, const Acts& a, const float* bias, float* y, int b0, int b1) {
+  if (w.layout == kLayoutSDOT)
+    run_rows<Dot, true>(w, a, bias, y, b0, b1);
+  else
+    run_rows<Dot, false>(w, a, bias, y, b0, b1);
+}
+
 // Named, non-inlined entry points: the instruction counter attributes executed instructions per symbol.
 __attribute__((noinline)) void qlinear_arm_sdot(const Weights& w, const Acts& a, const float* bias, float* y, int b0,
                                                 int b1) {
-  run_rows<DotSDOT>(w, a, bias, y, b0, b1);
+  run_layout<DotSDOT>(w, a, bias, y, b0, b1);
 }
 __attribute__((noinline)) void qlinear_arm_plain(const Weights& w, const Acts& a, const float* bias, float* y, int b0,
                                                  int b1) {
-  run_rows<DotPlain>(w, a, bias, y, b0, b1);
+  run_layout<DotPlain>(w, a, bias, y, b0, b1);
 }
 
 void run(const Weights& w, const Acts& a, const float* bias, float* y, int b0, int b1, int path) {
   if (path == kAuto) path = cpu_path();
-  if (path == kMMLA && a.M < 4) path = kDot;  // decode: SDOT GEMV; SMMLA pays off from 4 rows
+  // decode: SDOT GEMV; SMMLA pays off from 4 rows and has no kernel for layout sdot
+  if (path == kMMLA && (a.M < 4 || w.layout == kLayoutSDOT)) path = kDot;
   if (path == kMMLA) return run_mmla(w, a, bias, y, b0, b1);
   if (path == kDot) return qlinear_arm_sdot(w, a, bias, y, b0, b1);
   qlinear_arm_plain(w, a, bias, y, b0, b1);
@@ -515,14 +697,16 @@ static inline float half_to_float(uint16_t h) {
 
 // int8 weight of row r (0..7) at input k (0..31) of block (b, h), decoded from the packed layout.
 static int weight_at(const Weights& w, int b, int h, int r, int k) {
-  const int H = w.K / 32, c = k / 8, p = r / 2, i = (r % 2) * 8 + k % 8;
+  const bool sdot = w.layout == kLayoutSDOT;
+  const int H = w.K / 32, c = sdot ? k % 16 / 4 : k / 8, p = sdot ? 2 * (r / 4) + k / 16 : r / 2;
+  const int i = sdot ? 4 * (r % 4) + k % 4 : (r % 2) * 8 + k % 8;
   const uint8_t* blk = w.qw + ((size_t)b * H + h) * block_bytes(w.format);
   if (w.format == kCB2) {
     const int idx = (blk[16 * p + i] >> (2 * c)) & 3;
     int book = 0;
     if (w.num_books > 1) {
       const int G = (w.K + w.group_size - 1) / w.group_size, g = h / (w.group_size / 32);
-      book = (w.qb[(size_t)b * G + g] >> book_shift(r)) & 3;
+      book = (w.qb[(size_t)b * G + g] >> book_shift(r, w.layout)) & 3;
     }
     return w.books[book * 4 + idx];
   }

@@ -18,8 +18,14 @@
 //     chunks 2-3.  TBL index = book << 4 | nibble into 64-entry tables (with one codebook: the nibble into
 //     16-entry tables).
 //   qs[b][g][8] fp16 scales of the 8 rows for group g; qz[b][g][8] BCQ offsets (fp16 or fp32);
-//   qb[b][g] codebook ids of the 8 rows, 2 bits each, row r at bits 8(r%2)+2(r/2) and 8(r%2)+2(r/2)+1
-//   (even rows in the low byte, odd rows in the high byte), when C > 1.
+//   qb[b][g] codebook ids of the 8 rows, 2 bits each, row r at bits book_shift(r, layout) and the next
+//   (8(r%2)+2(r/2): even rows in the low byte, odd rows in the high byte), when C > 1.
+//
+// Layout "sdot" (kLayoutSDOT, for CPUs with dotprod but no i8mm: SDOT by element, different output rows in
+// different lanes, no pairwise adds): the same bytes, packing and qs/qz, but byte i of V[c][p] is row
+// 8b + 4(p/2) + i/4, input 32h + 16(p%2) + 4c + i%4 (lane i/4 = one row, 4 inputs), and in qb row r sits at
+// bits 8(r/4)+2(r%4) (rows 0-3 in the low byte).  Row pairs p = 0, 1 are then rows 0-3 and p = 2, 3 rows 4-7,
+// each book vector serving one 4-row quad.
 //
 // Per row n, in this order, identically on every path (so all paths agree bit for bit): at the start
 // of each group g, BCQ only: z = fma(0.5, s, c); acc = fma(z, xsum[g], acc)  (w = s·(code − 7.5) + c);
@@ -34,6 +40,7 @@ namespace qlinear_arm {
 
 enum Format : int { kBCQ4 = 0, kCB4 = 1, kCB2 = 2 };
 enum Path : int { kAuto = 0, kPlain = 1, kDot = 2, kMMLA = 3 };
+enum Layout : int { kLayoutMMLA = 0, kLayoutSDOT = 1 };
 
 struct Weights {
   const uint8_t* qw;     // [Nb][K/32][block_bytes(format)]
@@ -43,12 +50,14 @@ struct Weights {
   const int8_t* books;   // codebooks [C][2^bits] (C·2^bits <= 16), or nullptr for BCQ
   int format, num_books, N, K, group_size;
   bool qz_f32;
+  int layout;            // kLayoutMMLA or kLayoutSDOT
 };
 
 // Quantized activations, prepared once per call (dynamic per-32-input int8 quantization).
 struct Acts {
   int M, K;
-  int8_t* xd;     // [M][K/32][4][16]: chunk c duplicated, [xq(8c..8c+7), xq(8c..8c+7)] (SDOT)
+  int8_t* xd;     // [M][K/32][4][16]: chunk c duplicated, [xq(8c..8c+7), xq(8c..8c+7)] (SDOT, layout mmla)
+  int8_t* xq;     // [M][K/32][32]: xq as is (SDOT by element, layout sdot)
   int8_t* xp;     // [ceil(M/2)][K/32][4][16]: rows 2m, 2m+1 of chunk c side by side (SMMLA)
   float* xs;      // [M][K/32] scale (BCQ: / 16)
   float* xsum;    // [M][G] Σ x over the inputs of weight group g (fp32, sequential)
@@ -57,8 +66,10 @@ struct Acts {
 };
 
 int block_bytes(int format);
-// Bit position of row r's 2-bit codebook id in the qb word (see the layout above).
-inline int book_shift(int r) { return 8 * (r % 2) + 2 * (r / 2); }
+// Bit position of row r's 2-bit codebook id in the qb word (see the layouts above).
+inline int book_shift(int r, int layout) {
+  return layout == kLayoutSDOT ? 8 * (r / 4) + 2 * (r % 4) : 8 * (r % 2) + 2 * (r / 2);
+}
 size_t acts_bytes(int M, int K, int group_size);
 // x: [M][K] fp32.  workspace: acts_bytes(M, K, group_size) bytes, 16-byte aligned.
 void prepare_acts(const float* x, int M, int K, int group_size, int format, void* workspace, Acts* out);
@@ -67,7 +78,11 @@ void prepare_acts(const float* x, int M, int K, int group_size, int format, void
 int cpu_path();
 const char* path_name(int path);
 
-// y[M][N] fp32 for the 8-row blocks [b0, b1) with `path` (kAuto = cpu_path(), then by M).
+// Layout the repack should choose on this CPU: sdot with dotprod and no i8mm, else mmla.
+int cpu_layout();
+
+// y[M][N] fp32 for the 8-row blocks [b0, b1) with `path` (kAuto = cpu_path(), then by M; layout sdot has no
+// SMMLA kernel and runs kMMLA as kDot).
 void run(const Weights& w, const Acts& a, const float* bias, float* y, int b0, int b1, int path);
 // Scalar implementation of the same arithmetic (the harness's ground truth).
 void reference(const Weights& w, const Acts& a, const float* bias, float* y);
