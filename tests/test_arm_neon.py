@@ -109,10 +109,32 @@ def test_the_two_layouts_differ_where_documented():
         for k in range(32):
             assert mmla[k // 8, r // 2, (r % 2) * 8 + k % 8] == codes[r, k]
             assert sdot[k % 16 // 4, 2 * (r // 4) + k // 16, 4 * (r % 4) + k % 4] == codes[r, k]
-    assert arm_neon.machine_layout() in LAYOUTS and arm_neon.LAYOUT == arm_neon.machine_layout()
-    assert arm_neon.BCQ_LAYOUT.name == "arm_neon_bcq" + ("" if arm_neon.LAYOUT == "mmla" else "_sdot")
     with pytest.raises(ValueError, match="layout 'laneq' is not one of"):
         arm_neon.repack_codebook(*_codebook(8, 32, 2, 1)[::-1], 8, 32, layout="laneq")
+
+
+@pytest.mark.parametrize("machine,hwcap2,want", [("x86_64", 0, "mmla"), ("aarch64", 1 << 13, "mmla"),
+                                                 ("aarch64", (1 << 12) | (1 << 14), "sdot"),
+                                                 ("arm64", None, "sdot")])
+def test_machine_layout_follows_hwcap2_i8mm(monkeypatch, machine, hwcap2, want):
+    """i8mm (AT_HWCAP2 bit 13) -> mmla, an Arm CPU without it (or without getauxval: not Linux) -> sdot, x86 -> mmla."""
+    class GetAuxval:
+        def __call__(self, at):
+            assert at == 26  # AT_HWCAP2
+            return hwcap2
+
+    class Libc:
+        def __init__(self, name):
+            pass
+
+        def __getattr__(self, name):
+            if hwcap2 is None or name != "getauxval":
+                raise AttributeError(name)
+            return GetAuxval()
+
+    monkeypatch.setattr(arm_neon.platform, "machine", lambda: machine)
+    monkeypatch.setattr(arm_neon.ctypes, "CDLL", Libc)
+    assert arm_neon.machine_layout() == want
 
 
 def _shape(cfg, bufs):
@@ -300,7 +322,7 @@ def test_gptq_act_order_layer_on_the_arm_backend():
     X = torch.randn(256, 256) * torch.linspace(0.1, 2.0, 256)
     cfg = QLinearConfig("bcq", bits=4, group_size=64, method="gptq", act_order=True)
     m = BCQLinear.from_linear(lin, cfg, X.T @ X, backend="arm_neon")
-    assert m.layout == "arm_neon_bcq" and "perm" in m._packed_names
+    assert m.layout == arm_neon.BCQ_LAYOUT.name and "perm" in m._packed_names
     x = torch.randn(5, 256)
     w = m.dequantize(torch.float64)
     ref = x.double() @ w.T + lin.bias.double()

@@ -35,6 +35,7 @@ import ctypes
 import functools
 import math
 import platform
+import sys
 from pathlib import Path
 from typing import Optional
 
@@ -61,12 +62,15 @@ _BLOCK_VIEWS = {
 }
 
 
-def _check_layout(layout: str) -> None:
+def _layout_arg(layout: Optional[str]) -> str:
+    """``layout``, or this machine's (:data:`LAYOUT`) for None.  Raises ValueError for an unknown one."""
+    layout = LAYOUT if layout is None else layout
     if layout not in _BLOCK_VIEWS:
         raise ValueError(f"layout {layout!r} is not one of {sorted(_BLOCK_VIEWS)}")
+    return layout
 
 
-def _blocks(codes: torch.Tensor, N: int, K: int, layout: str = "mmla") -> torch.Tensor:
+def _blocks(codes: torch.Tensor, N: int, K: int, layout: str) -> torch.Tensor:
     """``[N, K]`` -> ``[Nb, H, 4 (chunk c), 4 (row pair p), 16]`` (zero rows pad N to 8): byte ``i`` of ``V[c][p]``
     of block ``(b, h)`` is, in layout ``mmla``, row ``8b + 2p + i // 8``, input ``32h + 8c + i % 8`` (2 rows x 8
     inputs, SMMLA), in layout ``sdot`` row ``8b + 4(p // 2) + i // 4``, input ``32h + 16(p % 2) + 4c + i % 4``
@@ -78,7 +82,7 @@ def _blocks(codes: torch.Tensor, N: int, K: int, layout: str = "mmla") -> torch.
     return padded.view(Nb, *[H if d == -1 else d for d in shape]).permute(*perm).reshape(Nb, H, 4, 4, 16)
 
 
-def _unblocks(v: torch.Tensor, N: int, K: int, layout: str = "mmla") -> torch.Tensor:
+def _unblocks(v: torch.Tensor, N: int, K: int, layout: str) -> torch.Tensor:
     """Inverse of :func:`_blocks`."""
     Nb, H = v.shape[:2]
     shape, perm = _BLOCK_VIEWS[layout]
@@ -139,11 +143,11 @@ def _word_books(qb: torch.Tensor, layout: str) -> torch.Tensor:
     return (word[..., None] >> _book_shifts(qb.device, layout)) & 3
 
 
-def repack_bcq(buffers: dict, cfg, N: int, K: int, layout: str = "mmla") -> dict:
-    """Canonical uniform 4-bit BCQ -> ``layout`` (``arm_qw`` uint8 ``[Nb, K/32, 128]``, ``arm_qs`` fp16
-    ``[Nb, G, 8]``, ``arm_qz`` ``[Nb, G, 8]`` of the offset's dtype).  Raises ValueError for non-uniform α or an
-    unknown layout."""
-    _check_layout(layout)
+def repack_bcq(buffers: dict, cfg, N: int, K: int, layout: Optional[str] = None) -> dict:
+    """Canonical uniform 4-bit BCQ -> ``layout`` (None: :data:`LAYOUT`) (``arm_qw`` uint8 ``[Nb, K/32, 128]``,
+    ``arm_qs`` fp16 ``[Nb, G, 8]``, ``arm_qz`` ``[Nb, G, 8]`` of the offset's dtype).  Raises ValueError for
+    non-uniform α or an unknown layout."""
+    layout = _layout_arg(layout)
     s = bcq.uniform_scale(buffers["alpha"], "the arm_neon kernel needs them; use backend='reference'")
     codes = unpack_planes(buffers["planes"], K)
     out = {"arm_qw": _pack_nibbles(_blocks(codes ^ 8, N, K, layout)), "arm_qs": _pad_groups(s, N)}
@@ -152,9 +156,9 @@ def repack_bcq(buffers: dict, cfg, N: int, K: int, layout: str = "mmla") -> dict
     return out
 
 
-def unrepack_bcq(buffers: dict, cfg, N: int, K: int, layout: str = "mmla") -> dict:
-    """``layout`` -> canonical BCQ buffers (exact inverse of :func:`repack_bcq`)."""
-    _check_layout(layout)
+def unrepack_bcq(buffers: dict, cfg, N: int, K: int, layout: Optional[str] = None) -> dict:
+    """``layout`` (None: :data:`LAYOUT`) -> canonical BCQ buffers (exact inverse of :func:`repack_bcq`)."""
+    layout = _layout_arg(layout)
     codes = _unblocks(_unpack_nibbles(buffers["arm_qw"]), N, K, layout) ^ 8
     s = _unpad_groups(buffers["arm_qs"], N)
     alpha = (s.float()[None] * torch.tensor([0.5, 1.0, 2.0, 4.0], device=s.device)[:, None, None]).half()
@@ -164,11 +168,11 @@ def unrepack_bcq(buffers: dict, cfg, N: int, K: int, layout: str = "mmla") -> di
     return out
 
 
-def repack_codebook(buffers: dict, cfg, N: int, K: int, layout: str = "mmla") -> dict:
-    """Canonical codebook buffers -> ``layout`` (``arm_qw`` uint8 ``[Nb, K/32, 32·bits]``, ``arm_qs`` fp16
-    ``[Nb, G, 8]``, ``arm_qb`` int16 ``[Nb, G]`` when C > 1, ``codebooks`` unchanged).  Raises ValueError for an
-    unknown layout."""
-    _check_layout(layout)
+def repack_codebook(buffers: dict, cfg, N: int, K: int, layout: Optional[str] = None) -> dict:
+    """Canonical codebook buffers -> ``layout`` (None: :data:`LAYOUT`) (``arm_qw`` uint8 ``[Nb, K/32, 32·bits]``,
+    ``arm_qs`` fp16 ``[Nb, G, 8]``, ``arm_qb`` int16 ``[Nb, G]`` when C > 1, ``codebooks`` unchanged).  Raises
+    ValueError for an unknown layout."""
+    layout = _layout_arg(layout)
     G, C = K // cfg.group_size, cfg.books
     v = _blocks(unpack(buffers["codes"], cfg.bits, K), N, K, layout)
     qw = _pack_nibbles(v) if cfg.bits == 4 else _pack_crumbs(v)
@@ -181,9 +185,9 @@ def repack_codebook(buffers: dict, cfg, N: int, K: int, layout: str = "mmla") ->
     return out
 
 
-def unrepack_codebook(buffers: dict, cfg, N: int, K: int, layout: str = "mmla") -> dict:
-    """``layout`` -> canonical codebook buffers (exact inverse of :func:`repack_codebook`)."""
-    _check_layout(layout)
+def unrepack_codebook(buffers: dict, cfg, N: int, K: int, layout: Optional[str] = None) -> dict:
+    """``layout`` (None: :data:`LAYOUT`) -> canonical codebook buffers (exact inverse of :func:`repack_codebook`)."""
+    layout = _layout_arg(layout)
     C = cfg.books
     qw = buffers["arm_qw"]
     v = _unpack_nibbles(qw) if cfg.bits == 4 else _unpack_crumbs(qw)
@@ -199,7 +203,7 @@ def machine_layout() -> str:
     """The layout this machine's repack produces: ``sdot`` on an Arm CPU without i8mm (no SMMLA kernel can run
     there, and SDOT by element needs no pairwise adds), else ``mmla`` (also on x86, where SIMDe emulates
     every instruction).  Same rule as ``cpu_layout()`` in kernels.cpp (``getauxval(AT_HWCAP2)`` bit 13)."""
-    if platform.machine() not in ("aarch64", "arm64"):
+    if platform.machine() not in ("aarch64", "arm64") or sys.maxsize < 2**32:  # the kernels' aarch64 builds
         return "mmla"
     try:
         getauxval = ctypes.CDLL(None).getauxval
@@ -245,10 +249,11 @@ def _weights_int8(buffers: dict, format: int, cfg, N: int, K: int, layout: str) 
     return buffers["codebooks"].to(torch.int64)[book, rows]
 
 
-def spec(x: torch.Tensor, buffers: dict, bias, cfg, format: int, N: int, K: int, layout: str = "mmla") -> torch.Tensor:
-    """The kernels' arithmetic in PyTorch over buffers packed in ``layout``: ``x`` ``[M, K]`` -> ``[M, N]`` float32
-    (equal to the native op up to the order of fp32 roundings)."""
-    _check_layout(layout)
+def spec(x: torch.Tensor, buffers: dict, bias, cfg, format: int, N: int, K: int,
+         layout: Optional[str] = None) -> torch.Tensor:
+    """The kernels' arithmetic in PyTorch over buffers packed in ``layout`` (None: :data:`LAYOUT`): ``x`` ``[M, K]``
+    -> ``[M, N]`` float32 (equal to the native op up to the order of fp32 roundings)."""
+    layout = _layout_arg(layout)
     gs = K if cfg.group_size == -1 else cfg.group_size
     xq, xs = quantize_activations(x)
     M, H = x.shape[0], K // 32
@@ -291,8 +296,7 @@ def linear(x: torch.Tensor, buffers: dict, bias, cfg, out_features: int, in_feat
            layout: Optional[str] = None):
     """Registry entry: ``x`` ``[..., K]`` on CPU -> ``[..., N]`` of ``x.dtype``, over buffers packed in ``layout``
     (default: :data:`LAYOUT`, what this machine's repack produces)."""
-    layout = LAYOUT if layout is None else layout
-    _check_layout(layout)
+    layout = _layout_arg(layout)
     x2 = x.reshape(-1, in_features).float().contiguous()
     gs = in_features if cfg.group_size == -1 else cfg.group_size
     y = torch.ops.qlinear.arm_gemm(x2, buffers["arm_qw"], buffers["arm_qs"], buffers.get("arm_qz"),

@@ -75,7 +75,7 @@ struct DecCB2 {
   using Table = typename std::conditional<kMulti, int8x16x4_t, int8x16_t>::type;
   Table lo, hi;           // [book << 4 | j << 2 | i] -> book[i] (lo) / book[j] (hi)
   uint8x16_t books[4];    // per row pair p, the book of each lane's row (see the layouts in qgemm.h)
-  uint8x16_t halves;      // byte 0 of the books word to lanes 0-7, byte 1 to lanes 8-15
+  uint8x16_t halves;      // layout mmla: byte 0 of the books word to lanes 0-7, byte 1 to lanes 8-15
   const uint16_t* qb;
   int G;
   DecCB2() = default;

@@ -67,7 +67,7 @@ static int test() {
   printf("dispatch: %s\n", path_name(best));
   int failures = 0, cases = 0;
   const int formats[] = {kBCQ4, kCB4, kCB2};
-  const int shapes[][2] = {{8, 32}, {13, 96}, {24, 128}, {40, 160}, {64, 256}, {3, 64}};
+  const int shapes[][2] = {{8, 32}, {13, 96}, {24, 128}, {40, 160}, {64, 256}, {3, 64}, {16, 192}, {8, 480}};
   for (int layout : {kLayoutMMLA, kLayoutSDOT})
   for (int f : formats) {
     const int book_opts[3] = {1, f == kCB2 ? 2 : 1, f == kCB2 ? 4 : 1};
@@ -110,9 +110,10 @@ static int test() {
   }
   // BCQ, no bias, a tiny negative scale and zero codes: z·Σx underflows to -0, and every path must return
   // acc + 0 = +0, like the reference.
+  for (int layout : {kLayoutMMLA, kLayoutSDOT})
   for (int M : {1, 4}) {
     Layer L;
-    make_layer(L, kBCQ4, 1, 8, 128, 128, 0, M == 1 ? kLayoutSDOT : kLayoutMMLA);
+    make_layer(L, kBCQ4, 1, 8, 128, 128, 0, layout);
     std::fill(L.qw.begin(), L.qw.end(), 0);
     std::fill(L.qs.begin(), L.qs.end(), 0x8001);
     std::vector<float> x((size_t)M * 128, 1.4e-45f), ref((size_t)M * 8), out((size_t)M * 8);

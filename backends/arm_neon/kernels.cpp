@@ -366,26 +366,26 @@ static void gemv_pass(const Weights& w, const Acts& a, int m0, const float* bias
 #define QL_SD_P2 QL_SD_P("v22", "v9", "v25", "v16")
 #define QL_SD_P3 QL_SD_P("v23", "v9", "v25", "v17")
 #define QL_SDOT(ACC, W, X) "sdot " ACC ".4s, " W ".16b, " X "\n"
-// BLOCK_ONCE when a group is one 32-input block (group_size 32): one loop over the groups; otherwise BLOCK_KEEP
-// in a loop over the group's blocks.  Both loops take two per iteration, after one alone for an odd count.
-#define QL_ASM_LOOPS(SETUP, BLOCK_ONCE, BLOCK_KEEP) \
+// When a group is one 32-input block (group_size 32): one loop over the groups; otherwise a loop over the
+// group's blocks.  Both loops take two per iteration, after one alone for an odd count.
+#define QL_ASM_LOOPS(SETUP, BLOCK) \
   "movi v12.4s, #0\n"                               \
   "movi v13.4s, #0\n"                               \
   "cmp %[per_group], #1\n"                          \
   "b.ne 3f\n"                                       \
-  "tbz %[groups], #0, 1f\n" SETUP BLOCK_ONCE        \
+  "tbz %[groups], #0, 1f\n" SETUP BLOCK             \
   "subs %[groups], %[groups], #1\n"                 \
   "b.eq 5f\n"                                       \
-  "1:\n" SETUP BLOCK_ONCE SETUP BLOCK_ONCE          \
+  "1:\n" SETUP BLOCK SETUP BLOCK                    \
   "subs %[groups], %[groups], #2\n"                 \
   "b.ne 1b\n"                                       \
   "b 5f\n"                                          \
   "3:\n" SETUP                                      \
   "mov %[left], %[per_group]\n"                     \
-  "tbz %[left], #0, 4f\n" BLOCK_KEEP                \
+  "tbz %[left], #0, 4f\n" BLOCK                     \
   "subs %[left], %[left], #1\n"                     \
   "b.eq 6f\n"                                       \
-  "4:\n" BLOCK_KEEP BLOCK_KEEP                      \
+  "4:\n" BLOCK BLOCK                                \
   "subs %[left], %[left], #2\n"                     \
   "b.ne 4b\n"                                       \
   "6:\n"                                            \
@@ -487,22 +487,22 @@ static void gemv_pass(const Weights& w, const Acts& a, int m0, const float* bias
   asm volatile("ld1 {v0.16b-v3.16b}, [%[lo]]\n"                                                              \
                "ld1 {v4.16b-v7.16b}, [%[hi]]\n"                                                              \
                "movi v28.16b, #0xf0\n" L##_CB2_INIT                                                          \
-               QL_ASM_LOOPS(L##_CB2_BOOKS, QL_CB2_BLOCK(L, QL_CB2_MULTI), QL_CB2_BLOCK(L, QL_CB2_MULTI))     \
+               QL_ASM_LOOPS(L##_CB2_BOOKS, QL_CB2_BLOCK(L, QL_CB2_MULTI))                                   \
                QL_ASM_OPERANDS)
 #define QL_ASM_CB2_ONE(L)                                                                                       \
   asm volatile("ld1 {v0.16b}, [%[lo]]\n"                                                                         \
                "ld1 {v4.16b}, [%[hi]]\n"                                                                         \
                "movi v31.16b, #0x0f\n"                                                                           \
-               QL_ASM_LOOPS(QL_ASM_SCALES, QL_CB2_BLOCK(L, QL_CB2_ONE), QL_CB2_BLOCK(L, QL_CB2_ONE)) QL_ASM_OPERANDS)
+               QL_ASM_LOOPS(QL_ASM_SCALES, QL_CB2_BLOCK(L, QL_CB2_ONE)) QL_ASM_OPERANDS)
 #define QL_ASM_CB4(L)                                                                                        \
   asm volatile("ld1 {v0.16b}, [%[lo]]\n"                                                                      \
                "movi v31.16b, #0x0f\n"                                                                        \
-               QL_ASM_LOOPS(QL_ASM_SCALES, QL_4BIT_BLOCK(L, QL_CB4_CHUNK), QL_4BIT_BLOCK(L, QL_CB4_CHUNK))    \
+               QL_ASM_LOOPS(QL_ASM_SCALES, QL_4BIT_BLOCK(L, QL_CB4_CHUNK))                                    \
                QL_ASM_OPERANDS)
 #define QL_ASM_BCQ(L, OFFSETS)                                                                               \
   asm volatile("fmov v0.4s, #0.5\n"                                                                          \
-               "movi v1.16b, #0xf0\n" QL_ASM_LOOPS(QL_BCQ_SETUP(OFFSETS), QL_4BIT_BLOCK(L, QL_BCQ_CHUNK),   \
-                                                   QL_4BIT_BLOCK(L, QL_BCQ_CHUNK)) QL_ASM_OPERANDS)
+               "movi v1.16b, #0xf0\n" QL_ASM_LOOPS(QL_BCQ_SETUP(OFFSETS), QL_4BIT_BLOCK(L, QL_BCQ_CHUNK))     \
+                   QL_ASM_OPERANDS)
 #define QL_ASM_BCQ16(L) QL_ASM_BCQ(L, QL_BCQ_C16)
 #define QL_ASM_BCQ32(L) QL_ASM_BCQ(L, QL_BCQ_C32)
 #define QL_ASM_BCQ0(L) QL_ASM_BCQ(L, QL_BCQ_C0)
@@ -670,7 +670,7 @@ __attribute__((noinline)) void qlinear_arm_plain(const Weights& w, const Acts& a
 }
 
 void run(const Weights& w, const Acts& a, const float* bias, float* y, int b0, int b1, int path) {
-  if (path == kAuto) path = cpu_path();
+  if (path == kAuto || path > cpu_path()) path = cpu_path();  // never an instruction this CPU lacks
   // decode: SDOT GEMV; SMMLA pays off from 4 rows and has no kernel for layout sdot
   if (path == kMMLA && (a.M < 4 || w.layout == kLayoutSDOT)) path = kDot;
   if (path == kMMLA) return run_mmla(w, a, bias, y, b0, b1);

@@ -303,6 +303,7 @@ __attribute__((noinline)) void qlinear_arm_mmla(const Weights& w, const Acts& a,
 }
 
 void run_mmla(const Weights& w, const Acts& a, const float* bias, float* y, int b0, int b1) {
+  if (w.layout != kLayoutMMLA) return run(w, a, bias, y, b0, b1, kDot);  // SMMLA cannot read layout sdot
   qlinear_arm_mmla(w, a, bias, y, b0, b1);
 }
 

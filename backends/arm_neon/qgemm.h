@@ -2,8 +2,8 @@
 // Source: "Highly Optimized Kernels and Fine-Grained Codebooks for LLM Inference on Arm CPUs", §4-5.
 // Torch-free: used by binding.cpp (torch op) and harness.cpp (standalone tests under qemu).
 //
-// Weight layout "arm_neon" (repacked once at load by backends/arm_neon/__init__.py, which holds the
-// executable PyTorch spec of everything below):
+// Weight layout "mmla" (kLayoutMMLA; repacked once at load by backends/arm_neon/__init__.py, which holds the
+// executable PyTorch spec of everything below; the repack picks layout "sdot" below on CPUs without i8mm):
 //   Rows are taken in blocks of 8 (N padded to a multiple of 8 with zero rows), K in blocks of 32
 //   inputs h = 0..K/32-1.  For block (b, h) the 256 int8 weights are consumed as 16 vectors V[c][p]
 //   (c = 0..3 chunk of 8 inputs, p = 0..3 row pair), byte i of V[c][p] being row 8b + 2p + i/8,
@@ -18,8 +18,8 @@
 //     chunks 2-3.  TBL index = book << 4 | nibble into 64-entry tables (with one codebook: the nibble into
 //     16-entry tables).
 //   qs[b][g][8] fp16 scales of the 8 rows for group g; qz[b][g][8] BCQ offsets (fp16 or fp32);
-//   qb[b][g] codebook ids of the 8 rows, 2 bits each, row r at bits book_shift(r, layout) and the next
-//   (8(r%2)+2(r/2): even rows in the low byte, odd rows in the high byte), when C > 1.
+//   qb[b][g] codebook ids of the 8 rows, 2 bits each, when C > 1: row r at bits 8(r%2)+2(r/2) and the next
+//   (even rows in the low byte, odd rows in the high byte; book_shift(r, layout)).
 //
 // Layout "sdot" (kLayoutSDOT, for CPUs with dotprod but no i8mm: SDOT by element, different output rows in
 // different lanes, no pairwise adds): the same bytes, packing and qs/qz, but byte i of V[c][p] is row
@@ -81,8 +81,8 @@ const char* path_name(int path);
 // Layout the repack should choose on this CPU: sdot with dotprod and no i8mm, else mmla.
 int cpu_layout();
 
-// y[M][N] fp32 for the 8-row blocks [b0, b1) with `path` (kAuto = cpu_path(), then by M; layout sdot has no
-// SMMLA kernel and runs kMMLA as kDot).
+// y[M][N] fp32 for the 8-row blocks [b0, b1) with `path` (kAuto, or a path above cpu_path(): cpu_path(); then
+// by M; layout sdot has no SMMLA kernel and runs kMMLA as kDot).
 void run(const Weights& w, const Acts& a, const float* bias, float* y, int b0, int b1, int path);
 // Scalar implementation of the same arithmetic (the harness's ground truth).
 void reference(const Weights& w, const Acts& a, const float* bias, float* y);
