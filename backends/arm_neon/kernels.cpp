@@ -8,6 +8,8 @@
 #include <math.h>
 #include <string.h>
 
+#include <algorithm>
+
 #include "decode.h"
 
 #if defined(__aarch64__) && defined(__linux__)
@@ -327,24 +329,37 @@ static void gemv_pass(const Weights& w, const Acts& a, int m0, const float* bias
 #define QL_SD_ZERO   \
   "movi v24.4s, #0\n" \
   "movi v25.4s, #0\n"
-#define QL_MM_EPI                      \
+// The epilogue: int32 sums to float, times t = ws·xs, into acc.  EPI1 for a block alone (its activation scale
+// in v30); a pair of blocks loads both scales at once (EPIA) into a register the block bodies leave alone
+// (mmla: v11, not with several codebooks, whose books it holds: EPIMA / EPIMB; sdot: v19).
+#define QL_MM_EPI(LOAD, X)             \
   "addp v24.4s, v24.4s, v25.4s\n"      \
-  "addp v26.4s, v26.4s, v27.4s\n"      \
-  "ldr s30, [%[xs]], #4\n"             \
+  "addp v26.4s, v26.4s, v27.4s\n" LOAD \
   "scvtf v24.4s, v24.4s\n"             \
   "scvtf v26.4s, v26.4s\n"             \
-  "fmul v25.4s, v14.4s, v30.s[0]\n"    \
-  "fmul v27.4s, v15.4s, v30.s[0]\n"    \
+  "fmul v25.4s, v14.4s, " X "\n"       \
+  "fmul v27.4s, v15.4s, " X "\n"       \
   "fmla v12.4s, v24.4s, v25.4s\n"      \
   "fmla v13.4s, v26.4s, v27.4s\n"
-#define QL_SD_EPI                      \
-  "ldr s30, [%[xs]], #4\n"             \
+#define QL_SD_EPI(LOAD, X)             \
+  LOAD                                 \
   "scvtf v24.4s, v24.4s\n"             \
   "scvtf v25.4s, v25.4s\n"             \
-  "fmul v26.4s, v14.4s, v30.s[0]\n"    \
-  "fmul v27.4s, v15.4s, v30.s[0]\n"    \
+  "fmul v26.4s, v14.4s, " X "\n"       \
+  "fmul v27.4s, v15.4s, " X "\n"       \
   "fmla v12.4s, v24.4s, v26.4s\n"      \
   "fmla v13.4s, v25.4s, v27.4s\n"
+#define QL_EPI_ONE "ldr s30, [%[xs]], #4\n"
+#define QL_MM_EPI1 QL_MM_EPI(QL_EPI_ONE, "v30.s[0]")
+#define QL_MM_EPIA QL_MM_EPI("ldr d11, [%[xs]], #8\n", "v11.s[0]")
+#define QL_MM_EPIB QL_MM_EPI(, "v11.s[1]")
+#define QL_MM_EPIMA QL_MM_EPI1
+#define QL_MM_EPIMB QL_MM_EPI1
+#define QL_SD_EPI1 QL_SD_EPI(QL_EPI_ONE, "v30.s[0]")
+#define QL_SD_EPIA QL_SD_EPI("ldr d19, [%[xs]], #8\n", "v19.s[0]")
+#define QL_SD_EPIB QL_SD_EPI(, "v19.s[1]")
+#define QL_SD_EPIMA QL_SD_EPIA
+#define QL_SD_EPIMB QL_SD_EPIB
 #define QL_MM_AX(v) "v24", v, "v25", v, "v26", v, "v27", v
 #define QL_MM_AX0 QL_MM_AX("v16.16b")
 #define QL_MM_AX1 QL_MM_AX("v17.16b")
@@ -366,33 +381,45 @@ static void gemv_pass(const Weights& w, const Acts& a, int m0, const float* bias
 #define QL_SD_P2 QL_SD_P("v22", "v9", "v25", "v16")
 #define QL_SD_P3 QL_SD_P("v23", "v9", "v25", "v17")
 #define QL_SDOT(ACC, W, X) "sdot " ACC ".4s, " W ".16b, " X "\n"
-// When a group is one 32-input block (group_size 32): one loop over the groups; otherwise a loop over the
-// group's blocks.  Both loops take two per iteration, after one alone for an odd count.
-#define QL_ASM_LOOPS(SETUP, BLOCK) \
+// For each of nblk 8-row blocks: when a group is one 32-input block (group_size 32), one loop over the groups;
+// otherwise a loop over the group's blocks.  Both loops take two per iteration, after one alone for an odd
+// count.  Then y[0..7] = acc + bias[0..7] (+ 0 without a bias: the same bits as store_block).
+#define QL_ASM_LOOPS(SETUP, BLOCK1, BLOCKA, BLOCKB)  \
+  "7:\n"                                            \
+  "mov %[xd], %[xd0]\n"                             \
+  "mov %[xs], %[xs0]\n"                             \
+  "mov %[xsum], %[xsum0]\n"                         \
+  "mov %[groups], %[G]\n"                           \
   "movi v12.4s, #0\n"                               \
   "movi v13.4s, #0\n"                               \
   "cmp %[per_group], #1\n"                          \
   "b.ne 3f\n"                                       \
-  "tbz %[groups], #0, 1f\n" SETUP BLOCK             \
+  "tbz %[groups], #0, 1f\n" SETUP BLOCK1            \
   "subs %[groups], %[groups], #1\n"                 \
   "b.eq 5f\n"                                       \
-  "1:\n" SETUP BLOCK SETUP BLOCK                    \
+  "1:\n" SETUP BLOCKA SETUP BLOCKB                  \
   "subs %[groups], %[groups], #2\n"                 \
   "b.ne 1b\n"                                       \
   "b 5f\n"                                          \
   "3:\n" SETUP                                      \
   "mov %[left], %[per_group]\n"                     \
-  "tbz %[left], #0, 4f\n" BLOCK                     \
+  "tbz %[left], #0, 4f\n" BLOCK1                    \
   "subs %[left], %[left], #1\n"                     \
   "b.eq 6f\n"                                       \
-  "4:\n" BLOCK BLOCK                                \
+  "4:\n" BLOCKA BLOCKB                              \
   "subs %[left], %[left], #2\n"                     \
   "b.ne 4b\n"                                       \
   "6:\n"                                            \
   "subs %[groups], %[groups], #1\n"                 \
   "b.ne 3b\n"                                       \
   "5:\n"                                            \
-  "stp q12, q13, [%[out]]\n"
+  "ldp q29, q30, [%[bp]]\n"                         \
+  "add %[bp], %[bp], %[bstep]\n"                    \
+  "fadd v12.4s, v12.4s, v29.4s\n"                   \
+  "fadd v13.4s, v13.4s, v30.4s\n"                   \
+  "stp q12, q13, [%[yo]], #32\n"                    \
+  "subs %[nblk], %[nblk], #1\n"                     \
+  "b.ne 7b\n"
 
 // 2 bits, several codebooks, at a group start: the book vectors with each lane's book at bits 4-5 and bits 6-7
 // clear (SRI and BIT read only their high nibble).  mmla: the books word to lane halves (byte 0, even rows, to
@@ -437,9 +464,9 @@ static void gemv_pass(const Weights& w, const Acts& a, int m0, const float* bias
   "ushr v30.16b, " Q ".16b, #4\n"             \
   "and " Q ".16b, " Q ".16b, v31.16b\n"       \
   QL_CB2_DOTS("{v0.16b}", "{v4.16b}", Q, "v30", ACC, X0, X1, X2, X3)
-#define QL_CB2_BLOCK(L, PAIR)                                                                     \
+#define QL_CB2_BLOCK(L, PAIR, E)                                                                  \
   "ld1 {v20.16b-v23.16b}, [%[qw]], #64\n" L##_LOADX L##_ZERO QL_CALL(PAIR, L##_P0)              \
-  QL_CALL(PAIR, L##_P1) QL_CALL(PAIR, L##_P2) QL_CALL(PAIR, L##_P3) L##_EPI
+  QL_CALL(PAIR, L##_P1) QL_CALL(PAIR, L##_P2) QL_CALL(PAIR, L##_P3) L##_EPI##E
 // 4 bits, chunk c: P0 holds W[c][0] / W[c][1] in its low / high nibbles, P1 W[c][2] / W[c][3].
 #define QL_CB4_CHUNK(P0, P1, A0, X0, A1, X1, A2, X2, A3, X3) \
   "and v29.16b, " P0 ".16b, v31.16b\n"                        \
@@ -460,11 +487,11 @@ static void gemv_pass(const Weights& w, const Acts& a, int m0, const float* bias
   "shl v29.16b, " P1 ".16b, #4\n"                             \
   "and " P1 ".16b, " P1 ".16b, v1.16b\n"                      \
   QL_SDOT(A2, "v29", X2) QL_SDOT(A3, P1, X3)
-#define QL_4BIT_BLOCK(L, CHUNK)                                                                            \
+#define QL_4BIT_BLOCK(L, CHUNK, E)                                                                         \
   "ld1 {v2.16b-v5.16b}, [%[qw]], #64\n"                                                                    \
   "ld1 {v6.16b-v9.16b}, [%[qw]], #64\n" L##_LOADX L##_ZERO QL_CALL(CHUNK, "v2", "v3", L##_AX0)            \
   QL_CALL(CHUNK, "v4", "v5", L##_AX1) QL_CALL(CHUNK, "v6", "v7", L##_AX2) QL_CALL(CHUNK, "v8", "v9", L##_AX3) \
-  L##_EPI
+  L##_EPI##E
 // BCQ at a group start: offsets c (OFFSETS: fp16, fp32 or none) into v20-v21, z = fma(0.5, s, c), then
 // acc = fma(z, xsum[g], acc).
 #define QL_BCQ_SETUP(OFFSETS)             \
@@ -487,21 +514,26 @@ static void gemv_pass(const Weights& w, const Acts& a, int m0, const float* bias
   asm volatile("ld1 {v0.16b-v3.16b}, [%[lo]]\n"                                                              \
                "ld1 {v4.16b-v7.16b}, [%[hi]]\n"                                                              \
                "movi v28.16b, #0xf0\n" L##_CB2_INIT                                                          \
-               QL_ASM_LOOPS(L##_CB2_BOOKS, QL_CB2_BLOCK(L, QL_CB2_MULTI))                                   \
+               QL_ASM_LOOPS(L##_CB2_BOOKS, QL_CB2_BLOCK(L, QL_CB2_MULTI, 1), QL_CB2_BLOCK(L, QL_CB2_MULTI, MA), \
+                            QL_CB2_BLOCK(L, QL_CB2_MULTI, MB))                                   \
                QL_ASM_OPERANDS)
 #define QL_ASM_CB2_ONE(L)                                                                                       \
   asm volatile("ld1 {v0.16b}, [%[lo]]\n"                                                                         \
                "ld1 {v4.16b}, [%[hi]]\n"                                                                         \
                "movi v31.16b, #0x0f\n"                                                                           \
-               QL_ASM_LOOPS(QL_ASM_SCALES, QL_CB2_BLOCK(L, QL_CB2_ONE)) QL_ASM_OPERANDS)
+               QL_ASM_LOOPS(QL_ASM_SCALES, QL_CB2_BLOCK(L, QL_CB2_ONE, 1), QL_CB2_BLOCK(L, QL_CB2_ONE, A),      \
+                            QL_CB2_BLOCK(L, QL_CB2_ONE, B)) QL_ASM_OPERANDS)
 #define QL_ASM_CB4(L)                                                                                        \
   asm volatile("ld1 {v0.16b}, [%[lo]]\n"                                                                      \
                "movi v31.16b, #0x0f\n"                                                                        \
-               QL_ASM_LOOPS(QL_ASM_SCALES, QL_4BIT_BLOCK(L, QL_CB4_CHUNK))                                    \
+               QL_ASM_LOOPS(QL_ASM_SCALES, QL_4BIT_BLOCK(L, QL_CB4_CHUNK, 1), QL_4BIT_BLOCK(L, QL_CB4_CHUNK, A), \
+                            QL_4BIT_BLOCK(L, QL_CB4_CHUNK, B))                                    \
                QL_ASM_OPERANDS)
 #define QL_ASM_BCQ(L, OFFSETS)                                                                               \
   asm volatile("fmov v0.4s, #0.5\n"                                                                          \
-               "movi v1.16b, #0xf0\n" QL_ASM_LOOPS(QL_BCQ_SETUP(OFFSETS), QL_4BIT_BLOCK(L, QL_BCQ_CHUNK))     \
+               "movi v1.16b, #0xf0\n" QL_ASM_LOOPS(QL_BCQ_SETUP(OFFSETS), QL_4BIT_BLOCK(L, QL_BCQ_CHUNK, 1), \
+                                                   QL_4BIT_BLOCK(L, QL_BCQ_CHUNK, A),                   \
+                                                   QL_4BIT_BLOCK(L, QL_BCQ_CHUNK, B))                   \
                    QL_ASM_OPERANDS)
 #define QL_ASM_BCQ16(L) QL_ASM_BCQ(L, QL_BCQ_C16)
 #define QL_ASM_BCQ32(L) QL_ASM_BCQ(L, QL_BCQ_C32)
@@ -515,20 +547,22 @@ static void gemv_pass(const Weights& w, const Acts& a, int m0, const float* bias
 // Layout sdot, v10: lane i moves row i / 4's book from bits 2(i / 4) of its byte to bits 4-5.
 alignas(16) static const int8_t kSdotBookShifts[16] = {4, 4, 4, 4, 2, 2, 2, 2, 0, 0, 0, 0, -2, -2, -2, -2};
 
+// nblk 8-row blocks from b: y[8 per block] = acc + bp[8] (bp advancing by bstep bytes per block).
 template <bool kSdot, typename Dec>
-__attribute__((noinline)) static void gemv_asm(const Weights& w, const Acts& a, int m0, const float* bias, float* y,
-                                               int b, const Dec& dec) {
-  const int H = w.K / 32, G = w.K / w.group_size;
+__attribute__((noinline)) static void gemv_asm_blocks(const Weights& w, const Acts& a, int m0, const float* bp,
+                                                      long bstep, float* yo, int b, long nblk, const Dec& dec) {
+  const int H = w.K / 32;
+  const long G = w.K / w.group_size;
   const uint8_t* qw = w.qw + (size_t)b * H * Dec::kBytes;
-  const int8_t* xd = kSdot ? a.xq + (size_t)m0 * H * 32 : a.xd + (size_t)m0 * H * 64;
-  const float* xs = a.xs + (size_t)m0 * H;
+  const int8_t* const xd0 = kSdot ? a.xq + (size_t)m0 * H * 32 : a.xd + (size_t)m0 * H * 64;
+  const float* const xs0 = a.xs + (size_t)m0 * H;
   const uint16_t* qs = w.qs + (size_t)b * G * 8;
   const uint16_t* qb = std::is_same<Dec, DecCB2<true, kSdot>>::value ? w.qb + (size_t)b * G : nullptr;
-  const float* xsum = nullptr;
+  const float* xsum0 = nullptr;
   const uint8_t* qz = nullptr;
   int qz_kind = 0;  // BCQ offsets: none, fp16, fp32
   if constexpr (std::is_same<Dec, DecBCQ4>::value) {
-    xsum = a.xsum + (size_t)m0 * G;
+    xsum0 = a.xsum + (size_t)m0 * G;
     qz = block_offsets(w, b, qz_kind);
   }
   const void* lo = nullptr;
@@ -539,15 +573,17 @@ __attribute__((noinline)) static void gemv_asm(const Weights& w, const Acts& a, 
     lo = &dec.lo;
     hi = &dec.hi;
   }
-  long groups = G, left = 0;
+  const int8_t* xd;
+  const float *xs, *xsum;
+  long groups, left;
   const long per_group = w.group_size / 32;
-  float out[8];
-#define QL_ASM_OPERANDS                                                                                     \
-  : [qw] "+r"(qw), [xd] "+r"(xd), [xs] "+r"(xs), [qs] "+r"(qs), [qb] "+r"(qb), [groups] "+r"(groups),      \
-    [left] "+r"(left), [qz] "+r"(qz), [xsum] "+r"(xsum)                                                     \
-  : [lo] "r"(lo), [hi] "r"(hi), [per_group] "r"(per_group), [out] "r"(out), [shifts] "r"(kSdotBookShifts)  \
-  : "cc", "memory", "v0", "v1", "v2", "v3", "v4", "v5", "v6", "v7", "v8", "v9", "v10", "v11", "v12", "v13", \
-    "v14", "v15", "v16", "v17", "v18", "v19", "v20", "v21", "v22", "v23", "v24", "v25", "v26", "v27", "v28", \
+#define QL_ASM_OPERANDS                                                                                         \
+  : [qw] "+r"(qw), [xd] "=&r"(xd), [xs] "=&r"(xs), [qs] "+r"(qs), [qb] "+r"(qb), [groups] "=&r"(groups),       \
+    [left] "=&r"(left), [qz] "+r"(qz), [xsum] "=&r"(xsum), [yo] "+r"(yo), [bp] "+r"(bp), [nblk] "+r"(nblk)      \
+  : [lo] "r"(lo), [hi] "r"(hi), [per_group] "r"(per_group), [shifts] "r"(kSdotBookShifts), [xd0] "r"(xd0),     \
+    [xs0] "r"(xs0), [xsum0] "r"(xsum0), [G] "r"(G), [bstep] "r"(bstep)                                          \
+  : "cc", "memory", "v0", "v1", "v2", "v3", "v4", "v5", "v6", "v7", "v8", "v9", "v10", "v11", "v12", "v13",     \
+    "v14", "v15", "v16", "v17", "v18", "v19", "v20", "v21", "v22", "v23", "v24", "v25", "v26", "v27", "v28",     \
     "v29", "v30", "v31"
   if constexpr (std::is_same<Dec, DecCB2<true, kSdot>>::value) {
     QL_BY_LAYOUT(QL_ASM_CB2_MULTI);
@@ -563,7 +599,24 @@ __attribute__((noinline)) static void gemv_asm(const Weights& w, const Acts& a, 
     QL_BY_LAYOUT(QL_ASM_BCQ0);
   }
 #undef QL_ASM_OPERANDS
-  store_block(w, bias, y + (size_t)m0 * w.N, b, out);
+}
+
+// Blocks [b0, b1): the full ones in one call writing y directly, a last partial one through a padded buffer.
+template <bool kSdot, typename Dec>
+static void gemv_asm(const Weights& w, const Acts& a, int m0, const float* bias, float* y, int b0, int b1,
+                     const Dec& dec) {
+  alignas(16) static const float kZeros[8] = {0.f};
+  y += (size_t)m0 * w.N;
+  const int full = std::min(b1, w.N / 8);
+  if (b0 < full)
+    gemv_asm_blocks<kSdot>(w, a, m0, bias ? bias + 8 * b0 : kZeros, bias ? 32 : 0, y + 8 * b0, b0, full - b0, dec);
+  for (int b = std::max(b0, full); b < b1; ++b) {
+    alignas(16) float bpad[8] = {0.f}, out[8];
+    const int rows = std::min(8, w.N - 8 * b);
+    for (int i = 0; i < rows && bias; ++i) bpad[i] = bias[8 * b + i];
+    gemv_asm_blocks<kSdot>(w, a, m0, bpad, 0, out, b, 1, dec);
+    for (int i = 0; i < rows; ++i) y[8 * b + i] = out[i];
+  }
 }
 #undef QL_CALL
 #undef QL_ASM_SCALES
@@ -573,6 +626,17 @@ __attribute__((noinline)) static void gemv_asm(const Weights& w, const Acts& a, 
 #undef QL_SD_ZERO
 #undef QL_MM_EPI
 #undef QL_SD_EPI
+#undef QL_EPI_ONE
+#undef QL_MM_EPI1
+#undef QL_MM_EPIA
+#undef QL_MM_EPIB
+#undef QL_MM_EPIMA
+#undef QL_MM_EPIMB
+#undef QL_SD_EPI1
+#undef QL_SD_EPIA
+#undef QL_SD_EPIB
+#undef QL_SD_EPIMA
+#undef QL_SD_EPIMB
 #undef QL_MM_AX
 #undef QL_MM_AX0
 #undef QL_MM_AX1
@@ -627,10 +691,7 @@ static void gemv(const Weights& w, const Acts& a, int m0, const float* bias, flo
   int b = b0;
 #if defined(__aarch64__)
   if constexpr (M == 1 && std::is_same<Dot, DotSDOT>::value) {  // every decoder has an assembly GEMV
-    if (w.K % w.group_size == 0) {
-      for (; b < b1; ++b) gemv_asm<kSdot>(w, a, m0, bias, y, b, dec);
-      return;
-    }
+    if (w.K % w.group_size == 0) return gemv_asm<kSdot>(w, a, m0, bias, y, b0, b1, dec);
   }
 #endif
   if (M == 1 && Dec::kRB == 2)
