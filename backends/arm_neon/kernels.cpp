@@ -161,65 +161,29 @@ static inline void store_block(const Weights& w, const float* bias, float* y, in
 }
 
 // One 32-input block h of RB 8-row blocks for M activation rows: acc += float(isum)·(ws·xs).
-// Layout mmla: V[c][p] against the duplicated chunk c; one pairwise add turns row pairs 0-1 / 2-3 into rows 0-3 / 4-7.
-template <int M, int RB, typename Dot, typename Dec>
-QL_INLINE void block_mmla(const Acts& a, int m0, int h, int H, const Dec* dec, const uint8_t* const* blk,
-                          const float32x4_t (*ws)[2], float32x4_t (*acc)[RB][2]) {
-  int32x4_t isum[M][RB][4];
+// Layout mmla: V[c][p] against the duplicated chunk c, int32 sums per row pair; one pairwise add turns row pairs
+// 0-1 / 2-3 into rows 0-3 / 4-7.  Layout sdot: V[c][p] holds rows 4(p/2).. (one per lane) and inputs
+// 16(p%2) + 4c..: SDOT by element c of activation vector p%2 sums rows 0-3 / 4-7 directly.
+template <int M, int RB, typename Dot, bool kSdot, typename Dec>
+QL_INLINE void block(const Acts& a, int m0, int h, int H, const Dec* dec, const uint8_t* const* blk,
+                     const float32x4_t (*ws)[2], float32x4_t (*acc)[RB][2]) {
+  constexpr int S = kSdot ? 2 : 4;  // int32 sums per (activation row, 8-row block)
+  int32x4_t isum[M][RB][S];
 #pragma GCC unroll 16
   for (int m = 0; m < M; ++m)
 #pragma GCC unroll 16
     for (int r = 0; r < RB; ++r)
-#pragma GCC unroll 16
-      for (int p = 0; p < 4; ++p) isum[m][r][p] = vdupq_n_s32(0);
+#pragma GCC unroll 4
+      for (int q = 0; q < S; ++q) isum[m][r][q] = vdupq_n_s32(0);
 #pragma GCC unroll 2
   for (int ch = 0; ch < 2; ++ch) {
-    int8x16_t x[M][2];
+    int8x16_t x[M][2];  // mmla: chunks 2ch, 2ch + 1; sdot: inputs 0-15, 16-31
 #pragma GCC unroll 16
     for (int m = 0; m < M; ++m)
 #pragma GCC unroll 2
-      for (int j = 0; j < 2; ++j) x[m][j] = vld1q_s8(a.xd + (((size_t)(m0 + m) * H + h) * 4 + 2 * ch + j) * 16);
-#pragma GCC unroll 2
-    for (int r = 0; r < RB; ++r) {
-      int8x16_t v[2][4];
-      dec[r].pair(blk[r], ch, v);
-#pragma GCC unroll 16
-      for (int m = 0; m < M; ++m)
-#pragma GCC unroll 2
-        for (int j = 0; j < 2; ++j)
-#pragma GCC unroll 16
-          for (int p = 0; p < 4; ++p) isum[m][r][p] = Dot::dot(isum[m][r][p], v[j][p], x[m][j]);
-    }
-  }
-#pragma GCC unroll 16
-  for (int m = 0; m < M; ++m) {
-    const float xs = a.xs[(size_t)(m0 + m) * H + h];
-#pragma GCC unroll 2
-    for (int r = 0; r < RB; ++r)
-#pragma GCC unroll 16
-      for (int half = 0; half < 2; ++half) {
-        const int32x4_t rows = vpaddq_s32(isum[m][r][2 * half], isum[m][r][2 * half + 1]);
-        acc[m][r][half] = vfmaq_f32(acc[m][r][half], vcvtq_f32_s32(rows), vmulq_n_f32(ws[r][half], xs));
-      }
-  }
-}
-
-// Layout sdot: V[c][p] holds rows 4(p/2).. (one per lane) and inputs 16(p%2) + 4c..: SDOT by element c of the
-// activation vector p%2 accumulates rows 0-3 / 4-7 directly.
-template <int M, int RB, typename Dot, typename Dec>
-QL_INLINE void block_sdot(const Acts& a, int m0, int h, int H, const Dec* dec, const uint8_t* const* blk,
-                          const float32x4_t (*ws)[2], float32x4_t (*acc)[RB][2]) {
-  int32x4_t isum[M][RB][2];
-  int8x16_t x[M][2];
-#pragma GCC unroll 16
-  for (int m = 0; m < M; ++m) {
-    x[m][0] = vld1q_s8(a.xq + ((size_t)(m0 + m) * H + h) * 32);
-    x[m][1] = vld1q_s8(a.xq + ((size_t)(m0 + m) * H + h) * 32 + 16);
-#pragma GCC unroll 16
-    for (int r = 0; r < RB; ++r) isum[m][r][0] = isum[m][r][1] = vdupq_n_s32(0);
-  }
-#pragma GCC unroll 2
-  for (int ch = 0; ch < 2; ++ch)
+      for (int j = 0; j < 2; ++j)
+        x[m][j] = vld1q_s8(kSdot ? a.xq + ((size_t)(m0 + m) * H + h) * 32 + 16 * j
+                                 : a.xd + (((size_t)(m0 + m) * H + h) * 4 + 2 * ch + j) * 16);
 #pragma GCC unroll 2
     for (int r = 0; r < RB; ++r) {
       int8x16_t v[2][4];
@@ -229,17 +193,24 @@ QL_INLINE void block_sdot(const Acts& a, int m0, int h, int H, const Dec* dec, c
 #pragma GCC unroll 2
         for (int j = 0; j < 2; ++j)
 #pragma GCC unroll 4
-          for (int p = 0; p < 4; ++p)
-            isum[m][r][p / 2] = Dot::lane(isum[m][r][p / 2], v[j][p], x[m][p % 2], 2 * ch + j);
+          for (int p = 0; p < 4; ++p) {
+            if constexpr (kSdot)
+              isum[m][r][p / 2] = Dot::lane(isum[m][r][p / 2], v[j][p], x[m][p % 2], 2 * ch + j);
+            else
+              isum[m][r][p] = Dot::dot(isum[m][r][p], v[j][p], x[m][j]);
+          }
     }
+  }
 #pragma GCC unroll 16
   for (int m = 0; m < M; ++m) {
     const float xs = a.xs[(size_t)(m0 + m) * H + h];
 #pragma GCC unroll 2
     for (int r = 0; r < RB; ++r)
 #pragma GCC unroll 2
-      for (int q = 0; q < 2; ++q)
-        acc[m][r][q] = vfmaq_f32(acc[m][r][q], vcvtq_f32_s32(isum[m][r][q]), vmulq_n_f32(ws[r][q], xs));
+      for (int q = 0; q < 2; ++q) {
+        const int32x4_t rows = kSdot ? isum[m][r][q] : vpaddq_s32(isum[m][r][2 * q], isum[m][r][(2 * q + 1) % S]);
+        acc[m][r][q] = vfmaq_f32(acc[m][r][q], vcvtq_f32_s32(rows), vmulq_n_f32(ws[r][q], xs));
+      }
   }
 }
 
@@ -281,10 +252,7 @@ static void gemv_pass(const Weights& w, const Acts& a, int m0, const float* bias
       ++g;
       left = per_group;
     }
-    if constexpr (kSdot)
-      block_sdot<M, RB, Dot>(a, m0, h, H, dec, blk, ws, acc);
-    else
-      block_mmla<M, RB, Dot>(a, m0, h, H, dec, blk, ws, acc);
+    block<M, RB, Dot, kSdot>(a, m0, h, H, dec, blk, ws, acc);
 #pragma GCC unroll 2
     for (int r = 0; r < RB; ++r) blk[r] += Dec::kBytes;
   }
