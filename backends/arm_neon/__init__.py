@@ -217,12 +217,10 @@ LAYOUT = machine_layout()
 _SUFFIX = "" if LAYOUT == "mmla" else "_sdot"
 BCQ_LAYOUT = Layout(name="arm_neon_bcq" + _SUFFIX,
                     names=lambda cfg: ("arm_qw", "arm_qs") + (("arm_qz",) if cfg.offset else ()),
-                    repack=functools.partial(repack_bcq, layout=LAYOUT),
-                    unrepack=functools.partial(unrepack_bcq, layout=LAYOUT))
+                    repack=repack_bcq, unrepack=unrepack_bcq)
 CODEBOOK_LAYOUT = Layout(name="arm_neon_codebook" + _SUFFIX,
                          names=lambda cfg: ("arm_qw", "arm_qs") + (("arm_qb",) if cfg.books > 1 else ()) + ("codebooks",),
-                         repack=functools.partial(repack_codebook, layout=LAYOUT),
-                         unrepack=functools.partial(unrepack_codebook, layout=LAYOUT))
+                         repack=repack_codebook, unrepack=unrepack_codebook)
 
 
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -392,7 +392,8 @@ static void gemv_pass(const Weights& w, const Acts& a, int m0, const float* bias
 // 2 bits, several codebooks, at a group start: the book vectors with each lane's book at bits 4-5 and bits 6-7
 // clear (SRI and BIT read only their high nibble).  mmla: the books word to lane halves (byte 0, even rows, to
 // lanes 0-7), then pair 0 = (x & 0x33) << 4, pair 1 = (x << 4) >> 2, pair 2 = x & 0x33, pair 3 = x >> 2.
-// sdot: byte 0 (rows 0-3) and byte 1 (rows 4-7) to all lanes, lane i shifted by 4 - 2(i / 4), masked by 0x30.
+// sdot: byte 0 (rows 0-3) and byte 1 (rows 4-7) to all lanes, lane i shifted by 4 - 2(i / 4) (v10: the
+// decoder's kQuadShifts + 4), masked by 0x30.
 #define QL_MM_CB2_INIT "movi v31.16b, #0x33\n"
 #define QL_MM_CB2_BOOKS                  \
   "ld2r {v24.8b, v25.8b}, [%[qb]], #2\n" \
@@ -402,9 +403,11 @@ static void gemv_pass(const Weights& w, const Acts& a, int m0, const float* bias
   "shl v9.16b, v24.16b, #4\n"            \
   "ushr v9.16b, v9.16b, #2\n"            \
   "ushr v11.16b, v24.16b, #2\n" QL_ASM_SCALES
-#define QL_SD_CB2_INIT         \
-  "movi v31.16b, #0x30\n"      \
-  "ld1 {v10.16b}, [%[shifts]]\n"
+#define QL_SD_CB2_INIT            \
+  "movi v31.16b, #0x30\n"         \
+  "ld1 {v10.16b}, [%[shifts]]\n"  \
+  "movi v11.16b, #4\n"            \
+  "add v10.16b, v10.16b, v11.16b\n"
 #define QL_SD_CB2_BOOKS                    \
   "ld2r {v8.16b, v9.16b}, [%[qb]], #2\n"   \
   "ushl v8.16b, v8.16b, v10.16b\n"         \
@@ -512,8 +515,6 @@ static void gemv_pass(const Weights& w, const Acts& a, int m0, const float* bias
   else                  \
     X(QL_MM)
 
-// Layout sdot, v10: lane i moves row i / 4's book from bits 2(i / 4) of its byte to bits 4-5.
-alignas(16) static const int8_t kSdotBookShifts[16] = {4, 4, 4, 4, 2, 2, 2, 2, 0, 0, 0, 0, -2, -2, -2, -2};
 
 // nblk 8-row blocks from b: y[8 per block] = acc + bp[8] (bp advancing by bstep bytes per block).
 template <bool kSdot, typename Dec>
@@ -548,7 +549,7 @@ __attribute__((noinline)) static void gemv_asm_blocks(const Weights& w, const Ac
 #define QL_ASM_OPERANDS                                                                                         \
   : [qw] "+r"(qw), [xd] "=&r"(xd), [xs] "=&r"(xs), [qs] "+r"(qs), [qb] "+r"(qb), [groups] "=&r"(groups),       \
     [left] "=&r"(left), [qz] "+r"(qz), [xsum] "=&r"(xsum), [yo] "+r"(yo), [bp] "+r"(bp), [nblk] "+r"(nblk)      \
-  : [lo] "r"(lo), [hi] "r"(hi), [per_group] "r"(per_group), [shifts] "r"(kSdotBookShifts), [xd0] "r"(xd0),     \
+  : [lo] "r"(lo), [hi] "r"(hi), [per_group] "r"(per_group), [shifts] "r"(kQuadShifts), [xd0] "r"(xd0),     \
     [xs0] "r"(xs0), [xsum0] "r"(xsum0), [G] "r"(G), [bstep] "r"(bstep)                                          \
   : "cc", "memory", "v0", "v1", "v2", "v3", "v4", "v5", "v6", "v7", "v8", "v9", "v10", "v11", "v12", "v13",     \
     "v14", "v15", "v16", "v17", "v18", "v19", "v20", "v21", "v22", "v23", "v24", "v25", "v26", "v27", "v28",     \
