@@ -30,8 +30,8 @@ static inline size_t align16(size_t n) { return (n + 15) & ~(size_t)15; }
 
 size_t acts_bytes(int M, int K, int group_size) {
   const size_t H = K / 32, P = (M + 1) / 2, G = (K + group_size - 1) / group_size;
-  return align16(M * H * 64) + align16(M * H * 32) + align16(P * H * 64) + align16(M * H * 4) + align16(M * G * 4) +
-         align16(P * H * 16) + align16(P * G * 16);
+  return align16(M * H * 64) + align16(M * H * 32) + align16(M * H * 64) + align16(P * H * 64) + align16(M * H * 4) +
+         align16(M * G * 4) + align16(P * H * 16) + align16(P * G * 16);
 }
 
 void prepare_acts(const float* x, int M, int K, int group_size, int format, void* workspace, Acts* a) {
@@ -42,12 +42,14 @@ void prepare_acts(const float* x, int M, int K, int group_size, int format, void
   a->K = K;
   a->xd = reinterpret_cast<int8_t*>(take((size_t)M * H * 64));
   a->xq = reinterpret_cast<int8_t*>(take((size_t)M * H * 32));
+  a->xz = reinterpret_cast<int8_t*>(take((size_t)M * H * 64));
   a->xp = reinterpret_cast<int8_t*>(take((size_t)P * H * 64));
   a->xs = reinterpret_cast<float*>(take((size_t)M * H * 4));
   a->xsum = reinterpret_cast<float*>(take((size_t)M * G * 4));
   a->xsp = reinterpret_cast<float*>(take((size_t)P * H * 16));
   a->xsump = reinterpret_cast<float*>(take((size_t)P * G * 16));
   const float unit = format == kBCQ4 ? 0.0625f : 1.f;  // BCQ nibbles are 16x their value
+  memset(a->xz, 0, (size_t)M * H * 64);  // the zeros after each block's 32 inputs
   memset(a->xp, 0, (size_t)P * H * 64);  // an odd M leaves the last pair's second row zero
   memset(a->xsp, 0, (size_t)P * H * 16);
   memset(a->xsump, 0, (size_t)P * G * 16);
@@ -73,6 +75,7 @@ void prepare_acts(const float* x, int M, int K, int group_size, int format, void
       const float xs = amax / 127.f * unit;
       a->xs[(size_t)m * H + h] = xs;
       memcpy(a->xq + ((size_t)m * H + h) * 32, q, 32);
+      memcpy(a->xz + ((size_t)m * H + h) * 64, q, 32);
       int8_t* d = a->xd + ((size_t)m * H + h) * 64;
       int8_t* p = a->xp + ((size_t)(m / 2) * H + h) * 64 + (m % 2) * 8;
       for (int c = 0; c < 4; ++c) {
@@ -272,34 +275,39 @@ static void gemv_pass(const Weights& w, const Acts& a, int m0, const float* bias
 // intrinsics GCC spills and reloads the 64-byte tables of several codebooks, and keeps fewer values in
 // registers elsewhere.  Same arithmetic in the same order, bit for bit.  Needs group_size to divide K (whole
 // groups; codebook layers always have them).  Instructions per weight: benchmarks/RESULTS.md.
-// Registers: v12-v13 acc, v14-v15 scales, v16-v19 activations (layout mmla: chunks 0-3 duplicated; sdot:
-// v16-v17 inputs 0-15 / 16-31), v24-v27 int32 sums (mmla: of row pairs 0-3, v24-v25 also the books word at a
-// group start, v25 / v27 also t = ws·xs in the epilogue; sdot: v24-v25 of rows 0-3 / 4-7, v26-v27 t), v29-v30
-// temps (v30 also the activation scale); 2 bits: v0-v3 / v4-v7 tables lo / hi (v0 / v4 with one codebook),
-// v8-v11 books of row pair 0-3 (sdot: v8-v9 of rows 0-3 / 4-7, v10 their shifts), v20-v23 packed codes of row
-// pair 0-3, v28 0xF0, v31 0x33 (sdot: 0x30; 0x0F with one codebook); 4 bits: v2-v9 packed codes; codebook: v0
-// table, v31 0x0F; BCQ: v0 0.5, v1 0xF0, v20-v21 offsets then z, v22 Σx of the group.
+// Registers: v12-v13 acc, v14-v15 scales, v16-v19 activations (layout mmla: chunks 0-3 duplicated; sdot: v16-v17
+// inputs 0-15 / 16-31, v18-v19 the int32 sums of rows 0-3 / 4-7, loaded as zeros with them), v24-v27 mmla's int32
+// sums of row pairs 0-3 (loaded from kZeros; v24-v25 also the books word at a group start, v25 / v27 also t = ws·xs
+// in the epilogue), sdot: v24 a pair's activation scales, v26-v27 t; v29 temp, v30 the activation scale of a block
+// alone (mmla with several codebooks: of a pair); 2 bits: v0-v3 / v4-v7 tables lo / hi (v0 / v4 with one codebook),
+// v8-v11 books of row pair 0-3 (sdot: v8-v9 of rows 0-3 / 4-7, v10-v11 the next group's, v25 their shifts), v20-v23
+// packed codes of row pair 0-3, v28 0xF0, v31 0x33 (sdot: 0x30; 0x0F with one codebook); 4 bits: v2-v9 packed
+// codes; codebook: v0 table, v31 0x0F; BCQ: v0 0.5, v1 0xF0, v20-v21 offsets then z, v22 Σx of the group. At group
+// 32 a pair of groups loads its scales at once, the second's held in v28 (sdot with several codebooks: v30; mmla
+// with several codebooks has no register left for it).
 #define QL_CALL(M, ...) M(__VA_ARGS__)
 #define QL_ASM_SCALES            \
   "ldp d14, d15, [%[qs]], #16\n" \
   "fcvtl v14.4s, v14.4h\n"       \
   "fcvtl v15.4s, v15.4h\n"
+// The scales of two consecutive groups: the first's to v14-v15 and the second's held in vH (SCALES2B).
+#define QL_SCALES2A(H)                   \
+  "ldp q14, q" H ", [%[qs]], #32\n"     \
+  "fcvtl2 v15.4s, v14.8h\n"             \
+  "fcvtl v14.4s, v14.4h\n"
+#define QL_SCALES2B(H)        \
+  "fcvtl2 v15.4s, v" H ".8h\n" \
+  "fcvtl v14.4s, v" H ".4h\n"
 // Per layout (QL_MM: mmla, QL_SD: sdot): the activation load, the zeroed int32 sums, the epilogue, and for each
 // decoded vector W[c][p] its sums and activation operand: _AXc lists (sums, operand) of W[c][0..3], _Pp lists
 // (packed codes, books, sums, operands of W[0..3][p]).
 #define QL_MM_LOADX "ld1 {v16.16b-v19.16b}, [%[xd]], #64\n"
-#define QL_SD_LOADX "ld1 {v16.16b, v17.16b}, [%[xd]], #32\n"
-#define QL_MM_ZERO \
-  "movi v24.4s, #0\n"    \
-  "movi v25.4s, #0\n"    \
-  "movi v26.4s, #0\n"    \
-  "movi v27.4s, #0\n"
-#define QL_SD_ZERO   \
-  "movi v24.4s, #0\n" \
-  "movi v25.4s, #0\n"
+#define QL_SD_LOADX "ld1 {v16.16b-v19.16b}, [%[xd]], #64\n"
+#define QL_MM_ZERO "ld1 {v24.16b-v27.16b}, [%[zero]]\n"
+#define QL_SD_ZERO
 // The epilogue: int32 sums to float, times t = ws·xs, into acc.  EPI1 for a block alone (its activation scale
 // in v30); a pair of blocks loads both scales at once (EPIA) into a register the block bodies leave alone
-// (mmla: v11, not with several codebooks, whose books it holds: EPIMA / EPIMB; sdot: v19).
+// (mmla: v11, or v30 with several codebooks, whose books v11 holds: EPIMA / EPIMB; sdot: v24).
 #define QL_MM_EPI(LOAD, X)             \
   "addp v24.4s, v24.4s, v25.4s\n"      \
   "addp v26.4s, v26.4s, v27.4s\n" LOAD \
@@ -311,21 +319,21 @@ static void gemv_pass(const Weights& w, const Acts& a, int m0, const float* bias
   "fmla v13.4s, v26.4s, v27.4s\n"
 #define QL_SD_EPI(LOAD, X)             \
   LOAD                                 \
-  "scvtf v24.4s, v24.4s\n"             \
-  "scvtf v25.4s, v25.4s\n"             \
+  "scvtf v18.4s, v18.4s\n"             \
+  "scvtf v19.4s, v19.4s\n"             \
   "fmul v26.4s, v14.4s, " X "\n"       \
   "fmul v27.4s, v15.4s, " X "\n"       \
-  "fmla v12.4s, v24.4s, v26.4s\n"      \
-  "fmla v13.4s, v25.4s, v27.4s\n"
+  "fmla v12.4s, v18.4s, v26.4s\n"      \
+  "fmla v13.4s, v19.4s, v27.4s\n"
 #define QL_EPI_ONE "ldr s30, [%[xs]], #4\n"
 #define QL_MM_EPI1 QL_MM_EPI(QL_EPI_ONE, "v30.s[0]")
 #define QL_MM_EPIA QL_MM_EPI("ldr d11, [%[xs]], #8\n", "v11.s[0]")
 #define QL_MM_EPIB QL_MM_EPI(, "v11.s[1]")
-#define QL_MM_EPIMA QL_MM_EPI1
-#define QL_MM_EPIMB QL_MM_EPI1
+#define QL_MM_EPIMA QL_MM_EPI("ldr d30, [%[xs]], #8\n", "v30.s[0]")
+#define QL_MM_EPIMB QL_MM_EPI(, "v30.s[1]")
 #define QL_SD_EPI1 QL_SD_EPI(QL_EPI_ONE, "v30.s[0]")
-#define QL_SD_EPIA QL_SD_EPI("ldr d19, [%[xs]], #8\n", "v19.s[0]")
-#define QL_SD_EPIB QL_SD_EPI(, "v19.s[1]")
+#define QL_SD_EPIA QL_SD_EPI("ldr d24, [%[xs]], #8\n", "v24.s[0]")
+#define QL_SD_EPIB QL_SD_EPI(, "v24.s[1]")
 #define QL_SD_EPIMA QL_SD_EPIA
 #define QL_SD_EPIMB QL_SD_EPIB
 #define QL_MM_AX(v) "v24", v, "v25", v, "v26", v, "v27", v
@@ -333,7 +341,7 @@ static void gemv_pass(const Weights& w, const Acts& a, int m0, const float* bias
 #define QL_MM_AX1 QL_MM_AX("v17.16b")
 #define QL_MM_AX2 QL_MM_AX("v18.16b")
 #define QL_MM_AX3 QL_MM_AX("v19.16b")
-#define QL_SD_AX(c) "v24", "v16.4b[" #c "]", "v24", "v17.4b[" #c "]", "v25", "v16.4b[" #c "]", "v25", "v17.4b[" #c "]"
+#define QL_SD_AX(c) "v18", "v16.4b[" #c "]", "v18", "v17.4b[" #c "]", "v19", "v16.4b[" #c "]", "v19", "v17.4b[" #c "]"
 #define QL_SD_AX0 QL_SD_AX(0)
 #define QL_SD_AX1 QL_SD_AX(1)
 #define QL_SD_AX2 QL_SD_AX(2)
@@ -344,15 +352,16 @@ static void gemv_pass(const Weights& w, const Acts& a, int m0, const float* bias
 #define QL_MM_P2 QL_MM_P("v22", "v10", "v26")
 #define QL_MM_P3 QL_MM_P("v23", "v11", "v27")
 #define QL_SD_P(q, b, acc, x) q, b, acc, x ".4b[0]", x ".4b[1]", x ".4b[2]", x ".4b[3]"
-#define QL_SD_P0 QL_SD_P("v20", "v8", "v24", "v16")
-#define QL_SD_P1 QL_SD_P("v21", "v8", "v24", "v17")
-#define QL_SD_P2 QL_SD_P("v22", "v9", "v25", "v16")
-#define QL_SD_P3 QL_SD_P("v23", "v9", "v25", "v17")
+#define QL_SD_P0 QL_SD_P("v20", "v8", "v18", "v16")
+#define QL_SD_P1 QL_SD_P("v21", "v8", "v18", "v17")
+#define QL_SD_P2 QL_SD_P("v22", "v9", "v19", "v16")
+#define QL_SD_P3 QL_SD_P("v23", "v9", "v19", "v17")
 #define QL_SDOT(ACC, W, X) "sdot " ACC ".4s, " W ".16b, " X "\n"
-// For each of nblk 8-row blocks: when a group is one 32-input block (group_size 32), one loop over the groups;
-// otherwise a loop over the group's blocks.  Both loops take two per iteration, after one alone for an odd
-// count.  Then y[0..7] = acc + bias[0..7] (+ 0 without a bias: the same bits as store_block).
-#define QL_ASM_LOOPS(SETUP, BLOCK1, BLOCKA, BLOCKB)  \
+// For each of nblk 8-row blocks: when a group is one 32-input block (group_size 32), one loop over the groups,
+// four per iteration after one and two alone (GPAIR: two groups, their setups and blocks); otherwise a loop
+// over the group's blocks, two per iteration after one alone.  Then y[0..7] = acc + bias[0..7] (+ 0 without a
+// bias: the same bits as store_block).
+#define QL_ASM_LOOPS(SETUP, BLOCK1, BLOCKA, BLOCKB, GPAIR) \
   "7:\n"                                            \
   "mov %[xd], %[xd0]\n"                             \
   "mov %[xs], %[xs0]\n"                             \
@@ -365,9 +374,13 @@ static void gemv_pass(const Weights& w, const Acts& a, int m0, const float* bias
   "tbz %[groups], #0, 1f\n" SETUP BLOCK1            \
   "subs %[groups], %[groups], #1\n"                 \
   "b.eq 5f\n"                                       \
-  "1:\n" SETUP BLOCKA SETUP BLOCKB                  \
+  "1:\n"                                            \
+  "tbz %[groups], #1, 2f\n" GPAIR                   \
   "subs %[groups], %[groups], #2\n"                 \
-  "b.ne 1b\n"                                       \
+  "b.eq 5f\n"                                       \
+  "2:\n" GPAIR GPAIR                                \
+  "subs %[groups], %[groups], #4\n"                 \
+  "b.ne 2b\n"                                       \
   "b 5f\n"                                          \
   "3:\n" SETUP                                      \
   "mov %[left], %[per_group]\n"                     \
@@ -405,23 +418,33 @@ static void gemv_pass(const Weights& w, const Acts& a, int m0, const float* bias
   "ushr v11.16b, v24.16b, #2\n" QL_ASM_SCALES
 #define QL_SD_CB2_INIT            \
   "movi v31.16b, #0x30\n"         \
-  "ld1 {v10.16b}, [%[shifts]]\n"  \
+  "ld1 {v25.16b}, [%[shifts]]\n"  \
   "movi v11.16b, #4\n"            \
-  "add v10.16b, v10.16b, v11.16b\n"
-#define QL_SD_CB2_BOOKS                    \
-  "ld2r {v8.16b, v9.16b}, [%[qb]], #2\n"   \
-  "ushl v8.16b, v8.16b, v10.16b\n"         \
-  "ushl v9.16b, v9.16b, v10.16b\n"         \
+  "add v25.16b, v25.16b, v11.16b\n"
+#define QL_SD_CB2_BOOKV(A, B)               \
+  "ushl v8.16b, " A ".16b, v25.16b\n"       \
+  "ushl v9.16b, " B ".16b, v25.16b\n"       \
   "and v8.16b, v8.16b, v31.16b\n"          \
-  "and v9.16b, v9.16b, v31.16b\n" QL_ASM_SCALES
+  "and v9.16b, v9.16b, v31.16b\n"
+#define QL_SD_CB2_BOOKS                  \
+  "ld2r {v8.16b, v9.16b}, [%[qb]], #2\n" \
+  QL_SD_CB2_BOOKV("v8", "v9") QL_ASM_SCALES
+// The setups of a pair of groups (group 32).  sdot: both books words at once, the second's kept in v10-v11;
+// mmla has no register left for it.
+#define QL_SD_CB2_SETUP2A                                     \
+  "ld4r {v8.16b, v9.16b, v10.16b, v11.16b}, [%[qb]], #4\n" \
+  QL_SD_CB2_BOOKV("v8", "v9") QL_SCALES2A("30")
+#define QL_SD_CB2_SETUP2B QL_SD_CB2_BOOKV("v10", "v11") QL_SCALES2B("30")
+#define QL_MM_CB2_SETUP2A QL_MM_CB2_BOOKS
+#define QL_MM_CB2_SETUP2B QL_MM_CB2_BOOKS
 // Row pair: index vectors Q (chunks 0-1) and IB (chunks 2-3), each read by the lo and hi tables.
 #define QL_CB2_DOTS(LO, HI, Q, IB, ACC, X0, X1, X2, X3) \
   "tbl v29.16b, " LO ", " Q ".16b\n"                    \
   "tbl " Q ".16b, " HI ", " Q ".16b\n"                  \
   QL_SDOT(ACC, "v29", X0) QL_SDOT(ACC, Q, X1)           \
   "tbl v29.16b, " LO ", " IB ".16b\n"                   \
-  "tbl v30.16b, " HI ", " IB ".16b\n"                   \
-  QL_SDOT(ACC, "v29", X2) QL_SDOT(ACC, "v30", X3)
+  "tbl " Q ".16b, " HI ", " IB ".16b\n"                 \
+  QL_SDOT(ACC, "v29", X2) QL_SDOT(ACC, Q, X3)
 #define QL_CB2_LO4 "{v0.16b-v3.16b}"
 #define QL_CB2_HI4 "{v4.16b-v7.16b}"
 // Several codebooks: SRI writes the high-nibble index into the book vector's low nibble, BIT copies the book
@@ -465,8 +488,8 @@ static void gemv_pass(const Weights& w, const Acts& a, int m0, const float* bias
   L##_EPI##E
 // BCQ at a group start: offsets c (OFFSETS: fp16, fp32 or none) into v20-v21, z = fma(0.5, s, c), then
 // acc = fma(z, xsum[g], acc).
-#define QL_BCQ_SETUP(OFFSETS)             \
-  QL_ASM_SCALES OFFSETS                   \
+#define QL_BCQ_SETUP(SCALES, OFFSETS)     \
+  SCALES OFFSETS                          \
   "fmla v20.4s, v14.4s, v0.4s\n"          \
   "fmla v21.4s, v15.4s, v0.4s\n"          \
   "ldr s22, [%[xsum]], #4\n"              \
@@ -486,26 +509,39 @@ static void gemv_pass(const Weights& w, const Acts& a, int m0, const float* bias
                "ld1 {v4.16b-v7.16b}, [%[hi]]\n"                                                              \
                "movi v28.16b, #0xf0\n" L##_CB2_INIT                                                          \
                QL_ASM_LOOPS(L##_CB2_BOOKS, QL_CB2_BLOCK(L, QL_CB2_MULTI, 1), QL_CB2_BLOCK(L, QL_CB2_MULTI, MA), \
-                            QL_CB2_BLOCK(L, QL_CB2_MULTI, MB))                                   \
+                            QL_CB2_BLOCK(L, QL_CB2_MULTI, MB),                                   \
+                            L##_CB2_SETUP2A QL_CB2_BLOCK(L, QL_CB2_MULTI, MA)                   \
+                            L##_CB2_SETUP2B QL_CB2_BLOCK(L, QL_CB2_MULTI, MB))                  \
                QL_ASM_OPERANDS)
+// The other formats hold the second group's scales of a pair in v28; SETUP(scales, ARG) is a group's setup.
+#define QL_GPAIR(SETUP, ARG, BLOCKA, BLOCKB) \
+  SETUP(QL_SCALES2A("28"), ARG) BLOCKA SETUP(QL_SCALES2B("28"), ARG) BLOCKB
+#define QL_SCALES_ONLY(SCALES, UNUSED) SCALES
 #define QL_ASM_CB2_ONE(L)                                                                                       \
   asm volatile("ld1 {v0.16b}, [%[lo]]\n"                                                                         \
                "ld1 {v4.16b}, [%[hi]]\n"                                                                         \
                "movi v31.16b, #0x0f\n"                                                                           \
                QL_ASM_LOOPS(QL_ASM_SCALES, QL_CB2_BLOCK(L, QL_CB2_ONE, 1), QL_CB2_BLOCK(L, QL_CB2_ONE, A),      \
-                            QL_CB2_BLOCK(L, QL_CB2_ONE, B)) QL_ASM_OPERANDS)
+                            QL_CB2_BLOCK(L, QL_CB2_ONE, B), \
+                            QL_GPAIR(QL_SCALES_ONLY, , QL_CB2_BLOCK(L, QL_CB2_ONE, A),                  \
+                                     QL_CB2_BLOCK(L, QL_CB2_ONE, B)))                                   \
+               QL_ASM_OPERANDS)
 #define QL_ASM_CB4(L)                                                                                        \
   asm volatile("ld1 {v0.16b}, [%[lo]]\n"                                                                      \
                "movi v31.16b, #0x0f\n"                                                                        \
                QL_ASM_LOOPS(QL_ASM_SCALES, QL_4BIT_BLOCK(L, QL_CB4_CHUNK, 1), QL_4BIT_BLOCK(L, QL_CB4_CHUNK, A), \
-                            QL_4BIT_BLOCK(L, QL_CB4_CHUNK, B))                                    \
+                            QL_4BIT_BLOCK(L, QL_CB4_CHUNK, B),                                    \
+                            QL_GPAIR(QL_SCALES_ONLY, , QL_4BIT_BLOCK(L, QL_CB4_CHUNK, A),        \
+                                     QL_4BIT_BLOCK(L, QL_CB4_CHUNK, B)))                          \
                QL_ASM_OPERANDS)
 #define QL_ASM_BCQ(L, OFFSETS)                                                                               \
   asm volatile("fmov v0.4s, #0.5\n"                                                                          \
-               "movi v1.16b, #0xf0\n" QL_ASM_LOOPS(QL_BCQ_SETUP(OFFSETS), QL_4BIT_BLOCK(L, QL_BCQ_CHUNK, 1), \
-                                                   QL_4BIT_BLOCK(L, QL_BCQ_CHUNK, A),                   \
-                                                   QL_4BIT_BLOCK(L, QL_BCQ_CHUNK, B))                   \
-                   QL_ASM_OPERANDS)
+               "movi v1.16b, #0xf0\n"                                                                      \
+               QL_ASM_LOOPS(QL_BCQ_SETUP(QL_ASM_SCALES, OFFSETS), QL_4BIT_BLOCK(L, QL_BCQ_CHUNK, 1),       \
+                            QL_4BIT_BLOCK(L, QL_BCQ_CHUNK, A), QL_4BIT_BLOCK(L, QL_BCQ_CHUNK, B),           \
+                            QL_GPAIR(QL_BCQ_SETUP, OFFSETS, QL_4BIT_BLOCK(L, QL_BCQ_CHUNK, A),             \
+                                     QL_4BIT_BLOCK(L, QL_BCQ_CHUNK, B)))                                    \
+               QL_ASM_OPERANDS)
 #define QL_ASM_BCQ16(L) QL_ASM_BCQ(L, QL_BCQ_C16)
 #define QL_ASM_BCQ32(L) QL_ASM_BCQ(L, QL_BCQ_C32)
 #define QL_ASM_BCQ0(L) QL_ASM_BCQ(L, QL_BCQ_C0)
@@ -515,6 +551,8 @@ static void gemv_pass(const Weights& w, const Acts& a, int m0, const float* bias
   else                  \
     X(QL_MM)
 
+// The assembly's zeroed int32 sums (layout mmla) and its bias when there is none.
+alignas(16) static const float kZeros[16] = {0.f};
 
 // nblk 8-row blocks from b: y[8 per block] = acc + bp[8] (bp advancing by bstep bytes per block).
 template <bool kSdot, typename Dec>
@@ -523,7 +561,7 @@ __attribute__((noinline)) static void gemv_asm_blocks(const Weights& w, const Ac
   const int H = w.K / 32;
   const long G = w.K / w.group_size;
   const uint8_t* qw = w.qw + (size_t)b * H * Dec::kBytes;
-  const int8_t* const xd0 = kSdot ? a.xq + (size_t)m0 * H * 32 : a.xd + (size_t)m0 * H * 64;
+  const int8_t* const xd0 = kSdot ? a.xz + (size_t)m0 * H * 64 : a.xd + (size_t)m0 * H * 64;
   const float* const xs0 = a.xs + (size_t)m0 * H;
   const uint16_t* qs = w.qs + (size_t)b * G * 8;
   const uint16_t* qb = std::is_same<Dec, DecCB2<true, kSdot>>::value ? w.qb + (size_t)b * G : nullptr;
@@ -549,8 +587,8 @@ __attribute__((noinline)) static void gemv_asm_blocks(const Weights& w, const Ac
 #define QL_ASM_OPERANDS                                                                                         \
   : [qw] "+r"(qw), [xd] "=&r"(xd), [xs] "=&r"(xs), [qs] "+r"(qs), [qb] "+r"(qb), [groups] "=&r"(groups),       \
     [left] "=&r"(left), [qz] "+r"(qz), [xsum] "=&r"(xsum), [yo] "+r"(yo), [bp] "+r"(bp), [nblk] "+r"(nblk)      \
-  : [lo] "r"(lo), [hi] "r"(hi), [per_group] "r"(per_group), [shifts] "r"(kQuadShifts), [xd0] "r"(xd0),     \
-    [xs0] "r"(xs0), [xsum0] "r"(xsum0), [G] "r"(G), [bstep] "r"(bstep)                                          \
+  : [lo] "r"(lo), [hi] "r"(hi), [per_group] "r"(per_group), [shifts] "r"(kQuadShifts), [zero] "r"(kZeros),    \
+    [xd0] "r"(xd0), [xs0] "r"(xs0), [xsum0] "r"(xsum0), [G] "r"(G), [bstep] "r"(bstep)                           \
   : "cc", "memory", "v0", "v1", "v2", "v3", "v4", "v5", "v6", "v7", "v8", "v9", "v10", "v11", "v12", "v13",     \
     "v14", "v15", "v16", "v17", "v18", "v19", "v20", "v21", "v22", "v23", "v24", "v25", "v26", "v27", "v28",     \
     "v29", "v30", "v31"
@@ -574,7 +612,6 @@ __attribute__((noinline)) static void gemv_asm_blocks(const Weights& w, const Ac
 template <bool kSdot, typename Dec>
 static void gemv_asm(const Weights& w, const Acts& a, int m0, const float* bias, float* y, int b0, int b1,
                      const Dec& dec) {
-  alignas(16) static const float kZeros[8] = {0.f};
   y += (size_t)m0 * w.N;
   const int full = std::min(b1, w.N / 8);
   if (b0 < full)
@@ -589,6 +626,15 @@ static void gemv_asm(const Weights& w, const Acts& a, int m0, const float* bias,
 }
 #undef QL_CALL
 #undef QL_ASM_SCALES
+#undef QL_SCALES2A
+#undef QL_SCALES2B
+#undef QL_SD_CB2_BOOKV
+#undef QL_SD_CB2_SETUP2A
+#undef QL_SD_CB2_SETUP2B
+#undef QL_MM_CB2_SETUP2A
+#undef QL_MM_CB2_SETUP2B
+#undef QL_GPAIR
+#undef QL_SCALES_ONLY
 #undef QL_MM_LOADX
 #undef QL_SD_LOADX
 #undef QL_MM_ZERO

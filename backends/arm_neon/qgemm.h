@@ -58,6 +58,7 @@ struct Acts {
   int M, K;
   int8_t* xd;     // [M][K/32][4][16]: chunk c duplicated, [xq(8c..8c+7), xq(8c..8c+7)] (SDOT, layout mmla)
   int8_t* xq;     // [M][K/32][32]: xq as is (SDOT by element, layout sdot)
+  int8_t* xz;     // [M][K/32][64]: xq, then 32 zeros (the sdot assembly GEMV loads them as its zeroed int32 sums)
   int8_t* xp;     // [ceil(M/2)][K/32][4][16]: rows 2m, 2m+1 of chunk c side by side (SMMLA)
   float* xs;      // [M][K/32] scale (BCQ: / 16)
   float* xsum;    // [M][G] Σ x over the inputs of weight group g (fp32, sequential)
