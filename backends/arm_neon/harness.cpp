@@ -62,6 +62,9 @@ static void make_layer(Layer& L, int format, int books, int N, int K, int group,
   if (format == kBCQ4 && offset_kind == 2) { L.w.qz = L.qz32.data(); L.w.qz_f32 = true; }
 }
 
+// The activation workspace starts as junk, as torch's at::empty may leave it: prepare_acts must set what is read.
+static const char kJunk = 0x5A;
+
 static int test() {
   const int best = cpu_path();
   printf("dispatch: %s\n", path_name(best));
@@ -83,10 +86,10 @@ static int test() {
             for (auto& v : x) v = ((int)(rnd() % 20001) - 10000) / 3000.f;
             if (M == 5) for (int k = 0; k < K; ++k) x[k] = 0.f;  // an all-zero row
             for (auto& v : bias) v = ((int)(rnd() % 201) - 100) / 64.f;
-            std::vector<char> ws(acts_bytes(M, K, group) + 16);
+            std::vector<char> ws(acts_bytes(M, K, group, layout) + 16, kJunk);
             void* aligned = (void*)(((uintptr_t)ws.data() + 15) & ~(uintptr_t)15);
             Acts a;
-            prepare_acts(x.data(), M, K, group, f, aligned, &a);
+            prepare_acts(x.data(), M, K, group, f, layout, aligned, &a);
             std::vector<float> ref((size_t)M * N), out((size_t)M * N);
             const float* b = M % 4 == 3 ? nullptr : bias.data();  // some cases without a bias
             reference(L.w, a, b, ref.data());
@@ -117,9 +120,9 @@ static int test() {
     std::fill(L.qw.begin(), L.qw.end(), 0);
     std::fill(L.qs.begin(), L.qs.end(), 0x8001);
     std::vector<float> x((size_t)M * 128, 1.4e-45f), ref((size_t)M * 8), out((size_t)M * 8);
-    std::vector<char> ws(acts_bytes(M, 128, 128) + 16);
+    std::vector<char> ws(acts_bytes(M, 128, 128, layout) + 16, kJunk);
     Acts a;
-    prepare_acts(x.data(), M, 128, 128, kBCQ4, (void*)(((uintptr_t)ws.data() + 15) & ~(uintptr_t)15), &a);
+    prepare_acts(x.data(), M, 128, 128, kBCQ4, layout, (void*)(((uintptr_t)ws.data() + 15) & ~(uintptr_t)15), &a);
     reference(L.w, a, nullptr, ref.data());
     for (int path = kPlain; path <= best; ++path) {
       run(L.w, a, nullptr, out.data(), 0, 1, path);
@@ -140,10 +143,10 @@ static int bench(const char* fmt, int M, int N, int K, int reps, int group, int 
   make_layer(L, f, books, N, K, group, f == kBCQ4 ? 1 : 0, cpu_layout());
   std::vector<float> x((size_t)M * K), y((size_t)M * N);
   for (auto& v : x) v = ((int)(rnd() % 2001) - 1000) / 100.f;
-  std::vector<char> ws(acts_bytes(M, K, group) + 16);
+  std::vector<char> ws(acts_bytes(M, K, group, cpu_layout()) + 16, kJunk);
   void* aligned = (void*)(((uintptr_t)ws.data() + 15) & ~(uintptr_t)15);
   Acts a;
-  prepare_acts(x.data(), M, K, group, f, aligned, &a);
+  prepare_acts(x.data(), M, K, group, f, cpu_layout(), aligned, &a);
   for (int i = 0; i < reps; ++i) run(L.w, a, nullptr, y.data(), 0, (N + 7) / 8, kAuto);
   printf("%s M=%d N=%d K=%d reps=%d path=%s layout=%s weights=%lld y0=%g\n", fmt, M, N, K, reps,
          path_name(M >= 4 ? cpu_path() : (cpu_path() == kMMLA ? kDot : cpu_path())),

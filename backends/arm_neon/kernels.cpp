@@ -28,13 +28,13 @@ int block_bytes(int format) { return format == kCB2 ? 64 : 128; }
 
 static inline size_t align16(size_t n) { return (n + 15) & ~(size_t)15; }
 
-size_t acts_bytes(int M, int K, int group_size) {
+size_t acts_bytes(int M, int K, int group_size, int layout) {
   const size_t H = K / 32, P = (M + 1) / 2, G = (K + group_size - 1) / group_size;
-  return align16(M * H * 64) + align16(M * H * 32) + align16(M * H * 64) + align16(P * H * 64) + align16(M * H * 4) +
-         align16(M * G * 4) + align16(P * H * 16) + align16(P * G * 16);
+  return align16(M * H * 64) + align16(M * H * 32) + (layout == kLayoutSDOT ? align16(M * H * 64) : 0) +
+         align16(P * H * 64) + align16(M * H * 4) + align16(M * G * 4) + align16(P * H * 16) + align16(P * G * 16);
 }
 
-void prepare_acts(const float* x, int M, int K, int group_size, int format, void* workspace, Acts* a) {
+void prepare_acts(const float* x, int M, int K, int group_size, int format, int layout, void* workspace, Acts* a) {
   const int H = K / 32, P = (M + 1) / 2, G = (K + group_size - 1) / group_size;
   char* ws = static_cast<char*>(workspace);
   auto take = [&](size_t bytes) { char* at = ws; ws += align16(bytes); return at; };
@@ -42,14 +42,13 @@ void prepare_acts(const float* x, int M, int K, int group_size, int format, void
   a->K = K;
   a->xd = reinterpret_cast<int8_t*>(take((size_t)M * H * 64));
   a->xq = reinterpret_cast<int8_t*>(take((size_t)M * H * 32));
-  a->xz = reinterpret_cast<int8_t*>(take((size_t)M * H * 64));
+  a->xz = layout == kLayoutSDOT ? reinterpret_cast<int8_t*>(take((size_t)M * H * 64)) : nullptr;
   a->xp = reinterpret_cast<int8_t*>(take((size_t)P * H * 64));
   a->xs = reinterpret_cast<float*>(take((size_t)M * H * 4));
   a->xsum = reinterpret_cast<float*>(take((size_t)M * G * 4));
   a->xsp = reinterpret_cast<float*>(take((size_t)P * H * 16));
   a->xsump = reinterpret_cast<float*>(take((size_t)P * G * 16));
   const float unit = format == kBCQ4 ? 0.0625f : 1.f;  // BCQ nibbles are 16x their value
-  memset(a->xz, 0, (size_t)M * H * 64);  // the zeros after each block's 32 inputs
   memset(a->xp, 0, (size_t)P * H * 64);  // an odd M leaves the last pair's second row zero
   memset(a->xsp, 0, (size_t)P * H * 16);
   memset(a->xsump, 0, (size_t)P * G * 16);
@@ -75,7 +74,10 @@ void prepare_acts(const float* x, int M, int K, int group_size, int format, void
       const float xs = amax / 127.f * unit;
       a->xs[(size_t)m * H + h] = xs;
       memcpy(a->xq + ((size_t)m * H + h) * 32, q, 32);
-      memcpy(a->xz + ((size_t)m * H + h) * 64, q, 32);
+      if (a->xz) {
+        memcpy(a->xz + ((size_t)m * H + h) * 64, q, 32);
+        memset(a->xz + ((size_t)m * H + h) * 64 + 32, 0, 32);
+      }
       int8_t* d = a->xd + ((size_t)m * H + h) * 64;
       int8_t* p = a->xp + ((size_t)(m / 2) * H + h) * 64 + (m % 2) * 8;
       for (int c = 0; c < 4; ++c) {
@@ -279,12 +281,12 @@ static void gemv_pass(const Weights& w, const Acts& a, int m0, const float* bias
 // inputs 0-15 / 16-31, v18-v19 the int32 sums of rows 0-3 / 4-7, loaded as zeros with them), v24-v27 mmla's int32
 // sums of row pairs 0-3 (loaded from kZeros; v24-v25 also the books word at a group start, v25 / v27 also t = ws·xs
 // in the epilogue), sdot: v24 a pair's activation scales, v26-v27 t; v29 temp, v30 the activation scale of a block
-// alone (mmla with several codebooks: of a pair); 2 bits: v0-v3 / v4-v7 tables lo / hi (v0 / v4 with one codebook),
-// v8-v11 books of row pair 0-3 (sdot: v8-v9 of rows 0-3 / 4-7, v10-v11 the next group's, v25 their shifts), v20-v23
-// packed codes of row pair 0-3, v28 0xF0, v31 0x33 (sdot: 0x30; 0x0F with one codebook); 4 bits: v2-v9 packed
-// codes; codebook: v0 table, v31 0x0F; BCQ: v0 0.5, v1 0xF0, v20-v21 offsets then z, v22 Σx of the group. At group
-// 32 a pair of groups loads its scales at once, the second's held in v28 (sdot with several codebooks: v30; mmla
-// with several codebooks has no register left for it).
+// alone (mmla with several codebooks: of a pair; with one codebook also the high-nibble indices); 2 bits: v0-v3 /
+// v4-v7 tables lo / hi (v0 / v4 with one codebook), v8-v11 books of row pair 0-3 (sdot: v8-v9 of rows 0-3 / 4-7,
+// v10-v11 the next group's, v25 their shifts), v20-v23 packed codes of row pair 0-3, v28 0xF0, v31 0x33 (sdot:
+// 0x30; 0x0F with one codebook); 4 bits: v2-v9 packed codes; codebook: v0 table, v31 0x0F; BCQ: v0 0.5, v1 0xF0,
+// v20-v21 offsets then z, v22 Σx of the group. At group 32 a pair of groups loads its scales at once, the second's
+// held in v28 (sdot with several codebooks: v30; mmla with several codebooks has no register left for it).
 #define QL_CALL(M, ...) M(__VA_ARGS__)
 #define QL_ASM_SCALES            \
   "ldp d14, d15, [%[qs]], #16\n" \
@@ -405,7 +407,7 @@ static void gemv_pass(const Weights& w, const Acts& a, int m0, const float* bias
 // 2 bits, several codebooks, at a group start: the book vectors with each lane's book at bits 4-5 and bits 6-7
 // clear (SRI and BIT read only their high nibble).  mmla: the books word to lane halves (byte 0, even rows, to
 // lanes 0-7), then pair 0 = (x & 0x33) << 4, pair 1 = (x << 4) >> 2, pair 2 = x & 0x33, pair 3 = x >> 2.
-// sdot: byte 0 (rows 0-3) and byte 1 (rows 4-7) to all lanes, lane i shifted by 4 - 2(i / 4) (v10: the
+// sdot: byte 0 (rows 0-3) and byte 1 (rows 4-7) to all lanes, lane i shifted by 4 - 2(i / 4) (v25: the
 // decoder's kQuadShifts + 4), masked by 0x30.
 #define QL_MM_CB2_INIT "movi v31.16b, #0x33\n"
 #define QL_MM_CB2_BOOKS                  \

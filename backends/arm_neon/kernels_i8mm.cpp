@@ -118,12 +118,12 @@ static void mmla_tile(const Weights& w, const Acts& a, int mp0, const float* bia
 }
 
 #if defined(__aarch64__)
-// mmla_tile<2> for the 4-bit formats in assembly (GCC spills in that loop): same arithmetic in the same order,
-// bit for bit.  Needs group_size to divide K.  Registers: v0 table (codebook) or 0.5 (BCQ), v1 nibble mask,
-// v2-v3 activation chunk of pair 0 / 1 (v2 also the duplicated z at a BCQ group start), v4-v5 their activation
-// scales, v6-v7 Σx of the group (BCQ), v8-v11 / v12-v15 acc of pair 0 / 1 by row pair, v16-v19 / v20-v23 int32
-// sums likewise, v24-v27 (w_2p, w_2p+1) twice, v28-v29 packed codes of a chunk (at a BCQ group start: offsets,
-// then z), v30-v31 temps (at a group start: the scales of rows 0-3 / 4-7).
+// mmla_tile<2> for the 4-bit formats in assembly (GCC spills in that loop): same arithmetic in the same order, bit
+// for bit.  Needs group_size to divide K.  Registers: v0 table (codebook) or 0.5 (BCQ), v1 nibble mask, v2-v3
+// activation chunk of pair 0 / 1 (v2 also the duplicated z at a BCQ group start), v4-v5 their activation scales,
+// v6-v7 Σx of the group (BCQ), v8-v11 / v12-v15 acc of pair 0 / 1 by row pair, v16-v19 / v20-v23 int32 sums
+// likewise (loaded from kZeros), v24-v27 (w_2p, w_2p+1) twice, v28-v29 packed codes of a chunk (at a BCQ group
+// start: offsets, then z), v30-v31 temps (at a group start: the scales of rows 0-3 / 4-7).
 #define QL_MM_SCALES                    \
   "ldp d30, d31, [%[qs]], #16\n"        \
   "fcvtl v30.4s, v30.4h\n"              \
@@ -185,8 +185,8 @@ static void mmla_tile(const Weights& w, const Acts& a, int mp0, const float* bia
   "fmla " A0 ".4s, " S0 ".4s, v30.4s\n"         \
   "fmla " A1 ".4s, " S1 ".4s, v31.4s\n"
 #define QL_MM_BLOCK(CHUNK)                                                                         \
-  "movi v16.4s, #0\n" "movi v17.4s, #0\n" "movi v18.4s, #0\n" "movi v19.4s, #0\n"                  \
-  "movi v20.4s, #0\n" "movi v21.4s, #0\n" "movi v22.4s, #0\n" "movi v23.4s, #0\n"                  \
+  "ld1 {v16.4s-v19.4s}, [%[zero]]\n"                                                               \
+  "ld1 {v20.4s-v23.4s}, [%[zero]]\n"                                                               \
   CHUNK CHUNK CHUNK CHUNK                                                                          \
   "ldr q4, [%[xsp0]], #16\n"                                                                       \
   "ldr q5, [%[xsp1]], #16\n"                                                                       \
@@ -216,7 +216,7 @@ static void mmla_tile(const Weights& w, const Acts& a, int mp0, const float* bia
   : [qw] "+r"(qw), [qs] "+r"(qs), [qz] "+r"(qz), [xp0] "+r"(xp0), [xp1] "+r"(xp1), [xsp0] "+r"(xsp0),        \
     [xsp1] "+r"(xsp1), [xsum0] "+r"(xsum0), [xsum1] "+r"(xsum1), [groups] "+r"(groups), [left] "+r"(left),  \
     [out] "+r"(out_p)                                                                                       \
-  : [table] "r"(table), [per_group] "r"(per_group)                                                          \
+  : [table] "r"(table), [per_group] "r"(per_group), [zero] "r"(kZeros)                                    \
   : "cc", "memory", "v0", "v1", "v2", "v3", "v4", "v5", "v6", "v7", "v8", "v9", "v10", "v11", "v12", "v13", \
     "v14", "v15", "v16", "v17", "v18", "v19", "v20", "v21", "v22", "v23", "v24", "v25", "v26", "v27", "v28", \
     "v29", "v30", "v31"
@@ -224,6 +224,9 @@ static void mmla_tile(const Weights& w, const Acts& a, int mp0, const float* bia
   asm volatile("fmov v0.4s, #0.5\n"                                                             \
                "movi v1.16b, #0xf0\n" QL_MM_LOOPS(QL_MM_BCQ_SETUP(OFFSETS), QL_MM_BLOCK(QL_MM_BCQ_CHUNK)) \
                    QL_MM_OPERANDS)
+
+// The int32 sums start from these (one load sets four registers).
+alignas(16) static const int32_t kZeros[16] = {0};
 
 template <typename Dec>
 constexpr bool kHasMmlaAsm = std::is_same<Dec, DecBCQ4>::value || std::is_same<Dec, DecCB4>::value;

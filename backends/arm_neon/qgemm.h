@@ -58,7 +58,8 @@ struct Acts {
   int M, K;
   int8_t* xd;     // [M][K/32][4][16]: chunk c duplicated, [xq(8c..8c+7), xq(8c..8c+7)] (SDOT, layout mmla)
   int8_t* xq;     // [M][K/32][32]: xq as is (SDOT by element, layout sdot)
-  int8_t* xz;     // [M][K/32][64]: xq, then 32 zeros (the sdot assembly GEMV loads them as its zeroed int32 sums)
+  int8_t* xz;     // [M][K/32][64]: xq, then 32 zeros (the sdot assembly GEMV loads them as its zeroed int32 sums);
+                  // layout sdot only, else nullptr
   int8_t* xp;     // [ceil(M/2)][K/32][4][16]: rows 2m, 2m+1 of chunk c side by side (SMMLA)
   float* xs;      // [M][K/32] scale (BCQ: / 16)
   float* xsum;    // [M][G] Σ x over the inputs of weight group g (fp32, sequential)
@@ -71,9 +72,9 @@ int block_bytes(int format);
 inline int book_shift(int r, int layout) {
   return layout == kLayoutSDOT ? 8 * (r / 4) + 2 * (r % 4) : 8 * (r % 2) + 2 * (r / 2);
 }
-size_t acts_bytes(int M, int K, int group_size);
-// x: [M][K] fp32.  workspace: acts_bytes(M, K, group_size) bytes, 16-byte aligned.
-void prepare_acts(const float* x, int M, int K, int group_size, int format, void* workspace, Acts* out);
+size_t acts_bytes(int M, int K, int group_size, int layout);
+// x: [M][K] fp32.  workspace: acts_bytes(M, K, group_size, layout) bytes, 16-byte aligned; layout: the weights'.
+void prepare_acts(const float* x, int M, int K, int group_size, int format, int layout, void* workspace, Acts* out);
 
 // Best path of this CPU (getauxval on aarch64 Linux; kMMLA under SIMDe elsewhere).
 int cpu_path();
