@@ -5,8 +5,8 @@ wall time of the same source on this CPU (SIMDe on x86) against the reference ba
 
 Instruction counts: the standalone harness (backends/arm_neon/harness.cpp) is cross-compiled statically
 (aarch64-linux-gnu-g++ -O3 -march=armv8.2-a+dotprod; the SMMLA file enables i8mm itself) and run under
-``qemu-aarch64 -cpu max`` (i8mm: layout mmla, SDOT GEMV, SMMLA GEMM) and ``-cpu neoverse-n1`` (dotprod only:
-layout sdot, SDOT by element for both) with the symbol-counting plugin built by
+``qemu-aarch64 -cpu max`` (i8mm: SDOT GEMV, SMMLA GEMM; on the default layout sdot and on layout mmla) and
+``-cpu neoverse-n1`` (dotprod only: SDOT by element for both, layout sdot) with the symbol-counting plugin built by
 ``../shared/tools/arm-insn/build.sh``;
 the count is every instruction executed inside the kernels' symbols (decode, dot products, scaling,
 loop control; not the activation quantization, done once per call), divided by N·K·reps (M = 1) or
@@ -39,8 +39,9 @@ ARM = Path(__file__).resolve().parents[1] / "backends" / "arm_neon"
 FORMATS = [("bcq4", 128, 1, "BCQ uniform int4 g128"), ("cb4", 32, 1, "codebook 4-bit g32"),
            ("cb2", 32, 4, "codebook 2-bit g32, 4 books"), ("cb2", 128, 4, "codebook 2-bit g128, 4 books"),
            ("cb2", 32, 1, "codebook 2-bit g32, 1 book"), ("cb2", 128, 1, "codebook 2-bit g128, 1 book")]
-# (qemu CPU, the layout its repack picks, GEMV kernel, GEMM kernel)
-CPUS = [("max", "mmla", "SDOT", "SMMLA"), ("neoverse-n1", "sdot", "SDOT by element", "SDOT by element")]
+# (qemu CPU, layout, GEMV kernel, GEMM kernel)
+CPUS = [("max", "sdot", "SDOT by element", "SMMLA"), ("max", "mmla", "SDOT", "SMMLA"),
+        ("neoverse-n1", "sdot", "SDOT by element", "SDOT by element")]
 
 
 def count(plugin: str, work: Path) -> list[list[object]]:
@@ -53,12 +54,13 @@ def count(plugin: str, work: Path) -> list[list[object]]:
     for cpu, layout, gemv, gemm in CPUS:
         for fmt, group, books, label in FORMATS:
             for M, kind in ((1, f"GEMV ({gemv})"), (8, f"GEMM ({gemm})")):
-                log = work / f"{cpu}-{fmt}-{group}-{books}-{M}.txt"
+                log = work / f"{cpu}-{layout}-{fmt}-{group}-{books}-{M}.txt"
                 subprocess.run(["qemu-aarch64", "-cpu", cpu, "-plugin", f"{plugin},top=40", "-d", "plugin", "-D",
-                                str(log), str(exe), "bench", fmt, str(M), str(N), str(K), "2", str(group), str(books)],
+                                str(log), str(exe), "bench", fmt, str(M), str(N), str(K), "2", str(group), str(books),
+                                layout],
                                check=True, capture_output=True)
                 n = sum(int(m.group(1)) for m in re.finditer(r"sym\s+(\d+)\s+(\S*qlinear_arm\S*)", log.read_text())
-                        if not re.search("prepare_acts|reference|weight_at|half_to_float|cpu_path|cpu_layout",
+                        if not re.search("prepare_acts|reference|weight_at|half_to_float|cpu_path",
                                          m.group(2)))
                 per = n / (N * K * 2 * M)
                 rows.append([f"{cpu} ({layout})", label, kind, M, f"{n / 2:,.0f}", f"{per:.3f}"])

@@ -113,28 +113,17 @@ def test_the_two_layouts_differ_where_documented():
         arm_neon.repack_codebook(*_codebook(8, 32, 2, 1)[::-1], 8, 32, layout="laneq")
 
 
-@pytest.mark.parametrize("machine,hwcap2,want", [("x86_64", 0, "mmla"), ("aarch64", 1 << 13, "mmla"),
-                                                 ("aarch64", (1 << 12) | (1 << 14), "sdot"),
-                                                 ("arm64", None, "sdot")])
-def test_machine_layout_follows_hwcap2_i8mm(monkeypatch, machine, hwcap2, want):
-    """i8mm (AT_HWCAP2 bit 13) -> mmla, an Arm CPU without it (or without getauxval: not Linux) -> sdot, x86 -> mmla."""
-    class GetAuxval:
-        def __call__(self, at):
-            assert at == 26  # AT_HWCAP2
-            return hwcap2
-
-    class Libc:
-        def __init__(self, name):
-            pass
-
-        def __getattr__(self, name):
-            if hwcap2 is None or name != "getauxval":
-                raise AttributeError(name)
-            return GetAuxval()
-
-    monkeypatch.setattr(arm_neon.platform, "machine", lambda: machine)
-    monkeypatch.setattr(arm_neon.ctypes, "CDLL", Libc)
-    assert arm_neon.machine_layout() == want
+@pytest.mark.parametrize("value,want", [(None, "sdot"), ("", "sdot"), ("sdot", "sdot"), ("mmla", "mmla")])
+def test_default_layout_reads_qlinear_arm_layout(monkeypatch, value, want):
+    """sdot unless QLINEAR_ARM_LAYOUT asks for mmla; another value is a ValueError that names the choices."""
+    if value is None:
+        monkeypatch.delenv("QLINEAR_ARM_LAYOUT", raising=False)
+    else:
+        monkeypatch.setenv("QLINEAR_ARM_LAYOUT", value)
+    assert arm_neon.default_layout() == want
+    monkeypatch.setenv("QLINEAR_ARM_LAYOUT", "laneq")
+    with pytest.raises(ValueError, match=r"QLINEAR_ARM_LAYOUT='laneq' is not one of \['mmla', 'sdot'\]"):
+        arm_neon.default_layout()
 
 
 def _shape(cfg, bufs):
@@ -181,7 +170,7 @@ def test_spec_catches_a_wrong_layout():
     cfg, bufs = _codebook(16, 128, 2, 4)
     w = _dense(cfg, bufs, 16, 128)
     x = torch.randn(2, 128)
-    packed = arm_neon.repack_codebook(bufs, cfg, 16, 128)
+    packed = arm_neon.repack_codebook(bufs, cfg, 16, 128, layout="mmla")
     flipped = dict(packed, arm_qw=packed["arm_qw"].flip(-1).contiguous())
     sdot = arm_neon.repack_codebook(bufs, cfg, 16, 128, layout="sdot")
     for bufs_, layout in ((flipped, "mmla"), (sdot, "mmla"), (packed, "sdot")):
@@ -196,7 +185,7 @@ native = pytest.mark.skipif(arm_neon.available() is not None, reason=f"arm_neon 
 @native
 @pytest.mark.parametrize("name,cfg,bufs", CASES, ids=IDS)
 @pytest.mark.parametrize("path,layout", [("neon", "mmla"), ("dotprod", "mmla"), ("i8mm", "mmla"), ("neon", "sdot"),
-                                         ("dotprod", "sdot")])
+                                         ("dotprod", "sdot"), ("i8mm", "sdot")])
 def test_native_op_matches_spec_and_reference(name, cfg, bufs, path, layout):
     N, K = _shape(cfg, bufs)
     packed = _repack(cfg, bufs, N, K, layout)
@@ -220,7 +209,7 @@ def test_all_paths_and_layouts_agree_bitwise(cfg, bufs):
     outs = []
     for layout in LAYOUTS:
         packed = _repack(cfg, bufs, 40, 256, layout)
-        for p in ("neon", "dotprod", "i8mm"):  # i8mm runs layout sdot with SDOT
+        for p in ("neon", "dotprod", "i8mm"):  # i8mm: SDOT for 1 row, SMMLA for 9
             outs += [arm_neon.linear(x[:m], packed, None, cfg, 40, 256, p, layout) for m in (1, 9)]
     for o in outs[2::2]:
         assert torch.equal(o, outs[0])
@@ -234,7 +223,7 @@ def test_op_rejects_inconsistent_codebook_buffers():
     p = arm_neon.repack_codebook(bufs, cfg, 16, 64)
     x = torch.randn(1, 64)
 
-    def call(books=4, qb=p["arm_qb"], table=p["codebooks"], group=32, layout=0):
+    def call(books=4, qb=p["arm_qb"], table=p["codebooks"], group=32, layout=1):  # 1: sdot, the default repack's
         return torch.ops.qlinear.arm_gemm(x, p["arm_qw"], p["arm_qs"], None, qb, table, None, arm_neon._FMT_CB2,
                                           books, 16, group, 0, layout)
 

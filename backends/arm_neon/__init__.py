@@ -15,10 +15,11 @@ same arithmetic as the intrinsics (checked bit for bit by the qemu harness).  Bu
 
 Layouts (repacked once at load; :func:`repack_bcq` / :func:`repack_codebook` and their inverses are
 exact, and the codes take the same bytes as the canonical ones): 8-row blocks (N padded with zero
-rows), 32-input blocks, 16-byte vectors ``V[c][p]``: of 2 rows x 8 inputs in layout ``mmla`` (SMMLA, and the
-SDOT GEMV with one pairwise add per 4 rows and 32 inputs), of 4 rows x 4 inputs in layout ``sdot`` (SDOT by
-element, ``vdotq_laneq_s32``: a row per lane, no horizontal adds).  The repack picks ``sdot`` on Arm CPUs
-without i8mm (:func:`machine_layout`), ``mmla`` elsewhere; the byte order is documented in ``qgemm.h``.
+rows), 32-input blocks, 16-byte vectors ``V[c][p]``: of 4 rows x 4 inputs in layout ``sdot`` (the default: SDOT
+by element, ``vdotq_laneq_s32``, a row per lane and no horizontal adds in the GEMV; the SMMLA GEMM zips two such
+vectors into 2 rows x 8 inputs), of 2 rows x 8 inputs in layout ``mmla`` (SMMLA without zips, but a pairwise add
+per 4 rows and 32 inputs in the GEMV: for prompt-heavy use on i8mm CPUs, ``QLINEAR_ARM_LAYOUT=mmla``, see
+:func:`default_layout`); the byte order is documented in ``qgemm.h``.
 BCQ must have uniform α (``α_i = s·2^(i-2)``: round-to-nearest with ``init="uniform", iters=0``, or imported
 GPTQ/AWQ weights): its layout stores the int4 code XOR 8, one fp16 ``s`` per group and the offset ``c`` as
 canonical (``w = s·(code − 7.5) + c``).
@@ -31,11 +32,10 @@ Error versus the reference backend comes only from the int8 activations: per out
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import math
+import os
 import platform
-import sys
 from pathlib import Path
 from typing import Optional
 
@@ -47,7 +47,7 @@ from qlinear.formats.packing import pack, pack_planes, unpack, unpack_planes
 from .. import Kernel, Layout, register
 from .._native import build
 
-__all__ = ["BCQ_LAYOUT", "CODEBOOK_LAYOUT", "LAYOUT", "machine_layout", "spec", "linear", "available", "PATHS"]
+__all__ = ["BCQ_LAYOUT", "CODEBOOK_LAYOUT", "LAYOUT", "default_layout", "spec", "linear", "available", "PATHS"]
 
 _HERE = Path(__file__).parent
 PATHS = {"auto": 0, "neon": 1, "dotprod": 2, "i8mm": 3}
@@ -63,7 +63,7 @@ _BLOCK_VIEWS = {
 
 
 def _layout_arg(layout: Optional[str]) -> str:
-    """``layout``, or this machine's (:data:`LAYOUT`) for None.  Raises ValueError for an unknown one."""
+    """``layout``, or the default (:data:`LAYOUT`) for None.  Raises ValueError for an unknown one."""
     layout = LAYOUT if layout is None else layout
     if layout not in _BLOCK_VIEWS:
         raise ValueError(f"layout {layout!r} is not one of {sorted(_BLOCK_VIEWS)}")
@@ -199,22 +199,20 @@ def unrepack_codebook(buffers: dict, cfg, N: int, K: int, layout: Optional[str] 
     return out
 
 
-def machine_layout() -> str:
-    """The layout this machine's repack produces: ``sdot`` on an Arm CPU without i8mm (no SMMLA kernel can run
-    there, and SDOT by element needs no pairwise adds), else ``mmla`` (also on x86, where SIMDe emulates
-    every instruction).  Same rule as ``cpu_layout()`` in kernels.cpp (``getauxval(AT_HWCAP2)`` bit 13)."""
-    if platform.machine() not in ("aarch64", "arm64") or sys.maxsize < 2**32:  # the kernels' aarch64 builds
-        return "mmla"
-    try:
-        getauxval = ctypes.CDLL(None).getauxval
-    except (OSError, AttributeError):  # not Linux: the kernels see no i8mm either
-        return "sdot"
-    getauxval.restype, getauxval.argtypes = ctypes.c_ulong, [ctypes.c_ulong]
-    return "mmla" if getauxval(26) & (1 << 13) else "sdot"
+def default_layout() -> str:
+    """The layout the repack produces (:data:`LAYOUT`, read once at import): the environment variable
+    ``QLINEAR_ARM_LAYOUT`` if set, else ``sdot``.  ``sdot`` is the faster GEMV (decoding) on every CPU; ``mmla``
+    the faster SMMLA GEMM (prompt processing, 4+ rows) on i8mm CPUs: per benchmarks/RESULTS.md, instructions per
+    weight / multiply-accumulate.  Both run everywhere and give the same bits.  Raises ValueError for another
+    value."""
+    layout = os.environ.get("QLINEAR_ARM_LAYOUT", "") or "sdot"
+    if layout not in _BLOCK_VIEWS:
+        raise ValueError(f"QLINEAR_ARM_LAYOUT={layout!r} is not one of {sorted(_BLOCK_VIEWS)}; unset it for sdot")
+    return layout
 
 
-LAYOUT = machine_layout()
-_SUFFIX = "" if LAYOUT == "mmla" else "_sdot"
+LAYOUT = default_layout()
+_SUFFIX = "" if LAYOUT == "sdot" else "_mmla"
 BCQ_LAYOUT = Layout(name="arm_neon_bcq" + _SUFFIX,
                     names=lambda cfg: ("arm_qw", "arm_qs") + (("arm_qz",) if cfg.offset else ()),
                     repack=repack_bcq, unrepack=unrepack_bcq)
@@ -293,7 +291,7 @@ def _format(cfg) -> int:
 def linear(x: torch.Tensor, buffers: dict, bias, cfg, out_features: int, in_features: int, path: str = "auto",
            layout: Optional[str] = None):
     """Registry entry: ``x`` ``[..., K]`` on CPU -> ``[..., N]`` of ``x.dtype``, over buffers packed in ``layout``
-    (default: :data:`LAYOUT`, what this machine's repack produces)."""
+    (default: :data:`LAYOUT`, what the repack produces)."""
     layout = _layout_arg(layout)
     x2 = x.reshape(-1, in_features).float().contiguous()
     gs = in_features if cfg.group_size == -1 else cfg.group_size

@@ -4,11 +4,11 @@
 //                                     random weights in both layouts (mmla, sdot): all formats, 1/2/4
 //                                     codebooks, group 32/64/96/128 (also a partial last group),
 //                                     N not a multiple of 8, M = 1..9; prints the dispatched path
-//   harness bench FORMAT M N K REPS [GROUP [BOOKS]]
-//                                     REPS calls of the auto-dispatched kernel on the layout this CPU's
-//                                     repack picks (cpu_layout) (for the qemu plugin
+//   harness bench FORMAT M N K REPS [GROUP [BOOKS [LAYOUT]]]
+//                                     REPS calls of the auto-dispatched kernel (for the qemu plugin
 //                                     that counts executed instructions per symbol); FORMAT bcq4|cb4|cb2,
-//                                     GROUP 128 (bcq4) / 32, BOOKS 4 (cb2) / 1 by default
+//                                     GROUP 128 (bcq4) / 32, BOOKS 4 (cb2) / 1, LAYOUT sdot (the default
+//                                     repack's) / mmla
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -137,20 +137,20 @@ static int test() {
   return failures ? 1 : 0;
 }
 
-static int bench(const char* fmt, int M, int N, int K, int reps, int group, int books) {
+static int bench(const char* fmt, int M, int N, int K, int reps, int group, int books, int layout) {
   const int f = !strcmp(fmt, "bcq4") ? kBCQ4 : !strcmp(fmt, "cb4") ? kCB4 : kCB2;
   Layer L;
-  make_layer(L, f, books, N, K, group, f == kBCQ4 ? 1 : 0, cpu_layout());
+  make_layer(L, f, books, N, K, group, f == kBCQ4 ? 1 : 0, layout);
   std::vector<float> x((size_t)M * K), y((size_t)M * N);
   for (auto& v : x) v = ((int)(rnd() % 2001) - 1000) / 100.f;
-  std::vector<char> ws(acts_bytes(M, K, group, cpu_layout()) + 16, kJunk);
+  std::vector<char> ws(acts_bytes(M, K, group, layout) + 16, kJunk);
   void* aligned = (void*)(((uintptr_t)ws.data() + 15) & ~(uintptr_t)15);
   Acts a;
-  prepare_acts(x.data(), M, K, group, f, cpu_layout(), aligned, &a);
+  prepare_acts(x.data(), M, K, group, f, layout, aligned, &a);
   for (int i = 0; i < reps; ++i) run(L.w, a, nullptr, y.data(), 0, (N + 7) / 8, kAuto);
   printf("%s M=%d N=%d K=%d reps=%d path=%s layout=%s weights=%lld y0=%g\n", fmt, M, N, K, reps,
          path_name(M >= 4 ? cpu_path() : (cpu_path() == kMMLA ? kDot : cpu_path())),
-         cpu_layout() == kLayoutSDOT ? "sdot" : "mmla", (long long)N * K * reps, y[0]);
+         layout == kLayoutSDOT ? "sdot" : "mmla", (long long)N * K * reps, y[0]);
   return 0;
 }
 
@@ -159,8 +159,9 @@ int main(int argc, char** argv) {
   if (argc >= 7 && !strcmp(argv[1], "bench")) {
     const bool bcq = !strcmp(argv[2], "bcq4"), cb2 = !strcmp(argv[2], "cb2");
     return bench(argv[2], atoi(argv[3]), atoi(argv[4]), atoi(argv[5]), atoi(argv[6]),
-                 argc >= 8 ? atoi(argv[7]) : bcq ? 128 : 32, argc >= 9 ? atoi(argv[8]) : cb2 ? 4 : 1);
+                 argc >= 8 ? atoi(argv[7]) : bcq ? 128 : 32, argc >= 9 ? atoi(argv[8]) : cb2 ? 4 : 1,
+                 argc >= 10 && !strcmp(argv[9], "mmla") ? kLayoutMMLA : kLayoutSDOT);
   }
-  fprintf(stderr, "usage: harness test | harness bench bcq4|cb4|cb2 M N K REPS [GROUP [BOOKS]]\n");
+  fprintf(stderr, "usage: harness test | harness bench bcq4|cb4|cb2 M N K REPS [GROUP [BOOKS [sdot|mmla]]]\n");
   return 2;
 }

@@ -3,7 +3,7 @@
 // Layout mmla: weight vector V[c][p] = 2 rows x 8 inputs, activation = the 8 inputs twice, so the four
 // int32 lanes are (row a, inputs 0-3), (row a, 4-7), (row b, 0-3), (row b, 4-7): different output
 // rows in different lanes; one pairwise add per 32-input block turns 2 row pairs into 4 row sums.
-// Layout sdot (CPUs without i8mm): V[c][p] = 4 rows x 4 inputs, SDOT by element (vdotq_laneq_s32) against
+// Layout sdot (the default): V[c][p] = 4 rows x 4 inputs, SDOT by element (vdotq_laneq_s32) against
 // 4 inputs: each lane one row's sum, no horizontal adds.
 #include <math.h>
 #include <string.h>
@@ -83,7 +83,8 @@ void prepare_acts(const float* x, int M, int K, int group_size, int format, int 
       for (int c = 0; c < 4; ++c) {
         memcpy(d + 16 * c, q + 8 * c, 8);
         memcpy(d + 16 * c + 8, q + 8 * c, 8);
-        memcpy(p + 16 * c, q + 8 * c, 8);
+        // layout sdot: slot 2ch + j holds the octet ch + 2j (zip_pairs in kernels_i8mm.cpp)
+        memcpy(p + 16 * (layout == kLayoutSDOT ? 2 * (c % 2) + c / 2 : c), q + 8 * c, 8);
       }
       float* sp = a->xsp + ((size_t)(m / 2) * H + h) * 4 + (m % 2) * 2;
       sp[0] = sp[1] = xs;
@@ -101,14 +102,6 @@ int cpu_path() {
   return kPlain;
 #else
   return kMMLA;  // SIMDe emulates every instruction
-#endif
-}
-
-int cpu_layout() {
-#if defined(__aarch64__)
-  return cpu_path() == kMMLA ? kLayoutMMLA : kLayoutSDOT;
-#else
-  return kLayoutMMLA;
 #endif
 }
 
@@ -749,8 +742,7 @@ __attribute__((noinline)) void qlinear_arm_plain(const Weights& w, const Acts& a
 
 void run(const Weights& w, const Acts& a, const float* bias, float* y, int b0, int b1, int path) {
   if (path == kAuto || path > cpu_path()) path = cpu_path();  // never an instruction this CPU lacks
-  // decode: SDOT GEMV; SMMLA pays off from 4 rows and has no kernel for layout sdot
-  if (path == kMMLA && (a.M < 4 || w.layout == kLayoutSDOT)) path = kDot;
+  if (path == kMMLA && a.M < 4) path = kDot;  // decode: SDOT GEMV; SMMLA pays off from 4 rows
   if (path == kMMLA) return run_mmla(w, a, bias, y, b0, b1);
   if (path == kDot) return qlinear_arm_sdot(w, a, bias, y, b0, b1);
   qlinear_arm_plain(w, a, bias, y, b0, b1);

@@ -1,7 +1,8 @@
 // SMMLA kernel (i8mm) for M >= 4: each instruction multiplies 2 activation rows x 8 inputs by 8 inputs x
 // 2 weight rows into a 2x2 int32 tile.  Activation rows are processed two pairs at a time so that
 // every decoded weight vector feeds two SMMLAs; the float epilogue is the same per (row, block)
-// arithmetic as the SDOT kernel (qgemm.h), so both paths give identical results.
+// arithmetic as the SDOT kernel (qgemm.h), so both paths give identical results.  Layout mmla holds the
+// SMMLA operands as they are; layout sdot (4 rows x 4 inputs per vector) is zipped into them.
 #if defined(__aarch64__)
 #pragma GCC target("arch=armv8.6-a+dotprod+i8mm")
 #endif
@@ -44,7 +45,19 @@ static void store_tile(const Weights& w, const Acts& a, int mp0, int MP, const f
   }
 }
 
-template <int MP, typename Dec>
+// Layout sdot: the decoded V[c][p] (rows 4(p/2).. x inputs 16(p%2) + 4c..) of chunks c = 2ch, 2ch + 1 zipped by
+// 32-bit words into SMMLA operands, 2 rows x 8 inputs: row pairs 2(p/2), 2(p/2) + 1 and octet (inputs 8o..8o + 7)
+// o = 2(p%2) + ch.
+static inline void zip_pairs(const int8x16_t (&v)[2][4], int8x16_t (&u)[2][4]) {
+#pragma GCC unroll 4
+  for (int p = 0; p < 4; ++p) {
+    const int32x4_t a = vreinterpretq_s32_s8(v[0][p]), b = vreinterpretq_s32_s8(v[1][p]);
+    u[p % 2][p / 2 * 2] = vreinterpretq_s8_s32(vzip1q_s32(a, b));
+    u[p % 2][p / 2 * 2 + 1] = vreinterpretq_s8_s32(vzip2q_s32(a, b));
+  }
+}
+
+template <int MP, bool kSdot, typename Dec>
 static void mmla_tile(const Weights& w, const Acts& a, int mp0, const float* bias, float* y, int b, Dec& dec) {
   const int H = w.K / 32, per_group = w.group_size / 32, G = (w.K + w.group_size - 1) / w.group_size;
   const float* xsp = a.xsp;
@@ -88,15 +101,16 @@ static void mmla_tile(const Weights& w, const Acts& a, int mp0, const float* bia
         for (int p = 0; p < 4; ++p) isum[q][p] = vdupq_n_s32(0);
 #pragma GCC unroll 2
       for (int ch = 0; ch < 2; ++ch) {
-        int8x16_t v[2][4];
+        int8x16_t v[2][4], u[2][4];  // [j][row pair]: chunk (mmla) 2ch + j, (sdot) ch + 2j: slot 2ch + j of xp
         dec.pair(blk, ch, v);
+        if constexpr (kSdot) zip_pairs(v, u);
 #pragma GCC unroll 2
         for (int j = 0; j < 2; ++j)
 #pragma GCC unroll 16
           for (int q = 0; q < MP; ++q) {
             const int8x16_t xa = vld1q_s8(xp + (((size_t)(mp0 + q) * H + h) * 4 + 2 * ch + j) * 16);
 #pragma GCC unroll 16
-            for (int p = 0; p < 4; ++p) isum[q][p] = vmmlaq_s32(isum[q][p], xa, v[j][p]);
+            for (int p = 0; p < 4; ++p) isum[q][p] = vmmlaq_s32(isum[q][p], xa, kSdot ? u[j][p] : v[j][p]);
           }
       }
 #pragma GCC unroll 16
@@ -121,9 +135,10 @@ static void mmla_tile(const Weights& w, const Acts& a, int mp0, const float* bia
 // mmla_tile<2> for the 4-bit formats in assembly (GCC spills in that loop): same arithmetic in the same order, bit
 // for bit.  Needs group_size to divide K.  Registers: v0 table (codebook) or 0.5 (BCQ), v1 nibble mask, v2-v3
 // activation chunk of pair 0 / 1 (v2 also the duplicated z at a BCQ group start), v4-v5 their activation scales,
-// v6-v7 Σx of the group (BCQ), v8-v11 / v12-v15 acc of pair 0 / 1 by row pair, v16-v19 / v20-v23 int32 sums
-// likewise (loaded from kZeros), v24-v27 (w_2p, w_2p+1) twice, v28-v29 packed codes of a chunk (at a BCQ group
-// start: offsets, then z), v30-v31 temps (at a group start: the scales of rows 0-3 / 4-7).
+// v6-v7 Σx of the group (BCQ; layout sdot: also row pairs 0 / 1 of the zipped codes), v8-v11 / v12-v15 acc of pair
+// 0 / 1 by row pair, v16-v19 / v20-v23 int32 sums likewise (loaded from kZeros), v24-v27 (w_2p, w_2p+1) twice,
+// v28-v29 packed codes of a chunk (sdot: v28-v31 those of two chunks, then v28 / v30 row pairs 2 / 3 of the zipped
+// codes; at a BCQ group start: offsets, then z), v30-v31 temps (at a group start: the scales of rows 0-3 / 4-7).
 #define QL_MM_SCALES                    \
   "ldp d30, d31, [%[qs]], #16\n"        \
   "fcvtl v30.4s, v30.4h\n"              \
@@ -184,10 +199,33 @@ static void mmla_tile(const Weights& w, const Acts& a, int mp0, const float* bia
   "fmul v31.4s, " WS ".4s, v5.4s\n"             \
   "fmla " A0 ".4s, " S0 ".4s, v30.4s\n"         \
   "fmla " A1 ".4s, " S1 ".4s, v31.4s\n"
-#define QL_MM_BLOCK(CHUNK)                                                                         \
+// Layout sdot, chunks 2ch and 2ch + 1 (their packed P0, P1): zipped by words (zip_pairs) into row pairs 0 / 1 in v6 /
+// v7 and 2 / 3 in v28 / v30, low nibbles the octet ch (xp slot 2ch), high nibbles the octet 2 + ch (slot 2ch + 1).
+#define QL_MS_LOAD_ZIP                    \
+  "ld1 {v28.16b-v31.16b}, [%[qw]], #64\n" \
+  "zip1 v6.4s, v28.4s, v30.4s\n"          \
+  "zip2 v7.4s, v28.4s, v30.4s\n"          \
+  "zip1 v28.4s, v29.4s, v31.4s\n"         \
+  "zip2 v30.4s, v29.4s, v31.4s\n"
+#define QL_MS_LOADX           \
+  "ldr q2, [%[xp0]], #16\n" \
+  "ldr q3, [%[xp1]], #16\n"
+// LO(Z, T): T = the low-nibble weights of Z; HI(Z): Z = its high-nibble weights.
+#define QL_MS_CHUNKS(LO, HI)                                                                              \
+  QL_MS_LOAD_ZIP QL_MS_LOADX                                                                              \
+  LO("v6", "v29") QL_MM_SMMLA("v29", "v16", "v20") LO("v7", "v31") QL_MM_SMMLA("v31", "v17", "v21")      \
+  LO("v28", "v29") QL_MM_SMMLA("v29", "v18", "v22") LO("v30", "v31") QL_MM_SMMLA("v31", "v19", "v23")    \
+  QL_MS_LOADX                                                                                             \
+  HI("v6") QL_MM_SMMLA("v6", "v16", "v20") HI("v7") QL_MM_SMMLA("v7", "v17", "v21")                       \
+  HI("v28") QL_MM_SMMLA("v28", "v18", "v22") HI("v30") QL_MM_SMMLA("v30", "v19", "v23")
+#define QL_MS_BCQ_LO(Z, T) "shl " T ".16b, " Z ".16b, #4\n"
+#define QL_MS_BCQ_HI(Z) "and " Z ".16b, " Z ".16b, v1.16b\n"
+#define QL_MS_CB4_LO(Z, T) "and " T ".16b, " Z ".16b, v1.16b\n" "tbl " T ".16b, {v0.16b}, " T ".16b\n"
+#define QL_MS_CB4_HI(Z) "ushr " Z ".16b, " Z ".16b, #4\n" "tbl " Z ".16b, {v0.16b}, " Z ".16b\n"
+#define QL_MM_BLOCK(BODY)                                                                          \
   "ld1 {v16.4s-v19.4s}, [%[zero]]\n"                                                               \
   "ld1 {v20.4s-v23.4s}, [%[zero]]\n"                                                               \
-  CHUNK CHUNK CHUNK CHUNK                                                                          \
+  BODY                                                                                             \
   "ldr q4, [%[xsp0]], #16\n"                                                                       \
   "ldr q5, [%[xsp1]], #16\n"                                                                       \
   QL_MM_SCALE("v16", "v20", "v8", "v12", "v24") QL_MM_SCALE("v17", "v21", "v9", "v13", "v25")      \
@@ -220,10 +258,27 @@ static void mmla_tile(const Weights& w, const Acts& a, int mp0, const float* bia
   : "cc", "memory", "v0", "v1", "v2", "v3", "v4", "v5", "v6", "v7", "v8", "v9", "v10", "v11", "v12", "v13", \
     "v14", "v15", "v16", "v17", "v18", "v19", "v20", "v21", "v22", "v23", "v24", "v25", "v26", "v27", "v28", \
     "v29", "v30", "v31"
-#define QL_MM_BCQ_ASM(OFFSETS)                                                                  \
+#define QL_MM_BCQ_BODY QL_MM_BCQ_CHUNK QL_MM_BCQ_CHUNK QL_MM_BCQ_CHUNK QL_MM_BCQ_CHUNK
+#define QL_MS_BCQ_BODY QL_MS_CHUNKS(QL_MS_BCQ_LO, QL_MS_BCQ_HI) QL_MS_CHUNKS(QL_MS_BCQ_LO, QL_MS_BCQ_HI)
+#define QL_MM_CB4_BODY QL_MM_CB4_CHUNK QL_MM_CB4_CHUNK QL_MM_CB4_CHUNK QL_MM_CB4_CHUNK
+#define QL_MS_CB4_BODY QL_MS_CHUNKS(QL_MS_CB4_LO, QL_MS_CB4_HI) QL_MS_CHUNKS(QL_MS_CB4_LO, QL_MS_CB4_HI)
+#define QL_MM_BCQ_ASM(BODY, OFFSETS)                                                            \
   asm volatile("fmov v0.4s, #0.5\n"                                                             \
-               "movi v1.16b, #0xf0\n" QL_MM_LOOPS(QL_MM_BCQ_SETUP(OFFSETS), QL_MM_BLOCK(QL_MM_BCQ_CHUNK)) \
+               "movi v1.16b, #0xf0\n" QL_MM_LOOPS(QL_MM_BCQ_SETUP(OFFSETS), QL_MM_BLOCK(BODY))   \
                    QL_MM_OPERANDS)
+#define QL_MM_CB4_ASM(BODY)                                                                                   \
+  asm volatile("ld1 {v0.16b}, [%[table]]\n"                                                                   \
+               "movi v1.16b, #0x0f\n" QL_MM_LOOPS(QL_MM_SCALES, QL_MM_BLOCK(BODY)) QL_MM_OPERANDS)
+// One asm statement per decoder and layout (mmla: QL_MM_*_BODY, sdot: QL_MS_*_BODY).
+#define QL_MM_ALL(L)            \
+  if constexpr (std::is_same<Dec, DecCB4>::value) \
+    QL_MM_CB4_ASM(L##_CB4_BODY);                   \
+  else if (qz_kind == 1)                           \
+    QL_MM_BCQ_ASM(L##_BCQ_BODY, QL_MM_C16);        \
+  else if (qz_kind == 2)                           \
+    QL_MM_BCQ_ASM(L##_BCQ_BODY, QL_MM_C32);        \
+  else                                             \
+    QL_MM_BCQ_ASM(L##_BCQ_BODY, QL_MM_C0)
 
 // The int32 sums start from these (one load sets four registers).
 alignas(16) static const int32_t kZeros[16] = {0};
@@ -231,7 +286,7 @@ alignas(16) static const int32_t kZeros[16] = {0};
 template <typename Dec>
 constexpr bool kHasMmlaAsm = std::is_same<Dec, DecBCQ4>::value || std::is_same<Dec, DecCB4>::value;
 
-template <typename Dec>
+template <bool kSdot, typename Dec>
 __attribute__((noinline)) static void mmla_tile2_asm(const Weights& w, const Acts& a, int mp0, const float* bias,
                                                      float* y, int b, const Dec& dec) {
   const int H = w.K / 32, G = w.K / w.group_size;
@@ -255,15 +310,11 @@ __attribute__((noinline)) static void mmla_tile2_asm(const Weights& w, const Act
   const long per_group = w.group_size / 32;
   float out[2][4][4];
   float* out_p = &out[0][0][0];
-  if constexpr (std::is_same<Dec, DecCB4>::value)
-    asm volatile("ld1 {v0.16b}, [%[table]]\n"
-                 "movi v1.16b, #0x0f\n" QL_MM_LOOPS(QL_MM_SCALES, QL_MM_BLOCK(QL_MM_CB4_CHUNK)) QL_MM_OPERANDS);
-  else if (qz_kind == 1)
-    QL_MM_BCQ_ASM(QL_MM_C16);
-  else if (qz_kind == 2)
-    QL_MM_BCQ_ASM(QL_MM_C32);
-  else
-    QL_MM_BCQ_ASM(QL_MM_C0);
+  if constexpr (kSdot) {
+    QL_MM_ALL(QL_MS);
+  } else {
+    QL_MM_ALL(QL_MM);
+  }
   store_tile(w, a, mp0, 2, &out[0][0][0], bias, y, b);
 }
 #undef QL_MM_SCALES
@@ -281,32 +332,52 @@ __attribute__((noinline)) static void mmla_tile2_asm(const Weights& w, const Act
 #undef QL_MM_LOOPS
 #undef QL_MM_OPERANDS
 #undef QL_MM_BCQ_ASM
+#undef QL_MS_LOAD_ZIP
+#undef QL_MS_LOADX
+#undef QL_MS_CHUNKS
+#undef QL_MS_BCQ_LO
+#undef QL_MS_BCQ_HI
+#undef QL_MS_CB4_LO
+#undef QL_MS_CB4_HI
+#undef QL_MM_BCQ_BODY
+#undef QL_MS_BCQ_BODY
+#undef QL_MM_CB4_BODY
+#undef QL_MS_CB4_BODY
+#undef QL_MM_CB4_ASM
+#undef QL_MM_ALL
 #endif
 
-template <typename Dec>
+template <bool kSdot, typename Dec>
 static void tile2(const Weights& w, const Acts& a, int mp0, const float* bias, float* y, int b, Dec& dec) {
 #if defined(__aarch64__)
   if constexpr (kHasMmlaAsm<Dec>) {
-    if (w.K % w.group_size == 0) return mmla_tile2_asm(w, a, mp0, bias, y, b, dec);
+    if (w.K % w.group_size == 0) return mmla_tile2_asm<kSdot>(w, a, mp0, bias, y, b, dec);
   }
 #endif
-  mmla_tile<2>(w, a, mp0, bias, y, b, dec);
+  mmla_tile<2, kSdot>(w, a, mp0, bias, y, b, dec);
 }
 
-__attribute__((noinline)) void qlinear_arm_mmla(const Weights& w, const Acts& a, const float* bias, float* y, int b0,
-                                                int b1) {
+template <bool kSdot>
+static void mmla_rows(const Weights& w, const Acts& a, const float* bias, float* y, int b0, int b1) {
   const int pairs = (a.M + 1) / 2;
-  with_decoder(w, [&](auto& dec) {
+  with_decoder<kSdot>(w, [&](auto& dec) {
     for (int b = b0; b < b1; ++b)
       for (int q = 0; q < pairs; q += 2) {
-        if (pairs - q >= 2) tile2(w, a, q, bias, y, b, dec);
-        else mmla_tile<1>(w, a, q, bias, y, b, dec);
+        if (pairs - q >= 2) tile2<kSdot>(w, a, q, bias, y, b, dec);
+        else mmla_tile<1, kSdot>(w, a, q, bias, y, b, dec);
       }
   });
 }
 
+__attribute__((noinline)) void qlinear_arm_mmla(const Weights& w, const Acts& a, const float* bias, float* y, int b0,
+                                                int b1) {
+  if (w.layout == kLayoutSDOT)
+    mmla_rows<true>(w, a, bias, y, b0, b1);
+  else
+    mmla_rows<false>(w, a, bias, y, b0, b1);
+}
+
 void run_mmla(const Weights& w, const Acts& a, const float* bias, float* y, int b0, int b1) {
-  if (w.layout != kLayoutMMLA) return run(w, a, bias, y, b0, b1, kDot);  // SMMLA cannot read layout sdot
   qlinear_arm_mmla(w, a, bias, y, b0, b1);
 }
 

@@ -3,7 +3,7 @@
 // Torch-free: used by binding.cpp (torch op) and harness.cpp (standalone tests under qemu).
 //
 // Weight layout "mmla" (kLayoutMMLA; repacked once at load by backends/arm_neon/__init__.py, which holds the
-// executable PyTorch spec of everything below; the repack picks layout "sdot" below on CPUs without i8mm):
+// executable PyTorch spec of everything below; the repack picks layout "sdot" below unless QLINEAR_ARM_LAYOUT=mmla):
 //   Rows are taken in blocks of 8 (N padded to a multiple of 8 with zero rows), K in blocks of 32
 //   inputs h = 0..K/32-1.  For block (b, h) the 256 int8 weights are consumed as 16 vectors V[c][p]
 //   (c = 0..3 chunk of 8 inputs, p = 0..3 row pair), byte i of V[c][p] being row 8b + 2p + i/8,
@@ -21,11 +21,11 @@
 //   qb[b][g] codebook ids of the 8 rows, 2 bits each, when C > 1: row r at bits 8(r%2)+2(r/2) and the next
 //   (even rows in the low byte, odd rows in the high byte; book_shift(r, layout)).
 //
-// Layout "sdot" (kLayoutSDOT, for CPUs with dotprod but no i8mm: SDOT by element, different output rows in
-// different lanes, no pairwise adds): the same bytes, packing and qs/qz, but byte i of V[c][p] is row
-// 8b + 4(p/2) + i/4, input 32h + 16(p%2) + 4c + i%4 (lane i/4 = one row, 4 inputs), and in qb row r sits at
-// bits 8(r/4)+2(r%4) (rows 0-3 in the low byte).  Row pairs p = 0, 1 are then rows 0-3 and p = 2, 3 rows 4-7,
-// each book vector serving one 4-row quad.
+// Layout "sdot" (kLayoutSDOT, the default: SDOT by element, different output rows in different lanes, no pairwise
+// adds; the SMMLA GEMM zips two vectors by 32-bit words into 2 rows x 8 inputs): the same bytes, packing and qs/qz,
+// but byte i of V[c][p] is row 8b + 4(p/2) + i/4, input 32h + 16(p%2) + 4c + i%4 (lane i/4 = one row, 4 inputs),
+// and in qb row r sits at bits 8(r/4)+2(r%4) (rows 0-3 in the low byte).  Row pairs p = 0, 1 are then rows 0-3 and
+// p = 2, 3 rows 4-7, each book vector serving one 4-row quad.
 //
 // Per row n, in this order, identically on every path (so all paths agree bit for bit): at the start
 // of each group g, BCQ only: z = fma(0.5, s, c); acc = fma(z, xsum[g], acc)  (w = s·(code − 7.5) + c);
@@ -60,7 +60,8 @@ struct Acts {
   int8_t* xq;     // [M][K/32][32]: xq as is (SDOT by element, layout sdot)
   int8_t* xz;     // [M][K/32][64]: xq, then 32 zeros (the sdot assembly GEMV loads them as its zeroed int32 sums);
                   // layout sdot only, else nullptr
-  int8_t* xp;     // [ceil(M/2)][K/32][4][16]: rows 2m, 2m+1 of chunk c side by side (SMMLA)
+  int8_t* xp;     // [ceil(M/2)][K/32][4][16]: rows 2m, 2m+1 of chunk c side by side (SMMLA; layout sdot: chunks
+                  // 0, 2, 1, 3)
   float* xs;      // [M][K/32] scale (BCQ: / 16)
   float* xsum;    // [M][G] Σ x over the inputs of weight group g (fp32, sequential)
   float* xsp;     // [ceil(M/2)][K/32][4]: xs of rows (2m, 2m, 2m+1, 2m+1)
@@ -80,11 +81,8 @@ void prepare_acts(const float* x, int M, int K, int group_size, int format, int 
 int cpu_path();
 const char* path_name(int path);
 
-// Layout the repack should choose on this CPU: sdot with dotprod and no i8mm, else mmla.
-int cpu_layout();
-
 // y[M][N] fp32 for the 8-row blocks [b0, b1) with `path` (kAuto, or a path above cpu_path(): cpu_path(); then
-// by M; layout sdot has no SMMLA kernel and runs kMMLA as kDot).
+// by M: kMMLA only from 4 activation rows).
 void run(const Weights& w, const Acts& a, const float* bias, float* y, int b0, int b1, int path);
 // Scalar implementation of the same arithmetic (the harness's ground truth).
 void reference(const Weights& w, const Acts& a, const float* bias, float* y);
