@@ -113,7 +113,8 @@ def test_the_two_layouts_differ_where_documented():
         arm_neon.repack_codebook(*_codebook(8, 32, 2, 1)[::-1], 8, 32, layout="laneq")
 
 
-@pytest.mark.parametrize("value,want", [(None, "sdot"), ("", "sdot"), ("sdot", "sdot"), ("mmla", "mmla")])
+@pytest.mark.parametrize("value,want", [(None, "sdot"), ("", "sdot"), ("sdot", "sdot"), ("mmla", "mmla"),
+                                        (" MMLA ", "mmla")])
 def test_default_layout_reads_qlinear_arm_layout(monkeypatch, value, want):
     """sdot unless QLINEAR_ARM_LAYOUT asks for mmla; another value is a ValueError that names the choices."""
     if value is None:
@@ -130,6 +131,23 @@ def _shape(cfg, bufs):
     if cfg.format == "bcq":
         return bufs["planes"].shape[1], bufs["planes"].shape[2] * 32
     return bufs["scales"].shape[0], bufs["scales"].shape[1] * cfg.group_size
+
+
+def test_qlinear_arm_layout_is_read_at_import():
+    """mmla names its layouts *_mmla; a bad value leaves qlinear importable and this backend unavailable, with the
+    error as its reason."""
+    code = ("import qlinear; from qlinear.backends import arm_neon as a; "
+            "print(a.LAYOUT, a.BCQ_LAYOUT.name, a.available() if a._LAYOUT_ERROR else None)")
+
+    def run(value):
+        env = dict(os.environ, QLINEAR_ARM_LAYOUT=value)
+        return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+
+    r = run("mmla")
+    assert r.returncode == 0 and r.stdout.split() == ["mmla", "arm_neon_bcq_mmla", "None"], r.stderr[-2000:]
+    r = run("laneq")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.startswith("sdot arm_neon_bcq QLINEAR_ARM_LAYOUT='laneq' is not one of ['mmla', 'sdot']")
 
 
 def test_non_uniform_bcq_is_rejected():
@@ -220,10 +238,10 @@ def test_all_paths_and_layouts_agree_bitwise(cfg, bufs):
 @native
 def test_op_rejects_inconsistent_codebook_buffers():
     cfg, bufs = _codebook(16, 64, 2, 4)
-    p = arm_neon.repack_codebook(bufs, cfg, 16, 64)
+    p = arm_neon.repack_codebook(bufs, cfg, 16, 64, layout="sdot")
     x = torch.randn(1, 64)
 
-    def call(books=4, qb=p["arm_qb"], table=p["codebooks"], group=32, layout=1):  # 1: sdot, the default repack's
+    def call(books=4, qb=p["arm_qb"], table=p["codebooks"], group=32, layout=1):  # 1: sdot
         return torch.ops.qlinear.arm_gemm(x, p["arm_qw"], p["arm_qs"], None, qb, table, None, arm_neon._FMT_CB2,
                                           books, 16, group, 0, layout)
 

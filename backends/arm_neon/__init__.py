@@ -201,17 +201,20 @@ def unrepack_codebook(buffers: dict, cfg, N: int, K: int, layout: Optional[str] 
 
 def default_layout() -> str:
     """The layout the repack produces (:data:`LAYOUT`, read once at import): the environment variable
-    ``QLINEAR_ARM_LAYOUT`` if set, else ``sdot``.  ``sdot`` is the faster GEMV (decoding) on every CPU; ``mmla``
+    ``QLINEAR_ARM_LAYOUT`` if set (case and spaces ignored), else ``sdot``.  ``sdot`` is the faster GEMV (decoding) on every CPU; ``mmla``
     the faster SMMLA GEMM (prompt processing, 4+ rows) on i8mm CPUs: per benchmarks/RESULTS.md, instructions per
     weight / multiply-accumulate.  Both run everywhere and give the same bits.  Raises ValueError for another
-    value."""
-    layout = os.environ.get("QLINEAR_ARM_LAYOUT", "") or "sdot"
+    value (at import, the backend then reports that error as the reason it is unavailable)."""
+    layout = os.environ.get("QLINEAR_ARM_LAYOUT", "").strip().lower() or "sdot"
     if layout not in _BLOCK_VIEWS:
         raise ValueError(f"QLINEAR_ARM_LAYOUT={layout!r} is not one of {sorted(_BLOCK_VIEWS)}; unset it for sdot")
     return layout
 
 
-LAYOUT = default_layout()
+try:
+    LAYOUT, _LAYOUT_ERROR = default_layout(), None
+except ValueError as e:  # importing qlinear still works; only this backend is off
+    LAYOUT, _LAYOUT_ERROR = "sdot", str(e)
 _SUFFIX = "" if LAYOUT == "sdot" else "_mmla"
 BCQ_LAYOUT = Layout(name="arm_neon_bcq" + _SUFFIX,
                     names=lambda cfg: ("arm_qw", "arm_qs") + (("arm_qz",) if cfg.offset else ()),
@@ -272,6 +275,8 @@ def spec(x: torch.Tensor, buffers: dict, bias, cfg, format: int, N: int, K: int,
 @functools.lru_cache(maxsize=1)
 def available() -> Optional[str]:
     """None once the extension is built and loaded, else why it cannot be."""
+    if _LAYOUT_ERROR:
+        return _LAYOUT_ERROR
     sources = tuple(str(_HERE / f) for f in ("kernels.cpp", "kernels_i8mm.cpp", "binding.cpp"))
     if platform.machine() in ("aarch64", "arm64"):
         flags = ("-O3", "-std=c++17", "-march=armv8.2-a+dotprod")

@@ -138,6 +138,10 @@ static int test() {
 }
 
 static int bench(const char* fmt, int M, int N, int K, int reps, int group, int books, int layout) {
+  if (layout < 0) {
+    fprintf(stderr, "LAYOUT must be sdot or mmla\n");
+    return 2;
+  }
   const int f = !strcmp(fmt, "bcq4") ? kBCQ4 : !strcmp(fmt, "cb4") ? kCB4 : kCB2;
   Layer L;
   make_layer(L, f, books, N, K, group, f == kBCQ4 ? 1 : 0, layout);
@@ -160,7 +164,7 @@ int main(int argc, char** argv) {
     const bool bcq = !strcmp(argv[2], "bcq4"), cb2 = !strcmp(argv[2], "cb2");
     return bench(argv[2], atoi(argv[3]), atoi(argv[4]), atoi(argv[5]), atoi(argv[6]),
                  argc >= 8 ? atoi(argv[7]) : bcq ? 128 : 32, argc >= 9 ? atoi(argv[8]) : cb2 ? 4 : 1,
-                 argc >= 10 && !strcmp(argv[9], "mmla") ? kLayoutMMLA : kLayoutSDOT);
+                 argc < 10 || !strcmp(argv[9], "sdot") ? kLayoutSDOT : !strcmp(argv[9], "mmla") ? kLayoutMMLA : -1);
   }
   fprintf(stderr, "usage: harness test | harness bench bcq4|cb4|cb2 M N K REPS [GROUP [BOOKS [sdot|mmla]]]\n");
   return 2;

@@ -101,7 +101,9 @@ static void mmla_tile(const Weights& w, const Acts& a, int mp0, const float* bia
         for (int p = 0; p < 4; ++p) isum[q][p] = vdupq_n_s32(0);
 #pragma GCC unroll 2
       for (int ch = 0; ch < 2; ++ch) {
-        int8x16_t v[2][4], u[2][4];  // [j][row pair]: chunk (mmla) 2ch + j, (sdot) ch + 2j: slot 2ch + j of xp
+        // v[j]: chunk 2ch + j; mmla: v[j][row pair] is octet 2ch + j, sdot: u[j][row pair] octet ch + 2j; both
+        // against slot 2ch + j of xp
+        int8x16_t v[2][4], u[2][4];
         dec.pair(blk, ch, v);
         if constexpr (kSdot) zip_pairs(v, u);
 #pragma GCC unroll 2

@@ -60,8 +60,8 @@ struct Acts {
   int8_t* xq;     // [M][K/32][32]: xq as is (SDOT by element, layout sdot)
   int8_t* xz;     // [M][K/32][64]: xq, then 32 zeros (the sdot assembly GEMV loads them as its zeroed int32 sums);
                   // layout sdot only, else nullptr
-  int8_t* xp;     // [ceil(M/2)][K/32][4][16]: rows 2m, 2m+1 of chunk c side by side (SMMLA; layout sdot: chunks
-                  // 0, 2, 1, 3)
+  int8_t* xp;     // [ceil(M/2)][K/32][4][16]: rows 2m, 2m+1 of octet o (inputs 8o..8o+7) side by side (SMMLA);
+                  // slots hold octets 0-3 (layout mmla) or 0, 2, 1, 3 (layout sdot)
   float* xs;      // [M][K/32] scale (BCQ: / 16)
   float* xsum;    // [M][G] Σ x over the inputs of weight group g (fp32, sequential)
   float* xsp;     // [ceil(M/2)][K/32][4]: xs of rows (2m, 2m, 2m+1, 2m+1)
