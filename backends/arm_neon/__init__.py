@@ -201,9 +201,9 @@ def unrepack_codebook(buffers: dict, cfg, N: int, K: int, layout: Optional[str] 
 
 def default_layout() -> str:
     """The layout the repack produces (:data:`LAYOUT`, read once at import): the environment variable
-    ``QLINEAR_ARM_LAYOUT`` if set (case and spaces ignored), else ``sdot``.  ``sdot`` is the faster GEMV (decoding) on every CPU; ``mmla``
-    the faster SMMLA GEMM (prompt processing, 4+ rows) on i8mm CPUs: per benchmarks/RESULTS.md, instructions per
-    weight / multiply-accumulate.  Both run everywhere and give the same bits.  Raises ValueError for another
+    ``QLINEAR_ARM_LAYOUT`` if set (case and spaces ignored), else ``sdot``.  ``sdot`` is the faster GEMV
+    (decoding) on every CPU; ``mmla`` the faster SMMLA GEMM (prompt processing, 4+ rows) on i8mm CPUs: per
+    benchmarks/RESULTS.md, instructions per weight / multiply-accumulate.  Both run everywhere and give the same bits.  Raises ValueError for another
     value (at import, the backend then reports that error as the reason it is unavailable)."""
     layout = os.environ.get("QLINEAR_ARM_LAYOUT", "").strip().lower() or "sdot"
     if layout not in _BLOCK_VIEWS:

@@ -63,7 +63,7 @@ at::Tensor arm_gemm(const at::Tensor& x, const at::Tensor& qw, const at::Tensor&
     TORCH_CHECK(bias->numel() == N, "arm_gemm: bias must have N elements");
     bias32 = bias->to(at::kFloat).contiguous();
   }
-  const int64_t work_bytes = (int64_t)qlinear_arm::acts_bytes((int)M, (int)K, (int)group_size, w.layout) + 16;
+  const int64_t work_bytes = (int64_t)qlinear_arm::acts_bytes((int)M, (int)K, (int)group_size) + 16;
   at::Tensor work = at::empty({work_bytes}, x.options().dtype(at::kByte));
   void* aligned = reinterpret_cast<void*>((reinterpret_cast<uintptr_t>(work.data_ptr()) + 15) & ~uintptr_t(15));
   qlinear_arm::Acts a{};

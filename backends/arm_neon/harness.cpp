@@ -86,7 +86,7 @@ static int test() {
             for (auto& v : x) v = ((int)(rnd() % 20001) - 10000) / 3000.f;
             if (M == 5) for (int k = 0; k < K; ++k) x[k] = 0.f;  // an all-zero row
             for (auto& v : bias) v = ((int)(rnd() % 201) - 100) / 64.f;
-            std::vector<char> ws(acts_bytes(M, K, group, layout) + 16, kJunk);
+            std::vector<char> ws(acts_bytes(M, K, group) + 16, kJunk);
             void* aligned = (void*)(((uintptr_t)ws.data() + 15) & ~(uintptr_t)15);
             Acts a;
             prepare_acts(x.data(), M, K, group, f, layout, aligned, &a);
@@ -120,7 +120,7 @@ static int test() {
     std::fill(L.qw.begin(), L.qw.end(), 0);
     std::fill(L.qs.begin(), L.qs.end(), 0x8001);
     std::vector<float> x((size_t)M * 128, 1.4e-45f), ref((size_t)M * 8), out((size_t)M * 8);
-    std::vector<char> ws(acts_bytes(M, 128, 128, layout) + 16, kJunk);
+    std::vector<char> ws(acts_bytes(M, 128, 128) + 16, kJunk);
     Acts a;
     prepare_acts(x.data(), M, 128, 128, kBCQ4, layout, (void*)(((uintptr_t)ws.data() + 15) & ~(uintptr_t)15), &a);
     reference(L.w, a, nullptr, ref.data());
@@ -147,7 +147,7 @@ static int bench(const char* fmt, int M, int N, int K, int reps, int group, int 
   make_layer(L, f, books, N, K, group, f == kBCQ4 ? 1 : 0, layout);
   std::vector<float> x((size_t)M * K), y((size_t)M * N);
   for (auto& v : x) v = ((int)(rnd() % 2001) - 1000) / 100.f;
-  std::vector<char> ws(acts_bytes(M, K, group, layout) + 16, kJunk);
+  std::vector<char> ws(acts_bytes(M, K, group) + 16, kJunk);
   void* aligned = (void*)(((uintptr_t)ws.data() + 15) & ~(uintptr_t)15);
   Acts a;
   prepare_acts(x.data(), M, K, group, f, layout, aligned, &a);

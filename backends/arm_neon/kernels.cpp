@@ -28,10 +28,9 @@ int block_bytes(int format) { return format == kCB2 ? 64 : 128; }
 
 static inline size_t align16(size_t n) { return (n + 15) & ~(size_t)15; }
 
-size_t acts_bytes(int M, int K, int group_size, int layout) {
+size_t acts_bytes(int M, int K, int group_size) {
   const size_t H = K / 32, P = (M + 1) / 2, G = (K + group_size - 1) / group_size;
-  return align16(M * H * 64) + align16(M * H * 32) + (layout == kLayoutSDOT ? align16(M * H * 64) : 0) +
-         align16(P * H * 64) + align16(M * H * 4) + align16(M * G * 4) + align16(P * H * 16) + align16(P * G * 16);
+  return align16(M * H * 32) + align16(M * H * 64) + align16(P * H * 64) + align16(M * H * 4) + align16(M * G * 4) + align16(P * H * 16) + align16(P * G * 16);
 }
 
 void prepare_acts(const float* x, int M, int K, int group_size, int format, int layout, void* workspace, Acts* a) {
@@ -40,9 +39,11 @@ void prepare_acts(const float* x, int M, int K, int group_size, int format, int 
   auto take = [&](size_t bytes) { char* at = ws; ws += align16(bytes); return at; };
   a->M = M;
   a->K = K;
-  a->xd = reinterpret_cast<int8_t*>(take((size_t)M * H * 64));
   a->xq = reinterpret_cast<int8_t*>(take((size_t)M * H * 32));
-  a->xz = layout == kLayoutSDOT ? reinterpret_cast<int8_t*>(take((size_t)M * H * 64)) : nullptr;
+  // the GEMV's 64 bytes per block: the layout's (xd: mmla, xz: sdot)
+  int8_t* const x64 = reinterpret_cast<int8_t*>(take((size_t)M * H * 64));
+  a->xd = layout == kLayoutSDOT ? nullptr : x64;
+  a->xz = layout == kLayoutSDOT ? x64 : nullptr;
   a->xp = reinterpret_cast<int8_t*>(take((size_t)P * H * 64));
   a->xs = reinterpret_cast<float*>(take((size_t)M * H * 4));
   a->xsum = reinterpret_cast<float*>(take((size_t)M * G * 4));
@@ -78,11 +79,13 @@ void prepare_acts(const float* x, int M, int K, int group_size, int format, int 
         memcpy(a->xz + ((size_t)m * H + h) * 64, q, 32);
         memset(a->xz + ((size_t)m * H + h) * 64 + 32, 0, 32);
       }
-      int8_t* d = a->xd + ((size_t)m * H + h) * 64;
+      int8_t* d = a->xd ? a->xd + ((size_t)m * H + h) * 64 : nullptr;
       int8_t* p = a->xp + ((size_t)(m / 2) * H + h) * 64 + (m % 2) * 8;
       for (int c = 0; c < 4; ++c) {
-        memcpy(d + 16 * c, q + 8 * c, 8);
-        memcpy(d + 16 * c + 8, q + 8 * c, 8);
+        if (a->xd) {
+          memcpy(d + 16 * c, q + 8 * c, 8);
+          memcpy(d + 16 * c + 8, q + 8 * c, 8);
+        }
         // layout sdot: slot 2ch + j holds the octet ch + 2j (zip_pairs in kernels_i8mm.cpp)
         memcpy(p + 16 * (layout == kLayoutSDOT ? 2 * (c % 2) + c / 2 : c), q + 8 * c, 8);
       }
@@ -353,10 +356,10 @@ static void gemv_pass(const Weights& w, const Acts& a, int m0, const float* bias
 #define QL_SD_P3 QL_SD_P("v23", "v9", "v19", "v17")
 #define QL_SDOT(ACC, W, X) "sdot " ACC ".4s, " W ".16b, " X "\n"
 // For each of nblk 8-row blocks: when a group is one 32-input block (group_size 32), one loop over the groups,
-// four per iteration after one and two alone (GPAIR: two groups, their setups and blocks); otherwise a loop
-// over the group's blocks, two per iteration after one alone.  Then y[0..7] = acc + bias[0..7] (+ 0 without a
-// bias: the same bits as store_block).
-#define QL_ASM_LOOPS(SETUP, BLOCK1, BLOCKA, BLOCKB, GPAIR) \
+// four per iteration after one and two alone (a pair of groups: SETUP2A BLOCKA SETUP2B BLOCKB); otherwise a
+// loop over the group's blocks, two per iteration after one alone (SETUP at each group start).  Then y[0..7] =
+// acc + bias[0..7] (+ 0 without a bias: the same bits as store_block).
+#define QL_ASM_LOOPS(SETUP, SETUP2A, SETUP2B, BLOCK1, BLOCKA, BLOCKB) \
   "7:\n"                                            \
   "mov %[xd], %[xd0]\n"                             \
   "mov %[xs], %[xs0]\n"                             \
@@ -370,10 +373,13 @@ static void gemv_pass(const Weights& w, const Acts& a, int m0, const float* bias
   "subs %[groups], %[groups], #1\n"                 \
   "b.eq 5f\n"                                       \
   "1:\n"                                            \
-  "tbz %[groups], #1, 2f\n" GPAIR                   \
+  "tbz %[groups], #1, 2f\n"                          \
+  SETUP2A BLOCKA SETUP2B BLOCKB                     \
   "subs %[groups], %[groups], #2\n"                 \
   "b.eq 5f\n"                                       \
-  "2:\n" GPAIR GPAIR                                \
+  "2:\n"                                            \
+  SETUP2A BLOCKA SETUP2B BLOCKB                     \
+  SETUP2A BLOCKA SETUP2B BLOCKB                     \
   "subs %[groups], %[groups], #4\n"                 \
   "b.ne 2b\n"                                       \
   "b 5f\n"                                          \
@@ -503,39 +509,31 @@ static void gemv_pass(const Weights& w, const Acts& a, int m0, const float* bias
   asm volatile("ld1 {v0.16b-v3.16b}, [%[lo]]\n"                                                              \
                "ld1 {v4.16b-v7.16b}, [%[hi]]\n"                                                              \
                "movi v28.16b, #0xf0\n" L##_CB2_INIT                                                          \
-               QL_ASM_LOOPS(L##_CB2_BOOKS, QL_CB2_BLOCK(L, QL_CB2_MULTI, 1), QL_CB2_BLOCK(L, QL_CB2_MULTI, MA), \
-                            QL_CB2_BLOCK(L, QL_CB2_MULTI, MB),                                   \
-                            L##_CB2_SETUP2A QL_CB2_BLOCK(L, QL_CB2_MULTI, MA)                   \
-                            L##_CB2_SETUP2B QL_CB2_BLOCK(L, QL_CB2_MULTI, MB))                  \
+               QL_ASM_LOOPS(L##_CB2_BOOKS, L##_CB2_SETUP2A, L##_CB2_SETUP2B, QL_CB2_BLOCK(L, QL_CB2_MULTI, 1), \
+                            QL_CB2_BLOCK(L, QL_CB2_MULTI, MA), QL_CB2_BLOCK(L, QL_CB2_MULTI, MB))          \
                QL_ASM_OPERANDS)
-// The other formats hold the second group's scales of a pair in v28; SETUP(scales, ARG) is a group's setup.
-#define QL_GPAIR(SETUP, ARG, BLOCKA, BLOCKB) \
-  SETUP(QL_SCALES2A("28"), ARG) BLOCKA SETUP(QL_SCALES2B("28"), ARG) BLOCKB
-#define QL_SCALES_ONLY(SCALES, UNUSED) SCALES
+// The other formats hold the second group's scales of a pair in v28.
+#define QL_SCALES28A QL_SCALES2A("28")
+#define QL_SCALES28B QL_SCALES2B("28")
 #define QL_ASM_CB2_ONE(L)                                                                                       \
   asm volatile("ld1 {v0.16b}, [%[lo]]\n"                                                                         \
                "ld1 {v4.16b}, [%[hi]]\n"                                                                         \
                "movi v31.16b, #0x0f\n"                                                                           \
-               QL_ASM_LOOPS(QL_ASM_SCALES, QL_CB2_BLOCK(L, QL_CB2_ONE, 1), QL_CB2_BLOCK(L, QL_CB2_ONE, A),      \
-                            QL_CB2_BLOCK(L, QL_CB2_ONE, B), \
-                            QL_GPAIR(QL_SCALES_ONLY, , QL_CB2_BLOCK(L, QL_CB2_ONE, A),                  \
-                                     QL_CB2_BLOCK(L, QL_CB2_ONE, B)))                                   \
+               QL_ASM_LOOPS(QL_ASM_SCALES, QL_SCALES28A, QL_SCALES28B, QL_CB2_BLOCK(L, QL_CB2_ONE, 1),          \
+                            QL_CB2_BLOCK(L, QL_CB2_ONE, A), QL_CB2_BLOCK(L, QL_CB2_ONE, B))              \
                QL_ASM_OPERANDS)
 #define QL_ASM_CB4(L)                                                                                        \
   asm volatile("ld1 {v0.16b}, [%[lo]]\n"                                                                      \
                "movi v31.16b, #0x0f\n"                                                                        \
-               QL_ASM_LOOPS(QL_ASM_SCALES, QL_4BIT_BLOCK(L, QL_CB4_CHUNK, 1), QL_4BIT_BLOCK(L, QL_CB4_CHUNK, A), \
-                            QL_4BIT_BLOCK(L, QL_CB4_CHUNK, B),                                    \
-                            QL_GPAIR(QL_SCALES_ONLY, , QL_4BIT_BLOCK(L, QL_CB4_CHUNK, A),        \
-                                     QL_4BIT_BLOCK(L, QL_CB4_CHUNK, B)))                          \
+               QL_ASM_LOOPS(QL_ASM_SCALES, QL_SCALES28A, QL_SCALES28B, QL_4BIT_BLOCK(L, QL_CB4_CHUNK, 1),    \
+                            QL_4BIT_BLOCK(L, QL_CB4_CHUNK, A), QL_4BIT_BLOCK(L, QL_CB4_CHUNK, B))       \
                QL_ASM_OPERANDS)
 #define QL_ASM_BCQ(L, OFFSETS)                                                                               \
   asm volatile("fmov v0.4s, #0.5\n"                                                                          \
                "movi v1.16b, #0xf0\n"                                                                      \
-               QL_ASM_LOOPS(QL_BCQ_SETUP(QL_ASM_SCALES, OFFSETS), QL_4BIT_BLOCK(L, QL_BCQ_CHUNK, 1),       \
-                            QL_4BIT_BLOCK(L, QL_BCQ_CHUNK, A), QL_4BIT_BLOCK(L, QL_BCQ_CHUNK, B),           \
-                            QL_GPAIR(QL_BCQ_SETUP, OFFSETS, QL_4BIT_BLOCK(L, QL_BCQ_CHUNK, A),             \
-                                     QL_4BIT_BLOCK(L, QL_BCQ_CHUNK, B)))                                    \
+               QL_ASM_LOOPS(QL_BCQ_SETUP(QL_ASM_SCALES, OFFSETS), QL_BCQ_SETUP(QL_SCALES28A, OFFSETS),     \
+                            QL_BCQ_SETUP(QL_SCALES28B, OFFSETS), QL_4BIT_BLOCK(L, QL_BCQ_CHUNK, 1),          \
+                            QL_4BIT_BLOCK(L, QL_BCQ_CHUNK, A), QL_4BIT_BLOCK(L, QL_BCQ_CHUNK, B))           \
                QL_ASM_OPERANDS)
 #define QL_ASM_BCQ16(L) QL_ASM_BCQ(L, QL_BCQ_C16)
 #define QL_ASM_BCQ32(L) QL_ASM_BCQ(L, QL_BCQ_C32)
@@ -545,9 +543,6 @@ static void gemv_pass(const Weights& w, const Acts& a, int m0, const float* bias
     X(QL_SD);           \
   else                  \
     X(QL_MM)
-
-// The assembly's zeroed int32 sums (layout mmla) and its bias when there is none.
-alignas(16) static const float kZeros[16] = {0.f};
 
 // nblk 8-row blocks from b: y[8 per block] = acc + bp[8] (bp advancing by bstep bytes per block).
 template <bool kSdot, typename Dec>
@@ -628,8 +623,8 @@ static void gemv_asm(const Weights& w, const Acts& a, int m0, const float* bias,
 #undef QL_SD_CB2_SETUP2B
 #undef QL_MM_CB2_SETUP2A
 #undef QL_MM_CB2_SETUP2B
-#undef QL_GPAIR
-#undef QL_SCALES_ONLY
+#undef QL_SCALES28A
+#undef QL_SCALES28B
 #undef QL_MM_LOADX
 #undef QL_SD_LOADX
 #undef QL_MM_ZERO
@@ -802,9 +797,9 @@ void reference(const Weights& w, const Acts& a, const float* bias, float* y) {
                                      : 0.f;
             acc = fmaf(fmaf(0.5f, s, c), a.xsum[(size_t)m * G + h / per_group], acc);
           }
-          const int8_t* xq = a.xd + ((size_t)m * H + h) * 64;
+          const int8_t* xq = a.xq + ((size_t)m * H + h) * 32;
           int32_t isum = 0;
-          for (int k = 0; k < 32; ++k) isum += weight_at(w, b, h, r, k) * xq[16 * (k / 8) + k % 8];
+          for (int k = 0; k < 32; ++k) isum += weight_at(w, b, h, r, k) * xq[k];
           acc = fmaf((float)isum, s * a.xs[(size_t)m * H + h], acc);
         }
         if (8 * b + r < w.N) y[(size_t)m * w.N + 8 * b + r] = acc + (bias ? bias[8 * b + r] : 0.f);

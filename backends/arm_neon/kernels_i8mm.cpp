@@ -282,9 +282,6 @@ static void mmla_tile(const Weights& w, const Acts& a, int mp0, const float* bia
   else                                             \
     QL_MM_BCQ_ASM(L##_BCQ_BODY, QL_MM_C0)
 
-// The int32 sums start from these (one load sets four registers).
-alignas(16) static const int32_t kZeros[16] = {0};
-
 template <typename Dec>
 constexpr bool kHasMmlaAsm = std::is_same<Dec, DecBCQ4>::value || std::is_same<Dec, DecCB4>::value;
 
@@ -371,16 +368,11 @@ static void mmla_rows(const Weights& w, const Acts& a, const float* bias, float*
   });
 }
 
-__attribute__((noinline)) void qlinear_arm_mmla(const Weights& w, const Acts& a, const float* bias, float* y, int b0,
-                                                int b1) {
+__attribute__((noinline)) void run_mmla(const Weights& w, const Acts& a, const float* bias, float* y, int b0, int b1) {
   if (w.layout == kLayoutSDOT)
     mmla_rows<true>(w, a, bias, y, b0, b1);
   else
     mmla_rows<false>(w, a, bias, y, b0, b1);
-}
-
-void run_mmla(const Weights& w, const Acts& a, const float* bias, float* y, int b0, int b1) {
-  qlinear_arm_mmla(w, a, bias, y, b0, b1);
 }
 
 }  // namespace qlinear_arm

@@ -56,8 +56,9 @@ struct Weights {
 // Quantized activations, prepared once per call (dynamic per-32-input int8 quantization).
 struct Acts {
   int M, K;
-  int8_t* xd;     // [M][K/32][4][16]: chunk c duplicated, [xq(8c..8c+7), xq(8c..8c+7)] (SDOT, layout mmla)
-  int8_t* xq;     // [M][K/32][32]: xq as is (SDOT by element, layout sdot)
+  int8_t* xd;     // [M][K/32][4][16]: chunk c duplicated, [xq(8c..8c+7), xq(8c..8c+7)] (SDOT, layout mmla
+                  // only, else nullptr)
+  int8_t* xq;     // [M][K/32][32]: xq as is (SDOT by element, layout sdot; the scalar reference)
   int8_t* xz;     // [M][K/32][64]: xq, then 32 zeros (the sdot assembly GEMV loads them as its zeroed int32 sums);
                   // layout sdot only, else nullptr
   int8_t* xp;     // [ceil(M/2)][K/32][4][16]: rows 2m, 2m+1 of octet o (inputs 8o..8o+7) side by side (SMMLA);
@@ -73,8 +74,8 @@ int block_bytes(int format);
 inline int book_shift(int r, int layout) {
   return layout == kLayoutSDOT ? 8 * (r / 4) + 2 * (r % 4) : 8 * (r % 2) + 2 * (r / 2);
 }
-size_t acts_bytes(int M, int K, int group_size, int layout);
-// x: [M][K] fp32.  workspace: acts_bytes(M, K, group_size, layout) bytes, 16-byte aligned; layout: the weights'.
+size_t acts_bytes(int M, int K, int group_size);
+// x: [M][K] fp32.  workspace: acts_bytes(M, K, group_size) bytes, 16-byte aligned; layout: the weights'.
 void prepare_acts(const float* x, int M, int K, int group_size, int format, int layout, void* workspace, Acts* out);
 
 // Best path of this CPU (getauxval on aarch64 Linux; kMMLA under SIMDe elsewhere).
@@ -87,7 +88,12 @@ void run(const Weights& w, const Acts& a, const float* bias, float* y, int b0, i
 // Scalar implementation of the same arithmetic (the harness's ground truth).
 void reference(const Weights& w, const Acts& a, const float* bias, float* y);
 
-// i8mm translation unit (kernels_i8mm.cpp): SMMLA kernel for pairs of activation rows.
+// i8mm translation unit (kernels_i8mm.cpp): SMMLA kernel for pairs of activation rows.  (Not inlined: the
+// instruction counter attributes executed instructions per symbol.)
 void run_mmla(const Weights& w, const Acts& a, const float* bias, float* y, int b0, int b1);
+
+// 64 zero bytes: the assemblies load their int32 sums from here (one load sets four registers), and the GEMV
+// uses them as the bias when there is none.
+alignas(16) inline constexpr float kZeros[16] = {};
 
 }  // namespace qlinear_arm
