@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_gemv import cublas_calls, tinygemm_calls  # noqa: E402
+from bench_gemv import cublas_calls, gemlite_calls, tinygemm_calls  # noqa: E402
 from common import gpu_run_header, gpu_time_us, op_calls, pool_size, table, uniform_bcq_sets  # noqa: E402
 
 from qlinear import backends  # noqa: E402
@@ -31,29 +31,6 @@ from qlinear.backends import cuda_lut, quick  # noqa: E402
 
 SHAPES = "8192x8192,4096x4096,11008x4096,4096x11008,28672x8192,8192x28672"
 BATCHES = "1,2,4,8,16,32,64,128,256,512"
-
-
-def gemlite_calls(M, N, K, bits, group=128):
-    """GemLite A16Wn (int codes, fp16 scales and zeros) over a pool of weight sets, or a string saying why it cannot
-    run (not installed, bits it lacks, Triton failing)."""
-    try:
-        from gemlite.helper import A16Wn
-    except Exception as e:
-        return f"gemlite not usable: {e!r}"[:200]
-    if bits not in (1, 2, 4, 8):
-        return f"gemlite has no {bits}-bit kernel"
-    n = pool_size(N * K * bits // 8 + 4 * N * K // group)
-    x = torch.randn(M, K, device="cuda", dtype=torch.float16)
-    try:
-        layers = [A16Wn(device="cuda").from_weights(
-            torch.randint(0, 2 ** bits, (N, K), device="cuda", dtype=torch.uint8),
-            torch.rand(N, K // group, device="cuda", dtype=torch.float16) * 0.01,
-            torch.full((N, K // group), 2 ** (bits - 1), device="cuda", dtype=torch.float16), bits, group)
-            for _ in range(n)]
-        layers[0](x)
-    except Exception as e:
-        return f"gemlite failed: {e!r}"[:300]
-    return [lambda lay=lay: lay(x) for lay in layers]
 
 
 def weight_bytes(M, N, K, q, g, offset_bytes=4):

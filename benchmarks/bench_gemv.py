@@ -1,6 +1,6 @@
 """Decode GEMV benchmark on one GPU: qlinear kernels vs cuBLAS fp16 and tinygemm int4, in the same run.
 
-    python benchmarks/bench_gemv.py [--quick] [--shapes 8192x8192,...] [--batches 1,2,4,8] [--bits 2,3,4]
+    python benchmarks/bench_gemv.py [--quick] [--shapes 8192x8192,...] [--batches 1,2,4,8] [--bits 2,3,4] [--gemlite-bits 2,4]
                                     [--groups 64,128,K] [--mixed-shapes ...] [--outliers 0,0.002,0.005]
                                     [--mixed-large-batches 16,32,64] [--no-mixed] [--markdown out.md]
 
@@ -9,7 +9,8 @@ pool three times the L2 size so every call reads its weights from DRAM.  Per row
 effective TB/s (every byte the kernel must read or write: codes, scales, offsets, x, y), that as a
 percentage of the device-copy bandwidth measured at the start of the run, and the speedup versus
 cuBLAS fp16 ``F.linear`` and versus ``torch._weight_int4pack_mm`` (tinygemm, bf16, group 128) at
-the same shape and batch.
+the same shape and batch.  GemLite's A16Wn kernels (int2/int4, group 128, fp16 scales and zeros; the wheel carried to
+the GPU machine, see gpu_checks.sh) are baseline rows of their own, with the same columns.
 
 Mixed 2/4/16 rows (``async_dequant``, issue 9), over ``--mixed-shapes`` × ``--batches`` with cuBLAS fp16 and the
 LUT GEMV at 2 and 3 bits (group 128) in the same run: per outlier ratio the kernel with asynchronous and with
@@ -55,7 +56,7 @@ def lut_calls(M, N, K, q, g, sms):
     G = math.ceil(K / g)
     n = pool_size(lut_bytes(M, N, K, q, g))
     x = torch.randn(M, K, device="cuda", dtype=torch.float16)
-    launch = cuda_lut.plan(M, N, K, sms)
+    launch = cuda_lut.plan(M, N, K, sms, q)
     sets = [(torch.randint(-2**31, 2**31 - 1, (K // 32, q, N), dtype=torch.int32, device="cuda"),
              torch.rand(G, q, N, device="cuda").half(), torch.randn(G, N, device="cuda").half()) for _ in range(n)]
     return [lambda s=s: torch.ops.qlinear.bcq_lut_gemv(x, s[0], s[1], s[2], None, None, g, *launch) for s in sets]
@@ -77,6 +78,29 @@ def tinygemm_calls(M, N, K, group=128):
         sz = torch.rand(K // group, N, 2, device="cuda").to(torch.bfloat16)
         sets.append((torch._convert_weight_to_int4pack(w, 8), sz))
     return [lambda s=s: torch._weight_int4pack_mm(x, s[0], group, s[1]) for s in sets]
+
+
+def gemlite_calls(M, N, K, bits, group=128):
+    """GemLite A16Wn (int codes, fp16 scales and zeros) over a pool of weight sets, or a string saying why it cannot
+    run (not installed, bits it lacks, Triton failing)."""
+    try:
+        from gemlite.helper import A16Wn
+    except Exception as e:
+        return f"gemlite not usable: {e!r}"[:200]
+    if bits not in (1, 2, 4, 8):
+        return f"gemlite has no {bits}-bit kernel"
+    n = pool_size(N * K * bits // 8 + 4 * N * K // group)
+    x = torch.randn(M, K, device="cuda", dtype=torch.float16)
+    try:
+        layers = [A16Wn(device="cuda").from_weights(
+            torch.randint(0, 2 ** bits, (N, K), device="cuda", dtype=torch.uint8),
+            torch.rand(N, K // group, device="cuda", dtype=torch.float16) * 0.01,
+            torch.full((N, K // group), 2 ** (bits - 1), device="cuda", dtype=torch.float16), bits, group)
+            for _ in range(n)]
+        layers[0](x)
+    except Exception as e:
+        return f"gemlite failed: {e!r}"[:300]
+    return [lambda lay=lay: lay(x) for lay in layers]
 
 
 def mixed_bytes(M: int, N: int, K: int, cfg) -> int:
@@ -129,6 +153,7 @@ def main() -> None:
     ap.add_argument("--outliers", default="0,0.002,0.005", help="outlier ratios of the mixed rows")
     ap.add_argument("--mixed-large-batches", default="16,32,64", help="M > 8 rows of the mixed kernel ('' = none)")
     ap.add_argument("--no-mixed", action="store_true", help="skip the mixed 2/4/16 rows")
+    ap.add_argument("--gemlite-bits", default="2,4", help="GemLite A16Wn g128 baseline rows ('' = none)")
     ap.add_argument("--quick", action="store_true", help="8192x8192 only, M=1 and 8, group 128")
     ap.add_argument("--markdown", help="also write the table to this file")
     args = ap.parse_args()
@@ -145,6 +170,7 @@ def main() -> None:
     print(head, flush=True)
     rows = []
     fp16_us, int4_us = {}, {}
+    gemlite_bits = [int(b) for b in args.gemlite_bits.split(",") if b]
 
     def baselines(N, K, M):
         if (N, K, M) not in fp16_us:
@@ -153,6 +179,16 @@ def main() -> None:
             t = fp16_us[N, K, M]
             rows.append(["cuBLAS fp16", "fp16", f"{N}x{K}", M, t, (2 * N * K + 2 * M * (N + K)) / t / 1e6, "", 1.0,
                          int4_us[N, K, M] / t])
+            for q in gemlite_bits:
+                gl = gemlite_calls(M, N, K, q) if K % 128 == 0 else "K not a multiple of 128"
+                if isinstance(gl, str):
+                    print(gl, flush=True)
+                    continue
+                tg = gpu_time_us(gl)
+                nb = q * N * K // 8 + 4 * N * K // 128 + 2 * M * (N + K)
+                rows.append(["GemLite", f"int{q} g128", f"{N}x{K}", M, tg, nb / tg / 1e6,
+                             f"{100 * nb / tg / 1e6 / copy_bw:.0f}%", t / tg, int4_us[N, K, M] / tg])
+                del gl
         return fp16_us[N, K, M], int4_us[N, K, M]
 
     def lut_row(N, K, M, q, gs):

@@ -9,6 +9,7 @@
 #   bash benchmarks/gpu_checks.sh e2e [fp16|bcq4|bcq3]  # bench_e2e.py, all variants or one per call (compiles are slow)
 #   bash benchmarks/gpu_checks.sh tp         # bench_tp.py --single cuda: act_order reordered vs the g_idx path
 #   bash benchmarks/gpu_checks.sh sweep      # sweep_plans.py: every launch around plan() of the LUT GEMV and QUICK
+#   bash benchmarks/gpu_checks.sh ncu [NxK] [bits] [M]  # ncu --set full on one LUT GEMV call (profile_one.py)
 #   bash benchmarks/gpu_checks.sh quick      # build + tests + the --quick benchmarks, one short call
 # Outputs land in $OUT (or ./gpu-out) for benchmarks/RESULTS.md.  GemLite is installed from wheels/ if present
 # (there is no internet on the GPU machine: build it here with
@@ -67,10 +68,14 @@ case "$STAGE" in
   tune) python3 benchmarks/tune_dispatch.py 2>&1 | tail -5; cp backends/dispatch/*.json "$OUT/" ;;
   e2e) python3 benchmarks/bench_e2e.py --variants "${2:-fp16,bcq4,bcq3}" --markdown "$OUT/bench_e2e_${2:-all}.md" 2>&1 | tail -15 ;;
   tp) python3 benchmarks/bench_tp.py --single cuda 2>&1 | tee "$OUT/bench_tp_single.md" | tail -25 ;;
+  ncu)
+    ncu --set full -k regex:lut_gemv_kernel --launch-skip 5 --launch-count 1 python3 benchmarks/profile_one.py \
+      --shape "${2:-8192x8192}" --bits "${3:-4}" --M "${4:-1}" >"$OUT/ncu_lut_${2:-8192x8192}_q${3:-4}_m${4:-1}.txt" 2>&1
+    tail -60 "$OUT/ncu_lut_${2:-8192x8192}_q${3:-4}_m${4:-1}.txt" ;;
   sweep) timeout 560 python3 benchmarks/sweep_plans.py --markdown "$OUT/sweep_plans.md" 2>&1 | tail -60 ;;
   quick)
     build; tests
     python3 benchmarks/bench_gemv.py --quick --markdown "$OUT/bench_gemv.md" 2>&1 | tail -12
     python3 benchmarks/bench_gemm.py --quick --markdown "$OUT/bench_gemm.md" 2>&1 | tail -12 ;;
-  *) echo "unknown stage $STAGE (build|test|sanitize|bench|tune|e2e|tp|sweep|quick)"; exit 2 ;;
+  *) echo "unknown stage $STAGE (build|test|sanitize|bench|tune|e2e|tp|sweep|ncu|quick)"; exit 2 ;;
 esac

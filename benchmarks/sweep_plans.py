@@ -31,13 +31,14 @@ SHAPES = "576x576,1536x576,576x1536,4096x4096,8192x8192,28672x8192"
 SPLIT_TARGETS = (1, 2, 4, 8, 16, 32)
 
 
-def lut_launches(M: int, N: int, K: int, sms: int) -> list[tuple[int, int, int, int]]:
-    """``(kt, threads, tiles_per_split, splits)`` grid for the LUT GEMV: tables within 32 KiB (``M·kt <= 256``),
-    32..256 threads, K split into 1..32 parts; the heuristic's plan first."""
-    out = [cuda_lut.plan(M, N, K, sms)]
-    for kt, threads, s in itertools.product((32, 64, 128, 256), (32, 64, 128, 256), SPLIT_TARGETS):
-        tiles = math.ceil(K / kt)
-        if M * kt > 256 or threads > 32 * math.ceil(N / 128):
+def lut_launches(M: int, N: int, K: int, sms: int, bits: int) -> list[tuple[int, int, int, int]]:
+    """``(kt, threads, tiles_per_split, splits)`` grid for the LUT GEMV: its fixed ``kt`` (``32·words(M, bits)``),
+    32..256 threads, K split into 1..64 parts; the heuristic's plan first."""
+    out = [cuda_lut.plan(M, N, K, sms, bits)]
+    kt = 32 * cuda_lut.words(M, bits)
+    tiles = math.ceil(K / kt)
+    for threads, s in itertools.product((32, 64, 128, 256), SPLIT_TARGETS + (64,)):
+        if threads > 32 * math.ceil(N / 128):
             continue
         per = math.ceil(tiles / min(tiles, s))
         launch = (kt, threads, per, math.ceil(tiles / per))
@@ -74,12 +75,12 @@ def weight_pool(kernel: str, N: int, K: int, bits: int, group: int) -> tuple[obj
     return cfg, [dict(zip(_ops._names("bcq", cfg.to_json(), N, K, kernel), s)) for s in first + rest]
 
 
-def sweep(kernel: str, cfg, pool: list[dict], N: int, K: int, M: int, sms: int) -> tuple[list, list]:
+def sweep(kernel: str, cfg, pool: list[dict], N: int, K: int, M: int, sms: int, bits: int) -> tuple[list, list]:
     """Rows ``[kernel, shape, M, launch, µs, max rel diff vs heuristic]`` for every launch, and the act_order row
     ``[kernel, shape, M, best launch, µs, µs with perm in the kernel, µs with index_select first]``."""
     gs = cfg.group(K)
     x = torch.randn(M, K, device="cuda", dtype=torch.float16)
-    launches = (lut_launches if kernel == "cuda_lut" else quick_launches)(M, N, K, sms)
+    launches = lut_launches(M, N, K, sms, bits) if kernel == "cuda_lut" else quick_launches(M, N, K, sms)
     want = _op(kernel, x, pool[0], None, gs, launches[0]).float()
     rows = []
     for launch in launches:
@@ -126,7 +127,7 @@ def main() -> None:
             N, K = map(int, shape.split("x"))
             cfg, pool = weight_pool(k, N, K, args.bits, args.group)
             for M in map(int, (args.lut_batches if k == "cuda_lut" else args.quick_batches).split(",")):
-                rows, act = sweep(k, cfg, pool, N, K, M, sms)
+                rows, act = sweep(k, cfg, pool, N, K, M, sms, args.bits)
                 if md:
                     with md.open("a") as f:
                         f.write(table([""] * 6, rows).split("\n", 2)[2] + "\n")

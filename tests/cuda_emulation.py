@@ -55,6 +55,12 @@ template <class T> inline T __ldg(const T* p) { return *p; }
 inline unsigned __funnelshift_r(unsigned lo, unsigned hi, unsigned s) {
   return (unsigned)((((unsigned long long)hi << 32) | lo) >> (s & 31));
 }
+inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {  // byte n of the result: byte s[4n+2:4n] of {y, x}
+  const unsigned long long v = (unsigned long long)y << 32 | x;
+  unsigned r = 0;
+  for (int n = 0; n < 4; ++n) r |= (unsigned)((v >> (8 * ((s >> (4 * n)) & 7))) & 255) << (8 * n);
+  return r;
+}
 inline float __uint_as_float(unsigned u) { float f; std::memcpy(&f, &u, 4); return f; }
 inline unsigned __float_as_uint(float f) { unsigned u; std::memcpy(&u, &f, 4); return u; }
 using std::min;

@@ -9,6 +9,7 @@ rounding of the output (``u_out·|y|``) for fp16/bf16 outputs.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 
 import pytest
@@ -58,7 +59,7 @@ def test_spec_matches_reference_in_float64(bits, group_size, N, K):
         x = torch.randn(M, K)
         y64 = ref64(mod, x)
         for sms in (1, 132):  # one split and many splits
-            launch = cuda_lut.plan(M, N, K, sms)
+            launch = cuda_lut.plan(M, N, K, sms, bits)
             y = cuda_lut.spec(x, bufs, mod.bias, mod.config, N, K, launch)
             err = (y.double() - y64).abs()
             assert (err <= _bound(mod, x)).all(), (launch, err.max().item())
@@ -70,7 +71,7 @@ def test_spec_catches_a_wrong_layout():
     bufs = cuda_lut.repack(mod.canonical(), mod.config, 128, 256)
     bufs["lut_planes"] = bufs["lut_planes"].flip(0).contiguous()
     x = torch.randn(1, 256)
-    y = cuda_lut.spec(x, bufs, mod.bias, mod.config, 128, 256, cuda_lut.plan(1, 128, 256, 4))
+    y = cuda_lut.spec(x, bufs, mod.bias, mod.config, 128, 256, cuda_lut.plan(1, 128, 256, 4, 2))
     assert not ((y.double() - ref64(mod, x)).abs() <= _bound(mod, x)).all()
 
 
@@ -88,18 +89,35 @@ def test_layout_round_trip_is_bit_exact(offset, fp32_offset):
                                            for k in canon)
 
 
-@pytest.mark.parametrize("M", range(1, 9))
-@pytest.mark.parametrize("N,K", [(576, 576), (1536, 576), (4096, 4096), (8192, 8192), (28672, 8192),
-                                 (8192, 28672), (64, 64), (12288, 12288)])
-@pytest.mark.parametrize("sms", [1, 78, 132])
-def test_plan_covers_every_tile_once_within_limits(M, N, K, sms):
-    kt, threads, per_split, splits = cuda_lut.plan(M, N, K, sms)
-    tiles = math.ceil(K / kt)
-    assert kt % 32 == 0 and kt * M <= 256 or kt == 32
-    assert threads % 32 == 0 and 32 <= threads <= 256
-    assert (splits - 1) * per_split < tiles <= splits * per_split
-    smem = 4 * M * (kt // 8 * 256 + kt // 32 + kt)
-    assert smem <= 48 * 1024  # no opt-in needed, several blocks per SM
+def test_plan_covers_every_tile_once_within_limits():
+    shapes = [(576, 576), (1536, 576), (4096, 4096), (8192, 8192), (28672, 8192), (8192, 28672), (64, 64),
+              (12288, 12288), (96, 320)]
+    for M, bits, (N, K), sms in itertools.product(range(1, 9), range(1, 5), shapes, (1, 78, 132)):
+        kt, threads, per_split, splits = cuda_lut.plan(M, N, K, sms, bits)
+        W = kt // 32
+        assert W in (1, 2, 4) and W * bits <= 8 and W * M <= 8 and (W == 4 or 2 * W * max(bits, M) > 8)
+        tiles = math.ceil(K / kt)
+        assert threads % 32 == 0 and 32 <= threads <= 256 and 4 * threads <= 128 * math.ceil(N / 128)
+        assert (splits - 1) * per_split < tiles <= splits * per_split
+        assert 2 * 4 * M * (kt // 8) * 256 <= 64 * 1024  # two table buffers
+
+
+def test_python_words_match_the_kernel_header(tmp_path):
+    """words() and the header's lut_gemv_words (which picks the kernel template) must agree for every M and Q."""
+    import shutil
+    import subprocess
+
+    from cuda_emulation import BACKENDS, cuda_home
+
+    if shutil.which("g++") is None or cuda_home() is None:
+        pytest.skip("needs g++ and the CUDA headers")
+    src = tmp_path / "w.cpp"
+    src.write_text('#include "cuda_lut/bcq_lut_gemv.h"\n#include <cstdio>\nint main() { for (int m = 1; m <= 8; ++m)'
+                   ' for (int q = 1; q <= 4; ++q) printf("%d ", qlinear::lut_gemv_words(m, q)); }\n')
+    subprocess.run(["g++", "-std=c++17", f"-I{BACKENDS}", f"-I{cuda_home() / 'include'}", str(src), "-o",
+                    str(tmp_path / "w")], check=True)
+    got = subprocess.run([str(tmp_path / "w")], capture_output=True, text=True, check=True).stdout.split()
+    assert [int(w) for w in got] == [cuda_lut.words(m, q) for m in range(1, 9) for q in range(1, 5)]
 
 
 def test_op_schema_takes_the_launch_plan_in_plan_order():
@@ -141,7 +159,7 @@ def spec_kernel():
             x = x.index_select(-1, bufs["perm"])
             k.gathered.append(1)
         x2 = x.reshape(-1, K)
-        y = cuda_lut.spec(x2, bufs, bias, cfg, N, K, cuda_lut.plan(x2.shape[0], N, K, 4))
+        y = cuda_lut.spec(x2, bufs, bias, cfg, N, K, cuda_lut.plan(x2.shape[0], N, K, 4, cfg.bits))
         return y.to(x.dtype).reshape(*x.shape[:-1], N)
 
     k = backends.register(Kernel(backend="lut_spec", format="bcq", fn=fn, priority=100,
@@ -307,7 +325,7 @@ namespace emu {
 using namespace qlinear;
 template <typename T, int M, int Q> void run(const LutGemvArgs& a) {
   run_grid(dim3((a.N + 4 * a.threads - 1) / (4 * a.threads), a.splits, 1), a.threads,
-           [&a] { lut_gemv_kernel<T, M, Q>(a); });
+           [&a] { lut_gemv_kernel<T, M, Q, lut_gemv_words(M, Q)>(a); });
   if (a.splits > 1) emulate_reduce_splits<T>(a.partial, a.bias, a.y, a.splits, a.M, a.N);
 }
 template <typename T, int M> void run_q(const LutGemvArgs& a) {
@@ -386,14 +404,14 @@ def test_kernel_source_under_host_emulation(emulator, bits, group_size, offset, 
         x = torch.randn(M, K).to(dtype)
         y64 = ref64(mod, x)
         for sms in (1, 132):
-            launch = cuda_lut.plan(M, N, K, sms)
+            launch = cuda_lut.plan(M, N, K, sms, bits)
             y = _emulate(emulator, x, bufs, mod.bias, cfg, N, K, launch)
             err = (y.double() - y64).abs()
             assert (err <= _bound(mod, x, eps, y64)).all(), (M, launch, err.max().item())
     # act_order: the kernel reads x[:, perm] as it loads x (bitwise the same as gathering first)
     perm = torch.randperm(K, generator=torch.Generator().manual_seed(1)).to(torch.int32)
     x = torch.randn(3, K).to(dtype)
-    launch = cuda_lut.plan(3, N, K, 132)
+    launch = cuda_lut.plan(3, N, K, 132, bits)
     assert torch.equal(_emulate(emulator, x, bufs, mod.bias, cfg, N, K, launch, perm=perm),
                        _emulate(emulator, x[:, perm.long()], bufs, mod.bias, cfg, N, K, launch))
 
@@ -412,7 +430,7 @@ def test_act_order_layer_gathers_x_inside_the_kernel():
     planes, alpha, offset, perm = (getattr(mod, n) for n in ("lut_planes", "lut_alpha", "lut_offset", "perm"))
     for M in (1, 8):
         x = torch.randn(M, 576, device="cuda", dtype=torch.float16)
-        launch = cuda_lut.plan(M, 1536, 576, torch.cuda.get_device_properties(0).multi_processor_count)
+        launch = cuda_lut.plan(M, 1536, 576, torch.cuda.get_device_properties(0).multi_processor_count, 4)
         gathered = torch.ops.qlinear.bcq_lut_gemv(x[:, perm.long()].contiguous(), planes, alpha, offset, None, mod.bias,
                                                   64, *launch)
         assert torch.equal(mod(x), gathered)

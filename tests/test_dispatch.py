@@ -41,7 +41,7 @@ def fake_gpu(tmp_path, monkeypatch):
     monkeypatch.setattr(dispatch, "_device_name", lambda device: "Fake GPU x1")
 
     def lut_fn(x, bufs, bias, cfg, N, K):
-        y = cuda_lut.spec(x.reshape(-1, K), bufs, bias, cfg, N, K, cuda_lut.plan(x.numel() // K, N, K, 4))
+        y = cuda_lut.spec(x.reshape(-1, K), bufs, bias, cfg, N, K, cuda_lut.plan(x.numel() // K, N, K, 4, cfg.bits))
         return y.to(x.dtype).reshape(*x.shape[:-1], N)
 
     def quick_fn(x, bufs, bias, cfg, N, K):

@@ -3,7 +3,8 @@
 ``y = x Ŵᵀ + b`` for ``x`` ``[M, K]`` fp16/bf16, ``M <= 8``, BCQ with 1..4 bit-planes, any group size
 (multiple of 32 or the whole row), with or without offset, fp32 accumulation, deterministic split-K.
 The kernel (``bcq_lut_gemv.cu``) builds, per K tile, the 256 partial sums ``±x_j`` of every 8 inputs
-in shared memory and turns every weight byte into one table lookup.
+in shared memory and turns every weight byte into one table lookup; each thread keeps the plane words, α and
+offsets of a whole K tile (``words(M, bits)`` words) in flight while the tables are built and looked up.
 
 Layout ``cuda_lut`` (repacked once when a module lands on a GPU; a permutation of the canonical
 buffers, so it costs no extra memory and :func:`unrepack` restores them exactly):
@@ -32,7 +33,7 @@ from .. import Kernel, Layout, register
 from .._native import build_cuda_backend
 from .._native import sm_count as _sms  # module attribute: tests replace it without a GPU
 
-__all__ = ["LAYOUT", "MAX_BATCH", "plan", "spec", "repack", "unrepack", "linear"]
+__all__ = ["LAYOUT", "MAX_BATCH", "words", "plan", "spec", "repack", "unrepack", "linear"]
 
 MAX_BATCH = 8
 _HERE = Path(__file__).parent
@@ -61,17 +62,27 @@ def unrepack(buffers: dict, cfg, out_features: int, in_features: int) -> dict:
 LAYOUT = Layout(name="cuda_lut", names=_names, repack=repack, unrepack=unrepack)
 
 
-def plan(M: int, N: int, K: int, sms: int) -> tuple[int, int, int, int]:
-    """Launch shape ``(kt, threads, tiles_per_split, splits)`` for ``x`` ``[M, K]`` and ``N`` rows.
+def words(M: int, bits: int) -> int:
+    """K words (32 inputs) per tile for batch ``M`` and ``bits`` planes: the largest power of two up to 4 with
+    ``W·bits <= 8`` (plane words held in registers per thread) and ``W·M <= 8`` (tables); ``lut_gemv_words`` in
+    ``bcq_lut_gemv.h``."""
+    w = 4
+    while w > 1 and (w * bits > 8 or w * M > 8):
+        w //= 2
+    return w
 
-    ``kt`` (inputs per K tile) keeps one tile's tables at ``M·kt/8`` KiB ≤ 32 KiB; blocks of ``threads``
-    threads own ``4·threads`` rows (the most rows per block that still gives one block per SM: tables
-    are built once per block, so big blocks amortise them); K is then split into whole tiles until
-    there are about two blocks per SM.
+
+def plan(M: int, N: int, K: int, sms: int, bits: int) -> tuple[int, int, int, int]:
+    """Launch shape ``(kt, threads, tiles_per_split, splits)`` for ``x`` ``[M, K]``, ``N`` rows and ``bits`` planes.
+
+    ``kt = 32·words(M, bits)`` inputs per K tile (fixed by the kernel's template); blocks of ``threads`` threads own
+    ``4·threads`` rows (the most rows per block that still gives two blocks per SM: tables are built once per block,
+    so big blocks amortise them); K is then split into whole tiles until there are about two blocks per SM (the
+    kernel's register budget lets two 256-thread blocks reside on an SM).
     """
-    kt = max(32, 256 // M // 32 * 32)
+    kt = 32 * words(M, bits)
     tiles = math.ceil(K / kt)
-    threads = next((t for t in (256, 128, 64) if math.ceil(N / (4 * t)) * tiles >= sms), 32)
+    threads = next((t for t in (256, 128, 64) if math.ceil(N / (4 * t)) * tiles >= 2 * sms), 32)
     threads = min(threads, 32 * math.ceil(N / 128))
     blocks_n = math.ceil(N / (4 * threads))
     per_split = math.ceil(tiles / min(tiles, math.ceil(2 * sms / blocks_n)))
@@ -90,7 +101,8 @@ def spec(x: torch.Tensor, buffers: dict, bias: Optional[torch.Tensor], cfg, out_
     Follows ``lut_gemv_kernel``: for each split and tile, 256-entry tables over 8 inputs built as
     ``T[b] = lo[b & 31] + hi[b >> 5]`` (signed sums of inputs 0..4 and 5..7), byte ``j`` of a plane word indexes the
     table of inputs ``32w + 8j .. 32w + 8j + 7``, the four lookups of a word are scaled by α of the
-    word's group and the offset multiplies Σx of the word; split partials are summed in order.
+    word's group and the offset multiplies Σx of the word (the sum of its four tables' entry 255, which holds the
+    sum of their 8 inputs); split partials are summed in order.
     """
     kt, _, per_split, splits = launch
     M, K, N = x.shape[0], in_features, out_features
@@ -112,7 +124,8 @@ def spec(x: torch.Tensor, buffers: dict, bias: Optional[torch.Tensor], cfg, out_
             lo = x8[..., :5] @ sign5.T                                     # [M, kw/8, 32]
             hi = x8[..., 5:] @ sign3.T                                     # [M, kw/8, 8]
             lut = lo[:, :, b & 31] + hi[:, :, b >> 5]                      # [M, kw/8, 256]
-            xsum = xs.reshape(M, kw // 32, 32).sum(-1)                     # [M, W]
+            ends = lut[:, :, 255].reshape(M, kw // 32, 4)                 # Σ of each table's 8 inputs
+            xsum = ((ends[..., 0] + ends[..., 1]) + ends[..., 2]) + ends[..., 3]  # [M, W]: Σx over each word
             words = planes[k0 // 32:(k0 + kw) // 32].long() & 0xFFFFFFFF   # [W, Q, N]
             idx = (words[:, None] >> shifts) & 255                         # [W, 4, Q, N]
             W = words.shape[0]
@@ -131,7 +144,7 @@ def linear(x: torch.Tensor, buffers: dict, bias, cfg, out_features: int, in_feat
     """Registry entry: ``x`` ``[..., K]`` fp16/bf16 on CUDA, at most 8 rows -> ``[..., N]``.  An act_order layer's
     ``perm`` (in ``buffers``) is applied as the kernel loads x into shared memory (no separate gather)."""
     x2 = x.reshape(-1, in_features).contiguous()
-    launch = plan(x2.shape[0], out_features, in_features, _sms(x.device.index or 0))
+    launch = plan(x2.shape[0], out_features, in_features, _sms(x.device.index or 0), cfg.bits)
     y = torch.ops.qlinear.bcq_lut_gemv(x2, buffers["lut_planes"], buffers["lut_alpha"], buffers.get("lut_offset"),
                                        buffers.get("perm"), bias, cfg.group(in_features), *launch)
     return y.reshape(*x.shape[:-1], out_features)

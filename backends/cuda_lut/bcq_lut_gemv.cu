@@ -4,16 +4,23 @@
 // inputs, Σ_j b_j·x_j takes one of 256 values.  Each block computes those 256 partial sums for every
 // 8 inputs of its K tile once (in fp32, shared memory) and then every weight byte of every plane of
 // every row it owns is a single table lookup instead of 8 multiply-adds.  One warp builds a table in
-// registers as T[b] = lo[b & 31] + hi[b >> 5] (lo over inputs 0..4, hi over 5..7): one add per entry and
-// eight conflict-free stores per lane.  Lookups are random per lane (~3.2 shared-memory wavefronts per
-// warp lookup for uniform bytes): see benchmarks/RESULTS.md for what that costs.
+// registers as T[b] = lo[b & 31] + hi[b >> 5] (lo over inputs 0..4, hi over 5..7), reading its 8 inputs
+// straight from x (one 16-byte load); the table is antisymmetric (T[255 - b] = -T[b], exactly, since
+// rounding is symmetric), so each lane computes 4 sums and stores 8 entries, conflict-free.  Lookups are
+// random per lane (~3.2 shared-memory wavefronts per warp lookup for uniform bytes).
 //
-// Work split: thread = 4 consecutive output rows (one 16-byte load gives the same plane word of all
-// four), block = `threads` threads × K tile of `kt` inputs (kt·M ≤ 256 keeps the tables ≤ 32 KB),
-// gridDim.y = split-K slices of `tiles_per_split` tiles so small layers still fill the GPU.  With
-// splits > 1 each slice writes fp32 partial sums and a second kernel adds them in slice order, so the
-// result is deterministic (no atomics).  Accumulation is fp32 throughout; α and the offset are
-// applied per 32-input word (the group of a word is uniform because group_size is a multiple of 32).
+// Memory pipeline (the kernel is bound by the weight stream, so it keeps it in flight): a thread owns 4
+// consecutive output rows and, per K tile of W words (32 inputs each), holds the tile's plane words
+// (one 16-byte load per plane and word gives the 4 rows), α and offsets in registers.  The first tile's
+// loads are issued before any table is built; as soon as word w of tile t has been looked up, word w of
+// tile t+1 is loaded into the same registers, so W·Q 16-byte loads per thread stay in flight while the
+// next tables are built.  Tables are double-buffered in shared memory: one barrier per tile.
+//
+// Work split: block = `threads` threads × 4 rows, K tiles of kt = 32·W inputs (W·Q ≤ 8 and W·M ≤ 8 bound
+// the registers and the tables), gridDim.y = split-K slices of `tiles_per_split` tiles so small layers
+// still fill the GPU.  With splits > 1 each slice writes fp32 partial sums and a second kernel adds them
+// in slice order, so the result is deterministic (no atomics).  Accumulation is fp32 throughout; α and
+// the offset are applied per 32-input word (group_size is a multiple of 32, so a word has one group).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -34,23 +41,94 @@ __device__ __forceinline__ unsigned word_of(const uint4& v, int r) {
   return r == 0 ? v.x : r == 1 ? v.y : r == 2 ? v.z : v.w;
 }
 
-template <typename T, int M, int Q>
-__global__ void __launch_bounds__(256) lut_gemv_kernel(const LutGemvArgs a) {
+// Entry (byte j of w) of table j of a word's four (inputs 8j..8j+7): written on byte addresses so that it compiles to
+// PRMT + LEA + LDS with the table offset as the immediate.
+__device__ __forceinline__ float lookup(const float* L, unsigned w, int j) {
+  const char* base = reinterpret_cast<const char*>(L) + 1024 * j;
+  return *reinterpret_cast<const float*>(base + 4 * __byte_perm(w, 0u, 0x4440u + j));
+}
+
+// The 8 inputs x[m, k .. k+7] (x[m, perm[k .. k+7]] for act_order layers), raw: 8 fp16/bf16 values in 16 bytes.
+template <typename T>
+__device__ __forceinline__ uint4 load_x8(const T* x, const int* perm, bool vec, int k) {
+  if (vec) return __ldg(reinterpret_cast<const uint4*>(x + k));
+  const unsigned short* xs = reinterpret_cast<const unsigned short*>(x);
+  unsigned u[4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const int k0 = perm ? __ldg(perm + k + 2 * j) : k + 2 * j, k1 = perm ? __ldg(perm + k + 2 * j + 1) : k + 2 * j + 1;
+    u[j] = (unsigned)xs[k0] | (unsigned)xs[k1] << 16;
+  }
+  return make_uint4(u[0], u[1], u[2], u[3]);
+}
+
+// Table of 8 inputs: lane t writes T[t + 32i] = lo[t] + hi[i] and T[255 - t - 32i] = -(lo[t] + hi[i]), i = 0..3.
+template <typename T>
+__device__ __forceinline__ void build_table(uint4 raw, int lane, float* tab) {
+  const T* h = reinterpret_cast<const T*>(&raw);
+  float xv[8];
+#pragma unroll
+  for (int j = 0; j < 8; ++j) xv[j] = to_float<T>(h[j]);
+  float lo = 0.f;
+#pragma unroll
+  for (int j = 0; j < 5; ++j) lo += ((lane >> j) & 1) ? xv[j] : -xv[j];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float hi = ((i & 1) ? xv[5] : -xv[5]) + ((i & 2) ? xv[6] : -xv[6]) + ((i & 4) ? xv[7] : -xv[7]);
+    tab[lane + 32 * i] = lo + hi;
+    tab[255 - lane - 32 * i] = -(lo + hi);
+  }
+}
+
+
+// Registers of one K word for the 4 rows of a thread: the Q plane words, α (fp16) and the offset (raw bits).
+template <int Q>
+struct Word {
+  uint4 bits[Q];
+  uint2 alpha[Q];
+  uint4 offset;
+};
+
+template <int Q>
+__device__ __forceinline__ void load_word(Word<Q>& wd, const LutGemvArgs& a, int kword, int n0) {
+  const int N = a.N, g = kword * 32 / a.group_size;
+  const uint4* planes = reinterpret_cast<const uint4*>(a.planes);
+  const uint2* alpha = reinterpret_cast<const uint2*>(a.alpha);
+#pragma unroll
+  for (int q = 0; q < Q; ++q) {
+    wd.bits[q] = __ldg(planes + ((size_t)kword * Q + q) * (N / 4) + n0 / 4);
+    wd.alpha[q] = __ldg(alpha + ((size_t)g * Q + q) * (N / 4) + n0 / 4);
+  }
+  if (a.offset_dtype == DType::kHalf) {
+    const uint2 o = __ldg(reinterpret_cast<const uint2*>(a.offset) + ((size_t)g * N + n0) / 4);
+    wd.offset = make_uint4(o.x, o.y, 0u, 0u);
+  } else if (a.offset_dtype == DType::kFloat) {
+    wd.offset = __ldg(reinterpret_cast<const uint4*>(a.offset) + ((size_t)g * N + n0) / 4);
+  }
+}
+
+template <typename T, int M, int Q, int W>
+__global__ void __launch_bounds__(256, 2) lut_gemv_kernel(const LutGemvArgs a) {
+  constexpr int kt = 32 * W, kTables = M * (kt / 8);  // tables per tile, [M][kt/8][256] floats per buffer
+  constexpr int kXBatch = M * Q >= 16 ? 2 : 4;  // tables a warp loads the inputs of at once (latency paid once per batch)
   extern __shared__ float smem[];
-  const int kt = a.kt;
-  float* lut = smem;                        // [M][kt/8][256]
-  float* xsum = lut + M * (kt / 8) * 256;   // [M][kt/32]: Σx over each 32-input word
-  float* xs = xsum + M * (kt / 32);         // [M][kt]
 
   const T* x = static_cast<const T*>(a.x);
-  const int N = a.N, K = a.K, tid = threadIdx.x;
+  const int N = a.N, K = a.K, tid = threadIdx.x, lane = tid & 31;
   const int n0 = (blockIdx.x * blockDim.x + tid) * 4;
   const bool active = n0 < N;
+  const bool vec = a.perm == nullptr && (reinterpret_cast<size_t>(a.x) & 15) == 0;
   const int tiles = (K + kt - 1) / kt;
   const int t_begin = blockIdx.y * a.tiles_per_split;
   const int t_end = min(t_begin + a.tiles_per_split, tiles);
-  const uint4* planes = reinterpret_cast<const uint4*>(a.planes);
-  const uint2* alpha = reinterpret_cast<const uint2*>(a.alpha);
+
+  Word<Q> wd[W];
+  if (active) {
+    const int words = min(kt, K - t_begin * kt) / 32;
+#pragma unroll
+    for (int w = 0; w < W; ++w)
+      if (w < words) load_word<Q>(wd[w], a, t_begin * W + w, n0);
+  }
 
   float acc[M][4];
 #pragma unroll
@@ -59,73 +137,58 @@ __global__ void __launch_bounds__(256) lut_gemv_kernel(const LutGemvArgs a) {
     for (int r = 0; r < 4; ++r) acc[m][r] = 0.f;
 
   for (int t = t_begin; t < t_end; ++t) {
-    const int k0 = t * kt, kw = min(kt, K - k0);  // kw: multiple of 32
-    __syncthreads();  // the previous tile's lookups are done
-    for (int i = tid; i < M * kw; i += blockDim.x) {
-      const int m = i / kw, k = i - m * kw;
-      xs[m * kt + k] = to_float<T>(x[(size_t)m * K + (a.perm ? __ldg(a.perm + k0 + k) : k0 + k)]);  // act_order: x[:, perm]
-    }
-    __syncthreads();
-    for (int i = tid; i < M * (kw / 32); i += blockDim.x) {
-      const int m = i / (kw / 32), w = i - m * (kw / 32);
-      const float* xv = xs + m * kt + 32 * w;
-      float s = 0.f;
-      for (int j = 0; j < 32; ++j) s += xv[j];
-      xsum[m * (kt / 32) + w] = s;
-    }
-    // One warp per 256-entry table: lane t writes entries t + 32i, i = 0..7, as lo[t] + hi[i] where lo sums
-    // inputs 0..4 (signs from t) and hi inputs 5..7 (signs from i): 8 conflict-free stores per lane.
-    for (int tb = tid >> 5; tb < M * (kw / 8); tb += blockDim.x >> 5) {
-      const int m = tb / (kw / 8), c = tb - m * (kw / 8), lane = tid & 31;
-      const float* xv = xs + m * kt + 8 * c;
-      float lo = 0.f;
+    const int k0 = t * kt, words = min(kt, K - k0) / 32;
+    float* lut = smem + (t & 1) * kTables * 256;
+    // The other buffer was read by tile t-1's lookups, which every thread finished before the barrier below
+    // of iteration t-1; this buffer was last read by tile t-2's, finished before the barrier of iteration t-1.
+    const int tables = M * words * 4, warps = blockDim.x >> 5;
+    for (int tb0 = tid >> 5; tb0 < tables; tb0 += kXBatch * warps) {
+      uint4 xv[kXBatch];  // the inputs of up to kXBatch tables, loaded before any is built
 #pragma unroll
-      for (int j = 0; j < 5; ++j) lo += ((lane >> j) & 1) ? xv[j] : -xv[j];
-      float* tab = lut + (m * (kt / 8) + c) * 256 + lane;
+      for (int u = 0; u < kXBatch; ++u) {
+        const int tb = tb0 + u * warps, m = tb / (words * 4), c = tb - m * (words * 4);
+        if (tb < tables) xv[u] = load_x8<T>(x + (size_t)m * K, a.perm, vec, k0 + 8 * c);
+      }
 #pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        const float hi = ((i & 1) ? xv[5] : -xv[5]) + ((i & 2) ? xv[6] : -xv[6]) + ((i & 4) ? xv[7] : -xv[7]);
-        tab[32 * i] = lo + hi;
+      for (int u = 0; u < kXBatch; ++u) {
+        const int tb = tb0 + u * warps, m = tb / (words * 4), c = tb - m * (words * 4);
+        if (tb < tables) build_table<T>(xv[u], lane, lut + (m * (kt / 8) + c) * 256);
       }
     }
     __syncthreads();
     if (!active) continue;
 
-    int cur_g = -1;
-    float al[Q][4], off[4] = {0.f, 0.f, 0.f, 0.f};
-    for (int w = 0; w < kw / 32; ++w) {
-      const int kword = k0 / 32 + w;
-      const int g = kword * 32 / a.group_size;
-      uint4 bits[Q];
+    const int next_words = t + 1 < t_end ? min(kt, K - k0 - kt) / 32 : 0;
 #pragma unroll
-      for (int q = 0; q < Q; ++q) bits[q] = __ldg(planes + ((size_t)kword * Q + q) * (N / 4) + n0 / 4);
-      if (g != cur_g) {  // uniform across the block: every thread is at the same word
-        cur_g = g;
+    for (int w = 0; w < W; ++w) {
+      if (w >= words) break;
+      float al[Q][4], off[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-        for (int q = 0; q < Q; ++q) half4_to_float(__ldg(alpha + ((size_t)g * Q + q) * (N / 4) + n0 / 4), al[q]);
-        if (a.offset_dtype == DType::kHalf) {
-          half4_to_float(__ldg(reinterpret_cast<const uint2*>(a.offset) + ((size_t)g * N + n0) / 4), off);
-        } else if (a.offset_dtype == DType::kFloat) {
-          const float4 o = __ldg(reinterpret_cast<const float4*>(a.offset) + ((size_t)g * N + n0) / 4);
-          off[0] = o.x; off[1] = o.y; off[2] = o.z; off[3] = o.w;
-        }
+      for (int q = 0; q < Q; ++q) half4_to_float(wd[w].alpha[q], al[q]);
+      if (a.offset_dtype == DType::kHalf) {
+        half4_to_float(make_uint2(wd[w].offset.x, wd[w].offset.y), off);
+      } else if (a.offset_dtype == DType::kFloat) {
+        off[0] = __uint_as_float(wd[w].offset.x); off[1] = __uint_as_float(wd[w].offset.y);
+        off[2] = __uint_as_float(wd[w].offset.z); off[3] = __uint_as_float(wd[w].offset.w);
       }
 #pragma unroll
       for (int m = 0; m < M; ++m) {
         const float* L = lut + (m * (kt / 8) + 4 * w) * 256;
-        const float xw = xsum[m * (kt / 32) + w];
+        // Σx over the word: entry 255 of each table is the sum of its 8 inputs
+        const float xw = a.offset_dtype == DType::kNone ? 0.f : ((L[255] + L[511]) + L[767]) + L[1023];
 #pragma unroll
         for (int r = 0; r < 4; ++r) {
           float v = off[r] * xw;
 #pragma unroll
           for (int q = 0; q < Q; ++q) {
-            const unsigned bw = word_of(bits[q], r);
-            const float s = L[bw & 255] + L[256 + ((bw >> 8) & 255)] + L[512 + ((bw >> 16) & 255)] + L[768 + (bw >> 24)];
+            const unsigned bw = word_of(wd[w].bits[q], r);
+            const float s = (lookup(L, bw, 0) + lookup(L, bw, 1)) + (lookup(L, bw, 2) + lookup(L, bw, 3));
             v = fmaf(al[q][r], s, v);
           }
           acc[m][r] += v;
         }
       }
+      if (w < next_words) load_word<Q>(wd[w], a, (t + 1) * W + w, n0);  // word w of the next tile, in flight now
     }
   }
   if (!active) return;
@@ -146,8 +209,10 @@ __global__ void __launch_bounds__(256) lut_gemv_kernel(const LutGemvArgs a) {
 
 template <typename T, int M, int Q>
 cudaError_t launch(const LutGemvArgs& a, cudaStream_t stream) {
+  constexpr int W = lut_gemv_words(M, Q);
+  if (a.kt != 32 * W) return cudaErrorInvalidValue;
   const size_t smem = lut_gemv_smem_bytes(M, a.kt);
-  auto kernel = lut_gemv_kernel<T, M, Q>;
+  auto kernel = lut_gemv_kernel<T, M, Q, W>;
   if (smem > 48 * 1024) {
     const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
     if (e != cudaSuccess) return e;
@@ -189,7 +254,7 @@ cudaError_t dispatch_m(const LutGemvArgs& a, cudaStream_t s) {
 }  // namespace
 
 size_t lut_gemv_smem_bytes(int M, int kt) {
-  return sizeof(float) * (size_t)M * ((kt / 8) * 256 + kt / 32 + kt);
+  return 2 * sizeof(float) * (size_t)M * (kt / 8) * 256;
 }
 
 cudaError_t lut_gemv(const LutGemvArgs& a, cudaStream_t stream) {

@@ -22,14 +22,22 @@ struct LutGemvArgs {
   void* y;                  // [M, N], x_dtype
   float* partial;           // [splits, M, N] fp32 workspace when splits > 1
   int M, N, K, Q, group_size;
-  int kt;                   // inputs per K tile (multiple of 32): tables of one tile sit in shared memory
+  int kt;                   // inputs per K tile: must be 32 * lut_gemv_words(M, Q)
   int tiles_per_split;      // consecutive K tiles summed by one block
   int splits;               // gridDim.y; partial sums reduced in a fixed order (deterministic)
   int threads;              // threads per block; each thread owns 4 consecutive output rows
   DType x_dtype, offset_dtype;
 };
 
-// Shared memory (bytes) one block needs for (M, kt).
+// K words (32 inputs) per tile for batch M and Q planes: the largest power of two up to 4 with W·Q <= 8 (16-byte
+// plane loads held in registers per thread) and W·M <= 8 (M·W·4 KiB of tables per buffer).
+constexpr int lut_gemv_words(int M, int Q) {
+  int w = 4;
+  while (w > 1 && (w * Q > 8 || w * M > 8)) w /= 2;
+  return w;
+}
+
+// Shared memory (bytes) one block needs for (M, kt): two buffers of M·kt/8 tables of 256 floats.
 size_t lut_gemv_smem_bytes(int M, int kt);
 
 // Launches the GEMV (and the split-K reduction when splits > 1) on `stream`.
