@@ -1,0 +1,350 @@
+"""Performance model of the LUT GEMV (issue 23): predicts its H100 time for a shape, batch and launch plan, no GPU.
+
+    python benchmarks/kernel_model.py [--results benchmarks/results/h100-2026-11-23-bench_gemv.md]
+
+The model reads four things and fits a few machine constants:
+
+(a) bytes moved, exact from the layout: plane words, fp16 α, offsets, x, y, split-K partials (written and read);
+(b) from the kernel's SASS (``nvcc -cubin`` + ``cuobjdump -sass``, so it runs on a CPU machine): the registers of
+    each instantiation, the bytes of global loads a thread issues per iteration of its lookup loop (the innermost
+    loop with shared-memory loads, nested loops excluded) before it consumes them, and whether that loop is
+    software-pipelined (a global load issued after the loop's first lookup, i.e. for a later iteration);
+(c) residency per SM from the registers, the shared memory of the launch plan and the block size (H100 limits);
+(d) machine constants fitted on half of the committed H100 rows: ``t0`` (launch and tail, µs), ``t_red`` (the
+    split-K reduction kernel), ``L`` (loaded DRAM round trip), ``L_tab`` (a K tile's table phase: x from L2, the
+    barriers) and ``c_tab`` (per table a warp builds), ``c_lds`` (µs per warp-wide table lookup on one SM, bank
+    conflicts included) and ``BW`` (TB/s), each with a weak log-space prior around its physical value.
+
+Per block the kernel walks ``tiles_per_split`` K tiles of ``W`` words; per word each resident warp issues
+``16·Q·M`` lookups, which the SM's shared memory serves one warp after another (``step = warps/SM · 16QM · c_lds``),
+and a tile's tables cost ``tab = L_tab + ceil(4·M·W / warps per block) · c_tab``.  Not pipelined (the 2026-11-23
+kernel), every loop iteration waits a round trip first::
+
+    chain = tiles · tab + iterations · (L + step)       one iteration per word
+
+Pipelined (the 2026-11-25 kernel: the next tile's words are loaded while this tile is looked up)::
+
+    chain = L + tiles · max(tab + W · step, L)          one iteration per tile
+
+and ``t = t0 + t_red·[splits > 1] + max(waves · chain, bytes / BW)``.  :func:`check` fits the constants on every
+other measured row (sorted by shape, M, bits), predicts the rest and reports the median and worst ratio; the model
+is useful when the held-out median error is within ±30 % and no row is off by more than 2x
+(``tests/test_kernel_model.py`` keeps that true).  Predictions for a kernel that never ran are predictions, not
+measurements: RESULTS.md marks them so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results" / "h100-2026-11-23-bench_gemv.md"
+MEASURED_COMMIT = "30bf025"  # the kernel source the 2026-11-23 H100 rows were measured with
+LUT_SOURCE = "backends/cuda_lut/bcq_lut_gemv.cu"
+
+# H100 SXM (sm_90) residency limits
+SMS, REGS_PER_SM, SMEM_PER_SM, SMEM_RESERVED, THREADS_PER_SM, BLOCKS_PER_SM = 132, 65536, 233472, 1024, 2048, 32
+
+CONSTANTS = ("t0", "t_red", "L", "L_tab", "c_tab", "c_lds", "BW")
+UNITS = {"t0": "µs", "t_red": "µs", "L": "µs", "L_tab": "µs", "c_tab": "µs per table per warp",
+         "c_lds": "µs per warp lookup per SM", "BW": "TB/s"}
+# Physical starting points and log-space prior widths: launch + tail of a replayed graph node, one more node, a loaded
+# HBM round trip, an L2 round trip plus two barriers, ~70 dependent instructions, 3.15 wavefronts at 1.755 GHz, and
+# the ~2.9 TB/s cuBLAS fp16 reads its weights at in the same run.  The priors keep the fit physical where the rows
+# cannot tell two constants apart (small layers: launch vs table phase).
+PRIOR = {"t0": (3.0, 0.5), "t_red": (2.0, 0.5), "L": (0.8, 0.5), "L_tab": (0.8, 0.7), "c_tab": (0.1, 1.0),
+         "c_lds": (1.8e-3, 0.7), "BW": (2.9, 0.1)}
+
+
+# --- SASS ----------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Sass:
+    """What the model reads from one kernel instantiation's SASS."""
+
+    regs: int          # registers per thread (ptxas)
+    loop_bytes: int    # global-load bytes per iteration of the lookup loop, nested loops excluded
+    pipelined: bool    # that loop issues a global load after its first shared-memory load
+
+
+def cuobjdump() -> Optional[str]:
+    """Path of cuobjdump (on PATH or from the ``nvidia-cuda-cuobjdump`` wheel), or None."""
+    found = shutil.which("cuobjdump")
+    if found:
+        return found
+    import site
+
+    for base in [*site.getsitepackages(), site.getusersitepackages()]:
+        for hit in sorted(Path(base).glob("nvidia/cu*/bin/cuobjdump")):
+            return str(hit)
+    return None
+
+
+def nvcc() -> Optional[str]:
+    home = os.environ.get("CUDA_HOME", "/usr/local/cuda")
+    return shutil.which("nvcc") or (str(Path(home) / "bin" / "nvcc") if (Path(home) / "bin" / "nvcc").exists() else None)
+
+
+_WIDTH = {"128": 16, "64": 8, "U16": 2, "S16": 2, "U8": 1, "S8": 1}
+
+
+def _load_bytes(op: str) -> int:
+    """Bytes of one LDG instruction from its modifiers (``LDG.E.128.CONSTANT`` -> 16; no width -> 4)."""
+    return next((_WIDTH[m] for m in op.split(".")[1:] if m in _WIDTH), 4)
+
+
+def parse_sass(text: str) -> dict[str, list[tuple[int, str]]]:
+    """``cuobjdump -sass`` text -> {function name: [(address, instruction), ...]}."""
+    funcs: dict[str, list[tuple[int, str]]] = {}
+    cur = None
+    for line in text.splitlines():
+        m = re.search(r"Function : (\S+)", line)
+        if m:
+            cur = funcs.setdefault(m.group(1), [])
+            continue
+        m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?);", line)
+        if m and cur is not None:
+            cur.append((int(m.group(1), 16), m.group(2).strip()))
+    return funcs
+
+
+def lookup_loop(instrs: list[tuple[int, str]]) -> tuple[int, bool]:
+    """``(loop_bytes, pipelined)`` of the lookup loop (see :class:`Sass`): the innermost loop whose own instructions
+    (nested loops excluded) hold both global loads and shared-memory loads; (0, False) if there is none."""
+    loops = []
+    for addr, ins in instrs:
+        m = re.search(r"\bBRA\s+(?:`\(\.L_x_\d+\)\s*)?0x([0-9a-f]+)", ins)
+        if m and int(m.group(1), 16) < addr:
+            loops.append((int(m.group(1), 16), addr))
+
+    def own_ops(lo, hi):
+        nested = [lp for lp in loops if lo <= lp[0] and lp[1] <= hi and lp != (lo, hi)]
+        return [(a, (i.split()[1] if i.startswith("@") else i.split()[0])) for a, i in instrs
+                if lo <= a <= hi and not any(n0 <= a <= n1 for n0, n1 in nested)]
+
+    found = [(hi - lo, own_ops(lo, hi)) for lo, hi in loops]
+    found = [ops for _, ops in sorted(found, key=lambda f: f[0])
+             if any(op.startswith("LDG") for _, op in ops) and any(op.startswith("LDS") for _, op in ops)]
+    if not found:
+        return 0, False
+    ops = found[0]
+    loads = [(a, op) for a, op in ops if op.startswith("LDG")]
+    first_lds = min(a for a, op in ops if op.startswith("LDS"))
+    return sum(_load_bytes(op) for _, op in loads), any(a > first_lds for a, _ in loads)
+
+
+def lut_sass(source_root: Path, work: Path) -> dict[tuple[int, int], Sass]:
+    """SASS features of every fp16 ``lut_gemv_kernel`` instantiation built from ``source_root`` (a tree holding
+    backends/), keyed by (M, Q).  Compiles for sm_90a; needs nvcc and cuobjdump."""
+    work.mkdir(parents=True, exist_ok=True)
+    cubin = work / "lut.cubin"
+    r = subprocess.run([nvcc(), "-cubin", "-O3", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", "-Xptxas", "-v",
+                        str(source_root / LUT_SOURCE), "-o", str(cubin)], capture_output=True, text=True)
+    if r.returncode:
+        raise RuntimeError(f"nvcc failed on {source_root / LUT_SOURCE}:\n{r.stderr[-2000:]}")
+    regs, name = {}, None
+    for line in r.stderr.splitlines():
+        m = re.search(r"Compiling entry function '(\S+)'", line)
+        name = m.group(1) if m else name
+        m = re.search(r"Used (\d+) registers", line)
+        if m and name:
+            regs[name] = int(m.group(1))
+    sass = subprocess.run([cuobjdump(), "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
+    out = {}
+    for fname, instrs in parse_sass(sass).items():
+        m = re.search(r"lut_gemv_kernelI6__halfLi(\d)ELi(\d)E", fname)
+        if m:
+            out[int(m.group(1)), int(m.group(2))] = Sass(regs[fname], *lookup_loop(instrs))
+    return out
+
+
+def checkout(commit: str, dst: Path) -> Path:
+    """The backends/ tree of ``commit`` extracted under ``dst`` (git archive), returned as the source root."""
+    dst.mkdir(parents=True, exist_ok=True)
+    tar = dst / "src.tar"
+    with tar.open("wb") as f:
+        subprocess.run(["git", "-C", str(ROOT), "archive", commit, "backends/cuda_lut", "backends/_cuda"], stdout=f,
+                       check=True)
+    with tarfile.open(tar) as t:
+        t.extractall(dst, filter="data")
+    return dst
+
+
+# --- the kernel versions ------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Version:
+    """A LUT GEMV build: its launch plan, shared memory per block, K words per lookup-loop iteration, SASS."""
+
+    name: str
+    plan: Callable[[int, int, int, int, int], tuple[int, int, int, int]]
+    smem: Callable[[int, int], int]
+    words_per_iteration: Callable[[int, int], int]  # of (M, Q), given kt
+    sass: dict
+
+
+def plan_2026_11_23(M: int, N: int, K: int, sms: int, bits: int) -> tuple[int, int, int, int]:
+    """The launch plan the 2026-11-23 measurements ran (``cuda_lut.plan`` at commit 30bf025)."""
+    kt = max(32, 256 // M // 32 * 32)
+    tiles = math.ceil(K / kt)
+    threads = next((t for t in (256, 128, 64) if math.ceil(N / (4 * t)) * tiles >= sms), 32)
+    threads = min(threads, 32 * math.ceil(N / 128))
+    blocks_n = math.ceil(N / (4 * threads))
+    per_split = math.ceil(tiles / min(tiles, math.ceil(2 * sms / blocks_n)))
+    return kt, threads, per_split, math.ceil(tiles / per_split)
+
+
+def measured_version(work: Path) -> Version:
+    """The kernel of the 2026-11-23 H100 rows: one word per loop iteration, tables ``4·M·(32·kt + kt/32 + kt)`` B."""
+    src = checkout(MEASURED_COMMIT, work / "measured")
+    return Version("2026-11-23", plan_2026_11_23, lambda M, kt: 4 * M * (kt // 8 * 256 + kt // 32 + kt),
+                   lambda M, kt: 1, lut_sass(src, src))
+
+
+def current_version(work: Path) -> Version:
+    """This checkout's kernel: one tile per loop iteration, two table buffers."""
+    from qlinear.backends import cuda_lut
+
+    return Version("current", cuda_lut.plan, lambda M, kt: 2 * 4 * M * (kt // 8) * 256, lambda M, kt: kt // 32,
+                   lut_sass(ROOT, work / "current"))
+
+
+# --- the model ----------------------------------------------------------------------------------------------------
+def lut_bytes(M: int, N: int, K: int, q: int, g: int, splits: int, offset_bytes: int = 2) -> int:
+    """Bytes the LUT GEMV moves: bench_gemv's count (planes, α, offsets, x, y) plus split-K partials written and
+    read back as fp32."""
+    G = math.ceil(K / g)
+    partials = 2 * 4 * splits * M * N if splits > 1 else 0
+    return q * N * K // 8 + 2 * q * N * G + offset_bytes * N * G + 2 * M * K + 2 * M * N + partials
+
+
+def residency(threads: int, regs: int, smem: int) -> int:
+    """Blocks per SM an H100 holds for a block of ``threads`` threads, ``regs`` registers each and ``smem`` bytes."""
+    warp_regs = math.ceil(regs * 32 / 256) * 256  # registers are allocated per warp in units of 256
+    by_regs = REGS_PER_SM // (warp_regs * (threads // 32))
+    return max(1, min(by_regs, SMEM_PER_SM // (smem + SMEM_RESERVED), THREADS_PER_SM // threads, BLOCKS_PER_SM))
+
+
+def features(v: Version, M: int, N: int, K: int, q: int, g: int) -> dict:
+    """Everything the time formula needs for one (version, shape, M, bits, group) at its plan."""
+    kt, threads, per_split, splits = v.plan(M, N, K, SMS, q)
+    s = v.sass[M, q]
+    blocks = math.ceil(N / (4 * threads)) * splits
+    bps = residency(threads, s.regs, v.smem(M, kt))
+    return dict(W=kt // 32, tiles=per_split, tables_per_warp=math.ceil(4 * M * (kt // 32) / (threads // 32)), splits=splits, waves=max(1.0, blocks / (SMS * bps)),
+                warps_sm=min(bps, math.ceil(blocks / SMS)) * threads // 32, lookups=16 * q * M,
+                bytes=lut_bytes(M, N, K, q, g, splits), pipelined=s.pipelined,
+                iterations=per_split * kt // 32 // v.words_per_iteration(M, kt))
+
+
+def predict(f: dict, c: dict) -> float:
+    """Model time in µs for features ``f`` and constants ``c`` (see the module docstring)."""
+    step = f["warps_sm"] * f["lookups"] * c["c_lds"]
+    tab = c["L_tab"] + f["tables_per_warp"] * c["c_tab"]
+    if f["pipelined"]:
+        chain = c["L"] + f["tiles"] * max(tab + f["W"] * step, c["L"])
+    else:
+        chain = f["tiles"] * tab + f["iterations"] * (c["L"] + step)
+    return c["t0"] + (c["t_red"] if f["splits"] > 1 else 0.0) + max(f["waves"] * chain, f["bytes"] / c["BW"] / 1e6)
+
+
+def read_rows(path: Path = RESULTS) -> list[tuple[int, int, int, int, int, float]]:
+    """``(N, K, M, q, group, µs)`` of every ``cuda_lut`` row of a bench_gemv markdown table."""
+    rows = []
+    for line in path.read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) > 4 and cells[0] == "cuda_lut":
+            m = re.match(r"bcq q(\d) g(\d+|K)", cells[1])
+            N, K = map(int, cells[2].split("x"))
+            rows.append((N, K, int(cells[3]), int(m.group(1)), K if m.group(2) == "K" else int(m.group(2)),
+                         float(cells[4])))
+    return sorted(rows)
+
+
+def fit(samples: list[tuple[dict, float]]) -> dict:
+    """Constants minimising the squared log error over ``samples`` of (features, measured µs) plus the log-space
+    priors of :data:`PRIOR` (Nelder-Mead from the priors' centres, restarted where it stalls on the max() kinks)."""
+    from scipy.optimize import minimize
+
+    def loss(logc):
+        c = {k: math.exp(min(max(v, -30.0), 30.0)) for k, v in zip(CONSTANTS, logc)}
+        err = sum((math.log(predict(f, c)) - math.log(t)) ** 2 for f, t in samples)
+        return err + sum(((v - math.log(PRIOR[k][0])) / PRIOR[k][1]) ** 2 for k, v in zip(CONSTANTS, logc)) / 10
+
+    x = [math.log(PRIOR[k][0]) for k in CONSTANTS]
+    for _ in range(4):
+        x = minimize(loss, x, method="Nelder-Mead", options=dict(maxiter=6000, xatol=1e-4, fatol=1e-9)).x
+    return {k: math.exp(min(max(v, -30.0), 30.0)) for k, v in zip(CONSTANTS, x)}
+
+
+@dataclass
+class Check:
+    constants: dict
+    held_out: list  # (N, K, M, q, g, measured µs, predicted µs)
+
+    @property
+    def ratios(self) -> list[float]:
+        return [p / t for *_, t, p in self.held_out]
+
+    @property
+    def median_error(self) -> float:
+        r = sorted(abs(x - 1) for x in self.ratios)
+        return r[len(r) // 2] if len(r) % 2 else (r[len(r) // 2 - 1] + r[len(r) // 2]) / 2
+
+    @property
+    def worst_factor(self) -> float:
+        return max(max(x, 1 / x) for x in self.ratios)
+
+
+def check(measured: Version, rows=None) -> Check:
+    """Fit on the even rows (sorted by shape, M, bits, group), predict the odd ones."""
+    rows = rows or read_rows()
+    samples = [(features(measured, M, N, K, q, g), t) for N, K, M, q, g, t in rows]
+    c = fit(samples[0::2])
+    held = [(*r[:5], r[5], predict(f, c)) for r, (f, _) in zip(rows[1::2], samples[1::2])]
+    return Check(c, held)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--results", default=str(RESULTS))
+    ap.add_argument("--shapes", default="8192x8192,12288x12288,28672x8192,576x576,1536x576")
+    ap.add_argument("--batches", default="1,8")
+    args = ap.parse_args()
+    if nvcc() is None or cuobjdump() is None:
+        sys.exit("needs nvcc and cuobjdump (pip install nvidia-cuda-cuobjdump)")
+    sys.path.insert(0, str(ROOT))
+    with tempfile.TemporaryDirectory() as tmp:
+        measured, current = measured_version(Path(tmp)), current_version(Path(tmp))
+    res = check(measured, read_rows(Path(args.results)))
+    print("constants: " + ", ".join(f"{k} = {v:.4g} {UNITS[k]}" for k, v in res.constants.items()))
+    print(f"held-out rows: {len(res.held_out)}, median |error| {100 * res.median_error:.1f} %, "
+          f"worst {res.worst_factor:.2f}x")
+    print("\n| N x K | M | bits | measured µs | predicted µs | ratio |\n|---|---|---|---|---|---|")
+    for N, K, M, q, g, t, p in res.held_out:
+        print(f"| {N}x{K} | {M} | {q} | {t:.3g} | {p:.3g} | {p / t:.2f} |")
+    print("\nPredictions for this checkout's kernel (group 128, fp16 offsets), H100:\n")
+    print("| N x K | M | bits | plan (kt, threads, tiles/split, splits) | regs | B/iter | pipelined | predicted µs |"
+          " measured 2026-11-23 µs |\n|---|---|---|---|---|---|---|---|---|")
+    meas = {(N, K, M, q): t for N, K, M, q, g, t in read_rows(Path(args.results)) if g == 128}
+    for shape in args.shapes.split(","):
+        N, K = map(int, shape.split("x"))
+        for M in map(int, args.batches.split(",")):
+            for q in (2, 3, 4):
+                f = features(current, M, N, K, q, 128)
+                s = current.sass[M, q]
+                print(f"| {N}x{K} | {M} | {q} | {current.plan(M, N, K, SMS, q)} | {s.regs} | {s.loop_bytes} | "
+                      f"{s.pipelined} | {predict(f, res.constants):.3g} | {meas.get((N, K, M, q), float('nan')):.3g} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,106 @@
+"""The LUT GEMV performance model (benchmarks/kernel_model.py): its SASS reading, and its fit kept honest.
+
+The fit test recompiles the kernel the committed H100 rows were measured with (git history), reads its SASS, fits the
+machine constants on every other row and fails if the held-out rows are predicted worse than the issue's bounds
+(median |error| <= 30 %, no row off by more than 2x).  Skipped where nvcc, cuobjdump, scipy or that commit is missing.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import kernel_model as km  # noqa: E402
+
+SASS = """
+        Function : _Z4demo
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+        /*0010*/                   LDG.E.128.CONSTANT R4, desc[UR4][R2.64] ;
+        /*0020*/                   LDS R8, [R9] ;
+        /*0030*/                   STS [R9], R8 ;
+        /*0040*/               @P0 BRA 0x20 ;
+        /*0050*/                   LDS R8, [R9+0x400] ;
+        /*0060*/                   FADD R8, R8, R4 ;
+        /*0070*/                   LDG.E.64.CONSTANT R4, desc[UR4][R2.64] ;
+        /*0080*/                   LDG.E R6, desc[UR4][R2.64] ;
+        /*0090*/              @!P1 BRA 0x10 ;
+        /*00a0*/                   EXIT ;
+"""
+
+
+def test_lookup_loop_reads_the_innermost_loop_with_global_and_shared_loads():
+    instrs = km.parse_sass(SASS)["_Z4demo"]
+    assert len(instrs) == 11 and instrs[1] == (0x10, "LDG.E.128.CONSTANT R4, desc[UR4][R2.64]")
+    # loop 0x20-0x40 has LDS but no LDG; loop 0x10-0x90 minus it: LDG 16 + 8 + 4 bytes, one issued after an LDS
+    assert km.lookup_loop(instrs) == (28, True)
+    no_prefetch = [(a, i) for a, i in instrs if a not in (0x70, 0x80)]
+    assert km.lookup_loop(no_prefetch) == (16, False)
+    assert km.lookup_loop([(a, i) for a, i in instrs if not i.startswith("LDS")]) == (0, False)
+
+
+def test_residency_follows_the_h100_limits():
+    assert km.residency(256, 128, 32 * 1024) == 2          # registers: 2 x 256 x 128 = 64 K
+    assert km.residency(256, 64, 32 * 1024) == 4           # threads: 2048 / 256... smem allows 6, registers 4
+    assert km.residency(32, 40, 64 * 1024) == 3            # shared memory: 3 x (64 + 1) KiB <= 228 KiB
+    assert km.residency(32, 32, 0) == 32                   # the block limit
+    assert km.residency(256, 129, 0) == 1                  # 129 registers round up to 136 per thread: one block
+
+
+def test_predict_adds_launch_reduction_and_the_longer_of_chain_and_bandwidth():
+    c = dict(t0=3.0, t_red=2.0, L=1.0, L_tab=0.5, c_tab=0.25, c_lds=0.01, BW=2.0)
+    f = dict(W=4, tiles=2, tables_per_warp=2, splits=8, waves=1.0, warps_sm=16, lookups=32, bytes=10**6,
+             pipelined=False, iterations=8)
+    step, tab = 16 * 32 * 0.01, 0.5 + 2 * 0.25
+    assert km.predict(f, c) == pytest.approx(3 + 2 + 2 * tab + 8 * (1 + step))
+    assert km.predict({**f, "pipelined": True}, c) == pytest.approx(3 + 2 + 1 + 2 * max(tab + 4 * step, 1))
+    assert km.predict({**f, "bytes": 10**9, "splits": 1}, c) == pytest.approx(3 + 10**9 / 2e12 * 1e6)
+
+
+def _tools_or_skip():
+    pytest.importorskip("scipy")
+    if km.nvcc() is None or km.cuobjdump() is None:
+        pytest.skip("needs nvcc and cuobjdump (pip install nvidia-cuda-cuobjdump)")
+    r = subprocess.run(["git", "-C", str(km.ROOT), "cat-file", "-e", km.MEASURED_COMMIT], capture_output=True)
+    if r.returncode:
+        pytest.skip(f"commit {km.MEASURED_COMMIT} (the measured kernel) is not in this checkout's history")
+
+
+@pytest.fixture(scope="module")
+def versions():
+    _tools_or_skip()
+    with tempfile.TemporaryDirectory() as tmp, ThreadPoolExecutor(2) as pool:
+        measured = pool.submit(km.measured_version, Path(tmp))
+        current = pool.submit(km.current_version, Path(tmp))
+        return measured.result(), current.result()
+
+
+def test_fit_predicts_held_out_h100_rows_within_bounds(versions):
+    measured, _ = versions
+    rows = km.read_rows()
+    assert len(rows) >= 80 and all(t > 0 for *_, t in rows)
+    res = km.check(measured, rows)
+    assert len(res.held_out) == len(rows) // 2
+    assert res.median_error <= 0.30 and res.worst_factor <= 2.0, (res.median_error, res.worst_factor)
+    # the fitted constants stay physical: a launch of a few µs, a DRAM round trip under 2 µs, HBM-like bandwidth
+    c = res.constants
+    assert 0.5 < c["t0"] < 8 and 0.1 < c["L"] < 2 and 1.5 < c["BW"] < 3.5, c
+
+
+def test_current_kernel_keeps_a_tile_of_words_in_flight(versions):
+    """The SASS of this checkout's kernel: the lookup loop loads the next tile (all W words of every plane) after its
+    first lookup, for every batch and bit width; the 2026-11-23 kernel loaded one word per iteration, then waited."""
+    measured, current = versions
+    from qlinear.backends import cuda_lut
+
+    for (M, Q), s in current.sass.items():
+        assert s.pipelined and s.loop_bytes >= 16 * Q * cuda_lut.words(M, Q), (M, Q, s)
+        assert s.regs <= 128  # two 256-thread blocks per SM
+    assert not any(s.pipelined for s in measured.sass.values())
+    # one word per iteration: Q plane words (16 B), Q α (8 B), the offset (8 B fp16 or 16 B fp32 path)
+    assert all(s.loop_bytes <= 24 * Q + 24 for (M, Q), s in measured.sass.items())
