@@ -98,6 +98,7 @@ def test_plan_covers_every_tile_once_within_limits():
         assert W in (1, 2, 4) and W * bits <= 8 and W * M <= 8 and (W == 4 or 2 * W * max(bits, M) > 8)
         tiles = math.ceil(K / kt)
         assert threads % 32 == 0 and 32 <= threads <= 256 and 4 * threads <= 128 * math.ceil(N / 128)
+        assert threads >= min(256, 64 * M * W, 32 * math.ceil(N / 128))  # at most two tables per warp and tile
         assert (splits - 1) * per_split < tiles <= splits * per_split
         assert 2 * 4 * M * (kt // 8) * 256 <= 64 * 1024  # two table buffers
 

@@ -14,7 +14,8 @@
 // (one 16-byte load per plane and word gives the 4 rows), α and offsets in registers.  The first tile's
 // loads are issued before any table is built; as soon as word w of tile t has been looked up, word w of
 // tile t+1 is loaded into the same registers, so W·Q 16-byte loads per thread stay in flight while the
-// next tables are built.  Tables are double-buffered in shared memory: one barrier per tile.
+// next tables are built.  The inputs of the next tile's tables are loaded right after the barrier too, so the
+// lookups hide their latency.  Tables are double-buffered in shared memory: one barrier per tile.
 //
 // Work split: block = `threads` threads × 4 rows, K tiles of kt = 32·W inputs (W·Q ≤ 8 and W·M ≤ 8 bound
 // the registers and the tables), gridDim.y = split-K slices of `tiles_per_split` tiles so small layers
@@ -110,7 +111,8 @@ __device__ __forceinline__ void load_word(Word<Q>& wd, const LutGemvArgs& a, int
 template <typename T, int M, int Q, int W>
 __global__ void __launch_bounds__(256, 2) lut_gemv_kernel(const LutGemvArgs a) {
   constexpr int kt = 32 * W, kTables = M * (kt / 8);  // tables per tile, [M][kt/8][256] floats per buffer
-  constexpr int kXBatch = M * Q >= 16 ? 2 : 4;  // tables a warp loads the inputs of at once (latency paid once per batch)
+  // tables a warp loads the inputs of at once (plan() gives most warps at most two per tile; one where registers are short)
+  constexpr int kXBatch = M * Q >= 16 ? 1 : 2;
   extern __shared__ float smem[];
 
   const T* x = static_cast<const T*>(a.x);
@@ -136,26 +138,41 @@ __global__ void __launch_bounds__(256, 2) lut_gemv_kernel(const LutGemvArgs a) {
 #pragma unroll
     for (int r = 0; r < 4; ++r) acc[m][r] = 0.f;
 
+  // A warp builds tables tb = warp + u·warps (u = 0, 1, ...) of a tile; the inputs of its first kXBatch are loaded one
+  // tile ahead (right after the barrier, so the lookups hide their latency), any further ones when they are built.
+  const int warp = tid >> 5, warps = blockDim.x >> 5;
+  auto load_inputs = [&](int t, int u0, uint4 (&xv)[kXBatch]) {
+    const int words = min(kt, K - t * kt) / 32;
+#pragma unroll
+    for (int u = 0; u < kXBatch; ++u) {
+      const int tb = warp + (u0 + u) * warps, m = tb / (words * 4), c = tb - m * (words * 4);
+      if (tb < M * words * 4) xv[u] = load_x8<T>(x + (size_t)m * K, a.perm, vec, t * kt + 8 * c);
+    }
+  };
+  auto build_tables = [&](int t, int u0, const uint4 (&xv)[kXBatch], float* lut) {
+    const int words = min(kt, K - t * kt) / 32;
+#pragma unroll
+    for (int u = 0; u < kXBatch; ++u) {
+      const int tb = warp + (u0 + u) * warps, m = tb / (words * 4), c = tb - m * (words * 4);
+      if (tb < M * words * 4) build_table<T>(xv[u], lane, lut + (m * (kt / 8) + c) * 256);
+    }
+  };
+  uint4 xnext[kXBatch];
+  load_inputs(t_begin, 0, xnext);
+
   for (int t = t_begin; t < t_end; ++t) {
     const int k0 = t * kt, words = min(kt, K - k0) / 32;
     float* lut = smem + (t & 1) * kTables * 256;
     // The other buffer was read by tile t-1's lookups, which every thread finished before the barrier below
     // of iteration t-1; this buffer was last read by tile t-2's, finished before the barrier of iteration t-1.
-    const int tables = M * words * 4, warps = blockDim.x >> 5;
-    for (int tb0 = tid >> 5; tb0 < tables; tb0 += kXBatch * warps) {
-      uint4 xv[kXBatch];  // the inputs of up to kXBatch tables, loaded before any is built
-#pragma unroll
-      for (int u = 0; u < kXBatch; ++u) {
-        const int tb = tb0 + u * warps, m = tb / (words * 4), c = tb - m * (words * 4);
-        if (tb < tables) xv[u] = load_x8<T>(x + (size_t)m * K, a.perm, vec, k0 + 8 * c);
-      }
-#pragma unroll
-      for (int u = 0; u < kXBatch; ++u) {
-        const int tb = tb0 + u * warps, m = tb / (words * 4), c = tb - m * (words * 4);
-        if (tb < tables) build_table<T>(xv[u], lane, lut + (m * (kt / 8) + c) * 256);
-      }
+    build_tables(t, 0, xnext, lut);
+    for (int u0 = kXBatch; warp + u0 * warps < M * words * 4; u0 += kXBatch) {
+      uint4 xv[kXBatch];
+      load_inputs(t, u0, xv);
+      build_tables(t, u0, xv, lut);
     }
     __syncthreads();
+    if (t + 1 < t_end) load_inputs(t + 1, 0, xnext);
     if (!active) continue;
 
     const int next_words = t + 1 < t_end ? min(kt, K - k0 - kt) / 32 : 0;
