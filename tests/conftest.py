@@ -7,6 +7,24 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.pop("QLINEAR_BACKEND", None)
 
 
+# fixture -> marker: tests using the CUDA host emulator or the aarch64 harness under qemu
+_FIXTURE_MARKS = {"emulator": "emulation", "harness": "qemu"}
+
+
+def pytest_collection_modifyitems(config, items):
+    """``gpu`` tests skip without a CUDA GPU; tests using the emulator or the qemu harness get their marker; ``qemu``,
+    ``emulation`` and ``real_model`` tests are also ``slow`` (markers are declared in pyproject.toml)."""
+    no_gpu = None if torch.cuda.is_available() else pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        for fixture, mark in _FIXTURE_MARKS.items():
+            if fixture in getattr(item, "fixturenames", ()):
+                item.add_marker(getattr(pytest.mark, mark))
+        if no_gpu is not None and "gpu" in item.keywords:
+            item.add_marker(no_gpu)
+        if any(m in item.keywords for m in ("qemu", "emulation", "real_model")):
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

@@ -133,6 +133,7 @@ def _shape(cfg, bufs):
     return bufs["scales"].shape[0], bufs["scales"].shape[1] * cfg.group_size
 
 
+@pytest.mark.slow  # fresh interpreters
 def test_qlinear_arm_layout_is_read_at_import():
     """mmla names its layouts *_mmla; a bad value leaves qlinear importable and this backend unavailable, with the
     error as its reason."""
@@ -284,6 +285,7 @@ def test_modules_on_the_arm_backend(dtype, tmp_path):
         assert torch.equal(compiled(x), y)
 
 
+@pytest.mark.slow  # two JIT builds
 @native
 def test_concurrent_jit_builds_do_not_race(tmp_path):
     """Two processes building the extension into an empty cache at once both load it."""

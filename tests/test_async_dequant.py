@@ -457,7 +457,7 @@ def test_kernel_source_under_host_emulation_int32_columns(emulator):
 
 
 # --- on a GPU ---------------------------------------------------------------------------------------------
-gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+gpu = pytest.mark.gpu
 pytestmark = pytest.mark.usefixtures("without_dispatch_table")
 GPU_SHAPES = [(576, 576), (1536, 576), (576, 1536), (4096, 4096), (11008, 4096), (4096, 11008), (8192, 8192),
               (28672, 8192)]

@@ -222,7 +222,7 @@ def test_compile_fullgraph_with_layout(spec_kernel):
 
 
 # --- on a GPU ---------------------------------------------------------------------------------------------
-gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+gpu = pytest.mark.gpu
 pytestmark = pytest.mark.usefixtures("without_dispatch_table")
 
 

@@ -80,6 +80,7 @@ def versions():
         return measured.result(), current.result()
 
 
+@pytest.mark.slow
 def test_fit_predicts_held_out_h100_rows_within_bounds(versions):
     measured, _ = versions
     rows = km.read_rows()
@@ -92,6 +93,7 @@ def test_fit_predicts_held_out_h100_rows_within_bounds(versions):
     assert 0.5 < c["t0"] < 8 and 0.1 < c["L"] < 2 and 1.5 < c["BW"] < 3.5, c
 
 
+@pytest.mark.slow
 def test_current_kernel_keeps_a_tile_of_words_in_flight(versions):
     """The SASS of this checkout's kernel: the lookup loop loads the next tile (all W words of every plane) after its
     first lookup, for every batch and bit width; the 2026-11-23 kernel loaded one word per iteration, then waited."""

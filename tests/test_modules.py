@@ -201,7 +201,7 @@ def test_bias_gradient(layers):
     assert torch.allclose(m.bias.grad, torch.full((48,), 5.0))
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.gpu
 @pytest.mark.parametrize("fmt", list(CONFIGS))
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_reference_backend_on_cuda(layers, fmt, dtype):

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # nvcc and g++ builds, tens of seconds each
+
 BACKENDS = Path(__file__).resolve().parents[1] / "backends"
 CU_FILES = sorted(BACKENDS.rglob("*.cu"))
 

@@ -198,7 +198,7 @@ def test_act_order_gptq_layer_through_the_quick_layout(spec_kernel):
 
 
 # --- on a GPU ---------------------------------------------------------------------------------------------
-gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+gpu = pytest.mark.gpu
 pytestmark = pytest.mark.usefixtures("without_dispatch_table")
 
 

