@@ -16,7 +16,7 @@ from typing import Callable, Optional
 
 import torch
 
-__all__ = ["Kernel", "Layout", "register", "kernels", "select", "layout_for", "get_layout", "ENV_VAR"]
+__all__ = ["Kernel", "Layout", "register", "kernels", "select", "layout_for", "get_layout", "generation", "ENV_VAR"]
 
 ENV_VAR = "QLINEAR_BACKEND"
 _KERNELS: list["Kernel"] = []
@@ -105,10 +105,21 @@ class Kernel:
 
 def register(kernel: Kernel) -> Kernel:
     """Add ``kernel`` to the registry (replacing one with the same backend and format)."""
+    global _REGISTERED
     _KERNELS[:] = [k for k in _KERNELS if (k.backend, k.format) != (kernel.backend, kernel.format)]
     _KERNELS.append(kernel)
     _KERNELS.sort(key=lambda k: -k.priority)
+    _REGISTERED += 1
     return kernel
+
+
+_REGISTERED = 0
+
+
+def generation() -> tuple[int, int]:
+    """Changes whenever a kernel is registered or removed: resolved calls (:func:`qlinear.ops.resolve`, the modules'
+    caches) are keyed by it."""
+    return _REGISTERED, len(_KERNELS)
 
 
 def kernels(format: Optional[str] = None) -> list[Kernel]:

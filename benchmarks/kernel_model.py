@@ -92,7 +92,8 @@ def cuobjdump() -> Optional[str]:
 
 def nvcc() -> Optional[str]:
     home = os.environ.get("CUDA_HOME", "/usr/local/cuda")
-    return shutil.which("nvcc") or (str(Path(home) / "bin" / "nvcc") if (Path(home) / "bin" / "nvcc").exists() else None)
+    found = Path(home) / "bin" / "nvcc"
+    return shutil.which("nvcc") or (str(found) if found.exists() else None)
 
 
 _WIDTH = {"128": 16, "64": 8, "U16": 2, "S16": 2, "U8": 1, "S8": 1}
@@ -240,7 +241,8 @@ def features(v: Version, M: int, N: int, K: int, q: int, g: int) -> dict:
     s = v.sass[M, q]
     blocks = math.ceil(N / (4 * threads)) * splits
     bps = residency(threads, s.regs, v.smem(M, kt))
-    return dict(W=kt // 32, tiles=per_split, tables_per_warp=math.ceil(4 * M * (kt // 32) / (threads // 32)), splits=splits, waves=max(1.0, blocks / (SMS * bps)),
+    return dict(W=kt // 32, tiles=per_split, tables_per_warp=math.ceil(4 * M * (kt // 32) / (threads // 32)),
+                splits=splits, waves=max(1.0, blocks / (SMS * bps)),
                 warps_sm=min(bps, math.ceil(blocks / SMS)) * threads // 32, lookups=16 * q * M,
                 bytes=lut_bytes(M, N, K, q, g, splits), pipelined=s.pipelined,
                 iterations=per_split * kt // 32 // v.words_per_iteration(M, kt))

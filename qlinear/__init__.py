@@ -5,7 +5,7 @@ codebooks (:class:`CodebookLinear`).  ``replace_linear(model, QLinearConfig(...)
 Linear layers; importing qlinear also registers the ``quant_method="qlinear"`` transformers quantizer.
 """
 
-from .modules import BCQLinear, CodebookLinear, MixedPrecisionLinear, QuantLinear  # noqa: E402
+from .modules import BCQLinear, CodebookLinear, MixedPrecisionLinear, QuantLinear, describe  # noqa: E402
 from qlinear.integrations.transformers import QLinearConfig  # noqa: E402
 from .calibration import calibrate  # noqa: E402
 from .replace import replace_linear  # noqa: E402
@@ -14,4 +14,4 @@ from qlinear.integrations import tensor_parallel  # noqa: E402
 
 __version__ = "0.1.0"
 __all__ = ["QLinearConfig", "QuantLinear", "BCQLinear", "MixedPrecisionLinear", "CodebookLinear",
-           "replace_linear", "calibrate", "load_gptq", "save_gptq", "tensor_parallel"]
+           "replace_linear", "calibrate", "load_gptq", "save_gptq", "tensor_parallel", "describe"]

@@ -9,6 +9,7 @@ scales stay bit-exact.
 
 from __future__ import annotations
 
+import logging
 import warnings
 from typing import Any, ClassVar, Optional
 
@@ -20,7 +21,10 @@ from .formats import FormatConfig, bcq, get_format, spec_bits
 from .formats.uniform import pack_gptq, unpack_gptq
 from .gptq import check_hessian
 
-__all__ = ["QuantLinear", "BCQLinear", "MixedPrecisionLinear", "CodebookLinear", "module_class", "format_config"]
+logger = logging.getLogger("qlinear")
+
+__all__ = ["QuantLinear", "BCQLinear", "MixedPrecisionLinear", "CodebookLinear", "module_class", "format_config",
+           "describe"]
 
 
 def format_config(format: str, config: Any = None) -> tuple[FormatConfig, Optional[str]]:
@@ -48,6 +52,14 @@ def format_config(format: str, config: Any = None) -> tuple[FormatConfig, Option
     raise TypeError(f"config must be a QLinearConfig, a {format} format config, a dict or None; got {type(config).__name__}")
 
 
+def _eager(x: torch.Tensor, bias: Optional[torch.Tensor]) -> bool:
+    """Whether a forward may skip the ``qlinear::linear`` op: a plain tensor (no fake, functional or meta tensor), no
+    compiler, tracer or autograd graph to record the op for."""
+    return (type(x) is torch.Tensor and not x.is_meta and not torch.compiler.is_compiling()
+            and not torch.jit.is_tracing()
+            and not (torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad))))
+
+
 class QuantLinear(nn.Module):
     """Base of the quantized linear layers: ``y = x Ŵᵀ + b`` with ``Ŵ`` ``[out_features, in_features]``
     stored in the packed layout of format :attr:`format`.
@@ -66,6 +78,7 @@ class QuantLinear(nn.Module):
     #: whether ``state_dict()`` includes the packed buffers (False only while a loader fills them itself,
     #: e.g. :func:`qlinear.tensor_parallel.load_shards`)
     packed_in_state_dict: bool = True
+    _warned_conversion: bool = False  # set once this layer has warned about per-call layout conversions
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, config: Any = None, *,
                  backend: Optional[str] = None, device=None, dtype=None):
@@ -164,6 +177,45 @@ class QuantLinear(nn.Module):
         self.config, self._config_json, self._specs = other.config, other._config_json, other._specs
         self._set_packed({n: other._buffers[n] for n in other._packed_names}, other._layout)
 
+    # kernel resolution ---------------------------------------------------------------------------
+    @property
+    def backend(self) -> Optional[str]:
+        """Kernel backend override ("reference", "cuda_lut", ...) or None (automatic); setting it resolves anew."""
+        return self._backend
+
+    @backend.setter
+    def backend(self, value: Optional[str]) -> None:
+        self._backend = value
+        self._calls = {}
+
+    def _resolve(self, key: tuple) -> ops.Call:
+        """The :class:`qlinear.ops.Call` for ``key`` = (device, dtype, batch, registry generation), cached on the
+        layer (cleared by ``.to()``, state-dict loads, repacks and backend changes); logs the choice, and warns once
+        per layer when the kernel needs the buffers converted on every call."""
+        device, dtype, batch, gen = key
+        call = ops.resolve(self.format, self._config_json, self.out_features, self.in_features, self.layout, device,
+                           dtype, batch, self.backend or "", gen)
+        if len(self._calls) >= 64:  # many distinct prompt lengths: start over rather than grow
+            self._calls.clear()
+        self._calls[key] = call
+        logger.info("%s: %s %s batch %d -> kernel %s, layout %s", self._describe(), device, dtype, batch,
+                    call.kernel.backend, self.layout or "canonical")
+        if call.converts and not self._warned_conversion:
+            self._warned_conversion = True
+            why = ops.why_not_held(self.format, call.cfg, self.layout, device, dtype, batch, call.shape, self.backend)
+            warnings.warn(f"{self._describe()} holds layout {self.layout or 'canonical'} but kernel "
+                          f"{call.kernel.backend} serves {device.type} {dtype} batch {batch}: its buffers are "
+                          f"converted on every such call ({why})", stacklevel=3)
+        return call
+
+    def _describe(self) -> str:
+        return f"{type(self).__name__}({self.in_features}->{self.out_features}, {self.format} {self.config.bits}-bit)"
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        state["_calls"] = {}  # resolved calls hold kernel functions: resolve again after unpickling
+        return state
+
     # kernel layouts -----------------------------------------------------------------------------
     @property
     def layout(self) -> str:
@@ -180,6 +232,7 @@ class QuantLinear(nn.Module):
             self._buffers.pop(name, None)
         self._buffers.update(buffers)
         self._packed_names, self._layout = tuple(buffers), layout
+        self._calls = {}
 
     def repack_for_device(self) -> None:
         """Hold the packed buffers in the layout of the kernel that serves single-row inputs on their device
@@ -257,6 +310,13 @@ class QuantLinear(nn.Module):
             raise TypeError(f"{type(self).__name__} input must be float32, float16 or bfloat16, got {x.dtype}")
         if x.shape[-1] != self.in_features:
             raise ValueError(f"{type(self).__name__} expects input [..., {self.in_features}], got {list(x.shape)}")
+        if _eager(x, self.bias):  # plain eager inference: the layer's cached call, no op dispatch or registry walk
+            batch = x.numel() // self.in_features
+            if batch == 0:
+                return x.new_empty(*x.shape[:-1], self.out_features)
+            key = (x.device, x.dtype, batch, backends.generation())
+            call = self._calls.get(key) or self._resolve(key)
+            return call(x, self.packed(), self.bias)
         return ops.linear(x, self.packed(), self.bias, self.format, self._config_json, self.out_features,
                           self.in_features, self.backend or "", self.layout)
 
@@ -266,10 +326,13 @@ class QuantLinear(nn.Module):
                               self.in_features, dtype)
 
     def kernel(self, x: torch.Tensor) -> backends.Kernel:
-        """The kernel the registry picks for input ``x``."""
-        return backends.select(self.format, ops.kernel_view(self.config)[0], x.device, x.dtype,
-                               x.numel() // x.shape[-1], self.backend, (self.out_features, self.in_features),
-                               self.layout)
+        """The kernel that runs input ``x`` (resolved as ``forward`` resolves it).
+
+        Raises:
+            ValueError: no kernel (or not the requested backend) supports ``x``; the message says why.
+        """
+        return ops.resolve(self.format, self._config_json, self.out_features, self.in_features, self.layout, x.device,
+                           x.dtype, max(1, x.numel() // x.shape[-1]), self.backend or "", backends.generation()).kernel
 
     @property
     def bits_per_weight(self) -> float:
@@ -370,3 +433,25 @@ def module_class(format: str) -> type[QuantLinear]:
     """The QuantLinear subclass of ``format``.  Raises ValueError for an unknown format."""
     get_format(format)
     return _CLASSES[format]
+
+
+def describe(model: nn.Module, batch: int = 1, dtype: Optional[torch.dtype] = None) -> str:
+    """A Markdown table of ``model``'s quantized layers: name, class, ``in -> out``, format and bits, stored bits per
+    weight, the layout held and the kernel that serves ``batch`` rows of ``dtype`` (default: float16 on CUDA,
+    float32 elsewhere) on the layer's device, or why none does.  Like ``QLINEAR_BACKEND``, a layer's ``backend``
+    override is honoured.
+    """
+    rows = ["| layer | class | in -> out | format | bits/weight | layout | kernel |", "|---|---|---|---|---|---|---|"]
+    for name, m in model.named_modules():
+        if not isinstance(m, QuantLinear):
+            continue
+        device = m.packed()[0].device
+        dt = dtype or (torch.float16 if device.type == "cuda" else torch.float32)
+        try:
+            kernel = ops.resolve(m.format, m._config_json, m.out_features, m.in_features, m.layout, device, dt, batch,
+                                 m.backend or "", backends.generation()).kernel.backend
+        except ValueError as e:
+            kernel = f"none: {e}"
+        rows.append(f"| {name} | {type(m).__name__} | {m.in_features} -> {m.out_features} | {m.format} "
+                    f"{m.config.bits}-bit | {m.bits_per_weight:.3f} | {m.layout or 'canonical'} | {kernel} |")
+    return "\n".join(rows)

@@ -73,6 +73,60 @@ def _convert(bufs: dict, cfg, fn, out_features: int, in_features: int) -> dict:
     return {**main, **{k: bufs[k] for k in side}}
 
 
+class Call:
+    """A resolved ``qlinear::linear`` call: the kernel for one (layer config and layout, device, dtype, batch), with
+    everything decided once (buffer names, act_order gather, layout conversion); ``call(x, packed, bias)`` runs it.
+
+    ``converts`` is True when the kernel reads another layout than the one held: the buffers are then converted on
+    every call (a fallback, e.g. the reference kernel above a GEMV's batch range)."""
+
+    __slots__ = ("kernel", "cfg", "names", "side", "gather", "layout", "converts", "shape")
+
+    def __init__(self, kernel, cfg, names, side, layout, shape):
+        self.kernel, self.cfg, self.names, self.side, self.layout, self.shape = kernel, cfg, names, side, layout, shape
+        self.gather = bool(side) and not kernel.gathers_perm
+        self.converts = ("" if kernel.layout is None else kernel.layout.name) != layout
+
+    def __call__(self, x: torch.Tensor, packed, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        N, K = self.shape
+        bufs = dict(zip(self.names, packed))
+        perm = bufs.pop("perm") if self.side else None
+        if self.gather:
+            x, perm = x.index_select(-1, perm), None
+        if self.converts:
+            bufs = canonical(bufs, self.cfg, self.layout, N, K)
+            if self.kernel.layout is not None:
+                bufs = to_layout(bufs, self.cfg, self.kernel.layout, N, K)
+        if perm is not None:
+            bufs["perm"] = perm
+        return self.kernel.fn(x, bufs, bias, self.cfg, N, K)
+
+
+@functools.lru_cache(maxsize=4096)
+def resolve(format: str, config: str, out_features: int, in_features: int, layout: str, device: torch.device,
+            dtype: torch.dtype, batch: int, backend: str, generation: tuple[int, int]) -> Call:
+    """The :class:`Call` for a layer (``format``, JSON ``config``, shape, held ``layout``) on ``batch`` rows of
+    ``dtype`` on ``device`` with ``backend`` ("" = automatic; else ``QLINEAR_BACKEND``, read here, so once per key).
+    ``generation`` is :func:`qlinear.backends.generation`: registering or removing a kernel resolves anew.
+
+    Raises:
+        ValueError: no kernel (or not the requested backend) supports the call; the message says why.
+    """
+    cfg, side = kernel_view(parse_config(config))
+    kernel = backends.select(format, cfg, device, dtype, batch, backend or None, (out_features, in_features), layout)
+    return Call(kernel, cfg, _names(format, config, out_features, in_features, layout), side, layout,
+                (out_features, in_features))
+
+
+def why_not_held(format: str, cfg, layout: str, device: torch.device, dtype: torch.dtype, batch: int,
+                 shape: tuple[int, int], backend: Optional[str] = None) -> str:
+    """Why no kernel reading the held ``layout`` serves this call (for the per-call conversion warning)."""
+    held = [k for k in backends.kernels(format) if ("" if k.layout is None else k.layout.name) == layout
+            and (backend is None or k.backend == backend)]
+    reasons = [f"{k.backend}: {k.reject(cfg, device, dtype, batch, shape)}" for k in held]
+    return "; ".join(reasons) or f"no {backend or ''} kernel reads layout {layout or 'canonical'}".replace("  ", " ")
+
+
 @torch.library.custom_op("qlinear::linear", mutates_args=())
 def linear(x: torch.Tensor, packed: list[torch.Tensor], bias: Optional[torch.Tensor], format: str, config: str,
            out_features: int, in_features: int, backend: str, layout: str) -> torch.Tensor:
@@ -80,24 +134,12 @@ def linear(x: torch.Tensor, packed: list[torch.Tensor], bias: Optional[torch.Ten
     ``packed`` is in kernel ``layout`` ("" = canonical); a kernel with another layout gets the buffers
     converted (a fallback, e.g. the reference kernel for large batches).
     Raises ValueError if no kernel (or not the requested ``backend``) supports the call."""
-    cfg, bufs = _buffers(format, config, packed, out_features, in_features, layout)
     batch = x.numel() // max(x.shape[-1], 1)
     if batch == 0:  # like nn.Linear (e.g. an MoE expert that received no tokens)
         return x.new_empty(*x.shape[:-1], out_features)
-    cfg, side = kernel_view(cfg)
-    perm = bufs.pop("perm") if side else None
-    kernel = backends.select(format, cfg, x.device, x.dtype, batch, backend or None, (out_features, in_features),
-                             layout)
-    if perm is not None and not kernel.gathers_perm:
-        x, perm = x.index_select(-1, perm), None
-    want = "" if kernel.layout is None else kernel.layout.name
-    if want != layout:  # a fallback kernel (e.g. the reference for a large batch): convert per call
-        bufs = canonical(bufs, cfg, layout, out_features, in_features)
-        if want:
-            bufs = to_layout(bufs, cfg, kernel.layout, out_features, in_features)
-    if perm is not None:
-        bufs = {**bufs, "perm": perm}
-    return kernel.fn(x, bufs, bias, cfg, out_features, in_features)
+    call = resolve(format, config, out_features, in_features, layout, x.device, x.dtype, batch, backend,
+                   backends.generation())
+    return call(x, packed, bias)
 
 
 @linear.register_fake

@@ -120,8 +120,9 @@ def test_registry_reference_and_priority(layers, monkeypatch):
         assert torch.equal(m(x), torch.ones(2, 48))
         assert calls == [3]
         assert m.kernel(torch.randn(5, 128)).backend == "reference"  # batch outside range
-        monkeypatch.setenv(backends.ENV_VAR, "reference")
-        assert m.kernel(x).backend == "reference"
+        monkeypatch.setenv(backends.ENV_VAR, "reference")  # read when a (device, dtype, batch) is first resolved
+        assert m.kernel(torch.randn(3, 128)).backend == "reference"
+        assert m.kernel(x).backend == "fake"  # resolved before: kept
         monkeypatch.delenv(backends.ENV_VAR)
         m.backend = "reference"
         assert m.kernel(x).backend == "reference"
@@ -265,3 +266,118 @@ def test_adopt_takes_over_shape_and_packed_data_in_place(layers):
     assert set(sd) == set(other.state_dict()) - {"bias"}
     with pytest.raises(TypeError, match="cannot adopt"):
         mod.adopt(mods["codebook"])
+
+
+# --- one kernel resolution per layer (issue 22) ----------------------------------------------------------------------
+def _counting_select(monkeypatch):
+    """Count registry walks: every resolution goes through backends.select."""
+    from qlinear import ops
+
+    calls = []
+    real = backends.select
+
+    def select(*args, **kwargs):
+        calls.append(args[4])  # batch
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(backends, "select", select)
+    ops.resolve.cache_clear()
+    return calls
+
+
+def test_forward_resolves_once_per_device_dtype_batch(layers, monkeypatch):
+    lin, mods = layers
+    m = BCQLinear.from_linear(lin, CONFIGS["bcq"])
+    walks = _counting_select(monkeypatch)
+    x = torch.randn(2, 128)
+    with torch.no_grad():
+        ys = [m(x) for _ in range(20)]
+    assert walks == [2] and all(torch.equal(y, ys[0]) for y in ys)
+    y3 = m(torch.randn(3, 1, 128))
+    assert walks == [2, 3] and y3.shape == (3, 1, 48)
+    m.backend = "reference"  # a backend change resolves anew
+    m(x)
+    assert walks == [2, 3, 2]
+
+    seen = []
+
+    def fn(x, bufs, bias, cfg, N, K):
+        seen.append(x.shape[0])
+        return backends.reference.linear(x, bufs, bias, cfg, N, K)
+
+    m.backend = None
+    k = backends.register(backends.Kernel(backend="seen", format="bcq", fn=fn, priority=50, devices=frozenset({"cpu"})))
+    try:
+        assert torch.equal(m(x), ys[0]) and seen == [2]  # a registered kernel is picked up at once
+    finally:
+        backends._KERNELS.remove(k)
+    m(x)
+    assert seen == [2] and len(walks) == 5  # and dropped again once removed
+    # the op path (autograd, compile) resolves through the same cached function and gives the same result
+    xg = x.clone().requires_grad_(True)
+    assert torch.equal(m(xg), ys[0]) and len(walks) == 5
+    # state-dict loads and moves keep serving the new weights
+    other = BCQLinear.from_linear(nn.Linear(128, 48), CONFIGS["bcq"])
+    m.load_state_dict(other.state_dict())
+    with torch.no_grad():
+        assert torch.equal(m(x), other(x))
+
+
+def test_a_per_call_conversion_warns_once_and_names_the_reason(monkeypatch):
+    """A layer held in a kernel layout whose kernel cannot take the call (here: batch above its range) runs a
+    fallback on converted buffers, and says so once."""
+    from qlinear.backends import cuda_lut
+
+    def fn(x, bufs, bias, cfg, N, K):
+        y = cuda_lut.spec(x.reshape(-1, K), bufs, bias, cfg, N, K, cuda_lut.plan(x.numel() // K, N, K, 4, cfg.bits))
+        return y.to(x.dtype).reshape(*x.shape[:-1], N)
+
+    k = backends.register(backends.Kernel(backend="lut_cpu", format="bcq", fn=fn, priority=100,
+                                          devices=frozenset({"cpu"}), max_batch=2, layout=cuda_lut.LAYOUT))
+    try:
+        m = BCQLinear.from_linear(nn.Linear(64, 32), QLinearConfig("bcq", bits=2, group_size=32, iters=0))
+        assert m.layout == "cuda_lut"
+        with torch.no_grad():
+            m(torch.randn(1, 64))  # the layout's own kernel: no warning
+            msg = r"kernel reference serves cpu torch.float32 batch 5: .*lut_cpu: batch 5 outside \[1, 2\]"
+            with pytest.warns(UserWarning, match=msg):
+                y = m(torch.randn(5, 64))
+            import warnings
+
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                m(torch.randn(5, 64))
+                m(torch.randn(7, 64))
+        assert y.shape == (5, 32)
+    finally:
+        backends._KERNELS.remove(k)
+
+
+def test_kernel_choice_is_logged_once_and_described(layers, caplog):
+    lin, _ = layers
+    model = nn.Sequential(nn.Linear(128, 64), nn.ReLU(), nn.Linear(64, 48))
+    qlinear.replace_linear(model, QLinearConfig("bcq", bits=4, group_size=32, iters=0), progress=False)
+    with caplog.at_level("INFO", logger="qlinear"), torch.no_grad():
+        for _ in range(3):
+            model(torch.randn(2, 128))
+    picks = [r.getMessage() for r in caplog.records if "-> kernel" in r.getMessage()]
+    assert len(picks) == 2 and all("batch 2 -> kernel reference, layout canonical" in p for p in picks), picks
+    text = qlinear.describe(model).splitlines()
+    assert text[0].startswith("| layer |") and len(text) == 4
+    assert text[2].startswith("| 0 | BCQLinear | 128 -> 64 | bcq 4-bit |")
+    assert text[2].endswith("| canonical | reference |")
+    model[2].backend = "nonexistent"
+    assert "none: backend 'nonexistent' has no kernel" in qlinear.describe(model).splitlines()[3]
+
+
+def test_resolved_layers_pickle_and_deepcopy(layers, tmp_path):
+    import copy
+
+    lin, _ = layers
+    m = BCQLinear.from_linear(lin, CONFIGS["bcq"])
+    x = torch.randn(2, 128)
+    with torch.no_grad():
+        y = m(x)
+        torch.save(m, tmp_path / "m.pt")
+        again = torch.load(tmp_path / "m.pt", weights_only=False)
+        assert torch.equal(again(x), y) and torch.equal(copy.deepcopy(m)(x), y)
