@@ -16,7 +16,8 @@ from typing import Callable, Optional
 
 import torch
 
-__all__ = ["Kernel", "Layout", "register", "kernels", "select", "layout_for", "get_layout", "generation", "ENV_VAR"]
+__all__ = ["Kernel", "Layout", "register", "kernels", "select", "layout_for", "get_layout", "generation",
+           "effective_backend", "ENV_VAR"]
 
 ENV_VAR = "QLINEAR_BACKEND"
 _KERNELS: list["Kernel"] = []
@@ -116,10 +117,15 @@ def register(kernel: Kernel) -> Kernel:
 _REGISTERED = 0
 
 
-def generation() -> tuple[int, int]:
-    """Changes whenever a kernel is registered or removed: resolved calls (:func:`qlinear.ops.resolve`, the modules'
-    caches) are keyed by it."""
-    return _REGISTERED, len(_KERNELS)
+def generation() -> tuple:
+    """Changes whenever a kernel is registered or removed or the dispatch table is reloaded: resolved calls
+    (:func:`qlinear.ops.resolve`, the modules' caches) are keyed by it."""
+    return _REGISTERED, len(_KERNELS), dispatch.state()
+
+
+def effective_backend(backend: Optional[str]) -> str:
+    """``backend``, else the ``QLINEAR_BACKEND`` environment variable, else "" (automatic)."""
+    return backend or os.environ.get(ENV_VAR) or ""
 
 
 def kernels(format: Optional[str] = None) -> list[Kernel]:
@@ -157,7 +163,7 @@ def select(format: str, cfg, device: torch.device, dtype: torch.dtype, batch: in
         ValueError: the requested backend does not exist or cannot run this call (the message says why),
             or no kernel supports the call.
     """
-    backend = backend or os.environ.get(ENV_VAR) or None
+    backend = effective_backend(backend) or None
     reasons = []
     cands = _candidates(format, backend)
     if backend is None and shape is not None:
@@ -183,7 +189,7 @@ def layout_for(format: str, cfg, device: torch.device, shape: tuple[int, int],
     Raises:
         ValueError: the requested backend does not exist.
     """
-    backend = backend or os.environ.get(ENV_VAR) or None
+    backend = effective_backend(backend) or None
     cands = _candidates(format, backend)
     want = None if backend is not None else dispatch.preferred_layout(format, cfg, device, shape)
     if want is not None:  # the measured table's layout first

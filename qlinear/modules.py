@@ -188,13 +188,17 @@ class QuantLinear(nn.Module):
         self._backend = value
         self._calls = {}
 
+    def _call(self, x: torch.Tensor, batch: int) -> ops.Call:
+        key = (x.device, x.dtype, batch, backends.generation())
+        return self._calls.get(key) or self._resolve(key)
+
     def _resolve(self, key: tuple) -> ops.Call:
         """The :class:`qlinear.ops.Call` for ``key`` = (device, dtype, batch, registry generation), cached on the
         layer (cleared by ``.to()``, state-dict loads, repacks and backend changes); logs the choice, and warns once
         per layer when the kernel needs the buffers converted on every call."""
         device, dtype, batch, gen = key
         call = ops.resolve(self.format, self._config_json, self.out_features, self.in_features, self.layout, device,
-                           dtype, batch, self.backend or "", gen)
+                           dtype, batch, backends.effective_backend(self.backend), gen)
         if len(self._calls) >= 64:  # many distinct prompt lengths: start over rather than grow
             self._calls.clear()
         self._calls[key] = call
@@ -212,9 +216,15 @@ class QuantLinear(nn.Module):
         return f"{type(self).__name__}({self.in_features}->{self.out_features}, {self.format} {self.config.bits}-bit)"
 
     def __getstate__(self):
-        state = dict(self.__dict__)
+        state = dict(super().__getstate__())
         state["_calls"] = {}  # resolved calls hold kernel functions: resolve again after unpickling
         return state
+
+    def __setstate__(self, state):
+        if "backend" in state and "_backend" not in state:  # pickled before backend became a property
+            state["_backend"] = state.pop("backend")
+        state.setdefault("_calls", {})
+        super().__setstate__(state)
 
     # kernel layouts -----------------------------------------------------------------------------
     @property
@@ -314,9 +324,7 @@ class QuantLinear(nn.Module):
             batch = x.numel() // self.in_features
             if batch == 0:
                 return x.new_empty(*x.shape[:-1], self.out_features)
-            key = (x.device, x.dtype, batch, backends.generation())
-            call = self._calls.get(key) or self._resolve(key)
-            return call(x, self.packed(), self.bias)
+            return self._call(x, batch)(x, self.packed(), self.bias)
         return ops.linear(x, self.packed(), self.bias, self.format, self._config_json, self.out_features,
                           self.in_features, self.backend or "", self.layout)
 
@@ -331,8 +339,7 @@ class QuantLinear(nn.Module):
         Raises:
             ValueError: no kernel (or not the requested backend) supports ``x``; the message says why.
         """
-        return ops.resolve(self.format, self._config_json, self.out_features, self.in_features, self.layout, x.device,
-                           x.dtype, max(1, x.numel() // x.shape[-1]), self.backend or "", backends.generation()).kernel
+        return self._call(x, max(1, x.numel() // x.shape[-1])).kernel
 
     @property
     def bits_per_weight(self) -> float:
@@ -449,7 +456,7 @@ def describe(model: nn.Module, batch: int = 1, dtype: Optional[torch.dtype] = No
         dt = dtype or (torch.float16 if device.type == "cuda" else torch.float32)
         try:
             kernel = ops.resolve(m.format, m._config_json, m.out_features, m.in_features, m.layout, device, dt, batch,
-                                 m.backend or "", backends.generation()).kernel.backend
+                                 backends.effective_backend(m.backend), backends.generation()).kernel.backend
         except ValueError as e:
             kernel = f"none: {e}"
         rows.append(f"| {name} | {type(m).__name__} | {m.in_features} -> {m.out_features} | {m.format} "

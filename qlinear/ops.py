@@ -106,8 +106,9 @@ class Call:
 def resolve(format: str, config: str, out_features: int, in_features: int, layout: str, device: torch.device,
             dtype: torch.dtype, batch: int, backend: str, generation: tuple[int, int]) -> Call:
     """The :class:`Call` for a layer (``format``, JSON ``config``, shape, held ``layout``) on ``batch`` rows of
-    ``dtype`` on ``device`` with ``backend`` ("" = automatic; else ``QLINEAR_BACKEND``, read here, so once per key).
-    ``generation`` is :func:`qlinear.backends.generation`: registering or removing a kernel resolves anew.
+    ``dtype`` on ``device`` with ``backend`` (:func:`qlinear.backends.effective_backend`: "" = automatic).
+    ``generation`` is :func:`qlinear.backends.generation`: registering or removing a kernel, or reloading the
+    dispatch table, resolves anew.
 
     Raises:
         ValueError: no kernel (or not the requested backend) supports the call; the message says why.
@@ -137,8 +138,8 @@ def linear(x: torch.Tensor, packed: list[torch.Tensor], bias: Optional[torch.Ten
     batch = x.numel() // max(x.shape[-1], 1)
     if batch == 0:  # like nn.Linear (e.g. an MoE expert that received no tokens)
         return x.new_empty(*x.shape[:-1], out_features)
-    call = resolve(format, config, out_features, in_features, layout, x.device, x.dtype, batch, backend,
-                   backends.generation())
+    call = resolve(format, config, out_features, in_features, layout, x.device, x.dtype, batch,
+                   backends.effective_backend(backend), backends.generation())
     return call(x, packed, bias)
 
 

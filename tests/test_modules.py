@@ -381,3 +381,36 @@ def test_resolved_layers_pickle_and_deepcopy(layers, tmp_path):
         torch.save(m, tmp_path / "m.pt")
         again = torch.load(tmp_path / "m.pt", weights_only=False)
         assert torch.equal(again(x), y) and torch.equal(copy.deepcopy(m)(x), y)
+
+
+def test_old_pickles_and_the_environment_resolve_per_layer(layers, monkeypatch):
+    """A layer pickled before ``backend`` became a property still loads and runs; ``QLINEAR_BACKEND`` set after one
+    layer resolved still applies to a new layer of the same config (the shared resolution cache keys on it)."""
+    lin, _ = layers
+    m = BCQLinear.from_linear(lin, CONFIGS["bcq"])
+    x = torch.randn(2, 128)
+    with torch.no_grad():
+        y = m(x)
+        state = dict(m.__getstate__())
+        state["backend"] = state.pop("_backend")
+        del state["_calls"]
+        old = BCQLinear.__new__(BCQLinear)
+        old.__setstate__(state)
+        assert old.backend is None and torch.equal(old(x), y)
+
+    seen = []
+
+    def fn(x, bufs, bias, cfg, N, K):
+        seen.append(1)
+        return backends.reference.linear(x, bufs, bias, cfg, N, K)
+
+    k = backends.register(backends.Kernel(backend="seen", format="bcq", fn=fn, priority=50, devices=frozenset({"cpu"})))
+    try:
+        with torch.no_grad():
+            m(x)
+            assert seen == [1]
+            monkeypatch.setenv(backends.ENV_VAR, "reference")
+            fresh = BCQLinear.from_linear(lin, CONFIGS["bcq"])
+            assert fresh.kernel(x).backend == "reference" and m.kernel(x).backend == "seen"
+    finally:
+        backends._KERNELS.remove(k)

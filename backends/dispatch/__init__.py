@@ -46,6 +46,12 @@ def table_path(device_name: str) -> Path:
     return path if path.is_file() else _HERE / "default.json"
 
 
+def state() -> tuple:
+    """What a dispatch choice depends on besides its arguments: the table folder, the device-name lookup and the tables
+    read so far (part of :func:`qlinear.backends.generation`, so cached resolutions follow a reloaded table)."""
+    return _HERE, id(_device_name), entries.cache_info().misses
+
+
 @functools.lru_cache(maxsize=None)
 def entries(device_name: str) -> tuple[dict, ...]:
     """Entries of the table for ``device_name`` (empty if there is none).  Raises ValueError for a malformed file."""
