@@ -188,8 +188,8 @@ class QuantLinear(nn.Module):
         self._backend = value
         self._calls = {}
 
-    def _call(self, x: torch.Tensor, batch: int) -> ops.Call:
-        key = (x.device, x.dtype, batch, backends.generation())
+    def _call(self, device: torch.device, dtype: torch.dtype, batch: int) -> ops.Call:
+        key = (device, dtype, batch, backends.generation())
         return self._calls.get(key) or self._resolve(key)
 
     def _resolve(self, key: tuple) -> ops.Call:
@@ -324,7 +324,7 @@ class QuantLinear(nn.Module):
             batch = x.numel() // self.in_features
             if batch == 0:
                 return x.new_empty(*x.shape[:-1], self.out_features)
-            return self._call(x, batch)(x, self.packed(), self.bias)
+            return self._call(x.device, x.dtype, batch)(x, self.packed(), self.bias)
         return ops.linear(x, self.packed(), self.bias, self.format, self._config_json, self.out_features,
                           self.in_features, self.backend or "", self.layout)
 
@@ -339,7 +339,7 @@ class QuantLinear(nn.Module):
         Raises:
             ValueError: no kernel (or not the requested backend) supports ``x``; the message says why.
         """
-        return self._call(x, max(1, x.numel() // x.shape[-1])).kernel
+        return self._call(x.device, x.dtype, max(1, x.numel() // x.shape[-1])).kernel
 
     @property
     def bits_per_weight(self) -> float:
@@ -455,8 +455,7 @@ def describe(model: nn.Module, batch: int = 1, dtype: Optional[torch.dtype] = No
         device = m.packed()[0].device
         dt = dtype or (torch.float16 if device.type == "cuda" else torch.float32)
         try:
-            kernel = ops.resolve(m.format, m._config_json, m.out_features, m.in_features, m.layout, device, dt, batch,
-                                 backends.effective_backend(m.backend), backends.generation()).kernel.backend
+            kernel = m._call(device, dt, batch).kernel.backend
         except ValueError as e:
             kernel = f"none: {e}"
         rows.append(f"| {name} | {type(m).__name__} | {m.in_features} -> {m.out_features} | {m.format} "
