@@ -16,35 +16,24 @@ from typing import Callable, Optional
 
 import torch
 
-__all__ = ["Kernel", "Layout", "register", "kernels", "select", "layout_for", "get_layout", "generation",
-           "effective_backend", "ENV_VAR"]
+from qlinear.formats.base import Layout
+
+__all__ = ["Kernel", "Layout", "register", "kernels", "select", "layout_for", "why_not_runnable", "get_layout",
+           "generation", "effective_backend", "ENV_VAR"]
 
 ENV_VAR = "QLINEAR_BACKEND"
 _KERNELS: list["Kernel"] = []
 
 
-@dataclasses.dataclass(frozen=True)
-class Layout:
-    """A kernel's own packed layout, derived once at load from the format's canonical buffers.
-
-    ``repack(buffers, cfg, N, K) -> dict`` and its exact inverse ``unrepack`` map between the
-    canonical buffers (:func:`qlinear.formats.get_format` ``.buffer_specs``) and the kernel's buffers.
-    A module on a device where this layout's kernel is the one :func:`layout_for` picks holds only the
-    repacked buffers (no second copy); checkpoints always hold the canonical ones.
-    """
-
-    name: str
-    names: Callable  # cfg -> tuple of the repacked buffer names, in the order the module holds them
-    repack: Callable
-    unrepack: Callable
-
-
 def get_layout(name: str) -> Layout:
-    """The registered layout called ``name``.  Raises ValueError if no kernel declares it."""
-    for k in _KERNELS:
-        if k.layout is not None and k.layout.name == name:
-            return k.layout
-    raise ValueError(f"no registered kernel has the packed layout {name!r}")
+    """The layout called ``name``: a registered kernel's, or a format's own (an older storage, e.g.
+    :data:`qlinear.formats.bcq.LEGACY`).  Raises ValueError if none has that name."""
+    from qlinear.formats import FORMATS
+
+    for layout in [k.layout for k in _KERNELS] + [lay for f in FORMATS.values() for lay in getattr(f, "LAYOUTS", ())]:
+        if layout is not None and layout.name == name:
+            return layout
+    raise ValueError(f"no registered kernel or format has the packed layout {name!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,6 +167,16 @@ def select(format: str, cfg, device: torch.device, dtype: torch.dtype, batch: in
         reasons.append(f"{k.backend}: {why}")
     raise ValueError(f"no kernel for format={format!r} bits={cfg.bits} group_size={cfg.group_size} on "
                      f"{device.type} {dtype} batch={batch}: " + "; ".join(reasons))
+
+
+def why_not_runnable(format: str, cfg, device: torch.device, shape: tuple[int, int], backend: str) -> Optional[str]:
+    """Why no kernel of ``backend`` can run a ``format`` layer of config ``cfg`` and ``shape`` = (N, K) on ``device``
+    at any dtype and at its smallest batch, or None if one can."""
+    ks = [k for k in _KERNELS if k.format == format and k.backend == backend]
+    if not ks:
+        return f"backend {backend!r} has no kernel for format {format!r}"
+    reasons = [k.reject(cfg, device, None, k.min_batch, shape) for k in ks]
+    return None if None in reasons else "; ".join(f"{k.backend}: {r}" for k, r in zip(ks, reasons))
 
 
 def layout_for(format: str, cfg, device: torch.device, shape: tuple[int, int],

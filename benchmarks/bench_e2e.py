@@ -34,7 +34,7 @@ def quantize_randomly(model: torch.nn.Module, bits: int, group_size: int = 128, 
             if isinstance(child, torch.nn.Linear) and child_name != "lm_head":
                 N, K = child.out_features, child.in_features
                 cfg, (packed,) = uniform_bcq_sets(N, K, bits, group_size, "", 1, device=device)
-                names = list(BCQLinear(K, N, False, cfg, device="meta")._specs)
+                names = list(BCQLinear(K, N, False, cfg, device="meta").buffer_specs)
                 setattr(mod, child_name, BCQLinear.from_packed(dict(zip(names, packed)), K, N, cfg, child.bias))
                 del child
     torch.cuda.empty_cache()

@@ -22,6 +22,7 @@ and the dense matmul (fp16 cuBLAS on GPU, fp32 on CPU).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import os
 import statistics
@@ -40,12 +41,12 @@ def _layer(in_f: int, out_f: int, backend: str, act_order: bool = False):
     from qlinear import BCQLinear
     from qlinear.formats import bcq
 
-    cfg = bcq.Config(bits=4, group_size=128, init="uniform", iters=0, act_order=act_order, fp32_offset=True)
     g = torch.Generator().manual_seed(in_f * 7 + out_f)
-    bufs = {"planes": torch.randint(-2**31, 2**31 - 1, (4, out_f, in_f // 32), dtype=torch.int32, generator=g),
-            "alpha": (torch.rand(1, out_f, in_f // 128, generator=g) * 0.01 + 0.001).half()
-            * torch.tensor([0.5, 1.0, 2.0, 4.0]).half()[:, None, None],
-            "offset": torch.randn(out_f, in_f // 128, generator=g) * 0.01}
+    G = in_f // 128
+    cfg, bufs = bcq.from_uniform(torch.randint(0, 16, (out_f, in_f), generator=g),
+                                 (torch.rand(out_f, G, generator=g) * 0.01 + 0.001).half(),
+                                 torch.randint(0, 16, (out_f, G), generator=g), 4, 128)
+    cfg = dataclasses.replace(cfg, act_order=act_order)
     if act_order:
         bufs["perm"] = torch.randperm(in_f, generator=g).to(torch.int32)
     return BCQLinear.from_packed(bufs, in_f, out_f, cfg, backend=backend)

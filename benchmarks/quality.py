@@ -13,8 +13,8 @@ every calibrated row.
 bits/weight:
 * qlinear rows (BCQ, mixed, codebook): exact, ``QuantLinear.bits_per_weight`` over all quantized layers, i.e. every
   packed buffer (codes, scales, zeros, quantized scales, 4-bit group indices, outlier values, columns, row pointers).
-* RTN and GPTQ rows: they run through BCQ's exact mapping of uniform codes (same dequantized weights); we report the
-  uniform storage they stand for, ``q + 32/g`` (q-bit codes, fp16 scale and fp16 zero per group), as the example does.
+* RTN and GPTQ rows: exact in the same way; they are stored as GPTQ stores them (q-bit codes, an fp16 scale and a
+  q-bit zero point per group, ``perm`` with act_order).
 * peers (HQQ, optimum-quanto): each Linear is quantized on CPU by the peer's own code (fp16 weights in, its default
   fp16 scales/zeros), its stored tensors are counted as they are (element size x count: HQQ's packed ``W_q`` with its
   own packing, e.g. 3-bit as ten codes per int32 = 3.2 bits, plus fp16 ``scale`` and ``zero``; quanto's packed uint8
@@ -51,35 +51,35 @@ def _rtn(bits, g):
 RATIOS = (0.0, 0.1, 0.25, 0.5)
 OUTLIERS = (0.0, 0.002, 0.005)
 
-# name: (label, family, spec).  spec: ("qlinear", config or None, calibrated, uniform_storage) or ("peer", fn, args)
-ROWS: dict[str, tuple] = {"fp32": ("unquantized (dequantized Q4_1), fp16 size", "fp", ("qlinear", None, False, False))}
+# name: (label, family, spec).  spec: ("qlinear", config or None, calibrated) or ("peer", fn, args)
+ROWS: dict[str, tuple] = {"fp32": ("unquantized (dequantized Q4_1), fp16 size", "fp", ("qlinear", None, False))}
 for _b in (2, 3, 4):
     for _g in (64, 128):
-        ROWS[f"rtn{_b}-g{_g}"] = (f"RTN {_b}-bit g{_g}", f"RTN g{_g}", ("qlinear", _rtn(_b, _g), False, True))
+        ROWS[f"rtn{_b}-g{_g}"] = (f"RTN {_b}-bit g{_g}", f"RTN g{_g}", ("qlinear", _rtn(_b, _g), False))
 for _b in (2, 3, 4):
     ROWS[f"bcq{_b}"] = (f"BCQ {_b}-bit g64, activation-aware + error feedback", "BCQ",
-                        ("qlinear", _q("bcq", bits=_b, group_size=64, error_feedback=True), True, False))
+                        ("qlinear", _q("bcq", bits=_b, group_size=64, error_feedback=True), True))
 ROWS["mixed-nocal"] = ("Mixed defaults, no calibration (H = I)", "mixed, uncalibrated",
-                       ("qlinear", _q("mixed"), False, False))
-ROWS["mixed"] = ("Mixed defaults (ratio_4bit 0.25, outliers 0.002)", "mixed", ("qlinear", _q("mixed"), True, False))
+                       ("qlinear", _q("mixed"), False))
+ROWS["mixed"] = ("Mixed defaults (ratio_4bit 0.25, outliers 0.002)", "mixed", ("qlinear", _q("mixed"), True))
 for _r in RATIOS:
     for _o in OUTLIERS:
         if (_r, _o) != (0.25, 0.002):
             ROWS[f"mixed-r{_r:g}-o{_o:g}"] = (f"Mixed ratio_4bit {_r:g}, outliers {_o:g}", "mixed",
-                                             ("qlinear", _q("mixed", ratio_4bit=_r, outlier_ratio=_o), True, False))
+                                             ("qlinear", _q("mixed", ratio_4bit=_r, outlier_ratio=_o), True))
 ROWS["mixed-random"] = ("Mixed 0.25 / 0.002, *random* 4-bit groups (seed 0)", "mixed ablation",
-                        ("qlinear", _q("mixed", group_selection="random"), True, False))
+                        ("qlinear", _q("mixed", group_selection="random"), True))
 for _s in (1, 2):
     ROWS[f"mixed-random-s{_s}"] = (f"Mixed 0.25 / 0.002, *random* 4-bit groups (seed {_s})", "mixed ablation",
-                                   ("qlinear", _q("mixed", group_selection="random", selection_seed=_s), True, False))
+                                   ("qlinear", _q("mixed", group_selection="random", selection_seed=_s), True))
 for _o in (0.002, 0.005):
     ROWS[f"mixed-any-o{_o:g}"] = (f"Mixed 0.25 / {_o:g}, outliers in *any* group", "mixed ablation",
-                                  ("qlinear", _q("mixed", outlier_ratio=_o, outlier_placement="any"), True, False))
+                                  ("qlinear", _q("mixed", outlier_ratio=_o, outlier_placement="any"), True))
 ROWS["codebook2"] = ("Codebook 2-bit g32, activation-aware + error feedback", "codebook",
-                     ("qlinear", _q("codebook", bits=2, error_feedback=True), True, False))
+                     ("qlinear", _q("codebook", bits=2, error_feedback=True), True))
 for _b in (2, 3, 4):
     ROWS[f"gptq{_b}-g128"] = (f"GPTQ {_b}-bit g128, act_order", "GPTQ",
-                              ("qlinear", _q("bcq", bits=_b, group_size=128, method="gptq", act_order=True), True, True))
+                              ("qlinear", _q("bcq", bits=_b, group_size=128, method="gptq", act_order=True), True))
 for _b in (2, 3, 4):
     ROWS[f"hqq{_b}-g64"] = (f"HQQ {_b}-bit g64 (peer)", "HQQ", ("peer", "hqq", (_b, 64)))
 for _b in (2, 4):
@@ -141,8 +141,8 @@ def run_row(name, load, hessians):
     """Quantize a fresh model for row ``name``; returns (model, bits/weight, seconds)."""
     _, _, spec = ROWS[name]
     if spec[0] == "qlinear":
-        _, cfg, calibrated, uniform = spec
-        m = quantize_fresh(load, cfg, calibration_data=hessians if calibrated else None, uniform_storage=uniform)
+        _, cfg, calibrated = spec
+        m = quantize_fresh(load, cfg, calibration_data=hessians if calibrated else None)
         return m.model, m.bits_per_weight, m.seconds
     _, peer, args = spec
     model = load()

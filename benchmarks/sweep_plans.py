@@ -64,7 +64,7 @@ def _op(kernel: str, x, bufs: dict, perm, gs: int, launch):
     if kernel == "cuda_lut":
         return torch.ops.qlinear.bcq_lut_gemv(x, bufs["lut_planes"], bufs["lut_alpha"], bufs.get("lut_offset"), perm,
                                               None, gs, *launch)
-    return torch.ops.qlinear.quick_gemm(x, bufs["quick_qweight"], bufs["quick_scales"], bufs.get("quick_offset"), perm,
+    return torch.ops.qlinear.quick_gemm(x, bufs["quick_qweight"], bufs["quick_scales"], bufs.get("quick_zeros"), perm,
                                         None, gs, *launch)
 
 

@@ -85,8 +85,7 @@ def main() -> None:
     start = time.time()
     for n in names:
         label, cfg, calibrated = ROWS[n]
-        model, bits, mem, qtime = quantize_fresh(load, cfg, calibration_data=hessians if calibrated else None,
-                                                 uniform_storage=n.startswith(("rtn", "gptq")))
+        model, bits, mem, qtime = quantize_fresh(load, cfg, calibration_data=hessians if calibrated else None)
         if cfg is None:
             label += " (fp16 size)"
         ppl = perplexity(model, tok, text, max_tokens=args.max_tokens, window=args.window, batch_size=8)

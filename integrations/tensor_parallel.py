@@ -36,15 +36,14 @@ for the act_order algorithms.
 
 from __future__ import annotations
 
-import dataclasses
-import math
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from qlinear.formats.packing import pack, unpack
+from qlinear.formats import get_format
+from qlinear.formats.base import check_input_split
 
 __all__ = ["parallelize", "shard_rows", "shard_inputs", "RowParallel", "STATS", "check_tp_plan", "plan_shards",
            "load_shards", "finish_load_shards", "shard_loaded", "add_gather_hooks"]
@@ -58,32 +57,17 @@ def _quant():
     return QuantLinear, BCQLinear, CodebookLinear
 
 
-def _check_sliceable(layer, start: Optional[int] = None, end: Optional[int] = None) -> None:
-    """ValueError unless the QuantLinear ``layer`` can be sliced (by rows, or by stored inputs ``[start, end)``)."""
-    QuantLinear, BCQLinear, CodebookLinear = _quant()
-    if not isinstance(layer, (BCQLinear, CodebookLinear)):
+def _sliceable(layer):
+    """The format module of a QuantLinear ``layer`` that can be sliced; ValueError if its format cannot."""
+    fmt = get_format(layer.format)
+    if not hasattr(fmt, "slice_rows"):
         raise ValueError(f"{type(layer).__name__} cannot be sharded (its scales are packed across rows)")
-    K = layer.in_features
-    g = K if getattr(layer.config, "group_size", -1) == -1 else layer.config.group_size
-    if start is not None and (start % g or (end % g and end != K)):
-        raise ValueError(f"input shard [{start}, {end}) of a {layer.out_features}x{K} layer splits a quantization "
-                         f"group of {g}: the shard size must be a multiple of the group size")
+    return fmt
 
 
 def _rows_packed(layer, rows: torch.Tensor) -> dict[str, torch.Tensor]:
     """Canonical packed tensors of a QuantLinear restricted to output features ``rows``."""
-    QuantLinear, BCQLinear, CodebookLinear = _quant()
-    _check_sliceable(layer)
-    b = layer.canonical()
-    if isinstance(layer, BCQLinear):
-        new = {"planes": b["planes"][:, rows], "alpha": b["alpha"][:, rows]}
-        if "offset" in b:
-            new["offset"] = b["offset"][rows]
-        if "perm" in b:
-            new["perm"] = b["perm"]
-    else:
-        new = {k: v[rows] if k != "codebooks" else v for k, v in b.items()}
-    return {k: v.contiguous() for k, v in new.items()}
+    return _sliceable(layer).slice_rows(layer.canonical(), layer.config, rows)
 
 
 def shard_rows(layer: nn.Module, rows: torch.Tensor) -> nn.Module:
@@ -108,24 +92,8 @@ def shard_rows(layer: nn.Module, rows: torch.Tensor) -> nn.Module:
 def _inputs_packed(layer, start: int, end: int):
     """``(canonical packed tensors, config)`` of a QuantLinear restricted to stored input positions
     ``[start, end)``; ValueError if a bound splits a quantization group."""
-    QuantLinear, BCQLinear, CodebookLinear = _quant()
-    _check_sliceable(layer, start, end)
-    K = layer.in_features
-    g = K if getattr(layer.config, "group_size", -1) == -1 else layer.config.group_size
-    b = layer.canonical()
-    if isinstance(layer, BCQLinear):
-        new = {"planes": b["planes"][:, :, start // 32:-(-end // 32)], "alpha": b["alpha"][:, :, start // g:-(-end // g)]}
-        if "offset" in b:
-            new["offset"] = b["offset"][:, start // g:-(-end // g)]
-        cfg = dataclasses.replace(layer.config, act_order=False, static_groups=False)
-    else:
-        cfg = layer.config
-        new = {"codes": pack(unpack(b["codes"], cfg.bits, K)[:, start:end], cfg.bits)}
-        if "book_idx" in b:
-            lb = int(math.log2(cfg.books))
-            new["book_idx"] = pack(unpack(b["book_idx"], lb, K // g)[:, start // g:end // g], lb)
-        new["scales"], new["codebooks"] = b["scales"][:, start // g:end // g], b["codebooks"]
-    return {k: v.contiguous() for k, v in new.items()}, cfg
+    return _sliceable(layer).slice_inputs(layer.canonical(), layer.config, layer.out_features, layer.in_features,
+                                          start, end)
 
 
 def shard_inputs(layer: nn.Module, start: int, end: int) -> nn.Module:
@@ -175,7 +143,7 @@ class RowParallel(nn.Module):
 
 def _perm(layer) -> Optional[torch.Tensor]:
     QuantLinear = _quant()[0]
-    if isinstance(layer, QuantLinear) and "perm" in layer._packed_names:
+    if isinstance(layer, QuantLinear) and "perm" in layer.buffer_specs:
         return layer.canonical()["perm"].long()
     return None
 
@@ -265,7 +233,9 @@ def check_tp_plan(model: nn.Module, plan: dict[str, str], world: int) -> None:
             if size % world:
                 raise ValueError(f"world size {world} does not divide its {size} "
                                  f"{'output' if style == 'colwise' else 'input'} features")
-            _check_sliceable(mod, *(() if style == "colwise" else (0, size // world)))
+            _sliceable(mod)
+            if style == "rowwise":
+                check_input_split(mod.out_features, mod.in_features, mod.config.group_size, 0, size // world)
         except ValueError as e:
             problems.append(f"{name}: {e}")
     if problems:
@@ -376,12 +346,12 @@ def load_shards(model: nn.Module, plan: dict[str, str], world: int, rank: int, r
     mods = dict(model.named_modules())
 
     def perm_of(name):
-        return read(name, ["perm"])["perm"].long() if "perm" in mods[name]._specs else None
+        return read(name, ["perm"])["perm"].long() if "perm" in mods[name].buffer_specs else None
 
     specs = plan_shards(model, plan, world, rank, perm_of)
     for name, spec in specs.items():
         meta = mods[name]
-        full = type(meta).from_packed(read(name, list(meta._specs)), meta.in_features, meta.out_features, meta.config, backend="reference")
+        full = type(meta).from_packed(read(name, list(meta.buffer_specs)), meta.in_features, meta.out_features, meta.config, backend="reference")
         meta.adopt(_local_layer(full, spec, meta.backend))
         meta.packed_in_state_dict = False
     return specs

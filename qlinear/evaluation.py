@@ -249,18 +249,6 @@ def greedy_continuation(model, tokenizer, prompt: str, max_new_tokens: int = 32)
     return tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
 
 
-def uniform_bits(config: Any) -> float:
-    """Bits per weight of plain uniform storage for ``config`` (a :class:`qlinear.QLinearConfig` with
-    ``bits`` and ``group_size`` set): q-bit codes plus an fp16 scale and an fp16 zero per group,
-    ``bits + 32 / group_size``.
-
-    Round-to-nearest (``init="uniform", iters=0``) and GPTQ rows run through BCQ's exact mapping of
-    uniform codes (same dequantized weights, but BCQ stores one fp16 α per bit-plane); this is the
-    storage those rows stand for, as AutoGPTQ/HQQ-style uniform checkpoints hold it.
-    """
-    return config.bits + 32 / config.group_size
-
-
 class QuantizedModel(NamedTuple):
     """What :func:`quantize_fresh` returns."""
 
@@ -271,7 +259,7 @@ class QuantizedModel(NamedTuple):
 
 
 def quantize_fresh(load_model: Callable[[], torch.nn.Module], config: Any = None, *,
-                   calibration_data: Any = None, uniform_storage: bool = False) -> QuantizedModel:
+                   calibration_data: Any = None) -> QuantizedModel:
     """Load a fresh float model and quantize it with ``config``; measure its exact weight storage.
 
     Args:
@@ -280,8 +268,6 @@ def quantize_fresh(load_model: Callable[[], torch.nn.Module], config: Any = None
             counted as fp16 over its ``nn.Linear`` layers other than ``lm_head`` (16 bits/weight).
         calibration_data: passed to :func:`qlinear.replace_linear` (e.g. the Hessians of
             :func:`qlinear.calibrate`); None quantizes without calibration.
-        uniform_storage: report :func:`uniform_bits` instead of the stored bits (for RTN and GPTQ
-            configs that stand for uniform storage).
 
     Returns:
         :class:`QuantizedModel`. ``bits_per_weight`` is exact otherwise: the sum over quantized layers of
@@ -300,9 +286,6 @@ def quantize_fresh(load_model: Callable[[], torch.nn.Module], config: Any = None
         return QuantizedModel(model, 16.0, float(sum(m.weight.numel() * 2 for m in lin)), 0.0)
     qmods = [m for m in model.modules() if isinstance(m, qlinear.QuantLinear)]
     nw = sum(m.in_features * m.out_features for m in qmods)
-    if uniform_storage:
-        bits = uniform_bits(config)
-        return QuantizedModel(model, bits, bits * nw / 8, seconds)
     bits = sum(m.bits_per_weight * m.in_features * m.out_features for m in qmods) / nw
     mem = sum(m.memory_footprint() - (0 if m.bias is None else m.bias.numel() * m.bias.element_size())
               for m in qmods)

@@ -22,6 +22,7 @@ from .formats.uniform import pack_gptq, unpack_gptq
 from .gptq import check_hessian
 
 logger = logging.getLogger("qlinear")
+_WARNED_PREFERENCES: set = set()  # (backend, device type) a configured backend could not serve, warned once
 
 __all__ = ["QuantLinear", "BCQLinear", "MixedPrecisionLinear", "CodebookLinear", "module_class", "format_config",
            "describe"]
@@ -86,7 +87,10 @@ class QuantLinear(nn.Module):
         cfg, cfg_backend = format_config(self.format, config)
         self.in_features, self.out_features = int(in_features), int(out_features)
         self.config = cfg
-        self.backend = backend or cfg_backend
+        self.backend = backend
+        # a config's backend (e.g. saved in a checkpoint) is a preference: used on devices where it can run
+        self._preferred_backend = None if backend else cfg_backend
+        self._backend = backend or cfg_backend
         self._config_json = cfg.to_json()
         self._specs = get_format(self.format).buffer_specs(out_features, in_features, cfg)
         for name, (shape, dt) in self._specs.items():
@@ -127,8 +131,8 @@ class QuantLinear(nn.Module):
         buffers = get_format(cls.format).quantize(w.detach().to("cpu", torch.float32), cfg,
                                                   None if hessian is None else hessian.detach().cpu(),
                                                   **quantize_kwargs)
-        return cls.from_packed(buffers, w.shape[1], w.shape[0], cfg, linear.bias, backend=backend or cfg_backend,
-                               device=w.device)
+        return cls.from_packed(buffers, w.shape[1], w.shape[0], config if cfg_backend else cfg, linear.bias,
+                               backend=backend, device=w.device)
 
     @classmethod
     def from_packed(cls, buffers: dict[str, torch.Tensor], in_features: int, out_features: int, config: Any,
@@ -177,16 +181,43 @@ class QuantLinear(nn.Module):
         self.config, self._config_json, self._specs = other.config, other._config_json, other._specs
         self._set_packed({n: other._buffers[n] for n in other._packed_names}, other._layout)
 
+    @property
+    def buffer_specs(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """``{name: (shape, dtype)}`` of the canonical packed buffers (what checkpoints hold; the format's
+        ``buffer_specs`` for this layer's shape and config)."""
+        return dict(self._specs)
+
     # kernel resolution ---------------------------------------------------------------------------
     @property
     def backend(self) -> Optional[str]:
-        """Kernel backend override ("reference", "cuda_lut", ...) or None (automatic); setting it resolves anew."""
+        """Kernel backend override ("reference", "cuda_lut", ...) or None (automatic); setting it resolves anew.
+
+        Set here (or as the ``backend`` argument) it is a requirement: a call it cannot serve raises ValueError.  The
+        backend of a config (``QLinearConfig(backend=...)``, also as saved with a checkpoint) is a preference instead:
+        on a device where none of its kernels can run the layer, the layer warns once and chooses automatically."""
         return self._backend
 
     @backend.setter
     def backend(self, value: Optional[str]) -> None:
         self._backend = value
+        self._preferred_backend = None
         self._calls = {}
+
+    def _apply_preference(self, device: torch.device) -> None:
+        """Use the config's preferred backend on ``device`` if one of its kernels can run this layer there."""
+        pref = self._preferred_backend
+        if pref is None:
+            return
+        why = backends.why_not_runnable(self.format, ops.kernel_view(self.config)[0], device,
+                                        (self.out_features, self.in_features), pref)
+        if why is not None and (pref, device.type) not in _WARNED_PREFERENCES:
+            _WARNED_PREFERENCES.add((pref, device.type))
+            warnings.warn(f"the configured backend {pref!r} cannot run {self._describe()} on {device.type} ({why}): "
+                          f"qlinear chooses kernels automatically there (set QuantLinear.backend to insist)",
+                          stacklevel=3)
+        backend = None if why is not None else pref
+        if backend != self._backend:
+            self._backend, self._calls = backend, {}
 
     def _call(self, device: torch.device, dtype: torch.dtype, batch: int) -> ops.Call:
         key = (device, dtype, batch, backends.generation())
@@ -224,7 +255,17 @@ class QuantLinear(nn.Module):
         if "backend" in state and "_backend" not in state:  # pickled before backend became a property
             state["_backend"] = state.pop("backend")
         state.setdefault("_calls", {})
+        state.setdefault("_preferred_backend", None)
         super().__setstate__(state)
+        specs = get_format(self.format).buffer_specs(self.out_features, self.in_features, self.config)
+        if self._layout is None and set(self._specs) != set(specs):  # pickled in an older storage: convert it
+            self._specs = specs
+            saved = self.saved_layout(self._packed_names)
+            if saved is None:
+                raise ValueError(f"{self._describe()} was pickled with buffers {list(self._packed_names)}, which are "
+                                 f"neither the storage of this qlinear version nor an older one it can convert")
+            held = {n: self._buffers[n] for n in self._packed_names}
+            self._set_packed(ops.canonical(held, self.config, saved.name, self.out_features, self.in_features), None)
 
     # kernel layouts -----------------------------------------------------------------------------
     @property
@@ -253,8 +294,11 @@ class QuantLinear(nn.Module):
         if len(devices) != 1:  # mid-load (some buffers still on meta): wait until all have landed
             return
         device = devices.pop()
-        want = None if device.type == "meta" else backends.layout_for(
-            self.format, ops.kernel_view(self.config)[0], device, (self.out_features, self.in_features), self.backend)
+        if device.type == "meta":  # nothing to convert yet (an empty module, or one waiting for a loader)
+            return
+        self._apply_preference(device)
+        want = backends.layout_for(self.format, ops.kernel_view(self.config)[0], device,
+                                   (self.out_features, self.in_features), self.backend)
         if want is not self._layout:
             bufs = self.canonical()
             if want is not None:
@@ -281,9 +325,51 @@ class QuantLinear(nn.Module):
         self.repack_for_device()
         return self
 
-    # checkpoints always hold the canonical layout -------------------------------------------------
+    # checkpoints hold the canonical layout; older storages are converted on load --------------------------------
+    def saved_layout(self, names) -> Optional[backends.Layout]:
+        """The format's older storage (e.g. :data:`qlinear.formats.bcq.LEGACY`) that a checkpoint holding the packed
+        tensor ``names`` (of this layer, without prefix) was saved in, or None (the canonical storage, or unknown
+        names)."""
+        names = set(names)
+        if set(self._specs) <= names:
+            return None
+        for layout in getattr(get_format(self.format), "LAYOUTS", ()):
+            specs = self._saved_specs(layout)
+            if specs is not None and set(specs) <= names:
+                return layout
+        return None
+
+    def _saved_specs(self, layout) -> Optional[dict]:
+        specs = layout.saved_specs(self.out_features, self.in_features, self.config)
+        if specs is None:
+            return None
+        side = ops.kernel_view(self.config)[1]
+        return {**specs, **{n: self._specs[n] for n in side}}
+
+    def held_specs(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """``{name: (shape, dtype)}`` a loader fills: the canonical specs, or those of the older storage the layer
+        holds while loading it (:meth:`hold_saved_layout`)."""
+        if self._layout is not None and self._layout.saved_specs is not None:
+            return self._saved_specs(self._layout)
+        return dict(self._specs)
+
+    def hold_saved_layout(self, layout) -> None:
+        """Hold empty meta buffers of the older storage ``layout`` (see :meth:`saved_layout`) for a loader that fills
+        buffers by name (transformers); the first move to a device (or :meth:`repack_for_device`) converts them to
+        the canonical storage, exactly.  ``state_dict()`` lists them under their own names meanwhile.
+
+        Raises:
+            ValueError: ``layout`` is not an older storage of this layer's format and config.
+        """
+        specs = None if layout.saved_specs is None else self._saved_specs(layout)
+        if specs is None:
+            raise ValueError(f"{layout.name} is not an older storage of {self._describe()}")
+        self._set_packed({n: torch.empty(shape, dtype=dt, device="meta") for n, (shape, dt) in specs.items()}, layout)
+
     def _save_to_state_dict(self, destination, prefix, keep_vars):
-        for name, t in (self.canonical() if self.packed_in_state_dict else {}).items():
+        holds_saved = self._layout is not None and self._layout.saved_specs is not None
+        held = {n: self._buffers[n] for n in self._packed_names}
+        for name, t in ((held if holds_saved else self.canonical()) if self.packed_in_state_dict else {}).items():
             destination[prefix + name] = t if keep_vars else t.detach()
         packed = {n: self._buffers.pop(n) for n in self._packed_names}
         try:
@@ -293,6 +379,18 @@ class QuantLinear(nn.Module):
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
+        saved = self.saved_layout(k[len(prefix):] for k in state_dict if k.startswith(prefix))
+        if saved is not None:  # an older storage: checked against its own specs, converted to the canonical one
+            bufs = {}
+            for name, (shape, dtype) in self._saved_specs(saved).items():
+                t = state_dict.pop(prefix + name)
+                if tuple(t.shape) != tuple(shape) or t.dtype != dtype:
+                    raise ValueError(f"checkpoint tensor {prefix + name} is {t.dtype} {list(t.shape)} but this "
+                                     f"{type(self).__name__} ({self.config.to_json()}) saved as {saved.name} has "
+                                     f"{dtype} {list(shape)}: the checkpoint was saved with another config or shape")
+                bufs[name] = t
+            state_dict.update({prefix + n: t for n, t in ops.canonical(bufs, self.config, saved.name, self.out_features,
+                                                                      self.in_features).items()})
         for name, (shape, dtype) in self._specs.items():
             t = state_dict.get(prefix + name)
             if t is not None and (tuple(t.shape) != tuple(shape) or t.dtype != dtype):
@@ -343,8 +441,15 @@ class QuantLinear(nn.Module):
 
     @property
     def bits_per_weight(self) -> float:
-        """Exact stored bits per weight: every packed buffer counted (codes, scales, zeros, indices,
-        codebooks, outliers), the bias not."""
+        """Exact stored bits per weight of the canonical storage (what checkpoints hold, the same on every device):
+        every packed buffer counted (codes, scales, zeros, indices, codebooks, outliers), the bias not."""
+        return spec_bits(self._specs) / (self.in_features * self.out_features)
+
+    @property
+    def layout_bits_per_weight(self) -> float:
+        """Bits per weight of the buffers as held in memory now: the kernel layout's (e.g. BCQ's α derived from a
+        uniform layer's scales for the LUT GEMV), or :attr:`bits_per_weight` when the layer holds the canonical
+        storage."""
         return spec_bits({n: (tuple(b.shape), b.dtype) for n, b in zip(self._packed_names, self.packed())}) / (
             self.in_features * self.out_features)
 
@@ -369,16 +474,17 @@ class BCQLinear(QuantLinear):
     def from_uniform(cls, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, *, bits: int,
                      group_size: int, g_idx: Optional[torch.Tensor] = None, bias: Optional[torch.Tensor] = None,
                      backend: Optional[str] = None) -> "BCQLinear":
-        """Exact BCQ layer from uniform integer weights ``scales·(codes − zeros)`` (GPTQ/AWQ convention).
+        """Exact layer from uniform integer weights ``scales·(codes − zeros)`` (GPTQ/AWQ convention), held in BCQ's
+        uniform storage (codes, fp16 scale, packed zero point per group).
 
         Args:
             codes: ``[N, K]`` integers in ``[0, 2**bits)`` (unpacked ``qweight``).
-            scales: ``[N, G]`` fp16/fp32.  zeros: ``[N, G]`` integer zero points (unpacked ``qzeros``).
+            scales: ``[N, G]`` fp16 values (fp16 or fp32 tensor).  zeros: ``[N, G]`` integer zero points (unpacked ``qzeros``).
             g_idx: optional ``[K]`` int group of each input (GPTQ act_order).
             bias: optional ``[N]``.
 
         Raises:
-            ValueError: inconsistent shapes, codes out of range.
+            ValueError: inconsistent shapes, codes or zero points out of range, scales that are not fp16 values.
         """
         cfg, buffers = bcq.from_uniform(codes, scales, zeros, bits, group_size, g_idx)
         return cls.from_packed(buffers, codes.shape[1], codes.shape[0], cfg, bias, backend=backend, device=codes.device)
@@ -448,7 +554,8 @@ def describe(model: nn.Module, batch: int = 1, dtype: Optional[torch.dtype] = No
     float32 elsewhere) on the layer's device, or why none does.  Like ``QLINEAR_BACKEND``, a layer's ``backend``
     override is honoured.
     """
-    rows = ["| layer | class | in -> out | format | bits/weight | layout | kernel |", "|---|---|---|---|---|---|---|"]
+    rows = ["| layer | class | in -> out | format | bits/weight | layout (bits/weight) | kernel |",
+            "|---|---|---|---|---|---|---|"]
     for name, m in model.named_modules():
         if not isinstance(m, QuantLinear):
             continue
@@ -459,5 +566,6 @@ def describe(model: nn.Module, batch: int = 1, dtype: Optional[torch.dtype] = No
         except ValueError as e:
             kernel = f"none: {e}"
         rows.append(f"| {name} | {type(m).__name__} | {m.in_features} -> {m.out_features} | {m.format} "
-                    f"{m.config.bits}-bit | {m.bits_per_weight:.3f} | {m.layout or 'canonical'} | {kernel} |")
+                    f"{m.config.bits}-bit | {m.bits_per_weight:.3f} | {m.layout or 'canonical'} "
+                    f"({m.layout_bits_per_weight:.3f}) | {kernel} |")
     return "\n".join(rows)

@@ -203,21 +203,21 @@ _lib.define("arm_gemm(Tensor x, Tensor qw, Tensor qs, Tensor? qz, Tensor? qb, Te
 def _(x, qw, qs, qz, qb, books, bias, format, num_books, N, group_size, path, layout):
     """Arm NEON/SDOT/SMMLA kernels of :mod:`qlinear.backends.arm_neon`: ``x`` ``[M, K]`` fp32 -> ``[M, N]`` fp32."""
     return x.new_empty(x.shape[0], N)
-_lib.define("quick_gemm(Tensor x, Tensor qweight, Tensor scales, Tensor? offset, Tensor? perm, Tensor? bias, "
+_lib.define("quick_gemm(Tensor x, Tensor qweight, Tensor scales, Tensor? zeros, Tensor? perm, Tensor? bias, "
             "int group_size, int tile_m, int tiles_per_split, int splits) -> Tensor")
-_lib.define("quick_dequantize(Tensor qweight, Tensor scales, Tensor? offset, int group_size, int K, ScalarType dtype) "
+_lib.define("quick_dequantize(Tensor qweight, Tensor scales, Tensor? zeros, int group_size, int K, ScalarType dtype) "
             "-> Tensor")
 
 
 @torch.library.register_fake("qlinear::quick_gemm")
-def _(x, qweight, scales, offset, perm, bias, group_size, tile_m, tiles_per_split, splits):
+def _(x, qweight, scales, zeros, perm, bias, group_size, tile_m, tiles_per_split, splits):
     """QUICK GEMM of :mod:`qlinear.backends.quick`: ``x`` ``[M, K]`` fp16/bf16 (read as ``x[:, perm]`` if given)
     -> ``[M, N]``."""
     return x.new_empty(x.shape[0], qweight.shape[0] * 32)
 
 
 @torch.library.register_fake("qlinear::quick_dequantize")
-def _(qweight, scales, offset, group_size, K, dtype):
+def _(qweight, scales, zeros, group_size, K, dtype):
     """Dense ``Ŵ`` ``[N, K]`` of ``dtype`` from the :mod:`qlinear.backends.quick` layout."""
     return qweight.new_empty(qweight.shape[0] * 32, K, dtype=dtype)
 _lib.define("mixed_gemv(Tensor x, Tensor codes, Tensor meta, Tensor sq, Tensor gtab, Tensor? outlier_values, "

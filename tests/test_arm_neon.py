@@ -90,7 +90,7 @@ def test_layout_round_trip_is_exact(name, cfg, bufs, layout):
     (N, K) = _shape(cfg, bufs)
     packed = _repack(cfg, bufs, N, K, layout)
     assert tuple(packed) == _layout(cfg).names(cfg)
-    canon_code_bytes = bufs["planes" if cfg.format == "bcq" else "codes"].numel() * 4
+    canon_code_bytes = bufs["qweight" if cfg.format == "bcq" else "codes"].numel() * 4
     assert packed["arm_qw"].numel() <= canon_code_bytes + 8 * 4 * K  # same code bits (+ padding rows)
     unrepack = arm_neon.unrepack_bcq if cfg.format == "bcq" else arm_neon.unrepack_codebook
     back = unrepack(packed, cfg, N, K, layout=layout)
@@ -129,7 +129,7 @@ def test_default_layout_reads_qlinear_arm_layout(monkeypatch, value, want):
 
 def _shape(cfg, bufs):
     if cfg.format == "bcq":
-        return bufs["planes"].shape[1], bufs["planes"].shape[2] * 32
+        return bufs["qweight"].shape[0], bufs["qweight"].shape[1] * 32 // cfg.bits
     return bufs["scales"].shape[0], bufs["scales"].shape[1] * cfg.group_size
 
 

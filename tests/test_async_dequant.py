@@ -314,7 +314,8 @@ def test_module_holds_the_kernel_layout_and_saves_canonical(spec_kernel, tmp_pat
     mod.load_state_dict(sd)
     assert mod.layout == "async_dequant" and {n for n, _ in mod.named_buffers()} == set(ad.NAMES)
     assert list(mod.state_dict()) == list(sd) and all(torch.equal(mod.state_dict()[k], sd[k]) for k in sd)
-    assert abs(mod.bits_per_weight - ad.layout_bits(cfg, N, K)[1]) < 1e-9
+    assert abs(mod.bits_per_weight - ad.layout_bits(cfg, N, K)[0]) < 1e-9  # canonical: what checkpoints hold
+    assert abs(mod.layout_bits_per_weight - ad.layout_bits(cfg, N, K)[1]) < 1e-9
     x = torch.randn(2, 3, K)
     assert mod.kernel(x).backend == "ad_spec"
     y64 = ref64(ref_mod, x.reshape(-1, K))

@@ -309,7 +309,7 @@ def test_act_order_layer_runs_through_the_kernel_layout(spec_kernel):
     X = torch.randn(256, 256) * torch.linspace(0.1, 2.0, 256)
     m = BCQLinear.from_linear(lin, QLinearConfig("bcq", bits=4, group_size=64, method="gptq", act_order=True), X.T @ X)
     assert m.layout == "cuda_lut" and m._packed_names[-1] == "perm"
-    assert list(m.state_dict())[:4] == ["planes", "alpha", "offset", "perm"]
+    assert list(m.state_dict())[:4] == ["qweight", "scales", "qzeros", "perm"]
     x = torch.randn(3, 256)
     assert m.kernel(x).backend == "lut_spec"
     assert torch.allclose(m(x), x @ m.dequantize().T + lin.bias, atol=1e-4)

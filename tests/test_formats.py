@@ -118,16 +118,18 @@ def test_bcq_refinement_never_worse_than_either_init(bits, weighted):
 
 
 def test_bcq_uniform_init_zero_iters_equals_round_to_nearest():
+    """Round-to-nearest BCQ is stored as GPTQ stores it (codes, fp16 scale, packed zero point) and dequantizes to
+    s·(q − z) exactly (float64 reference: the product of an fp16 scale and a 5-bit integer is exact in float32)."""
     w = weight()
     cfg = bcq.Config(bits=4, group_size=64, init="uniform", iters=0)
     b = bcq.quantize(w, cfg)
+    assert set(b) == {"qweight", "scales", "qzeros"}
     codes, scales, zeros = uniform.rtn(w, 4, 64)
-    assert torch.equal(unpack_planes(b["planes"], K), codes)
-    assert torch.equal(b["alpha"][0].float(), (scales / 2).half().float())
-    rtn = scales.repeat_interleave(64, 1) * (codes - zeros.repeat_interleave(64, 1))
-    # equal up to the fp16 rounding of the stored offset
-    tol = (b["offset"].float().abs() * 2 ** -11).repeat_interleave(64, 1) + 1e-9
-    assert ((bcq.dequantize(b, cfg, N, K) - rtn).abs() <= tol).all()
+    assert torch.equal(unpack(b["qweight"], 4, K), codes) and torch.equal(unpack(b["qzeros"], 4, N).T, zeros)
+    assert b["scales"].dtype == torch.float16 and torch.equal(b["scales"].float(), scales)
+    rtn = scales.double().repeat_interleave(64, 1) * (codes - zeros.repeat_interleave(64, 1)).double()
+    assert torch.equal(bcq.dequantize(b, cfg, N, K).double(), rtn)
+    assert bits_per_weight(cfg, N, K) == 4 + (16 + 4) / 64
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4, 8])
@@ -139,7 +141,12 @@ def test_bcq_from_uniform_is_exact(bits):
     cfg, b = bcq.from_uniform(codes, scales, zeros, bits, 64)
     ref = (scales.double().repeat_interleave(64, 1) * (codes - zeros.repeat_interleave(64, 1)).double())
     assert torch.equal(bcq.dequantize(b, cfg, N, K).double(), ref)  # bit-exact, even against float64
-    assert torch.equal(unpack_planes(b["planes"], K), codes)
+    assert torch.equal(unpack(b["qweight"], bits, K), codes) and torch.equal(unpack(b["qzeros"], bits, N).T, zeros)
+    view = bcq.as_bcq(b, cfg, N, K)  # BCQ's α and offset, derived exactly: the same weights
+    assert torch.equal(bcq.dequantize(view, dataclasses.replace(cfg, init="best", iters=1, fp32_offset=True), N, K)
+                       .double(), ref)
+    back = bcq.as_uniform(view, cfg, N, K)
+    assert all(torch.equal(back[k], b[k]) for k in b)
 
 
 def test_bcq_from_uniform_with_g_idx():
@@ -369,11 +376,17 @@ def test_mixed_dequant_with_4bit_groups_and_outliers_matches_float64():
     assert torch.allclose(mixed.dequantize(b, cfg, N, K).double(), ref, atol=1e-7, rtol=1e-6)
 
 
-def test_from_uniform_rejects_scales_fp16_cannot_hold():
+def test_from_uniform_rejects_bad_scales_and_zeros_and_the_bcq_view_scales_alpha_cannot_hold():
     codes = torch.randint(0, 256, (8, 64))
     zeros = torch.zeros(8, 1, dtype=torch.long)
-    with pytest.raises(ValueError, match="exact fp16"):
-        bcq.from_uniform(codes, torch.full((8, 1), 2048.0), zeros, 8, 64)
+    with pytest.raises(ValueError, match="fp16 values"):
+        bcq.from_uniform(codes, torch.full((8, 1), 0.1), zeros, 8, 64)
+    with pytest.raises(ValueError, match=r"zero points must lie in \[0, 256\)"):
+        bcq.from_uniform(codes, torch.full((8, 1), 0.5), zeros + 256, 8, 64)
+    cfg, b = bcq.from_uniform(codes, torch.full((8, 1), 2048.0), zeros, 8, 64)  # the storage holds any fp16 scale
+    assert torch.equal(bcq.dequantize(b, cfg, 8, 64), 2048.0 * codes.float())
+    with pytest.raises(ValueError, match="α cannot represent"):  # 2048·2^6 is beyond fp16
+        bcq.as_bcq(b, cfg, 8, 64)
 
 
 def test_codebook_rejects_unpackable_codebook_count_and_sorts_given_books():

@@ -71,12 +71,12 @@ def test_bcq_gptq_layer_round_trips_through_gptq_checkpoints(act_order):
     lin, H = _layer()
     cfg = QLinearConfig("bcq", bits=4, group_size=64, method="gptq", act_order=act_order)
     m = BCQLinear.from_linear(lin, cfg, H)
-    assert ("perm" in m._packed_names) == act_order
+    assert ("perm" in m.buffer_specs) == act_order
     w = m.dequantize()
     x = torch.randn(5, 256)
     assert torch.allclose(m(x), x @ w.T + lin.bias, atol=1e-5)
-    # 4 planes, 4 fp16 α and an fp32 offset per group of 64, an int32 perm entry per input (shared by 48 rows)
-    assert m.bits_per_weight == 4 + (4 * 16 + 32) / 64 + (32 / 48 if act_order else 0)
+    # 4-bit codes, an fp16 scale and a 4-bit zero point per group of 64, an int32 perm entry per input (48 rows)
+    assert m.bits_per_weight == 4 + (16 + 4) / 64 + (32 / 48 if act_order else 0)
     for fmt in ("gptq", "gptq_v2"):
         t = m.to_gptq(fmt)
         assert t["qweight"].shape == (256 * 4 // 32, 48) and t["qzeros"].shape == (4, 48 * 4 // 32)

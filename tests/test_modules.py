@@ -6,6 +6,7 @@ from torch import nn
 
 import qlinear
 from qlinear import BCQLinear, CodebookLinear, MixedPrecisionLinear, QLinearConfig, backends
+from qlinear.backends import Kernel
 from qlinear.modules import module_class
 
 CONFIGS = {
@@ -365,7 +366,7 @@ def test_kernel_choice_is_logged_once_and_described(layers, caplog):
     text = qlinear.describe(model).splitlines()
     assert text[0].startswith("| layer |") and len(text) == 4
     assert text[2].startswith("| 0 | BCQLinear | 128 -> 64 | bcq 4-bit |")
-    assert text[2].endswith("| canonical | reference |")
+    assert text[2].endswith(f"| canonical ({model[0].bits_per_weight:.3f}) | reference |")
     model[2].backend = "nonexistent"
     assert "none: backend 'nonexistent' has no kernel" in qlinear.describe(model).splitlines()[3]
 
@@ -412,5 +413,38 @@ def test_old_pickles_and_the_environment_resolve_per_layer(layers, monkeypatch):
             monkeypatch.setenv(backends.ENV_VAR, "reference")
             fresh = BCQLinear.from_linear(lin, CONFIGS["bcq"])
             assert fresh.kernel(x).backend == "reference" and m.kernel(x).backend == "seen"
+    finally:
+        backends._KERNELS.remove(k)
+
+
+def test_a_configured_backend_is_a_preference_and_an_explicit_one_a_requirement(monkeypatch):
+    """The backend of a config runs where it can and falls back (one warning) where it cannot; the ``backend``
+    argument or attribute must run, else ValueError."""
+    from qlinear import modules
+
+    monkeypatch.setattr(modules, "_WARNED_PREFERENCES", set())
+    calls = []
+
+    def fn(x, bufs, bias, cfg, N, K):
+        calls.append(x.shape)
+        return x.new_zeros(*x.shape[:-1], N)
+
+    k = backends.register(Kernel(backend="cpu_pref", format="bcq", fn=fn, devices=frozenset({"cpu"})))
+    try:
+        lin = torch.nn.Linear(64, 32)
+        x = torch.randn(3, 64)
+        m = BCQLinear.from_linear(lin, QLinearConfig("bcq", bits=4, group_size=32, backend="cpu_pref"))
+        assert m.backend == "cpu_pref" and m.kernel(x).backend == "cpu_pref" and torch.equal(m(x), torch.zeros(3, 32))
+        with pytest.warns(UserWarning, match=r"configured backend 'cuda_lut' cannot run .* on cpu"):
+            p = BCQLinear.from_linear(lin, QLinearConfig("bcq", bits=4, group_size=32, backend="cuda_lut"))
+        assert p.backend is None and p.kernel(x).backend != "cuda_lut"
+        ref = x.double() @ p.dequantize(torch.float64).T + lin.bias.double()
+        assert torch.allclose(p(x).double(), ref, atol=1e-4)
+        strict = BCQLinear.from_linear(lin, QLinearConfig("bcq", bits=4, group_size=32), backend="cuda_lut")
+        with pytest.raises(ValueError, match="cuda_lut: device cpu not in"):
+            strict(x)
+        p.backend = "cuda_lut"  # set by hand: a requirement
+        with pytest.raises(ValueError, match="cuda_lut: device cpu not in"):
+            p(x)
     finally:
         backends._KERNELS.remove(k)

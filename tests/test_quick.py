@@ -21,42 +21,55 @@ import qlinear.backends as backends
 from qlinear import BCQLinear, QLinearConfig
 from qlinear.backends import Kernel, quick
 from qlinear.formats import bcq
-from qlinear.formats.packing import unpack_planes
 
 U = {torch.float16: 2.0 ** -11, torch.bfloat16: 2.0 ** -8}
 SHAPES = [(32, 64), (96, 192), (576, 576), (1536, 576), (192, 576), (256, 2048)]
 
 
-def _uniform(N, K, bits, group_size, fp32_offset=False, offset=True, seed=0):
+def _uniform(N, K, bits, group_size, imported=False, offset=True, seed=0):
+    """A round-to-nearest layer, or (``imported``) random codes, scales and zero points over their whole range as a
+    GPTQ checkpoint may hold them."""
     g = torch.Generator().manual_seed(seed)
-    cfg = bcq.Config(bits=bits, group_size=group_size, init="uniform", iters=0, offset=offset, fp32_offset=fp32_offset)
+    if imported:
+        G = -(-K // group_size)
+        codes = torch.randint(0, 2 ** bits, (N, K), generator=g)
+        zeros = torch.randint(0, 2 ** bits, (N, G), generator=g)
+        zeros[0, 0], zeros[-1, -1] = 0, 2 ** bits - 1
+        return bcq.from_uniform(codes, (torch.rand(N, G, generator=g) * 0.02 + 1e-3).half(), zeros, bits, group_size)
+    cfg = bcq.Config(bits=bits, group_size=group_size, init="uniform", iters=0, offset=offset)
     return cfg, bcq.quantize(torch.randn(N, K, generator=g), cfg)
 
 
 def _weight_error_bound(canon, cfg, N, K, dtype):
-    """Per-weight bound of the module docstring, ``[N, K]`` float64."""
-    g = torch.arange(K, device=canon["planes"].device) // cfg.group(K)
-    s = canon["alpha"][1].double()[:, g] if cfg.bits > 1 else 2 * canon["alpha"][0].double()[:, g]
-    mid = (2 ** cfg.bits - 1) / 2
-    v = unpack_planes(canon["planes"], K).double()
-    c = canon["offset"].double()[:, g] if cfg.offset else torch.zeros_like(s)
+    """Per-weight bound of the module docstring, ``[N, K]`` float64: ``ŵ = fma(q, s_T, T(−s·z))`` rounds twice."""
+    g = torch.arange(K) // cfg.group(K)
+    codes, s, z = bcq.uniform_parts(canon, cfg, N, K)
+    s = s.double()[:, g]
+    z = z.double()[:, g] if z is not None else (2 ** cfg.bits - 1) / 2
     w = bcq.dequantize(canon, cfg, N, K).double()
     u = U[dtype]
-    return u * ((v * s).abs() + (c - s * mid).abs() + w.abs()) * (1 + 2 * u)
+    return u * ((codes.double() * s).abs() + (s * z).abs() + w.abs()) * (1 + 2 * u)
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4])
-@pytest.mark.parametrize("offset,fp32_offset", [(True, False), (True, True), (False, False)])
-def test_layout_round_trip_is_bit_exact_and_no_bigger(bits, offset, fp32_offset):
-    cfg, canon = _uniform(96, 320 - 64, bits, 64, fp32_offset, offset)
+@pytest.mark.parametrize("offset,imported", [(True, False), (True, True), (False, False)])
+def test_layout_round_trip_is_bit_exact_and_no_bigger(bits, offset, imported):
+    cfg, canon = _uniform(96, 320 - 64, bits, 64, imported, offset)
     packed = quick.repack(canon, cfg, 96, 256)
     assert tuple(packed) == quick.LAYOUT.names(cfg)
     assert packed["quick_qweight"].shape == (3, 4, 64 * bits) and packed["quick_qweight"].dtype == torch.int32
     size = lambda d: sum(t.numel() * t.element_size() for t in d.values())
-    assert size(packed) <= size(canon)  # α of Q planes become one scale
+    assert size(packed) <= size(canon) + offset * 96 * 4 * (4 - bits) / 8  # zero points take 4 bits, canonical Q
     back = quick.unrepack(packed, cfg, 96, 256)
     assert set(back) == set(canon)
     assert all(torch.equal(back[k], canon[k]) and back[k].dtype == canon[k].dtype for k in canon)
+
+
+def test_layout_of_a_gptq_4bit_g128_layer_takes_4_156_bits():
+    """Issue 22's GPU target (≤ 4.2 bits per weight): codes, an fp16 scale and a 4-bit zero point per group of 128."""
+    cfg, canon = _uniform(256, 1024, 4, 128, imported=True)
+    bits = lambda d: 8 * sum(t.numel() * t.element_size() for t in d.values()) / (256 * 1024)
+    assert bits(quick.repack(canon, cfg, 256, 1024)) == bits(canon) == 4 + (16 + 4) / 128
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4])
@@ -74,10 +87,10 @@ def test_fragments_equal_the_ptx_table(bits, group_size, N, K):
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("bits", [2, 3, 4])
-@pytest.mark.parametrize("fp32_offset", [False, True])
-def test_fragments_in_half_precision_within_the_rounding_bound(dtype, bits, fp32_offset):
+@pytest.mark.parametrize("imported", [False, True])
+def test_fragments_in_half_precision_within_the_rounding_bound(dtype, bits, imported):
     N, K = 192, 576
-    cfg, canon = _uniform(N, K, bits, 64, fp32_offset, seed=bits)
+    cfg, canon = _uniform(N, K, bits, 64, imported, seed=bits)
     packed = quick.repack(canon, cfg, N, K)
     frags = quick.fragments(packed, cfg, N, K, dtype)
     assert torch.equal(frags, frags.to(dtype).float())  # values a T register can hold
@@ -91,8 +104,10 @@ def test_spec_catches_a_wrong_layout():
     w = quick.ptx_fragments(bcq.dequantize(canon, cfg, 64, 128))
     for broken in (packed["quick_qweight"].roll(8, -1), packed["quick_qweight"].flip(1)):
         assert not torch.equal(quick.fragments({**packed, "quick_qweight": broken}, cfg, 64, 128, torch.float32), w)
-    swapped = {**packed, "quick_scales": canon["alpha"][1].T.contiguous()}  # scales without the row permutation
+    swapped = {**packed, "quick_scales": canon["scales"].T.contiguous()}  # scales without the row permutation
     assert not torch.equal(quick.fragments(swapped, cfg, 64, 128, torch.float32), w)
+    nibbles = {**packed, "quick_zeros": packed["quick_zeros"].flip(1)}  # zero points of other rows
+    assert not torch.equal(quick.fragments(nibbles, cfg, 64, 128, torch.float32), w)
 
 
 def test_repack_rejects_free_alpha_and_bad_shapes():
@@ -163,7 +178,7 @@ def test_uniform_module_holds_the_quick_layout(spec_kernel, tmp_path):
     mod = BCQLinear(192, 96, True, canon.config)
     mod.load_state_dict(canon.state_dict())
     assert mod.layout == "quick" and {n for n, _ in mod.named_buffers()} == set(quick.LAYOUT.names(canon.config))
-    assert mod.memory_footprint() < canon.memory_footprint()
+    assert mod.memory_footprint() <= canon.memory_footprint() + 3 * 96 * (4 - 3) / 8  # 4-bit zero points, 3 groups
     assert all(torch.equal(a, b) for a, b in zip(mod.state_dict().values(), canon.state_dict().values()))
     x = torch.randn(5, 192).half().float()
     y64 = ref64(canon, x)
@@ -289,7 +304,7 @@ def test_kernel_under_cuda_graph_and_compile():
 
 # --- the kernel's own source, run on the CPU under the host emulation (tests/cuda_emulation.py) -------------
 _QUICK_DRIVER = r'''
-// Driver: reads one call from argv[1] (header, x, qweight, scales, offset, bias), writes y or Ŵ (fp32) to argv[2].
+// Driver: reads one call from argv[1] (header, x, qweight, scales, zeros, bias), writes y or Ŵ (fp32) to argv[2].
 namespace emu {
 using namespace qlinear;
 template <typename T, int Q, int MT, int WM> void gemm(const QuickArgs& a) {
@@ -321,20 +336,19 @@ int main(int argc, char** argv) {
   using namespace emu;
   FILE* f = fopen(argv[1], "rb");
   auto h = emu_read<int>(f, 13);
-  const int M = h[0], N = h[1], K = h[2], Q = h[3], gs = h[4], bf16 = h[8], off_kind = h[9], has_bias = h[10];
+  const int M = h[0], N = h[1], K = h[2], Q = h[3], gs = h[4], bf16 = h[8], has_zeros = h[9], has_bias = h[10];
   const int dequant = h[11], G = (K + gs - 1) / gs;
   auto x = emu_read<uint16_t>(f, (size_t)M * K);
   auto qweight = emu_read<unsigned>(f, (size_t)N * K * Q / 32);
   auto scales = emu_read<uint16_t>(f, (size_t)G * N);
-  std::vector<char> offset = emu_read<char>(f, (size_t)G * N * (off_kind == 2 ? 4 : off_kind == 1 ? 2 : 0));
+  std::vector<unsigned short> zeros = emu_read<unsigned short>(f, has_zeros ? (size_t)G * N / 4 : 0);
   std::vector<float> bias = emu_read<float>(f, has_bias ? N : 0);
   std::vector<int> perm = emu_read<int>(f, h[12] ? K : 0);
   fclose(f);
   QuickArgs a{};
   a.perm = h[12] ? perm.data() : nullptr;
   a.x = x.data(); a.qweight = qweight.data(); a.scales = scales.data();
-  a.offset = off_kind ? offset.data() : nullptr;
-  a.offset_dtype = off_kind == 2 ? DType::kFloat : off_kind == 1 ? DType::kHalf : DType::kNone;
+  a.zeros = has_zeros ? zeros.data() : nullptr;
   a.bias = has_bias ? bias.data() : nullptr;
   const size_t outs = dequant ? (size_t)N * K : (size_t)M * N;
   std::vector<uint16_t> y(outs, 0x7E00);  // NaN-poisoned output
@@ -362,23 +376,23 @@ def emulator(tmp_path_factory):
 def _emulate(exe, x, bufs, bias, cfg, N, K, launch, dequant=False, perm=None):
     """The kernel (or, with ``dequant``, the dequantize kernel) run by the emulator: float32 ``[M, N]`` (``[N, K]``);
     with ``perm`` the kernel reads ``x[:, perm]``."""
-    from cuda_emulation import dtype_kind, run
+    from cuda_emulation import run
 
-    off = bufs.get("quick_offset")
-    hdr = [x.shape[0], N, K, cfg.bits, cfg.group(K), *launch, int(x.dtype == torch.bfloat16), dtype_kind(off),
+    zeros = bufs.get("quick_zeros")
+    hdr = [x.shape[0], N, K, cfg.bits, cfg.group(K), *launch, int(x.dtype == torch.bfloat16), int(zeros is not None),
            int(bias is not None), int(dequant), int(perm is not None)]
-    tensors = [x, bufs["quick_qweight"], bufs["quick_scales"], off, None if bias is None else bias.float(), perm]
+    tensors = [x, bufs["quick_qweight"], bufs["quick_scales"], zeros, None if bias is None else bias.float(), perm]
     return run(exe, hdr, tensors, (N, K) if dequant else (x.shape[0], N))
 
 
-@pytest.mark.parametrize("bits,fp32_offset,dtype", [(4, True, torch.float16), (3, False, torch.bfloat16),
+@pytest.mark.parametrize("bits,imported,dtype", [(4, True, torch.float16), (3, False, torch.bfloat16),
                                                     (2, True, torch.bfloat16), (4, False, torch.float16)])
-def test_kernel_source_under_host_emulation(emulator, bits, fp32_offset, dtype):
+def test_kernel_source_under_host_emulation(emulator, bits, imported, dtype):
     """quick_gemm.cu itself (its tiles, cp.async stages, swizzle, ldmatrix/mma fragment use, split-K and output
     mapping) on the CPU: within the error bound of the float64 reference for every tile_m, one split and several,
     M not a multiple of the tile; its dequantize kernel equals the spec bit for bit."""
     N, K = 160, 192
-    cfg, canon = _uniform(N, K, bits, 64, fp32_offset, seed=bits)
+    cfg, canon = _uniform(N, K, bits, 64, imported, seed=bits)
     bufs = quick.repack(canon, cfg, N, K)
     w64 = bcq.dequantize(canon, cfg, N, K).double()
     werr = _weight_error_bound(canon, cfg, N, K, dtype)
@@ -413,7 +427,7 @@ def test_act_order_layer_gathers_x_inside_the_kernel(dtype):
     mod.backend = None
     mod.cuda()
     assert mod.layout == "quick" and mod.kernel(torch.randn(1, 576, device="cuda", dtype=dtype)).backend == "quick"
-    qw, sc, off, perm = (getattr(mod, n) for n in ("quick_qweight", "quick_scales", "quick_offset", "perm"))
+    qw, sc, off, perm = (getattr(mod, n) for n in ("quick_qweight", "quick_scales", "quick_zeros", "perm"))
     for M in (1, 37, 300):
         x = torch.randn(M, 576, device="cuda", dtype=dtype)
         launch = quick.plan(M, 1536, 576, torch.cuda.get_device_properties(0).multi_processor_count)

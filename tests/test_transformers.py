@@ -438,3 +438,26 @@ def test_generate_auto_compile(quantized_llama):
                                                                cache_implementation="static", compile_config=cc))
     assert getattr(model, "_compiled_call", None) is not None  # generate really compiled the forward
     assert torch.equal(out, eager)
+
+
+def test_a_saved_backend_that_cannot_run_here_falls_back_with_a_warning(float_llama, tmp_path, monkeypatch):
+    """``backend`` in a saved quantization_config is a preference (issue 22, item 4): a checkpoint quantized for the
+    GPU LUT kernel reloads on this CPU machine and runs on the reference kernel, with one warning, instead of failing
+    every forward."""
+    from qlinear import modules
+
+    monkeypatch.setattr(modules, "_WARNED_PREFERENCES", set())
+    _, path = float_llama
+    cfg = QLinearConfig(format="bcq", bits=4, group_size=32, backend="cuda_lut")
+    with pytest.warns(UserWarning, match="configured backend 'cuda_lut' cannot run"):
+        model = AutoModelForCausalLM.from_pretrained(path, quantization_config=cfg)
+    model.save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["quantization_config"]["backend"] == "cuda_lut"
+    monkeypatch.setattr(modules, "_WARNED_PREFERENCES", set())
+    with pytest.warns(UserWarning, match="configured backend 'cuda_lut' cannot run") as record:
+        again = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert sum("configured backend" in str(w.message) for w in record) == 1  # once, not once per layer
+    layers = quant_layers(again)
+    assert all(m.backend is None and m.kernel(torch.zeros(1, m.in_features)).backend == "reference"
+               for m in layers.values())
+    assert torch.equal(logits(again), logits(model))

@@ -20,9 +20,9 @@ by element, ``vdotq_laneq_s32``, a row per lane and no horizontal adds in the GE
 vectors into 2 rows x 8 inputs), of 2 rows x 8 inputs in layout ``mmla`` (SMMLA without zips, but a pairwise add
 per 4 rows and 32 inputs in the GEMV: for prompt-heavy use on i8mm CPUs, ``QLINEAR_ARM_LAYOUT=mmla``, see
 :func:`default_layout`); the byte order is documented in ``qgemm.h``.
-BCQ must have uniform α (``α_i = s·2^(i-2)``: round-to-nearest with ``init="uniform", iters=0``, or imported
-GPTQ/AWQ weights): its layout stores the int4 code XOR 8, one fp16 ``s`` per group and the offset ``c`` as
-canonical (``w = s·(code − 7.5) + c``).
+BCQ must be uniform (the uniform storage: round-to-nearest with ``init="uniform", iters=0``, GPTQ, or imported
+GPTQ/AWQ weights): its layout stores the int4 code XOR 8, one fp16 ``s`` per group and BCQ's offset
+``c = s·(7.5 − z)`` in float32 (``w = s·(code − 7.5) + c``).
 
 :func:`spec` is the executable PyTorch specification of the kernels' arithmetic over these layouts.
 Error versus the reference backend comes only from the int8 activations: per output
@@ -42,7 +42,7 @@ from typing import Optional
 import torch
 
 from qlinear.formats import bcq
-from qlinear.formats.packing import pack, pack_planes, unpack, unpack_planes
+from qlinear.formats.packing import pack, unpack
 
 from .. import Kernel, Layout, register
 from .._native import build
@@ -148,11 +148,10 @@ def repack_bcq(buffers: dict, cfg, N: int, K: int, layout: Optional[str] = None)
     ``arm_qs`` fp16 ``[Nb, G, 8]``, ``arm_qz`` ``[Nb, G, 8]`` of the offset's dtype).  Raises ValueError for
     non-uniform α or an unknown layout."""
     layout = _layout_arg(layout)
-    s = bcq.uniform_scale(buffers["alpha"], "the arm_neon kernel needs them; use backend='reference'")
-    codes = unpack_planes(buffers["planes"], K)
+    codes, s, zeros = bcq.uniform_parts(buffers, cfg, N, K)
     out = {"arm_qw": _pack_nibbles(_blocks(codes ^ 8, N, K, layout)), "arm_qs": _pad_groups(s, N)}
-    if cfg.offset:
-        out["arm_qz"] = _pad_groups(buffers["offset"], N)
+    if zeros is not None:
+        out["arm_qz"] = _pad_groups(bcq.uniform_offset(s, zeros, 4), N)
     return out
 
 
@@ -161,11 +160,8 @@ def unrepack_bcq(buffers: dict, cfg, N: int, K: int, layout: Optional[str] = Non
     layout = _layout_arg(layout)
     codes = _unblocks(_unpack_nibbles(buffers["arm_qw"]), N, K, layout) ^ 8
     s = _unpad_groups(buffers["arm_qs"], N)
-    alpha = (s.float()[None] * torch.tensor([0.5, 1.0, 2.0, 4.0], device=s.device)[:, None, None]).half()
-    out = {"planes": pack_planes(codes, 4), "alpha": alpha}
-    if cfg.offset:
-        out["offset"] = _unpad_groups(buffers["arm_qz"], N)
-    return out
+    zeros = bcq.uniform_zeros(s, _unpad_groups(buffers["arm_qz"], N), 4) if "arm_qz" in buffers else None
+    return bcq.uniform_buffers(codes, s, zeros, 4)
 
 
 def repack_codebook(buffers: dict, cfg, N: int, K: int, layout: Optional[str] = None) -> dict:

@@ -12,8 +12,9 @@ buffers, so it costs no extra memory and :func:`unrepack` restores them exactly)
 * ``lut_planes`` int32 ``[K/32, Q, N]`` = canonical ``planes`` ``[Q, N, K/32]`` permuted: the same
   plane word of consecutive rows is contiguous, so a thread reads 4 rows with one 16-byte load and a
   warp reads 512 contiguous bytes.
-* ``lut_alpha`` fp16 ``[G, Q, N]`` and ``lut_offset`` ``[G, N]`` (fp16, or fp32 for imported
-  GPTQ/AWQ weights): the canonical ``alpha`` / ``offset`` transposed the same way.
+* ``lut_alpha`` fp16 ``[G, Q, N]`` and ``lut_offset`` ``[G, N]`` (fp16, or fp32 for layers in the uniform
+  storage, whose α and offsets are derived from scales and zero points): BCQ's ``alpha`` / ``offset`` transposed
+  the same way.
 
 :func:`spec` is the executable specification of the kernel: the same tiles, tables, byte-to-index
 arithmetic and per-word α/offset application over the repacked buffers, in PyTorch; CPU tests check
@@ -28,6 +29,8 @@ from pathlib import Path
 from typing import Optional
 
 import torch
+
+from qlinear.formats import bcq
 
 from .. import Kernel, Layout, register
 from .._native import build_cuda_backend
@@ -49,14 +52,18 @@ def _names(cfg) -> tuple[str, ...]:
 
 
 def repack(buffers: dict, cfg, out_features: int, in_features: int) -> dict:
-    """Canonical BCQ buffers -> layout ``cuda_lut`` (see the module docstring)."""
+    """Canonical BCQ buffers -> layout ``cuda_lut`` (see the module docstring): a uniform layer's α and float32
+    offsets are derived from its scales and zero points (:func:`qlinear.formats.bcq.as_bcq`).  Raises ValueError for
+    scales whose α fp16 cannot hold."""
+    buffers = bcq.as_bcq(buffers, cfg, out_features, in_features)
     return {name: buffers[key].permute(*dims).contiguous() for key, (name, dims) in _PERMS.items() if key in buffers}
 
 
 def unrepack(buffers: dict, cfg, out_features: int, in_features: int) -> dict:
     """Layout ``cuda_lut`` -> canonical BCQ buffers (exact inverse of :func:`repack`)."""
-    return {key: buffers[name].permute(*sorted(range(len(dims)), key=dims.__getitem__)).contiguous()
-            for key, (name, dims) in _PERMS.items() if name in buffers}
+    out = {key: buffers[name].permute(*sorted(range(len(dims)), key=dims.__getitem__)).contiguous()
+           for key, (name, dims) in _PERMS.items() if name in buffers}
+    return bcq.as_uniform(out, cfg, out_features, in_features) if bcq.is_uniform(cfg) else out
 
 
 LAYOUT = Layout(name="cuda_lut", names=_names, repack=repack, unrepack=unrepack)

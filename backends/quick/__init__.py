@@ -9,8 +9,8 @@ them; only activations pass through shared memory (``cp.async`` pipeline + ``ldm
 ``quick_gemm.cu``; :func:`dequantize` is the dense fp16/bf16 weight (for dequantize + cuBLAS at large M).
 
 Layout ``quick`` (repacked once when a module lands on a GPU; :func:`unrepack` restores the canonical
-BCQ buffers exactly).  With ``s`` the group scale and ``c`` the canonical offset, a weight with integer
-code ``q = Σ_i bit_i·2^(i-1)`` is ``ŵ = s·(q − (2^Q − 1)/2) + c`` (BCQ module docstring).
+uniform storage exactly).  With ``s`` the group scale and ``z`` its zero point, a weight with integer code
+``q = Σ_i bit_i·2^(i-1)`` is ``ŵ = s·(q − z)`` (BCQ module docstring; ``z = (2^Q − 1)/2`` without offset).
 
 * **Tiles.**  A warp owns a tile of 32 output rows × 64 inputs: 4 ``n8`` column blocks × 4 ``k16`` steps of
   the ``mma``'s B operand (B = Ŵᵀ, ``K × N``).  Tiles are stored row-tile-major, K-tile-minor, so a warp
@@ -30,13 +30,14 @@ code ``q = Σ_i bit_i·2^(i-1)`` is ``ŵ = s·(q − (2^Q − 1)/2) + c`` (BCQ m
 * ``quick_qweight`` int32 ``[N/32, K/64, 64·Q]``: per tile, chunk 0's words lane-major (lane ``l`` owns
   words ``2c₀·l .. 2c₀·l + 2c₀ − 1``: one 32-byte (Q=4) or 16-byte (Q=2, 3) load), then chunk 1's (Q=3:
   2 words per lane, one 8-byte load).  A warp reads ``256·Q`` contiguous bytes per tile.
-* ``quick_scales`` fp16 ``[G, N]`` (``s``; α_i = s·2^(i−2) is recomputed exactly on unrepack) and
-  ``quick_offset`` ``[G, N]`` (``c``, the canonical offset's dtype, absent without offset), rows permuted
+* ``quick_scales`` fp16 ``[G, N]`` (``s``) and ``quick_zeros`` int16 ``[G, N/4]`` (``z``, absent without offset:
+  16-bit word ``j`` holds the 4-bit zero points of positions ``4j .. 4j + 3``, position ``4j + i`` at bits
+  ``4i .. 4i + 3``; 4-bit g128: 4 + 20/128 = 4.156 bits per weight, as canonical), rows permuted
   within each 32-row tile to position ``(r % 8)·4 + r / 8``: the four rows ``nt·8 + l/4`` a lane needs are
-  contiguous (one 8-byte load of scales, one 8- or 16-byte load of offsets).
+  contiguous (one 8-byte load of scales, one 2-byte load of zero points).
 
 Dequantization in the kernel, per register pair, in the activation dtype T: per group and row, once,
-``s_T = T(s)`` and ``c'_T = T(c − s·(2^Q − 1)/2)`` (fp32 arithmetic, exact before the rounding); per pair
+``s_T = T(s)`` and ``c'_T = T(−s·z)`` (fp32 arithmetic, exact before the rounding); per pair
 ``v = (magic | q) − magic`` (exact: the integer code) and ``ŵ = fma(v, s_T, c'_T)`` (one rounding).
 :func:`fragments` is the executable spec of all of this: it computes, from the repacked buffers and with the
 kernel's index and bit arithmetic, the values every lane holds for every fragment; CPU tests compare it with
@@ -54,7 +55,6 @@ from typing import Optional
 import torch
 
 from qlinear.formats import bcq
-from qlinear.formats.packing import pack_planes, unpack_planes
 
 from .. import Kernel, Layout, register
 from .._native import build_cuda_backend
@@ -92,7 +92,7 @@ def _row_order(N: int) -> torch.Tensor:
 
 
 def _names(cfg) -> tuple[str, ...]:
-    return ("quick_qweight", "quick_scales") + (("quick_offset",) if cfg.offset else ())
+    return ("quick_qweight", "quick_scales") + (("quick_zeros",) if cfg.offset else ())
 
 
 def repack(buffers: dict, cfg, out_features: int, in_features: int) -> dict:
@@ -102,8 +102,7 @@ def repack(buffers: dict, cfg, out_features: int, in_features: int) -> dict:
     if why is not None:
         raise ValueError(f"quick layout: {why}")
     N, K, Q = out_features, in_features, cfg.bits
-    s = bcq.uniform_scale(buffers["alpha"], "the quick layout needs them; use the cuda_lut backend")
-    codes = unpack_planes(buffers["planes"], K)                                  # [N, K]
+    codes, s, zeros = bcq.uniform_parts(buffers, cfg, N, K)                      # [N, K], [N, G], [N, G]
     row, k = (t.to(codes.device) for t in _lane_slots())
     tiles = codes.reshape(N // TILE_N, TILE_N, K // TILE_K, TILE_K).permute(0, 2, 1, 3)
     slots = tiles[:, :, row, k]                                                   # [Nt, Kt, 32, 64]
@@ -118,8 +117,10 @@ def repack(buffers: dict, cfg, out_features: int, in_features: int) -> dict:
     qweight = torch.where(qweight >= 2 ** 31, qweight - 2 ** 32, qweight).to(torch.int32)
     order = _row_order(N).to(codes.device)
     out = {"quick_qweight": qweight.contiguous(), "quick_scales": s.T[:, order].contiguous()}
-    if cfg.offset:
-        out["quick_offset"] = buffers["offset"].T[:, order].contiguous()
+    if zeros is not None:
+        z = zeros.T[:, order].reshape(-1, N // 4, 4) << torch.arange(0, 16, 4, device=zeros.device)
+        z = z.sum(-1)
+        out["quick_zeros"] = torch.where(z >= 2 ** 15, z - 2 ** 16, z).to(torch.int16)
     return out
 
 
@@ -148,10 +149,14 @@ def unrepack(buffers: dict, cfg, out_features: int, in_features: int) -> dict:
     codes = tiles.permute(0, 2, 1, 3).reshape(N, K)
     inv = torch.argsort(_row_order(N)).to(slots.device)
     s = buffers["quick_scales"][:, inv].T.contiguous()
-    out = {"planes": pack_planes(codes, Q), "alpha": bcq.uniform_alpha(s, Q).to(torch.float16)}
-    if "quick_offset" in buffers:
-        out["offset"] = buffers["quick_offset"][:, inv].T.contiguous()
-    return out
+    zeros = _zeros(buffers["quick_zeros"])[:, inv].T if "quick_zeros" in buffers else None
+    return bcq.uniform_buffers(codes, s, zeros, Q)
+
+
+def _zeros(words: torch.Tensor) -> torch.Tensor:
+    """Zero points int64 ``[G, N]`` (stored positions) from ``quick_zeros`` int16 ``[G, N/4]``, as the kernel reads them."""
+    w = words.long() & 0xFFFF
+    return ((w[..., None] >> torch.arange(0, 16, 4, device=w.device)) & 15).reshape(w.shape[0], -1)
 
 
 LAYOUT = Layout(name="quick", names=_names, repack=repack, unrepack=unrepack)
@@ -178,8 +183,8 @@ def fragments(buffers: dict, cfg, out_features: int, in_features: int, dtype: to
         return buffers[name].float()[g, col]                                   # [Nt, Kt, 32, 64]
 
     s = load("quick_scales")
-    c = load("quick_offset") if "quick_offset" in buffers else torch.zeros_like(s)
-    c = (c - s * ((2 ** Q - 1) / 2)).to(dtype).double()                         # c'_T: fp32 math, one rounding
+    z = _zeros(buffers["quick_zeros"]).float()[g, col] if "quick_zeros" in buffers else (2 ** Q - 1) / 2
+    c = (-s * z).to(dtype).double()                                             # c'_T: exact fp32 product, one rounding
     w = round_to(v * s.to(dtype).double() + c, dtype).float()                   # fma in T: one rounding
     return w.reshape(Nt, Kt, 32, 4, 4, 4).permute(0, 1, 3, 4, 2, 5).contiguous()  # p = (ks·4 + nt)·2 + h
 
@@ -253,7 +258,7 @@ def plan(M: int, N: int, K: int, sms: int) -> tuple[int, int, int]:
 
 
 def _weights(buffers: dict, cfg, in_features: int):
-    return buffers["quick_qweight"], buffers["quick_scales"], buffers.get("quick_offset"), cfg.group(in_features)
+    return buffers["quick_qweight"], buffers["quick_scales"], buffers.get("quick_zeros"), cfg.group(in_features)
 
 
 def linear(x: torch.Tensor, buffers: dict, bias, cfg, out_features: int, in_features: int) -> torch.Tensor:
@@ -261,15 +266,15 @@ def linear(x: torch.Tensor, buffers: dict, bias, cfg, out_features: int, in_feat
     layer's ``perm`` (in ``buffers``) is applied as the kernel loads x into shared memory (no separate gather)."""
     x2 = x.reshape(-1, in_features).contiguous()
     launch = plan(x2.shape[0], out_features, in_features, _sms(x.device.index or 0))
-    qweight, scales, offset, gs = _weights(buffers, cfg, in_features)
-    y = torch.ops.qlinear.quick_gemm(x2, qweight, scales, offset, buffers.get("perm"), bias, gs, *launch)
+    qweight, scales, zeros, gs = _weights(buffers, cfg, in_features)
+    y = torch.ops.qlinear.quick_gemm(x2, qweight, scales, zeros, buffers.get("perm"), bias, gs, *launch)
     return y.reshape(*x.shape[:-1], out_features)
 
 
 def dequantize(buffers: dict, cfg, out_features: int, in_features: int, dtype: torch.dtype) -> torch.Tensor:
     """Dense ``Ŵ`` ``[N, K]`` of ``dtype`` (fp16/bf16) from the ``quick`` buffers on a GPU, rounded as in the GEMM."""
-    qweight, scales, offset, gs = _weights(buffers, cfg, in_features)
-    return torch.ops.qlinear.quick_dequantize(qweight, scales, offset, gs, in_features, dtype)
+    qweight, scales, zeros, gs = _weights(buffers, cfg, in_features)
+    return torch.ops.qlinear.quick_dequantize(qweight, scales, zeros, gs, in_features, dtype)
 
 
 def linear_dequantized(x: torch.Tensor, buffers: dict, bias, cfg, out_features: int, in_features: int) -> torch.Tensor:

@@ -11,7 +11,7 @@
 namespace {
 
 // Checks the quick buffers against N, K and fills the weight part of the launcher arguments.
-qlinear::QuickArgs weight_args(const at::Tensor& qweight, const at::Tensor& scales, const std::optional<at::Tensor>& offset,
+qlinear::QuickArgs weight_args(const at::Tensor& qweight, const at::Tensor& scales, const std::optional<at::Tensor>& zeros,
                                int64_t group_size, int64_t N, int64_t K, const at::Device& device) {
   TORCH_CHECK(qweight.scalar_type() == at::kInt && qweight.dim() == 3 && qweight.is_contiguous() && qweight.device() == device,
               "quick: qweight must be contiguous int32 [N/32, K/64, 64*Q] on the device of x");
@@ -27,22 +27,19 @@ qlinear::QuickArgs weight_args(const at::Tensor& qweight, const at::Tensor& scal
   qlinear::QuickArgs a{};
   a.qweight = reinterpret_cast<const unsigned*>(qweight.data_ptr<int>());
   a.scales = scales.data_ptr();
-  a.offset_dtype = qlinear::DType::kNone;
-  if (offset.has_value()) {
-    TORCH_CHECK(offset->is_contiguous() && offset->sizes() == scales.sizes() && offset->device() == device &&
-                    (offset->scalar_type() == at::kHalf || offset->scalar_type() == at::kFloat),
-                "quick: offset must be contiguous fp16 or fp32 [G, N]");
-    TORCH_CHECK(reinterpret_cast<uintptr_t>(offset->data_ptr()) % (4 * offset->element_size()) == 0,
-                "quick: offset must be aligned to 4 elements");
-    a.offset = offset->data_ptr();
-    a.offset_dtype = qlinear::dtype_of(offset->scalar_type(), "quick");
+  a.zeros = nullptr;
+  if (zeros.has_value()) {
+    TORCH_CHECK(zeros->is_contiguous() && zeros->scalar_type() == at::kShort && zeros->dim() == 2 && zeros->size(0) == G &&
+                    zeros->size(1) * 4 == N && zeros->device() == device,
+                "quick: zeros must be contiguous int16 [G, N/4]");
+    a.zeros = reinterpret_cast<const unsigned short*>(zeros->data_ptr<int16_t>());
   }
   a.N = (int)N; a.K = (int)K; a.Q = (int)Q; a.group_size = (int)group_size;
   return a;
 }
 
 at::Tensor quick_gemm(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
-                      const std::optional<at::Tensor>& offset, const std::optional<at::Tensor>& perm,
+                      const std::optional<at::Tensor>& zeros, const std::optional<at::Tensor>& perm,
                       const std::optional<at::Tensor>& bias, int64_t group_size, int64_t tile_m, int64_t tiles_per_split,
                       int64_t splits) {
   TORCH_CHECK(x.is_cuda() && x.dim() == 2 && x.is_contiguous(), "quick_gemm: x must be a contiguous CUDA [M, K] tensor");
@@ -52,7 +49,7 @@ at::Tensor quick_gemm(const at::Tensor& x, const at::Tensor& qweight, const at::
   TORCH_CHECK(M >= 1 && M * N < (int64_t{1} << 31) && M <= 65535 * 16, "quick_gemm: M=", M, " out of range (1..",
               std::min<int64_t>(65535 * 16, ((int64_t{1} << 31) - 1) / std::max<int64_t>(N, 1)), ")");
   c10::cuda::CUDAGuard guard(x.device());
-  qlinear::QuickArgs a = weight_args(qweight, scales, offset, group_size, N, K, x.device());
+  qlinear::QuickArgs a = weight_args(qweight, scales, zeros, group_size, N, K, x.device());
   TORCH_CHECK(splits >= 1 && tiles_per_split >= 1 && (splits - 1) * tiles_per_split < K / 64 &&
                   splits * tiles_per_split >= K / 64, "quick_gemm: the split plan does not cover the K tiles once");
   a.perm = qlinear::perm_ptr(perm, K, x, "quick_gemm");
@@ -69,13 +66,13 @@ at::Tensor quick_gemm(const at::Tensor& x, const at::Tensor& qweight, const at::
   return y;
 }
 
-at::Tensor quick_dequantize(const at::Tensor& qweight, const at::Tensor& scales, const std::optional<at::Tensor>& offset,
+at::Tensor quick_dequantize(const at::Tensor& qweight, const at::Tensor& scales, const std::optional<at::Tensor>& zeros,
                             int64_t group_size, int64_t K, at::ScalarType dtype) {
   TORCH_CHECK(qweight.is_cuda(), "quick_dequantize: qweight must be on a CUDA device");
   TORCH_CHECK_TYPE(dtype == at::kHalf || dtype == at::kBFloat16, "quick_dequantize: dtype must be fp16 or bf16");
   const int64_t N = qweight.size(0) * 32;
   c10::cuda::CUDAGuard guard(qweight.device());
-  qlinear::QuickArgs a = weight_args(qweight, scales, offset, group_size, N, K, qweight.device());
+  qlinear::QuickArgs a = weight_args(qweight, scales, zeros, group_size, N, K, qweight.device());
   at::Tensor w = at::empty({N, K}, qweight.options().dtype(dtype));
   a.y = w.data_ptr();
   a.splits = 1; a.tiles_per_split = 1;

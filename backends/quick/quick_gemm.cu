@@ -80,27 +80,19 @@ __device__ __forceinline__ unsigned dequant_pair(unsigned codes, typename Num<T>
   return *reinterpret_cast<const unsigned*>(&r);
 }
 
-// Per-group s and c' = c − s·(2^Q − 1)/2 of the lane's 4 rows (stored contiguously), as T pairs.
+// Per-group s and c' = −s·z of the lane's 4 rows (stored contiguously from pos, a multiple of 4), as T pairs.
 template <typename T, int Q>
 __device__ __forceinline__ void load_scales(typename Num<T>::T2 (&s2)[4], typename Num<T>::T2 (&c2)[4], const QuickArgs& a,
                                             int g, int pos) {
   const uint2 sraw = __ldg(reinterpret_cast<const uint2*>(static_cast<const __half*>(a.scales) + (size_t)g * a.N + pos));
   const __half2 s01 = *reinterpret_cast<const __half2*>(&sraw.x), s23 = *reinterpret_cast<const __half2*>(&sraw.y);
   const float s[4] = {__low2float(s01), __high2float(s01), __low2float(s23), __high2float(s23)};
-  float c[4] = {0.f, 0.f, 0.f, 0.f};
-  if (a.offset_dtype == DType::kFloat) {
-    const float4 v = __ldg(reinterpret_cast<const float4*>(static_cast<const float*>(a.offset) + (size_t)g * a.N + pos));
-    c[0] = v.x; c[1] = v.y; c[2] = v.z; c[3] = v.w;
-  } else if (a.offset_dtype == DType::kHalf) {
-    const uint2 v = __ldg(reinterpret_cast<const uint2*>(static_cast<const __half*>(a.offset) + (size_t)g * a.N + pos));
-    const __half2 c01 = *reinterpret_cast<const __half2*>(&v.x), c23 = *reinterpret_cast<const __half2*>(&v.y);
-    c[0] = __low2float(c01); c[1] = __high2float(c01); c[2] = __low2float(c23); c[3] = __high2float(c23);
-  }
-  constexpr float mid = ((1 << Q) - 1) * 0.5f;
+  const unsigned z4 = a.zeros ? __ldg(a.zeros + ((size_t)g * a.N + pos) / 4) : 0u;
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
+    const float z = a.zeros ? (float)((z4 >> (4 * i)) & 15u) : ((1 << Q) - 1) * 0.5f;
     s2[i] = Num<T>::pair(s[i]);
-    c2[i] = Num<T>::pair(c[i] - s[i] * mid);  // s·mid is exact in fp32 (fp16 s times a 4-bit half-integer)
+    c2[i] = Num<T>::pair(-s[i] * z);  // exact in fp32 (fp16 s times a 4-bit integer or half-integer): one rounding to T
   }
 }
 

@@ -7,16 +7,17 @@
 
 namespace qlinear {
 
-// y[M, N] = x[M, K] · Ŵᵀ + bias, Ŵ[n, k] = s·q + (c − s·(2^Q − 1)/2) with the code q of layout "quick"
+// y[M, N] = x[M, K] · Ŵᵀ + bias, Ŵ[n, k] = s·(q − z) with the code q of layout "quick"
 // (backends/quick/__init__.py documents it and holds the executable PyTorch spec):
 //   qweight uint32 [N/32, K/64, 64·Q]   per 32×64 tile, each lane's B-fragment codes in mma/converter order
 //   scales  fp16   [G, N]               rows permuted within 32-row tiles: position (r % 8)·4 + r / 8
-//   offset  fp16 or fp32 [G, N], same permutation, or null
+//   zeros   uint16 [G, N/4]            same permutation, 4-bit zero points of positions 4j..4j+3 in word j
+//                                       (position 4j+i at bits 4i..4i+3); null: the symmetric z = (2^Q − 1)/2
 struct QuickArgs {
   const void* x;              // [M, K], x_dtype (unused by quick_dequantize)
   const unsigned* qweight;
   const void* scales;
-  const void* offset;
+  const unsigned short* zeros;
   const int* perm;            // [K] int32: the kernel reads x[:, perm] (act_order layers), or nullptr
   const float* bias;          // [N] fp32, or nullptr
   void* y;                    // [M, N] x_dtype; quick_dequantize: Ŵ [N, K] x_dtype
@@ -25,7 +26,7 @@ struct QuickArgs {
   int tile_m;                 // rows of x per block: 16, 32, 64 or 128
   int tiles_per_split;        // consecutive 64-input K tiles per block
   int splits;                 // gridDim.z; partials summed in slice order (deterministic)
-  DType x_dtype, offset_dtype;
+  DType x_dtype;
 };
 
 // Launches the GEMM (and the split-K reduction when splits > 1) on `stream`.  Returns

@@ -35,7 +35,6 @@ from transformers.quantizers.auto import (AUTO_QUANTIZATION_CONFIG_MAPPING, AUTO
                                          register_quantization_config, register_quantizer)
 from transformers.quantizers.quantizers_utils import get_module_from_name, should_convert_module
 
-from qlinear.formats import get_format
 from qlinear.modules import QuantLinear, module_class
 from qlinear.replace import is_quantizable_linear, matches
 
@@ -231,14 +230,14 @@ class QLinearHfQuantizer(HfQuantizer):
             plan = {**plan, **override} if override else {}
         check_tp_plan(model, plan, world)
         layers = {n: m for n, m in model.named_modules() if isinstance(m, QuantLinear)}
-        if layers and all(set(m._specs) <= set(self._checkpoint_index.get(n, ())) for n, m in layers.items()):
+        if layers and all(set(m.buffer_specs) <= set(self._checkpoint_index.get(n, ())) for n, m in layers.items()):
             # safetensors: read only this rank's slices
             import re
 
             import torch.distributed as dist
             from qlinear.integrations.tensor_parallel import load_shards
 
-            bufs = {n: "|".join(m._specs) for n, m in layers.items()}  # each layer's own tensors, before slicing
+            bufs = {n: "|".join(m.buffer_specs) for n, m in layers.items()}  # each layer's own tensors, before slicing
             with torch.device("cpu"):  # this hook runs under transformers' meta-device init context
                 self._tp_specs = load_shards(model, plan, world, dist.get_rank() % world, self._read_layer)
             if self._tp_specs:  # transformers must not load the full tensors over the slices
@@ -295,8 +294,11 @@ class QLinearHfQuantizer(HfQuantizer):
         problems, missing, stored_float, stored_packed = [], [], [], []
         for name, mod in model.named_modules():
             if isinstance(mod, QuantLinear):
+                saved = mod.saved_layout(by_module.get(name, ()))
+                if saved is not None:  # an older qlinear storage: loaded as it is, converted after loading
+                    mod.hold_saved_layout(saved)
                 absent = []
-                for buf, (shape, dtype) in mod._specs.items():
+                for buf, (shape, dtype) in mod.held_specs().items():
                     got = found.get(f"{name}.{buf}")
                     if got is None:
                         absent.append(buf)
@@ -308,7 +310,7 @@ class QLinearHfQuantizer(HfQuantizer):
                 if absent and f"{name}.weight" in found:
                     stored_float.append(name)
                 elif absent:
-                    others = sorted(by_module.get(name, set()) - set(mod._specs) - {"bias"})
+                    others = sorted(by_module.get(name, set()) - set(mod.held_specs()) - {"bias"})
                     hint = f" (the checkpoint has {', '.join(others)}: saved with another format?)" if others else ""
                     missing.append(f"{name}: {', '.join(absent)}{hint}")
             elif is_quantizable_linear(mod) and by_module.get(name, set()) - {"bias"} and "weight" not in by_module[name]:
@@ -361,10 +363,8 @@ class QLinearHfQuantizer(HfQuantizer):
         for name, mod in model.named_modules():
             if not isinstance(mod, QuantLinear):
                 continue
-            specs = get_format(mod.format).buffer_specs(mod.out_features, mod.in_features, mod.config)
-            held = mod.canonical()
-            for buf, (shape, dt) in specs.items():
-                t = held[buf]
+            for buf, (shape, dt) in mod.held_specs().items():  # as loaded: an older storage is converted below
+                t = getattr(mod, buf)
                 if tuple(t.shape) != tuple(shape) or t.dtype != dt:
                     bad.append(f"{name}.{buf}: loaded {t.dtype} {list(t.shape)}, expected {dt} {list(shape)}")
                 elif check_loaded and name not in (self._tp_specs or {}) and (  # those were read by load_shards

@@ -14,11 +14,30 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from typing import Any, ClassVar
+from typing import Any, Callable, ClassVar, Optional
 
 import torch
 
 BufferSpecs = dict[str, tuple[tuple[int, ...], torch.dtype]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """A packed layout other than the format's canonical one: a kernel's own (derived once at load from the
+    canonical buffers), or an older storage of the format that checkpoints may still hold (converted on load).
+
+    ``repack(buffers, cfg, N, K) -> dict`` and its exact inverse ``unrepack`` map between the
+    canonical buffers (:func:`qlinear.formats.get_format` ``.buffer_specs``) and the kernel's buffers.
+    A module on a device where this layout's kernel is the one :func:`layout_for` picks holds only the
+    repacked buffers (no second copy); checkpoints always hold the canonical ones.  ``saved_specs(N, K, cfg)``
+    (older storages only) gives the buffer specs such a checkpoint holds, or None for configs it does not apply to.
+    """
+
+    name: str
+    names: Callable  # cfg -> tuple of the repacked buffer names, in the order the module holds them
+    repack: Callable
+    unrepack: Callable
+    saved_specs: Optional[Callable] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +97,15 @@ class FormatConfig:
 def group_bounds(in_features: int, group_size: int) -> list[tuple[int, int]]:
     """``[(start, end), ...]`` of the input groups; the last one may be shorter (ragged)."""
     return [(s, min(s + group_size, in_features)) for s in range(0, in_features, group_size)]
+
+
+def check_input_split(out_features: int, in_features: int, group_size: int, start: int, end: int) -> None:
+    """ValueError unless input positions ``[start, end)`` of an ``out_features x in_features`` layer with groups of
+    ``group_size`` (-1: the whole row) start and end on group boundaries (a tensor-parallel shard)."""
+    g = in_features if group_size == -1 else group_size
+    if start % g or (end % g and end != in_features):
+        raise ValueError(f"input shard [{start}, {end}) of a {out_features}x{in_features} layer splits a quantization "
+                         f"group of {g}: the shard size must be a multiple of the group size")
 
 
 def num_groups(in_features: int, group_size: int) -> int:

@@ -5,8 +5,19 @@ for the alternating refinement; Park et al., "LUT-GEMM" / nuQmm (§2-3) for the 
 bit-plane storage.  Uniform int-q with a zero point is BCQ with ``α_i = s·2^(i-2)`` (i = 1..q) and
 the per-group offset ``c = s·((2^q − 1)/2 − z)``, so GPTQ/AWQ checkpoints map onto it exactly.
 
-Packed layout (``N = out_features``, ``K = in_features``, ``G = ceil(K / group_size)``; the last
-group may be shorter than ``group_size``):
+Packed layouts (``N = out_features``, ``K = in_features``, ``G = ceil(K / group_size)``; the last
+group may be shorter than ``group_size``).  Layers whose levels are uniform (:func:`is_uniform`: round-to-nearest,
+GPTQ, imported GPTQ/AWQ) are stored as the GPTQ ecosystem stores them, ``ŵ = s·(q − z)``; BCQ's α and offset are a
+view derived from them exactly (:func:`as_bcq`) where a kernel needs it:
+
+* ``qweight`` int32 ``[N, K·bits/32]``: the integer codes ``q = Σ_i bit_i·2^(i-1)`` packed little-endian along K
+  (:func:`qlinear.formats.packing.pack`; 3-bit codes straddle words as in GPTQ's 3-bit checkpoints).
+* ``scales``  fp16 ``[N, G]``: the group scale ``s``.
+* ``qzeros``  int32 ``[G, ceil(N·bits/32)]`` (only with ``offset=True``): the integer zero points ``z`` in
+  ``[0, 2^bits)``, packed along N as GPTQ packs them (little padding: at most one word per group).  Without offset the grid is symmetric, ``z = (2^bits − 1)/2``.
+  4-bit g128: 4 + (16 + 4)/128 = 4.156 bits per weight, GPTQModel's own figure.
+
+Other (free-α) BCQ layers:
 
 * ``planes``  int32 ``[bits, N, K/32]``: plane ``i`` is the sign vector ``b_{i+1}``; bit ``j`` of word
   ``w`` of row ``r`` is input ``32w + j`` (1 → +1, 0 → −1).  Equivalently the integer code
@@ -14,10 +25,15 @@ group may be shorter than ``group_size``):
 * ``alpha``   fp16 ``[bits, N, G]``: α per (bit, row, group).
 * ``offset``  fp16 ``[N, G]`` (only with ``offset=True``; float32 with ``fp32_offset=True``): the
   per-group offset ``c``.
-* ``perm``    int32 ``[K]`` (only with ``act_order=True``): stored input position ``j`` holds input column
-  ``perm[j]``; ``planes``/``alpha``/``offset`` describe the reordered weight ``W[:, perm]``, whose
-  groups are contiguous (GPTQ act_order reordered as in "TP-Aware Dequantization", Alg. 1: every
-  kernel runs it as a plain grouped layer on ``x[..., perm]``).
+
+Both: ``perm`` int32 ``[K]`` (only with ``act_order=True``): stored input position ``j`` holds input column
+``perm[j]``; the other buffers describe the reordered weight ``W[:, perm]``, whose groups are contiguous (GPTQ
+act_order reordered as in "TP-Aware Dequantization", Alg. 1: every kernel runs it as a plain grouped layer on
+``x[..., perm]``).
+
+Checkpoints saved before the uniform storage hold uniform layers in the free-α buffers; :data:`LEGACY` is that
+storage as a layout, converted exactly on load (round-to-nearest layers then dequantize to ``s·(q − z)`` instead of
+an fp16-rounded offset: within one fp16 rounding of the offset).
 
 Quantizer (float32 math): per (row, group), the better (in weighted squared error) of two inits,
 greedy residual binarization (``b_i = sign(r)``, ``α_i = mean|r|``, ``r -= α_i b_i``) and the
@@ -35,8 +51,9 @@ import dataclasses
 import torch
 
 from . import uniform
-from .base import UNIFORM_MIN_SCALE, BufferSpecs, FormatConfig, fp16_round, group_lookup, importance, num_groups
-from .packing import pack_planes, unpack_planes
+from .base import (UNIFORM_MIN_SCALE, BufferSpecs, FormatConfig, Layout, check_input_split, fp16_round,
+                   group_lookup, importance, num_groups)
+from .packing import pack, pack_planes, packed_len, unpack, unpack_planes, unpack_u8
 
 NAME = "bcq"
 
@@ -115,15 +132,25 @@ def buffer_specs(out_features: int, in_features: int, cfg: Config) -> BufferSpec
     """``{name: (shape, dtype)}`` of the packed buffers (module docstring).  Raises ValueError if
     in_features is not a multiple of 32."""
     cfg.check_shape(out_features, in_features)
-    G = num_groups(in_features, cfg.group(in_features))
-    specs: BufferSpecs = {
-        "planes": ((cfg.bits, out_features, in_features // 32), torch.int32),
-        "alpha": ((cfg.bits, out_features, G), torch.float16),
-    }
-    if cfg.offset:
-        specs["offset"] = ((out_features, G), torch.float32 if cfg.fp32_offset or cfg.method == "gptq" else torch.float16)
+    N, K, q = out_features, in_features, cfg.bits
+    G = num_groups(K, cfg.group(K))
+    if is_uniform(cfg):
+        specs: BufferSpecs = {"qweight": ((N, K * q // 32), torch.int32), "scales": ((N, G), torch.float16)}
+        if cfg.offset:
+            specs["qzeros"] = ((G, packed_len(N, q)), torch.int32)
+    else:
+        specs = _bcq_specs(N, K, cfg)
     if cfg.act_order and not cfg.static_groups:
-        specs["perm"] = ((in_features,), torch.int32)
+        specs["perm"] = ((K,), torch.int32)
+    return specs
+
+
+def _bcq_specs(N: int, K: int, cfg: Config, fp32_offset: bool = False) -> BufferSpecs:
+    G = num_groups(K, cfg.group(K))
+    specs: BufferSpecs = {"planes": ((cfg.bits, N, K // 32), torch.int32),
+                          "alpha": ((cfg.bits, N, G), torch.float16)}
+    if cfg.offset:
+        specs["offset"] = ((N, G), torch.float32 if fp32_offset or cfg.fp32_offset else torch.float16)
     return specs
 
 
@@ -324,34 +351,44 @@ def quantize(weight: torch.Tensor, cfg: Config, hessian: torch.Tensor | None = N
         if cfg.act_order:
             raise ValueError("BCQ act_order needs a Hessian and error_feedback=True (it orders GPTQ's columns)")
         d = importance(hessian if cfg.activation_aware else None, K)
-        return q.quantize_all(weight.detach().float(), d)
-    return gptq.run(weight, g, q, hessian, damp=cfg.damp, activation_aware=cfg.activation_aware,
-                    act_order=cfg.act_order)
+        bufs = q.quantize_all(weight.detach().float(), d)
+    else:
+        bufs = gptq.run(weight, g, q, hessian, damp=cfg.damp, activation_aware=cfg.activation_aware,
+                        act_order=cfg.act_order)
+    return as_uniform(bufs, cfg, N, K) if is_uniform(cfg) else bufs
 
 
 def dequantize(buffers: dict[str, torch.Tensor], cfg: Config, out_features: int, in_features: int) -> torch.Tensor:
-    """Dense weight ``[N, K]`` float32 from BCQ buffers: ``±α_1 ± α_2 ...`` summed in plane order from +0, plus the offset.
+    """Dense weight ``[N, K]`` float32 from BCQ buffers: ``s·(q − z)`` for the uniform storage, else
+    ``±α_1 ± α_2 ...`` summed in plane order from +0, plus the offset.
 
     The codes are unpacked to one byte per weight.  When a group's ``2^q`` levels are no more than its weights, the
     levels are computed once per (row, group) and each weight is one lookup; otherwise the planes are added per
     weight.  Both give the same float32 values.
     """
     g, K, N, q = cfg.group(in_features), in_features, out_features, cfg.bits
-    codes = unpack_planes(buffers["planes"], K, torch.uint8)
-    alpha = buffers["alpha"].to(torch.float32)
-    G = alpha.shape[2]
+    uniform = "qweight" in buffers
+    codes = (unpack_u8(buffers["qweight"], q, K) if uniform else unpack_planes(buffers["planes"], K, torch.uint8))
+    G = num_groups(K, g)
     if G * g != K:  # a ragged last group is padded
         codes = torch.nn.functional.pad(codes, (0, G * g - K))
     codes = codes.view(N, G, g)
     lookup = (1 << q) <= g
-    bits = torch.arange(1 << q, device=codes.device).view(1, 1, -1) if lookup else codes
-    w = None
-    for i in range(q):  # one plane at a time keeps the peak at two float32 copies
-        a = alpha[i][..., None]
-        term = torch.where(((bits >> i) & 1).bool(), a, -a)
-        w = term.add_(0.0) if w is None else w.add_(term)  # + 0.0: an all-zero sum is +0, as in a sum from 0
-    if cfg.offset:
-        w = w.add_(buffers["offset"].to(torch.float32)[..., None])
+    values = torch.arange(1 << q, device=codes.device).view(1, 1, -1) if lookup else codes
+    if uniform:
+        s = buffers["scales"].to(torch.float32)[..., None]
+        z = (unpack(buffers["qzeros"], q, N).T.to(torch.float32)[..., None] if "qzeros" in buffers
+             else torch.tensor((2 ** q - 1) / 2, device=s.device))
+        w = s * (values.to(torch.float32) - z)  # exact difference, one rounding: GPTQ's s·(q − z) in float32
+    else:
+        alpha = buffers["alpha"].to(torch.float32)
+        w = None
+        for i in range(q):  # one plane at a time keeps the peak at two float32 copies
+            a = alpha[i][..., None]
+            term = torch.where(((values >> i) & 1).bool(), a, -a)
+            w = term.add_(0.0) if w is None else w.add_(term)  # + 0.0: an all-zero sum is +0, as in a sum from 0
+        if cfg.offset:
+            w = w.add_(buffers["offset"].to(torch.float32)[..., None])
     if lookup:  # w holds the levels [N, G, 2^q]: look each weight up
         w = group_lookup(w, codes)
     w = w.reshape(N, G * g)[:, :K]
@@ -362,32 +399,170 @@ def dequantize(buffers: dict[str, torch.Tensor], cfg: Config, out_features: int,
     return w
 
 
+# Uniform storage <-> BCQ view -----------------------------------------------------------------------------------
+def uniform_offset(scales: torch.Tensor, zeros: torch.Tensor, bits: int) -> torch.Tensor:
+    """BCQ's offset ``c = s·((2^q − 1)/2 − z)`` float32 (exact: at most 19 significant bits) of fp16 ``scales`` and
+    integer ``zeros`` of the same shape."""
+    return scales.to(torch.float32) * ((2 ** bits - 1) / 2 - zeros.to(torch.float32))
+
+
+def uniform_zeros(scales: torch.Tensor, offset: torch.Tensor, bits: int) -> torch.Tensor:
+    """Inverse of :func:`uniform_offset`: integer zero points int64 (fp16 offsets, as round-to-nearest layers kept them
+    before the uniform storage, are matched after rounding to fp16).  A group of scale 0 (all its weights are 0)
+    gets the zero point 0: its offset holds no other.
+
+    Raises:
+        ValueError: offsets that are not ``s·((2^q−1)/2 − z)`` for integers ``z`` in ``[0, 2^q)``.
+    """
+    s = scales.to(torch.float32)
+    c = offset.to(torch.float32)
+    z = torch.round((2 ** bits - 1) / 2 - c / torch.where(s == 0, 1.0, s))
+    z = torch.where(s == 0, 0.0, z)
+    recon = uniform_offset(s, z, bits)
+    if offset.dtype == torch.float16:
+        recon = fp16_round(recon)
+    if not torch.equal(recon, c) or (z.numel() and (int(z.min()) < 0 or int(z.max()) >= 1 << bits)):
+        raise ValueError("offsets are not s·((2^q−1)/2 − z) for integer zero points z in [0, 2^q)")
+    return z.long()
+
+
+def uniform_parts(buffers: dict[str, torch.Tensor], cfg: Config, out_features: int, in_features: int
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``(codes [N, K] int64 in stored order, scales [N, G] fp16, zeros [N, G] int64 or None without offset)`` from
+    the uniform storage, or from free-α buffers whose α happen to be uniform (``perm`` is not read).
+
+    Raises:
+        ValueError: free-α buffers whose α or offsets are not uniform.
+    """
+    K, q = in_features, cfg.bits
+    if "qweight" in buffers:
+        zeros = unpack(buffers["qzeros"], q, out_features).T if "qzeros" in buffers else None
+        return unpack(buffers["qweight"], q, K), buffers["scales"], zeros
+    s = uniform_scale(buffers["alpha"])
+    zeros = uniform_zeros(s, buffers["offset"], q) if "offset" in buffers else None
+    return unpack_planes(buffers["planes"], K), s.to(torch.float16), zeros
+
+
+def uniform_buffers(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, bits: int
+                    ) -> dict[str, torch.Tensor]:
+    """The uniform storage (``qweight``, ``scales``, ``qzeros`` without ``perm``) of codes ``[N, K]``, scales
+    ``[N, G]`` (fp16 values) and integer zeros ``[N, G]`` (None: symmetric grid, no offset)."""
+    out = {"qweight": pack(codes, bits), "scales": scales.to(torch.float16)}
+    if zeros is not None:
+        out["qzeros"] = pack(zeros.T.contiguous(), bits)
+    return out
+
+
+def as_uniform(buffers: dict[str, torch.Tensor], cfg: Config, out_features: int, in_features: int
+               ) -> dict[str, torch.Tensor]:
+    """Buffers in the uniform storage (unchanged if already; ``perm`` passes through).  Raises ValueError for free-α
+    buffers whose α are not uniform."""
+    if "qweight" in buffers:
+        return buffers
+    out = uniform_buffers(*uniform_parts(buffers, cfg, out_features, in_features), cfg.bits)
+    return {**out, **({"perm": buffers["perm"]} if "perm" in buffers else {})}
+
+
+def as_bcq(buffers: dict[str, torch.Tensor], cfg: Config, out_features: int, in_features: int,
+           offset_dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """BCQ's view (``planes``, ``alpha``, ``offset``; ``perm`` passes through) of the buffers: unchanged for free-α
+    layers; for the uniform storage ``α_i = s·2^(i−2)`` in fp16 and the offset of :func:`uniform_offset` in
+    ``offset_dtype`` (float32: exact).
+
+    Raises:
+        ValueError: a scale whose ``s·2^(i−2)`` fp16 cannot hold (below 2^-13 or above 65504/2^(bits−2)).
+    """
+    if "qweight" not in buffers:
+        return buffers
+    codes, s, zeros = uniform_parts(buffers, cfg, out_features, in_features)
+    alpha = uniform_alpha(s, cfg.bits)
+    if not torch.equal(alpha.to(torch.float16).to(torch.float32), alpha):
+        raise ValueError(f"scales·2^(i-2) for i = 1..{cfg.bits} are not all fp16 values (scales between "
+                         f"{2.0 ** -13:g} and {65504 / 2 ** (cfg.bits - 2):g} are): BCQ's α cannot represent them")
+    out = {"planes": pack_planes(codes, cfg.bits), "alpha": alpha.to(torch.float16)}
+    if zeros is not None:
+        out["offset"] = uniform_offset(s, zeros, cfg.bits).to(offset_dtype)
+    return {**out, **({"perm": buffers["perm"]} if "perm" in buffers else {})}
+
+
+def _legacy_specs(out_features: int, in_features: int, cfg: Config) -> BufferSpecs | None:
+    if not is_uniform(cfg):
+        return None
+    return _bcq_specs(out_features, in_features, cfg, fp32_offset=cfg.method == "gptq")
+
+
+def _legacy_repack(buffers, cfg, out_features, in_features):
+    fp32 = _legacy_specs(out_features, in_features, cfg).get("offset", (None, torch.float32))[1] == torch.float32
+    bufs = as_bcq(buffers, cfg, out_features, in_features, torch.float32)
+    if not fp32 and "offset" in bufs:
+        bufs["offset"] = bufs["offset"].to(torch.float16)
+    return bufs
+
+
+#: The storage of uniform layers in checkpoints saved before the uniform storage (free-α buffers; offsets float32
+#: for ``method="gptq"`` and imported layers, else fp16), as a layout: a layer holding it converts on load.
+LEGACY = Layout(name="bcq_legacy", names=lambda cfg: ("planes", "alpha") + (("offset",) if cfg.offset else ()),
+                repack=_legacy_repack, unrepack=as_uniform, saved_specs=_legacy_specs)
+LAYOUTS = (LEGACY,)
+
+
+# Tensor-parallel slicing (the packed data is cut, never dequantized) ------------------------------------------------
+def slice_rows(buffers: dict[str, torch.Tensor], cfg: Config, rows: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The canonical buffers of output features ``rows`` (int64 ``[n]``, any order); ``perm`` is kept."""
+    planes = "planes" in buffers  # free-α buffers hold the row in dim 1 of planes and alpha
+    out = {k: v if k in ("perm", "qzeros") else (v[:, rows] if planes and k in ("planes", "alpha") else v[rows])
+           for k, v in buffers.items()}
+    if "qzeros" in buffers:  # packed along the rows
+        out["qzeros"] = pack(unpack(buffers["qzeros"], cfg.bits, buffers["scales"].shape[0])[:, rows], cfg.bits)
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+def slice_inputs(buffers: dict[str, torch.Tensor], cfg: Config, out_features: int, in_features: int, start: int,
+                 end: int) -> tuple[dict[str, torch.Tensor], Config]:
+    """``(buffers, config)`` of stored input positions ``[start, end)`` (``perm`` dropped: an act_order layer's
+    slice reads ``x[..., perm[start:end]]``).
+
+    Raises:
+        ValueError: a bound that splits a quantization group.
+    """
+    K, g, q = in_features, cfg.group(in_features), cfg.bits
+    check_input_split(out_features, K, cfg.group_size, start, end)
+    gs, ge = start // g, -(-end // g)
+    if "qweight" in buffers:  # start and end are multiples of 32: whole words of codes
+        out = {"qweight": buffers["qweight"][:, start * q // 32:end * q // 32], "scales": buffers["scales"][:, gs:ge]}
+        if "qzeros" in buffers:
+            out["qzeros"] = buffers["qzeros"][gs:ge]
+    else:
+        out = {"planes": buffers["planes"][:, :, start // 32:end // 32], "alpha": buffers["alpha"][:, :, gs:ge]}
+        if "offset" in buffers:
+            out["offset"] = buffers["offset"][:, gs:ge]
+    return {k: v.contiguous() for k, v in out.items()}, dataclasses.replace(cfg, act_order=False, static_groups=False)
+
+
 def from_uniform(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int, group_size: int,
                  g_idx: torch.Tensor | None = None) -> tuple[Config, dict[str, torch.Tensor]]:
-    """Exact BCQ buffers for uniform integer weights ``scales[:, g] * (codes - zeros[:, g])``.
+    """The buffers of uniform integer weights ``scales[:, g] * (codes - zeros[:, g])`` (GPTQ/AWQ convention).
 
     Args:
         codes: ``[N, K]`` integers in ``[0, 2**bits)``.
-        scales: ``[N, G]`` float (stored as fp16; exact if already fp16 values).
-        zeros: ``[N, G]`` integer zero points.
+        scales: ``[N, G]`` fp16 values (fp16 or fp32 tensor).
+        zeros: ``[N, G]`` integer zero points in ``[0, 2**bits)``.
         g_idx: optional ``[K]`` group of each column (GPTQ act_order); default ``k // group_size``.  An
             unordered ``g_idx`` makes an act_order layer stored reordered (``perm``, contiguous groups).
 
     Returns:
-        ``(Config, buffers)``.  α_i = s·2^(i−2) (fp16; ValueError unless exactly representable), offset
-        s·((2^q − 1)/2 − z) in float32, so :func:`dequantize` (float32) equals
+        ``(Config, buffers)`` in the uniform storage: :func:`dequantize` (float32) equals
         ``scales·(codes − zeros)`` computed in float32 bit for bit.
 
     Raises:
-        ValueError: inconsistent shapes or codes out of range.
+        ValueError: inconsistent shapes, codes or zero points out of range, scales that are not fp16 values.
     """
     N, K = codes.shape
     G = num_groups(K, group_size if group_size != -1 else K)
     if scales.shape != (N, G) or zeros.shape != (N, G):
         raise ValueError(f"scales and zeros must be [{N}, {G}] for codes {list(codes.shape)} and group_size "
                          f"{group_size}; got {list(scales.shape)} and {list(zeros.shape)}")
-    cfg = Config(bits=bits, group_size=group_size, offset=True, iters=0, init="uniform",
-                 act_order=g_idx is not None, fp32_offset=True)
+    cfg = Config(bits=bits, group_size=group_size, offset=True, iters=0, init="uniform", act_order=g_idx is not None)
     cfg.check_shape(N, K)
     perm = None
     if g_idx is not None:
@@ -405,13 +580,12 @@ def from_uniform(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
         if perm is not None:
             codes = codes[:, perm]
     s = scales.to(torch.float32)
-    alpha = uniform_alpha(s, bits)
-    if not torch.equal(alpha.to(torch.float16).to(torch.float32), alpha):
-        raise ValueError(f"scales·2^(i-2) for i = 1..{bits} must be exact fp16 values (scales between "
-                         f"{2.0 ** -13:g} and {65504 / 2 ** (bits - 2):g} with fp16 precision); got scales in "
-                         f"[{float(s.min()):g}, {float(s.max()):g}]")
-    out = {"planes": pack_planes(codes, bits), "alpha": alpha.to(torch.float16),
-           "offset": s * ((2 ** bits - 1) / 2 - zeros.to(torch.float32))}
+    if not torch.equal(s.to(torch.float16).to(torch.float32), s):
+        raise ValueError(f"scales must be fp16 values; got values in [{float(s.min()):g}, {float(s.max()):g}] that "
+                         f"fp16 rounds (cast them with .half() first if that is intended)")
+    if zeros.numel() and (int(zeros.min()) < 0 or int(zeros.max()) >= 1 << bits):
+        raise ValueError(f"zero points must lie in [0, {1 << bits}) for bits={bits}")
+    out = uniform_buffers(codes, s, zeros, bits)
     if perm is not None:
         out["perm"] = perm.to(torch.int32)
     return cfg, out
@@ -420,21 +594,16 @@ def from_uniform(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
 def to_uniform(buffers: dict[str, torch.Tensor], cfg: Config, out_features: int, in_features: int
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Inverse of :func:`from_uniform`: ``(codes [N, K] in input order, scales [N, G] fp16 values as float32,
-    zeros [N, G] int64, g_idx [K] int32 or None)``.
+    zeros [N, G] int64, g_idx [K] int32 or None)``.  A layer without offset has the symmetric grid's zero point,
+    which is not an integer: ValueError.
 
     Raises:
-        ValueError: α not uniform, or offsets that are not ``s·((2^q−1)/2 − z)`` for an integer ``z``.
+        ValueError: no offset, or free-α buffers whose α or offsets are not uniform.
     """
-    K, bits = in_features, cfg.bits
-    s = uniform_scale(buffers["alpha"]).to(torch.float32)
-    c = buffers["offset"].to(torch.float32) if cfg.offset else torch.zeros_like(s)
-    zeros = torch.round((2 ** bits - 1) / 2 - c / s)
-    recon = s * ((2 ** bits - 1) / 2 - zeros)
-    if cfg.offset and buffers["offset"].dtype == torch.float16:  # round-to-nearest layers keep fp16 offsets
-        recon = fp16_round(recon)
-    if not torch.equal(recon, c) or int(zeros.min()) < 0 or int(zeros.max()) >= 1 << bits:
-        raise ValueError("offsets are not s·((2^q−1)/2 − z) for integer zero points z in [0, 2^q)")
-    codes = unpack_planes(buffers["planes"], K)
+    K = in_features
+    codes, s, zeros = uniform_parts(buffers, cfg, out_features, in_features)
+    if zeros is None:
+        raise ValueError("a layer without offset has the zero point (2^q − 1)/2, not an integer: GPTQ cannot hold it")
     g_idx = None
     if "perm" in buffers:
         perm = buffers["perm"].long()
@@ -443,4 +612,4 @@ def to_uniform(buffers: dict[str, torch.Tensor], cfg: Config, out_features: int,
         codes = in_order
         g_idx = torch.empty(K, dtype=torch.int32, device=perm.device)
         g_idx[perm] = (torch.arange(K, device=perm.device) // cfg.group(K)).to(torch.int32)
-    return codes, s, zeros.long(), g_idx
+    return codes, s.to(torch.float32), zeros, g_idx

@@ -38,7 +38,7 @@ import math
 
 import torch
 
-from .base import FP16_TINY, BufferSpecs, FormatConfig, fp16_round, group_lookup, importance
+from .base import FP16_TINY, BufferSpecs, FormatConfig, check_input_split, fp16_round, group_lookup, importance
 from .packing import pack, packed_len, unpack_u8
 
 NAME = "codebook"
@@ -280,3 +280,25 @@ def dequantize(buffers: dict[str, torch.Tensor], cfg: Config, out_features: int,
         books = books[unpack_u8(buffers["book_idx"], int(math.log2(cfg.books)), G).long()]  # [N, G, 2^bits]
     levels = buffers["scales"].to(torch.float32)[:, :, None] * books  # [N, G, 2^bits]: scale · centroid
     return group_lookup(levels, unpack_u8(buffers["codes"], cfg.bits, K).reshape(N, G, g)).view(N, K)
+
+
+def slice_rows(buffers: dict[str, torch.Tensor], cfg: Config, rows: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The buffers of output features ``rows`` (int64 ``[n]``, any order); the shared codebooks are kept."""
+    return {k: v if k == "codebooks" else v[rows].contiguous() for k, v in buffers.items()}
+
+
+def slice_inputs(buffers: dict[str, torch.Tensor], cfg: Config, out_features: int, in_features: int, start: int,
+                 end: int) -> tuple[dict[str, torch.Tensor], Config]:
+    """``(buffers, config)`` of input positions ``[start, end)``.
+
+    Raises:
+        ValueError: a bound that splits a quantization group.
+    """
+    K, g = in_features, cfg.group_size
+    check_input_split(out_features, K, cfg.group_size, start, end)
+    out = {"codes": pack(unpack_u8(buffers["codes"], cfg.bits, K)[:, start:end], cfg.bits)}
+    if "book_idx" in buffers:
+        lb = int(math.log2(cfg.books))
+        out["book_idx"] = pack(unpack_u8(buffers["book_idx"], lb, K // g)[:, start // g:end // g], lb)
+    out["scales"], out["codebooks"] = buffers["scales"][:, start // g:end // g].contiguous(), buffers["codebooks"]
+    return out, cfg
