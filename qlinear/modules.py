@@ -118,6 +118,23 @@ class QuantLinear(nn.Module):
         if not isinstance(linear, nn.Linear):
             raise TypeError(f"from_linear expects an nn.Linear, got {type(linear).__name__}")
         w = linear.weight
+        cfg, cfg_backend = format_config(cls.format, config)
+        buffers = cls.quantize_weight(w, cfg, hessian, **quantize_kwargs)
+        return cls.from_packed(buffers, w.shape[1], w.shape[0], config if cfg_backend else cfg, linear.bias,
+                               backend=backend, device=w.device)
+
+    @classmethod
+    def quantize_weight(cls, weight: torch.Tensor, config: Any = None, hessian: Optional[torch.Tensor] = None,
+                        **quantize_kwargs) -> dict[str, torch.Tensor]:
+        """The canonical packed buffers (the format's ``buffer_specs``, on the CPU) of ``weight`` ``[N, K]`` (any float
+        dtype and device) quantized with ``config`` (as for the constructor): what :meth:`from_linear` holds, without
+        building a layer (the quantize-on-load path hands these straight to transformers).
+
+        Raises:
+            TypeError: a weight that is not floating point.
+            ValueError: NaN/Inf weights, a meta weight, a shape the format cannot store, a wrong Hessian.
+        """
+        w = weight
         if not w.is_floating_point():
             raise TypeError(f"weight must be floating point, got {w.dtype}")
         if w.device.type == "meta":
@@ -126,13 +143,10 @@ class QuantLinear(nn.Module):
             raise ValueError("weight contains NaN or Inf values")
         if hessian is not None:
             check_hessian(hessian, w.shape[1])
-        cfg, cfg_backend = format_config(cls.format, config)
+        cfg = format_config(cls.format, config)[0]
         cfg.check_shape(*w.shape)
-        buffers = get_format(cls.format).quantize(w.detach().to("cpu", torch.float32), cfg,
-                                                  None if hessian is None else hessian.detach().cpu(),
-                                                  **quantize_kwargs)
-        return cls.from_packed(buffers, w.shape[1], w.shape[0], config if cfg_backend else cfg, linear.bias,
-                               backend=backend, device=w.device)
+        return get_format(cls.format).quantize(w.detach().to("cpu", torch.float32), cfg,
+                                               None if hessian is None else hessian.detach().cpu(), **quantize_kwargs)
 
     @classmethod
     def from_packed(cls, buffers: dict[str, torch.Tensor], in_features: int, out_features: int, config: Any,
@@ -143,11 +157,12 @@ class QuantLinear(nn.Module):
         Raises:
             ValueError: buffers that do not match the config's specs.
         """
+        device = torch.device(device) if device is not None else next(iter(buffers.values())).device
         mod = cls(in_features, out_features, bias is not None, config, backend=backend, device="meta")
-        mod.load_packed(buffers)
+        mod.load_packed({k: v.to(device) for k, v in buffers.items()})  # repacked once, for the final device
         if bias is not None:
             mod.bias = nn.Parameter(bias.detach().clone(), requires_grad=False)
-        return mod.to(device if device is not None else next(iter(buffers.values())).device)
+        return mod.to(device)
 
     def load_packed(self, buffers: dict[str, torch.Tensor]) -> None:
         """Set the packed buffers from ``buffers`` (names, shapes and dtypes must match exactly).
@@ -397,8 +412,13 @@ class QuantLinear(nn.Module):
                 raise ValueError(f"checkpoint tensor {prefix + name} is {t.dtype} {list(t.shape)} but this "
                                  f"{type(self).__name__} ({self.config.to_json()}) expects {dtype} "
                                  f"{list(shape)}: the checkpoint was saved with another config or shape")
-        if self._layout is not None:
-            self._set_packed(self.canonical(), None)
+        if self._layout is not None:  # load into canonical buffers; those the state dict replaces are not converted
+            device = self._buffers[self._packed_names[0]].device
+            if all(prefix + n in state_dict for n in self._specs):
+                self._set_packed({n: torch.empty(shape, dtype=dt, device=device) for n, (shape, dt) in
+                                  self._specs.items()}, None)
+            else:
+                self._set_packed(self.canonical(), None)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
         self.repack_for_device()

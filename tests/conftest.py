@@ -58,3 +58,33 @@ def poison_cuda_allocator() -> None:
     """Fill freed CUDA allocator memory with NaN so an output element a kernel forgets to write shows up."""
     t = torch.full((64 << 20,), float("nan"), device="cuda")
     del t
+
+
+@pytest.fixture
+def counting_layout():
+    """A CPU kernel (priority 100) with a layout that counts its repacks and unrepacks: ``{"repack": n, "unrepack": n}``
+    (BCQ layers; the kernel computes through the reference backend)."""
+    from qlinear import backends
+    from qlinear.backends import Kernel, Layout
+    from qlinear.backends import reference
+    from qlinear.formats import bcq
+
+    counts = {"repack": 0, "unrepack": 0}
+
+    def repack(bufs, cfg, N, K):
+        counts["repack"] += 1
+        return {"c_" + k: v.clone() for k, v in bufs.items()}
+
+    def unrepack(bufs, cfg, N, K):
+        counts["unrepack"] += 1
+        return {k[2:]: v.clone() for k, v in bufs.items()}
+
+    def fn(x, bufs, bias, cfg, N, K):
+        return reference.linear(x, {k[2:] if k.startswith("c_") else k: v for k, v in bufs.items()}, bias, cfg, N, K)
+
+    layout = Layout("counting", names=lambda cfg: tuple("c_" + n for n in bcq.buffer_specs(32, 32, cfg)),
+                    repack=repack, unrepack=unrepack)
+    k = backends.register(Kernel(backend="counting", format="bcq", fn=fn, priority=100, devices=frozenset({"cpu"}),
+                                 layout=layout))
+    yield counts
+    backends._KERNELS.remove(k)

@@ -448,3 +448,26 @@ def test_a_configured_backend_is_a_preference_and_an_explicit_one_a_requirement(
             p(x)
     finally:
         backends._KERNELS.remove(k)
+
+
+def test_each_load_path_repacks_once_for_the_final_device(counting_layout):
+    """Issue 22, item 2: from_linear, from_packed(...).to(device), load_state_dict and repeated moves convert each
+    layer into its kernel layout exactly once and never back (unrepacks happen only to save)."""
+    counts = counting_layout
+    lin = nn.Linear(64, 32)
+    cfg = QLinearConfig("bcq", bits=4, group_size=32, init="uniform", iters=0)
+    m = BCQLinear.from_linear(lin, cfg)
+    assert m.layout == "counting" and counts == {"repack": 1, "unrepack": 0}
+    sd = m.state_dict()
+    assert counts["unrepack"] == 1 and set(sd) == {"qweight", "scales", "qzeros", "bias"}
+    counts.update(repack=0, unrepack=0)
+    m.load_state_dict(sd)
+    assert counts == {"repack": 1, "unrepack": 0}
+    counts.update(repack=0)
+    again = BCQLinear.from_packed({k: v for k, v in sd.items() if k != "bias"}, 64, 32, m.config, sd["bias"],
+                                  device="cpu")
+    assert counts == {"repack": 1, "unrepack": 0}
+    again.to("cpu").float()
+    assert counts == {"repack": 1, "unrepack": 0}
+    x = torch.randn(3, 64)
+    assert again.kernel(x).backend == "counting" and torch.equal(again(x), m(x))

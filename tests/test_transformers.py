@@ -461,3 +461,20 @@ def test_a_saved_backend_that_cannot_run_here_falls_back_with_a_warning(float_ll
     assert all(m.backend is None and m.kernel(torch.zeros(1, m.in_features)).backend == "reference"
                for m in layers.values())
     assert torch.equal(logits(again), logits(model))
+
+
+def test_loading_repacks_each_layer_once(float_llama, tmp_path, counting_layout):
+    """Issue 22, item 2: quantize-on-load and a pre-quantized load each convert a layer into its kernel layout once,
+    never back (the quantizer hands transformers canonical buffers; loading fills canonical buffers)."""
+    counts = counting_layout
+    _, path = float_llama
+    model = AutoModelForCausalLM.from_pretrained(path, quantization_config=QLinearConfig(
+        format="bcq", bits=4, group_size=32, init="uniform", iters=0))
+    n = len(quant_layers(model))
+    assert n == 14 and all(m.layout == "counting" for m in quant_layers(model).values())
+    assert counts == {"repack": n, "unrepack": 0}
+    model.save_pretrained(tmp_path)
+    counts.update(repack=0, unrepack=0)
+    again = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert counts == {"repack": n, "unrepack": 0}
+    assert torch.equal(logits(again), logits(model))

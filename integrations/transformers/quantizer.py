@@ -7,9 +7,10 @@ Registered, together with :class:`QLinearConfig`, when qlinear is imported.
   model (except ``modules_to_not_convert``, transformers' default skips such as a tied or output
   ``lm_head``, and ``_keep_in_fp32_modules``) for the empty :class:`qlinear.QuantLinear` of the
   format, plus a meta ``weight`` placeholder so the checkpoint's float weight is routed to
-  :class:`QLinearQuantize`.  That op quantizes it with ``QuantLinear.from_linear`` (the code path of
+  :class:`QLinearQuantize`.  That op quantizes it with ``QuantLinear.quantize_weight`` (the code path of
   :func:`qlinear.replace_linear`, so both give bit-identical layers), drops the placeholder and
-  returns the packed buffers, which transformers then copies into the module.
+  returns the canonical packed buffers, which transformers then copies into the module (repacked for a kernel
+  layout once, after loading).
   ``codebook_scope="model"`` needs every layer at once, so for it the float model is loaded and
   :func:`qlinear.replace_linear` runs after loading (higher peak memory).
 * Pre-quantized load: a checkpoint whose ``config.json`` has ``quant_method="qlinear"``.  The
@@ -83,17 +84,16 @@ class QLinearQuantize(ConversionOps):
             if tuple(weight.shape) != expected:
                 raise ValueError(f"checkpoint weight {key} is {list(weight.shape)} but the layer is "
                                  f"{list(expected)}")
-            linear = nn.Linear(module.in_features, module.out_features, bias=False, device="meta")
-            linear.weight = nn.Parameter(weight, requires_grad=False)
-            try:
-                q = type(module).from_linear(linear, self.hf_quantizer.quantization_config.config_for(module_name))
+            try:  # canonical buffers straight from the quantizer: the layer repacks them once, after loading
+                config = self.hf_quantizer.quantization_config.config_for(module_name)
+                packed = type(module).quantize_weight(weight, config)
             except (ValueError, TypeError) as e:
                 raise type(e)(f"layer {module_name!r} ({module.out_features}x{module.in_features}): {e}") from e
             del module._parameters["weight"]
             if missing_keys is not None:
                 missing_keys.discard(key)
-            for name, t in q.canonical().items():
-                out[f"{module_name}.{name}"] = t
+            for name, t in packed.items():
+                out[f"{module_name}.{name}"] = t.to(weight.device)
         return out
 
 
