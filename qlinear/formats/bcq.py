@@ -192,12 +192,18 @@ def levels(alpha: torch.Tensor, offset: torch.Tensor | None) -> torch.Tensor:
 
 
 def nearest(lv: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """Code (int64 ``[M, g]``) of the level of ``lv`` ``[M, L]`` nearest to each entry of ``w``."""
+    """Code (int64 ``[M, g]``) of the level of ``lv`` ``[M, L]`` nearest to each entry of ``w``; a weight on the
+    midpoint of two levels (as float32 computes the midpoint) takes the lower one."""
     vals, perm = lv.sort(dim=1)
-    hi = torch.searchsorted(vals, w.contiguous()).clamp(max=lv.shape[1] - 1)
-    lo = (hi - 1).clamp(min=0)
-    pick = torch.where((w - vals.gather(1, lo)).abs() <= (vals.gather(1, hi) - w).abs(), lo, hi)
-    return perm.gather(1, pick)
+    mids = (vals[:, :-1] + vals[:, 1:]) * 0.5
+    if lv.shape[1] <= 16:  # a few compares per weight beat a batched binary search
+        cols = mids.T.contiguous()[:, :, None]  # [L-1, M, 1]: contiguous broadcasts
+        pick = torch.zeros(w.shape, dtype=torch.uint8, device=w.device)
+        above = torch.empty(w.shape, dtype=torch.bool, device=w.device)
+        for col in cols:
+            pick += torch.gt(w, col, out=above)
+        return perm.gather(1, pick.long())
+    return perm.gather(1, torch.searchsorted(mids.contiguous(), w.contiguous()))
 
 
 def _err(w, d, lv, codes):
@@ -249,24 +255,42 @@ def fit(w: torch.Tensor, d: torch.Tensor, cfg: Config) -> tuple[torch.Tensor, to
     for alpha, c, codes in cands:
         e = _err(w, d, levels(alpha, c), codes)
         best = (e, alpha, c, codes) if best is None else _keep(best, (e, alpha, c, codes))
-    e, alpha, c, codes = best
+    err, alpha, c, codes = best
     S = _signs(bits)
-    eye = torch.eye(bits + use_offset)
+    eye = torch.eye(bits + use_offset, dtype=torch.float64)
+    # the least squares' design row of a weight with code l is S[l] (plus 1 for the offset), so the normal equations
+    # only need, per row, the summed importance and importance-weighted value of each code: [M, 2^q] each
+    Sx = torch.cat([S, torch.ones(len(S), 1)], 1) if use_offset else S
+    Sx, d64, dw64 = Sx.double(), d.double(), (d * w).double()
+    # a round is a function of the codes alone: a row whose codes came back unchanged sits at a fixed point and
+    # leaves the loop (most rows do within 2-3 rounds)
+    rows, cur = torch.arange(w.shape[0]), codes.clone()
     for _ in range(cfg.iters):
-        A = S[codes]  # [M, g, q]
-        if use_offset:
-            A = torch.cat([A, torch.ones(*A.shape[:2], 1)], 2)
-        AtD = A.transpose(1, 2) * d[:, None, :]
-        lhs = (AtD @ A).double()
+        if rows.numel() == 0:
+            break
+        rc = cur[rows]
+        hist = torch.zeros(len(rows), len(S), dtype=torch.float64).scatter_add_(1, rc, d64[rows])
+        hist_w = torch.zeros_like(hist).scatter_add_(1, rc, dw64[rows])
+        lhs = torch.einsum("ml,li,lj->mij", hist, Sx, Sx)
         # a tiny ridge keeps degenerate groups (two equal planes, a constant plane) solvable
-        lhs = lhs + eye.double() * (1e-9 * lhs.diagonal(dim1=1, dim2=2).mean(1) + 1e-30)[:, None, None]
-        sol = torch.linalg.solve(lhs, (AtD @ w[:, :, None]).double())[:, :, 0].float()
-        alpha = fp16_round(sol[:, :bits])
-        c = fp16_round(sol[:, bits]) if use_offset else None
-        lv = levels(alpha, c)
-        codes = nearest(lv, w)
-        best = _keep(best, (_err(w, d, lv, codes), alpha, c, codes))
-    return best[1], best[2], best[3]
+        lhs = lhs + eye * (1e-9 * lhs.diagonal(dim1=1, dim2=2).mean(1) + 1e-30)[:, None, None]
+        sol = torch.linalg.solve(lhs, (hist_w @ Sx)[:, :, None])[:, :, 0].float()
+        a = fp16_round(sol[:, :bits])
+        o = fp16_round(sol[:, bits]) if use_offset else None
+        lv = levels(a, o)
+        wr = w[rows]
+        new = nearest(lv, wr)
+        e = _err(wr, d[rows], lv, new)
+        take = e < err[rows]
+        if take.any():
+            t = rows[take]
+            err[t], alpha[t], codes[t] = e[take], a[take], new[take]
+            if use_offset:
+                c[t] = o[take]
+        moved = (new != rc).any(1)
+        cur[rows] = new
+        rows = rows[moved]
+    return alpha, c, codes
 
 
 def _keep(a, b):
