@@ -18,7 +18,7 @@ import torch
 
 from qlinear.formats.base import Layout
 
-__all__ = ["Kernel", "Layout", "register", "kernels", "select", "layout_for", "why_not_runnable", "get_layout",
+__all__ = ["Kernel", "Layout", "ANY", "register", "kernels", "select", "layout_for", "why_not_runnable", "get_layout",
            "generation", "effective_backend", "ENV_VAR"]
 
 ENV_VAR = "QLINEAR_BACKEND"
@@ -36,9 +36,25 @@ def get_layout(name: str) -> Layout:
     raise ValueError(f"no registered kernel or format has the packed layout {name!r}")
 
 
+#: A capability that holds for every value (``Kernel(dtypes=ANY)``): to be written out, never assumed.
+ANY = None
+
+
+class _Unset:
+    def __repr__(self) -> str:
+        return "UNSET"
+
+
+_UNSET = _Unset()
+CAPABILITIES = ("devices", "dtypes", "bits", "group_sizes")
+
+
 @dataclasses.dataclass(frozen=True)
 class Kernel:
-    """One kernel and what it supports (``None`` = anything).
+    """One kernel and what it supports.
+
+    ``devices``, ``dtypes``, ``bits`` and ``group_sizes`` must be declared (a frozenset, or :data:`ANY`), so that no
+    kernel claims a capability by leaving a field out (GPTQModel's ``SUPPORTS_*`` discipline); TypeError otherwise.
 
     ``fn(x, buffers, bias, cfg, out_features, in_features) -> y`` computes ``y = x Wᵀ + b`` for
     ``x`` ``[..., K]`` with the packed ``buffers`` (dict of the format's buffer names, or of
@@ -52,10 +68,10 @@ class Kernel:
     format: str
     fn: Callable
     priority: int = 0
-    devices: Optional[frozenset] = None
-    dtypes: Optional[frozenset] = None
-    bits: Optional[frozenset] = None
-    group_sizes: Optional[frozenset] = None
+    devices: Optional[frozenset] = _UNSET
+    dtypes: Optional[frozenset] = _UNSET
+    bits: Optional[frozenset] = _UNSET
+    group_sizes: Optional[frozenset] = _UNSET
     min_capability: Optional[tuple] = None
     min_batch: int = 1
     max_batch: Optional[int] = None
@@ -63,6 +79,12 @@ class Kernel:
     available: Optional[Callable[[], Optional[str]]] = None
     layout: Optional[Layout] = None
     gathers_perm: bool = False  # takes an act_order layer's ``perm`` in ``buffers`` and gathers x itself
+
+    def __post_init__(self) -> None:
+        unset = [f for f in CAPABILITIES if getattr(self, f) is _UNSET]
+        if unset:
+            raise TypeError(f"kernel {self.backend!r} for format {self.format!r} must declare {', '.join(unset)}: a "
+                            f"frozenset of what it supports, or qlinear.backends.ANY for anything")
 
     def reject(self, cfg, device: torch.device, dtype: Optional[torch.dtype], batch: int,
                shape: Optional[tuple[int, int]] = None) -> Optional[str]:

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 import qlinear
 from qlinear import backends, ops
-from qlinear.backends import Kernel
+from qlinear.backends import ANY, Kernel
 
 
 def per_call_us(fn, calls: int, repeats: int) -> tuple[float, float, float]:
@@ -49,7 +49,7 @@ def main() -> None:
     x = torch.randn(1, K)
     out = torch.empty(1, N)
     noop = backends.register(Kernel(backend="noop", format="bcq", fn=lambda *a: out, priority=10**6,
-                                    devices=frozenset({"cpu"})))
+                                    devices=frozenset({"cpu"}), dtypes=ANY, bits=ANY, group_sizes=ANY))
     try:
         mod.repack_for_device()
         assert mod.kernel(x).backend == "noop"

@@ -13,7 +13,6 @@ implementations give output shapes without running any kernel.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import json
 from typing import Optional
@@ -32,12 +31,9 @@ def parse_config(config: str):
 
 @functools.lru_cache(maxsize=1024)
 def kernel_view(cfg):
-    """``(config the kernels see, names of side buffers the op applies itself)``.  An act_order BCQ layer is
-    stored reordered with contiguous groups plus ``perm``: the op gathers ``x[..., perm]`` and every kernel
-    (and kernel layout) sees a plain grouped layer."""
-    if getattr(cfg, "act_order", False) and not getattr(cfg, "static_groups", False):
-        return dataclasses.replace(cfg, act_order=False), ("perm",)
-    return cfg, ()
+    """``(config the kernels see, names of side buffers the op applies itself)``: the format's ``kernel_view``
+    (e.g. :func:`qlinear.formats.bcq.kernel_view`: an act_order layer's ``perm``), cached."""
+    return get_format(cfg.format).kernel_view(cfg)
 
 
 @functools.lru_cache(maxsize=4096)

@@ -65,7 +65,7 @@ def counting_layout():
     """A CPU kernel (priority 100) with a layout that counts its repacks and unrepacks: ``{"repack": n, "unrepack": n}``
     (BCQ layers; the kernel computes through the reference backend)."""
     from qlinear import backends
-    from qlinear.backends import Kernel, Layout
+    from qlinear.backends import ANY, Kernel, Layout
     from qlinear.backends import reference
     from qlinear.formats import bcq
 
@@ -85,6 +85,6 @@ def counting_layout():
     layout = Layout("counting", names=lambda cfg: tuple("c_" + n for n in bcq.buffer_specs(32, 32, cfg)),
                     repack=repack, unrepack=unrepack)
     k = backends.register(Kernel(backend="counting", format="bcq", fn=fn, priority=100, devices=frozenset({"cpu"}),
-                                 layout=layout))
+                                 layout=layout, dtypes=ANY, bits=ANY, group_sizes=ANY))
     yield counts
     backends._KERNELS.remove(k)

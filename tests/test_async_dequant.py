@@ -20,7 +20,7 @@ from conftest import poison_cuda_allocator, ref64
 
 import qlinear.backends as backends
 from qlinear import MixedPrecisionLinear
-from qlinear.backends import Kernel
+from qlinear.backends import ANY, Kernel
 from qlinear.backends import async_dequant as ad
 from qlinear.formats import mixed
 from qlinear.formats.base import spec_bits
@@ -300,7 +300,8 @@ def spec_kernel():
         return y.to(x.dtype).reshape(*x.shape[:-1], N)
 
     k = backends.register(Kernel(backend="ad_spec", format="mixed", fn=fn, priority=100, devices=frozenset({"cpu"}),
-                                 max_batch=ad.MAX_BATCH, supports=ad.supports, layout=ad.LAYOUT))
+                                 max_batch=ad.MAX_BATCH, supports=ad.supports, layout=ad.LAYOUT,
+                                     dtypes=ANY, bits=ANY, group_sizes=ANY))
     yield k
     backends._KERNELS.remove(k)
 

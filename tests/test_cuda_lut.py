@@ -18,7 +18,7 @@ from conftest import poison_cuda_allocator, ref64
 
 import qlinear.backends as backends
 from qlinear import BCQLinear
-from qlinear.backends import Kernel, cuda_lut
+from qlinear.backends import ANY, Kernel, cuda_lut
 from qlinear.formats import bcq
 
 U32 = 2.0 ** -24
@@ -165,7 +165,7 @@ def spec_kernel():
 
     k = backends.register(Kernel(backend="lut_spec", format="bcq", fn=fn, priority=100,
                                  devices=frozenset({"cpu"}), max_batch=8, supports=cuda_lut.supports,
-                                 layout=cuda_lut.LAYOUT, gathers_perm=True))
+                                 layout=cuda_lut.LAYOUT, gathers_perm=True, dtypes=ANY, bits=ANY, group_sizes=ANY))
     object.__setattr__(k, "gathered", [])
     yield k
     backends._KERNELS.remove(k)

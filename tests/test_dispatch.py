@@ -10,7 +10,7 @@ import torch
 
 import qlinear.backends as backends
 from qlinear import BCQLinear, QLinearConfig
-from qlinear.backends import Kernel, cuda_lut, dispatch, quick
+from qlinear.backends import ANY, Kernel, cuda_lut, dispatch, quick
 
 LAYOUTS = {"cuda_lut": "cuda_lut", "ref_from_lut": "cuda_lut", "quick": "quick", "quick_dequant": "quick"}
 
@@ -49,9 +49,11 @@ def fake_gpu(tmp_path, monkeypatch):
 
     cpu = frozenset({"cpu"})
     ks = [backends.register(Kernel(backend="lut_spec", format="bcq", fn=lut_fn, priority=90, devices=cpu, max_batch=8,
-                                   supports=cuda_lut.supports, layout=cuda_lut.LAYOUT)),
+                                   supports=cuda_lut.supports, layout=cuda_lut.LAYOUT,
+                                       dtypes=ANY, bits=ANY, group_sizes=ANY)),
           backends.register(Kernel(backend="quick_spec", format="bcq", fn=quick_fn, priority=100, devices=cpu,
-                                   max_batch=512, supports=quick.supports, layout=quick.LAYOUT))]
+                                   max_batch=512, supports=quick.supports, layout=quick.LAYOUT,
+                                       dtypes=ANY, bits=ANY, group_sizes=ANY))]
     yield write
     for k in ks:
         backends._KERNELS.remove(k)

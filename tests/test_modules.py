@@ -6,7 +6,7 @@ from torch import nn
 
 import qlinear
 from qlinear import BCQLinear, CodebookLinear, MixedPrecisionLinear, QLinearConfig, backends
-from qlinear.backends import Kernel
+from qlinear.backends import ANY, Kernel
 from qlinear.modules import module_class
 
 CONFIGS = {
@@ -114,7 +114,7 @@ def test_registry_reference_and_priority(layers, monkeypatch):
         return backends.reference.linear(x, bufs, bias, cfg, n, k) * 0 + 1
 
     kern = backends.Kernel(backend="fake", format="bcq", fn=fake, priority=10, devices=frozenset({"cpu"}),
-                           bits=frozenset({3}), max_batch=4)
+                           bits=frozenset({3}), max_batch=4, dtypes=ANY, group_sizes=ANY)
     backends.register(kern)
     try:
         assert m.kernel(x).backend == "fake"
@@ -307,7 +307,8 @@ def test_forward_resolves_once_per_device_dtype_batch(layers, monkeypatch):
         return backends.reference.linear(x, bufs, bias, cfg, N, K)
 
     m.backend = None
-    k = backends.register(backends.Kernel(backend="seen", format="bcq", fn=fn, priority=50, devices=frozenset({"cpu"})))
+    k = backends.register(backends.Kernel(backend="seen", format="bcq", fn=fn, priority=50, devices=frozenset({"cpu"}),
+                                          dtypes=ANY, bits=ANY, group_sizes=ANY))
     try:
         assert torch.equal(m(x), ys[0]) and seen == [2]  # a registered kernel is picked up at once
     finally:
@@ -334,7 +335,8 @@ def test_a_per_call_conversion_warns_once_and_names_the_reason(monkeypatch):
         return y.to(x.dtype).reshape(*x.shape[:-1], N)
 
     k = backends.register(backends.Kernel(backend="lut_cpu", format="bcq", fn=fn, priority=100,
-                                          devices=frozenset({"cpu"}), max_batch=2, layout=cuda_lut.LAYOUT))
+                                          devices=frozenset({"cpu"}), max_batch=2, layout=cuda_lut.LAYOUT,
+                                              dtypes=ANY, bits=ANY, group_sizes=ANY))
     try:
         m = BCQLinear.from_linear(nn.Linear(64, 32), QLinearConfig("bcq", bits=2, group_size=32, iters=0))
         assert m.layout == "cuda_lut"
@@ -405,7 +407,8 @@ def test_old_pickles_and_the_environment_resolve_per_layer(layers, monkeypatch):
         seen.append(1)
         return backends.reference.linear(x, bufs, bias, cfg, N, K)
 
-    k = backends.register(backends.Kernel(backend="seen", format="bcq", fn=fn, priority=50, devices=frozenset({"cpu"})))
+    k = backends.register(backends.Kernel(backend="seen", format="bcq", fn=fn, priority=50, devices=frozenset({"cpu"}),
+                                          dtypes=ANY, bits=ANY, group_sizes=ANY))
     try:
         with torch.no_grad():
             m(x)
@@ -429,7 +432,8 @@ def test_a_configured_backend_is_a_preference_and_an_explicit_one_a_requirement(
         calls.append(x.shape)
         return x.new_zeros(*x.shape[:-1], N)
 
-    k = backends.register(Kernel(backend="cpu_pref", format="bcq", fn=fn, devices=frozenset({"cpu"})))
+    k = backends.register(Kernel(backend="cpu_pref", format="bcq", fn=fn, devices=frozenset({"cpu"}),
+                                 dtypes=ANY, bits=ANY, group_sizes=ANY))
     try:
         lin = torch.nn.Linear(64, 32)
         x = torch.randn(3, 64)
@@ -471,3 +475,14 @@ def test_each_load_path_repacks_once_for_the_final_device(counting_layout):
     assert counts == {"repack": 1, "unrepack": 0}
     x = torch.randn(3, 64)
     assert again.kernel(x).backend == "counting" and torch.equal(again(x), m(x))
+
+
+def test_a_kernel_must_declare_its_capabilities():
+    """No capability is claimed by leaving a field out (GPTQModel's SUPPORTS_* discipline): devices, dtypes, bits and
+    group sizes are each a frozenset or ANY, written out."""
+    with pytest.raises(TypeError, match="must declare dtypes, group_sizes: a frozenset"):
+        Kernel(backend="lazy", format="bcq", fn=lambda *a: None, devices=frozenset({"cpu"}), bits=frozenset({4}))
+    k = Kernel(backend="open", format="bcq", fn=lambda *a: None, devices=ANY, dtypes=ANY, bits=ANY, group_sizes=ANY)
+    assert k.reject(QLinearConfig("bcq", bits=7).format_config(), torch.device("meta"), torch.float64, 1) is None
+    for real in backends.kernels():
+        assert all(getattr(real, c) is ANY or isinstance(getattr(real, c), frozenset) for c in backends.CAPABILITIES)

@@ -19,7 +19,7 @@ from conftest import poison_cuda_allocator, ref64
 
 import qlinear.backends as backends
 from qlinear import BCQLinear, QLinearConfig
-from qlinear.backends import Kernel, quick
+from qlinear.backends import ANY, Kernel, quick
 from qlinear.formats import bcq
 
 U = {torch.float16: 2.0 ** -11, torch.bfloat16: 2.0 ** -8}
@@ -164,7 +164,7 @@ def spec_kernel():
 
     k = backends.register(Kernel(backend="quick_spec", format="bcq", fn=fn, priority=100, devices=frozenset({"cpu"}),
                                  max_batch=quick.MAX_BATCH, supports=quick.supports, layout=quick.LAYOUT,
-                                 gathers_perm=True))
+                                 gathers_perm=True, dtypes=ANY, bits=ANY, group_sizes=ANY))
     object.__setattr__(k, "gathered", [])
     yield k
     backends._KERNELS.remove(k)

@@ -44,7 +44,7 @@ import torch
 from qlinear.formats import bcq
 from qlinear.formats.packing import pack, unpack
 
-from .. import Kernel, Layout, register
+from .. import ANY, Kernel, Layout, register
 from .._native import build
 
 __all__ = ["BCQ_LAYOUT", "CODEBOOK_LAYOUT", "LAYOUT", "default_layout", "spec", "linear", "available", "PATHS"]
@@ -325,7 +325,9 @@ def supports_codebook(cfg, out_features: int, in_features: int) -> Optional[str]
 
 # Preferred on Arm; on x86 (SIMDe emulation) below the reference unless benchmarks/bench_arm.py shows a win.
 _PRIORITY = 20 if platform.machine() in ("aarch64", "arm64") else -10
-for _fmt, _layout, _supports in (("codebook", CODEBOOK_LAYOUT, supports_codebook), ("bcq", BCQ_LAYOUT, supports_bcq)):
+for _fmt, _bits, _layout, _supports in (("codebook", {2, 4}, CODEBOOK_LAYOUT, supports_codebook),
+                                        ("bcq", {4}, BCQ_LAYOUT, supports_bcq)):
     register(Kernel(backend="arm_neon", format=_fmt, fn=linear, priority=_PRIORITY, devices=frozenset({"cpu"}),
+                    bits=frozenset(_bits), group_sizes=ANY,
                     dtypes=frozenset({torch.float32, torch.float16, torch.bfloat16}), supports=_supports,
                     available=available, layout=_layout))

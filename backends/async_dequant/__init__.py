@@ -70,7 +70,7 @@ import torch
 from qlinear.formats import mixed
 from qlinear.formats.packing import pack, unpack
 
-from .. import Kernel, Layout, register
+from .. import ANY, Kernel, Layout, register
 from .._native import build_cuda_backend
 from .._native import sm_count as _sms  # module attribute: tests replace it without a GPU
 
@@ -442,5 +442,6 @@ def random_buffers(out_features: int, in_features: int, cfg, seed: int = 0, devi
 
 
 register(Kernel(backend="async_dequant", format="mixed", fn=linear, priority=10, devices=frozenset({"cuda"}),
-                dtypes=frozenset({torch.float16, torch.bfloat16}), min_capability=(8, 0), max_batch=MAX_BATCH,
+                dtypes=frozenset({torch.float16, torch.bfloat16}), bits=ANY, group_sizes=ANY, min_capability=(8, 0),
+                max_batch=MAX_BATCH,
                 supports=supports, available=available, layout=LAYOUT))

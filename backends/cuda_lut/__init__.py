@@ -32,7 +32,7 @@ import torch
 
 from qlinear.formats import bcq
 
-from .. import Kernel, Layout, register
+from .. import ANY, Kernel, Layout, register
 from .._native import build_cuda_backend
 from .._native import sm_count as _sms  # module attribute: tests replace it without a GPU
 
@@ -174,5 +174,5 @@ def available() -> Optional[str]:
 
 register(Kernel(backend="cuda_lut", format="bcq", fn=linear, priority=10, devices=frozenset({"cuda"}),
                 dtypes=frozenset({torch.float16, torch.bfloat16}), bits=frozenset({1, 2, 3, 4}),
-                min_capability=(8, 0), max_batch=MAX_BATCH, supports=supports, available=available,
+                group_sizes=ANY, min_capability=(8, 0), max_batch=MAX_BATCH, supports=supports, available=available,
                 layout=LAYOUT, gathers_perm=True))

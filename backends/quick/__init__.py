@@ -56,7 +56,7 @@ import torch
 
 from qlinear.formats import bcq
 
-from .. import Kernel, Layout, register
+from .. import ANY, Kernel, Layout, register
 from .._native import build_cuda_backend
 from .._native import sm_count as _sms  # module attribute: tests replace it without a GPU
 
@@ -290,6 +290,7 @@ def available() -> Optional[str]:
 
 
 _COMMON = dict(format="bcq", devices=frozenset({"cuda"}), dtypes=frozenset({torch.float16, torch.bfloat16}),
-               bits=frozenset(BITS), min_capability=(8, 0), supports=supports, available=available, layout=LAYOUT)
+               bits=frozenset(BITS), group_sizes=ANY, min_capability=(8, 0), supports=supports, available=available,
+               layout=LAYOUT)
 register(Kernel(backend="quick", fn=linear, priority=20, max_batch=MAX_BATCH, gathers_perm=True, **_COMMON))
 register(Kernel(backend="quick_dequant", fn=linear_dequantized, priority=5, **_COMMON))

@@ -11,7 +11,7 @@ import torch
 
 from qlinear.formats import FORMATS
 
-from .. import Kernel, register
+from .. import ANY, Kernel, register
 
 
 def linear(x: torch.Tensor, buffers: dict, bias, cfg, out_features: int, in_features: int) -> torch.Tensor:
@@ -23,4 +23,5 @@ def linear(x: torch.Tensor, buffers: dict, bias, cfg, out_features: int, in_feat
 
 
 for _name in FORMATS:
-    register(Kernel(backend="reference", format=_name, fn=linear, priority=0))
+    register(Kernel(backend="reference", format=_name, fn=linear, priority=0, devices=ANY, dtypes=ANY, bits=ANY,
+                    group_sizes=ANY))

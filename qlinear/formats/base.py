@@ -2,8 +2,10 @@
 
 A format is a module exposing ``Config`` (a frozen dataclass deriving :class:`FormatConfig`),
 ``buffer_specs(out_features, in_features, cfg)``, ``quantize(weight, cfg, hessian=None)``,
-``dequantize(buffers, cfg, out_features, in_features)`` and ``make_group_quantizer(...)``
-(the per-format column quantizer of the error-feedback engine, :mod:`qlinear.gptq`).
+``dequantize(buffers, cfg, out_features, in_features)``, ``kernel_view(cfg)`` (the config kernels see and the side
+buffers the op applies, e.g. BCQ's act_order ``perm``), optionally ``slice_rows`` / ``slice_inputs`` (tensor
+parallelism) and ``LAYOUTS`` (older storages a checkpoint may hold), and its column quantizer for the
+error-feedback engine (:mod:`qlinear.gptq`).
 Packed buffer shapes depend only on ``(out_features, in_features, cfg)``, so an empty module can
 be built before a checkpoint is loaded into it, and ``bits_per_weight`` is exact by construction:
 it counts every stored bit of every buffer.

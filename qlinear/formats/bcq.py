@@ -154,6 +154,15 @@ def _bcq_specs(N: int, K: int, cfg: Config, fp32_offset: bool = False) -> Buffer
     return specs
 
 
+def kernel_view(cfg: Config) -> tuple[Config, tuple[str, ...]]:
+    """``(config every kernel and kernel layout sees, side buffers the op applies itself)``.  An act_order layer is
+    stored reordered with contiguous groups plus ``perm``: the op (or a kernel that says it ``gathers_perm``) reads
+    ``x[..., perm]`` and the kernels see a plain grouped layer ("TP-Aware Dequantization", Alg. 1)."""
+    if cfg.act_order and not cfg.static_groups:
+        return dataclasses.replace(cfg, act_order=False), ("perm",)
+    return cfg, ()
+
+
 def is_uniform(cfg: Config) -> bool:
     """Whether every layer of this config has uniform α (α_i = s·2^(i-2)): GPTQ, imported uniform weights or
     round-to-nearest (``init="uniform", iters=0``)."""

@@ -98,6 +98,11 @@ class Config(FormatConfig):
                              f"({self.group_size})")
 
 
+def kernel_view(cfg: Config) -> tuple[Config, tuple[str, ...]]:
+    """``(config the kernels see, side buffers the op applies)``: this format has none, kernels see ``cfg``."""
+    return cfg, ()
+
+
 def buffer_specs(out_features: int, in_features: int, cfg: Config) -> BufferSpecs:
     """``{name: (shape, dtype)}`` of the packed buffers (module docstring).  Raises ValueError for a
     shape the format cannot store."""
