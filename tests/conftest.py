@@ -38,9 +38,62 @@ def random_hessian(K: int, n: int = 4096, seed: int = 0) -> torch.Tensor:
     return X.T @ X / n
 
 
+def dense64(fmt: str, b: dict, cfg, N: int, K: int) -> torch.Tensor:
+    """Ŵ ``[N, K]`` float64 from canonical buffers ``b``, by each format's documented formula, written here apart from
+    the formats' own ``dequantize`` (only the bit unpacking is shared): BCQ's uniform storage ``s·(q − z)`` and free α
+    ``Σ α_i (2·bit_i − 1) + c`` (stored position j is input perm[j]); codebook ``scale · codebook[book][code]``;
+    mixed ``s·(q − z)`` with second-order scales ``scale_zero + scale_scale · code`` plus the CSR outliers."""
+    from qlinear.formats.packing import unpack, unpack_planes
+
+    b = {k: v.cpu() for k, v in b.items()}
+    g = K if getattr(cfg, "group_size", 0) == -1 else cfg.group_size
+    col_group = torch.arange(K) // g
+    if fmt == "bcq":
+        if "qweight" in b:
+            G = b["scales"].shape[1]
+            q = unpack(b["qweight"], cfg.bits, K).double()
+            z = (unpack(b["qzeros"], cfg.bits, N).T.double() if "qzeros" in b
+                 else torch.full((N, G), (2 ** cfg.bits - 1) / 2, dtype=torch.float64))
+            w = b["scales"].double()[:, col_group] * (q - z[:, col_group])
+        else:
+            q = unpack_planes(b["planes"], K)
+            w = sum(b["alpha"][i].double()[:, col_group] * (2.0 * ((q >> i) & 1).double() - 1)
+                    for i in range(cfg.bits))
+            if "offset" in b:
+                w = w + b["offset"].double()[:, col_group]
+        if "perm" in b:
+            out = torch.empty_like(w)
+            out[:, b["perm"].long()] = w
+            w = out
+        return w
+    if fmt == "codebook":
+        q = unpack(b["codes"], cfg.bits, K)
+        G = K // g
+        book = (unpack(b["book_idx"], (cfg.books - 1).bit_length(), G)[:, col_group] if "book_idx" in b
+                else torch.zeros(N, K, dtype=torch.int64))
+        return b["scales"].double()[:, col_group] * b["codebooks"].double()[book, q]
+    G = K // g
+    sc = unpack(b["scale_codes"], cfg.scale_bits, N).double()                       # [G, N]
+    per_row = torch.arange(N) // cfg.scale_group_size
+    s = (b["scale_zero"].double()[:, per_row] + b["scale_scale"].double()[:, per_row] * sc).T  # [N, G]
+    idx4 = b["idx4"].long().tolist()
+    w = torch.zeros(N, K, dtype=torch.float64)
+    for idx, bits in (([gg for gg in range(G) if gg not in idx4], 2), (idx4, 4)):
+        q = unpack(b[f"qweight{bits}"], bits, len(idx) * g).double().reshape(N, len(idx), g)
+        z = unpack(b[f"zeros{bits}"], bits, len(idx)).double()
+        for j, gg in enumerate(idx):
+            w[:, gg * g:(gg + 1) * g] = s[:, gg:gg + 1] * (q[:, j] - z[:, j:j + 1])
+    rp = b["outlier_row_ptr"].long()
+    for r in range(N):
+        for t in range(int(rp[r]), int(rp[r + 1])):
+            w[r, int(b["outlier_cols"][t])] += float(b["outlier_values"][t])
+    return w
+
+
 def ref64(mod, x: torch.Tensor) -> torch.Tensor:
-    """``x Ŵᵀ + b`` of a QuantLinear in float64 on CPU (the ground truth every kernel test compares with)."""
-    w = mod.dequantize(torch.float64).cpu()
+    """``x Ŵᵀ + b`` of a QuantLinear in float64 on CPU (the ground truth every kernel test compares with), Ŵ from
+    :func:`dense64` (independent of the library's dequantization)."""
+    w = dense64(mod.format, mod.canonical(), mod.config, mod.out_features, mod.in_features)
     y = x.double().cpu() @ w.T
     return y if mod.bias is None else y + mod.bias.double().cpu()
 

@@ -60,7 +60,6 @@ both.
 from __future__ import annotations
 
 import functools
-import math
 import warnings
 from pathlib import Path
 from typing import Optional
@@ -68,6 +67,7 @@ from typing import Optional
 import torch
 
 from qlinear.formats import mixed
+from qlinear.formats.base import spec_bits
 from qlinear.formats.packing import pack, unpack
 
 from .. import ANY, Kernel, Layout, register
@@ -205,10 +205,6 @@ def unrepack(buffers: dict, cfg, out_features: int, in_features: int) -> dict:
 LAYOUT = Layout(name="async_dequant", names=lambda cfg: NAMES, repack=repack, unrepack=unrepack)
 
 
-def _spec_bits(specs: dict) -> int:
-    return sum(math.prod(shape) * torch.empty((), dtype=dtype).element_size() * 8 for shape, dtype in specs.values())
-
-
 def layout_bits(cfg, out_features: int, in_features: int) -> tuple[float, float]:
     """``(canonical, repacked)`` exact bits per weight of a layer of this shape (every stored bit: codes,
     records, second-order pairs, tables, outliers, row pointers)."""
@@ -218,8 +214,8 @@ def layout_bits(cfg, out_features: int, in_features: int) -> tuple[float, float]
     W = (G - G4) * g // 16 + G4 * g // 8
     MW = -(-((G - G4) * (2 + cfg.scale_bits) + G4 * (4 + cfg.scale_bits)) // 32)
     S2 = -(-N // cfg.scale_group_size)
-    rep = 32 * (N * W + MW * N + S2 * G + G) + _spec_bits({k: canon[k] for k, _ in _OUTLIERS})
-    return _spec_bits(canon) / (N * K), rep / (N * K)
+    rep = 32 * (N * W + MW * N + S2 * G + G) + spec_bits({k: canon[k] for k, _ in _OUTLIERS})
+    return spec_bits(canon) / (N * K), rep / (N * K)
 
 
 def plan(M: int, N: int, K: int, W: int, sms: int) -> tuple[int, int, int]:
