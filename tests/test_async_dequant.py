@@ -12,6 +12,7 @@ sequence, then sums the splits, so ``|y − y₆₄| ≤ (W + 64 + nnz_row)·u�
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 
 import pytest
@@ -228,20 +229,19 @@ def test_layout_bits_counts_the_repacked_tensors():
         assert ad.layout_bits(cfg, N, K) == (pytest.approx(stored(canon)), pytest.approx(stored(packed))), name
 
 
-@pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 6, 7, 8, 16, 64])
-@pytest.mark.parametrize("N,K", [(576, 576), (1536, 576), (4096, 4096), (8192, 8192), (28672, 8192), (4096, 11008),
-                                 (11008, 4096), (64, 64), (100, 112)])
-@pytest.mark.parametrize("sms", [1, 78, 132])
-def test_plan_covers_every_tile_once_within_limits(M, N, K, sms):
-    G = K // 16
-    W = (G - round(0.25 * G)) + 2 * round(0.25 * G)
-    threads, per, splits = ad.plan(M, N, K, W, sms)
-    tiles = math.ceil(W / 4)
-    assert threads % 32 == 0 and 32 <= threads <= 256
-    assert (splits - 1) * per < tiles <= splits * per and splits <= 65535
-    m = min(M, 8)
-    smem = 4 * m * min(K, 64 * per) + 16 * per
-    assert smem <= 48 * 1024
+def test_plan_covers_every_tile_once_within_limits():
+    """Every batch of the GEMV's range (and beyond), real and odd shapes, 0-100 % 4-bit groups, several GPU sizes:
+    whole warps, every word tile in exactly one split, the grid and shared memory within CUDA's limits."""
+    shapes = [(576, 576), (1536, 576), (4096, 4096), (8192, 8192), (28672, 8192), (4096, 11008), (11008, 4096),
+              (64, 64), (100, 112)]
+    for (N, K), sms, ratio, M in itertools.product(shapes, (1, 78, 132), (0.0, 0.25, 1.0), [*range(1, 17), 32, 64]):
+        G = K // 16
+        W = (G - round(ratio * G)) + 2 * round(ratio * G)
+        threads, per, splits = ad.plan(M, N, K, W, sms)
+        tiles, case = math.ceil(W / 4), (M, N, K, sms, ratio)
+        assert threads % 32 == 0 and 32 <= threads <= 256, case
+        assert (splits - 1) * per < tiles <= splits * per and splits <= 65535, case
+        assert 4 * min(M, 8) * min(K, 64 * per) + 16 * per <= 48 * 1024, case  # shared memory
 
 
 def test_op_schema_takes_the_launch_plan_in_plan_order():
