@@ -87,10 +87,9 @@ class QuantLinear(nn.Module):
         cfg, cfg_backend = format_config(self.format, config)
         self.in_features, self.out_features = int(in_features), int(out_features)
         self.config = cfg
-        self.backend = backend
+        self._backend, self._calls = backend or cfg_backend, {}
         # a config's backend (e.g. saved in a checkpoint) is a preference: used on devices where it can run
         self._preferred_backend = None if backend else cfg_backend
-        self._backend = backend or cfg_backend
         self._config_json = cfg.to_json()
         self._specs = get_format(self.format).buffer_specs(out_features, in_features, cfg)
         for name, (shape, dt) in self._specs.items():

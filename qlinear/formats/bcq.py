@@ -525,11 +525,8 @@ def _legacy_specs(out_features: int, in_features: int, cfg: Config) -> BufferSpe
 
 
 def _legacy_repack(buffers, cfg, out_features, in_features):
-    fp32 = _legacy_specs(out_features, in_features, cfg).get("offset", (None, torch.float32))[1] == torch.float32
-    bufs = as_bcq(buffers, cfg, out_features, in_features, torch.float32)
-    if not fp32 and "offset" in bufs:
-        bufs["offset"] = bufs["offset"].to(torch.float16)
-    return bufs
+    fp32 = cfg.method == "gptq" or cfg.fp32_offset  # the offset dtype of _legacy_specs
+    return as_bcq(buffers, cfg, out_features, in_features, torch.float32 if fp32 else torch.float16)
 
 
 #: The storage of uniform layers in checkpoints saved before the uniform storage (free-α buffers; offsets float32
