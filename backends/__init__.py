@@ -46,15 +46,18 @@ class _Unset:
 
 
 _UNSET = _Unset()
-CAPABILITIES = ("devices", "dtypes", "bits", "group_sizes")
+CAPABILITIES = ("devices", "dtypes", "bits", "group_sizes", "max_batch", "min_capability")
 
 
 @dataclasses.dataclass(frozen=True)
 class Kernel:
     """One kernel and what it supports.
 
-    ``devices``, ``dtypes``, ``bits`` and ``group_sizes`` must be declared (a frozenset, or :data:`ANY`), so that no
-    kernel claims a capability by leaving a field out (GPTQModel's ``SUPPORTS_*`` discipline); TypeError otherwise.
+    Every field of :data:`CAPABILITIES` must be declared, so that no kernel claims a capability by leaving a field
+    out (GPTQModel's ``SUPPORTS_*`` discipline): ``devices`` (device types), ``dtypes``, ``bits`` and ``group_sizes``
+    as a frozenset, ``max_batch`` as an int ≥ ``min_batch`` (rows of x, all leading dims together),
+    ``min_capability`` as a CUDA compute capability ``(major, minor)``; each may be :data:`ANY` instead.  TypeError
+    otherwise.
 
     ``fn(x, buffers, bias, cfg, out_features, in_features) -> y`` computes ``y = x Wᵀ + b`` for
     ``x`` ``[..., K]`` with the packed ``buffers`` (dict of the format's buffer names, or of
@@ -72,19 +75,30 @@ class Kernel:
     dtypes: Optional[frozenset] = _UNSET
     bits: Optional[frozenset] = _UNSET
     group_sizes: Optional[frozenset] = _UNSET
-    min_capability: Optional[tuple] = None
+    min_capability: Optional[tuple] = _UNSET
     min_batch: int = 1
-    max_batch: Optional[int] = None
+    max_batch: Optional[int] = _UNSET
     supports: Optional[Callable[..., Optional[str]]] = None
     available: Optional[Callable[[], Optional[str]]] = None
     layout: Optional[Layout] = None
     gathers_perm: bool = False  # takes an act_order layer's ``perm`` in ``buffers`` and gathers x itself
 
     def __post_init__(self) -> None:
+        me = f"kernel {self.backend!r} for format {self.format!r}"
         unset = [f for f in CAPABILITIES if getattr(self, f) is _UNSET]
         if unset:
-            raise TypeError(f"kernel {self.backend!r} for format {self.format!r} must declare {', '.join(unset)}: a "
-                            f"frozenset of what it supports, or qlinear.backends.ANY for anything")
+            raise TypeError(f"{me} must declare {', '.join(unset)}: a frozenset of what it supports (max_batch: an int, "
+                            f"min_capability: (major, minor)), or qlinear.backends.ANY for anything")
+        for f in ("devices", "dtypes", "bits", "group_sizes"):
+            if getattr(self, f) is not ANY and not isinstance(getattr(self, f), frozenset):
+                raise TypeError(f"{me}: {f} must be a frozenset or ANY, got {getattr(self, f)!r}")
+        if not isinstance(self.min_batch, int) or self.min_batch < 1:
+            raise TypeError(f"{me}: min_batch must be an int >= 1, got {self.min_batch!r}")
+        if self.max_batch is not ANY and (not isinstance(self.max_batch, int) or self.max_batch < self.min_batch):
+            raise TypeError(f"{me}: max_batch must be an int >= min_batch={self.min_batch} or ANY, got {self.max_batch!r}")
+        cap = self.min_capability
+        if cap is not ANY and not (isinstance(cap, tuple) and len(cap) == 2 and all(isinstance(c, int) for c in cap)):
+            raise TypeError(f"{me}: min_capability must be a (major, minor) tuple of ints or ANY, got {cap!r}")
 
     def reject(self, cfg, device: torch.device, dtype: Optional[torch.dtype], batch: int,
                shape: Optional[tuple[int, int]] = None) -> Optional[str]:

@@ -49,7 +49,8 @@ def main() -> None:
     x = torch.randn(1, K)
     out = torch.empty(1, N)
     noop = backends.register(Kernel(backend="noop", format="bcq", fn=lambda *a: out, priority=10**6,
-                                    devices=frozenset({"cpu"}), dtypes=ANY, bits=ANY, group_sizes=ANY))
+                                    devices=frozenset({"cpu"}), dtypes=ANY, bits=ANY, group_sizes=ANY, max_batch=ANY,
+                                    min_capability=ANY))
     try:
         mod.repack_for_device()
         assert mod.kernel(x).backend == "noop"

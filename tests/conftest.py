@@ -30,6 +30,14 @@ def _seed():
     torch.manual_seed(0)
 
 
+def cpu_kernel(backend: str, format: str, fn, **fields):
+    """A test :class:`qlinear.backends.Kernel` for the CPU device type: each capability not given in ``fields`` is ANY."""
+    from qlinear.backends import ANY, CAPABILITIES, Kernel
+
+    return Kernel(backend=backend, format=format, fn=fn, **({c: ANY for c in CAPABILITIES} | {"devices": frozenset({"cpu"})}
+                                                            | fields))
+
+
 def random_hessian(K: int, n: int = 4096, seed: int = 0) -> torch.Tensor:
     """A random positive-definite XᵀX/n with unequal channel scales, like real activations."""
     g = torch.Generator().manual_seed(seed)
@@ -118,8 +126,7 @@ def counting_layout():
     """A CPU kernel (priority 100) with a layout that counts its repacks and unrepacks: ``{"repack": n, "unrepack": n}``
     (BCQ layers; the kernel computes through the reference backend)."""
     from qlinear import backends
-    from qlinear.backends import ANY, Kernel, Layout
-    from qlinear.backends import reference
+    from qlinear.backends import Layout, reference
     from qlinear.formats import bcq
 
     counts = {"repack": 0, "unrepack": 0}
@@ -137,7 +144,6 @@ def counting_layout():
 
     layout = Layout("counting", names=lambda cfg: tuple("c_" + n for n in bcq.buffer_specs(32, 32, cfg)),
                     repack=repack, unrepack=unrepack)
-    k = backends.register(Kernel(backend="counting", format="bcq", fn=fn, priority=100, devices=frozenset({"cpu"}),
-                                 layout=layout, dtypes=ANY, bits=ANY, group_sizes=ANY))
+    k = backends.register(cpu_kernel("counting", "bcq", fn, priority=100, layout=layout))
     yield counts
     backends._KERNELS.remove(k)

@@ -17,11 +17,10 @@ import math
 
 import pytest
 import torch
-from conftest import poison_cuda_allocator, ref64
+from conftest import cpu_kernel, poison_cuda_allocator, ref64
 
 import qlinear.backends as backends
 from qlinear import MixedPrecisionLinear
-from qlinear.backends import ANY, Kernel
 from qlinear.backends import async_dequant as ad
 from qlinear.formats import mixed
 
@@ -289,9 +288,8 @@ def spec_kernel():
         y = ad.spec(x2, bufs, bias, cfg, N, K, ad.plan(x2.shape[0], N, K, ad.num_words(bufs, cfg), 4))
         return y.to(x.dtype).reshape(*x.shape[:-1], N)
 
-    k = backends.register(Kernel(backend="ad_spec", format="mixed", fn=fn, priority=100, devices=frozenset({"cpu"}),
-                                 max_batch=ad.MAX_BATCH, supports=ad.supports, layout=ad.LAYOUT,
-                                     dtypes=ANY, bits=ANY, group_sizes=ANY))
+    k = backends.register(cpu_kernel("ad_spec", "mixed", fn, priority=100, max_batch=ad.MAX_BATCH, supports=ad.supports,
+                                     layout=ad.LAYOUT))
     yield k
     backends._KERNELS.remove(k)
 

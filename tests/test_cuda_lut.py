@@ -14,11 +14,11 @@ import math
 
 import pytest
 import torch
-from conftest import poison_cuda_allocator, ref64
+from conftest import cpu_kernel, poison_cuda_allocator, ref64
 
 import qlinear.backends as backends
 from qlinear import BCQLinear
-from qlinear.backends import ANY, Kernel, cuda_lut
+from qlinear.backends import cuda_lut
 from qlinear.formats import bcq
 
 U32 = 2.0 ** -24
@@ -154,9 +154,8 @@ def spec_kernel():
         y = cuda_lut.spec(x2, bufs, bias, cfg, N, K, cuda_lut.plan(x2.shape[0], N, K, 4, cfg.bits))
         return y.to(x.dtype).reshape(*x.shape[:-1], N)
 
-    k = backends.register(Kernel(backend="lut_spec", format="bcq", fn=fn, priority=100,
-                                 devices=frozenset({"cpu"}), max_batch=8, supports=cuda_lut.supports,
-                                 layout=cuda_lut.LAYOUT, gathers_perm=True, dtypes=ANY, bits=ANY, group_sizes=ANY))
+    k = backends.register(cpu_kernel("lut_spec", "bcq", fn, priority=100, max_batch=8, supports=cuda_lut.supports,
+                                     layout=cuda_lut.LAYOUT, gathers_perm=True))
     object.__setattr__(k, "gathered", [])
     yield k
     backends._KERNELS.remove(k)

@@ -10,7 +10,9 @@ import torch
 
 import qlinear.backends as backends
 from qlinear import BCQLinear, QLinearConfig
-from qlinear.backends import ANY, Kernel, cuda_lut, dispatch, quick
+from qlinear.backends import cuda_lut, dispatch, quick
+
+from conftest import cpu_kernel
 
 LAYOUTS = {"cuda_lut": "cuda_lut", "ref_from_lut": "cuda_lut", "quick": "quick", "quick_dequant": "quick"}
 
@@ -47,13 +49,10 @@ def fake_gpu(tmp_path, monkeypatch):
     def quick_fn(x, bufs, bias, cfg, N, K):
         return quick.spec(x.reshape(-1, K), bufs, bias, cfg, N, K).to(x.dtype).reshape(*x.shape[:-1], N)
 
-    cpu = frozenset({"cpu"})
-    ks = [backends.register(Kernel(backend="lut_spec", format="bcq", fn=lut_fn, priority=90, devices=cpu, max_batch=8,
-                                   supports=cuda_lut.supports, layout=cuda_lut.LAYOUT,
-                                       dtypes=ANY, bits=ANY, group_sizes=ANY)),
-          backends.register(Kernel(backend="quick_spec", format="bcq", fn=quick_fn, priority=100, devices=cpu,
-                                   max_batch=512, supports=quick.supports, layout=quick.LAYOUT,
-                                       dtypes=ANY, bits=ANY, group_sizes=ANY))]
+    ks = [backends.register(cpu_kernel("lut_spec", "bcq", lut_fn, priority=90, max_batch=8, supports=cuda_lut.supports,
+                                       layout=cuda_lut.LAYOUT)),
+          backends.register(cpu_kernel("quick_spec", "bcq", quick_fn, priority=100, max_batch=512,
+                                       supports=quick.supports, layout=quick.LAYOUT))]
     yield write
     for k in ks:
         backends._KERNELS.remove(k)

@@ -9,7 +9,7 @@ from qlinear import BCQLinear, CodebookLinear, MixedPrecisionLinear, QLinearConf
 from qlinear.backends import ANY, Kernel
 from qlinear.modules import module_class
 
-from conftest import ref64
+from conftest import cpu_kernel, ref64
 
 CONFIGS = {
     "bcq": QLinearConfig("bcq", bits=3, group_size=64, iters=2),
@@ -116,8 +116,7 @@ def test_registry_reference_and_priority(layers, monkeypatch):
         calls.append(cfg.bits)
         return backends.reference.linear(x, bufs, bias, cfg, n, k) * 0 + 1
 
-    kern = backends.Kernel(backend="fake", format="bcq", fn=fake, priority=10, devices=frozenset({"cpu"}),
-                           bits=frozenset({3}), max_batch=4, dtypes=ANY, group_sizes=ANY)
+    kern = cpu_kernel("fake", "bcq", fake, priority=10, bits=frozenset({3}), max_batch=4)
     backends.register(kern)
     try:
         assert m.kernel(x).backend == "fake"
@@ -310,8 +309,7 @@ def test_forward_resolves_once_per_device_dtype_batch(layers, monkeypatch):
         return backends.reference.linear(x, bufs, bias, cfg, N, K)
 
     m.backend = None
-    k = backends.register(backends.Kernel(backend="seen", format="bcq", fn=fn, priority=50, devices=frozenset({"cpu"}),
-                                          dtypes=ANY, bits=ANY, group_sizes=ANY))
+    k = backends.register(cpu_kernel("seen", "bcq", fn, priority=50))
     try:
         assert torch.equal(m(x), ys[0]) and seen == [2]  # a registered kernel is picked up at once
     finally:
@@ -337,9 +335,7 @@ def test_a_per_call_conversion_warns_once_and_names_the_reason(monkeypatch):
         y = cuda_lut.spec(x.reshape(-1, K), bufs, bias, cfg, N, K, cuda_lut.plan(x.numel() // K, N, K, 4, cfg.bits))
         return y.to(x.dtype).reshape(*x.shape[:-1], N)
 
-    k = backends.register(backends.Kernel(backend="lut_cpu", format="bcq", fn=fn, priority=100,
-                                          devices=frozenset({"cpu"}), max_batch=2, layout=cuda_lut.LAYOUT,
-                                              dtypes=ANY, bits=ANY, group_sizes=ANY))
+    k = backends.register(cpu_kernel("lut_cpu", "bcq", fn, priority=100, max_batch=2, layout=cuda_lut.LAYOUT))
     try:
         m = BCQLinear.from_linear(nn.Linear(64, 32), QLinearConfig("bcq", bits=2, group_size=32, iters=0))
         assert m.layout == "cuda_lut"
@@ -410,8 +406,7 @@ def test_old_pickles_and_the_environment_resolve_per_layer(layers, monkeypatch):
         seen.append(1)
         return backends.reference.linear(x, bufs, bias, cfg, N, K)
 
-    k = backends.register(backends.Kernel(backend="seen", format="bcq", fn=fn, priority=50, devices=frozenset({"cpu"}),
-                                          dtypes=ANY, bits=ANY, group_sizes=ANY))
+    k = backends.register(cpu_kernel("seen", "bcq", fn, priority=50))
     try:
         with torch.no_grad():
             m(x)
@@ -435,8 +430,7 @@ def test_a_configured_backend_is_a_preference_and_an_explicit_one_a_requirement(
         calls.append(x.shape)
         return x.new_zeros(*x.shape[:-1], N)
 
-    k = backends.register(Kernel(backend="cpu_pref", format="bcq", fn=fn, devices=frozenset({"cpu"}),
-                                 dtypes=ANY, bits=ANY, group_sizes=ANY))
+    k = backends.register(cpu_kernel("cpu_pref", "bcq", fn))
     try:
         lin = torch.nn.Linear(64, 32)
         x = torch.randn(3, 64)
@@ -481,11 +475,28 @@ def test_each_load_path_repacks_once_for_the_final_device(counting_layout):
 
 
 def test_a_kernel_must_declare_its_capabilities():
-    """No capability is claimed by leaving a field out (GPTQModel's SUPPORTS_* discipline): devices, dtypes, bits and
-    group sizes are each a frozenset or ANY, written out."""
-    with pytest.raises(TypeError, match="must declare dtypes, group_sizes: a frozenset"):
-        Kernel(backend="lazy", format="bcq", fn=lambda *a: None, devices=frozenset({"cpu"}), bits=frozenset({4}))
-    k = Kernel(backend="open", format="bcq", fn=lambda *a: None, devices=ANY, dtypes=ANY, bits=ANY, group_sizes=ANY)
-    assert k.reject(QLinearConfig("bcq", bits=7).format_config(), torch.device("meta"), torch.float64, 1) is None
+    """No capability is claimed by leaving a field out (GPTQModel's SUPPORTS_* discipline): devices, dtypes, bits,
+    group sizes, the batch range and the CUDA capability are each written out, as a value of the right type or ANY."""
+    full = dict(devices=frozenset({"cpu"}), dtypes=ANY, bits=frozenset({4}), group_sizes=ANY, max_batch=8,
+                min_capability=ANY)
+
+    def make(**fields):
+        return Kernel(backend="k", format="bcq", fn=lambda *a: None, **fields)
+
+    with pytest.raises(TypeError, match="must declare dtypes, group_sizes, min_capability: a frozenset"):
+        make(devices=frozenset({"cpu"}), bits=frozenset({4}), max_batch=8)
+    for field, bad in [("bits", {4}), ("devices", "cpu"),
+                       ("max_batch", 0), ("max_batch", 2.5), ("min_capability", 8), ("min_capability", (8, "0"))]:
+        with pytest.raises(TypeError, match=field):
+            make(**full | {field: bad})
+    with pytest.raises(TypeError, match="min_batch must be"):
+        make(**full, min_batch=0)
+    with pytest.raises(TypeError, match="max_batch must be an int >= min_batch=9"):
+        make(**full, min_batch=9)
+    k = make(**{c: ANY for c in backends.CAPABILITIES})
+    assert k.reject(QLinearConfig("bcq", bits=7).format_config(), torch.device("meta"), torch.float64, 10**6) is None
     for real in backends.kernels():
-        assert all(getattr(real, c) is ANY or isinstance(getattr(real, c), frozenset) for c in backends.CAPABILITIES)
+        assert all(getattr(real, c) is ANY or isinstance(getattr(real, c), (frozenset, int, tuple))
+                   for c in backends.CAPABILITIES)
+        if real.devices is ANY or "cuda" in real.devices:  # a CUDA kernel names the architectures it was built for
+            assert real.backend == "reference" or isinstance(real.min_capability, tuple), real.backend

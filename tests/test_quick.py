@@ -15,11 +15,11 @@ import itertools
 
 import pytest
 import torch
-from conftest import poison_cuda_allocator, ref64
+from conftest import cpu_kernel, poison_cuda_allocator, ref64
 
 import qlinear.backends as backends
 from qlinear import BCQLinear, QLinearConfig
-from qlinear.backends import ANY, Kernel, quick
+from qlinear.backends import quick
 from qlinear.formats import bcq
 
 U = {torch.float16: 2.0 ** -11, torch.bfloat16: 2.0 ** -8}
@@ -157,9 +157,8 @@ def spec_kernel():
         y = quick.spec(x.reshape(-1, K), bufs, bias, cfg, N, K, torch.float16)
         return y.to(x.dtype).reshape(*x.shape[:-1], N)
 
-    k = backends.register(Kernel(backend="quick_spec", format="bcq", fn=fn, priority=100, devices=frozenset({"cpu"}),
-                                 max_batch=quick.MAX_BATCH, supports=quick.supports, layout=quick.LAYOUT,
-                                 gathers_perm=True, dtypes=ANY, bits=ANY, group_sizes=ANY))
+    k = backends.register(cpu_kernel("quick_spec", "bcq", fn, priority=100, max_batch=quick.MAX_BATCH,
+                                     supports=quick.supports, layout=quick.LAYOUT, gathers_perm=True))
     object.__setattr__(k, "gathered", [])
     yield k
     backends._KERNELS.remove(k)

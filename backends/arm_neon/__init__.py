@@ -328,6 +328,6 @@ _PRIORITY = 20 if platform.machine() in ("aarch64", "arm64") else -10
 for _fmt, _bits, _layout, _supports in (("codebook", {2, 4}, CODEBOOK_LAYOUT, supports_codebook),
                                         ("bcq", {4}, BCQ_LAYOUT, supports_bcq)):
     register(Kernel(backend="arm_neon", format=_fmt, fn=linear, priority=_PRIORITY, devices=frozenset({"cpu"}),
-                    bits=frozenset(_bits), group_sizes=ANY,
+                    bits=frozenset(_bits), group_sizes=ANY, max_batch=ANY, min_capability=ANY,
                     dtypes=frozenset({torch.float32, torch.float16, torch.bfloat16}), supports=_supports,
                     available=available, layout=_layout))

@@ -293,4 +293,4 @@ _COMMON = dict(format="bcq", devices=frozenset({"cuda"}), dtypes=frozenset({torc
                bits=frozenset(BITS), group_sizes=ANY, min_capability=(8, 0), supports=supports, available=available,
                layout=LAYOUT)
 register(Kernel(backend="quick", fn=linear, priority=20, max_batch=MAX_BATCH, gathers_perm=True, **_COMMON))
-register(Kernel(backend="quick_dequant", fn=linear_dequantized, priority=5, **_COMMON))
+register(Kernel(backend="quick_dequant", fn=linear_dequantized, priority=5, max_batch=ANY, **_COMMON))

@@ -24,4 +24,4 @@ def linear(x: torch.Tensor, buffers: dict, bias, cfg, out_features: int, in_feat
 
 for _name in FORMATS:
     register(Kernel(backend="reference", format=_name, fn=linear, priority=0, devices=ANY, dtypes=ANY, bits=ANY,
-                    group_sizes=ANY))
+                    group_sizes=ANY, max_batch=ANY, min_capability=ANY))

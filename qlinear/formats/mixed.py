@@ -257,7 +257,6 @@ class GroupQuantizer:
 
     def finish(self):
         cfg, N, g = self.cfg, self.N, self.cfg.group_size
-        G = self.K // g
         idx4 = torch.nonzero(self.is4).flatten()
         idx2 = torch.nonzero(~self.is4).flatten()
         cols = lambda idx: (idx[:, None] * g + torch.arange(g)).flatten()
