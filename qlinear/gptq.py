@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from .formats.base import group_bounds, importance
+from .formats.base import group_bounds, importance, on_weight_device
 
 __all__ = ["run", "quantize_uniform", "damped_inverse_hessian"]
 
@@ -66,6 +66,7 @@ def damped_inverse_hessian(hessian: torch.Tensor, in_features: int, damp: float 
         raise ValueError(f"hessian is not positive definite after damping {damp}; raise damp") from e
 
 
+@on_weight_device
 def run(weight: torch.Tensor, group_size: int, quantizer, hessian: torch.Tensor | None = None, *,
         damp: float = 0.01, activation_aware: bool = True, block_size: int = 128, act_order: bool = False,
         static_groups: bool = False) -> dict[str, torch.Tensor]:
@@ -142,6 +143,7 @@ def run(weight: torch.Tensor, group_size: int, quantizer, hessian: torch.Tensor 
     return out
 
 
+@on_weight_device
 def quantize_uniform(weight: torch.Tensor, bits: int, group_size: int, hessian: torch.Tensor | None = None, *,
                      sym: bool = False, damp: float = 0.01, act_order: bool = False, static_groups: bool = False,
                      block_size: int = 128) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:

@@ -18,6 +18,7 @@ from torch import nn
 
 from . import backends, ops
 from .formats import FormatConfig, bcq, get_format, spec_bits
+from .formats.base import quantize_device
 from .formats.uniform import pack_gptq, unpack_gptq
 from .gptq import check_hessian
 
@@ -125,9 +126,14 @@ class QuantLinear(nn.Module):
     @classmethod
     def quantize_weight(cls, weight: torch.Tensor, config: Any = None, hessian: Optional[torch.Tensor] = None,
                         **quantize_kwargs) -> dict[str, torch.Tensor]:
-        """The canonical packed buffers (the format's ``buffer_specs``, on the CPU) of ``weight`` ``[N, K]`` (any float
-        dtype and device) quantized with ``config`` (as for the constructor): what :meth:`from_linear` holds, without
-        building a layer (the quantize-on-load path hands these straight to transformers).
+        """The canonical packed buffers (the format's ``buffer_specs``) of ``weight`` ``[N, K]`` (any float dtype and
+        device) quantized with ``config`` (as for the constructor): what :meth:`from_linear` holds, without building a
+        layer (the quantize-on-load path hands these straight to transformers).
+
+        The quantizer runs in float32 (float64 where the format says so) on the weight's device when it is a CPU or
+        a CUDA device, else on the CPU (e.g. MPS has no float64); the buffers are returned on that device.  CUDA and
+        CPU results differ only by float rounding order: on the test layers of ``tests/test_quantize_device.py``
+        ≥ 99% of the dequantized weights are equal and the reconstruction error ‖W − Ŵ‖ is within 1%.
 
         Raises:
             TypeError: a weight that is not floating point.
@@ -144,8 +150,10 @@ class QuantLinear(nn.Module):
             check_hessian(hessian, w.shape[1])
         cfg = format_config(cls.format, config)[0]
         cfg.check_shape(*w.shape)
-        return get_format(cls.format).quantize(w.detach().to("cpu", torch.float32), cfg,
-                                               None if hessian is None else hessian.detach().cpu(), **quantize_kwargs)
+        device = quantize_device(w)
+        return get_format(cls.format).quantize(w.detach().to(device, torch.float32), cfg,
+                                               None if hessian is None else hessian.detach().to(device),
+                                               **quantize_kwargs)
 
     @classmethod
     def from_packed(cls, buffers: dict[str, torch.Tensor], in_features: int, out_features: int, config: Any,

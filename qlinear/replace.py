@@ -11,6 +11,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from .formats import codebook
+from .formats.base import quantize_device
 from .modules import format_config, module_class
 
 __all__ = ["replace_linear", "matches", "is_quantizable_linear"]
@@ -55,9 +56,10 @@ def _shared_codebooks(targets, hessians):
             by_cfg.setdefault(fc.to_json(), []).append((name, mod, fc))
     for key, items in by_cfg.items():
         gs, ds = [], []
+        dev = quantize_device(items[0][1].weight)  # the clustering runs where the (first) weights are
         for name, mod, fc in items:
             h = hessians.get(name)
-            g, d = codebook.layer_groups(mod.weight.detach().cpu(), fc, None if h is None else h.cpu())
+            g, d = codebook.layer_groups(mod.weight.detach().to(dev), fc, None if h is None else h.to(dev))
             step = max(1, g.shape[0] // 65536)  # bounded memory: at most 64k groups per layer
             gs.append(g[::step])
             ds.append(d[::step])

@@ -14,6 +14,7 @@ it counts every stored bit of every buffer.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 from typing import Any, Callable, ClassVar, Optional
@@ -148,6 +149,33 @@ def group_lookup(levels: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
     base = (torch.arange(N * G, device=codes.device, dtype=dtype) * L).view(N, G, 1)
     index = codes.to(dtype).add_(base).reshape(-1)
     return levels.reshape(-1).index_select(0, index).view(codes.shape)
+
+
+def quantize_device(weight: torch.Tensor) -> torch.device:
+    """Where the quantizers run for ``weight``: its device if a CPU or a CUDA device, else the CPU (the fits need
+    float64, which e.g. MPS lacks)."""
+    return weight.device if weight.device.type in ("cpu", "cuda") else torch.device("cpu")
+
+
+def on_weight_device(quantizer: Callable) -> Callable:
+    """Decorator: run ``quantizer(weight, ...)`` on the weight's device.
+
+    Its tensor arguments (Hessian, fixed codebooks, ...) are moved to that device, and torch's default device is set
+    to it while the quantizer runs (``with torch.device(...)``), so the tensors it allocates without naming a device
+    (``torch.zeros``, ``arange``, ``eye``...) land beside the weight.  The context is skipped when that device is
+    already the default: it costs a Python dispatch on every torch call."""
+
+    @functools.wraps(quantizer)
+    def run(weight, *args, **kwargs):
+        dev = weight.device
+        move = lambda a: a.to(dev) if isinstance(a, torch.Tensor) else a
+        args, kwargs = [move(a) for a in args], {k: move(v) for k, v in kwargs.items()}
+        if torch.get_default_device() == dev:
+            return quantizer(weight, *args, **kwargs)
+        with torch.device(dev):
+            return quantizer(weight, *args, **kwargs)
+
+    return run
 
 
 def fp16_round(t: torch.Tensor) -> torch.Tensor:

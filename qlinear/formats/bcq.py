@@ -51,7 +51,7 @@ import dataclasses
 import torch
 
 from . import uniform
-from .base import (UNIFORM_MIN_SCALE, BufferSpecs, FormatConfig, Layout, check_input_split, fp16_round,
+from .base import (UNIFORM_MIN_SCALE, BufferSpecs, FormatConfig, Layout, check_input_split, fp16_round, on_weight_device,
                    group_lookup, importance, num_groups)
 from .packing import pack, pack_planes, packed_len, unpack, unpack_planes, unpack_u8
 
@@ -360,6 +360,7 @@ class GroupQuantizer:
         return out
 
 
+@on_weight_device
 def quantize(weight: torch.Tensor, cfg: Config, hessian: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """Quantize ``weight`` ``[N, K]`` to BCQ buffers (see module docstring).
 

@@ -38,7 +38,8 @@ import math
 
 import torch
 
-from .base import FP16_TINY, BufferSpecs, FormatConfig, check_input_split, fp16_round, group_lookup, importance
+from .base import (FP16_TINY, BufferSpecs, FormatConfig, check_input_split, fp16_round, group_lookup, importance,
+                   on_weight_device)
 from .packing import pack, packed_len, unpack_u8
 
 NAME = "codebook"
@@ -143,6 +144,7 @@ def _quantile_init(v, d, L):
     return v[order][torch.searchsorted(cw, targets).clamp(max=v.numel() - 1)].clone()
 
 
+@on_weight_device
 def fit_codebooks(groups: torch.Tensor, weights: torch.Tensor, cfg: Config) -> torch.Tensor:
     """Two-phase clustering of scaled groups (module docstring).
 
@@ -243,6 +245,7 @@ class GroupQuantizer:
         return out
 
 
+@on_weight_device
 def layer_groups(weight: torch.Tensor, cfg: Config, hessian: torch.Tensor | None = None):
     """``(groups [N·G, g], importance [N·G, g])`` of a layer, the input of :func:`fit_codebooks`."""
     N, K = weight.shape
@@ -251,6 +254,7 @@ def layer_groups(weight: torch.Tensor, cfg: Config, hessian: torch.Tensor | None
     return weight.detach().float().reshape(N * K // g, g), d.reshape(1, K // g, g).expand(N, -1, -1).reshape(-1, g)
 
 
+@on_weight_device
 def quantize(weight: torch.Tensor, cfg: Config, hessian: torch.Tensor | None = None,
              codebooks: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """Quantize ``weight`` ``[N, K]``; ``codebooks`` int8 ``[C, 2^bits]`` fixes shared (model-scope)

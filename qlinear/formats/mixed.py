@@ -48,7 +48,7 @@ import dataclasses
 import torch
 
 from . import uniform
-from .base import BufferSpecs, FormatConfig, fp16_round
+from .base import BufferSpecs, FormatConfig, fp16_round, on_weight_device
 from .packing import pack, packed_len, unpack, unpack_u8
 
 NAME = "mixed"
@@ -304,6 +304,7 @@ def _quotas(weight, cfg, is4, hinv_diag, nnz):
     return torch.bincount(top % K, minlength=K)
 
 
+@on_weight_device
 def quantize(weight: torch.Tensor, cfg: Config, hessian: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """Quantize ``weight`` ``[N, K]`` to the mixed format; with ``hessian`` ``[K, K]`` (XᵀX) the groups
     are selected by eq. 9 (or at random, ``group_selection="random"``) and quantized with GPTQ error feedback
