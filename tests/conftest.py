@@ -38,6 +38,48 @@ def cpu_kernel(backend: str, format: str, fn, **fields):
                                                             | fields))
 
 
+def _spec_call(backend: str):
+    """``(x [M, K], buffers in the kernel's layout, bias, cfg, N, K) -> y``: the kernel's executable PyTorch spec, run
+    with the launch plan of a 4-SM GPU (QUICK: fp16 fragments)."""
+    from qlinear.backends import async_dequant, cuda_lut, quick
+
+    return {
+        "cuda_lut": lambda x, b, bias, cfg, N, K: cuda_lut.spec(x, b, bias, cfg, N, K,
+                                                                cuda_lut.plan(x.shape[0], N, K, 4, cfg.bits)),
+        "quick": lambda x, b, bias, cfg, N, K: quick.spec(x, b, bias, cfg, N, K, torch.float16),
+        "async_dequant": lambda x, b, bias, cfg, N, K: async_dequant.spec(
+            x, b, bias, cfg, N, K, async_dequant.plan(x.shape[0], N, K, async_dequant.num_words(b, cfg), 4)),
+    }[backend]
+
+
+def spec_kernel_fixture(backend: str):
+    """A fixture registering ``backend``'s executable spec as a CPU kernel named ``<backend>_spec`` at the highest
+    priority, with the real kernel's layout, ``supports``, batch range and act_order handling: the layout machinery
+    (load, save, move, compile) runs on the CPU as it would on a GPU.  Like the GPU kernels that take ``perm``, it
+    gathers an act_order layer's x itself; ``k.gathered`` counts those calls."""
+
+    @pytest.fixture
+    def spec_kernel():
+        from qlinear import backends
+
+        real = next(k for k in backends.kernels() if k.backend == backend)
+        spec = _spec_call(backend)
+
+        def fn(x, bufs, bias, cfg, N, K):
+            if "perm" in bufs:
+                x = x.index_select(-1, bufs["perm"])
+                k.gathered.append(1)
+            return spec(x.reshape(-1, K), bufs, bias, cfg, N, K).to(x.dtype).reshape(*x.shape[:-1], N)
+
+        k = backends.register(cpu_kernel(f"{backend}_spec", real.format, fn, priority=100, max_batch=real.max_batch,
+                                         supports=real.supports, layout=real.layout, gathers_perm=real.gathers_perm))
+        object.__setattr__(k, "gathered", [])
+        yield k
+        backends._KERNELS.remove(k)
+
+    return spec_kernel
+
+
 def random_hessian(K: int, n: int = 4096, seed: int = 0) -> torch.Tensor:
     """A random positive-definite XᵀX/n with unequal channel scales, like real activations."""
     g = torch.Generator().manual_seed(seed)
