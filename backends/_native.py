@@ -23,9 +23,12 @@ from typing import Optional, Sequence
 
 import torch
 
-__all__ = ["build", "build_cuda_backend", "cache_dir", "cuda_arch_flags", "cuda_toolchain_problem", "sm_count"]
+__all__ = ["OPENMP", "build", "build_cuda_backend", "cache_dir", "cuda_arch_flags", "cuda_toolchain_problem", "sm_count"]
 
 SHARED_HEADERS = Path(__file__).parent / "_cuda"  # device helpers every CUDA backend includes
+# at::parallel_for is an inline OpenMP loop in the ATen headers: without these flags a CPU extension runs it on one
+# thread.
+OPENMP = ("-fopenmp",)
 
 
 def cache_dir() -> Path:

@@ -18,19 +18,12 @@ import pytest
 import torch
 
 import qlinear.backends as backends
+from conftest import int8_activation_bound
 from qlinear import BCQLinear, CodebookLinear
 from qlinear.backends import arm_neon
 from qlinear.formats import bcq, codebook
 
 HERE = Path(arm_neon.__file__).parent
-
-
-def _bound(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """``[M, N]`` bound for dense ``w`` ``[N, K]`` and ``x`` ``[M, K]`` (float64)."""
-    M, K = x.shape
-    amax = x.double().abs().view(M, K // 32, 32).amax(-1)                         # [M, H]
-    wabs = w.double().abs().view(w.shape[0], K // 32, 32).sum(-1)               # [N, H]
-    return (amax / 254) @ wabs.T + 1e-5 * (x.double().abs() @ w.double().abs().T) + 1e-6
 
 
 def _bcq_uniform(N, K, group_size, offset=True, fp32=False, seed=0):
@@ -182,7 +175,7 @@ def test_spec_matches_reference_within_activation_bound(name, cfg, bufs, layout)
         bias = torch.randn(N)
         y = arm_neon.spec(x, packed, bias, cfg, arm_neon._format(cfg), N, K, layout)
         ref = x.double() @ w.double().T + bias.double()
-        assert ((y.double() - ref).abs() <= _bound(w, x)).all()
+        assert ((y.double() - ref).abs() <= int8_activation_bound(w, x)).all()
 
 
 def test_spec_catches_a_wrong_layout():
@@ -194,7 +187,7 @@ def test_spec_catches_a_wrong_layout():
     sdot = arm_neon.repack_codebook(bufs, cfg, 16, 128, layout="sdot")
     for bufs_, layout in ((flipped, "mmla"), (sdot, "mmla"), (packed, "sdot")):
         y = arm_neon.spec(x, bufs_, None, cfg, arm_neon._FMT_CB2, 16, 128, layout)
-        assert not ((y.double() - x.double() @ w.double().T).abs() <= _bound(w, x)).all()
+        assert not ((y.double() - x.double() @ w.double().T).abs() <= int8_activation_bound(w, x)).all()
 
 
 # --- the native op ----------------------------------------------------------------------------------------------
@@ -217,7 +210,7 @@ def test_native_op_matches_spec_and_reference(name, cfg, bufs, path, layout):
             s = arm_neon.spec(x, packed, bias, cfg, arm_neon._format(cfg), N, K, layout)
             assert torch.allclose(y, s, rtol=1e-5, atol=1e-5 * float(s.abs().max()) + 1e-6)
             ref = x.double() @ w.double().T + (0 if bias is None else bias.double())
-            assert ((y.double() - ref).abs() <= _bound(w, x)).all()
+            assert ((y.double() - ref).abs() <= int8_activation_bound(w, x)).all()
 
 
 @native
@@ -278,7 +271,7 @@ def test_modules_on_the_arm_backend(dtype, tmp_path):
         w = ref.dequantize(torch.float64)
         x2 = x.reshape(-1, 128).float()
         err = (y.reshape(-1, 40).double() - (x2.double() @ w.T + lin.bias.double()))
-        tol = _bound(w, x2) + (0 if dtype == torch.float32 else 2 ** -7 * y.reshape(-1, 40).double().abs())
+        tol = int8_activation_bound(w, x2) + (0 if dtype == torch.float32 else 2 ** -7 * y.reshape(-1, 40).double().abs())
         assert (err.abs() <= tol).all()
         torch._dynamo.reset()
         compiled = torch.compile(mod, fullgraph=True, backend="eager")
@@ -337,4 +330,4 @@ def test_gptq_act_order_layer_on_the_arm_backend():
     ref = x.double() @ w.T + lin.bias.double()
     # the kernel sees x[..., perm] and the reordered weight: bound over the reordered blocks
     perm = m.perm.long()
-    assert ((m(x).double() - ref).abs() <= _bound(w[:, perm], x[:, perm])).all()
+    assert ((m(x).double() - ref).abs() <= int8_activation_bound(w[:, perm], x[:, perm])).all()

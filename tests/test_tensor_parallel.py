@@ -3,12 +3,15 @@ Both ways in: qlinear.tensor_parallel.parallelize on a model in memory, and tran
 loading (``from_pretrained(..., distributed_config=DistributedConfig(tp_size=W))``) of saved qlinear checkpoints.
 
 Bound: sharding only changes the order of fp32 sums (partial products all-reduced), so logits agree with the
-single-process model within 1e-4 of their largest magnitude; greedy text is identical."""
+single-process model within 1e-4 of their largest magnitude; greedy text is identical.  The workers run the reference
+backend: a CPU kernel with int8 activations (x86, Arm) quantizes each rank's blocks of x on their own, which is not a
+reordering of sums."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -29,8 +32,9 @@ def _free_port() -> int:
 def _run(world: int, tmp_path: Path, *extra: str) -> list[dict]:
     out = tmp_path / f"tp{world}.json"
     port = str(_free_port())
+    env = {**os.environ, "QLINEAR_BACKEND": "reference"}
     procs = [subprocess.Popen([sys.executable, str(WORKER), str(r), str(world), port, str(out), *extra],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(world)]
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env) for r in range(world)]
     try:
         logs = [p.communicate(timeout=600)[0] for p in procs]
     finally:

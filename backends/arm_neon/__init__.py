@@ -45,7 +45,8 @@ from qlinear.formats import bcq
 from qlinear.formats.packing import pack, unpack
 
 from .. import ANY, Kernel, Layout, register
-from .._native import build
+from .._cpu import pad_groups, quantize_activations, unpad_groups
+from .._native import OPENMP, build
 
 __all__ = ["BCQ_LAYOUT", "CODEBOOK_LAYOUT", "LAYOUT", "default_layout", "spec", "linear", "available", "PATHS"]
 
@@ -89,18 +90,6 @@ def _unblocks(v: torch.Tensor, N: int, K: int, layout: str) -> torch.Tensor:
     dims = [Nb] + [H if d == -1 else d for d in shape]
     inv = [perm.index(i) for i in range(len(perm))]
     return v.reshape([dims[i] for i in perm]).permute(*inv).reshape(Nb * 8, K)[:N]
-
-
-def _pad_groups(t: torch.Tensor, N: int) -> torch.Tensor:
-    """``[N, G]`` -> ``[Nb, G, 8]`` (rows of a block together, zero rows pad N)."""
-    Nb = math.ceil(N / 8)
-    out = t.new_zeros(Nb * 8, t.shape[1])
-    out[:N] = t
-    return out.view(Nb, 8, -1).transpose(1, 2).contiguous()
-
-
-def _unpad_groups(t: torch.Tensor, N: int) -> torch.Tensor:
-    return t.transpose(1, 2).reshape(-1, t.shape[1])[:N].contiguous()
 
 
 def _pack_nibbles(v: torch.Tensor) -> torch.Tensor:
@@ -149,9 +138,9 @@ def repack_bcq(buffers: dict, cfg, N: int, K: int, layout: Optional[str] = None)
     non-uniform α or an unknown layout."""
     layout = _layout_arg(layout)
     codes, s, zeros = bcq.uniform_parts(buffers, cfg, N, K)
-    out = {"arm_qw": _pack_nibbles(_blocks(codes ^ 8, N, K, layout)), "arm_qs": _pad_groups(s, N)}
+    out = {"arm_qw": _pack_nibbles(_blocks(codes ^ 8, N, K, layout)), "arm_qs": pad_groups(s, N, 8)}
     if zeros is not None:
-        out["arm_qz"] = _pad_groups(bcq.uniform_offset(s, zeros, 4), N)
+        out["arm_qz"] = pad_groups(bcq.uniform_offset(s, zeros, 4), N, 8)
     return out
 
 
@@ -159,8 +148,8 @@ def unrepack_bcq(buffers: dict, cfg, N: int, K: int, layout: Optional[str] = Non
     """``layout`` (None: :data:`LAYOUT`) -> canonical BCQ buffers (exact inverse of :func:`repack_bcq`)."""
     layout = _layout_arg(layout)
     codes = _unblocks(_unpack_nibbles(buffers["arm_qw"]), N, K, layout) ^ 8
-    s = _unpad_groups(buffers["arm_qs"], N)
-    zeros = bcq.uniform_zeros(s, _unpad_groups(buffers["arm_qz"], N), 4) if "arm_qz" in buffers else None
+    s = unpad_groups(buffers["arm_qs"], N)
+    zeros = bcq.uniform_zeros(s, unpad_groups(buffers["arm_qz"], N), 4) if "arm_qz" in buffers else None
     return bcq.uniform_buffers(codes, s, zeros, 4)
 
 
@@ -172,9 +161,9 @@ def repack_codebook(buffers: dict, cfg, N: int, K: int, layout: Optional[str] = 
     G, C = K // cfg.group_size, cfg.books
     v = _blocks(unpack(buffers["codes"], cfg.bits, K), N, K, layout)
     qw = _pack_nibbles(v) if cfg.bits == 4 else _pack_crumbs(v)
-    out = {"arm_qw": qw, "arm_qs": _pad_groups(buffers["scales"], N)}
+    out = {"arm_qw": qw, "arm_qs": pad_groups(buffers["scales"], N, 8)}
     if C > 1:
-        books = _pad_groups(unpack(buffers["book_idx"], int(math.log2(C)), G), N)     # [Nb, G, 8]
+        books = pad_groups(unpack(buffers["book_idx"], int(math.log2(C)), G), N, 8)  # [Nb, G, 8]
         word = (books << _book_shifts(books.device, layout)).sum(-1)                   # 16 bits
         out["arm_qb"] = torch.where(word >= 32768, word - 65536, word).to(torch.int16)
     out["codebooks"] = buffers["codebooks"]
@@ -189,8 +178,8 @@ def unrepack_codebook(buffers: dict, cfg, N: int, K: int, layout: Optional[str] 
     v = _unpack_nibbles(qw) if cfg.bits == 4 else _unpack_crumbs(qw)
     out = {"codes": pack(_unblocks(v, N, K, layout), cfg.bits)}
     if C > 1:
-        out["book_idx"] = pack(_unpad_groups(_word_books(buffers["arm_qb"], layout), N), int(math.log2(C)))
-    out["scales"] = _unpad_groups(buffers["arm_qs"], N)
+        out["book_idx"] = pack(unpad_groups(_word_books(buffers["arm_qb"], layout), N), int(math.log2(C)))
+    out["scales"] = unpad_groups(buffers["arm_qs"], N)
     out["codebooks"] = buffers["codebooks"]
     return out
 
@@ -220,16 +209,6 @@ CODEBOOK_LAYOUT = Layout(name="arm_neon_codebook" + _SUFFIX,
                          repack=repack_codebook, unrepack=unrepack_codebook)
 
 
-def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x`` ``[M, K]`` float32 -> (int8-valued codes ``[M, K]`` as int64, scales ``[M, K/32]`` float32):
-    per 32 inputs ``q = round_half_even(x · (127 / amax))``, ``scale = amax / 127`` (0 for an all-zero block)."""
-    xb = x.float().reshape(x.shape[0], -1, 32)
-    amax = xb.abs().amax(-1)
-    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
-    q = torch.round(xb * inv[..., None]).clamp(-127, 127)
-    return q.reshape(x.shape).long(), amax / 127.0
-
-
 def _weights_int8(buffers: dict, format: int, cfg, N: int, K: int, layout: str) -> torch.Tensor:
     """The int8 weights ``[Nb·8, K]`` (int64) the kernels decode, read through the packed ``layout``."""
     qw = buffers["arm_qw"]
@@ -254,12 +233,12 @@ def spec(x: torch.Tensor, buffers: dict, bias, cfg, format: int, N: int, K: int,
     M, H = x.shape[0], K // 32
     w = _weights_int8(buffers, format, cfg, N, K, layout)                      # [Nb·8, K]
     isum = torch.einsum("mhk,nhk->mnh", xq.view(M, H, 32).double(), w.view(-1, H, 32).double())  # exact
-    s = _unpad_groups(buffers["arm_qs"], buffers["arm_qs"].shape[0] * 8).float()  # [Nb·8, G]
+    s = unpad_groups(buffers["arm_qs"], buffers["arm_qs"].shape[0] * 8).float()  # [Nb·8, G]
     per = gs // 32
     t = s.repeat_interleave(per, 1)[:, :H] * (xs * (0.0625 if format == _FMT_BCQ4 else 1.0))[:, None, :]
     y = (isum.float() * t).sum(-1)
     if format == _FMT_BCQ4:
-        c = _unpad_groups(buffers["arm_qz"], s.shape[0]).float() if cfg.offset else torch.zeros_like(s)
+        c = unpad_groups(buffers["arm_qz"], s.shape[0]).float() if cfg.offset else torch.zeros_like(s)
         z = c + 0.5 * s                                                        # [Nb·8, G]
         G = s.shape[1]
         xsum = torch.stack([x.float()[:, g * gs:(g + 1) * gs].sum(-1) for g in range(G)], 1)  # [M, G]
@@ -282,7 +261,7 @@ def available() -> Optional[str]:
         except ImportError:
             return "SIMDe headers not found (pip install 'simde-py>=0.8.2')"
         flags = ("-O3", "-std=c++17", "-march=native", f"-I{simde_py.get_include()}")
-    return build("qlinear_arm_neon", sources, cflags=flags)
+    return build("qlinear_arm_neon", sources, cflags=flags + OPENMP, ldflags=OPENMP)
 
 
 def _format(cfg) -> int:

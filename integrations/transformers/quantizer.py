@@ -361,14 +361,13 @@ class QLinearHfQuantizer(HfQuantizer):
         check_loaded = len(set(device_map.values())) <= 1 and "disk" not in device_map.values()
         bad = []
         for name, mod in model.named_modules():
-            if not isinstance(mod, QuantLinear):
-                continue
+            if not isinstance(mod, QuantLinear) or name in (self._tp_specs or {}):  # those were read by load_shards,
+                continue  # already sliced and repacked for their device
             for buf, (shape, dt) in mod.held_specs().items():  # as loaded: an older storage is converted below
                 t = getattr(mod, buf)
                 if tuple(t.shape) != tuple(shape) or t.dtype != dt:
                     bad.append(f"{name}.{buf}: loaded {t.dtype} {list(t.shape)}, expected {dt} {list(shape)}")
-                elif check_loaded and name not in (self._tp_specs or {}) and (  # those were read by load_shards
-                        t.device.type == "meta" or not getattr(t, "_is_hf_initialized", False)):
+                elif check_loaded and (t.device.type == "meta" or not getattr(t, "_is_hf_initialized", False)):
                     bad.append(f"{name}.{buf}: missing from the checkpoint")
         if bad:
             raise ValueError(f"qlinear checkpoint does not match its quantization_config "

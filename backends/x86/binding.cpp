@@ -1,0 +1,49 @@
+// Torch binding of the x86 kernels: CPU implementation of qlinear::x86_gemm, whose schema and fake implementation
+// are declared in qlinear/ops.py.  Activations are quantized once per call, then the 16-row blocks are split
+// across threads with at::parallel_for.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include "qgemm.h"
+
+namespace {
+
+at::Tensor x86_gemm(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& qs, const at::Tensor& qz,
+                    const std::optional<at::Tensor>& bias, int64_t N, int64_t group_size, int64_t path) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(),
+              "x86_gemm: x must be a contiguous float32 CPU [M, K] tensor");
+  const int64_t M = x.size(0), K = x.size(1), Nb = (N + 15) / 16;
+  TORCH_CHECK(K > 0 && K % 32 == 0 && group_size > 0 && group_size % 32 == 0,
+              "x86_gemm: K and group_size must be positive multiples of 32");
+  TORCH_CHECK(path >= qlinear_x86::kAuto && path <= qlinear_x86::kAVX512VNNI, "x86_gemm: unknown path ", path);
+  TORCH_CHECK(path == qlinear_x86::kAuto || qlinear_x86::path_supported((int)path),
+              "x86_gemm: this CPU cannot run path ", path);
+  const int64_t G = (K + group_size - 1) / group_size;
+  TORCH_CHECK(qw.scalar_type() == at::kByte && qw.is_contiguous() && qw.numel() == Nb * (K / 8) * 64,
+              "x86_gemm: qw must be contiguous uint8 [", Nb, ", ", K / 8, ", 64]");
+  TORCH_CHECK(qs.scalar_type() == at::kHalf && qs.is_contiguous() && qs.numel() == Nb * G * 16,
+              "x86_gemm: qs must be contiguous fp16 [", Nb, ", ", G, ", 16]");
+  TORCH_CHECK(qz.scalar_type() == at::kByte && qz.is_contiguous() && qz.numel() == Nb * G * 16,
+              "x86_gemm: qz must be contiguous uint8 [", Nb, ", ", G, ", 16]");
+  at::Tensor bias32;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->numel() == N, "x86_gemm: bias must have N elements");
+    bias32 = bias->to(at::kFloat).contiguous();
+  }
+  qlinear_x86::Weights w{qw.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(qs.data_ptr<at::Half>()),
+                         qz.data_ptr<uint8_t>(), (int)N, (int)K, (int)group_size};
+  at::Tensor work = at::empty({qlinear_x86::acts_bytes((int)M, (int)K, (int)group_size) + 16}, x.options().dtype(at::kByte));
+  void* aligned = reinterpret_cast<void*>((reinterpret_cast<uintptr_t>(work.data_ptr()) + 15) & ~uintptr_t(15));
+  qlinear_x86::Acts a{};
+  qlinear_x86::prepare_acts(x.data_ptr<float>(), (int)M, (int)K, (int)group_size, aligned, &a);
+  at::Tensor y = at::empty({M, N}, x.options());
+  const float* b = bias.has_value() ? bias32.data_ptr<float>() : nullptr;
+  float* out = y.data_ptr<float>();
+  at::parallel_for(0, Nb, 4, [&](int64_t b0, int64_t b1) { qlinear_x86::run(w, a, b, out, (int)b0, (int)b1, (int)path); });
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(qlinear, CPU, m) { m.impl("x86_gemm", &x86_gemm); }

@@ -1,0 +1,121 @@
+"""x86 CPU kernels versus dense torch and PyTorch's own int4 CPU kernel, per layer and end to end (issue 25).
+
+    python benchmarks/bench_x86.py                 # layers, then SmolLM2 greedy decode
+    python benchmarks/bench_x86.py --no-e2e --shapes 4096x4096 --batches 1,8
+
+Per layer (median µs, torch's threads as set): dense fp32 and bf16 ``F.linear``; PyTorch's int4 CPU kernel
+(``aten._weight_int4pack_mm_for_cpu``, bf16 activations, the same group size); qlinear's reference backend
+(dequantize + matmul); qlinear's x86 kernels on each path this CPU has.  Weights: uniform 4-bit, group 128 (64 where
+K is not a multiple of 128, e.g. SmolLM2's 576).  End to end: SmolLM2-135M greedy decode tokens/s, float32 versus
+round-to-nearest 4-bit g64 through the x86 backend and through the reference, in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import time
+
+import torch
+
+from common import table, timeit
+from qlinear.backends import x86
+from qlinear.formats import bcq
+
+SHAPES = [(4096, 4096), (11008, 4096), (576, 576), (1536, 576), (576, 1536)]
+PATHS = ("avx512_vnni", "avx2_vnni", "avx2", "scalar")
+
+
+def _runs(path: str, x, packed, cfg, N, K) -> bool:
+    try:
+        x86.linear(x, packed, None, cfg, N, K, path=path)
+        return True
+    except RuntimeError as e:
+        if "cannot run path" in str(e):
+            return False
+        raise
+
+
+def layers(shapes, batches, iters):
+    rows = []
+    for N, K in shapes:
+        gs = 128 if K % 128 == 0 else 64
+        cfg = bcq.Config(bits=4, group_size=gs, init="uniform", iters=0)
+        w = torch.randn(N, K) * 0.02
+        canon = bcq.quantize(w, cfg)
+        packed = x86.repack(canon, cfg, N, K)
+        codes, s, z = bcq.uniform_parts(canon, cfg, N, K)
+        int4 = torch._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
+        # tinygemm's (scale, zero) convention: w = (q - 8)·scale + zero, so zero = (8 − z)·s
+        sz = torch.stack([s.float().T, ((8 - z) * s.float()).T], -1).to(torch.bfloat16).contiguous()
+        wd = bcq.dequantize(canon, cfg, N, K)
+        wb = wd.bfloat16()
+        for M in batches:
+            x = torch.randn(M, K)
+            xb = x.bfloat16()
+            slow = N * K >= 4096 * 4096
+            t = {"fp32": timeit(lambda: torch.nn.functional.linear(x, wd), iters=iters),
+                 "bf16": timeit(lambda: torch.nn.functional.linear(xb, wb), iters=iters),
+                 "int4": timeit(lambda: torch._weight_int4pack_mm_for_cpu(xb, int4, gs, sz), iters=iters),
+                 "ref": timeit(lambda: torch.nn.functional.linear(x, bcq.dequantize(canon, cfg, N, K)),
+                               warmup=1, iters=3 if slow else iters)}
+            for p in PATHS:
+                if (p != "scalar" or N * K * M <= 4096 * 4096) and _runs(p, x, packed, cfg, N, K):
+                    t[p] = timeit(lambda p=p: x86.linear(x, packed, None, cfg, N, K, path=p), iters=iters)
+            best = min(t[p] for p in PATHS if p in t)
+            rows.append([f"{N}x{K}", M, gs, *[t.get(k, float("nan")) for k in ("fp32", "bf16", "int4", "ref", *PATHS)],
+                         t["int4"] / best, t["bf16"] / best])
+    return rows
+
+
+def decode(tokens: int):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import qlinear
+    from qlinear.evaluation import smollm2_checkpoint
+
+    path = smollm2_checkpoint()
+    tok = AutoTokenizer.from_pretrained(path)
+    ids = tok("The capital of France is", return_tensors="pt").input_ids
+    out = []
+    for label, backend in (("float32", None), ("RTN 4-bit g64, x86", "x86"), ("RTN 4-bit g64, reference", "reference")):
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        if backend is not None:
+            qlinear.replace_linear(model, qlinear.QLinearConfig("bcq", bits=4, group_size=64, init="uniform",
+                                                                iters=0, backend=backend), progress=False)
+        kw = dict(max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False, pad_token_id=tok.eos_token_id)
+        with torch.no_grad():
+            model.generate(ids, **kw)  # warm-up
+            t = time.perf_counter()
+            model.generate(ids, **kw)
+            out.append([label, tokens / (time.perf_counter() - t)])
+    for r in out:
+        r.append(r[1] / out[0][1])
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", default=",".join(f"{n}x{k}" for n, k in SHAPES), help="NxK list")
+    ap.add_argument("--batches", default="1,8,64,512", help="M list")
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--tokens", type=int, default=32, help="decode tokens (end to end)")
+    ap.add_argument("--no-e2e", action="store_true", help="skip the SmolLM2 decode")
+    args = ap.parse_args()
+    assert x86.available() is None, x86.available()
+    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+    batches = [int(b) for b in args.batches.split(",")]
+    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")),
+               platform.processor())
+    print(f"{time.strftime('%Y-%m-%d')}, {cpu}, torch {torch.__version__}, {torch.get_num_threads()} threads; "
+          f"median µs per call; uniform 4-bit weights")
+    print(table(["N x K", "M", "group", "dense fp32", "dense bf16", "PyTorch int4", "qlinear reference",
+                 *[f"x86 {p}" for p in PATHS], "int4 / best x86", "bf16 / best x86"],
+                layers(shapes, batches, args.iters)))
+    if not args.no_e2e:
+        print(f"\nSmolLM2-135M greedy decode, {args.tokens} tokens after a 5-token prompt, batch 1")
+        print(table(["model", "tokens/s", "vs float32"], decode(args.tokens)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,207 @@
+"""x86 backend (AVX-512 VNNI / AVX2 + AVX-VNNI / AVX2 / scalar): its layout, executable spec, every dispatch path of
+the native op on this machine, registry rules and modules.
+
+Error bound versus the float64 reference: the int8 activations' (``conftest.int8_activation_bound``, as for the Arm
+kernels).  Native op versus :func:`qlinear.backends.x86.spec` (float64 of the same integers): fp32 rounding of the
+per-block scaling and the sums over blocks and groups, ``(H + 2G + 4)·2⁻²⁴·Σ_k |ŵ_k|·|x̂_k|`` with x̂ the int8
+activations times their scales.
+"""
+
+from __future__ import annotations
+
+import platform
+
+import pytest
+import torch
+from conftest import int8_activation_bound, ref64
+
+import qlinear.backends as backends
+from qlinear import BCQLinear, QLinearConfig
+from qlinear.backends import x86
+from qlinear.backends._cpu import quantize_activations
+from qlinear.formats import bcq
+
+pytestmark = pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="x86-64 only")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _built():
+    """The extension builds on every x86-64 machine with a C++ compiler (a failure here is a real failure)."""
+    assert x86.available() is None, x86.available()
+
+
+def _layer(N, K, group_size, offset=True, imported=False, seed=0):
+    """``(cfg, canonical buffers)``: round-to-nearest, or (``imported``) random codes and zero points over their
+    whole range, as a GPTQ checkpoint may hold them."""
+    g = torch.Generator().manual_seed(seed)
+    if imported:
+        G = 1 if group_size == -1 else -(-K // group_size)
+        zeros = torch.randint(0, 16, (N, G), generator=g)
+        zeros[0, 0], zeros[-1, -1] = 0, 15
+        return bcq.from_uniform(torch.randint(0, 16, (N, K), generator=g),
+                                (torch.rand(N, G, generator=g) * 0.02 + 1e-3).half(), zeros, 4, group_size)
+    cfg = bcq.Config(bits=4, group_size=group_size, offset=offset, init="uniform", iters=0)
+    return cfg, bcq.quantize(torch.randn(N, K, generator=g), cfg)
+
+
+CASES = {
+    "g128": (48, 256, 128, True, False),
+    "g64 ragged N tail": (40, 320, 64, True, True),  # 40 rows: a half-filled last block
+    "g128 ragged last group": (24, 576, 128, True, False),  # SmolLM2's 576 inputs: 4 groups of 128, one of 64
+    "g32 no offset": (16, 96, 32, False, False),
+    "whole row": (33, 128, -1, True, True),
+}
+
+
+def _case(name):
+    N, K, gs, offset, imported = CASES[name]
+    cfg, bufs = _layer(N, K, gs, offset, imported, seed=N + K)
+    return cfg, bufs, N, K
+
+
+def _dense(cfg, bufs, N, K):
+    from conftest import dense64
+
+    return dense64("bcq", bufs, cfg, N, K)
+
+
+def _op(x, packed, bias, N, cfg, path):
+    gs = x.shape[1] if cfg.group_size == -1 else cfg.group_size
+    try:
+        return torch.ops.qlinear.x86_gemm(x, packed["x86_qw"], packed["x86_qs"], packed["x86_qz"], bias, N, gs,
+                                          x86.PATHS[path])
+    except RuntimeError as e:
+        if "cannot run path" in str(e):
+            pytest.skip(f"this CPU has no {path}")
+        raise
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_layout_round_trip_is_exact(name):
+    cfg, bufs, N, K = _case(name)
+    packed = x86.repack(bufs, cfg, N, K)
+    assert tuple(packed) == x86.LAYOUT.names(cfg)
+    assert [(t.dtype, tuple(t.shape)) for t in packed.values()] == [
+        (torch.uint8, (-(-N // 16), K // 8, 64)), (torch.float16, (-(-N // 16), bufs["scales"].shape[1], 16)),
+        (torch.uint8, (-(-N // 16), bufs["scales"].shape[1], 16))]
+    back = x86.unrepack(packed, cfg, N, K)
+    assert set(back) == set(bufs) and all(torch.equal(back[k], bufs[k]) and back[k].dtype == bufs[k].dtype
+                                          for k in bufs)
+
+
+def test_layout_puts_each_code_where_the_header_says():
+    """Byte ``4r + j`` of chunk ``c`` of block ``b``: code ``[16b + r, 8c + j]`` low, ``[16b + r, 8c + 4 + j]`` high."""
+    cfg, bufs, N, K = _case("g64 ragged N tail")
+    codes, s, zeros = bcq.uniform_parts(bufs, cfg, N, K)
+    packed = x86.repack(bufs, cfg, N, K)
+    qw, qs, qz = packed["x86_qw"], packed["x86_qs"], packed["x86_qz"]
+    for n, k in [(0, 0), (1, 5), (17, 300), (39, 319), (15, 12), (16, 7)]:
+        b, r, c, j = n // 16, n % 16, k // 8, k % 4
+        byte = int(qw[b, c, 4 * r + j])
+        assert (byte & 15 if k % 8 < 4 else byte >> 4) == codes[n, k]
+        g = k // 64
+        assert qs[b, g, r] == s[n, g] and int(qz[b, g, r]) == 2 * int(zeros[n, g])
+    assert not qw[2, :, 4 * 8:].any() and not qs[2, :, 8:].any()  # rows 40..47 pad with zeros
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_spec_matches_reference_within_activation_bound(name):
+    cfg, bufs, N, K = _case(name)
+    packed = x86.repack(bufs, cfg, N, K)
+    w = _dense(cfg, bufs, N, K)
+    bias = torch.randn(N)
+    for M in (1, 3, 8):
+        x = torch.randn(M, K)
+        x[0, :32] *= 20  # one block with a large amax
+        y = x86.spec(x, packed, bias, cfg, N, K)
+        assert ((y - (x.double() @ w.T + bias.double())).abs() <= int8_activation_bound(w, x)).all()
+
+
+def test_spec_catches_a_wrong_layout():
+    cfg, bufs, N, K = _case("g128")
+    packed = x86.repack(bufs, cfg, N, K)
+    w = _dense(cfg, bufs, N, K)
+    x = torch.randn(2, K)
+    qw = packed["x86_qw"]
+    swapped = ((qw & 15) << 4) | (qw >> 4)  # the two halves of each chunk exchanged
+    rows = qw.view(*qw.shape[:2], 16, 4).flip(2).reshape(qw.shape)  # rows of a block reversed
+    for bad in ({**packed, "x86_qw": swapped}, {**packed, "x86_qw": rows},
+                {**packed, "x86_qz": packed["x86_qz"].flip(1).contiguous()}):
+        y = x86.spec(x, bad, None, cfg, N, K)
+        assert not ((y - x.double() @ w.T).abs() <= int8_activation_bound(w, x)).all()
+
+
+def _native_bound(cfg, bufs, packed, N, K, x):
+    xq, xs = quantize_activations(x)
+    xhat = (xq.view(x.shape[0], K // 32, 32).double() * xs.double()[..., None]).view(x.shape[0], K)
+    G = packed["x86_qs"].shape[1]
+    return (K // 32 + 2 * G + 4) * 2.0 ** -24 * (xhat.abs() @ _dense(cfg, bufs, N, K).abs().T) + 1e-30
+
+
+@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("bias", [True, False])
+def test_every_path_matches_the_spec_and_the_others_bitwise(name, bias):
+    cfg, bufs, N, K = _case(name)
+    packed = x86.repack(bufs, cfg, N, K)
+    b = torch.randn(N) if bias else None
+    for M in (1, 2, 3, 4, 5, 8, 17):
+        x = torch.randn(M, K)
+        x[-1, 32:64] = 0  # an all-zero block: scale 0
+        ys = {path: _op(x, packed, b, N, cfg, path) for path in ("scalar", "avx2", "avx2_vnni", "avx512_vnni")}
+        y64 = x86.spec(x, packed, b, cfg, N, K)
+        bound = _native_bound(cfg, bufs, packed, N, K, x) + (0 if b is None else 2.0 ** -24 * y64.abs())
+        for path, y in ys.items():
+            assert y.shape == (M, N) and y.dtype == torch.float32
+            assert ((y.double() - y64).abs() <= bound).all(), (path, M)
+            assert torch.equal(y, ys["scalar"]), (path, M)  # the same integers and fp32 operations: the same bits
+        assert torch.equal(_op(x, packed, b, N, cfg, "auto"), ys["scalar"])
+
+
+def test_op_rejects_inconsistent_buffers():
+    cfg, bufs, N, K = _case("g128")
+    packed = x86.repack(bufs, cfg, N, K)
+    x = torch.randn(1, K)
+    with pytest.raises(RuntimeError, match="qw must be contiguous uint8"):
+        torch.ops.qlinear.x86_gemm(x, packed["x86_qw"][:1], packed["x86_qs"], packed["x86_qz"], None, N, 128, 0)
+    with pytest.raises(RuntimeError, match="x must be a contiguous float32"):
+        torch.ops.qlinear.x86_gemm(x.double(), packed["x86_qw"], packed["x86_qs"], packed["x86_qz"], None, N, 128, 0)
+    with pytest.raises(RuntimeError, match="unknown path"):
+        torch.ops.qlinear.x86_gemm(x, packed["x86_qw"], packed["x86_qs"], packed["x86_qz"], None, N, 128, 9)
+
+
+def test_registry_reasons():
+    k = next(k for k in backends.kernels("bcq") if k.backend == "x86")
+    cpu = torch.device("cpu")
+    assert "uniform" in k.reject(bcq.Config(bits=4, group_size=128), cpu, torch.float32, 1, (64, 256))
+    assert "bits=3" in k.reject(bcq.Config(bits=3, init="uniform", iters=0), cpu, torch.float32, 1, (64, 256))
+    assert "device cuda" in k.reject(bcq.Config(bits=4, init="uniform", iters=0), torch.device("cuda"),
+                                     torch.float16, 1, (64, 256))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_modules_on_the_x86_backend(dtype, tmp_path):
+    """A round-to-nearest and a GPTQ act_order layer hold the x86 layout on the CPU, run the native op within the
+    activations' bound of the float64 reference, save canonical buffers and reload exactly; compile keeps them."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(320, 40)
+    X = torch.randn(512, 320) * torch.linspace(0.1, 2.0, 320)
+    for cfg, h in ((QLinearConfig("bcq", bits=4, group_size=64, init="uniform", iters=0), None),
+                   (QLinearConfig("bcq", bits=4, group_size=64, method="gptq", act_order=True), X.T @ X)):
+        m = BCQLinear.from_linear(lin, cfg, h)
+        x = torch.randn(2, 3, 320).to(dtype)
+        assert m.layout == "x86_u4" and m.kernel(x).backend == "x86"
+        y = m(x)
+        assert y.dtype == dtype and y.shape == (2, 3, 40)
+        x2 = x.reshape(-1, 320).float()
+        w = _dense(m.config, m.canonical(), 40, 320)  # in input order; x is quantized after the act_order gather
+        perm = m.canonical()["perm"].long() if "perm" in m.canonical() else torch.arange(320)
+        tol = int8_activation_bound(w[:, perm], x2[:, perm]) + (0 if dtype == torch.float32 else
+                                                       2 ** -7 * y.reshape(-1, 40).double().abs())
+        assert ((y.reshape(-1, 40).double() - ref64(m, x2)).abs() <= tol).all()
+        sd = m.state_dict()
+        assert "qweight" in sd and not any(k.startswith("x86_") for k in sd)
+        torch.save(sd, tmp_path / "m.pt")
+        again = BCQLinear(320, 40, True, m.config)
+        again.load_state_dict(torch.load(tmp_path / "m.pt"))
+        assert again.layout == "x86_u4" and torch.equal(again(x), y)
+        assert torch.equal(torch.compile(again, fullgraph=True, backend="eager")(x), y)
