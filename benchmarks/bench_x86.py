@@ -2,19 +2,27 @@
 
     python benchmarks/bench_x86.py                 # layers, then SmolLM2 greedy decode
     python benchmarks/bench_x86.py --no-e2e --shapes 4096x4096 --batches 1,8
+    python benchmarks/bench_x86.py --callgrind    # instructions per weight of each M=1 path under valgrind
 
 Per layer (median µs, torch's threads as set): dense fp32 and bf16 ``F.linear``; PyTorch's int4 CPU kernel
 (``aten._weight_int4pack_mm_for_cpu``, bf16 activations, the same group size); qlinear's reference backend
 (dequantize + matmul); qlinear's x86 kernels on each path this CPU has.  Weights: uniform 4-bit, group 128 (64 where
 K is not a multiple of 128, e.g. SmolLM2's 576).  End to end: SmolLM2-135M greedy decode tokens/s, float32 versus
 round-to-nearest 4-bit g64 through the x86 backend and through the reference, in the same run.
+``--callgrind``: the torch-free harness (``backends/x86/harness.cpp``) built with g++ and run under valgrind's
+callgrind, instructions executed inside ``qlinear_x86::run`` per weight (repeatable on a noisy machine; valgrind
+emulates neither AVX-512 nor AVX-VNNI, so those paths report "not run").
 """
 
 from __future__ import annotations
 
 import argparse
 import platform
+import re
+import subprocess
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -68,6 +76,27 @@ def layers(shapes, batches, iters):
     return rows
 
 
+def callgrind(shapes):
+    """Instructions per weight of each path at M=1 (callgrind, one call, one thread)."""
+    here = Path(x86.__file__).parent
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        exe = Path(tmp) / "harness"
+        subprocess.run(["g++", "-O3", "-std=c++17", "-ffp-contract=off", str(here / "kernels.cpp"),
+                        str(here / "harness.cpp"), "-o", str(exe)], check=True)
+        for N, K in shapes:
+            gs = 128 if K % 128 == 0 else 64
+            row = [f"{N}x{K}", gs]
+            for p in PATHS:
+                r = subprocess.run(["valgrind", "--tool=callgrind", f"--callgrind-out-file={tmp}/cg.out",
+                                    "--toggle-collect=qlinear_x86::run*", str(exe), str(x86.PATHS[p]), "1", str(N),
+                                    str(K), str(gs), "1"], capture_output=True, text=True)
+                m = re.search(r"Collected : (\d+)", r.stderr)
+                row.append(int(m.group(1)) / (N * K) if r.returncode == 0 and m else "not run")
+            rows.append(row)
+    return rows
+
+
 def decode(tokens: int):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -101,9 +130,14 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--tokens", type=int, default=32, help="decode tokens (end to end)")
     ap.add_argument("--no-e2e", action="store_true", help="skip the SmolLM2 decode")
+    ap.add_argument("--callgrind", action="store_true", help="only the instruction counts (needs g++ and valgrind)")
     args = ap.parse_args()
     assert x86.available() is None, x86.available()
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+    if args.callgrind:
+        print(f"{time.strftime('%Y-%m-%d')}: instructions per weight inside qlinear_x86::run, M=1 (callgrind)")
+        print(table(["N x K", "group", *[f"x86 {p}" for p in PATHS]], callgrind(shapes)))
+        return
     batches = [int(b) for b in args.batches.split(",")]
     cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")),
                platform.processor())

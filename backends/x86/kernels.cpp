@@ -72,7 +72,7 @@ void block_scalar(const Weights& w, const Acts& a, const float* bias, float* y, 
 // Independent int32 accumulator chains per activation row: VPDPBUSD's latency (~5 cycles) would otherwise bound a
 // GEMV; integer sums are exact, so splitting them changes no bit.
 template <int MT>
-constexpr int chains() { return MT <= 2 ? 4 : 2; }
+constexpr int chains() { return MT <= 2 ? 4 : MT <= 4 ? 2 : 1; }
 
 // ---- AVX-512 VNNI: a block's 16 rows in one register, MT activation rows at a time -----------------------------
 template <int MT>
@@ -96,16 +96,16 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni"))) void tile_avx512
       for (int c = 0; c < 4; ++c) {
         const __m512i v = _mm512_loadu_si512(qw + static_cast<int64_t>(4 * h + c) * 64);
         const __m512i lo = _mm512_and_si512(v, nib), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
-        const int i = A == 4 ? 2 * (c & 1) : 0;
+        const int i = A == 4 ? 2 * (c & 1) : 0, j = A == 1 ? i : i + 1;
         for (int m = 0; m < MT; ++m) {
           const int8_t* xp = a.xq + static_cast<int64_t>(m0 + m) * K + 32 * h + 8 * c;
           iacc[m][i] = _mm512_dpbusd_epi32(iacc[m][i], lo, _mm512_set1_epi32(load4(xp)));
-          iacc[m][i + 1] = _mm512_dpbusd_epi32(iacc[m][i + 1], hi, _mm512_set1_epi32(load4(xp + 4)));
+          iacc[m][j] = _mm512_dpbusd_epi32(iacc[m][j], hi, _mm512_set1_epi32(load4(xp + 4)));
         }
       }
       for (int m = 0; m < MT; ++m) {
-        __m512i sum = _mm512_add_epi32(iacc[m][0], iacc[m][1]);
-        if constexpr (A == 4) sum = _mm512_add_epi32(sum, _mm512_add_epi32(iacc[m][2], iacc[m][3]));
+        __m512i sum = iacc[m][0];
+        for (int k = 1; k < A; ++k) sum = _mm512_add_epi32(sum, iacc[m][k]);
         facc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(a.xs[static_cast<int64_t>(m0 + m) * H + h]),
                                   facc[m]);
       }
@@ -130,7 +130,11 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni"))) void tile_avx512
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni"))) void block_avx512(const Weights& w, const Acts& a,
                                                                                    const float* bias, float* y, int b) {
   int m = 0;
-  for (; m + 4 <= a.M; m += 4) tile_avx512<4>(w, a, bias, y, b, m);
+  for (; m + 8 <= a.M; m += 8) tile_avx512<8>(w, a, bias, y, b, m);
+  if (m + 4 <= a.M) {
+    tile_avx512<4>(w, a, bias, y, b, m);
+    m += 4;
+  }
   switch (a.M - m) {
     case 3: tile_avx512<3>(w, a, bias, y, b, m); break;
     case 2: tile_avx512<2>(w, a, bias, y, b, m); break;
