@@ -455,8 +455,8 @@ class QuantLinear(nn.Module):
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Dense ``Ŵ`` ``[out_features, in_features]`` of ``dtype`` (reference dequantization)."""
-        return ops.dequantize(list(self.canonical().values()), self.format, self._config_json, self.out_features,
-                              self.in_features, dtype)
+        return ops.dequantize(self.packed(), self.format, self._config_json, self.out_features, self.in_features,
+                              dtype, self.layout)
 
     def kernel(self, x: torch.Tensor) -> backends.Kernel:
         """The kernel that runs input ``x`` (resolved as ``forward`` resolves it).

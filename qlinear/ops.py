@@ -8,7 +8,7 @@ implementations give output shapes without running any kernel.
 * ``qlinear::linear(x, packed, bias, format, config, out_features, in_features, backend, layout) -> y``:
   ``y = x Ŵᵀ + b``, ``x`` ``[..., K]`` (fp32/fp16/bf16) -> ``[..., N]`` of ``x.dtype``; the kernel is
   chosen at run time by :func:`qlinear.backends.select` (``backend=""`` means automatic).
-* ``qlinear::dequantize(packed, format, config, out_features, in_features, dtype) -> Ŵ`` ``[N, K]``.
+* ``qlinear::dequantize(packed, format, config, out_features, in_features, dtype, layout) -> Ŵ`` ``[N, K]``.
 """
 
 from __future__ import annotations
@@ -146,14 +146,17 @@ def _(x, packed, bias, format, config, out_features, in_features, backend, layou
 
 @torch.library.custom_op("qlinear::dequantize", mutates_args=())
 def dequantize(packed: list[torch.Tensor], format: str, config: str, out_features: int, in_features: int,
-               dtype: torch.dtype) -> torch.Tensor:
-    """Reference dequantization ``Ŵ`` ``[N, K]`` of ``dtype`` from the packed buffers."""
-    cfg, bufs = _buffers(format, config, packed, out_features, in_features)
+               dtype: torch.dtype, layout: str) -> torch.Tensor:
+    """Reference dequantization ``Ŵ`` ``[N, K]`` of ``dtype`` from the packed buffers held in kernel ``layout`` ("" =
+    canonical).  The conversion back to the canonical buffers happens inside the op, where torch.compile does not
+    trace it (its bit unpacking has data-dependent checks)."""
+    cfg, bufs = _buffers(format, config, packed, out_features, in_features, layout)
+    bufs = canonical(bufs, cfg, layout, out_features, in_features)
     return get_format(format).dequantize(bufs, cfg, out_features, in_features).to(dtype)
 
 
 @dequantize.register_fake
-def _(packed, format, config, out_features, in_features, dtype):
+def _(packed, format, config, out_features, in_features, dtype, layout):
     return packed[0].new_empty(out_features, in_features, dtype=dtype)
 
 
@@ -168,9 +171,7 @@ def _backward(ctx, grad):
     format, config, out_features, in_features, dtype, has_bias, layout = ctx.meta
     grad_x = None
     if ctx.needs_input_grad[0]:
-        cfg, bufs = _buffers(format, config, list(ctx.saved_tensors), out_features, in_features, layout)
-        bufs = canonical(bufs, cfg, layout, out_features, in_features)
-        w = dequantize(list(bufs.values()), format, config, out_features, in_features, grad.dtype)
+        w = dequantize(list(ctx.saved_tensors), format, config, out_features, in_features, grad.dtype, layout)
         grad_x = (grad @ w).to(dtype)
     grad_b = grad.reshape(-1, out_features).sum(0) if has_bias and ctx.needs_input_grad[2] else None
     return grad_x, [None] * len(ctx.saved_tensors), grad_b, *[None] * 6
@@ -199,12 +200,12 @@ _lib.define("arm_gemm(Tensor x, Tensor qw, Tensor qs, Tensor? qz, Tensor? qb, Te
 def _(x, qw, qs, qz, qb, books, bias, format, num_books, N, group_size, path, layout):
     """Arm NEON/SDOT/SMMLA kernels of :mod:`qlinear.backends.arm_neon`: ``x`` ``[M, K]`` fp32 -> ``[M, N]`` fp32."""
     return x.new_empty(x.shape[0], N)
-_lib.define("x86_gemm(Tensor x, Tensor qw, Tensor qs, Tensor qz, Tensor? bias, int N, int group_size, int path) "
-            "-> Tensor")
+_lib.define("x86_gemm(Tensor x, Tensor qw, Tensor qs, Tensor qz, Tensor? bias, int N, int group_size, int format, "
+            "int path) -> Tensor")
 
 
 @torch.library.register_fake("qlinear::x86_gemm")
-def _(x, qw, qs, qz, bias, N, group_size, path):
+def _(x, qw, qs, qz, bias, N, group_size, format, path):
     """x86 AVX-512 VNNI / AVX2 kernels of :mod:`qlinear.backends.x86`: ``x`` ``[M, K]`` fp32 -> ``[M, N]`` fp32."""
     return x.new_empty(x.shape[0], N)
 

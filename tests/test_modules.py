@@ -358,7 +358,8 @@ def test_a_per_call_conversion_warns_once_and_names_the_reason(monkeypatch):
 def test_kernel_choice_is_logged_once_and_described(layers, caplog):
     lin, _ = layers
     model = nn.Sequential(nn.Linear(128, 64), nn.ReLU(), nn.Linear(64, 48))
-    qlinear.replace_linear(model, QLinearConfig("bcq", bits=4, group_size=32, iters=0), progress=False)
+    # 3 bits: no CPU kernel but the reference serves it, on any CPU
+    qlinear.replace_linear(model, QLinearConfig("bcq", bits=3, group_size=32, iters=0), progress=False)
     with caplog.at_level("INFO", logger="qlinear"), torch.no_grad():
         for _ in range(3):
             model(torch.randn(2, 128))
@@ -366,7 +367,7 @@ def test_kernel_choice_is_logged_once_and_described(layers, caplog):
     assert len(picks) == 2 and all("batch 2 -> kernel reference, layout canonical" in p for p in picks), picks
     text = qlinear.describe(model).splitlines()
     assert text[0].startswith("| layer |") and len(text) == 4
-    assert text[2].startswith("| 0 | BCQLinear | 128 -> 64 | bcq 4-bit |")
+    assert text[2].startswith("| 0 | BCQLinear | 128 -> 64 | bcq 3-bit |")
     assert text[2].endswith(f"| canonical ({model[0].bits_per_weight:.3f}) | reference |")
     model[2].backend = "nonexistent"
     assert "none: backend 'nonexistent' has no kernel" in qlinear.describe(model).splitlines()[3]
@@ -440,7 +441,7 @@ def test_a_configured_backend_is_a_preference_and_an_explicit_one_a_requirement(
             p = BCQLinear.from_linear(lin, QLinearConfig("bcq", bits=4, group_size=32, backend="cuda_lut"))
         assert p.backend is None and p.kernel(x).backend != "cuda_lut"
         ref = x.double() @ p.dequantize(torch.float64).T + lin.bias.double()
-        assert torch.allclose(p(x).double(), ref, atol=1e-4)
+        assert torch.allclose(p(x).double(), ref, atol=2e-2)  # within a CPU kernel's int8 activation rounding
         strict = BCQLinear.from_linear(lin, QLinearConfig("bcq", bits=4, group_size=32), backend="cuda_lut")
         with pytest.raises(ValueError, match="cuda_lut: device cpu not in"):
             strict(x)

@@ -30,10 +30,13 @@ def _built():
     assert x86.available() is None, x86.available()
 
 
-def _layer(N, K, group_size, offset=True, imported=False, seed=0):
-    """``(cfg, canonical buffers)``: round-to-nearest, or (``imported``) random codes and zero points over their
-    whole range, as a GPTQ checkpoint may hold them."""
+def _layer(N, K, group_size, offset=True, imported=False, seed=0, free=False):
+    """``(cfg, canonical buffers)``: round-to-nearest, (``imported``) random codes and zero points over their whole
+    range as a GPTQ checkpoint may hold them, or (``free``) free-α BCQ from the BCQ fit."""
     g = torch.Generator().manual_seed(seed)
+    if free:
+        cfg = bcq.Config(bits=4, group_size=group_size, offset=offset, iters=2)
+        return cfg, bcq.quantize(torch.randn(N, K, generator=g), cfg)
     if imported:
         G = 1 if group_size == -1 else -(-K // group_size)
         zeros = torch.randint(0, 16, (N, G), generator=g)
@@ -44,18 +47,21 @@ def _layer(N, K, group_size, offset=True, imported=False, seed=0):
     return cfg, bcq.quantize(torch.randn(N, K, generator=g), cfg)
 
 
-CASES = {
-    "g128": (48, 256, 128, True, False),
-    "g64 ragged N tail": (40, 320, 64, True, True),  # 40 rows: a half-filled last block
-    "g128 ragged last group": (24, 576, 128, True, False),  # SmolLM2's 576 inputs: 4 groups of 128, one of 64
-    "g32 no offset": (16, 96, 32, False, False),
-    "whole row": (33, 128, -1, True, True),
+CASES = {  # (N, K, group size, offset, imported, free α)
+    "g128": (48, 256, 128, True, False, False),
+    "g64 ragged N tail": (40, 320, 64, True, True, False),  # 40 rows: a half-filled last block
+    "g128 ragged last group": (24, 576, 128, True, False, False),  # SmolLM2's 576 inputs: 4 groups of 128, one of 64
+    "g32 no offset": (16, 96, 32, False, False, False),
+    "whole row": (33, 128, -1, True, True, False),
+    "free α g64 ragged N tail": (40, 320, 64, True, False, True),
+    "free α g128 ragged last group": (24, 576, 128, True, False, True),
+    "free α no offset whole row": (17, 128, -1, False, False, True),
 }
 
 
 def _case(name):
-    N, K, gs, offset, imported = CASES[name]
-    cfg, bufs = _layer(N, K, gs, offset, imported, seed=N + K)
+    N, K, gs, offset, imported, free = CASES[name]
+    cfg, bufs = _layer(N, K, gs, offset, imported, seed=N + K, free=free)
     return cfg, bufs, N, K
 
 
@@ -66,10 +72,8 @@ def _dense(cfg, bufs, N, K):
 
 
 def _op(x, packed, bias, N, cfg, path):
-    gs = x.shape[1] if cfg.group_size == -1 else cfg.group_size
     try:
-        return torch.ops.qlinear.x86_gemm(x, packed["x86_qw"], packed["x86_qs"], packed["x86_qz"], bias, N, gs,
-                                          x86.PATHS[path])
+        return x86.linear(x, packed, bias, cfg, N, x.shape[1], path=path)
     except RuntimeError as e:
         if "cannot run path" in str(e):
             pytest.skip(f"this CPU has no {path}")
@@ -81,9 +85,11 @@ def test_layout_round_trip_is_exact(name):
     cfg, bufs, N, K = _case(name)
     packed = x86.repack(bufs, cfg, N, K)
     assert tuple(packed) == x86.LAYOUT.names(cfg)
+    Nb, G = -(-N // 16), (bufs["scales"] if "scales" in bufs else bufs["alpha"][0]).shape[1]
     assert [(t.dtype, tuple(t.shape)) for t in packed.values()] == [
-        (torch.uint8, (-(-N // 16), K // 8, 64)), (torch.float16, (-(-N // 16), bufs["scales"].shape[1], 16)),
-        (torch.uint8, (-(-N // 16), bufs["scales"].shape[1], 16))]
+        (torch.uint8, (Nb, K // 8, 64)),
+        *([(torch.float16, (Nb, G, 16)), (torch.uint8, (Nb, G, 16))] if bcq.is_uniform(cfg) else
+          [(torch.float16, (Nb, G, 4, 16)), (torch.float16, (Nb, G, 16))])]
     back = x86.unrepack(packed, cfg, N, K)
     assert set(back) == set(bufs) and all(torch.equal(back[k], bufs[k]) and back[k].dtype == bufs[k].dtype
                                           for k in bufs)
@@ -118,24 +124,32 @@ def test_spec_matches_reference_within_activation_bound(name):
 
 
 def test_spec_catches_a_wrong_layout():
-    cfg, bufs, N, K = _case("g128")
-    packed = x86.repack(bufs, cfg, N, K)
-    w = _dense(cfg, bufs, N, K)
-    x = torch.randn(2, K)
-    qw = packed["x86_qw"]
-    swapped = ((qw & 15) << 4) | (qw >> 4)  # the two halves of each chunk exchanged
-    rows = qw.view(*qw.shape[:2], 16, 4).flip(2).reshape(qw.shape)  # rows of a block reversed
-    for bad in ({**packed, "x86_qw": swapped}, {**packed, "x86_qw": rows},
-                {**packed, "x86_qz": packed["x86_qz"].flip(1).contiguous()}):
-        y = x86.spec(x, bad, None, cfg, N, K)
-        assert not ((y - x.double() @ w.T).abs() <= int8_activation_bound(w, x)).all()
+    for name, other in (("g128", "x86_qz"), ("free α g64 ragged N tail", "x86_qa")):
+        cfg, bufs, N, K = _case(name)
+        packed = x86.repack(bufs, cfg, N, K)
+        w = _dense(cfg, bufs, N, K)
+        x = torch.randn(2, K)
+        qw = packed["x86_qw"]
+        swapped = ((qw & 15) << 4) | (qw >> 4)  # the two halves of each chunk exchanged
+        rows = qw.view(*qw.shape[:2], 16, 4).flip(2).reshape(qw.shape)  # rows of a block reversed
+        for bad in ({**packed, "x86_qw": swapped}, {**packed, "x86_qw": rows},
+                    {**packed, other: packed[other].flip(-1).contiguous()}):  # per-row values of other rows
+            y = x86.spec(x, bad, None, cfg, N, K)
+            assert not ((y - x.double() @ w.T).abs() <= int8_activation_bound(w, x)).all(), name
 
 
 def _native_bound(cfg, bufs, packed, N, K, x):
+    """fp32 rounding of the kernels' scaling and sums (module docstring); free α: per plane, ``|α_i|`` in place of
+    ``|ŵ|`` (the planes' partial sums are formed apart, then combined)."""
     xq, xs = quantize_activations(x)
-    xhat = (xq.view(x.shape[0], K // 32, 32).double() * xs.double()[..., None]).view(x.shape[0], K)
-    G = packed["x86_qs"].shape[1]
-    return (K // 32 + 2 * G + 4) * 2.0 ** -24 * (xhat.abs() @ _dense(cfg, bufs, N, K).abs().T) + 1e-30
+    xhat = (xq.view(x.shape[0], K // 32, 32).double() * xs.double()[..., None]).view(x.shape[0], K).abs()
+    G = packed["x86_qw"].shape[1] // max(1, (K if cfg.group_size == -1 else cfg.group_size) // 8)
+    mag = _dense(cfg, bufs, N, K).abs()
+    if not bcq.is_uniform(cfg):  # Σ_i |α_i| + |c| + Σ_i |α_i| per weight: what the planes and the offset term carry
+        gs = K if cfg.group_size == -1 else cfg.group_size
+        a = bufs["alpha"].double().abs().sum(0) * 2 + (bufs["offset"].double().abs() if cfg.offset else 0)
+        mag = a.repeat_interleave(gs, 1)[:, :K]
+    return (K // 32 + 2 * G + 12) * 2.0 ** -24 * (xhat @ mag.T) + 1e-30
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -160,19 +174,24 @@ def test_every_path_matches_the_spec_and_the_others_bitwise(name, bias):
 def test_op_rejects_inconsistent_buffers():
     cfg, bufs, N, K = _case("g128")
     packed = x86.repack(bufs, cfg, N, K)
+    qw, qs, qz = packed["x86_qw"], packed["x86_qs"], packed["x86_qz"]
     x = torch.randn(1, K)
+    op = torch.ops.qlinear.x86_gemm
     with pytest.raises(RuntimeError, match="qw must be contiguous uint8"):
-        torch.ops.qlinear.x86_gemm(x, packed["x86_qw"][:1], packed["x86_qs"], packed["x86_qz"], None, N, 128, 0)
+        op(x, qw[:1], qs, qz, None, N, 128, 0, 0)
     with pytest.raises(RuntimeError, match="x must be a contiguous float32"):
-        torch.ops.qlinear.x86_gemm(x.double(), packed["x86_qw"], packed["x86_qs"], packed["x86_qz"], None, N, 128, 0)
+        op(x.double(), qw, qs, qz, None, N, 128, 0, 0)
     with pytest.raises(RuntimeError, match="unknown path"):
-        torch.ops.qlinear.x86_gemm(x, packed["x86_qw"], packed["x86_qs"], packed["x86_qz"], None, N, 128, 9)
+        op(x, qw, qs, qz, None, N, 128, 0, 9)
+    with pytest.raises(RuntimeError, match=r"qs must be contiguous fp16 \[3, 2, 4, 16\]"):  # uniform buffers as BCQ
+        op(x, qw, qs, qz, None, N, 128, 1, 0)
 
 
 def test_registry_reasons():
     k = next(k for k in backends.kernels("bcq") if k.backend == "x86")
     cpu = torch.device("cpu")
-    assert "uniform" in k.reject(bcq.Config(bits=4, group_size=128), cpu, torch.float32, 1, (64, 256))
+    assert k.reject(bcq.Config(bits=4, group_size=128), cpu, torch.float32, 1, (64, 256)) is None  # free α too
+    assert "fp32 offsets" in k.reject(bcq.Config(bits=4, fp32_offset=True), cpu, torch.float32, 1, (64, 256))
     assert "bits=3" in k.reject(bcq.Config(bits=3, init="uniform", iters=0), cpu, torch.float32, 1, (64, 256))
     assert "device cuda" in k.reject(bcq.Config(bits=4, init="uniform", iters=0), torch.device("cuda"),
                                      torch.float16, 1, (64, 256))
@@ -180,16 +199,18 @@ def test_registry_reasons():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_modules_on_the_x86_backend(dtype, tmp_path):
-    """A round-to-nearest and a GPTQ act_order layer hold the x86 layout on the CPU, run the native op within the
-    activations' bound of the float64 reference, save canonical buffers and reload exactly; compile keeps them."""
+    """Round-to-nearest, GPTQ act_order and free-α BCQ (activation-aware, error feedback, act_order) layers hold the
+    x86 layout on the CPU, run the native op within the activations' bound of the float64 reference, save canonical
+    buffers and reload exactly; compile keeps them."""
     torch.manual_seed(0)
     lin = torch.nn.Linear(320, 40)
     X = torch.randn(512, 320) * torch.linspace(0.1, 2.0, 320)
     for cfg, h in ((QLinearConfig("bcq", bits=4, group_size=64, init="uniform", iters=0), None),
-                   (QLinearConfig("bcq", bits=4, group_size=64, method="gptq", act_order=True), X.T @ X)):
+                   (QLinearConfig("bcq", bits=4, group_size=64, method="gptq", act_order=True), X.T @ X),
+                   (QLinearConfig("bcq", bits=4, group_size=64, iters=2, error_feedback=True, act_order=True), X.T @ X)):
         m = BCQLinear.from_linear(lin, cfg, h)
         x = torch.randn(2, 3, 320).to(dtype)
-        assert m.layout == "x86_u4" and m.kernel(x).backend == "x86"
+        assert m.layout == "x86_4bit" and m.kernel(x).backend == "x86"
         y = m(x)
         assert y.dtype == dtype and y.shape == (2, 3, 40)
         x2 = x.reshape(-1, 320).float()
@@ -199,9 +220,10 @@ def test_modules_on_the_x86_backend(dtype, tmp_path):
                                                        2 ** -7 * y.reshape(-1, 40).double().abs())
         assert ((y.reshape(-1, 40).double() - ref64(m, x2)).abs() <= tol).all()
         sd = m.state_dict()
-        assert "qweight" in sd and not any(k.startswith("x86_") for k in sd)
+        assert ("qweight" if bcq.is_uniform(m.config) else "planes") in sd and not any(k.startswith("x86_") for k in sd)
         torch.save(sd, tmp_path / "m.pt")
         again = BCQLinear(320, 40, True, m.config)
         again.load_state_dict(torch.load(tmp_path / "m.pt"))
-        assert again.layout == "x86_u4" and torch.equal(again(x), y)
+        assert again.layout == "x86_4bit" and torch.equal(again(x), y)
+        torch._dynamo.reset()  # a fresh cache per layer: 9 layers of one class would hit the recompile limit
         assert torch.equal(torch.compile(again, fullgraph=True, backend="eager")(x), y)

@@ -1,4 +1,4 @@
-// x86 kernels for uniform 4-bit weights (layout and arithmetic in qgemm.h).  Built with baseline flags: each SIMD
+// x86 kernels for 4-bit weights, uniform and free-α BCQ (layouts and arithmetic in qgemm.h).  Built with baseline flags: each SIMD
 // path carries its own target attribute and runs only where cpuid reports its features.  Compiled with
 // -ffp-contract=off so that every fp32 operation is the one written (the paths give the same bits).
 #include <immintrin.h>
@@ -60,6 +60,50 @@ void block_scalar(const Weights& w, const Acts& a, const float* bias, float* y, 
       for (int r = 0; r < kRows; ++r) {
         const float t = std::fmaf(-(static_cast<float>(w.qz[at + r]) * 0.5f), xsum, facc[r]);
         yv[r] = std::fmaf(half_to_float(w.qs[at + r]), t, yv[r]);
+      }
+    }
+    for (int r = 0; r < kRows && kRows * b + r < w.N; ++r) {
+      const int n = kRows * b + r;
+      y[static_cast<int64_t>(m) * w.N + n] = bias ? yv[r] + bias[n] : yv[r];
+    }
+  }
+}
+
+// ---- free-α BCQ 4-bit, scalar ------------------------------------------------------------------------------------
+constexpr float kPlaneScale[4] = {2.0f, 1.0f, 0.5f, 0.25f};  // 2^(1−i): F_i holds 2^i·Σ bit_i·x̂
+
+void block_scalar_bcq(const Weights& w, const Acts& a, const float* bias, float* y, int b) {
+  const int K = w.K, H = K / 32, G = num_groups(w);
+  const uint8_t* qw = w.qw + static_cast<int64_t>(b) * (K / 8) * 64;
+  for (int m = 0; m < a.M; ++m) {
+    float yv[kRows] = {};
+    for (int g = 0; g < G; ++g) {
+      float F[4][kRows] = {};
+      const int h1 = std::min((g + 1) * w.group_size, K) / 32;
+      for (int h = g * w.group_size / 32; h < h1; ++h) {
+        int32_t acc[4][kRows] = {};
+        const int8_t* xq = a.xq + static_cast<int64_t>(m) * K + 32 * h;
+        for (int c = 0; c < 4; ++c) {
+          const uint8_t* v = qw + static_cast<int64_t>(4 * h + c) * 64;
+          for (int r = 0; r < kRows; ++r)
+            for (int j = 0; j < 4; ++j)
+              for (int i = 0; i < 4; ++i)
+                acc[i][r] += (v[4 * r + j] & (1 << i)) * xq[8 * c + j] + ((v[4 * r + j] >> 4) & (1 << i)) * xq[8 * c + 4 + j];
+        }
+        const float xs = a.xs[static_cast<int64_t>(m) * H + h];
+        for (int i = 0; i < 4; ++i)
+          for (int r = 0; r < kRows; ++r) F[i][r] = std::fmaf(static_cast<float>(acc[i][r]), xs, F[i][r]);
+      }
+      const int64_t at = static_cast<int64_t>(b) * G + g;
+      const float xsum = a.xsum[static_cast<int64_t>(m) * G + g];
+      for (int r = 0; r < kRows; ++r) {
+        float t = yv[r], c = half_to_float(w.qc[at * kRows + r]);
+        for (int i = 0; i < 4; ++i) {
+          const float al = half_to_float(w.qa[(at * 4 + i) * kRows + r]);
+          t = std::fmaf(al * kPlaneScale[i], F[i][r], t);
+          c = c - al;
+        }
+        yv[r] = std::fmaf(c, xsum, t);
       }
     }
     for (int r = 0; r < kRows && kRows * b + r < w.N; ++r) {
@@ -143,6 +187,73 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni"))) void block_avx51
   }
 }
 
+// ---- free-α BCQ 4-bit on AVX-512 VNNI: a VPDPBUSD per plane of the masked codes, MT ≤ 2 activation rows --------
+template <int MT>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni"))) void tile_avx512_bcq(const Weights& w, const Acts& a,
+                                                                                      const float* bias, float* y,
+                                                                                      int b, int m0) {
+  const int K = w.K, H = K / 32, G = num_groups(w);
+  const uint8_t* qw = w.qw + static_cast<int64_t>(b) * (K / 8) * 64;
+  const __m512i nib = _mm512_set1_epi8(0x0F);
+  __m512i plane[4];
+  for (int i = 0; i < 4; ++i) plane[i] = _mm512_set1_epi8(static_cast<char>(1 << i));
+  __m512 yv[MT];
+  for (int m = 0; m < MT; ++m) yv[m] = _mm512_setzero_ps();
+  for (int g = 0; g < G; ++g) {
+    __m512 F[MT][4];
+    for (int m = 0; m < MT; ++m)
+      for (int i = 0; i < 4; ++i) F[m][i] = _mm512_setzero_ps();
+    const int h1 = std::min((g + 1) * w.group_size, K) / 32;
+    for (int h = g * w.group_size / 32; h < h1; ++h) {
+      __m512i acc[MT][4];
+      for (int m = 0; m < MT; ++m)
+        for (int i = 0; i < 4; ++i) acc[m][i] = _mm512_setzero_si512();
+      for (int c = 0; c < 4; ++c) {
+        const __m512i v = _mm512_loadu_si512(qw + static_cast<int64_t>(4 * h + c) * 64);
+        const __m512i lo = _mm512_and_si512(v, nib), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+        for (int m = 0; m < MT; ++m) {
+          const int8_t* xp = a.xq + static_cast<int64_t>(m0 + m) * K + 32 * h + 8 * c;
+          const __m512i xl = _mm512_set1_epi32(load4(xp)), xh = _mm512_set1_epi32(load4(xp + 4));
+          for (int i = 0; i < 4; ++i) {
+            acc[m][i] = _mm512_dpbusd_epi32(acc[m][i], _mm512_and_si512(lo, plane[i]), xl);
+            acc[m][i] = _mm512_dpbusd_epi32(acc[m][i], _mm512_and_si512(hi, plane[i]), xh);
+          }
+        }
+      }
+      for (int m = 0; m < MT; ++m) {
+        const __m512 xs = _mm512_set1_ps(a.xs[static_cast<int64_t>(m0 + m) * H + h]);
+        for (int i = 0; i < 4; ++i) F[m][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[m][i]), xs, F[m][i]);
+      }
+    }
+    const int64_t at = static_cast<int64_t>(b) * G + g;
+    __m512 c = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.qc + at * kRows)));
+    __m512 al[4];
+    for (int i = 0; i < 4; ++i) {
+      const __m512 ai = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.qa + (at * 4 + i) * kRows)));
+      al[i] = _mm512_mul_ps(ai, _mm512_set1_ps(kPlaneScale[i]));
+      c = _mm512_sub_ps(c, ai);
+    }
+    for (int m = 0; m < MT; ++m) {
+      __m512 t = yv[m];
+      for (int i = 0; i < 4; ++i) t = _mm512_fmadd_ps(al[i], F[m][i], t);
+      yv[m] = _mm512_fmadd_ps(c, _mm512_set1_ps(a.xsum[static_cast<int64_t>(m0 + m) * G + g]), t);
+    }
+  }
+  const int n0 = kRows * b;
+  const __mmask16 keep = static_cast<__mmask16>(w.N - n0 >= kRows ? 0xFFFF : (1u << (w.N - n0)) - 1);
+  const __m512 bv = bias ? _mm512_maskz_loadu_ps(keep, bias + n0) : _mm512_setzero_ps();
+  for (int m = 0; m < MT; ++m)
+    _mm512_mask_storeu_ps(y + static_cast<int64_t>(m0 + m) * w.N + n0, keep, bias ? _mm512_add_ps(yv[m], bv) : yv[m]);
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni"))) void block_avx512_bcq(const Weights& w, const Acts& a,
+                                                                                       const float* bias, float* y,
+                                                                                       int b) {
+  int m = 0;
+  for (; m + 2 <= a.M; m += 2) tile_avx512_bcq<2>(w, a, bias, y, b, m);
+  if (m < a.M) tile_avx512_bcq<1>(w, a, bias, y, b, m);
+}
+
 // ---- AVX2 (+ AVX-VNNI): the 16 rows as two 8-lane halves (bytes 0-31 and 32-63 of each chunk) ------------------
 template <bool VNNI>
 __attribute__((target("avx2,fma,avxvnni"))) inline __m256i dot4(__m256i acc, __m256i u8, __m256i s8) {
@@ -221,6 +332,64 @@ __attribute__((target("avx2,fma,avxvnni"))) void block_avx2(const Weights& w, co
   if (m < a.M) tile_avx2<1, VNNI>(w, a, bias, y, b, m);
 }
 
+// Free-α BCQ 4-bit on AVX2: one 8-row half and one activation row at a time (4 plane accumulators, 4 sums).
+template <bool VNNI>
+__attribute__((target("avx2,fma,avxvnni"))) void block_avx2_bcq(const Weights& w, const Acts& a, const float* bias,
+                                                                float* y, int b) {
+  const int K = w.K, H = K / 32, G = num_groups(w);
+  const uint8_t* qw = w.qw + static_cast<int64_t>(b) * (K / 8) * 64;
+  const __m256i nib = _mm256_set1_epi8(0x0F);
+  __m256i plane[4];
+  for (int i = 0; i < 4; ++i) plane[i] = _mm256_set1_epi8(static_cast<char>(1 << i));
+  const int n0 = kRows * b;
+  for (int m = 0; m < a.M; ++m) {
+    for (int half = 0; half < 2; ++half) {
+      __m256 yv = _mm256_setzero_ps();
+      for (int g = 0; g < G; ++g) {
+        __m256 F[4];
+        for (int i = 0; i < 4; ++i) F[i] = _mm256_setzero_ps();
+        const int h1 = std::min((g + 1) * w.group_size, K) / 32;
+        for (int h = g * w.group_size / 32; h < h1; ++h) {
+          __m256i acc[4];
+          for (int i = 0; i < 4; ++i) acc[i] = _mm256_setzero_si256();
+          const int8_t* xp = a.xq + static_cast<int64_t>(m) * K + 32 * h;
+          for (int c = 0; c < 4; ++c) {
+            const __m256i v = _mm256_loadu_si256(
+                reinterpret_cast<const __m256i*>(qw + static_cast<int64_t>(4 * h + c) * 64 + 32 * half));
+            const __m256i lo = _mm256_and_si256(v, nib), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
+            const __m256i xl = _mm256_set1_epi32(load4(xp + 8 * c)), xh = _mm256_set1_epi32(load4(xp + 8 * c + 4));
+            for (int i = 0; i < 4; ++i) {
+              acc[i] = dot4<VNNI>(acc[i], _mm256_and_si256(lo, plane[i]), xl);
+              acc[i] = dot4<VNNI>(acc[i], _mm256_and_si256(hi, plane[i]), xh);
+            }
+          }
+          const __m256 xs = _mm256_set1_ps(a.xs[static_cast<int64_t>(m) * H + h]);
+          for (int i = 0; i < 4; ++i) F[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[i]), xs, F[i]);
+        }
+        const int64_t at = static_cast<int64_t>(b) * G + g;
+        alignas(32) float vals[5][8];
+        for (int r = 0; r < 8; ++r) {
+          for (int i = 0; i < 4; ++i) vals[i][r] = half_to_float(w.qa[(at * 4 + i) * kRows + 8 * half + r]);
+          vals[4][r] = half_to_float(w.qc[at * kRows + 8 * half + r]);
+        }
+        __m256 c = _mm256_load_ps(vals[4]), t = yv;
+        for (int i = 0; i < 4; ++i) {
+          const __m256 ai = _mm256_load_ps(vals[i]);
+          t = _mm256_fmadd_ps(_mm256_mul_ps(ai, _mm256_set1_ps(kPlaneScale[i])), F[i], t);
+          c = _mm256_sub_ps(c, ai);
+        }
+        yv = _mm256_fmadd_ps(c, _mm256_set1_ps(a.xsum[static_cast<int64_t>(m) * G + g]), t);
+      }
+      alignas(32) float out[8];
+      _mm256_store_ps(out, yv);
+      for (int r = 0; r < 8 && n0 + 8 * half + r < w.N; ++r) {
+        const int n = n0 + 8 * half + r;
+        y[static_cast<int64_t>(m) * w.N + n] = bias ? out[r] + bias[n] : out[r];
+      }
+    }
+  }
+}
+
 }  // namespace
 
 int64_t acts_bytes(int M, int K, int group_size) {
@@ -284,6 +453,17 @@ int best_path() {
 
 void run(const Weights& w, const Acts& a, const float* bias, float* y, int b0, int b1, int path) {
   if (path == kAuto) path = best_path();
+  if (w.format == kBCQ4) {
+    for (int b = b0; b < b1; ++b) {
+      switch (path) {
+        case kAVX512VNNI: block_avx512_bcq(w, a, bias, y, b); break;
+        case kAVX2VNNI: block_avx2_bcq<true>(w, a, bias, y, b); break;
+        case kAVX2: block_avx2_bcq<false>(w, a, bias, y, b); break;
+        default: block_scalar_bcq(w, a, bias, y, b); break;
+      }
+    }
+    return;
+  }
   for (int b = b0; b < b1; ++b) {
     switch (path) {
       case kAVX512VNNI: block_avx512(w, a, bias, y, b); break;

@@ -1,5 +1,5 @@
-// x86 CPU kernels (torch-free): uniform 4-bit weights times int8 dynamic activations, accumulated exactly in
-// int32 by VPDPBUSD (AVX-512 VNNI, AVX-VNNI) or VPMADDUBSW + VPMADDWD (AVX2), scaled in fp32.
+// x86 CPU kernels (torch-free): 4-bit weights (uniform, or free-α BCQ) times int8 dynamic activations, accumulated
+// exactly in int32 by VPDPBUSD (AVX-512 VNNI, AVX-VNNI) or VPMADDUBSW + VPMADDWD (AVX2), scaled in fp32.
 //
 // Weight layout (backends/x86/__init__.py has the executable PyTorch spec and the exact inverse):
 //   qw  uint8 [Nb, K/8, 64]: 16-row block b, 8-input chunk c; byte 4r + j holds code[16b + r][8c + j] in its low
@@ -8,6 +8,10 @@
 //   qs  fp16  [Nb, G, 16]: the scale s of each row of the block in group g.
 //   qz  uint8 [Nb, G, 16]: 2·z (twice the zero point: 15 for the symmetric levels z = 7.5).
 //   Rows past N are zero (codes, s and z).
+// Free-α BCQ 4-bit (format kBCQ4): qw as above (code = Σ_i bit_i·2^i), and instead of qs/qz
+//   qa  fp16  [Nb, G, 4, 16]: α_i of each row (plane i = 0..3);  qc  fp16 [Nb, G, 16]: the offset c (0 without).
+//   w = Σ_i α_i·(2·bit_i − 1) + c, so Σ_k w·x̂ = Σ_i α_i·2^(1−i)·Σ_k (code & 2^i)·x̂ + (c − Σ_i α_i)·Σ_k x̂:
+//   per plane one VPDPBUSD of the masked codes; the same activations and group sums as the uniform kernel.
 // Activations: per row m and 32 inputs h, xq = round_half_even(x · (127 / amax)) in int8 and xs = amax / 127.
 //
 //   y[m][n] = Σ_g s[n][g] · (Σ_{h ∈ g} xs[m][h] · Σ_{k ∈ h} code[n][k]·xq[m][k]  −  z[n][g] · Σ_{h ∈ g} xs[m][h]·Σ_{k ∈ h} xq[m][k])
@@ -21,12 +25,16 @@
 namespace qlinear_x86 {
 
 enum Path { kAuto = 0, kScalar = 1, kAVX2 = 2, kAVX2VNNI = 3, kAVX512VNNI = 4 };
+enum Format { kU4 = 0, kBCQ4 = 1 };
 
 struct Weights {
   const uint8_t* qw;
-  const uint16_t* qs;  // fp16 bits
-  const uint8_t* qz;
+  const uint16_t* qs;  // fp16 bits (kU4)
+  const uint8_t* qz;   // kU4
   int N, K, group_size;
+  int format = kU4;
+  const uint16_t* qa = nullptr;  // fp16 bits (kBCQ4)
+  const uint16_t* qc = nullptr;  // fp16 bits (kBCQ4)
 };
 
 struct Acts {
