@@ -200,14 +200,15 @@ _lib.define("arm_gemm(Tensor x, Tensor qw, Tensor qs, Tensor? qz, Tensor? qb, Te
 def _(x, qw, qs, qz, qb, books, bias, format, num_books, N, group_size, path, layout):
     """Arm NEON/SDOT/SMMLA kernels of :mod:`qlinear.backends.arm_neon`: ``x`` ``[M, K]`` fp32 -> ``[M, N]`` fp32."""
     return x.new_empty(x.shape[0], N)
-_lib.define("x86_gemm(Tensor x, Tensor qw, Tensor qs, Tensor qz, Tensor? bias, int N, int group_size, int format, "
-            "int path) -> Tensor")
+_lib.define("x86_gemm(Tensor x, Tensor qw, Tensor qs, Tensor qz, Tensor? bias, int N, int group_size, int bits, "
+            "int format, int path) -> Tensor")
 
 
 @torch.library.register_fake("qlinear::x86_gemm")
-def _(x, qw, qs, qz, bias, N, group_size, format, path):
+def _(x, qw, qs, qz, bias, N, group_size, bits, format, path):
     """x86 AVX-512 VNNI / AVX2 kernels of :mod:`qlinear.backends.x86`: ``x`` ``[M, K]`` fp32 -> ``[M, N]`` fp32."""
     return x.new_empty(x.shape[0], N)
+
 
 
 _lib.define("quick_gemm(Tensor x, Tensor qweight, Tensor scales, Tensor? zeros, Tensor? perm, Tensor? bias, "

@@ -159,6 +159,22 @@ def ref64(mod, x: torch.Tensor) -> torch.Tensor:
     return y if mod.bias is None else y + mod.bias.double().cpu()
 
 
+NATIVE_CPU_BACKENDS = ("x86", "arm_neon")
+
+
+@pytest.fixture(scope="module")
+def reference_on_cpu():
+    """The registry without the native CPU kernels (x86, arm_neon) for a test module: module and registry mechanics
+    are tested against the reference kernel's exact float math (each native kernel has its own test file, with its
+    int8-activation error bound)."""
+    import qlinear.backends as backends
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(backends, "_KERNELS", [k for k in backends._KERNELS if k.backend not in NATIVE_CPU_BACKENDS])
+        mp.setattr(backends, "_REGISTERED", backends._REGISTERED + 1)  # resolutions cached before are stale
+        yield
+
+
 @pytest.fixture
 def without_dispatch_table(monkeypatch):
     """Kernel tests pick kernels by priority, not by the GPU's measured dispatch table, which may route a tested

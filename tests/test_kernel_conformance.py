@@ -53,7 +53,8 @@ SUBJECTS = {
                                                                     m.in_features, x)),
 }
 KERNELS = {b: (s.op, s.plan, s.plan_tail) for b, s in SUBJECTS.items()}
-pytestmark = pytest.mark.usefixtures("without_dispatch_table")
+# the GPU kernels' layout machinery runs with their specs on the CPU, where the native CPU kernels would take the layers
+pytestmark = pytest.mark.usefixtures("without_dispatch_table", "reference_on_cpu")
 
 
 def _kernel(backend):

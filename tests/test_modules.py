@@ -19,6 +19,11 @@ CONFIGS = {
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _reference(reference_on_cpu):
+    """The mechanics on the reference kernel's exact math (set up before the module's layers)."""
+
+
 @pytest.fixture(scope="module")
 def layers():
     torch.manual_seed(0)
@@ -358,7 +363,6 @@ def test_a_per_call_conversion_warns_once_and_names_the_reason(monkeypatch):
 def test_kernel_choice_is_logged_once_and_described(layers, caplog):
     lin, _ = layers
     model = nn.Sequential(nn.Linear(128, 64), nn.ReLU(), nn.Linear(64, 48))
-    # 3 bits: no CPU kernel but the reference serves it, on any CPU
     qlinear.replace_linear(model, QLinearConfig("bcq", bits=3, group_size=32, iters=0), progress=False)
     with caplog.at_level("INFO", logger="qlinear"), torch.no_grad():
         for _ in range(3):

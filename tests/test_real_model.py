@@ -104,9 +104,11 @@ _RTN4 = QLinearConfig("bcq", bits=4, group_size=64, init="uniform", iters=0)
     ("arm_neon", _RTN4),
     ("x86", _RTN4),
     ("x86", QLinearConfig("bcq", bits=4, group_size=128, method="gptq", act_order=True)),
-    ("x86", QLinearConfig("bcq", bits=4, group_size=64))],
+    ("x86", QLinearConfig("bcq", bits=4, group_size=64)),
+    ("x86", QLinearConfig("bcq", bits=3, group_size=64, init="uniform", iters=0)),
+    ("x86", QLinearConfig("bcq", bits=2, group_size=64, iters=2, error_feedback=True))],
     ids=["arm-codebook2", "arm-codebook4", "arm-bcq4-uniform", "x86-bcq4-uniform", "x86-gptq4-g128-act_order",
-         "x86-bcq4-free"])
+         "x86-bcq4-free", "x86-rtn3-lut", "x86-bcq2-free-lut"])
 def test_cpu_backend_perplexity_matches_reference(setup, backend, config):
     """The CPU kernels with int8 activations (Arm through SIMDe here, x86) give the reference backend's perplexity
     within 1% on the real model (2% at 2 bits)."""

@@ -1,29 +1,40 @@
-"""x86 CPU kernels (AVX-512 VNNI, AVX2 + AVX-VNNI, AVX2, scalar) for 4-bit :class:`qlinear.BCQLinear`: uniform
-(round-to-nearest, GPTQ, imported GPTQ/AWQ weights) and free-α BCQ (the BCQ fit, activation-aware or not).
+"""x86 CPU kernels (AVX-512 VNNI + VBMI, AVX2 + AVX-VNNI, AVX2, scalar) for :class:`qlinear.BCQLinear` at 1-4 bits:
+uniform (round-to-nearest, GPTQ, imported GPTQ/AWQ weights) and free-α BCQ (the BCQ fit, activation-aware or not).
 
 The Arm paper's recipe ("Highly Optimized Kernels and Fine-Grained Codebooks for LLM Inference on Arm CPUs", §4)
 carried to x86: activations quantized to int8 per 32 inputs (:func:`qlinear.backends._cpu.quantize_activations`),
-weights interleaved offline so that one 64-byte load feeds VPDPBUSD (x86's SDOT: u8 x s8 dot products of 4 into
-int32 lanes) for 16 rows at once, products accumulated exactly in int32 and scaled in fp32 per 32 inputs.  The
-zero point is applied per group with the sum of the quantized activations.  Free-α BCQ runs one VPDPBUSD per
-bit-plane of the same packed codes (``code & 2^i``) and scales each plane's sum by its α per group: with ``w = Σ_i
-α_i·(2·bit_i − 1) + c``, ``Σ_k w_k·x̂_k = Σ_i α_i·2^(1−i)·Σ_k (code_k & 2^i)·x̂_k + (c − Σ_i α_i)·Σ_k x̂_k`` (LUT-GEMM's
-binary-coding arithmetic, with int8 dot products in place of its tables).  Either way the error versus the
-reference is the activations' rounding alone: per output ``|y − y_ref| ≤ Σ_h (amax_h / 254) · Σ_{k∈h} |ŵ_k|`` plus fp32
-rounding (``amax_h``: the largest ``|x|`` of 32-input block ``h``), as for the Arm kernels.
+weights interleaved offline for 16 rows at once, products summed exactly in int32 and scaled in fp32 per 32 inputs.
+Two layouts (``qgemm.h`` has the byte-level description):
 
-Paths, chosen from cpuid once (``path`` forces one): AVX-512 VNNI, AVX2 with AVX-VNNI, AVX2 (VPMADDUBSW +
-VPMADDWD), scalar C++.  All compute the same int32 sums and the same fp32 operations in the same order: they give
-the same bits.  Built just in time (``backends/_native.py``) with baseline flags; each SIMD path carries its own
-``target`` attribute.  Rows are split across threads with ``at::parallel_for``.
+* Uniform 4-bit: the codes as nibbles, one 64-byte load feeding VPDPBUSD (x86's SDOT: u8 x s8 dot products of 4
+  into int32 lanes); the zero point is applied per group with the sum of the quantized activations.
+* Every other BCQ layer (uniform 1-3 bits, free α at 1-4 bits): the bit-planes, each summed against the activations
+  by table lookups (LUT-GEMM's idea, "LUT-GEMM", §3; T-MAC's 16-entry tables per 4 activations looked up by a
+  plane's nibble, here with VPERMB over 4 such tables at once).  Each int8 activation is split as ``16·hi + lo`` so
+  that the tables' sums of 4 fit int8 exactly; VPDPBUSD adds the lookups of each row, ×1 for ``lo``, ×16 for ``hi``.
+  A plane's sum ``S_i = Σ_k bit_i·x̂_k`` is therefore exact, and with ``w = Σ_i α_i·(2·bit_i − 1) + c``:
+  ``Σ_k w_k·x̂_k = Σ_i 2α_i·S_i + (c − Σ_i α_i)·Σ_k x̂_k``; uniform codes give ``Σ_k code·x̂ = Σ_i 2^i·S_i``.
+  Cost per weight and activation row: one lookup and one VPDPBUSD lane per 4 weights per plane, so time falls with
+  the bits.
 
-Layout ``x86_4bit`` (repacked once at load; :func:`repack` / :func:`unrepack` are exact inverses): see
-``qgemm.h``: ``x86_qw`` uint8 ``[Nb, K/8, 64]`` (16-row blocks, 8-input chunks, byte ``4r + j`` holds code
-``[16b + r, 8c + j]`` in its low nibble and ``[16b + r, 8c + 4 + j]`` in its high nibble); uniform layers add
-``x86_qs`` fp16 ``[Nb, G, 16]`` and ``x86_qz`` uint8 ``[Nb, G, 16]`` holding ``2·z`` (15 for the symmetric grid's
-``z = 7.5``), free-α layers ``x86_qa`` fp16 ``[Nb, G, 4, 16]`` (α per plane) and ``x86_qc`` fp16 ``[Nb, G, 16]`` (the
-offset, 0 without one).
-:func:`spec` is the executable PyTorch specification of the kernels' arithmetic over this layout.
+Either way the error versus the reference is the activations' rounding alone: per output ``|y − y_ref| ≤ Σ_h
+(amax_h / 254) · Σ_{k∈h} |ŵ_k|`` plus fp32 rounding (``amax_h``: the largest ``|x|`` of 32-input block ``h``), as for
+the Arm kernels.
+
+Paths, chosen from cpuid once (``path`` forces one): AVX-512 VNNI (the LUT layout also needs VBMI, else it runs on
+AVX2), AVX2 with AVX-VNNI, AVX2 (VPMADDUBSW + VPMADDWD; the lookups as four VPSHUFB), scalar C++.  All compute the
+same int32 sums and the same fp32 operations in the same order, so they give the same bits.  Built just in time
+(``backends/_native.py``) with baseline flags; each SIMD path carries its own ``target`` attribute.  Rows are split
+across threads with ``at::parallel_for``.
+
+Layout ``x86`` (repacked once at load; :func:`repack` / :func:`unrepack` are exact inverses), ``Nb = ceil(N/16)``:
+``x86_qw`` uint8 ``[Nb, K/8, 64]`` (uniform 4-bit: byte ``4r + j`` of 16-row block ``b``, 8-input chunk ``c`` holds
+code ``[16b + r, 8c + j]`` in its low nibble and ``[16b + r, 8c + 4 + j]`` in its high nibble) or ``x86_lp`` uint8
+``[Nb, K/32, bits, 64]`` (byte ``4r + g`` of block ``b``, 32-input block ``h``, plane ``i`` holds bit ``t`` of its low
+nibble = ``bit_i[16b + r, 32h + 4g + t]``, of its high nibble ``bit_i[16b + r, 32h + 16 + 4g + t]``); uniform layers
+add ``x86_qs`` fp16 ``[Nb, G, 16]`` (scales) and ``x86_qz`` uint8 ``[Nb, G, 16]`` holding ``2·z`` (``2^bits − 1`` for the
+symmetric grid), free-α layers ``x86_qa`` fp16 ``[Nb, G, bits, 16]`` (α per plane) and ``x86_qc`` fp16 ``[Nb, G, 16]``
+(the offset, 0 without one).  :func:`spec` is the executable PyTorch specification of the kernels' arithmetic.
 """
 
 from __future__ import annotations
@@ -42,11 +53,14 @@ from .. import ANY, Kernel, Layout, register
 from .._cpu import pad_groups, quantize_activations, unpad_groups
 from .._native import OPENMP, build
 
-__all__ = ["LAYOUT", "PATHS", "repack", "unrepack", "spec", "linear", "available", "supports"]
+__all__ = ["LAYOUT", "PATHS", "repack", "unrepack", "spec", "linear", "available", "simde_available",
+           "supports"]
 
 _HERE = Path(__file__).parent
 PATHS = {"auto": 0, "scalar": 1, "avx2": 2, "avx2_vnni": 3, "avx512_vnni": 4}
 ROWS = 16  # rows per block (one 32-bit lane each of a 512-bit register)
+SOURCES = tuple(str(_HERE / f) for f in ("kernels.cpp", "binding.cpp"))
+CFLAGS = ("-O3", "-std=c++17", "-ffp-contract=off", *OPENMP)
 
 
 def _interleave(codes: torch.Tensor, N: int, K: int) -> torch.Tensor:
@@ -66,49 +80,82 @@ def _deinterleave(qw: torch.Tensor, K: int) -> torch.Tensor:
     return v.permute(0, 2, 1, 4, 3).reshape(Nb * ROWS, K)
 
 
+def _planes(codes: torch.Tensor, N: int, K: int, bits: int) -> torch.Tensor:
+    """Codes ``[N, K]`` -> ``x86_lp`` uint8 ``[Nb, K/32, bits, 64]`` (zero rows pad N to 16)."""
+    Nb = -(-N // ROWS)
+    padded = codes.new_zeros(Nb * ROWS, K)
+    padded[:N] = codes
+    bit = torch.stack([(padded >> i) & 1 for i in range(bits)])  # [bits, Nb·16, K]
+    nib = (bit.view(bits, Nb, ROWS, K // 32, 2, 4, 4) << torch.arange(4)).sum(-1)  # (i, b, r, h, half, q)
+    byte = nib[..., 0, :] | (nib[..., 1, :] << 4)  # (i, b, r, h, q)
+    return byte.permute(1, 3, 0, 4, 2).to(torch.uint8).reshape(Nb, K // 32, bits, 64)
+
+
+def _unplanes(lp: torch.Tensor, K: int) -> torch.Tensor:
+    """Inverse of :func:`_planes`: ``[Nb, K/32, bits, 64]`` -> codes ``[Nb·16, K]`` int64."""
+    Nb, H, bits, _ = lp.shape
+    v = lp.view(Nb, H, bits, 4, ROWS).transpose(3, 4).to(torch.int64)  # (b, h, i, r, q)
+    nib = torch.stack([v & 15, v >> 4], -1)  # (b, h, i, r, q, half)
+    bit = (nib[..., None] >> torch.arange(4)) & 1  # (b, h, i, r, q, half, t)
+    bit = bit.permute(2, 0, 3, 1, 5, 4, 6).reshape(bits, Nb * ROWS, K)
+    return sum(bit[i] << i for i in range(bits))
+
+
+def _nibbles(cfg) -> bool:
+    """Whether the layer takes the uniform 4-bit nibble layout (else the bit-planes)."""
+    return bcq.is_uniform(cfg) and cfg.bits == 4
+
+
+def _names(cfg) -> tuple[str, ...]:
+    return (("x86_qw" if _nibbles(cfg) else "x86_lp"),
+            *(("x86_qs", "x86_qz") if bcq.is_uniform(cfg) else ("x86_qa", "x86_qc")))
+
+
+def _codes(buffers: dict, cfg, K: int) -> torch.Tensor:
+    """The codes ``[Nb·16, K]`` int64 of the layout."""
+    return _deinterleave(buffers["x86_qw"], K) if _nibbles(cfg) else _unplanes(buffers["x86_lp"], K)
+
+
 def repack(buffers: dict, cfg, N: int, K: int) -> dict:
-    """Canonical 4-bit BCQ -> layout ``x86_4bit`` (see the module docstring)."""
+    """Canonical BCQ (1-4 bits) -> layout ``x86`` (see the module docstring)."""
     if not bcq.is_uniform(cfg):
-        alpha = buffers["alpha"]  # [4, N, G]
+        alpha = buffers["alpha"]  # [bits, N, G]
         offset = buffers["offset"] if cfg.offset else torch.zeros_like(alpha[0])
-        return {"x86_qw": _interleave(unpack_planes(buffers["planes"], K), N, K),
+        return {"x86_lp": _planes(unpack_planes(buffers["planes"], K), N, K, cfg.bits),
                 "x86_qa": torch.stack([pad_groups(a, N, ROWS) for a in alpha], 2),
                 "x86_qc": pad_groups(offset, N, ROWS)}
     codes, s, zeros = bcq.uniform_parts(buffers, cfg, N, K)
-    z2 = torch.full_like(s, 15, dtype=torch.int64) if zeros is None else 2 * zeros
-    return {"x86_qw": _interleave(codes, N, K), "x86_qs": pad_groups(s.to(torch.float16), N, ROWS),
+    z2 = torch.full_like(s, 2 ** cfg.bits - 1, dtype=torch.int64) if zeros is None else 2 * zeros
+    qw = _interleave(codes, N, K) if _nibbles(cfg) else _planes(codes, N, K, cfg.bits)
+    return {_names(cfg)[0]: qw, "x86_qs": pad_groups(s.to(torch.float16), N, ROWS),
             "x86_qz": pad_groups(z2.to(torch.uint8), N, ROWS)}
 
 
 def unrepack(buffers: dict, cfg, N: int, K: int) -> dict:
-    """Layout ``x86_4bit`` -> canonical BCQ buffers (exact inverse of :func:`repack`)."""
-    codes = _deinterleave(buffers["x86_qw"], K)[:N]
+    """Layout ``x86`` -> canonical BCQ buffers (exact inverse of :func:`repack`)."""
+    codes = _codes(buffers, cfg, K)[:N]
     if not bcq.is_uniform(cfg):
         qa = buffers["x86_qa"]
-        out = {"planes": pack_planes(codes, 4),
-               "alpha": torch.stack([unpad_groups(qa[:, :, i], N) for i in range(4)])}
+        out = {"planes": pack_planes(codes, cfg.bits),
+               "alpha": torch.stack([unpad_groups(qa[:, :, i], N) for i in range(cfg.bits)])}
         if cfg.offset:
             out["offset"] = unpad_groups(buffers["x86_qc"], N)
         return out
     zeros = unpad_groups(buffers["x86_qz"], N).to(torch.int64) // 2 if cfg.offset else None
-    return bcq.uniform_buffers(codes, unpad_groups(buffers["x86_qs"], N), zeros, 4)
+    return bcq.uniform_buffers(codes, unpad_groups(buffers["x86_qs"], N), zeros, cfg.bits)
 
 
-def _names(cfg) -> tuple[str, ...]:
-    return ("x86_qw", "x86_qs", "x86_qz") if bcq.is_uniform(cfg) else ("x86_qw", "x86_qa", "x86_qc")
-
-
-LAYOUT = Layout(name="x86_4bit", names=_names, repack=repack, unrepack=unrepack)
+LAYOUT = Layout(name="x86", names=_names, repack=repack, unrepack=unrepack)
 
 
 def spec(x: torch.Tensor, buffers: dict, bias, cfg, N: int, K: int) -> torch.Tensor:
-    """The kernels' arithmetic in PyTorch over layout ``x86_4bit``: ``x`` ``[M, K]`` -> ``[M, N]`` float64, the value
-    the kernels round in fp32: exact int32 sums, then per 32-input block ``h`` ``xs_h·s·(Σ code·xq − z·Σ xq)``
-    (uniform) or ``xs_h·(Σ_i α_i·2^(1−i)·Σ (code & 2^i)·xq + (c − Σ_i α_i)·Σ xq)`` (free α)."""
+    """The kernels' arithmetic in PyTorch over layout ``x86``: ``x`` ``[M, K]`` -> ``[M, N]`` float64, the value the
+    kernels round in fp32: exact int32 sums, then per 32-input block ``h`` ``xs_h·s·(Σ code·xq − z·Σ xq)`` (uniform) or
+    ``xs_h·(Σ_i 2α_i·Σ bit_i·xq + (c − Σ_i α_i)·Σ xq)`` (free α)."""
     xq, xs = quantize_activations(x)
     M, H = x.shape[0], K // 32
     gs = K if cfg.group_size == -1 else cfg.group_size
-    codes = _deinterleave(buffers["x86_qw"], K)[:N].view(N, H, 32)
+    codes = _codes(buffers, cfg, K)[:N].view(N, H, 32)
     g = torch.arange(H) * 32 // gs  # each 32-input block's group
     xb = xq.view(M, H, 32).double()
     qsum = xb.sum(-1)[:, None, :]  # [M, 1, H]
@@ -118,9 +165,9 @@ def spec(x: torch.Tensor, buffers: dict, bias, cfg, N: int, K: int) -> torch.Ten
         z = unpad_groups(buffers["x86_qz"], N).double()[:, g] / 2
         per_block = (dot(codes) - z[None] * qsum) * s[None]
     else:
-        alpha = [unpad_groups(buffers["x86_qa"][:, :, i], N).double()[:, g] for i in range(4)]  # [N, H] each
+        alpha = [unpad_groups(buffers["x86_qa"][:, :, i], N).double()[:, g] for i in range(cfg.bits)]  # [N, H] each
         c = unpad_groups(buffers["x86_qc"], N).double()[:, g] - sum(alpha)
-        per_block = sum(a[None] * 2.0 ** (1 - i) * dot(codes & (1 << i)) for i, a in enumerate(alpha)) + c[None] * qsum
+        per_block = sum(2 * a[None] * dot((codes >> i) & 1) for i, a in enumerate(alpha)) + c[None] * qsum
     y = (per_block * xs.double()[:, None, :]).sum(-1)
     return y if bias is None else y + bias.double()
 
@@ -130,18 +177,40 @@ def available() -> Optional[str]:
     """None once the extension is built and loaded, else why it cannot be."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return f"not an x86-64 CPU ({platform.machine()})"
-    sources = tuple(str(_HERE / f) for f in ("kernels.cpp", "binding.cpp"))
-    return build("qlinear_x86", sources, cflags=("-O3", "-std=c++17", "-ffp-contract=off", *OPENMP), ldflags=OPENMP)
+    return build("qlinear_x86", SOURCES, cflags=CFLAGS, ldflags=OPENMP)
 
 
-def linear(x: torch.Tensor, buffers: dict, bias, cfg, out_features: int, in_features: int, path: str = "auto"):
-    """Registry entry: ``x`` ``[..., K]`` on CPU -> ``[..., N]`` of ``x.dtype`` over layout ``x86_4bit``."""
-    x2 = x.reshape(-1, in_features).float().contiguous()
-    gs = in_features if cfg.group_size == -1 else cfg.group_size
-    _, qs, qz = _names(cfg)
-    y = torch.ops.qlinear.x86_gemm(x2, buffers["x86_qw"], buffers[qs], buffers[qz], bias, out_features, gs,
-                                   0 if bcq.is_uniform(cfg) else 1, PATHS[path])
-    return y.to(x.dtype).reshape(*x.shape[:-1], out_features)
+@functools.lru_cache(maxsize=1)
+def simde_available() -> Optional[str]:
+    """For tests: build the same sources with every SIMD path through SIMDe's portable intrinsics (op
+    ``qlinear_x86_simde::x86_gemm``), so that a CPU without AVX-512 or AVX-VNNI checks those paths.  None once
+    loaded, else why not."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return f"not an x86-64 CPU ({platform.machine()})"
+    try:
+        import simde_py
+    except ImportError:
+        return "SIMDe headers not found (pip install 'simde-py>=0.8.2')"
+    # SIMDe fuses a multiply-add only where FMA is native (else two roundings): emulate AVX-512 on native AVX2 + FMA
+    flags = open("/proc/cpuinfo").read().split() if Path("/proc/cpuinfo").exists() else []
+    if not {"avx2", "fma", "f16c"} <= set(flags):
+        return "the SIMDe build needs a CPU with AVX2, FMA and F16C"
+    return build("qlinear_x86_simde", SOURCES, ldflags=OPENMP,
+                 cflags=(*CFLAGS, "-mavx2", "-mfma", "-mf16c", "-DQLINEAR_X86_SIMDE", f"-I{simde_py.get_include()}"))
+
+
+def linear(x: torch.Tensor, buffers: dict, bias, cfg, out_features: int, in_features: int, path: str = "auto",
+           simde: bool = False):
+    """Registry entry: ``x`` ``[..., K]`` on CPU -> ``[..., N]`` of ``x.dtype`` over layout ``x86``.  ``path`` forces one
+    of :data:`PATHS` (RuntimeError "cannot run path" where this CPU lacks it); ``simde`` runs the build of
+    :func:`simde_available` instead, where every path runs."""
+    N, K = out_features, in_features
+    x2 = x.reshape(-1, K)
+    fmt = 0 if _nibbles(cfg) else 1 if bcq.is_uniform(cfg) else 2  # qgemm.h's Format
+    gs = K if cfg.group_size == -1 else cfg.group_size
+    op = torch.ops.qlinear_x86_simde.x86_gemm if simde else torch.ops.qlinear.x86_gemm
+    y = op(x2.float().contiguous(), *(buffers[n] for n in _names(cfg)), bias, N, gs, cfg.bits, fmt, PATHS[path])
+    return y.to(x.dtype).reshape(*x.shape[:-1], N)
 
 
 def supports(cfg, out_features: int, in_features: int) -> Optional[str]:
@@ -153,6 +222,6 @@ def supports(cfg, out_features: int, in_features: int) -> Optional[str]:
 
 
 register(Kernel(backend="x86", format="bcq", fn=linear, priority=15, devices=frozenset({"cpu"}),
-                dtypes=frozenset({torch.float32, torch.float16, torch.bfloat16}), bits=frozenset({4}),
+                dtypes=frozenset({torch.float32, torch.float16, torch.bfloat16}), bits=frozenset({1, 2, 3, 4}),
                 group_sizes=ANY, max_batch=ANY, min_capability=ANY, supports=supports, available=available,
                 layout=LAYOUT))

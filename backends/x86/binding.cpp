@@ -5,15 +5,18 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <string>
+
 #include "qgemm.h"
 
 namespace {
 
-// format kU4: qs = scales fp16 [Nb, G, 16], qz = 2·zero uint8 [Nb, G, 16]; format kBCQ4: qs = α fp16
-// [Nb, G, 4, 16], qz = offsets fp16 [Nb, G, 16].
+// format kU4: qw = nibble codes uint8 [Nb, K/8, 64]; kLutUniform / kLutFree: qw = bit-planes uint8 [Nb, K/32, bits,
+// 64]; uniform: qs = scales fp16 [Nb, G, 16], qz = 2·zero uint8 [Nb, G, 16]; kLutFree: qs = α fp16 [Nb, G, bits, 16],
+// qz = offsets fp16 [Nb, G, 16] (qgemm.h).
 at::Tensor x86_gemm(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& qs, const at::Tensor& qz,
-                    const std::optional<at::Tensor>& bias, int64_t N, int64_t group_size, int64_t format,
-                    int64_t path) {
+                    const std::optional<at::Tensor>& bias, int64_t N, int64_t group_size, int64_t bits,
+                    int64_t format, int64_t path) {
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(),
               "x86_gemm: x must be a contiguous float32 CPU [M, K] tensor");
   const int64_t M = x.size(0), K = x.size(1), Nb = (N + 15) / 16;
@@ -22,31 +25,37 @@ at::Tensor x86_gemm(const at::Tensor& x, const at::Tensor& qw, const at::Tensor&
   TORCH_CHECK(path >= qlinear_x86::kAuto && path <= qlinear_x86::kAVX512VNNI, "x86_gemm: unknown path ", path);
   TORCH_CHECK(path == qlinear_x86::kAuto || qlinear_x86::path_supported((int)path),
               "x86_gemm: this CPU cannot run path ", path);
+  TORCH_CHECK(format >= qlinear_x86::kU4 && format <= qlinear_x86::kLutFree, "x86_gemm: unknown format ", format);
+  TORCH_CHECK(bits >= 1 && bits <= 4 && (format != qlinear_x86::kU4 || bits == 4), "x86_gemm: bits ", bits,
+              " not in 1..4 (4 for format 0)");
   const int64_t G = (K + group_size - 1) / group_size;
-  TORCH_CHECK(qw.scalar_type() == at::kByte && qw.is_contiguous() && qw.numel() == Nb * (K / 8) * 64,
-              "x86_gemm: qw must be contiguous uint8 [", Nb, ", ", K / 8, ", 64]");
-  TORCH_CHECK(format == qlinear_x86::kU4 || format == qlinear_x86::kBCQ4, "x86_gemm: unknown format ", format);
-  const bool bcq4 = format == qlinear_x86::kBCQ4;
-  TORCH_CHECK(qs.scalar_type() == at::kHalf && qs.is_contiguous() && qs.numel() == Nb * G * (bcq4 ? 64 : 16),
-              "x86_gemm: qs must be contiguous fp16 [", Nb, ", ", G, bcq4 ? ", 4, 16]" : ", 16]");
-  TORCH_CHECK(qz.scalar_type() == (bcq4 ? at::kHalf : at::kByte) && qz.is_contiguous() && qz.numel() == Nb * G * 16,
-              "x86_gemm: qz must be contiguous ", bcq4 ? "fp16" : "uint8", " [", Nb, ", ", G, ", 16]");
+  const bool lut = format != qlinear_x86::kU4, free_alpha = format == qlinear_x86::kLutFree;
+  if (lut) {
+    TORCH_CHECK(qw.scalar_type() == at::kByte && qw.is_contiguous() && qw.numel() == Nb * (K / 32) * bits * 64,
+                "x86_gemm: qw must be contiguous uint8 [", Nb, ", ", K / 32, ", ", bits, ", 64]");
+  } else {
+    TORCH_CHECK(qw.scalar_type() == at::kByte && qw.is_contiguous() && qw.numel() == Nb * (K / 8) * 64,
+                "x86_gemm: qw must be contiguous uint8 [", Nb, ", ", K / 8, ", 64]");
+  }
+  TORCH_CHECK(qs.scalar_type() == at::kHalf && qs.is_contiguous() && qs.numel() == Nb * G * (free_alpha ? bits : 1) * 16,
+              "x86_gemm: qs must be contiguous fp16 [", Nb, ", ", G, free_alpha ? ", " + std::to_string(bits) : "",
+              ", 16]");
+  TORCH_CHECK(qz.scalar_type() == (free_alpha ? at::kHalf : at::kByte) && qz.is_contiguous() && qz.numel() == Nb * G * 16,
+              "x86_gemm: qz must be contiguous ", free_alpha ? "fp16" : "uint8", " [", Nb, ", ", G, ", 16]");
   at::Tensor bias32;
   if (bias.has_value()) {
     TORCH_CHECK(bias->numel() == N, "x86_gemm: bias must have N elements");
     bias32 = bias->to(at::kFloat).contiguous();
   }
-  const auto* half_qs = reinterpret_cast<const uint16_t*>(qs.data_ptr<at::Half>());
-  qlinear_x86::Weights w{qw.data_ptr<uint8_t>(), bcq4 ? nullptr : half_qs, bcq4 ? nullptr : qz.data_ptr<uint8_t>(),
-                         (int)N, (int)K, (int)group_size, (int)format};
-  if (bcq4) {
-    w.qa = half_qs;
-    w.qc = reinterpret_cast<const uint16_t*>(qz.data_ptr<at::Half>());
-  }
-  at::Tensor work = at::empty({qlinear_x86::acts_bytes((int)M, (int)K, (int)group_size) + 16}, x.options().dtype(at::kByte));
-  void* aligned = reinterpret_cast<void*>((reinterpret_cast<uintptr_t>(work.data_ptr()) + 15) & ~uintptr_t(15));
+  const qlinear_x86::Weights w{qw.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(qs.data_ptr<at::Half>()),
+                               free_alpha ? nullptr : qz.data_ptr<uint8_t>(), (int)N, (int)K, (int)group_size,
+                               (int)format, (int)bits,
+                               free_alpha ? reinterpret_cast<const uint16_t*>(qz.data_ptr<at::Half>()) : nullptr};
+  at::Tensor work = at::empty({qlinear_x86::acts_bytes((int)M, (int)K, (int)group_size, lut) + 64},
+                              x.options().dtype(at::kByte));
+  void* aligned = reinterpret_cast<void*>((reinterpret_cast<uintptr_t>(work.data_ptr()) + 63) & ~uintptr_t(63));
   qlinear_x86::Acts a{};
-  qlinear_x86::prepare_acts(x.data_ptr<float>(), (int)M, (int)K, (int)group_size, aligned, &a);
+  qlinear_x86::prepare_acts(x.data_ptr<float>(), (int)M, (int)K, (int)group_size, lut, aligned, &a);
   at::Tensor y = at::empty({M, N}, x.options());
   const float* b = bias.has_value() ? bias32.data_ptr<float>() : nullptr;
   float* out = y.data_ptr<float>();
@@ -56,4 +65,8 @@ at::Tensor x86_gemm(const at::Tensor& x, const at::Tensor& qw, const at::Tensor&
 
 }  // namespace
 
+#ifdef QLINEAR_X86_SIMDE  // the tests' build with every path through SIMDe: its own op, qlinear_x86_simde::x86_gemm
+TORCH_LIBRARY(qlinear_x86_simde, m) { m.def("x86_gemm", &x86_gemm); }
+#else
 TORCH_LIBRARY_IMPL(qlinear, CPU, m) { m.impl("x86_gemm", &x86_gemm); }
+#endif

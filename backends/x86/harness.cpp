@@ -1,7 +1,9 @@
 // Standalone instruction-count harness for the x86 kernels (no torch), for valgrind's callgrind
 // (benchmarks/bench_x86.py --callgrind builds and runs it):
-//   harness PATH M N K GROUP REPS     REPS calls of qlinear_x86::run on path PATH (1 scalar, 2 avx2, 3 avx2_vnni,
-//                                     4 avx512_vnni) over all row blocks of random weights, one thread
+//   harness PATH M N K GROUP REPS [FORMAT BITS]
+//       REPS calls of qlinear_x86::run on path PATH (1 scalar, 2 avx2, 3 avx2_vnni, 4 avx512_vnni) over all row
+//       blocks of random weights, one thread; FORMAT 0 uniform 4-bit nibbles (default), 1 uniform LUT, 2 free-α LUT
+//       (qgemm.h), BITS 1-4
 // Exits 2 when this CPU (or valgrind's emulated one) lacks the path.
 #include <stdio.h>
 #include <stdlib.h>
@@ -11,12 +13,12 @@
 #include "qgemm.h"
 
 int main(int argc, char** argv) {
-  if (argc != 7) {
-    fprintf(stderr, "usage: %s PATH M N K GROUP REPS\n", argv[0]);
+  if (argc != 7 && argc != 9) {
+    fprintf(stderr, "usage: %s PATH M N K GROUP REPS [FORMAT BITS]\n", argv[0]);
     return 1;
   }
   const int path = atoi(argv[1]), M = atoi(argv[2]), N = atoi(argv[3]), K = atoi(argv[4]), gs = atoi(argv[5]),
-            reps = atoi(argv[6]);
+            reps = atoi(argv[6]), format = argc == 9 ? atoi(argv[7]) : 0, bits = argc == 9 ? atoi(argv[8]) : 4;
   if (!qlinear_x86::path_supported(path)) {
     fprintf(stderr, "path %d is not supported here\n", path);
     return 2;
@@ -24,17 +26,19 @@ int main(int argc, char** argv) {
   const int Nb = (N + 15) / 16, G = (K + gs - 1) / gs;
   unsigned state = 12345;
   auto rnd = [&state] { return state = state * 1664525u + 1013904223u; };
-  std::vector<uint8_t> qw((size_t)Nb * (K / 8) * 64), qz((size_t)Nb * G * 16);
-  std::vector<uint16_t> qs((size_t)Nb * G * 16);
+  std::vector<uint8_t> qw((size_t)Nb * (K / 8) * (format ? 16 * bits : 64)), qz((size_t)Nb * G * 16);
+  std::vector<uint16_t> qs((size_t)Nb * G * 16 * (format == 2 ? bits : 1)), qc((size_t)Nb * G * 16);
   for (auto& v : qw) v = (uint8_t)(rnd() >> 24);
   for (auto& v : qz) v = (uint8_t)((rnd() >> 24) % 31);
   for (auto& v : qs) v = (uint16_t)(0x1c00 | ((rnd() >> 20) & 1023));  // fp16 in [2^-8, 2^-7)
+  for (auto& v : qc) v = (uint16_t)(0x1c00 | ((rnd() >> 20) & 1023));
   std::vector<float> x((size_t)M * K), y((size_t)M * N);
   for (auto& v : x) v = (float)((int)(rnd() >> 16) - 32768) / 32768.0f;
-  std::vector<char> work(qlinear_x86::acts_bytes(M, K, gs) + 16);
+  std::vector<char> work(qlinear_x86::acts_bytes(M, K, gs, format != 0) + 64);
+  void* aligned = reinterpret_cast<void*>((reinterpret_cast<uintptr_t>(work.data()) + 63) & ~uintptr_t(63));
   qlinear_x86::Acts a{};
-  qlinear_x86::prepare_acts(x.data(), M, K, gs, work.data(), &a);
-  const qlinear_x86::Weights w{qw.data(), qs.data(), qz.data(), N, K, gs};
+  qlinear_x86::prepare_acts(x.data(), M, K, gs, format != 0, aligned, &a);
+  const qlinear_x86::Weights w{qw.data(), qs.data(), qz.data(), N, K, gs, format, bits, qc.data()};
   for (int r = 0; r < reps; ++r) qlinear_x86::run(w, a, nullptr, y.data(), 0, Nb, path);
   double sum = 0;
   for (float v : y) sum += v;

@@ -1,7 +1,28 @@
-// x86 kernels for 4-bit weights, uniform and free-α BCQ (layouts and arithmetic in qgemm.h).  Built with baseline flags: each SIMD
+// x86 kernels for uniform 4-bit codes and BCQ bit-planes (layouts and arithmetic in qgemm.h).  Built with baseline flags: each SIMD
 // path carries its own target attribute and runs only where cpuid reports its features.  Compiled with
 // -ffp-contract=off so that every fp32 operation is the one written (the paths give the same bits).
+#ifdef QLINEAR_X86_SIMDE
+// Tests only: every path through SIMDe's portable intrinsics, so that a CPU without AVX-512 or AVX-VNNI checks
+// those paths' arithmetic against the others (tests/test_x86.py).
+#define SIMDE_ENABLE_NATIVE_ALIASES
+#include <simde/x86/avx512.h>
+#define _mm256_dpbusd_avx_epi32 _mm256_dpbusd_epi32
+#define _mm512_cvtepu8_epi32(a) _mm512_cvtepu16_epi32(_mm256_cvtepu8_epi16(a))  // not in SIMDe 0.8
+inline void simde_store_masked(float* p, simde__mmask16 k, simde__m512 a) {  // SIMDe 0.8 writes all 16 lanes
+  alignas(64) float v[16];
+  simde_mm512_store_ps(v, a);
+  for (int i = 0; i < 16; ++i)
+    if ((k >> i) & 1) p[i] = v[i];
+}
+#undef _mm512_mask_storeu_ps
+#define _mm512_mask_storeu_ps(p, k, a) simde_store_masked(p, k, a)
+#define QLINEAR_TARGET(features)
+#define QLINEAR_HAS(feature) true
+#else
 #include <immintrin.h>
+#define QLINEAR_TARGET(features) __attribute__((target(features)))
+#define QLINEAR_HAS(feature) __builtin_cpu_supports(feature)
+#endif
 
 #include <algorithm>
 #include <cmath>
@@ -69,50 +90,6 @@ void block_scalar(const Weights& w, const Acts& a, const float* bias, float* y, 
   }
 }
 
-// ---- free-α BCQ 4-bit, scalar ------------------------------------------------------------------------------------
-constexpr float kPlaneScale[4] = {2.0f, 1.0f, 0.5f, 0.25f};  // 2^(1−i): F_i holds 2^i·Σ bit_i·x̂
-
-void block_scalar_bcq(const Weights& w, const Acts& a, const float* bias, float* y, int b) {
-  const int K = w.K, H = K / 32, G = num_groups(w);
-  const uint8_t* qw = w.qw + static_cast<int64_t>(b) * (K / 8) * 64;
-  for (int m = 0; m < a.M; ++m) {
-    float yv[kRows] = {};
-    for (int g = 0; g < G; ++g) {
-      float F[4][kRows] = {};
-      const int h1 = std::min((g + 1) * w.group_size, K) / 32;
-      for (int h = g * w.group_size / 32; h < h1; ++h) {
-        int32_t acc[4][kRows] = {};
-        const int8_t* xq = a.xq + static_cast<int64_t>(m) * K + 32 * h;
-        for (int c = 0; c < 4; ++c) {
-          const uint8_t* v = qw + static_cast<int64_t>(4 * h + c) * 64;
-          for (int r = 0; r < kRows; ++r)
-            for (int j = 0; j < 4; ++j)
-              for (int i = 0; i < 4; ++i)
-                acc[i][r] += (v[4 * r + j] & (1 << i)) * xq[8 * c + j] + ((v[4 * r + j] >> 4) & (1 << i)) * xq[8 * c + 4 + j];
-        }
-        const float xs = a.xs[static_cast<int64_t>(m) * H + h];
-        for (int i = 0; i < 4; ++i)
-          for (int r = 0; r < kRows; ++r) F[i][r] = std::fmaf(static_cast<float>(acc[i][r]), xs, F[i][r]);
-      }
-      const int64_t at = static_cast<int64_t>(b) * G + g;
-      const float xsum = a.xsum[static_cast<int64_t>(m) * G + g];
-      for (int r = 0; r < kRows; ++r) {
-        float t = yv[r], c = half_to_float(w.qc[at * kRows + r]);
-        for (int i = 0; i < 4; ++i) {
-          const float al = half_to_float(w.qa[(at * 4 + i) * kRows + r]);
-          t = std::fmaf(al * kPlaneScale[i], F[i][r], t);
-          c = c - al;
-        }
-        yv[r] = std::fmaf(c, xsum, t);
-      }
-    }
-    for (int r = 0; r < kRows && kRows * b + r < w.N; ++r) {
-      const int n = kRows * b + r;
-      y[static_cast<int64_t>(m) * w.N + n] = bias ? yv[r] + bias[n] : yv[r];
-    }
-  }
-}
-
 // Independent int32 accumulator chains per activation row: VPDPBUSD's latency (~5 cycles) would otherwise bound a
 // GEMV; integer sums are exact, so splitting them changes no bit.
 template <int MT>
@@ -120,7 +97,7 @@ constexpr int chains() { return MT <= 2 ? 4 : MT <= 4 ? 2 : 1; }
 
 // ---- AVX-512 VNNI: a block's 16 rows in one register, MT activation rows at a time -----------------------------
 template <int MT>
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni"))) void tile_avx512(const Weights& w, const Acts& a,
+QLINEAR_TARGET("avx512f,avx512bw,avx512vl,avx512vnni") void tile_avx512(const Weights& w, const Acts& a,
                                                                                   const float* bias, float* y, int b,
                                                                                   int m0) {
   const int K = w.K, H = K / 32, G = num_groups(w);
@@ -171,7 +148,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni"))) void tile_avx512
     _mm512_mask_storeu_ps(y + static_cast<int64_t>(m0 + m) * w.N + n0, keep, bias ? _mm512_add_ps(yv[m], bv) : yv[m]);
 }
 
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni"))) void block_avx512(const Weights& w, const Acts& a,
+QLINEAR_TARGET("avx512f,avx512bw,avx512vl,avx512vnni") void block_avx512(const Weights& w, const Acts& a,
                                                                                    const float* bias, float* y, int b) {
   int m = 0;
   for (; m + 8 <= a.M; m += 8) tile_avx512<8>(w, a, bias, y, b, m);
@@ -187,76 +164,9 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni"))) void block_avx51
   }
 }
 
-// ---- free-α BCQ 4-bit on AVX-512 VNNI: a VPDPBUSD per plane of the masked codes, MT ≤ 2 activation rows --------
-template <int MT>
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni"))) void tile_avx512_bcq(const Weights& w, const Acts& a,
-                                                                                      const float* bias, float* y,
-                                                                                      int b, int m0) {
-  const int K = w.K, H = K / 32, G = num_groups(w);
-  const uint8_t* qw = w.qw + static_cast<int64_t>(b) * (K / 8) * 64;
-  const __m512i nib = _mm512_set1_epi8(0x0F);
-  __m512i plane[4];
-  for (int i = 0; i < 4; ++i) plane[i] = _mm512_set1_epi8(static_cast<char>(1 << i));
-  __m512 yv[MT];
-  for (int m = 0; m < MT; ++m) yv[m] = _mm512_setzero_ps();
-  for (int g = 0; g < G; ++g) {
-    __m512 F[MT][4];
-    for (int m = 0; m < MT; ++m)
-      for (int i = 0; i < 4; ++i) F[m][i] = _mm512_setzero_ps();
-    const int h1 = std::min((g + 1) * w.group_size, K) / 32;
-    for (int h = g * w.group_size / 32; h < h1; ++h) {
-      __m512i acc[MT][4];
-      for (int m = 0; m < MT; ++m)
-        for (int i = 0; i < 4; ++i) acc[m][i] = _mm512_setzero_si512();
-      for (int c = 0; c < 4; ++c) {
-        const __m512i v = _mm512_loadu_si512(qw + static_cast<int64_t>(4 * h + c) * 64);
-        const __m512i lo = _mm512_and_si512(v, nib), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
-        for (int m = 0; m < MT; ++m) {
-          const int8_t* xp = a.xq + static_cast<int64_t>(m0 + m) * K + 32 * h + 8 * c;
-          const __m512i xl = _mm512_set1_epi32(load4(xp)), xh = _mm512_set1_epi32(load4(xp + 4));
-          for (int i = 0; i < 4; ++i) {
-            acc[m][i] = _mm512_dpbusd_epi32(acc[m][i], _mm512_and_si512(lo, plane[i]), xl);
-            acc[m][i] = _mm512_dpbusd_epi32(acc[m][i], _mm512_and_si512(hi, plane[i]), xh);
-          }
-        }
-      }
-      for (int m = 0; m < MT; ++m) {
-        const __m512 xs = _mm512_set1_ps(a.xs[static_cast<int64_t>(m0 + m) * H + h]);
-        for (int i = 0; i < 4; ++i) F[m][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[m][i]), xs, F[m][i]);
-      }
-    }
-    const int64_t at = static_cast<int64_t>(b) * G + g;
-    __m512 c = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.qc + at * kRows)));
-    __m512 al[4];
-    for (int i = 0; i < 4; ++i) {
-      const __m512 ai = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.qa + (at * 4 + i) * kRows)));
-      al[i] = _mm512_mul_ps(ai, _mm512_set1_ps(kPlaneScale[i]));
-      c = _mm512_sub_ps(c, ai);
-    }
-    for (int m = 0; m < MT; ++m) {
-      __m512 t = yv[m];
-      for (int i = 0; i < 4; ++i) t = _mm512_fmadd_ps(al[i], F[m][i], t);
-      yv[m] = _mm512_fmadd_ps(c, _mm512_set1_ps(a.xsum[static_cast<int64_t>(m0 + m) * G + g]), t);
-    }
-  }
-  const int n0 = kRows * b;
-  const __mmask16 keep = static_cast<__mmask16>(w.N - n0 >= kRows ? 0xFFFF : (1u << (w.N - n0)) - 1);
-  const __m512 bv = bias ? _mm512_maskz_loadu_ps(keep, bias + n0) : _mm512_setzero_ps();
-  for (int m = 0; m < MT; ++m)
-    _mm512_mask_storeu_ps(y + static_cast<int64_t>(m0 + m) * w.N + n0, keep, bias ? _mm512_add_ps(yv[m], bv) : yv[m]);
-}
-
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni"))) void block_avx512_bcq(const Weights& w, const Acts& a,
-                                                                                       const float* bias, float* y,
-                                                                                       int b) {
-  int m = 0;
-  for (; m + 2 <= a.M; m += 2) tile_avx512_bcq<2>(w, a, bias, y, b, m);
-  if (m < a.M) tile_avx512_bcq<1>(w, a, bias, y, b, m);
-}
-
 // ---- AVX2 (+ AVX-VNNI): the 16 rows as two 8-lane halves (bytes 0-31 and 32-63 of each chunk) ------------------
 template <bool VNNI>
-__attribute__((target("avx2,fma,avxvnni"))) inline __m256i dot4(__m256i acc, __m256i u8, __m256i s8) {
+QLINEAR_TARGET("avx2,fma,f16c,avxvnni") inline __m256i dot4(__m256i acc, __m256i u8, __m256i s8) {
   if constexpr (VNNI) {
     return _mm256_dpbusd_avx_epi32(acc, u8, s8);
   } else {  // u8·s8 pairs into int16 (|15·127·2| < 2^15: no saturation), then pairs of those into int32
@@ -265,7 +175,7 @@ __attribute__((target("avx2,fma,avxvnni"))) inline __m256i dot4(__m256i acc, __m
 }
 
 template <int MT, bool VNNI>
-__attribute__((target("avx2,fma,avxvnni"))) void tile_avx2(const Weights& w, const Acts& a, const float* bias,
+QLINEAR_TARGET("avx2,fma,f16c,avxvnni") void tile_avx2(const Weights& w, const Acts& a, const float* bias,
                                                            float* y, int b, int m0) {
   const int K = w.K, H = K / 32, G = num_groups(w);
   const uint8_t* qw = w.qw + static_cast<int64_t>(b) * (K / 8) * 64;
@@ -300,10 +210,8 @@ __attribute__((target("avx2,fma,avxvnni"))) void tile_avx2(const Weights& w, con
       }
     }
     const int64_t at = (static_cast<int64_t>(b) * G + g) * kRows;
-    alignas(32) float s[kRows];
-    for (int r = 0; r < kRows; ++r) s[r] = half_to_float(w.qs[at + r]);
     for (int half = 0; half < 2; ++half) {
-      const __m256 sv = _mm256_load_ps(s + 8 * half);
+      const __m256 sv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.qs + at + 8 * half)));
       const __m256 z = _mm256_mul_ps(
           _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w.qz + at + 8 * half)))),
           _mm256_set1_ps(0.5f));
@@ -325,79 +233,297 @@ __attribute__((target("avx2,fma,avxvnni"))) void tile_avx2(const Weights& w, con
 }
 
 template <bool VNNI>
-__attribute__((target("avx2,fma,avxvnni"))) void block_avx2(const Weights& w, const Acts& a, const float* bias,
+QLINEAR_TARGET("avx2,fma,f16c,avxvnni") void block_avx2(const Weights& w, const Acts& a, const float* bias,
                                                             float* y, int b) {
   int m = 0;
   for (; m + 2 <= a.M; m += 2) tile_avx2<2, VNNI>(w, a, bias, y, b, m);
   if (m < a.M) tile_avx2<1, VNNI>(w, a, bias, y, b, m);
 }
 
-// Free-α BCQ 4-bit on AVX2: one 8-row half and one activation row at a time (4 plane accumulators, 4 sums).
-template <bool VNNI>
-__attribute__((target("avx2,fma,avxvnni"))) void block_avx2_bcq(const Weights& w, const Acts& a, const float* bias,
-                                                                float* y, int b) {
-  const int K = w.K, H = K / 32, G = num_groups(w);
-  const uint8_t* qw = w.qw + static_cast<int64_t>(b) * (K / 8) * 64;
-  const __m256i nib = _mm256_set1_epi8(0x0F);
-  __m256i plane[4];
-  for (int i = 0; i < 4; ++i) plane[i] = _mm256_set1_epi8(static_cast<char>(1 << i));
-  const int n0 = kRows * b;
+// ---- LUT formats: plane sums S_i from the activation tables (qgemm.h) -------------------------------------------
+constexpr int kMaxBits = 4;
+
+inline int64_t lut_block(const Weights& w, int b) { return static_cast<int64_t>(b) * (w.K / 32) * w.bits * 64; }
+
+// The per-group epilogue on one lane (scalar path); the SIMD paths do the same operations lane-wise.
+inline float lut_epilogue(const Weights& w, int64_t at, int r, const float* F, float xsum, float y) {
+  if (w.format == kLutUniform) {
+    const float t = std::fmaf(-(static_cast<float>(w.qz[at * kRows + r]) * 0.5f), xsum, F[0]);
+    return std::fmaf(half_to_float(w.qs[at * kRows + r]), t, y);
+  }
+  float c = half_to_float(w.qc[at * kRows + r]);
+  for (int i = 0; i < w.bits; ++i) {
+    const float al = half_to_float(w.qs[(at * w.bits + i) * kRows + r]);
+    y = std::fmaf(al + al, F[i], y);
+    c = c - al;
+  }
+  return std::fmaf(c, xsum, y);
+}
+
+void block_scalar_lut(const Weights& w, const Acts& a, const float* bias, float* y, int b) {
+  const int K = w.K, H = K / 32, G = num_groups(w), B = w.bits;
+  const uint8_t* lp = w.qw + lut_block(w, b);
   for (int m = 0; m < a.M; ++m) {
-    for (int half = 0; half < 2; ++half) {
-      __m256 yv = _mm256_setzero_ps();
-      for (int g = 0; g < G; ++g) {
-        __m256 F[4];
-        for (int i = 0; i < 4; ++i) F[i] = _mm256_setzero_ps();
-        const int h1 = std::min((g + 1) * w.group_size, K) / 32;
-        for (int h = g * w.group_size / 32; h < h1; ++h) {
-          __m256i acc[4];
-          for (int i = 0; i < 4; ++i) acc[i] = _mm256_setzero_si256();
-          const int8_t* xp = a.xq + static_cast<int64_t>(m) * K + 32 * h;
-          for (int c = 0; c < 4; ++c) {
-            const __m256i v = _mm256_loadu_si256(
-                reinterpret_cast<const __m256i*>(qw + static_cast<int64_t>(4 * h + c) * 64 + 32 * half));
-            const __m256i lo = _mm256_and_si256(v, nib), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
-            const __m256i xl = _mm256_set1_epi32(load4(xp + 8 * c)), xh = _mm256_set1_epi32(load4(xp + 8 * c + 4));
-            for (int i = 0; i < 4; ++i) {
-              acc[i] = dot4<VNNI>(acc[i], _mm256_and_si256(lo, plane[i]), xl);
-              acc[i] = dot4<VNNI>(acc[i], _mm256_and_si256(hi, plane[i]), xh);
+    float yv[kRows] = {};
+    for (int g = 0; g < G; ++g) {
+      float F[kRows][kMaxBits] = {};
+      const int h1 = std::min((g + 1) * w.group_size, K) / 32;
+      for (int h = g * w.group_size / 32; h < h1; ++h) {
+        const int8_t* T = a.tables + (static_cast<int64_t>(m) * H + h) * 256;
+        const float xs = a.xs[static_cast<int64_t>(m) * H + h];
+        for (int r = 0; r < kRows; ++r) {
+          int32_t S[kMaxBits] = {};
+          for (int i = 0; i < B; ++i) {
+            const uint8_t* v = lp + (static_cast<int64_t>(h) * B + i) * 64 + r;
+            for (int gg = 0; gg < 4; ++gg) {
+              const int lo = (v[16 * gg] & 15) | (gg << 4), hi = (v[16 * gg] >> 4) | (gg << 4);
+              S[i] += T[lo] + 16 * T[64 + lo] + T[128 + hi] + 16 * T[192 + hi];
             }
           }
-          const __m256 xs = _mm256_set1_ps(a.xs[static_cast<int64_t>(m) * H + h]);
-          for (int i = 0; i < 4; ++i) F[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[i]), xs, F[i]);
+          if (w.format == kLutUniform) {
+            int32_t I = 0;
+            for (int i = 0; i < B; ++i) I += S[i] * (1 << i);
+            F[r][0] = std::fmaf(static_cast<float>(I), xs, F[r][0]);
+          } else {
+            for (int i = 0; i < B; ++i) F[r][i] = std::fmaf(static_cast<float>(S[i]), xs, F[r][i]);
+          }
         }
-        const int64_t at = static_cast<int64_t>(b) * G + g;
-        alignas(32) float vals[5][8];
-        for (int r = 0; r < 8; ++r) {
-          for (int i = 0; i < 4; ++i) vals[i][r] = half_to_float(w.qa[(at * 4 + i) * kRows + 8 * half + r]);
-          vals[4][r] = half_to_float(w.qc[at * kRows + 8 * half + r]);
-        }
-        __m256 c = _mm256_load_ps(vals[4]), t = yv;
-        for (int i = 0; i < 4; ++i) {
-          const __m256 ai = _mm256_load_ps(vals[i]);
-          t = _mm256_fmadd_ps(_mm256_mul_ps(ai, _mm256_set1_ps(kPlaneScale[i])), F[i], t);
-          c = _mm256_sub_ps(c, ai);
-        }
-        yv = _mm256_fmadd_ps(c, _mm256_set1_ps(a.xsum[static_cast<int64_t>(m) * G + g]), t);
       }
-      alignas(32) float out[8];
-      _mm256_store_ps(out, yv);
-      for (int r = 0; r < 8 && n0 + 8 * half + r < w.N; ++r) {
-        const int n = n0 + 8 * half + r;
-        y[static_cast<int64_t>(m) * w.N + n] = bias ? out[r] + bias[n] : out[r];
+      const int64_t at = static_cast<int64_t>(b) * G + g;
+      const float xsum = a.xsum[static_cast<int64_t>(m) * G + g];
+      for (int r = 0; r < kRows; ++r) yv[r] = lut_epilogue(w, at, r, F[r], xsum, yv[r]);
+    }
+    for (int r = 0; r < kRows && kRows * b + r < w.N; ++r) {
+      const int n = kRows * b + r;
+      y[static_cast<int64_t>(m) * w.N + n] = bias ? yv[r] + bias[n] : yv[r];
+    }
+  }
+}
+
+// AVX-512 VBMI: a VPERMB moves byte 16q + r of a plane to 4r + q, so that after the lookups (VPERMB of the nibbles
+// in a 64-byte table: 4 groups of 16 entries) VPDPBUSD adds the 4 lookups of each row (×1 for the lo table, ×16 for
+// the hi table).  MT activation rows share each plane load.
+#define QLINEAR_AVX512_LUT QLINEAR_TARGET("avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi")
+
+QLINEAR_AVX512_LUT inline __m512 half16(const uint16_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+template <int MT, int B>
+QLINEAR_AVX512_LUT void tile_avx512_lut(const Weights& w, const Acts& a, const float* bias, float* y, int b, int m0) {
+  const int K = w.K, H = K / 32, G = num_groups(w);
+  const bool uniform = w.format == kLutUniform;
+  const uint8_t* lp = w.qw + lut_block(w, b);
+  const __m512i nib = _mm512_set1_epi8(0x0F), gid = _mm512_set1_epi32(0x30201000);  // byte 4r + g: g << 4
+  const __m512i one = _mm512_set1_epi8(1), sixteen = _mm512_set1_epi8(16);
+  alignas(64) int8_t order[64];
+  for (int e = 0; e < 64; ++e) order[e] = static_cast<int8_t>(16 * (e % 4) + e / 4);
+  const __m512i to_rows = _mm512_load_si512(order);
+  __m512 yv[MT];
+  for (int m = 0; m < MT; ++m) yv[m] = _mm512_setzero_ps();
+  for (int g = 0; g < G; ++g) {
+    __m512 F[MT][B];
+    for (int m = 0; m < MT; ++m)
+      for (int i = 0; i < B; ++i) F[m][i] = _mm512_setzero_ps();
+    const int h1 = std::min((g + 1) * w.group_size, K) / 32;
+    for (int h = g * w.group_size / 32; h < h1; ++h) {
+      __m512i acc[MT][B];
+      for (int i = 0; i < B; ++i) {
+        const __m512i v = _mm512_permutexvar_epi8(to_rows, _mm512_loadu_si512(lp + (static_cast<int64_t>(h) * B + i) * 64));
+        // (v & 0x0F) | gid: ternary-logic truth table 0xEA = (A & B) | C with A = v, B = nib, C = gid
+        const __m512i ilo = _mm512_ternarylogic_epi32(v, nib, gid, 0xEA);
+        const __m512i ihi = _mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 4), nib, gid, 0xEA);
+        for (int m = 0; m < MT; ++m) {
+          const int8_t* T = a.tables + (static_cast<int64_t>(m0 + m) * H + h) * 256;
+          __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), one, _mm512_permutexvar_epi8(ilo, _mm512_loadu_si512(T)));
+          __m512i t = _mm512_dpbusd_epi32(_mm512_setzero_si512(), one, _mm512_permutexvar_epi8(ihi, _mm512_loadu_si512(T + 128)));
+          s = _mm512_dpbusd_epi32(s, sixteen, _mm512_permutexvar_epi8(ilo, _mm512_loadu_si512(T + 64)));
+          t = _mm512_dpbusd_epi32(t, sixteen, _mm512_permutexvar_epi8(ihi, _mm512_loadu_si512(T + 192)));
+          acc[m][i] = _mm512_add_epi32(s, t);
+        }
       }
+      for (int m = 0; m < MT; ++m) {
+        const __m512 xs = _mm512_set1_ps(a.xs[static_cast<int64_t>(m0 + m) * H + h]);
+        if (uniform) {
+          __m512i I = acc[m][0];
+          for (int i = 1; i < B; ++i) I = _mm512_add_epi32(I, _mm512_slli_epi32(acc[m][i], i));
+          F[m][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(I), xs, F[m][0]);
+        } else {
+          for (int i = 0; i < B; ++i) F[m][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[m][i]), xs, F[m][i]);
+        }
+      }
+    }
+    const int64_t at = static_cast<int64_t>(b) * G + g;
+    if (uniform) {
+      const __m512 s = half16(w.qs + at * kRows);
+      const __m512 z = _mm512_mul_ps(
+          _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.qz + at * kRows)))),
+          _mm512_set1_ps(0.5f));
+      for (int m = 0; m < MT; ++m) {
+        const __m512 t = _mm512_fnmadd_ps(z, _mm512_set1_ps(a.xsum[static_cast<int64_t>(m0 + m) * G + g]), F[m][0]);
+        yv[m] = _mm512_fmadd_ps(s, t, yv[m]);
+      }
+    } else {
+      __m512 al[B], c = half16(w.qc + at * kRows);
+      for (int i = 0; i < B; ++i) {
+        al[i] = half16(w.qs + (at * B + i) * kRows);
+        c = _mm512_sub_ps(c, al[i]);
+      }
+      for (int m = 0; m < MT; ++m) {
+        __m512 t = yv[m];
+        for (int i = 0; i < B; ++i) t = _mm512_fmadd_ps(_mm512_add_ps(al[i], al[i]), F[m][i], t);
+        yv[m] = _mm512_fmadd_ps(c, _mm512_set1_ps(a.xsum[static_cast<int64_t>(m0 + m) * G + g]), t);
+      }
+    }
+  }
+  const int n0 = kRows * b;
+  const __mmask16 keep = static_cast<__mmask16>(w.N - n0 >= kRows ? 0xFFFF : (1u << (w.N - n0)) - 1);
+  const __m512 bv = bias ? _mm512_maskz_loadu_ps(keep, bias + n0) : _mm512_setzero_ps();
+  for (int m = 0; m < MT; ++m)
+    _mm512_mask_storeu_ps(y + static_cast<int64_t>(m0 + m) * w.N + n0, keep, bias ? _mm512_add_ps(yv[m], bv) : yv[m]);
+}
+
+template <int B>
+QLINEAR_AVX512_LUT void block_avx512_lut_bits(const Weights& w, const Acts& a, const float* bias, float* y, int b) {
+  constexpr int MT = B <= 2 ? 4 : 2;  // registers: MT·B int32 sums and MT·B fp32 group sums
+  int m = 0;
+  for (; m + MT <= a.M; m += MT) tile_avx512_lut<MT, B>(w, a, bias, y, b, m);
+  for (; m < a.M; ++m) tile_avx512_lut<1, B>(w, a, bias, y, b, m);
+}
+
+QLINEAR_AVX512_LUT void block_avx512_lut(const Weights& w, const Acts& a, const float* bias, float* y, int b) {
+  switch (w.bits) {
+    case 1: block_avx512_lut_bits<1>(w, a, bias, y, b); break;
+    case 2: block_avx512_lut_bits<2>(w, a, bias, y, b); break;
+    case 3: block_avx512_lut_bits<3>(w, a, bias, y, b); break;
+    default: block_avx512_lut_bits<4>(w, a, bias, y, b); break;
+  }
+}
+
+// AVX2: VPSHUFB looks 32 nibbles up at once, lane 0 in one group's 16-entry table and lane 1 in the next group's
+// (the layout puts 16 rows of one group in each 16 bytes).  Per plane and 32 inputs: 8 lookups, added in pairs
+// (lo-table sums ≤ 120, hi-table sums ≥ −64: int8), interleaved lo/hi per row and weighted 1/16 by VPMADDUBSW into
+// int16; the two lanes' groups are added at the end of the 32 inputs.  AVX-VNNI would not help: nothing here is a
+// 4-byte dot product.  One activation row at a time, the group epilogue per lane as the scalar path computes it.
+template <int B>
+QLINEAR_TARGET("avx2,fma,f16c") void block_avx2_lut(const Weights& w, const Acts& a, const float* bias, float* y, int b) {
+  const int K = w.K, H = K / 32, G = num_groups(w);
+  const uint8_t* lp = w.qw + lut_block(w, b);
+  const __m256i nib = _mm256_set1_epi8(0x0F), weights = _mm256_set1_epi16(0x1001);  // bytes (1, 16)
+  for (int m = 0; m < a.M; ++m) {
+    __m256 yv[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int g = 0; g < G; ++g) {
+      __m256 f[B][2];
+      for (int i = 0; i < B; ++i) f[i][0] = f[i][1] = _mm256_setzero_ps();
+      const int h1 = std::min((g + 1) * w.group_size, K) / 32;
+      for (int h = g * w.group_size / 32; h < h1; ++h) {
+        const int8_t* T = a.tables + (static_cast<int64_t>(m) * H + h) * 256;
+        // 32 bytes k = 2·(2·half + part) + q2 of the tables: groups 2·q2, 2·q2 + 1 of inputs 16·half.. (part 0: lo)
+        __m256i tab[8];
+        for (int k = 0; k < 8; ++k) tab[k] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(T + 32 * k));
+        const __m256i lo00 = tab[0], lo01 = tab[1], hi00 = tab[2], hi01 = tab[3];
+        const __m256i lo10 = tab[4], lo11 = tab[5], hi10 = tab[6], hi11 = tab[7];
+        const __m256 xs = _mm256_set1_ps(a.xs[static_cast<int64_t>(m) * H + h]);
+        __m256i S[B][2];
+        for (int i = 0; i < B; ++i) {
+          const uint8_t* p = lp + (static_cast<int64_t>(h) * B + i) * 64;
+          const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+          const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32));
+          const __m256i n0 = _mm256_and_si256(v0, nib), n1 = _mm256_and_si256(v1, nib);  // inputs 0..15
+          const __m256i m0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), nib);                // inputs 16..31
+          const __m256i m1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), nib);
+          const __m256i slo = _mm256_add_epi8(_mm256_shuffle_epi8(lo00, n0), _mm256_shuffle_epi8(lo01, n1));
+          const __m256i shi = _mm256_add_epi8(_mm256_shuffle_epi8(hi00, n0), _mm256_shuffle_epi8(hi01, n1));
+          const __m256i tlo = _mm256_add_epi8(_mm256_shuffle_epi8(lo10, m0), _mm256_shuffle_epi8(lo11, m1));
+          const __m256i thi = _mm256_add_epi8(_mm256_shuffle_epi8(hi10, m0), _mm256_shuffle_epi8(hi11, m1));
+          // int16 per (row, lane): rows 0-7 from the low halves of the lanes, rows 8-15 from the high halves
+          const __m256i r07 = _mm256_add_epi16(_mm256_maddubs_epi16(weights, _mm256_unpacklo_epi8(slo, shi)),
+                                               _mm256_maddubs_epi16(weights, _mm256_unpacklo_epi8(tlo, thi)));
+          const __m256i r815 = _mm256_add_epi16(_mm256_maddubs_epi16(weights, _mm256_unpackhi_epi8(slo, shi)),
+                                                _mm256_maddubs_epi16(weights, _mm256_unpackhi_epi8(tlo, thi)));
+          // add the lanes (the other groups): rows 0-7 in lane 0, 8-15 in lane 1; widen to int32
+          const __m256i rows = _mm256_add_epi16(_mm256_permute2x128_si256(r07, r815, 0x20),
+                                                _mm256_permute2x128_si256(r07, r815, 0x31));
+          S[i][0] = _mm256_cvtepi16_epi32(_mm256_castsi256_si128(rows));
+          S[i][1] = _mm256_cvtepi16_epi32(_mm256_extracti128_si256(rows, 1));
+        }
+        for (int half = 0; half < 2; ++half) {
+          if (w.format == kLutUniform) {
+            __m256i I = S[0][half];
+            for (int i = 1; i < B; ++i) I = _mm256_add_epi32(I, _mm256_slli_epi32(S[i][half], i));
+            f[0][half] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(I), xs, f[0][half]);
+          } else {
+            for (int i = 0; i < B; ++i) f[i][half] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(S[i][half]), xs, f[i][half]);
+          }
+        }
+      }
+      const int64_t at = static_cast<int64_t>(b) * G + g;
+      const __m256 xsum = _mm256_set1_ps(a.xsum[static_cast<int64_t>(m) * G + g]);
+      auto half8 = [](const uint16_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); };
+      for (int half = 0; half < 2; ++half) {
+        if (w.format == kLutUniform) {
+          const __m256 s = _mm256_cvtph_ps(half8(w.qs + at * kRows + 8 * half));
+          const __m256 z = _mm256_mul_ps(
+              _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w.qz + at * kRows + 8 * half)))),
+              _mm256_set1_ps(0.5f));
+          yv[half] = _mm256_fmadd_ps(s, _mm256_fnmadd_ps(z, xsum, f[0][half]), yv[half]);
+        } else {
+          __m256 c = _mm256_cvtph_ps(half8(w.qc + at * kRows + 8 * half)), t = yv[half];
+          for (int i = 0; i < B; ++i) {
+            const __m256 al = _mm256_cvtph_ps(half8(w.qs + (at * B + i) * kRows + 8 * half));
+            t = _mm256_fmadd_ps(_mm256_add_ps(al, al), f[i][half], t);
+            c = _mm256_sub_ps(c, al);
+          }
+          yv[half] = _mm256_fmadd_ps(c, xsum, t);
+        }
+      }
+    }
+    alignas(32) float out[kRows];
+    _mm256_store_ps(out, yv[0]);
+    _mm256_store_ps(out + 8, yv[1]);
+    for (int r = 0; r < kRows && kRows * b + r < w.N; ++r) {
+      const int n = kRows * b + r;
+      y[static_cast<int64_t>(m) * w.N + n] = bias ? out[r] + bias[n] : out[r];
     }
   }
 }
 
 }  // namespace
 
-int64_t acts_bytes(int M, int K, int group_size) {
+namespace {
+int64_t quant_bytes(int M, int K, int group_size) {
   const int64_t G = (K + group_size - 1) / group_size;
   return ((static_cast<int64_t>(M) * K + 15) / 16) * 16 + 4 * static_cast<int64_t>(M) * (K / 32 + G);
 }
 
-void prepare_acts(const float* x, int M, int K, int group_size, void* work, Acts* a) {
+// The LUT formats' tables (qgemm.h) of one row's int8 activations xq [K] into T [K/32, 4, 64].
+void build_tables(const int8_t* xq, int K, int8_t* T) {
+  for (int h = 0; h < K / 32; ++h) {
+    for (int half = 0; half < 2; ++half) {
+      int8_t part[2][16];
+      for (int k = 0; k < 16; ++k) {
+        const int v = xq[32 * h + 16 * half + k], lo = v & 15;
+        part[0][k] = static_cast<int8_t>(lo);
+        part[1][k] = static_cast<int8_t>((v - lo) / 16);
+      }
+      for (int pt = 0; pt < 2; ++pt) {
+        int8_t* t = T + (static_cast<int64_t>(h) * 4 + 2 * half + pt) * 64;
+        for (int g = 0; g < 4; ++g) {
+          t[16 * g] = 0;
+          for (int p = 1; p < 16; ++p)  // the subset p = (p without its lowest bit) + that bit's input
+            t[16 * g + p] = static_cast<int8_t>(t[16 * g + (p & (p - 1))] + part[pt][4 * g + __builtin_ctz(p)]);
+        }
+      }
+    }
+  }
+}
+}  // namespace
+
+int64_t acts_bytes(int M, int K, int group_size, bool tables) {
+  return quant_bytes(M, K, group_size) + (tables ? 64 + static_cast<int64_t>(M) * (K / 32) * 256 : 0);
+}
+
+void prepare_acts(const float* x, int M, int K, int group_size, bool tables, void* work, Acts* a) {
   const int H = K / 32, G = (K + group_size - 1) / group_size;
   int8_t* xq = static_cast<int8_t*>(work);
   float* xs = reinterpret_cast<float*>(xq + ((static_cast<int64_t>(M) * K + 15) / 16) * 16);
@@ -429,16 +555,23 @@ void prepare_acts(const float* x, int M, int K, int group_size, void* work, Acts
   a->xs = xs;
   a->xsum = xsum;
   a->M = M;
+  a->tables = nullptr;
+  if (tables) {
+    const uintptr_t end = reinterpret_cast<uintptr_t>(work) + quant_bytes(M, K, group_size);
+    int8_t* T = reinterpret_cast<int8_t*>((end + 63) & ~uintptr_t(63));
+    for (int m = 0; m < M; ++m) build_tables(xq + static_cast<int64_t>(m) * K, K, T + static_cast<int64_t>(m) * (K / 32) * 256);
+    a->tables = T;
+  }
 }
 
 bool path_supported(int path) {
   switch (path) {
     case kScalar: return true;
-    case kAVX2: return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-    case kAVX2VNNI: return path_supported(kAVX2) && __builtin_cpu_supports("avxvnni");
+    case kAVX2: return QLINEAR_HAS("avx2") && QLINEAR_HAS("fma") && QLINEAR_HAS("f16c");
+    case kAVX2VNNI: return path_supported(kAVX2) && QLINEAR_HAS("avxvnni");
     case kAVX512VNNI:
-      return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-             __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+      return QLINEAR_HAS("avx512f") && QLINEAR_HAS("avx512bw") &&
+             QLINEAR_HAS("avx512vl") && QLINEAR_HAS("avx512vnni");
     default: return false;
   }
 }
@@ -453,13 +586,22 @@ int best_path() {
 
 void run(const Weights& w, const Acts& a, const float* bias, float* y, int b0, int b1, int path) {
   if (path == kAuto) path = best_path();
-  if (w.format == kBCQ4) {
+  if (w.format != kU4) {
+    if (path == kAVX512VNNI && !QLINEAR_HAS("avx512vbmi"))  // VPERMB: Ice Lake, Zen 4 and later
+      path = path_supported(kAVX2VNNI) ? kAVX2VNNI : kAVX2;
     for (int b = b0; b < b1; ++b) {
       switch (path) {
-        case kAVX512VNNI: block_avx512_bcq(w, a, bias, y, b); break;
-        case kAVX2VNNI: block_avx2_bcq<true>(w, a, bias, y, b); break;
-        case kAVX2: block_avx2_bcq<false>(w, a, bias, y, b); break;
-        default: block_scalar_bcq(w, a, bias, y, b); break;
+        case kAVX512VNNI: block_avx512_lut(w, a, bias, y, b); break;
+        case kAVX2VNNI:
+        case kAVX2:
+          switch (w.bits) {
+            case 1: block_avx2_lut<1>(w, a, bias, y, b); break;
+            case 2: block_avx2_lut<2>(w, a, bias, y, b); break;
+            case 3: block_avx2_lut<3>(w, a, bias, y, b); break;
+            default: block_avx2_lut<4>(w, a, bias, y, b); break;
+          }
+          break;
+        default: block_scalar_lut(w, a, bias, y, b); break;
       }
     }
     return;

@@ -1,20 +1,34 @@
-// x86 CPU kernels (torch-free): 4-bit weights (uniform, or free-α BCQ) times int8 dynamic activations, accumulated
-// exactly in int32 by VPDPBUSD (AVX-512 VNNI, AVX-VNNI) or VPMADDUBSW + VPMADDWD (AVX2), scaled in fp32.
+// x86 CPU kernels (torch-free): quantized weights times int8 dynamic activations, the products summed exactly in
+// int32, scaled in fp32.  Two weight layouts (backends/x86/__init__.py has the executable PyTorch spec of both and
+// their exact inverses):
 //
-// Weight layout (backends/x86/__init__.py has the executable PyTorch spec and the exact inverse):
+// kU4, uniform 4-bit codes, multiplied by VPDPBUSD (AVX-512 VNNI, AVX-VNNI) or VPMADDUBSW + VPMADDWD (AVX2):
 //   qw  uint8 [Nb, K/8, 64]: 16-row block b, 8-input chunk c; byte 4r + j holds code[16b + r][8c + j] in its low
 //       nibble and code[16b + r][8c + 4 + j] in its high nibble (r = 0..15, j = 0..3): one 64-byte load gives, per
 //       32-bit lane r, four codes of row r for each half of the chunk (VPDPBUSD's unsigned operand).
-//   qs  fp16  [Nb, G, 16]: the scale s of each row of the block in group g.
-//   qz  uint8 [Nb, G, 16]: 2·z (twice the zero point: 15 for the symmetric levels z = 7.5).
-//   Rows past N are zero (codes, s and z).
-// Free-α BCQ 4-bit (format kBCQ4): qw as above (code = Σ_i bit_i·2^i), and instead of qs/qz
-//   qa  fp16  [Nb, G, 4, 16]: α_i of each row (plane i = 0..3);  qc  fp16 [Nb, G, 16]: the offset c (0 without).
-//   w = Σ_i α_i·(2·bit_i − 1) + c, so Σ_k w·x̂ = Σ_i α_i·2^(1−i)·Σ_k (code & 2^i)·x̂ + (c − Σ_i α_i)·Σ_k x̂:
-//   per plane one VPDPBUSD of the masked codes; the same activations and group sums as the uniform kernel.
-// Activations: per row m and 32 inputs h, xq = round_half_even(x · (127 / amax)) in int8 and xs = amax / 127.
 //
-//   y[m][n] = Σ_g s[n][g] · (Σ_{h ∈ g} xs[m][h] · Σ_{k ∈ h} code[n][k]·xq[m][k]  −  z[n][g] · Σ_{h ∈ g} xs[m][h]·Σ_{k ∈ h} xq[m][k])
+// kLutUniform / kLutFree, BCQ bit-planes (1-4 bits) looked up in tables of activation sums (LUT-GEMM's idea with
+// T-MAC's nibble tables on VPERMB):
+//   qw  uint8 [Nb, K/32, B, 64]: block b, 32-input block h, plane i; byte 4r + g holds in its low nibble bit t =
+//       bit_i[16b + r][32h + 4g + t] and in its high nibble bit t = bit_i[16b + r][32h + 16 + 4g + t] (t = 0..3).
+//   Activation tables int8 [M, K/32, 4, 64] (prepare_acts): with x̂ = 16·hi + lo (lo = x̂ & 15 in 0..15, hi = x̂ >> 4
+//   in −8..7), table 2·half + part holds at entry 16g + p the sum Σ_{t: bit t of p} part(x̂[32h + 16·half + 4g + t])
+//   (lo sums 0..60, hi sums −32..28: both fit int8).  A plane's nibble, with its group g in bits 4-5, indexes the
+//   64-byte table (VPERMB), and VPDPBUSD adds 4 lookups of one row times 1 (lo) or 16 (hi):
+//   S_i[m][n][h] = Σ_{k ∈ h} bit_i[n][k]·xq[m][k], exactly.
+//
+// Per-group values, qs/qz (uniform, both layouts):
+//   qs  fp16  [Nb, G, 16]: the scale s of each row of the block in group g.
+//   qz  uint8 [Nb, G, 16]: 2·z (twice the zero point: 2^B − 1 for the symmetric levels z = (2^B − 1)/2).
+// and qa/qc (kLutFree):
+//   qa  fp16  [Nb, G, B, 16]: α_i of each row;  qc  fp16 [Nb, G, 16]: the offset c (0 without one).
+// Rows past N are zero.
+// Activations: per row m and 32 inputs h, xq = round_half_even(x · (127 / amax)) in int8 and xs = amax / 127;
+// xsum[m][g] = Σ_{h ∈ g} xs[m][h]·Σ_{k ∈ h} xq[m][k].
+//
+//   uniform: y[m][n] = Σ_g s·(Σ_{h ∈ g} xs[m][h]·I[m][n][h]  −  z·xsum[m][g]),  I = Σ_{k ∈ h} code·xq = Σ_i 2^i·S_i
+//   free α:  y[m][n] = Σ_g (Σ_i 2α_i·Σ_{h ∈ g} xs[m][h]·S_i[m][n][h]  +  (c − Σ_i α_i)·xsum[m][g])
+//            (w = Σ_i α_i·(2·bit_i − 1) + c)
 //
 // Every path computes the same int32 sums and the same fp32 operations in the same order, so all paths give the
 // same bits.
@@ -25,29 +39,30 @@
 namespace qlinear_x86 {
 
 enum Path { kAuto = 0, kScalar = 1, kAVX2 = 2, kAVX2VNNI = 3, kAVX512VNNI = 4 };
-enum Format { kU4 = 0, kBCQ4 = 1 };
+enum Format { kU4 = 0, kLutUniform = 1, kLutFree = 2 };
 
 struct Weights {
   const uint8_t* qw;
-  const uint16_t* qs;  // fp16 bits (kU4)
-  const uint8_t* qz;   // kU4
+  const uint16_t* qs;  // fp16 bits: scales (uniform) or α (kLutFree)
+  const uint8_t* qz;   // 2·z (uniform)
   int N, K, group_size;
   int format = kU4;
-  const uint16_t* qa = nullptr;  // fp16 bits (kBCQ4)
-  const uint16_t* qc = nullptr;  // fp16 bits (kBCQ4)
+  int bits = 4;
+  const uint16_t* qc = nullptr;  // fp16 bits: offsets (kLutFree)
 };
 
 struct Acts {
   const int8_t* xq;    // [M, K]
   const float* xs;     // [M, K/32]
   const float* xsum;   // [M, G]: Σ_{h ∈ g} xs·Σ xq, accumulated in h order
+  const int8_t* tables;  // [M, K/32, 4, 64] (LUT formats only, else null)
   int M;
 };
 
-// Bytes of the work buffer prepare_acts fills (16-byte aligned by the caller).
-int64_t acts_bytes(int M, int K, int group_size);
-// Quantize x [M, K] (float32) into the work buffer and point `a` at its parts.
-void prepare_acts(const float* x, int M, int K, int group_size, void* work, Acts* a);
+// Bytes of the work buffer prepare_acts fills (64-byte aligned by the caller); `tables` for the LUT formats.
+int64_t acts_bytes(int M, int K, int group_size, bool tables);
+// Quantize x [M, K] (float32) into the work buffer (and build the LUT formats' tables) and point `a` at its parts.
+void prepare_acts(const float* x, int M, int K, int group_size, bool tables, void* work, Acts* a);
 // The best path this CPU runs (cpuid, read once).
 int best_path();
 // Whether this CPU can run `path`.
