@@ -210,7 +210,6 @@ def _(x, qw, qs, qz, bias, N, group_size, bits, format, path):
     return x.new_empty(x.shape[0], N)
 
 
-
 _lib.define("quick_gemm(Tensor x, Tensor qweight, Tensor scales, Tensor? zeros, Tensor? perm, Tensor? bias, "
             "int group_size, int tile_m, int tiles_per_split, int splits) -> Tensor")
 _lib.define("quick_dequantize(Tensor qweight, Tensor scales, Tensor? zeros, int group_size, int K, ScalarType dtype) "

@@ -22,7 +22,7 @@ Either way the error versus the reference is the activations' rounding alone: pe
 the Arm kernels.
 
 Paths, chosen from cpuid once (``path`` forces one): AVX-512 VNNI (the LUT layout also needs VBMI, else it runs on
-AVX2), AVX2 with AVX-VNNI, AVX2 (VPMADDUBSW + VPMADDWD; the lookups as four VPSHUFB), scalar C++.  All compute the
+AVX2), AVX2 with AVX-VNNI, AVX2 (VPMADDUBSW + VPMADDWD; the lookups by VPSHUFB), scalar C++.  All compute the
 same int32 sums and the same fp32 operations in the same order, so they give the same bits.  Built just in time
 (``backends/_native.py``) with baseline flags; each SIMD path carries its own ``target`` attribute.  Rows are split
 across threads with ``at::parallel_for``.
@@ -30,7 +30,7 @@ across threads with ``at::parallel_for``.
 Layout ``x86`` (repacked once at load; :func:`repack` / :func:`unrepack` are exact inverses), ``Nb = ceil(N/16)``:
 ``x86_qw`` uint8 ``[Nb, K/8, 64]`` (uniform 4-bit: byte ``4r + j`` of 16-row block ``b``, 8-input chunk ``c`` holds
 code ``[16b + r, 8c + j]`` in its low nibble and ``[16b + r, 8c + 4 + j]`` in its high nibble) or ``x86_lp`` uint8
-``[Nb, K/32, bits, 64]`` (byte ``4r + g`` of block ``b``, 32-input block ``h``, plane ``i`` holds bit ``t`` of its low
+``[Nb, K/32, bits, 64]`` (byte ``16g + r`` of block ``b``, 32-input block ``h``, plane ``i`` holds bit ``t`` of its low
 nibble = ``bit_i[16b + r, 32h + 4g + t]``, of its high nibble ``bit_i[16b + r, 32h + 16 + 4g + t]``); uniform layers
 add ``x86_qs`` fp16 ``[Nb, G, 16]`` (scales) and ``x86_qz`` uint8 ``[Nb, G, 16]`` holding ``2·z`` (``2^bits − 1`` for the
 symmetric grid), free-α layers ``x86_qa`` fp16 ``[Nb, G, bits, 16]`` (α per plane) and ``x86_qc`` fp16 ``[Nb, G, 16]``

@@ -23,8 +23,8 @@ at::Tensor x86_gemm(const at::Tensor& x, const at::Tensor& qw, const at::Tensor&
   TORCH_CHECK(K > 0 && K % 32 == 0 && group_size > 0 && group_size % 32 == 0,
               "x86_gemm: K and group_size must be positive multiples of 32");
   TORCH_CHECK(path >= qlinear_x86::kAuto && path <= qlinear_x86::kAVX512VNNI, "x86_gemm: unknown path ", path);
-  TORCH_CHECK(path == qlinear_x86::kAuto || qlinear_x86::path_supported((int)path),
-              "x86_gemm: this CPU cannot run path ", path);
+  TORCH_CHECK(path == qlinear_x86::kAuto || qlinear_x86::path_supported((int)path, (int)format),
+              "x86_gemm: this CPU cannot run path ", path, " for format ", format);
   TORCH_CHECK(format >= qlinear_x86::kU4 && format <= qlinear_x86::kLutFree, "x86_gemm: unknown format ", format);
   TORCH_CHECK(bits >= 1 && bits <= 4 && (format != qlinear_x86::kU4 || bits == 4), "x86_gemm: bits ", bits,
               " not in 1..4 (4 for format 0)");

@@ -19,7 +19,7 @@ int main(int argc, char** argv) {
   }
   const int path = atoi(argv[1]), M = atoi(argv[2]), N = atoi(argv[3]), K = atoi(argv[4]), gs = atoi(argv[5]),
             reps = atoi(argv[6]), format = argc == 9 ? atoi(argv[7]) : 0, bits = argc == 9 ? atoi(argv[8]) : 4;
-  if (!qlinear_x86::path_supported(path)) {
+  if (!qlinear_x86::path_supported(path, format)) {
     fprintf(stderr, "path %d is not supported here\n", path);
     return 2;
   }

@@ -16,6 +16,14 @@ inline void simde_store_masked(float* p, simde__mmask16 k, simde__m512 a) {  // 
 }
 #undef _mm512_mask_storeu_ps
 #define _mm512_mask_storeu_ps(p, k, a) simde_store_masked(p, k, a)
+inline simde__m512 simde_load_masked(simde__mmask16 k, const float* p) {  // SIMDe 0.8 reads all 16 lanes
+  alignas(64) float v[16] = {};
+  for (int i = 0; i < 16; ++i)
+    if ((k >> i) & 1) v[i] = p[i];
+  return simde_mm512_load_ps(v);
+}
+#undef _mm512_maskz_loadu_ps
+#define _mm512_maskz_loadu_ps(k, p) simde_load_masked(k, p)
 #define QLINEAR_TARGET(features)
 #define QLINEAR_HAS(feature) true
 #else
@@ -314,7 +322,8 @@ QLINEAR_AVX512_LUT void tile_avx512_lut(const Weights& w, const Acts& a, const f
   const int K = w.K, H = K / 32, G = num_groups(w);
   const bool uniform = w.format == kLutUniform;
   const uint8_t* lp = w.qw + lut_block(w, b);
-  const __m512i nib = _mm512_set1_epi8(0x0F), gid = _mm512_set1_epi32(0x30201000);  // byte 4r + g: g << 4
+  // after the reordering, byte 4r + g of a register is row r, group g; gid puts g << 4 there
+  const __m512i nib = _mm512_set1_epi8(0x0F), gid = _mm512_set1_epi32(0x30201000);
   const __m512i one = _mm512_set1_epi8(1), sixteen = _mm512_set1_epi8(16);
   alignas(64) int8_t order[64];
   for (int e = 0; e < 64; ++e) order[e] = static_cast<int8_t>(16 * (e % 4) + e / 4);
@@ -564,31 +573,27 @@ void prepare_acts(const float* x, int M, int K, int group_size, bool tables, voi
   }
 }
 
-bool path_supported(int path) {
+bool path_supported(int path, int format) {
   switch (path) {
     case kScalar: return true;
     case kAVX2: return QLINEAR_HAS("avx2") && QLINEAR_HAS("fma") && QLINEAR_HAS("f16c");
-    case kAVX2VNNI: return path_supported(kAVX2) && QLINEAR_HAS("avxvnni");
-    case kAVX512VNNI:
-      return QLINEAR_HAS("avx512f") && QLINEAR_HAS("avx512bw") &&
-             QLINEAR_HAS("avx512vl") && QLINEAR_HAS("avx512vnni");
+    case kAVX2VNNI: return path_supported(kAVX2, format) && QLINEAR_HAS("avxvnni");
+    case kAVX512VNNI:  // the bit-plane kernels' VPERMB needs VBMI (Ice Lake, Zen 4 and later)
+      return QLINEAR_HAS("avx512f") && QLINEAR_HAS("avx512bw") && QLINEAR_HAS("avx512vl") &&
+             QLINEAR_HAS("avx512vnni") && (format == kU4 || QLINEAR_HAS("avx512vbmi"));
     default: return false;
   }
 }
 
-int best_path() {
-  static const int best = path_supported(kAVX512VNNI) ? kAVX512VNNI
-                          : path_supported(kAVX2VNNI) ? kAVX2VNNI
-                          : path_supported(kAVX2)     ? kAVX2
-                                                      : kScalar;
-  return best;
+int best_path(int format) {
+  for (int path : {kAVX512VNNI, kAVX2VNNI, kAVX2})
+    if (path_supported(path, format)) return path;
+  return kScalar;
 }
 
 void run(const Weights& w, const Acts& a, const float* bias, float* y, int b0, int b1, int path) {
-  if (path == kAuto) path = best_path();
+  if (path == kAuto) path = best_path(w.format);
   if (w.format != kU4) {
-    if (path == kAVX512VNNI && !QLINEAR_HAS("avx512vbmi"))  // VPERMB: Ice Lake, Zen 4 and later
-      path = path_supported(kAVX2VNNI) ? kAVX2VNNI : kAVX2;
     for (int b = b0; b < b1; ++b) {
       switch (path) {
         case kAVX512VNNI: block_avx512_lut(w, a, bias, y, b); break;

@@ -9,8 +9,10 @@
 //
 // kLutUniform / kLutFree, BCQ bit-planes (1-4 bits) looked up in tables of activation sums (LUT-GEMM's idea with
 // T-MAC's nibble tables on VPERMB):
-//   qw  uint8 [Nb, K/32, B, 64]: block b, 32-input block h, plane i; byte 4r + g holds in its low nibble bit t =
-//       bit_i[16b + r][32h + 4g + t] and in its high nibble bit t = bit_i[16b + r][32h + 16 + 4g + t] (t = 0..3).
+//   qw  uint8 [Nb, K/32, B, 64]: block b, 32-input block h, plane i; byte 16g + r holds in its low nibble bit t =
+//       bit_i[16b + r][32h + 4g + t] and in its high nibble bit t = bit_i[16b + r][32h + 16 + 4g + t] (t = 0..3,
+//       g = 0..3): each 16 bytes are the 16 rows of one group of 4 inputs (one VPSHUFB lane; AVX-512 reorders to
+//       4r + g so that VPDPBUSD adds a row's 4 groups).
 //   Activation tables int8 [M, K/32, 4, 64] (prepare_acts): with x̂ = 16·hi + lo (lo = x̂ & 15 in 0..15, hi = x̂ >> 4
 //   in −8..7), table 2·half + part holds at entry 16g + p the sum Σ_{t: bit t of p} part(x̂[32h + 16·half + 4g + t])
 //   (lo sums 0..60, hi sums −32..28: both fit int8).  A plane's nibble, with its group g in bits 4-5, indexes the
@@ -63,10 +65,10 @@ struct Acts {
 int64_t acts_bytes(int M, int K, int group_size, bool tables);
 // Quantize x [M, K] (float32) into the work buffer (and build the LUT formats' tables) and point `a` at its parts.
 void prepare_acts(const float* x, int M, int K, int group_size, bool tables, void* work, Acts* a);
-// The best path this CPU runs (cpuid, read once).
-int best_path();
-// Whether this CPU can run `path`.
-bool path_supported(int path);
+// The best path this CPU runs for `format` (cpuid).
+int best_path(int format);
+// Whether this CPU can run `path` for `format` (the bit-plane formats' AVX-512 path also needs VBMI).
+bool path_supported(int path, int format);
 // y [M, N] float32 = x Wᵀ (+ bias) for the 16-row blocks [b0, b1).
 void run(const Weights& w, const Acts& a, const float* bias, float* y, int b0, int b1, int path);
 
