@@ -78,15 +78,15 @@ class Sass:
 
 
 def cuobjdump() -> Optional[str]:
-    """Path of cuobjdump (on PATH or from the ``nvidia-cuda-cuobjdump`` wheel), or None."""
-    found = shutil.which("cuobjdump")
-    if found:
-        return found
+    """Path of cuobjdump (on PATH or from the ``nvidia-cuda-cuobjdump`` wheel) where the nvdisasm it runs for ``-sass``
+    is beside it or on PATH (the ``nvidia-cuda-nvdisasm`` wheel; CUDA 13.5's cuobjdump fails without it), or None."""
     import site
 
-    for base in [*site.getsitepackages(), site.getusersitepackages()]:
-        for hit in sorted(Path(base).glob("nvidia/cu*/bin/cuobjdump")):
-            return str(hit)
+    found = [shutil.which("cuobjdump")] + [str(hit) for base in [*site.getsitepackages(), site.getusersitepackages()]
+                                           for hit in sorted(Path(base).glob("nvidia/cu*/bin/cuobjdump"))]
+    for path in filter(None, found):
+        if (Path(path).parent / "nvdisasm").exists() or shutil.which("nvdisasm"):
+            return path
     return None
 
 
@@ -323,7 +323,7 @@ def main() -> None:
     ap.add_argument("--batches", default="1,8")
     args = ap.parse_args()
     if nvcc() is None or cuobjdump() is None:
-        sys.exit("needs nvcc and cuobjdump (pip install nvidia-cuda-cuobjdump)")
+        sys.exit("needs nvcc and cuobjdump (pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm)")
     sys.path.insert(0, str(ROOT))
     with tempfile.TemporaryDirectory() as tmp:
         measured, current = measured_version(Path(tmp)), current_version(Path(tmp))

@@ -65,7 +65,7 @@ def test_predict_adds_launch_reduction_and_the_longer_of_chain_and_bandwidth():
 def _tools_or_skip():
     pytest.importorskip("scipy")
     if km.nvcc() is None or km.cuobjdump() is None:
-        pytest.skip("needs nvcc and cuobjdump (pip install nvidia-cuda-cuobjdump)")
+        pytest.skip("needs nvcc and cuobjdump (pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm)")
     r = subprocess.run(["git", "-C", str(km.ROOT), "cat-file", "-e", km.MEASURED_COMMIT], capture_output=True)
     if r.returncode:
         pytest.skip(f"commit {km.MEASURED_COMMIT} (the measured kernel) is not in this checkout's history")
