@@ -167,14 +167,16 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, grad):
-    """Gradients for ``x`` (``grad @ Ŵ``) and the bias; the packed weights are frozen (QLoRA-style)."""
+    """Gradients for ``x`` (``grad @ Ŵ``) and the bias; the packed weights are frozen (QLoRA-style).  ``saved_tensors``
+    is read once: activation checkpointing allows only one unpack per saved tensor."""
     format, config, out_features, in_features, dtype, has_bias, layout = ctx.meta
+    packed = list(ctx.saved_tensors)
     grad_x = None
     if ctx.needs_input_grad[0]:
-        w = dequantize(list(ctx.saved_tensors), format, config, out_features, in_features, grad.dtype, layout)
+        w = dequantize(packed, format, config, out_features, in_features, grad.dtype, layout)
         grad_x = (grad @ w).to(dtype)
     grad_b = grad.reshape(-1, out_features).sum(0) if has_bias and ctx.needs_input_grad[2] else None
-    return grad_x, [None] * len(ctx.saved_tensors), grad_b, *[None] * 6
+    return grad_x, [None] * len(packed), grad_b, *[None] * 6
 
 
 linear.register_autograd(_backward, setup_context=_setup_context)

@@ -128,7 +128,7 @@ def test_register_replaces_stale_or_foreign(monkeypatch):
 def test_quantizer_flags():
     q = QLinearHfQuantizer(QLinearConfig(**FORMATS["bcq"]), pre_quantized=False)
     assert q.is_serializable() is True
-    assert q.is_trainable is False
+    assert q.is_trainable is True  # LoRA adapters train (test_peft.py); packed weights stay frozen
     assert q.is_qat_trainable is False
     assert q.is_compileable is True
     assert QLinearHfQuantizer.requires_calibration is False
@@ -295,9 +295,11 @@ def edited(src, dst, config=None, tensors=None):
         config(j["quantization_config"])
         (dst / "config.json").write_text(json.dumps(j))
     if tensors:
+        with safe_open(str(dst / "model.safetensors"), framework="pt") as f:
+            metadata = f.metadata()
         sd = load_file(str(dst / "model.safetensors"))
         tensors(sd)
-        save_file(sd, str(dst / "model.safetensors"), metadata={"format": "pt"})
+        save_file(sd, str(dst / "model.safetensors"), metadata=metadata)  # checksums kept as saved
     return dst
 
 
@@ -320,6 +322,55 @@ def test_mismatched_checkpoint_raises(bcq_checkpoint, tmp_path, case, config, te
     with pytest.raises(ValueError, match="(?s)" + message) as err:
         AutoModelForCausalLM.from_pretrained(path)
     assert "qlinear checkpoint does not match its quantization_config" in str(err.value)
+
+
+def test_saved_checksums_are_the_crc32_of_every_packed_tensor(bcq_checkpoint):
+    import zlib
+
+    with safe_open(str(bcq_checkpoint / "model.safetensors"), framework="pt") as f:
+        sums = json.loads(f.metadata()["qlinear_crc32"])
+        packed = [k for k in f.keys() if k.rpartition(".")[2] in ("planes", "alpha", "offset", "perm")]
+        assert packed and sorted(sums) == sorted(packed)
+        for k in packed:
+            t = f.get_tensor(k)
+            assert int(sums[k], 16) == zlib.crc32(t.numpy().tobytes()), k
+
+
+@pytest.mark.parametrize("case, tensors, message", [
+    ("nan_alpha", lambda sd: sd[f"{Q}.alpha"].view(-1)[5:7].fill_(float("nan")),
+     r"q_proj\.alpha: CRC-32 [0-9a-f]{8} differs from the saved [0-9a-f]{8}"),
+    ("flipped_code", lambda sd: sd[f"{Q}.planes"].view(-1)[3].bitwise_xor_(1 << 7), r"q_proj\.planes: CRC-32"),
+])
+def test_damaged_tensor_raises_naming_it(bcq_checkpoint, tmp_path, case, tensors, message):
+    path = edited(bcq_checkpoint, tmp_path / case, tensors=tensors)
+    with pytest.raises(ValueError, match=r"(?s)qlinear checkpoint is damaged.*" + message):
+        AutoModelForCausalLM.from_pretrained(path)
+
+
+def test_checkpoint_without_checksums_loads_with_a_warning_and_nan_still_raises(bcq_checkpoint, tmp_path):
+    plain = tmp_path / "plain"
+    shutil.copytree(bcq_checkpoint, plain)
+    save_file(load_file(str(plain / "model.safetensors")), str(plain / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.warns(UserWarning, match="has no checksums"):
+        model = AutoModelForCausalLM.from_pretrained(plain)
+    assert torch.equal(logits(model), logits(AutoModelForCausalLM.from_pretrained(bcq_checkpoint)))
+    sd = load_file(str(plain / "model.safetensors"))
+    sd[f"{Q}.alpha"].view(-1)[0] = float("inf")
+    save_file(sd, str(plain / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"q_proj\.alpha: holds NaN or Inf"), pytest.warns(UserWarning):
+        AutoModelForCausalLM.from_pretrained(plain)
+
+
+def test_bad_weight_at_quantize_on_load_raises_qlinear_s_error(tmp_path):
+    """Not transformers' generic RuntimeError about conversion: qlinear's ValueError, naming every bad layer."""
+    model = save_float(llama_config(), tmp_path)
+    with torch.no_grad():
+        model.model.layers[1].mlp.up_proj.weight[3, 5] = float("nan")
+        model.model.layers[0].self_attn.k_proj.weight[0, 0] = float("inf")
+    model.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"(?s)qlinear could not quantize layer 'model\.layers\.0\.self_attn\.k_proj' "
+                                         r"\(32x64\): weight contains NaN or Inf.*1 more.*layers\.1\.mlp\.up_proj"):
+        AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=QLinearConfig(**FORMATS["bcq"]))
 
 
 def test_float_layer_in_checkpoint_raises(float_llama, tmp_path):

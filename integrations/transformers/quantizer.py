@@ -20,11 +20,19 @@ Registered, together with :class:`QLinearConfig`, when qlinear is imported.
   presence, shape and dtype is checked against the config from the safetensors headers before any
   weight is read, so a checkpoint that does not match its config raises a ``ValueError`` naming
   the tensor instead of transformers' generic size-mismatch ``RuntimeError``.
+* Integrity: ``save_pretrained`` writes the CRC-32 of every packed tensor into the safetensors metadata
+  (``qlinear_crc32``: a JSON map from state-dict key to 8 hex digits).  A pre-quantized load reads every packed
+  tensor once before transformers does, and raises a ``ValueError`` naming it when its CRC differs or a float
+  tensor (scales, α, codebooks, outliers) holds NaN/Inf: damaged bytes never load as wrong weights.  Checkpoints
+  saved before checksums existed load with a one-line warning (finiteness still checked).  CRC-32 (zlib, ~1.3 GB/s
+  here) rather than a cryptographic hash: it guards against damage, not tampering.
 """
 
 from __future__ import annotations
 
+import json
 import warnings
+import zlib
 from typing import Any, Optional
 
 import torch
@@ -47,6 +55,12 @@ _ST_DTYPES = {torch.int8: "I8", torch.uint8: "U8", torch.int16: "I16", torch.int
               torch.float16: "F16", torch.bfloat16: "BF16", torch.float32: "F32", torch.float64: "F64",
               torch.bool: "BOOL"}
 _MAX_LISTED = 8
+CHECKSUM_KEY = "qlinear_crc32"  # safetensors metadata entry written by save_pretrained
+
+
+def crc32(t: torch.Tensor) -> str:
+    """CRC-32 (zlib) of a tensor's bytes in row-major order, as 8 hex digits."""
+    return f"{zlib.crc32(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()):08x}"
 
 
 def _has_placeholder(mod: nn.Module) -> bool:
@@ -81,14 +95,17 @@ class QLinearQuantize(ConversionOps):
                 continue
             weight = value[0] if isinstance(value, (list, tuple)) else value
             expected = (module.out_features, module.in_features)
-            if tuple(weight.shape) != expected:
-                raise ValueError(f"checkpoint weight {key} is {list(weight.shape)} but the layer is "
-                                 f"{list(expected)}")
             try:  # canonical buffers straight from the quantizer: the layer repacks them once, after loading
+                if tuple(weight.shape) != expected:
+                    raise ValueError(f"checkpoint weight {key} is {list(weight.shape)}, expected {list(expected)}")
                 config = self.hf_quantizer.quantization_config.config_for(module_name)
                 packed = type(module).quantize_weight(weight, config)
             except (ValueError, TypeError) as e:
-                raise type(e)(f"layer {module_name!r} ({module.out_features}x{module.in_features}): {e}") from e
+                # transformers would turn it into a generic RuntimeError after loading; the quantizer raises it
+                # as it is once loading ends (_process_model_after_weight_loading)
+                self.hf_quantizer.load_errors.append(
+                    type(e)(f"layer {module_name!r} ({module.out_features}x{module.in_features}): {e}"))
+                continue
             del module._parameters["weight"]
             if missing_keys is not None:
                 missing_keys.discard(key)
@@ -110,6 +127,7 @@ class QLinearHfQuantizer(HfQuantizer):
         self._tp_sharded = False
         self._checkpoint_index: dict[str, dict[str, tuple[str, str]]] = {}  # module -> tensor -> (file, key)
         self._tp_specs: Optional[dict] = None  # layers load_shards sliced before loading
+        self.load_errors: list[Exception] = []  # ValueError/TypeError of quantize-on-load, raised after loading
 
     # capabilities ---------------------------------------------------------------------------------
     def is_serializable(self, *args, **kwargs) -> bool:
@@ -119,9 +137,19 @@ class QLinearHfQuantizer(HfQuantizer):
             return False
         return True
 
+    def get_state_dict_and_metadata(self, model):
+        """The state dict ``save_pretrained`` writes and, in the safetensors metadata, the :func:`crc32` of each
+        packed tensor (those of offloaded layers, still on the meta device here, go without)."""
+        state_dict = model.state_dict()
+        packed = (f"{n}.{b}" if n else b for n, m in model.named_modules() if isinstance(m, QuantLinear)
+                  for b in m.buffer_specs)
+        sums = {k: crc32(state_dict[k]) for k in packed if k in state_dict and state_dict[k].device.type != "meta"}
+        return state_dict, {CHECKSUM_KEY: json.dumps(sums, sort_keys=True)}
+
     @property
     def is_trainable(self) -> bool:
-        return False
+        # adapters train (qlinear.integrations.peft); the packed weights are buffers and stay frozen
+        return True
 
     @property
     def is_qat_trainable(self) -> bool:
@@ -277,8 +305,11 @@ class QLinearHfQuantizer(HfQuantizer):
         converters = [t for t in transforms if isinstance(t, WeightConverter)]
         meta_sd = model.state_dict()
         found: dict[str, tuple[tuple[int, ...], str, str]] = {}
+        sums: Optional[dict[str, str]] = None
         for path in files:
             with safe_open(str(path), framework="pt") as f:
+                if CHECKSUM_KEY in (f.metadata() or {}):
+                    sums = {**(sums or {}), **json.loads(f.metadata()[CHECKSUM_KEY])}
                 for key in f.keys():
                     name, _ = rename_source_key(key, renamings, converters, model.base_model_prefix, meta_sd)
                     if name not in meta_sd and key in meta_sd:
@@ -334,8 +365,35 @@ class QLinearHfQuantizer(HfQuantizer):
                         f"{_listing(stored_packed)}")
         if msgs:
             raise ValueError("qlinear checkpoint does not match its quantization_config:\n" + "\n".join(msgs))
+        self._verify_packed(model, sums)
+
+    def _verify_packed(self, model, sums: Optional[dict[str, str]]) -> None:
+        """Read every packed tensor of the checkpoint once: its CRC must equal the saved one and a float tensor must
+        be finite, else ValueError naming it (see the module docstring)."""
+        if sums is None:
+            warnings.warn("this qlinear checkpoint has no checksums (saved before 2026-11-25): its packed tensors are "
+                          "checked for NaN/Inf only; save it again to add them", stacklevel=2)
+        bad = []
+        for name, mod in model.named_modules():
+            if not isinstance(mod, QuantLinear):
+                continue
+            tensors = self._read_layer(name, [b for b in mod.held_specs() if b in self._checkpoint_index.get(name, {})])
+            for buf, t in tensors.items():
+                key, want = f"{name}.{buf}", (sums or {}).get(f"{name}.{buf}")
+                if want is not None and crc32(t) != want:
+                    bad.append(f"{key}: CRC-32 {crc32(t)} differs from the saved {want} (damaged file)")
+                elif t.is_floating_point() and not torch.isfinite(t).all():
+                    bad.append(f"{key}: holds NaN or Inf")
+        if bad:
+            raise ValueError(f"qlinear checkpoint is damaged: {len(bad)} packed tensor(s) are not what was saved; "
+                             f"restore the files from the source:{_listing(bad)}")
 
     def _process_model_after_weight_loading(self, model, **kwargs):
+        if self.load_errors:
+            first = self.load_errors[0]
+            more = f" (and {len(self.load_errors) - 1} more layer(s):{_listing([str(e) for e in self.load_errors[1:]])})"
+            raise type(first)(f"qlinear could not quantize {first}" + (more if len(self.load_errors) > 1 else "")) \
+                from first
         if self._quantize_after_loading:
             from qlinear.replace import replace_linear
 
