@@ -175,14 +175,15 @@ def _layout_name(k: Kernel) -> str:
 
 def select(format: str, cfg, device: torch.device, dtype: torch.dtype, batch: int,
            backend: Optional[str] = None, shape: Optional[tuple[int, int]] = None,
-           layout: Optional[str] = None) -> Kernel:
+           layout: Optional[str] = None, passed_over: Optional[list[str]] = None) -> Kernel:
     """The kernel to run a ``format`` layer with config ``cfg`` and ``shape`` = (N, K) on ``batch``
     rows of ``dtype`` on ``device``, for a layer holding packed ``layout`` ("" = canonical, None = unknown).
 
     Without an explicit backend, a kernel named by the device's measured dispatch table
     (:mod:`qlinear.backends.dispatch`) for this shape and batch comes first, if it reads the held layout or the
     canonical one (what the tuner measured; a kernel of a third layout would repack on every call); then
-    priorities decide.
+    priorities decide.  ``passed_over``, if given, receives "backend: reason" for each kernel ranked before the chosen
+    one that cannot run the call.
 
     Raises:
         ValueError: the requested backend does not exist or cannot run this call (the message says why),
@@ -199,6 +200,8 @@ def select(format: str, cfg, device: torch.device, dtype: torch.dtype, batch: in
     for k in cands:
         why = k.reject(cfg, device, dtype, batch, shape)
         if why is None:
+            if passed_over is not None:
+                passed_over.extend(reasons)
             return k
         reasons.append(f"{k.backend}: {why}")
     raise ValueError(f"no kernel for format={format!r} bits={cfg.bits} group_size={cfg.group_size} on "

@@ -7,8 +7,8 @@ targeted :class:`qlinear.QuantLinear` in a :class:`LoraQuantLinear`: ``y = layer
 Why a dispatcher added to PEFT: PEFT chooses the LoRA class of a target module from a fixed list of dispatchers in
 ``LoraModel._create_new_module`` (its own bitsandbytes, GPTQ, HQQ, torchao ones) and has no public registry for
 other libraries; ``LoraConfig._register_custom_module`` is experimental and per config, so every user would have to
-call it.  So once PEFT is imported (:func:`install`, run by a post-import hook that ``import qlinear`` sets up, so
-qlinear never imports PEFT itself), qlinear wraps three of PEFT's ``LoraModel``/tuner functions: the dispatch (qlinear
+call it.  So once PEFT is imported (:func:`install`, run by a post-import hook that ``import qlinear`` sets up,
+:func:`qlinear._autoload.after_import`, so qlinear never imports PEFT itself), qlinear wraps three of PEFT's ``LoraModel``/tuner functions: the dispatch (qlinear
 layers first), the adapter placement (a bias-free QuantLinear has no parameter to read the device from; its packed
 tensors are buffers) and ``"all-linear"`` (which only looks for ``nn.Linear``).  The packed tensors stay buffers rather
 than frozen parameters: optimizers, ``model.half()`` and accelerate's parameter hooks must never see integer codes.
@@ -18,9 +18,6 @@ Tested with PEFT 0.21.
 from __future__ import annotations
 
 import functools
-import importlib.abc
-import importlib.util
-import sys
 import warnings
 from typing import Optional
 
@@ -178,32 +175,12 @@ def install() -> None:
     _INSTALLED = True
 
 
-class _AfterImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Runs :func:`install` right after ``peft.tuners.lora.model`` is executed (a one-shot post-import hook: PEFT
-    takes seconds to import, and most qlinear users never need it)."""
-
-    def find_spec(self, fullname, path, target=None):
-        if fullname != _PEFT_MODULE:
-            return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(fullname)
-        if spec is None or spec.loader is None:
-            return spec
-        self._loader, spec.loader = spec.loader, self
-        return spec
-
-    def create_module(self, spec):
-        return self._loader.create_module(spec)
-
-    def exec_module(self, module):
-        module.__loader__ = self._loader
-        self._loader.exec_module(module)
-        install()
-
-
 def install_when_imported() -> None:
-    """Install the PEFT support now if PEFT is already imported, else when it is (:class:`_AfterImport`)."""
-    if _PEFT_MODULE in sys.modules:
-        install()
-    elif importlib.util.find_spec("peft") is not None and not any(isinstance(f, _AfterImport) for f in sys.meta_path):
-        sys.meta_path.insert(0, _AfterImport())
+    """Install the PEFT support now if PEFT is imported, else right after it is."""
+    from qlinear._autoload import after_import
+
+    after_import(_PEFT_MODULE, _install_hook)
+
+
+def _install_hook(module) -> None:
+    install()

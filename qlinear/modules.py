@@ -577,22 +577,26 @@ def module_class(format: str) -> type[QuantLinear]:
 
 def describe(model: nn.Module, batch: int = 1, dtype: Optional[torch.dtype] = None) -> str:
     """A Markdown table of ``model``'s quantized layers: name, class, ``in -> out``, format and bits, stored bits per
-    weight, the layout held and the kernel that serves ``batch`` rows of ``dtype`` (default: float16 on CUDA,
-    float32 elsewhere) on the layer's device, or why none does.  Like ``QLINEAR_BACKEND``, a layer's ``backend``
-    override is honoured.
+    weight, the layout held, the kernel that serves ``batch`` rows of ``dtype`` (default: float16 on CUDA, float32
+    elsewhere) on the layer's device, or why none does, and why the kernels ranked before it were passed over.  Like
+    ``QLINEAR_BACKEND``, a layer's ``backend`` override is honoured.
     """
-    rows = ["| layer | class | in -> out | format | bits/weight | layout (bits/weight) | kernel |",
-            "|---|---|---|---|---|---|---|"]
+    rows = ["| layer | class | in -> out | format | bits/weight | layout (bits/weight) | kernel | passed over |",
+            "|---|---|---|---|---|---|---|---|"]
     for name, m in model.named_modules():
         if not isinstance(m, QuantLinear):
             continue
         device = m.packed()[0].device
         dt = dtype or (torch.float16 if device.type == "cuda" else torch.float32)
+        passed: list[str] = []
         try:
             kernel = m._call(device, dt, batch).kernel.backend
+            backends.select(m.format, ops.kernel_view(m.config)[0], device, dt, batch,
+                            backends.effective_backend(m.backend) or None, (m.out_features, m.in_features), m.layout,
+                            passed_over=passed)
         except ValueError as e:
             kernel = f"none: {e}"
         rows.append(f"| {name} | {type(m).__name__} | {m.in_features} -> {m.out_features} | {m.format} "
                     f"{m.config.bits}-bit | {m.bits_per_weight:.3f} | {m.layout or 'canonical'} "
-                    f"({m.layout_bits_per_weight:.3f}) | {kernel} |")
+                    f"({m.layout_bits_per_weight:.3f}) | {kernel} | {'; '.join(passed) or '-'} |")
     return "\n".join(rows)

@@ -144,7 +144,8 @@ def replace_linear(model: nn.Module, config: Any, *, modules_to_not_convert: Opt
 
 
 def _remember_config(model, config, skip, per_module, new) -> None:
-    # so that save_pretrained writes the config and from_pretrained rebuilds the same modules
+    # so that save_pretrained writes the config (and, through the quantizer, the tensors' checksums) and
+    # from_pretrained rebuilds the same modules
     if hasattr(getattr(model, "config", None), "to_dict") and new:
         saved = copy.copy(config)  # calibration data and tokenizer are not part of the saved config
         saved.format_options, saved.modules_to_not_convert = dict(config.format_options), skip
@@ -152,3 +153,8 @@ def _remember_config(model, config, skip, per_module, new) -> None:
         if hasattr(saved, "dataset"):
             saved.dataset = saved.tokenizer = None
         model.config.quantization_config = saved
+        if hasattr(model, "save_pretrained") and getattr(model, "hf_quantizer", None) is None:
+            from qlinear.integrations.transformers import QLinearHfQuantizer
+
+            if QLinearHfQuantizer is not None:
+                model.hf_quantizer = QLinearHfQuantizer(saved, pre_quantized=True)

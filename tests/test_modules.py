@@ -372,7 +372,8 @@ def test_kernel_choice_is_logged_once_and_described(layers, caplog):
     text = qlinear.describe(model).splitlines()
     assert text[0].startswith("| layer |") and len(text) == 4
     assert text[2].startswith("| 0 | BCQLinear | 128 -> 64 | bcq 3-bit |")
-    assert text[2].endswith(f"| canonical ({model[0].bits_per_weight:.3f}) | reference |")
+    assert f"| canonical ({model[0].bits_per_weight:.3f}) | reference | " in text[2]
+    assert text[2].endswith("|") and "quick: device cpu not in ['cuda']" in text[2].split("| reference |")[1]
     model[2].backend = "nonexistent"
     assert "none: backend 'nonexistent' has no kernel" in qlinear.describe(model).splitlines()[3]
 

@@ -45,7 +45,9 @@ def _run(world: int, tmp_path: Path, *extra: str) -> list[dict]:
 
 
 @pytest.mark.slow  # spawns `world` processes
-@pytest.mark.parametrize("world", [1, 2, 3, 4])
+# 1: the single-process baseline; 2: even splits (groups of 128 split cleanly); 3: uneven ones (9 heads, a group
+# split by a shard boundary).  4 ranks add nothing the others miss and oversubscribe a 2-core CI machine.
+@pytest.mark.parametrize("world", [1, 2, 3])
 def test_sharded_model_matches_single_process(world, tmp_path):
     results = _run(world, tmp_path)
     cases = {(r["quant"], r["mode"]): r for r in results if "quant" in r}

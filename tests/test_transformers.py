@@ -373,6 +373,38 @@ def test_bad_weight_at_quantize_on_load_raises_qlinear_s_error(tmp_path):
         AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=QLinearConfig(**FORMATS["bcq"]))
 
 
+_FRESH = """
+import sys, torch
+from transformers import AutoModelForCausalLM
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1])
+assert "qlinear" in sys.modules  # imported by the checkpoint's quant_method, not by this script
+print(type(model.model.layers[0].self_attn.q_proj).__name__)
+torch.save(model(torch.tensor([int(t) for t in sys.argv[2:]]).view(2, -1)).logits.detach(), sys.argv[1] + "/logits.pt")
+"""
+
+
+@pytest.mark.slow
+def test_checkpoint_loads_quantized_without_import_qlinear(bcq_checkpoint, tmp_path):
+    """The installed ``qlinear-autoload.pth`` (qlinear._autoload) registers quant_method="qlinear" lazily: a fresh
+    interpreter that never imports qlinear gets the quantized model, logits identical; a folder named qlinear shadowing
+    the package raises ImportError instead of loading random weights."""
+    import subprocess
+    import sys
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(bcq_checkpoint, ckpt)
+    (tmp_path / "load.py").write_text(_FRESH)
+    run = [sys.executable, str(tmp_path / "load.py"), str(ckpt), *map(str, TOKENS.flatten().tolist())]
+    out = subprocess.run(run, capture_output=True, text=True, cwd=tmp_path)
+    assert out.returncode == 0 and out.stdout.split() == ["BCQLinear"], (
+        out.stderr[-2000:] + "\n(is qlinear-autoload.pth installed? reinstall with pip install -e .)")
+    assert torch.equal(torch.load(ckpt / "logits.pt"), logits(AutoModelForCausalLM.from_pretrained(ckpt)))
+    (tmp_path / "qlinear").mkdir()
+    (tmp_path / "qlinear" / "__init__.py").write_text("")
+    out = subprocess.run(run, capture_output=True, text=True, cwd=tmp_path)
+    assert out.returncode != 0 and "a folder named qlinear shadowing the package" in out.stderr, out.stderr[-2000:]
+
+
 def test_float_layer_in_checkpoint_raises(float_llama, tmp_path):
     _, path = float_llama
     model = AutoModelForCausalLM.from_pretrained(

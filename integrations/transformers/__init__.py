@@ -1,8 +1,8 @@
 """transformers integration: ``QLinearConfig`` and the ``quant_method="qlinear"`` HfQuantizer.
 
-Registered when qlinear is imported.  transformers has no entry-point discovery: run
-``import qlinear`` before ``from_pretrained`` of a saved qlinear checkpoint, otherwise transformers
-only warns about the unknown quant_method and loads random weights.
+Registered when qlinear is imported, and lazily in any interpreter of an environment where qlinear is installed
+(transformers has no entry-point discovery; see :mod:`qlinear._autoload`), so ``from_pretrained`` of a saved
+qlinear checkpoint works without ``import qlinear``.
 """
 
 import warnings

@@ -454,7 +454,8 @@ def register() -> None:
 
     Idempotent: transformers' ``register_*`` raise ValueError for a name registered twice, so a
     second call (re-import, ``importlib.reload``) replaces qlinear's own earlier registration in
-    place; a foreign class registered under the same name is replaced with a warning.
+    place, as are the stand-ins of :mod:`qlinear._autoload`; a foreign class registered under the same name is
+    replaced with a warning.
     """
     for mapping, cls, decorator in (
             (AUTO_QUANTIZATION_CONFIG_MAPPING, QLinearConfig, register_quantization_config),
@@ -465,7 +466,7 @@ def register() -> None:
             continue
         if old is cls:
             continue
-        if (old.__module__, old.__qualname__) != (cls.__module__, cls.__qualname__):
+        if not getattr(old, "_qlinear_stand_in", False) and (old.__module__, old.__qualname__) != (cls.__module__, cls.__qualname__):
             warnings.warn(f"quant_method {QUANT_METHOD!r} was registered by {old.__module__}.{old.__qualname__}; "
                           f"qlinear replaces it with {cls.__module__}.{cls.__qualname__}", stacklevel=2)
         mapping[QUANT_METHOD] = cls

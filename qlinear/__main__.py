@@ -1,0 +1,7 @@
+"""``python -m qlinear``: the :mod:`qlinear.cli` command line."""
+
+import sys
+
+from qlinear.cli import main
+
+sys.exit(main())

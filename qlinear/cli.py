@@ -1,0 +1,207 @@
+"""The ``qlinear`` command line (also ``python -m qlinear`` and ``optimum-cli qlinear``).
+
+    qlinear quantize SRC OUT [--format bcq --bits 4 --group-size 64 --option method=gptq ...] [--calibration FILE]
+    qlinear eval MODEL --text FILE [--max-tokens 4096 --window 512]
+    qlinear info MODEL [--batch 1 --dtype float32]
+
+``quantize`` reads a transformers checkpoint folder and writes a qlinear one (safetensors + config.json with
+``quant_method="qlinear"``, plus the tokenizer); ``eval`` prints perplexity over non-overlapping windows of a text file
+(:func:`qlinear.evaluation.perplexity`); ``info`` prints per layer the format, stored bits and bytes, and the kernel
+and layout this machine would use, with why the kernels ranked before it cannot.
+
+Exit status: 0 on success, 2 for a command-line error (argparse's convention), 1 when the work fails for a reason
+the message gives (a missing or damaged checkpoint, a config the format rejects): ``qlinear: error: ...`` on stderr,
+no traceback.  Options follow transformers' and optimum's CLIs (``--dtype``, ``--trust-remote-code``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Optional, Sequence
+
+DTYPES = ("float32", "float16", "bfloat16")
+
+
+def _option(text: str) -> tuple[str, object]:
+    """``KEY=VALUE`` -> (key, value): VALUE parsed as JSON (numbers, true/false, lists) or else kept a string."""
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    try:
+        return key.replace("-", "_"), json.loads(value)
+    except json.JSONDecodeError:
+        return key.replace("-", "_"), value
+
+
+def _folder(text: str) -> Path:
+    path = Path(text)
+    if not (path / "config.json").is_file():
+        raise argparse.ArgumentTypeError(f"{text!r} is not a transformers checkpoint folder (no config.json)")
+    return path
+
+
+def _text_file(text: str) -> Path:
+    path = Path(text)
+    if not path.is_file():
+        raise argparse.ArgumentTypeError(f"no such text file: {text!r}")
+    return path
+
+
+def _positive(text: str) -> int:
+    n = int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return n
+
+
+def parser() -> argparse.ArgumentParser:
+    """The argument parser of every command (also what ``--help`` prints)."""
+    p = argparse.ArgumentParser(prog="qlinear", description="Quantize transformers checkpoints with qlinear, score "
+                                "them, and show what each layer stores and which kernel runs it.",
+                                epilog="'qlinear COMMAND --help' documents each command's options.  Also runs as "
+                                       "'python -m qlinear' and 'optimum-cli qlinear'.")
+    sub = p.add_subparsers(dest="command", required=True, metavar="{quantize,eval,info}")
+
+    q = sub.add_parser("quantize", help="quantize a transformers checkpoint folder into a qlinear one",
+                       description="Quantize every nn.Linear of SRC (except --skip patterns and lm_head) and save "
+                                   "the qlinear checkpoint and the tokenizer to OUT.")
+    q.add_argument("src", type=_folder, help="transformers checkpoint folder (float weights)")
+    q.add_argument("out", type=Path, help="output folder (created; existing files are overwritten)")
+    q.add_argument("--format", default="bcq", choices=("bcq", "mixed", "codebook"), help="format (default bcq)")
+    q.add_argument("--bits", type=_positive, help="bits per weight code (default: the format's, bcq 4)")
+    q.add_argument("--group-size", type=int, help="inputs per group, -1 for one group per row (default: the format's)")
+    q.add_argument("--option", type=_option, action="append", default=[], metavar="KEY=VALUE",
+                   help="another format option, repeatable, e.g. --option method=gptq --option act_order=true "
+                        "(see qlinear.formats.<format>.Config)")
+    q.add_argument("--skip", action="append", default=None, metavar="PATTERN",
+                   help="module-name pattern kept in full precision, repeatable (default: lm_head)")
+    q.add_argument("--calibration", type=_text_file, metavar="FILE",
+                   help="calibration text, documents separated by blank lines (GPTQ, activation-aware fits)")
+    q.add_argument("--calibration-samples", type=_positive, default=128,
+                   help="documents of FILE used (default 128)")
+    q.add_argument("--calibration-length", type=_positive, default=512, help="tokens per document (default 512)")
+    q.add_argument("--dtype", choices=DTYPES, default="float32", help="dtype of the float weights loaded "
+                                                                      "(default float32)")
+    q.add_argument("--trust-remote-code", action="store_true", help="allow the checkpoint's own modelling code")
+    q.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+    e = sub.add_parser("eval", help="perplexity of a (qlinear or float) checkpoint on a text file",
+                       description="Perplexity over non-overlapping windows of the first --max-tokens tokens of "
+                                   "--text, each window scored without earlier context.")
+    e.add_argument("model", type=_folder, help="checkpoint folder (qlinear or float)")
+    e.add_argument("--text", type=_text_file, required=True, help="UTF-8 text file")
+    e.add_argument("--max-tokens", type=_positive, default=4096, help="tokens scored (default 4096)")
+    e.add_argument("--window", type=_positive, default=512, help="tokens per window (default 512)")
+    e.add_argument("--batch-size", type=_positive, default=1, help="windows per forward pass (default 1)")
+    e.add_argument("--dtype", choices=DTYPES, help="dtype of the float parts (default: the checkpoint's)")
+    e.add_argument("--trust-remote-code", action="store_true", help="allow the checkpoint's own modelling code")
+
+    i = sub.add_parser("info", help="per layer: format, bits, stored size, kernel and layout on this machine",
+                       description="Load MODEL on the CPU and print one row per quantized layer, then totals.")
+    i.add_argument("model", type=_folder, help="qlinear checkpoint folder")
+    i.add_argument("--batch", type=_positive, default=1, help="rows per call the kernel is chosen for (default 1)")
+    i.add_argument("--dtype", choices=DTYPES, default="float32", help="activation dtype (default float32)")
+    i.add_argument("--trust-remote-code", action="store_true", help="allow the checkpoint's own modelling code")
+    return p
+
+
+def _load(path: Path, dtype: Optional[str], trust: bool, **kw):
+    from transformers import AutoModelForCausalLM
+
+    import qlinear  # noqa: F401  (the quant_method="qlinear" quantizer)
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype or "auto", trust_remote_code=trust, **kw)
+
+
+def _quantized(model):
+    from qlinear import QuantLinear
+
+    return [m for m in model.modules() if isinstance(m, QuantLinear)]
+
+
+def _totals(model) -> str:
+    layers = _quantized(model)
+    if not layers:
+        return "no quantized layers"
+    weights = sum(m.in_features * m.out_features for m in layers)
+    bits = sum(m.bits_per_weight * m.in_features * m.out_features for m in layers) / weights
+    return (f"{len(layers)} quantized layers, {weights:,} weights, {bits:.4f} stored bits per weight, "
+            f"{bits * weights / 8 / 2 ** 20:.2f} MiB of packed weights (fp16: {weights * 2 / 2 ** 20:.2f} MiB)")
+
+
+def _quantize(args) -> None:
+    import torch
+    from transformers import AutoTokenizer
+
+    import qlinear
+    from qlinear import QLinearConfig
+
+    if args.no_progress:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+    config = QLinearConfig(args.format, bits=args.bits, group_size=args.group_size, **dict(args.option),
+                           **({"modules_to_not_convert": args.skip} if args.skip else {}))
+    tok = AutoTokenizer.from_pretrained(args.src, trust_remote_code=args.trust_remote_code)
+    model = _load(args.src, args.dtype, args.trust_remote_code)
+    start = time.perf_counter()
+    hessians = None
+    if args.calibration:
+        docs = [d.strip() for d in args.calibration.read_text(encoding="utf-8").split("\n\n") if d.strip()]
+        hessians = qlinear.calibrate(model, docs[:args.calibration_samples], tok, max_length=args.calibration_length,
+                                     progress=not args.no_progress)
+    with torch.no_grad():
+        qlinear.replace_linear(model, config, calibration_data=hessians, progress=not args.no_progress)
+    seconds = time.perf_counter() - start
+    args.out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(args.out)
+    tok.save_pretrained(args.out)
+    print(f"quantized {args.src} -> {args.out} in {seconds:.1f} s ({config.format_config().to_json()})")
+    print(_totals(model))
+
+
+def _eval(args) -> None:
+    from transformers import AutoTokenizer
+
+    from qlinear.evaluation import perplexity
+
+    tok = AutoTokenizer.from_pretrained(args.model, trust_remote_code=args.trust_remote_code)
+    model = _load(args.model, args.dtype, args.trust_remote_code)
+    text = args.text.read_text(encoding="utf-8")
+    start = time.perf_counter()
+    ppl = perplexity(model, tok, text, max_tokens=args.max_tokens, window=args.window, batch_size=args.batch_size)
+    n = min(len(tok(text, add_special_tokens=False)["input_ids"]), args.max_tokens) // args.window
+    print(f"perplexity {ppl:.4f} over {n} windows of {args.window} tokens ({n * (args.window - 1)} predicted "
+          f"tokens) in {time.perf_counter() - start:.1f} s")
+
+
+def _info(args) -> None:
+    import torch
+
+    import qlinear
+
+    model = _load(args.model, None, args.trust_remote_code, device_map="cpu")
+    if not _quantized(model):
+        raise ValueError(f"{args.model} has no qlinear layers (not a qlinear checkpoint?)")
+    print(qlinear.describe(model, batch=args.batch, dtype=getattr(torch, args.dtype)))
+    print()
+    print(_totals(model))
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Run a command; returns the exit status (see the module docstring)."""
+    args = parser().parse_args(argv)
+    try:
+        {"quantize": _quantize, "eval": _eval, "info": _info}[args.command](args)
+    except (ValueError, TypeError, OSError, ImportError) as e:
+        print(f"qlinear: error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,112 @@
+"""The command line (issue 26, item 3): ``qlinear quantize|eval|info``, ``python -m qlinear`` and ``optimum-cli
+qlinear``, run in subprocesses on a tiny Llama with a word-level tokenizer built from gensim's Lee corpus.  Each
+command's result is checked against the same work done in this process."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import qlinear
+from qlinear import QLinearConfig, QuantLinear
+from qlinear.cli import parser
+from qlinear.evaluation import calibration_texts, perplexity
+
+transformers = pytest.importorskip("transformers")
+from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+
+def _run(*args, cwd=None):
+    return subprocess.run([sys.executable, "-m", "qlinear", *map(str, args)], capture_output=True, text=True, cwd=cwd)
+
+
+@pytest.fixture(scope="module")
+def float_ckpt(tmp_path_factory):
+    """(folder of a tiny float Llama + tokenizer, text file of 40 news articles)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, PreTrainedTokenizerFast
+
+    root = tmp_path_factory.mktemp("cli")
+    texts = calibration_texts(40)
+    words = sorted({w for t in texts for w in t.split()})
+    tk = Tokenizer(models.WordLevel({w: i for i, w in enumerate(["[UNK]"] + words)}, unk_token="[UNK]"))
+    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="[UNK]", eos_token="[UNK]").save_pretrained(root / "fp")
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=len(words) + 1)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(root / "fp")
+    (root / "text.txt").write_text("\n\n".join(texts))
+    return root / "fp", root / "text.txt"
+
+
+def test_help_documents_every_option():
+    subs = parser()._subparsers._group_actions[0].choices
+    assert set(subs) == {"quantize", "eval", "info"}
+    for name, p in subs.items():
+        for action in p._actions:
+            assert action.help, (name, action.dest)
+        out = _run(name, "--help")
+        assert out.returncode == 0
+        assert all(o in out.stdout for a in p._actions for o in a.option_strings), out.stdout
+
+
+def test_quantize_eval_info_match_the_library(float_ckpt, tmp_path):
+    fp, text = float_ckpt
+    out = _run("quantize", fp, tmp_path / "q", "--bits", "3", "--group-size", "32", "--option", "iters=2",
+               "--no-progress")
+    assert out.returncode == 0, out.stderr[-3000:]
+    config = QLinearConfig("bcq", bits=3, group_size=32, iters=2)
+    ref = AutoModelForCausalLM.from_pretrained(fp)
+    qlinear.replace_linear(ref, config, progress=False)
+    saved = AutoModelForCausalLM.from_pretrained(tmp_path / "q")
+    tokens = torch.randint(0, 100, (1, 12))
+    with torch.no_grad():
+        assert torch.equal(saved(tokens).logits, ref(tokens).logits)
+    layers = [m for m in saved.modules() if isinstance(m, QuantLinear)]
+    bits = sum(m.bits_per_weight * m.in_features * m.out_features for m in layers) / sum(
+        m.in_features * m.out_features for m in layers)
+    assert f"{len(layers)} quantized layers" in out.stdout and f"{bits:.4f} stored bits per weight" in out.stdout
+    assert json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]["quant_method"] == "qlinear"
+
+    out = _run("eval", tmp_path / "q", "--text", text, "--max-tokens", "1024", "--window", "128")
+    assert out.returncode == 0, out.stderr[-3000:]
+    want = perplexity(saved, AutoTokenizer.from_pretrained(tmp_path / "q"), text.read_text(), max_tokens=1024,
+                      window=128)
+    assert re.search(r"perplexity ([\d.]+) over 8 windows of 128 tokens", out.stdout).group(1) == f"{want:.4f}"
+
+    out = subprocess.run(["optimum-cli", "qlinear", "info", tmp_path / "q"], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [r for r in out.stdout.splitlines() if r.startswith("| model.")]
+    assert [r.split(" | ")[0][2:] for r in rows] == [n for n, m in saved.named_modules() if isinstance(m, QuantLinear)]
+    assert all(f"| {m.bits_per_weight:.3f} |" in r for r, m in zip(rows, layers))
+
+
+def test_quantize_with_calibration_text(float_ckpt, tmp_path):
+    fp, text = float_ckpt
+    out = _run("quantize", fp, tmp_path / "q", "--option", "method=gptq", "--option", "act_order=true",
+               "--calibration", text, "--calibration-samples", "8", "--calibration-length", "64", "--no-progress")
+    assert out.returncode == 0, out.stderr[-3000:]
+    q = AutoModelForCausalLM.from_pretrained(tmp_path / "q").model.layers[0].mlp.down_proj
+    assert q.config.method == "gptq" and q.config.act_order and "perm" in q.buffer_specs
+
+
+@pytest.mark.parametrize("args, code, message", [
+    (["quantize", "missing", "out"], 2, "is not a transformers checkpoint folder"),
+    (["quantize", "{fp}", "out", "--option", "bits"], 2, "expected KEY=VALUE"),
+    (["quantize", "{fp}", "out", "--bits", "9"], 1, "qlinear: error: BCQ bits must be in 1..8, got 9"),
+    (["quantize", "{fp}", "out", "--option", "colour=red"], 1, "qlinear: error: .*colour"),
+    (["eval", "{fp}", "--text", "nothing.txt"], 2, "no such text file"),
+    (["info", "{fp}"], 1, "qlinear: error: .* has no qlinear layers"),
+])
+def test_errors_exit_with_a_message_and_no_traceback(float_ckpt, tmp_path, args, code, message):
+    out = _run(*[a.format(fp=float_ckpt[0]) for a in args], cwd=tmp_path)
+    assert out.returncode == code and re.search(message, out.stderr) and "Traceback" not in out.stderr, out.stderr
+    assert not (tmp_path / "out").exists()
