@@ -1,7 +1,7 @@
 """QLoRA-style fine-tuning of a qlinear model with PEFT: SmolLM2-135M quantized on load, LoRA adapters trained with
 transformers' Trainer on gensim's Lee news corpus, perplexity on the Wikipedia excerpt before and after.
 
-    python examples/finetune_lora.py                      # BCQ 4-bit g64, 200 steps (a few minutes on 2 CPU cores)
+    python examples/finetune_lora.py                      # BCQ 4-bit g64, 100 steps of 4x64 tokens
     python examples/finetune_lora.py --format mixed --steps 50 --merge
 
 The packed weights stay frozen (only ``lora_A``/``lora_B`` train); the adapter is saved, reloaded onto a freshly
@@ -39,10 +39,10 @@ def _blocks(tokenizer, texts: list[str], length: int) -> list[dict[str, torch.Te
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--format", choices=list(FORMATS), default="bcq", help="quantization (default: BCQ 4-bit g64)")
-    ap.add_argument("--steps", type=int, default=200, help="optimizer steps (default 200)")
+    ap.add_argument("--steps", type=int, default=100, help="optimizer steps (default 100)")
     ap.add_argument("--rank", type=int, default=8, help="LoRA rank r (default 8; lora_alpha = 2r)")
     ap.add_argument("--lr", type=float, default=1e-3, help="learning rate (default 1e-3)")
-    ap.add_argument("--seq-len", type=int, default=128, help="training block length in tokens (default 128)")
+    ap.add_argument("--seq-len", type=int, default=64, help="training block length in tokens (default 64)")
     ap.add_argument("--batch", type=int, default=4, help="blocks per step (default 4)")
     ap.add_argument("--eval-tokens", type=int, default=2048, help="Wikipedia tokens for perplexity (default 2048)")
     ap.add_argument("--merge", action="store_true", help="also merge the adapter into the quantized layers")

@@ -7,10 +7,10 @@ targeted :class:`qlinear.QuantLinear` in a :class:`LoraQuantLinear`: ``y = layer
 Why a dispatcher added to PEFT: PEFT chooses the LoRA class of a target module from a fixed list of dispatchers in
 ``LoraModel._create_new_module`` (its own bitsandbytes, GPTQ, HQQ, torchao ones) and has no public registry for
 other libraries; ``LoraConfig._register_custom_module`` is experimental and per config, so every user would have to
-call it.  So once PEFT is imported (:func:`install`, run by a post-import hook that ``import qlinear`` sets up,
-:func:`qlinear._autoload.after_import`, so qlinear never imports PEFT itself), qlinear wraps three of PEFT's ``LoraModel``/tuner functions: the dispatch (qlinear
-layers first), the adapter placement (a bias-free QuantLinear has no parameter to read the device from; its packed
-tensors are buffers) and ``"all-linear"`` (which only looks for ``nn.Linear``).  The packed tensors stay buffers rather
+call it.  So once PEFT is imported (:func:`install`, run by the post-import hook that ``import qlinear`` sets up
+with :func:`qlinear._autoload.after_import`, so qlinear never imports PEFT itself), qlinear wraps three of PEFT's
+functions: the dispatch (qlinear layers first), the adapter placement (a bias-free QuantLinear has no parameter to
+read the device from; its packed tensors are buffers) and ``"all-linear"`` (which only looks for ``nn.Linear``).  The packed tensors stay buffers rather
 than frozen parameters: optimizers, ``model.half()`` and accelerate's parameter hooks must never see integer codes.
 Tested with PEFT 0.21.
 """

@@ -81,6 +81,7 @@ class QuantLinear(nn.Module):
     #: e.g. :func:`qlinear.tensor_parallel.load_shards`)
     packed_in_state_dict: bool = True
     _warned_conversion: bool = False  # set once this layer has warned about per-call layout conversions
+    _placed_on: Optional[torch.device] = None  # the device repack_for_device last chose the layout for
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, config: Any = None, *,
                  backend: Optional[str] = None, device=None, dtype=None):
@@ -250,6 +251,9 @@ class QuantLinear(nn.Module):
         layer (cleared by ``.to()``, state-dict loads, repacks and backend changes); logs the choice, and warns once
         per layer when the kernel needs the buffers converted on every call."""
         device, dtype, batch, gen = key
+        if self._placed_on != self._buffers[self._packed_names[0]].device:
+            # buffers set from outside (accelerate's load_checkpoint_and_dispatch): take this device's layout once
+            self.repack_for_device()
         call = ops.resolve(self.format, self._config_json, self.out_features, self.in_features, self.layout, device,
                            dtype, batch, backends.effective_backend(self.backend), gen)
         if len(self._calls) >= 64:  # many distinct prompt lengths: start over rather than grow
@@ -318,6 +322,7 @@ class QuantLinear(nn.Module):
         device = devices.pop()
         if device.type == "meta":  # nothing to convert yet (an empty module, or one waiting for a loader)
             return
+        self._placed_on = device
         self._apply_preference(device)
         want = backends.layout_for(self.format, ops.kernel_view(self.config)[0], device,
                                    (self.out_features, self.in_features), self.backend)

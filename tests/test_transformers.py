@@ -405,6 +405,25 @@ def test_checkpoint_loads_quantized_without_import_qlinear(bcq_checkpoint, tmp_p
     assert out.returncode != 0 and "a folder named qlinear shadowing the package" in out.stderr, out.stderr[-2000:]
 
 
+def test_accelerate_empty_skeleton_loads_like_from_pretrained(quantized_llama, float_llama):
+    """accelerate's big-model recipe: init_empty_weights + from_config + qlinear.init_empty_quantized +
+    load_checkpoint_and_dispatch gives from_pretrained's layers, layouts and logits."""
+    from accelerate import init_empty_weights, load_checkpoint_and_dispatch
+    from transformers import AutoConfig
+
+    fmt, _, saved = quantized_llama
+    with init_empty_weights():
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(saved))
+    qlinear.init_empty_quantized(model)
+    model = load_checkpoint_and_dispatch(model, str(saved), device_map={"": "cpu"}).eval()
+    ref = AutoModelForCausalLM.from_pretrained(saved)
+    assert torch.equal(logits(model), logits(ref))
+    assert {n: m.layout for n, m in quant_layers(model).items()} == {n: m.layout for n, m in quant_layers(ref).items()}
+    assert_same_state(model, ref)
+    with pytest.raises(ValueError, match="expects an empty model"):
+        qlinear.init_empty_quantized(float_llama[0], QLinearConfig(**FORMATS[fmt]))
+
+
 def test_float_layer_in_checkpoint_raises(float_llama, tmp_path):
     _, path = float_llama
     model = AutoModelForCausalLM.from_pretrained(

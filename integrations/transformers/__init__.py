@@ -10,14 +10,14 @@ import warnings
 from .config import QLinearConfig
 
 try:  # the quantizer uses transformers 5 loading internals; an older 5.x must not break the rest of qlinear
-    from .quantizer import QLinearHfQuantizer, register
+    from .quantizer import QLinearHfQuantizer, init_empty_quantized, register
 except ImportError as e:  # pragma: no cover - depends on the installed transformers
     import transformers
 
     warnings.warn(f"qlinear's from_pretrained integration is unavailable with transformers {transformers.__version__}: "
                   f"{e}; replace_linear and the modules still work", stacklevel=2)
-    QLinearHfQuantizer = None
+    QLinearHfQuantizer = init_empty_quantized = None
 else:
     register()
 
-__all__ = ["QLinearConfig", "QLinearHfQuantizer"]
+__all__ = ["QLinearConfig", "QLinearHfQuantizer", "init_empty_quantized"]

@@ -31,10 +31,12 @@ Registered, together with :class:`QLinearConfig`, when qlinear is imported.
 from __future__ import annotations
 
 import json
+import mmap
 import warnings
 import zlib
 from typing import Any, Optional
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -49,11 +51,14 @@ from qlinear.replace import is_quantizable_linear, matches
 
 from .config import QUANT_METHOD, QLinearConfig
 
-__all__ = ["QLinearHfQuantizer", "QLinearQuantize", "register"]
+__all__ = ["QLinearHfQuantizer", "QLinearQuantize", "init_empty_quantized", "register"]
 
 _ST_DTYPES = {torch.int8: "I8", torch.uint8: "U8", torch.int16: "I16", torch.int32: "I32", torch.int64: "I64",
               torch.float16: "F16", torch.bfloat16: "BF16", torch.float32: "F32", torch.float64: "F64",
               torch.bool: "BOOL"}
+# safetensors float dtype -> (unsigned integer of its width, exponent mask)
+_ST_EXPONENTS = {"F16": (np.uint16, 0x7C00), "BF16": (np.uint16, 0x7F80), "F32": (np.uint32, 0x7F800000),
+                 "F64": (np.uint64, 0x7FF0000000000000)}
 _MAX_LISTED = 8
 CHECKSUM_KEY = "qlinear_crc32"  # safetensors metadata entry written by save_pretrained
 
@@ -212,7 +217,8 @@ class QLinearHfQuantizer(HfQuantizer):
                           f"embeddings are skipped): the model stays in full precision", stacklevel=2)
         if self._quantize_after_loading:
             return model  # shared codebooks need every layer: replace_linear after loading
-        for name, mod, cfg in targets:
+        new = {}
+        for name, mod, cfg in targets:  # every layer built before any is swapped: an error changes nothing
             try:
                 q = module_class(cfg.format)(mod.in_features, mod.out_features, mod.bias is not None, cfg,
                                              device="meta", dtype=mod.weight.dtype if mod.bias is None else mod.bias.dtype)
@@ -223,6 +229,8 @@ class QLinearHfQuantizer(HfQuantizer):
                 q.weight = nn.Parameter(torch.empty_like(mod.weight, device="meta"), requires_grad=False)
             q.train(mod.training)
             q._hf_quantized_needs_local_tp = True  # transformers' TP styles then hand it local tensors
+            new[name] = q
+        for name, q in new.items():
             parent_name, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent_name) if parent_name else model, child, q)
         if self.pre_quantized and checkpoint_files:
@@ -368,22 +376,35 @@ class QLinearHfQuantizer(HfQuantizer):
         self._verify_packed(model, sums)
 
     def _verify_packed(self, model, sums: Optional[dict[str, str]]) -> None:
-        """Read every packed tensor of the checkpoint once: its CRC must equal the saved one and a float tensor must
-        be finite, else ValueError naming it (see the module docstring)."""
+        """Read every packed tensor of the checkpoint once, straight from the memory-mapped files (no tensor copies):
+        its CRC must equal the saved one and a float tensor must be finite, else ValueError naming it (see the module
+        docstring)."""
         if sums is None:
             warnings.warn("this qlinear checkpoint has no checksums (saved before 2026-11-25): its packed tensors are "
                           "checked for NaN/Inf only; save it again to add them", stacklevel=2)
-        bad = []
+        by_file: dict[str, list[tuple[str, str]]] = {}  # file -> [(state-dict name, key in the file)]
         for name, mod in model.named_modules():
-            if not isinstance(mod, QuantLinear):
-                continue
-            tensors = self._read_layer(name, [b for b in mod.held_specs() if b in self._checkpoint_index.get(name, {})])
-            for buf, t in tensors.items():
-                key, want = f"{name}.{buf}", (sums or {}).get(f"{name}.{buf}")
-                if want is not None and crc32(t) != want:
-                    bad.append(f"{key}: CRC-32 {crc32(t)} differs from the saved {want} (damaged file)")
-                elif t.is_floating_point() and not torch.isfinite(t).all():
-                    bad.append(f"{key}: holds NaN or Inf")
+            if isinstance(mod, QuantLinear):
+                index = self._checkpoint_index.get(name, {})
+                for buf in mod.held_specs():
+                    if buf in index:
+                        by_file.setdefault(index[buf][0], []).append((f"{name}.{buf}", index[buf][1]))
+        bad = []
+        for path, entries in by_file.items():
+            with open(path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+                size = int.from_bytes(mm[:8], "little")
+                header, view = json.loads(mm[8:8 + size]), memoryview(mm)
+                for name, key in entries:
+                    lo, hi = header[key]["data_offsets"]
+                    data = view[8 + size + lo:8 + size + hi]
+                    got, want = f"{zlib.crc32(data):08x}", (sums or {}).get(name)
+                    exponent = _ST_EXPONENTS.get(header[key]["dtype"])  # a float: NaN/Inf have every exponent bit set
+                    if want is not None and got != want:
+                        bad.append(f"{name}: CRC-32 {got} differs from the saved {want} (damaged file)")
+                    elif exponent is not None and (np.frombuffer(data, exponent[0]) & exponent[1] == exponent[1]).any():
+                        bad.append(f"{name}: holds NaN or Inf")
+                    data.release()
+                view.release()
         if bad:
             raise ValueError(f"qlinear checkpoint is damaged: {len(bad)} packed tensor(s) are not what was saved; "
                              f"restore the files from the source:{_listing(bad)}")
@@ -447,6 +468,42 @@ class QLinearHfQuantizer(HfQuantizer):
             if isinstance(mod, QuantLinear):
                 mod.repack_for_device()
         return model
+
+
+def init_empty_quantized(model: nn.Module, config: Any = None) -> nn.Module:
+    """Turn an empty transformers model (built on the meta device, e.g. ``from_config`` under accelerate's
+    ``init_empty_weights()``) into the empty qlinear model a checkpoint saved with ``config`` holds, so that
+    accelerate's ``load_checkpoint_and_dispatch(model, folder, device_map=...)`` fills it: accelerate's big-model
+    recipe.  The layers are those ``from_pretrained`` builds (the same quantizer does it); each takes its device's
+    kernel layout on its first call.
+
+    Args:
+        model: a ``PreTrainedModel`` whose Linear weights are on the meta device.
+        config: a :class:`QLinearConfig` or its dict; default ``model.config.quantization_config`` (what
+            ``AutoConfig.from_pretrained`` reads from a qlinear checkpoint).
+
+    Returns:
+        ``model``, changed in place.
+
+    Raises:
+        ValueError: no qlinear config; Linear layers that hold weights (use :func:`qlinear.replace_linear` to
+            quantize real weights); a layer shape the format cannot store (the model is then left unchanged).
+    """
+    config = getattr(model.config, "quantization_config", None) if config is None else config
+    if isinstance(config, dict) and config.get("quant_method") == QUANT_METHOD:
+        config = QLinearConfig.from_dict(config)
+    if not isinstance(config, QLinearConfig):
+        raise ValueError(f"init_empty_quantized needs a QLinearConfig (or a model config whose quantization_config is "
+                         f"one), got {type(config).__name__}")
+    loaded = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and m.weight.device.type != "meta"]
+    if loaded:
+        raise ValueError(f"init_empty_quantized expects an empty model (under accelerate's init_empty_weights), but "
+                         f"{len(loaded)} Linear layer(s) hold weights, e.g. {loaded[0]!r}; quantize a loaded model "
+                         f"with qlinear.replace_linear")
+    quantizer = QLinearHfQuantizer(config, pre_quantized=True)
+    quantizer.preprocess_model(model)
+    model.hf_quantizer, model.config.quantization_config = quantizer, config
+    return model
 
 
 def register() -> None:
