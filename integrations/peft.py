@@ -10,8 +10,9 @@ other libraries; ``LoraConfig._register_custom_module`` is experimental and per 
 call it.  So once PEFT is imported (:func:`install`, run by the post-import hook that ``import qlinear`` sets up
 with :func:`qlinear._autoload.after_import`, so qlinear never imports PEFT itself), qlinear wraps three of PEFT's
 functions: the dispatch (qlinear layers first), the adapter placement (a bias-free QuantLinear has no parameter to
-read the device from; its packed tensors are buffers) and ``"all-linear"`` (which only looks for ``nn.Linear``).  The packed tensors stay buffers rather
-than frozen parameters: optimizers, ``model.half()`` and accelerate's parameter hooks must never see integer codes.
+read the device from; its packed tensors are buffers) and ``"all-linear"`` (which only looks for ``nn.Linear``).
+The packed tensors stay buffers rather than frozen parameters: optimizers, ``model.half()`` and accelerate's
+parameter hooks must never see integer codes.
 Tested with PEFT 0.21.
 """
 
@@ -125,9 +126,9 @@ def dispatch(target: nn.Module, adapter_name: str, config, **kwargs) -> Optional
     return _lora_class()(target, adapter_name, config=config, **kwargs)
 
 
-def install() -> None:
-    """Add qlinear's LoRA dispatch to PEFT (idempotent; PEFT must be importable).  Called by the post-import hook,
-    or by hand after an import of PEFT that the hook could not see."""
+def install(module=None) -> None:
+    """Add qlinear's LoRA dispatch to PEFT (idempotent; PEFT must be importable).  Called by the post-import hook
+    (with the module just imported, unused), or by hand after an import of PEFT that the hook could not see."""
     global _INSTALLED
     if _INSTALLED:
         return
@@ -179,8 +180,4 @@ def install_when_imported() -> None:
     """Install the PEFT support now if PEFT is imported, else right after it is."""
     from qlinear._autoload import after_import
 
-    after_import(_PEFT_MODULE, _install_hook)
-
-
-def _install_hook(module) -> None:
-    install()
+    after_import(_PEFT_MODULE, install)

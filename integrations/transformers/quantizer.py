@@ -523,7 +523,8 @@ def register() -> None:
             continue
         if old is cls:
             continue
-        if not getattr(old, "_qlinear_stand_in", False) and (old.__module__, old.__qualname__) != (cls.__module__, cls.__qualname__):
+        foreign = (old.__module__, old.__qualname__) != (cls.__module__, cls.__qualname__)
+        if foreign and not getattr(old, "_qlinear_stand_in", False):
             warnings.warn(f"quant_method {QUANT_METHOD!r} was registered by {old.__module__}.{old.__qualname__}; "
                           f"qlinear replaces it with {cls.__module__}.{cls.__qualname__}", stacklevel=2)
         mapping[QUANT_METHOD] = cls
