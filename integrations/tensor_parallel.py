@@ -235,7 +235,7 @@ def check_tp_plan(model: nn.Module, plan: dict[str, str], world: int) -> None:
                                  f"{'output' if style == 'colwise' else 'input'} features")
             _sliceable(mod)
             if style == "rowwise":
-                check_input_split(mod.out_features, mod.in_features, mod.config.group_size, 0, size // world)
+                check_input_split(mod.out_features, mod.in_features, mod.config, 0, size // world)
         except ValueError as e:
             problems.append(f"{name}: {e}")
     if problems:

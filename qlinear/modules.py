@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from . import backends, ops
-from .formats import FormatConfig, bcq, get_format, spec_bits
+from .formats import FormatConfig, bcq, get_format, rotation, spec_bits
 from .formats.base import quantize_device
 from .formats.uniform import pack_gptq, unpack_gptq
 from .gptq import check_hessian
@@ -96,6 +96,8 @@ class QuantLinear(nn.Module):
         self._specs = get_format(self.format).buffer_specs(out_features, in_features, cfg)
         for name, (shape, dt) in self._specs.items():
             self.register_buffer(name, torch.zeros(shape, dtype=dt, device=device))
+        if cfg.rotation != "none" and self.rotation.device.type != "meta":  # known from the config alone
+            self.rotation.copy_(rotation.record(cfg, self.in_features)["rotation"])
         self._packed_names = tuple(self._specs)
         self._layout: Optional[backends.Layout] = None
         self.bias = nn.Parameter(torch.zeros(out_features, device=device, dtype=dtype or torch.float32),
@@ -322,6 +324,8 @@ class QuantLinear(nn.Module):
         device = devices.pop()
         if device.type == "meta":  # nothing to convert yet (an empty module, or one waiting for a loader)
             return
+        if "rotation" in self._buffers:  # loaded from outside: refuse a checkpoint rotated otherwise than the config
+            rotation.check_record(self._buffers["rotation"], self.config, self.in_features)
         self._placed_on = device
         self._apply_preference(device)
         want = backends.layout_for(self.format, ops.kernel_view(self.config)[0], device,
@@ -424,6 +428,8 @@ class QuantLinear(nn.Module):
                 raise ValueError(f"checkpoint tensor {prefix + name} is {t.dtype} {list(t.shape)} but this "
                                  f"{type(self).__name__} ({self.config.to_json()}) expects {dtype} "
                                  f"{list(shape)}: the checkpoint was saved with another config or shape")
+        if prefix + "rotation" in state_dict:
+            rotation.check_record(state_dict[prefix + "rotation"], self.config, self.in_features)
         if self._layout is not None:  # load into canonical buffers; those the state dict replaces are not converted
             device = self._buffers[self._packed_names[0]].device
             if all(prefix + n in state_dict for n in self._specs):
@@ -544,10 +550,13 @@ class BCQLinear(QuantLinear):
 
         Raises:
             ValueError: the layer's α are not uniform (only GPTQ / round-to-nearest / imported layers have
-                int codes), bits not in (2, 3, 4, 8), or offsets that are not integer zero points.
+                int codes), bits not in (2, 3, 4, 8), offsets that are not integer zero points, or a rotated layer.
         """
         if self.config.bits not in (2, 3, 4, 8):
             raise ValueError(f"GPTQ checkpoints hold 2/3/4/8-bit codes, this layer has {self.config.bits}")
+        if self.config.rotation != "none":
+            raise ValueError("a rotated layer (rotation='hadamard') has no GPTQ checkpoint form: GPTQ kernels do not "
+                             "rotate their input; quantize without rotation to export")
         codes, scales, zeros, g_idx = bcq.to_uniform({k: v.cpu() for k, v in self.canonical().items()}, self.config,
                                                      self.out_features, self.in_features)
         qweight, qzeros = pack_gptq(codes, zeros, self.config.bits, checkpoint_format)

@@ -20,7 +20,7 @@ from typing import Optional
 import torch
 
 from . import backends
-from .formats import config_from_dict, get_format
+from .formats import config_from_dict, get_format, rotation
 
 
 @functools.lru_cache(maxsize=1024)
@@ -32,8 +32,12 @@ def parse_config(config: str):
 @functools.lru_cache(maxsize=1024)
 def kernel_view(cfg):
     """``(config the kernels see, names of side buffers the op applies itself)``: the format's ``kernel_view``
-    (e.g. :func:`qlinear.formats.bcq.kernel_view`: an act_order layer's ``perm``), cached."""
-    return get_format(cfg.format).kernel_view(cfg)
+    (e.g. :func:`qlinear.formats.bcq.kernel_view`: an act_order layer's ``perm``) of the config without its rotation
+    (:mod:`qlinear.formats.rotation`: the op rotates ``x``, the ``rotation`` buffer is a side buffer), cached."""
+    if cfg.rotation == "none":
+        return get_format(cfg.format).kernel_view(cfg)
+    kcfg, side = get_format(cfg.format).kernel_view(rotation.unrotated(cfg))
+    return kcfg, side + ("rotation",)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -71,22 +75,28 @@ def _convert(bufs: dict, cfg, fn, out_features: int, in_features: int) -> dict:
 
 class Call:
     """A resolved ``qlinear::linear`` call: the kernel for one (layer config and layout, device, dtype, batch), with
-    everything decided once (buffer names, act_order gather, layout conversion); ``call(x, packed, bias)`` runs it.
+    everything decided once (buffer names, rotation, act_order gather, layout conversion); ``call(x, packed, bias)``
+    runs it.
 
     ``converts`` is True when the kernel reads another layout than the one held: the buffers are then converted on
-    every call (a fallback, e.g. the reference kernel above a GEMV's batch range)."""
+    every call (a fallback, e.g. the reference kernel above a GEMV's batch range).  ``rotation`` is the (seed, block)
+    of a rotated layer's input transform, applied here before the act_order gather."""
 
-    __slots__ = ("kernel", "cfg", "names", "side", "gather", "layout", "converts", "shape")
+    __slots__ = ("kernel", "cfg", "names", "perm", "gather", "layout", "converts", "shape", "rotation")
 
-    def __init__(self, kernel, cfg, names, side, layout, shape):
-        self.kernel, self.cfg, self.names, self.side, self.layout, self.shape = kernel, cfg, names, side, layout, shape
-        self.gather = bool(side) and not kernel.gathers_perm
+    def __init__(self, kernel, cfg, names, side, layout, shape, rotation=None):
+        self.kernel, self.cfg, self.names, self.layout, self.shape = kernel, cfg, names, layout, shape
+        self.perm, self.rotation = "perm" in side, rotation
+        self.gather = self.perm and not kernel.gathers_perm
         self.converts = ("" if kernel.layout is None else kernel.layout.name) != layout
 
     def __call__(self, x: torch.Tensor, packed, bias: Optional[torch.Tensor]) -> torch.Tensor:
         N, K = self.shape
         bufs = dict(zip(self.names, packed))
-        perm = bufs.pop("perm") if self.side else None
+        if self.rotation is not None:
+            bufs.pop("rotation")
+            x = rotation.rotate_input(x, *self.rotation)
+        perm = bufs.pop("perm") if self.perm else None
         if self.gather:
             x, perm = x.index_select(-1, perm), None
         if self.converts:
@@ -109,10 +119,11 @@ def resolve(format: str, config: str, out_features: int, in_features: int, layou
     Raises:
         ValueError: no kernel (or not the requested backend) supports the call; the message says why.
     """
-    cfg, side = kernel_view(parse_config(config))
+    full = parse_config(config)
+    cfg, side = kernel_view(full)
     kernel = backends.select(format, cfg, device, dtype, batch, backend or None, (out_features, in_features), layout)
     return Call(kernel, cfg, _names(format, config, out_features, in_features, layout), side, layout,
-                (out_features, in_features))
+                (out_features, in_features), rotation.params(full, in_features))
 
 
 def why_not_held(format: str, cfg, layout: str, device: torch.device, dtype: torch.dtype, batch: int,

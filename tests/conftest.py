@@ -103,10 +103,47 @@ def dense64(fmt: str, b: dict, cfg, N: int, K: int) -> torch.Tensor:
     """Ŵ ``[N, K]`` float64 from canonical buffers ``b``, by each format's documented formula, written here apart from
     the formats' own ``dequantize`` (only the bit unpacking is shared): BCQ's uniform storage ``s·(q − z)`` and free α
     ``Σ α_i (2·bit_i − 1) + c`` (stored position j is input perm[j]); codebook ``scale · codebook[book][code]``;
-    mixed ``s·(q − z)`` with second-order scales ``scale_zero + scale_scale · code`` plus the CSR outliers."""
+    mixed ``s·(q − z)`` with second-order scales ``scale_zero + scale_scale · code`` plus the CSR outliers.  A rotated
+    layer's (``rotation`` buffer) stored weight is ``W·Rᵀ``: Ŵ is that times :func:`rotation64`."""
+    b = {k: v.cpu() for k, v in b.items()}
+    if "rotation" in b:
+        seed, block = b.pop("rotation").tolist()
+        return _dense64(fmt, b, cfg, N, K) @ rotation64(seed, block, K)
+    return _dense64(fmt, b, cfg, N, K)
+
+
+def lowbias32_sign(seed: int, k: int) -> int:
+    """The rotation sign of input ``k``, by Python integers: bit 31 of Wellons' lowbias32 hash (``x ^= x >> 16;
+    x *= 0x7feb352d; x ^= x >> 15; x *= 0x846ca68b; x ^= x >> 16``) of ``(k + seed·0x9E3779B9) mod 2^32``."""
+    x = (k + seed * 0x9E3779B9) % 2 ** 32
+    x ^= x >> 16
+    x = x * 0x7FEB352D % 2 ** 32
+    x ^= x >> 15
+    x = x * 0x846CA68B % 2 ** 32
+    x ^= x >> 16
+    return -1 if x >> 31 else 1
+
+
+def rotation64(seed: int, block: int, K: int) -> torch.Tensor:
+    """The dense orthogonal ``R = blockdiag(H_b, ...)·D`` ``[K, K]`` float64, built from its definition: ``H_b`` =
+    (Paley ``H_p`` ⊗ Sylvester ``H_{b/p}``)/√b (Sylvester by ``H_2n = [[H_n, H_n], [H_n, −H_n]]``), ``D`` the
+    :func:`lowbias32_sign` diagonal.  Only the choice of ``p`` and the Paley matrix come from the library (their
+    Hadamard property is tested in test_rotation.py)."""
+    from qlinear.formats import rotation
+
+    p, n = rotation._split(block)
+    syl = torch.ones(1, 1, dtype=torch.float64)
+    while syl.shape[0] < n:
+        syl = torch.cat([torch.cat([syl, syl], 1), torch.cat([syl, -syl], 1)], 0)
+    hp = rotation._paley(p).double() if p > 1 else torch.ones(1, 1, dtype=torch.float64)
+    hb = torch.kron(hp, syl) / block ** 0.5
+    d = torch.tensor([lowbias32_sign(seed, k) for k in range(K)], dtype=torch.float64)
+    return torch.block_diag(*[hb] * (K // block)) * d[None, :]
+
+
+def _dense64(fmt: str, b: dict, cfg, N: int, K: int) -> torch.Tensor:
     from qlinear.formats.packing import unpack, unpack_planes
 
-    b = {k: v.cpu() for k, v in b.items()}
     g = K if getattr(cfg, "group_size", 0) == -1 else cfg.group_size
     col_group = torch.arange(K) // g
     if fmt == "bcq":

@@ -15,6 +15,10 @@ CONFIGS = {
     "bcq": QLinearConfig("bcq", bits=3, group_size=64, iters=2),
     "mixed": QLinearConfig("mixed"),
     "codebook": QLinearConfig("codebook", bits=2),
+    # incoherence processing (issue 27): every module mechanic holds for rotated layers too
+    "bcq-rot": QLinearConfig("bcq", bits=3, group_size=64, iters=2, rotation="hadamard", rotation_seed=7),
+    "mixed-rot": QLinearConfig("mixed", rotation="hadamard"),
+    "codebook-rot": QLinearConfig("codebook", bits=2, rotation="hadamard", rotation_block=32),
 }
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 
@@ -30,7 +34,7 @@ def layers():
     lin = nn.Linear(128, 48)
     with torch.no_grad():
         lin.weight.mul_(0.5)
-    return lin, {f: module_class(f).from_linear(lin, c) for f, c in CONFIGS.items()}
+    return lin, {f: module_class(c.format).from_linear(lin, c) for f, c in CONFIGS.items()}
 
 
 @pytest.mark.parametrize("fmt", list(CONFIGS))
@@ -50,7 +54,7 @@ def test_forward_equals_dequantized_matmul(layers, fmt, dtype, lead):
 @pytest.mark.parametrize("fmt", list(CONFIGS))
 def test_no_bias_and_class(layers, fmt):
     lin = nn.Linear(128, 32, bias=False)
-    m = module_class(fmt).from_linear(lin, CONFIGS[fmt])
+    m = module_class(CONFIGS[fmt].format).from_linear(lin, CONFIGS[fmt])
     assert m.bias is None and isinstance(m, qlinear.QuantLinear)
     x = torch.randn(4, 128)
     assert torch.allclose(m(x).double(), ref64(m, x), atol=1e-5)  # Ŵ by an independent float64 formula, no bias
@@ -61,7 +65,7 @@ def test_dtype_moves_keep_packed_buffers(layers, fmt):
     _, mods = layers
     m = mods[fmt]
     before = {k: v.clone() for k, v in m.state_dict().items() if k != "bias"}
-    m2 = module_class(fmt)(128, 48, True, CONFIGS[fmt])
+    m2 = module_class(CONFIGS[fmt].format)(128, 48, True, CONFIGS[fmt])
     m2.load_state_dict(m.state_dict())
     m2.to(torch.bfloat16)
     for k, v in before.items():
@@ -78,7 +82,7 @@ def test_state_dict_roundtrip_bit_exact(layers, fmt, tmp_path):
     _, mods = layers
     m = mods[fmt]
     save_file(m.state_dict(), tmp_path / "m.safetensors")
-    m2 = module_class(fmt)(128, 48, True, CONFIGS[fmt])
+    m2 = module_class(CONFIGS[fmt].format)(128, 48, True, CONFIGS[fmt])
     m2.load_state_dict(load_file(tmp_path / "m.safetensors"))
     x = torch.randn(3, 128)
     assert torch.equal(m(x), m2(x))
@@ -215,7 +219,7 @@ def test_bias_gradient(layers):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_reference_backend_on_cuda(layers, fmt, dtype):
     lin, mods = layers
-    m = module_class(fmt)(128, 48, True, CONFIGS[fmt])
+    m = module_class(CONFIGS[fmt].format)(128, 48, True, CONFIGS[fmt])
     m.load_state_dict(mods[fmt].state_dict())
     m.cuda().to(dtype)
     # on the GPU the buffers are held in a kernel's layout: compare what it maps back to, bit for bit
@@ -248,11 +252,11 @@ def test_from_gptq_checkpoint_tensors_exact(bits, fmt_name):
 
 def test_bad_hessian_in_from_linear():
     lin = nn.Linear(64, 16)
-    for fmt in CONFIGS:
+    for cfg in CONFIGS.values():
         with pytest.raises(ValueError, match=r"\[64, 64\]"):
-            module_class(fmt).from_linear(lin, None, hessian=torch.eye(65))
+            module_class(cfg.format).from_linear(lin, cfg, hessian=torch.eye(65))
         with pytest.raises(TypeError):
-            module_class(fmt).from_linear(lin, None, hessian=torch.eye(64, dtype=torch.int64))
+            module_class(cfg.format).from_linear(lin, cfg, hessian=torch.eye(64, dtype=torch.int64))
 
 
 def test_adopt_takes_over_shape_and_packed_data_in_place(layers):

@@ -2,7 +2,8 @@
 
 A format is a module exposing ``Config`` (a frozen dataclass deriving :class:`FormatConfig`),
 ``buffer_specs(out_features, in_features, cfg)``, ``quantize(weight, cfg, hessian=None)``,
-``dequantize(buffers, cfg, out_features, in_features)``, ``kernel_view(cfg)`` (the config kernels see and the side
+``dequantize(buffers, cfg, out_features, in_features)`` (both wrapped by :func:`qlinear.formats.rotation.rotates` /
+``unrotates``, which handle a rotated config for every format), ``kernel_view(cfg)`` (the config kernels see and the side
 buffers the op applies, e.g. BCQ's act_order ``perm``), optionally ``slice_rows`` / ``slice_inputs`` (tensor
 parallelism) and ``LAYOUTS`` (older storages a checkpoint may hold), and its column quantizer for the
 error-feedback engine (:mod:`qlinear.gptq`).
@@ -20,6 +21,8 @@ import math
 from typing import Any, Callable, ClassVar, Optional
 
 import torch
+
+from . import rotation
 
 BufferSpecs = dict[str, tuple[tuple[int, ...], torch.dtype]]
 
@@ -47,6 +50,11 @@ class Layout:
 class FormatConfig:
     """Base of the per-format configs: validated on construction, JSON round trip.
 
+    Keyword-only options every format shares (incoherence processing, :mod:`qlinear.formats.rotation`; QuIP# §3,
+    QuaRot §3): ``rotation`` "none" (default) or "hadamard" (quantize ``W·Rᵀ`` for a randomized Hadamard ``R`` and
+    apply ``R`` to the input at run time), ``rotation_seed`` in ``[0, 2^31)`` (the random signs), ``rotation_block``
+    (0: the largest Hadamard order dividing each layer's in_features; else that block size for every layer).
+
     Raises:
         ValueError: a field outside its documented range.
         TypeError: a field of the wrong type.
@@ -55,6 +63,9 @@ class FormatConfig:
     format: ClassVar[str] = ""
     bits: int = 4
     group_size: int = 64
+    rotation: str = dataclasses.field(default="none", kw_only=True)
+    rotation_seed: int = dataclasses.field(default=0, kw_only=True)
+    rotation_block: int = dataclasses.field(default=0, kw_only=True)
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -65,6 +76,7 @@ class FormatConfig:
                 raise TypeError(f"{type(self).__name__}.{f.name} must be a number, got {v!r}")
             if f.type in ("bool", bool) and not isinstance(v, bool):
                 raise TypeError(f"{type(self).__name__}.{f.name} must be a bool, got {v!r}")
+        rotation.validate(self)
         self.validate()
 
     def validate(self) -> None:
@@ -95,6 +107,7 @@ class FormatConfig:
         """Raise ValueError if a layer of this shape cannot be stored in this format."""
         if out_features < 1 or in_features < 1:
             raise ValueError(f"empty layer {out_features}x{in_features}")
+        rotation.params(self, in_features)  # a rotation block must fit in_features
 
 
 def group_bounds(in_features: int, group_size: int) -> list[tuple[int, int]]:
@@ -102,10 +115,15 @@ def group_bounds(in_features: int, group_size: int) -> list[tuple[int, int]]:
     return [(s, min(s + group_size, in_features)) for s in range(0, in_features, group_size)]
 
 
-def check_input_split(out_features: int, in_features: int, group_size: int, start: int, end: int) -> None:
-    """ValueError unless input positions ``[start, end)`` of an ``out_features x in_features`` layer with groups of
-    ``group_size`` (-1: the whole row) start and end on group boundaries (a tensor-parallel shard)."""
-    g = in_features if group_size == -1 else group_size
+def check_input_split(out_features: int, in_features: int, cfg: FormatConfig, start: int, end: int) -> None:
+    """ValueError unless input positions ``[start, end)`` of an ``out_features x in_features`` layer of config ``cfg``
+    (groups of ``cfg.group_size``, -1: the whole row) start and end on group boundaries (a tensor-parallel shard), and
+    the layer is not rotated (a shard would need the signs of its own input positions: not supported yet)."""
+    if cfg.rotation != "none":
+        raise ValueError(f"a rotated layer ({out_features}x{in_features}, rotation={cfg.rotation!r}) cannot be split "
+                         f"along its inputs (row-parallel); quantize the row-parallel layers with rotation='none' "
+                         f"(per_module)")
+    g = in_features if cfg.group_size == -1 else cfg.group_size
     if start % g or (end % g and end != in_features):
         raise ValueError(f"input shard [{start}, {end}) of a {out_features}x{in_features} layer splits a quantization "
                          f"group of {g}: the shard size must be a multiple of the group size")

@@ -50,7 +50,7 @@ import dataclasses
 
 import torch
 
-from . import uniform
+from . import rotation, uniform
 from .base import (UNIFORM_MIN_SCALE, BufferSpecs, FormatConfig, Layout, check_input_split, fp16_round, on_weight_device,
                    group_lookup, importance, num_groups)
 from .packing import pack, pack_planes, packed_len, unpack, unpack_planes, unpack_u8
@@ -142,7 +142,7 @@ def buffer_specs(out_features: int, in_features: int, cfg: Config) -> BufferSpec
         specs = _bcq_specs(N, K, cfg)
     if cfg.act_order and not cfg.static_groups:
         specs["perm"] = ((K,), torch.int32)
-    return specs
+    return {**specs, **rotation.specs(cfg)}
 
 
 def _bcq_specs(N: int, K: int, cfg: Config, fp32_offset: bool = False) -> BufferSpecs:
@@ -361,6 +361,7 @@ class GroupQuantizer:
 
 
 @on_weight_device
+@rotation.rotates
 def quantize(weight: torch.Tensor, cfg: Config, hessian: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """Quantize ``weight`` ``[N, K]`` to BCQ buffers (see module docstring).
 
@@ -392,6 +393,7 @@ def quantize(weight: torch.Tensor, cfg: Config, hessian: torch.Tensor | None = N
     return as_uniform(bufs, cfg, N, K) if is_uniform(cfg) else bufs
 
 
+@rotation.unrotates
 def dequantize(buffers: dict[str, torch.Tensor], cfg: Config, out_features: int, in_features: int) -> torch.Tensor:
     """Dense weight ``[N, K]`` float32 from BCQ buffers: ``s·(q − z)`` for the uniform storage, else
     ``±α_1 ± α_2 ...`` summed in plane order from +0, plus the offset.
@@ -539,9 +541,10 @@ LAYOUTS = (LEGACY,)
 
 # Tensor-parallel slicing (the packed data is cut, never dequantized) ------------------------------------------------
 def slice_rows(buffers: dict[str, torch.Tensor], cfg: Config, rows: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The canonical buffers of output features ``rows`` (int64 ``[n]``, any order); ``perm`` is kept."""
+    """The canonical buffers of output features ``rows`` (int64 ``[n]``, any order); ``perm`` and ``rotation`` are
+    kept."""
     planes = "planes" in buffers  # free-α buffers hold the row in dim 1 of planes and alpha
-    out = {k: v if k in ("perm", "qzeros") else (v[:, rows] if planes and k in ("planes", "alpha") else v[rows])
+    out = {k: v if k in ("perm", "qzeros", "rotation") else (v[:, rows] if planes and k in ("planes", "alpha") else v[rows])
            for k, v in buffers.items()}
     if "qzeros" in buffers:  # packed along the rows
         out["qzeros"] = pack(unpack(buffers["qzeros"], cfg.bits, buffers["scales"].shape[0])[:, rows], cfg.bits)
@@ -554,10 +557,10 @@ def slice_inputs(buffers: dict[str, torch.Tensor], cfg: Config, out_features: in
     slice reads ``x[..., perm[start:end]]``).
 
     Raises:
-        ValueError: a bound that splits a quantization group.
+        ValueError: a bound that splits a quantization group, or a rotated layer.
     """
     K, g, q = in_features, cfg.group(in_features), cfg.bits
-    check_input_split(out_features, K, cfg.group_size, start, end)
+    check_input_split(out_features, K, cfg, start, end)
     gs, ge = start // g, -(-end // g)
     if "qweight" in buffers:  # start and end are multiples of 32: whole words of codes
         out = {"qweight": buffers["qweight"][:, start * q // 32:end * q // 32], "scales": buffers["scales"][:, gs:ge]}

@@ -38,6 +38,7 @@ import math
 
 import torch
 
+from . import rotation
 from .base import (FP16_TINY, BufferSpecs, FormatConfig, check_input_split, fp16_round, group_lookup, importance,
                    on_weight_device)
 from .packing import pack, packed_len, unpack_u8
@@ -114,7 +115,7 @@ def buffer_specs(out_features: int, in_features: int, cfg: Config) -> BufferSpec
         specs["book_idx"] = ((out_features, packed_len(G, int(math.log2(cfg.books)))), torch.int32)
     specs["scales"] = ((out_features, G), torch.float16)
     specs["codebooks"] = ((cfg.books, 1 << cfg.bits), torch.int8)
-    return specs
+    return {**specs, **rotation.specs(cfg)}
 
 
 def _scale(w: torch.Tensor) -> torch.Tensor:
@@ -247,7 +248,9 @@ class GroupQuantizer:
 
 @on_weight_device
 def layer_groups(weight: torch.Tensor, cfg: Config, hessian: torch.Tensor | None = None):
-    """``(groups [N·G, g], importance [N·G, g])`` of a layer, the input of :func:`fit_codebooks`."""
+    """``(groups [N·G, g], importance [N·G, g])`` of a layer (rotated if its config says so), the input of
+    :func:`fit_codebooks`."""
+    weight, hessian, cfg = rotation.rotated_problem(weight, cfg, hessian)
     N, K = weight.shape
     g = cfg.group_size
     d = importance(hessian, K)
@@ -255,6 +258,7 @@ def layer_groups(weight: torch.Tensor, cfg: Config, hessian: torch.Tensor | None
 
 
 @on_weight_device
+@rotation.rotates
 def quantize(weight: torch.Tensor, cfg: Config, hessian: torch.Tensor | None = None,
              codebooks: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """Quantize ``weight`` ``[N, K]``; ``codebooks`` int8 ``[C, 2^bits]`` fixes shared (model-scope)
@@ -280,6 +284,7 @@ def quantize(weight: torch.Tensor, cfg: Config, hessian: torch.Tensor | None = N
     return gptq.run(weight, cfg.group_size, q, hessian, damp=cfg.damp)
 
 
+@rotation.unrotates
 def dequantize(buffers: dict[str, torch.Tensor], cfg: Config, out_features: int, in_features: int) -> torch.Tensor:
     """Dense weight ``[N, K]`` float32: ``scale · codebook[book][idx]``."""
     N, K, g = out_features, in_features, cfg.group_size
@@ -292,8 +297,9 @@ def dequantize(buffers: dict[str, torch.Tensor], cfg: Config, out_features: int,
 
 
 def slice_rows(buffers: dict[str, torch.Tensor], cfg: Config, rows: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The buffers of output features ``rows`` (int64 ``[n]``, any order); the shared codebooks are kept."""
-    return {k: v if k == "codebooks" else v[rows].contiguous() for k, v in buffers.items()}
+    """The buffers of output features ``rows`` (int64 ``[n]``, any order); the shared codebooks and ``rotation`` are
+    kept."""
+    return {k: v if k in ("codebooks", "rotation") else v[rows].contiguous() for k, v in buffers.items()}
 
 
 def slice_inputs(buffers: dict[str, torch.Tensor], cfg: Config, out_features: int, in_features: int, start: int,
@@ -301,10 +307,10 @@ def slice_inputs(buffers: dict[str, torch.Tensor], cfg: Config, out_features: in
     """``(buffers, config)`` of input positions ``[start, end)``.
 
     Raises:
-        ValueError: a bound that splits a quantization group.
+        ValueError: a bound that splits a quantization group, or a rotated layer.
     """
     K, g = in_features, cfg.group_size
-    check_input_split(out_features, K, cfg.group_size, start, end)
+    check_input_split(out_features, K, cfg, start, end)
     out = {"codes": pack(unpack_u8(buffers["codes"], cfg.bits, K)[:, start:end], cfg.bits)}
     if "book_idx" in buffers:
         lb = int(math.log2(cfg.books))

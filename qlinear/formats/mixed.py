@@ -47,7 +47,7 @@ import dataclasses
 
 import torch
 
-from . import uniform
+from . import rotation, uniform
 from .base import BufferSpecs, FormatConfig, fp16_round, on_weight_device
 from .packing import pack, packed_len, unpack, unpack_u8
 
@@ -159,6 +159,7 @@ def buffer_specs(out_features: int, in_features: int, cfg: Config) -> BufferSpec
         "outlier_values": ((nnz,), torch.float16),
         "outlier_cols": ((nnz,), torch.int16 if in_features <= 32767 else torch.int32),
         "outlier_row_ptr": ((N + 1,), torch.int32),
+        **rotation.specs(cfg),
     }
 
 
@@ -305,6 +306,7 @@ def _quotas(weight, cfg, is4, hinv_diag, nnz):
 
 
 @on_weight_device
+@rotation.rotates
 def quantize(weight: torch.Tensor, cfg: Config, hessian: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """Quantize ``weight`` ``[N, K]`` to the mixed format; with ``hessian`` ``[K, K]`` (XᵀX) the groups
     are selected by eq. 9 (or at random, ``group_selection="random"``) and quantized with GPTQ error feedback
@@ -324,6 +326,7 @@ def quantize(weight: torch.Tensor, cfg: Config, hessian: torch.Tensor | None = N
     return gptq.run(w, cfg.group_size, q, hessian, damp=cfg.damp)
 
 
+@rotation.unrotates
 def dequantize(buffers: dict[str, torch.Tensor], cfg: Config, out_features: int, in_features: int) -> torch.Tensor:
     """Dense weight ``[N, K]`` float32: uniform codes with second-order scales, plus CSR outliers."""
     N, K, g = out_features, in_features, cfg.group_size

@@ -1,0 +1,230 @@
+"""Incoherence processing (issue 27): the randomized Hadamard rotation against its dense float64 definition, every
+format rotated (quantize, dequantize, forward, Hessians, checkpoints), the shared online transform, and its errors."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from torch import nn
+
+from conftest import lowbias32_sign, ref64, rotation64, random_hessian
+from qlinear import BCQLinear, CodebookLinear, MixedPrecisionLinear, QLinearConfig
+from qlinear.formats import bits_per_weight, rotation
+from qlinear.modules import module_class
+
+pytestmark = pytest.mark.usefixtures("reference_on_cpu")
+
+
+@pytest.mark.parametrize("p", [4, 8, 12, 20, 24, 28, 36, 44, 60, 108, 196])
+def test_paley_matrices_are_hadamard(p):
+    h = rotation._paley(p)
+    assert h.shape == (p, p) and bool((h.abs() == 1).all())
+    assert torch.equal(h @ h.T, p * torch.eye(p, dtype=torch.int64))
+
+
+def test_orders_without_a_paley_construction():
+    assert rotation._paley(172) is None and rotation._paley(16) is None  # 171, 85 and 15, 7 are not such primes
+
+
+@pytest.mark.parametrize("K, block", [(576, 576), (1536, 1536), (4096, 4096), (11008, 256), (14336, 14336),
+                                      (768, 768), (5120, 5120), (96, 96), (100, 20)])
+def test_auto_block_is_the_largest_constructible_divisor(K, block):
+    """SmolLM2 (576 = 36·16, 1536 = 12·128) and Llama (4096; 11008 = 43·256, where 172 has no construction here, so
+    the largest order dividing it is 256) shapes."""
+    assert rotation.block_size(K) == block
+    assert all(K % b or rotation._split(b) is None for b in range(block + 1, K + 1))
+
+
+@pytest.mark.parametrize("K, requested, match", [(576, 128, "does not fit"), (576, 9, "does not fit"),
+                                                 (7, 0, "no Hadamard block"), (12, 4, "at least 8")])
+def test_blocks_that_do_not_fit_raise(K, requested, match):
+    with pytest.raises(ValueError, match=match):
+        rotation.block_size(K, requested)
+
+
+def test_signs_are_lowbias32_of_seed_and_index():
+    for seed in (0, 1, 12345, 2 ** 31 - 1):
+        want = torch.tensor([lowbias32_sign(seed, k) for k in range(300)], dtype=torch.float32)
+        assert torch.equal(rotation.signs(seed, 300, "cpu"), want)
+    assert not torch.equal(rotation.signs(0, 300, "cpu"), rotation.signs(1, 300, "cpu"))
+
+
+@pytest.mark.parametrize("K, block", [(192, 192), (192, 64), (576, 576), (96, 12), (512, 512)])
+def test_rotate_matches_the_dense_orthogonal_matrix(K, block):
+    torch.manual_seed(0)
+    R = rotation64(5, block, K)
+    assert torch.allclose(R @ R.T, torch.eye(K, dtype=torch.float64), atol=1e-12)
+    x = torch.randn(3, 2, K, dtype=torch.float64)
+    assert torch.allclose(rotation.rotate(x, 5, block), x @ R.T, atol=1e-12)
+    assert torch.allclose(rotation.rotate(x, 5, block, inverse=True), x @ R, atol=1e-12)
+    x32 = x.float()
+    assert rotation.rotate(x32, 5, block).dtype == torch.float32
+    assert torch.allclose(rotation.rotate(x32.half(), 5, block).double(), x @ R.T, atol=1e-2)
+    h = random_hessian(K)
+    assert torch.allclose(rotation.rotate_hessian(h, 5, block), R @ h.double() @ R.T, atol=1e-9)
+
+
+CONFIGS = {
+    "bcq": dict(format="bcq", bits=3, group_size=64),
+    "rtn": dict(format="bcq", bits=3, group_size=64, init="uniform", iters=0),
+    "gptq-act_order": dict(format="bcq", bits=3, group_size=64, method="gptq", act_order=True),
+    "mixed": dict(format="mixed"),
+    "codebook": dict(format="codebook", bits=2, error_feedback=True),
+}
+
+
+def _layer(name, rot="hadamard", hessian=None, K=192, N=40, **kw):
+    torch.manual_seed(0)
+    lin = nn.Linear(K, N)
+    with torch.no_grad():
+        lin.weight[:, 3] *= 25  # an outlier input channel, what rotation spreads out
+    opts = dict(CONFIGS[name])
+    fmt = opts.pop("format")
+    cfg = QLinearConfig(fmt, **opts, rotation=rot, **kw)
+    return lin, module_class(fmt).from_linear(lin, cfg, hessian)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_rotated_layer_stores_w_r_transposed_and_runs_exactly(name):
+    """Ŵ = (the stored weight, by each format's formula)·R, the forward is x·Ŵᵀ + b, and the stored weight is what
+    the format's own quantizer makes of W·Rᵀ with R·H·Rᵀ: the rotation is the only difference."""
+    K = 192
+    h = random_hessian(K, seed=1)
+    lin, m = _layer(name, hessian=h)
+    assert m.config.rotation == "hadamard" and m.canonical()["rotation"].tolist() == [0, 192]
+    x = torch.randn(5, K)
+    assert torch.allclose(m(x).double(), ref64(m, x), atol=1e-4 * float(ref64(m, x).abs().max()))
+    R = rotation64(0, 192, K)
+    plain = rotation.unrotated(m.config)
+    direct = type(m).quantize_weight((lin.weight.detach().double() @ R.T).float(), plain, (R @ h.double() @ R.T).float())
+    stored = {k: v for k, v in m.canonical().items() if k != "rotation"}
+    same = [torch.equal(direct[k], stored[k]) for k in stored]
+    assert sorted(direct) == sorted(stored) and sum(same) >= len(same) - 1  # float rounding may move a code
+    assert torch.allclose(m.dequantize(torch.float64), type(m).from_packed(direct, K, 40, plain).dequantize(
+        torch.float64) @ R, atol=0.05 * float(lin.weight.abs().max()))
+
+
+@pytest.mark.parametrize("name", ["rtn", "bcq"])
+def test_rotation_spreads_an_outlier_channel(name):
+    """With one input channel 25x the others, the rotated layer's weight error ‖W − Ŵ‖ is smaller: the outlier no
+    longer sets its groups' scales alone (QuIP §4).  (Not so for the mixed format, whose fp16 outliers already take
+    such a channel: rotation spreads it over every weight of the block instead.)"""
+    errs = {}
+    for rot in ("none", "hadamard"):
+        lin, m = _layer(name, rot)
+        errs[rot] = (m.dequantize(torch.float64) - lin.weight.double()).norm()
+    assert errs["hadamard"] < 0.8 * errs["none"]
+
+
+def test_calibrated_rotation_uses_the_rotated_hessian():
+    """Error feedback with the rotated Hessian beats the rotated layer quantized without calibration on the output
+    error ‖(W − Ŵ)Xᵀ‖ for anisotropic inputs (it would not if the Hessian were left in the unrotated basis)."""
+    K = 192
+    g = torch.Generator().manual_seed(3)
+    X = torch.randn(4096, K, generator=g) * torch.linspace(0.05, 4, K)
+    h = X.T @ X
+    errs = {}
+    for label, hess in (("uncalibrated", None), ("calibrated", h)):
+        lin, m = _layer("gptq-act_order" if hess is not None else "rtn", hessian=hess)
+        errs[label] = ((m.dequantize(torch.float64) - lin.weight.double()) @ X.double().T).norm()
+    lin, m = _layer("gptq-act_order", hessian=h)
+    wrong = type(m).quantize_weight(lin.weight.detach() @ rotation64(0, 192, K).float().T, rotation.unrotated(m.config),
+                                    h)  # the unrotated Hessian with rotated weights
+    w_wrong = type(m).from_packed(wrong, K, 40, rotation.unrotated(m.config)).dequantize(torch.float64) @ \
+        rotation64(0, 192, K)
+    err_wrong = ((w_wrong - lin.weight.double()) @ X.double().T).norm()
+    assert errs["calibrated"] < 0.85 * min(errs["uncalibrated"], err_wrong)
+
+
+def test_bits_count_the_rotation_record():
+    plain = QLinearConfig("bcq", bits=4, group_size=64).format_config()
+    rot = QLinearConfig("bcq", bits=4, group_size=64, rotation="hadamard").format_config()
+    assert bits_per_weight(rot, 40, 192) * 40 * 192 == bits_per_weight(plain, 40, 192) * 40 * 192 + 64
+
+
+def test_checkpoint_round_trip_is_exact_and_mismatched_rotations_refuse(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    lin, m = _layer("bcq", rotation_seed=11, rotation_block=64)
+    save_file(m.state_dict(), tmp_path / "m.safetensors")
+    sd = load_file(tmp_path / "m.safetensors")
+    assert sd["rotation"].tolist() == [11, 64]
+    fresh = BCQLinear(192, 40, True, m.config)
+    fresh.load_state_dict(sd)
+    x = torch.randn(3, 192)
+    assert torch.equal(fresh(x), m(x))
+    for cfg in (dataclasses.replace(m.config, rotation_seed=12), dataclasses.replace(m.config, rotation_block=192)):
+        other = BCQLinear(192, 40, True, cfg)
+        before = {k: v.clone() for k, v in other.state_dict().items()}
+        with pytest.raises(ValueError, match="rotation"):
+            other.load_state_dict(sd)
+        assert all(torch.equal(v, other.state_dict()[k]) for k, v in before.items())  # nothing loaded
+    damaged = dict(sd, rotation=torch.tensor([11, 32], dtype=torch.int32))
+    with pytest.raises(ValueError, match="differs"):
+        BCQLinear(192, 40, True, m.config).load_state_dict(damaged)
+    with pytest.raises(ValueError, match="differs"):  # buffers set from outside are checked when placed
+        other = BCQLinear(192, 40, True, m.config, device="meta")
+        other.rotation = damaged["rotation"]
+        for k, v in damaged.items():
+            if k != "rotation" and k != "bias":
+                setattr(other, k, v)
+        other.repack_for_device()
+
+
+def test_layers_reading_one_input_share_its_transform(monkeypatch):
+    """q/k/v-like layers on the same tensor: one transform; an in-place change of the input, or another rotation,
+    transforms again; every output stays exact."""
+    layers = [_layer("rtn")[1] for _ in range(3)]
+    other = _layer("rtn", rotation_seed=1)[1]
+    calls = []
+    real = rotation.rotate
+    monkeypatch.setattr(rotation, "rotate", lambda *a, **k: calls.append(1) or real(*a, **k))
+    x = torch.randn(4, 192)
+    ys = [m(x) for m in layers]
+    assert len(calls) == 1
+    assert all(torch.allclose(y.double(), ref64(m, x), atol=1e-3) for y, m in zip(ys, layers))
+    x.mul_(2)
+    y = layers[0](x)
+    assert len(calls) == 2 and torch.allclose(y.double(), ref64(layers[0], x), atol=2e-3)
+    assert torch.allclose(other(x).double(), ref64(other, x), atol=2e-3) and len(calls) == 3
+    with torch.inference_mode():
+        xi = torch.randn(2, 192)
+        layers[0](xi), layers[1](xi)
+    assert len(calls) == 5  # inference tensors have no version counter: not shared
+
+
+def test_rotated_layer_options_and_exports_raise():
+    with pytest.raises(ValueError, match="rotation must be"):
+        QLinearConfig("bcq", rotation="walsh")
+    with pytest.raises(ValueError, match="options of rotation='hadamard'"):
+        QLinearConfig("mixed", rotation_seed=3)
+    with pytest.raises(ValueError, match="rotation_seed"):
+        QLinearConfig("codebook", rotation="hadamard", rotation_seed=-1)
+    with pytest.raises(ValueError, match="rotation_block=128 does not fit"):
+        CodebookLinear(192, 8, config=dict(rotation="hadamard", rotation_block=128))
+    _, m = _layer("rtn")
+    with pytest.raises(ValueError, match="GPTQ checkpoint"):
+        m.to_gptq()
+    from qlinear.integrations.tensor_parallel import shard_inputs, shard_rows
+
+    with pytest.raises(ValueError, match="cannot be split along its inputs"):
+        shard_inputs(m, 0, 64)
+    rows = torch.tensor([5, 0, 17])
+    part = shard_rows(m, rows)
+    x = torch.randn(2, 192)
+    assert torch.allclose(part(x), m(x)[:, rows], atol=1e-5)
+
+
+def test_mixed_selects_groups_on_the_rotated_weights():
+    """The mixed format's sensitivity (eq. 9) and outlier choice see W·Rᵀ: its 4-bit groups and outlier columns are
+    those of quantizing W·Rᵀ directly."""
+    K = 192
+    h = random_hessian(K, seed=2)
+    lin, m = _layer("mixed", hessian=h)
+    R = rotation64(0, 192, K)
+    direct = MixedPrecisionLinear.quantize_weight((lin.weight.detach().double() @ R.T).float(), rotation.unrotated(m.config),
+                                                  (R @ h.double() @ R.T).float())
+    assert torch.equal(direct["idx4"], m.canonical()["idx4"])
+    assert torch.equal(direct["outlier_cols"], m.canonical()["outlier_cols"])
