@@ -62,7 +62,9 @@ class Kernel:
     ``fn(x, buffers, bias, cfg, out_features, in_features) -> y`` computes ``y = x Wᵀ + b`` for
     ``x`` ``[..., K]`` with the packed ``buffers`` (dict of the format's buffer names, or of
     ``layout``'s buffer names when the kernel has its own layout; plus ``perm`` for an act_order layer when
-    ``gathers_perm``, which then reads ``x[..., perm]`` as it loads x instead of the op gathering it first).  ``supports(cfg, N, K)`` returns
+    ``gathers_perm``, which then reads ``x[..., perm]`` as it loads x instead of the op gathering it first; and the
+    keyword ``rotation=(seed, block)`` for a rotated layer when ``fuses_rotation``, which then applies the layer's
+    randomized Hadamard to x itself, :mod:`qlinear.formats.rotation`, instead of the op transforming x first).  ``supports(cfg, N, K)`` returns
     why a config or shape cannot run (None if it can); ``available()`` returns why the kernel cannot
     run on this machine (e.g. its native extension failed to build), None if it can.
     """
@@ -82,6 +84,7 @@ class Kernel:
     available: Optional[Callable[[], Optional[str]]] = None
     layout: Optional[Layout] = None
     gathers_perm: bool = False  # takes an act_order layer's ``perm`` in ``buffers`` and gathers x itself
+    fuses_rotation: bool = False  # takes a rotated layer's ``rotation=(seed, block)`` and transforms x itself
 
     def __post_init__(self) -> None:
         me = f"kernel {self.backend!r} for format {self.format!r}"

@@ -1,10 +1,32 @@
-"""Helpers shared by the CPU backends (Arm NEON, x86): the int8 dynamic activations both quantize x to."""
+"""Helpers shared by the CPU backends (Arm NEON, x86): the int8 dynamic activations both quantize x to, and the
+arguments of the rotated layers' transform both fuse (``backends/_shared/rotation.h``)."""
 
 from __future__ import annotations
 
+import functools
+from typing import Optional
+
 import torch
 
-__all__ = ["quantize_activations", "pad_groups", "unpad_groups"]
+from qlinear.formats import rotation as _rotation
+
+__all__ = ["quantize_activations", "pad_groups", "unpad_groups", "rotation_args", "spec_input"]
+
+
+@functools.lru_cache(maxsize=64)
+def rotation_args(rotation: Optional[tuple[int, int]]) -> tuple[Optional[torch.Tensor], int, int]:
+    """The ops' ``(rot_paley, rot_seed, rot_block)`` for a layer's ``(seed, block)`` (None: not rotated, block 0):
+    the Paley factor as ±1 int8 ``[p, p]`` (None for a power-of-two block)."""
+    if rotation is None:
+        return None, 0, 0
+    seed, block = rotation
+    p = _rotation._split(block)[0]
+    return (_rotation._paley(p).to(torch.int8) if p > 1 else None), seed, block
+
+
+def spec_input(x: torch.Tensor, rotation: Optional[tuple[int, int]]) -> torch.Tensor:
+    """What a kernel's spec quantizes: ``x`` itself, or for a rotated layer its transform ``x·Rᵀ``."""
+    return x if rotation is None else _rotation.rotate(x.float(), *rotation)
 
 
 def pad_groups(t: torch.Tensor, N: int, rows: int) -> torch.Tensor:

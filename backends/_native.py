@@ -26,6 +26,7 @@ import torch
 __all__ = ["OPENMP", "build", "build_cuda_backend", "cache_dir", "cuda_arch_flags", "cuda_toolchain_problem", "sm_count"]
 
 SHARED_HEADERS = Path(__file__).parent / "_cuda"  # device helpers every CUDA backend includes
+SHARED_CPU_HEADERS = Path(__file__).parent / "_shared"  # torch-free helpers the CPU backends include (rotation.h)
 # at::parallel_for is an inline OpenMP loop in the ATen headers: without these flags a CPU extension runs it on one
 # thread.
 OPENMP = ("-fopenmp",)
@@ -67,7 +68,7 @@ def cuda_toolchain_problem() -> Optional[str]:
 def build(name: str, sources: tuple[str, ...], cflags: tuple[str, ...] = (), cuda_cflags: tuple[str, ...] = (),
           ldflags: tuple[str, ...] = ()) -> Optional[str]:
     """Build (once per process, cached on disk under a hash of the sources, the headers beside them, the shared
-    CUDA headers, the flags and the torch version) and load the op library ``name`` from ``sources``.
+    CUDA and CPU headers, the flags and the torch version) and load the op library ``name`` from ``sources``.
 
     Returns None on success (the ops are registered with torch), else the reason it failed, one line.
     """
@@ -75,7 +76,7 @@ def build(name: str, sources: tuple[str, ...], cflags: tuple[str, ...] = (), cud
         return "ninja not found (pip install ninja)"
     digest = hashlib.sha256()
     headers = sorted({h for src in sources for h in Path(src).parent.iterdir() if h.suffix in (".h", ".cuh")})
-    for src in (*sources, *headers, *sorted(SHARED_HEADERS.iterdir())):
+    for src in (*sources, *headers, *sorted(SHARED_HEADERS.iterdir()), *sorted(SHARED_CPU_HEADERS.iterdir())):
         digest.update(Path(src).read_bytes())
     digest.update(repr((cflags, cuda_cflags, ldflags, torch.__version__)).encode())
     folder = cache_dir() / f"{name}-{digest.hexdigest()[:16]}"

@@ -101,6 +101,11 @@ for _b in (2, 3, 4):
     ROWS[f"gptq{_b}-g128-noao"] = (f"GPTQ {_b}-bit g128", "GPTQ", ("qlinear", _q("bcq", bits=_b, group_size=128,
                                                                                  method="gptq"), True))
     _ROTATED[f"gptq{_b}-g128-noao"] = None
+for _b in (3, 4):  # GPTQ's range search (mse=True), QuaRot's weight clipping
+    ROWS[f"gptq{_b}-g128-mse"] = (f"GPTQ {_b}-bit g128, act_order, mse range search", "GPTQ",
+                                  ("qlinear", _q("bcq", bits=_b, group_size=128, method="gptq", act_order=True,
+                                                 mse=True), True))
+    _ROTATED[f"gptq{_b}-g128-mse"] = None
 ROWS["codebook2-g96"] = ("Codebook 2-bit g96, activation-aware + error feedback", "codebook",
                          ("qlinear", _q("codebook", bits=2, group_size=96, error_feedback=True), True))
 _ROTATED["codebook2-g96"] = None
@@ -110,7 +115,7 @@ for _n, _spec in _ROTATED.items():
     ROWS[f"{_n}-rot"] = (f"{_label}, Hadamard-rotated", "rotated", ("qlinear", QLinearConfig(_cfg.format, **_opts),
                                                                     _cal))
 ROTATION_ROWS = [n for n in ROWS if n.endswith("-rot")] + ["bcq4-nocal", "gptq2-g128-noao", "gptq3-g128-noao",
-                                                            "gptq4-g128-noao", "codebook2-g96"]
+                                                            "gptq4-g128-noao", "codebook2-g96", "gptq3-g128-mse", "gptq4-g128-mse"]
 
 # Rows that decide the three claims first, so that a cut-short run still answers them.
 PRIORITY = ["fp32", "rtn3-g64", "rtn3-g128", "mixed", "mixed-random", "mixed-r0.25-o0.005", "mixed-any-o0.005",

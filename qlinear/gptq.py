@@ -145,7 +145,8 @@ def run(weight: torch.Tensor, group_size: int, quantizer, hessian: torch.Tensor 
 
 @on_weight_device
 def quantize_uniform(weight: torch.Tensor, bits: int, group_size: int, hessian: torch.Tensor | None = None, *,
-                     sym: bool = False, damp: float = 0.01, act_order: bool = False, static_groups: bool = False,
+                     sym: bool = False, mse: bool = False, damp: float = 0.01, act_order: bool = False,
+                     static_groups: bool = False,
                      block_size: int = 128) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """GPTQ (Frantar et al. 2022, Alg. 1) for group-wise uniform integer codes, as GPTQ checkpoints hold them.
 
@@ -153,6 +154,8 @@ def quantize_uniform(weight: torch.Tensor, bits: int, group_size: int, hessian: 
         weight: ``[N, K]`` float.  hessian: ``[K, K]`` XᵀX of calibration inputs (None: round to nearest).
         bits: 2, 3, 4 or 8.  group_size: inputs per group (-1: whole row).
         sym: symmetric grid (zero point fixed at ``2^(bits-1)``, scale ``2·max|w| / (2^bits − 1)``).
+        mse: search each group's range shrink factor (1.00 down to 0.80 in steps of 0.01) for the least squared
+            error, as GPTQ's reference ``Quantizer(mse=True)`` (asymmetric grid only).
         damp: GPTQ's ``damp_percent`` as a fraction of mean(diag H).
         act_order, static_groups: GPTQ's ``desc_act`` and ``static_groups`` (see :func:`run`).
 
@@ -170,7 +173,7 @@ def quantize_uniform(weight: torch.Tensor, bits: int, group_size: int, hessian: 
         raise ValueError(f"GPTQ bits must be 2, 3, 4 or 8, got {bits}")
     N, K = weight.shape
     g = K if group_size == -1 else group_size
-    q = uniform.GroupQuantizer(N, K, bits, g, sym)
+    q = uniform.GroupQuantizer(N, K, bits, g, sym, uniform.MSE_GRID if mse else (1.0,))
     out = run(weight, g, q, hessian, damp=damp, activation_aware=False, block_size=block_size,
               act_order=act_order and hessian is not None, static_groups=static_groups)
     codes, scales, zeros = out["codes"], out["scales"], out["zeros"]

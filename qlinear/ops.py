@@ -82,12 +82,14 @@ class Call:
     every call (a fallback, e.g. the reference kernel above a GEMV's batch range).  ``rotation`` is the (seed, block)
     of a rotated layer's input transform, applied here before the act_order gather."""
 
-    __slots__ = ("kernel", "cfg", "names", "perm", "gather", "layout", "converts", "shape", "rotation")
+    __slots__ = ("kernel", "cfg", "names", "perm", "gather", "layout", "converts", "shape", "rotation", "fused")
 
     def __init__(self, kernel, cfg, names, side, layout, shape, rotation=None):
         self.kernel, self.cfg, self.names, self.layout, self.shape = kernel, cfg, names, layout, shape
         self.perm, self.rotation = "perm" in side, rotation
         self.gather = self.perm and not kernel.gathers_perm
+        # a kernel that rotates x itself, unless the op must gather act_order's perm first (x is rotated, then gathered)
+        self.fused = {"rotation": rotation} if rotation is not None and kernel.fuses_rotation and not self.gather else {}
         self.converts = ("" if kernel.layout is None else kernel.layout.name) != layout
 
     def __call__(self, x: torch.Tensor, packed, bias: Optional[torch.Tensor]) -> torch.Tensor:
@@ -95,7 +97,8 @@ class Call:
         bufs = dict(zip(self.names, packed))
         if self.rotation is not None:
             bufs.pop("rotation")
-            x = rotation.rotate_input(x, *self.rotation)
+            if not self.fused:
+                x = rotation.rotate_input(x, *self.rotation)
         perm = bufs.pop("perm") if self.perm else None
         if self.gather:
             x, perm = x.index_select(-1, perm), None
@@ -105,7 +108,7 @@ class Call:
                 bufs = to_layout(bufs, self.cfg, self.kernel.layout, N, K)
         if perm is not None:
             bufs["perm"] = perm
-        return self.kernel.fn(x, bufs, bias, self.cfg, N, K)
+        return self.kernel.fn(x, bufs, bias, self.cfg, N, K, **self.fused)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -206,19 +209,21 @@ def _(x, planes, alpha, offset, perm, bias, group_size, kt, threads, tiles_per_s
     -> ``[M, N]``."""
     return x.new_empty(x.shape[0], planes.shape[2])
 _lib.define("arm_gemm(Tensor x, Tensor qw, Tensor qs, Tensor? qz, Tensor? qb, Tensor? books, Tensor? bias, "
-            "int format, int num_books, int N, int group_size, int path, int layout) -> Tensor")
+            "int format, int num_books, int N, int group_size, int path, int layout, Tensor? rot_paley=None, "
+            "int rot_seed=0, int rot_block=0) -> Tensor")
 
 
 @torch.library.register_fake("qlinear::arm_gemm")
-def _(x, qw, qs, qz, qb, books, bias, format, num_books, N, group_size, path, layout):
+def _(x, qw, qs, qz, qb, books, bias, format, num_books, N, group_size, path, layout, rot_paley=None, rot_seed=0,
+      rot_block=0):
     """Arm NEON/SDOT/SMMLA kernels of :mod:`qlinear.backends.arm_neon`: ``x`` ``[M, K]`` fp32 -> ``[M, N]`` fp32."""
     return x.new_empty(x.shape[0], N)
 _lib.define("x86_gemm(Tensor x, Tensor qw, Tensor qs, Tensor qz, Tensor? bias, int N, int group_size, int bits, "
-            "int format, int path) -> Tensor")
+            "int format, int path, Tensor? rot_paley=None, int rot_seed=0, int rot_block=0) -> Tensor")
 
 
 @torch.library.register_fake("qlinear::x86_gemm")
-def _(x, qw, qs, qz, bias, N, group_size, bits, format, path):
+def _(x, qw, qs, qz, bias, N, group_size, bits, format, path, rot_paley=None, rot_seed=0, rot_block=0):
     """x86 AVX-512 VNNI / AVX2 kernels of :mod:`qlinear.backends.x86`: ``x`` ``[M, K]`` fp32 -> ``[M, N]`` fp32."""
     return x.new_empty(x.shape[0], N)
 

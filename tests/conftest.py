@@ -1,6 +1,8 @@
 import os
 
 import pytest
+from typing import Callable
+
 import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -89,6 +91,30 @@ def int8_activation_bound(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     amax = x.double().abs().view(M, K // 32, 32).amax(-1)  # [M, H]
     wabs = w.double().abs().view(w.shape[0], K // 32, 32).sum(-1)  # [N, H]
     return (amax / 254) @ wabs.T + 1e-5 * (x.double().abs() @ w.double().abs().T) + 1e-6
+
+
+def assert_fused_rotation(backend: str, cls, opts: dict, spec: Callable, K: int = 192, N: int = 40) -> None:
+    """A rotated layer on a CPU kernel that ``fuses_rotation`` (issue 27): the kernel, not the op, transforms x; its
+    output is its spec's on the transformed input, and within the int8-activation bound of ``(R·x)·Ŵ'ᵀ`` where
+    ``Ŵ'`` is the stored (rotated) weight by :func:`dense64` and ``R`` the dense :func:`rotation64`.  ``spec(x,
+    layer)`` runs the backend's spec on the layer's held buffers."""
+    from qlinear.formats import rotation
+
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(K, N)
+    layer = cls.from_linear(lin, {**opts, "rotation": "hadamard", "rotation_seed": 9}, backend=backend)
+    x = torch.randn(5, K)
+    x[0, :32] *= 20  # a large block: what the rotation spreads before int8 quantization
+    call = layer._call(x.device, x.dtype, 5)
+    assert call.kernel.backend == backend and call.fused == {"rotation": (9, rotation.block_size(K))}
+    y = layer(x)
+    want = spec(x, layer)
+    assert torch.allclose(y.double(), want.double(), rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+    canon = {k: v for k, v in layer.canonical().items() if k != "rotation"}
+    w = dense64(cls.format, canon, rotation.unrotated(layer.config), N, K)
+    xr = x.double() @ rotation64(9, rotation.block_size(K), K).T
+    err = y.double() - (xr @ w.T + lin.bias.double())
+    assert (err.abs() <= int8_activation_bound(w, xr.float()) + 1e-5 * y.double().abs()).all()
 
 
 def random_hessian(K: int, n: int = 4096, seed: int = 0) -> torch.Tensor:

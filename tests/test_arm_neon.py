@@ -278,6 +278,21 @@ def test_modules_on_the_arm_backend(dtype, tmp_path):
         assert torch.equal(compiled(x), y)
 
 
+@native
+@pytest.mark.parametrize("cls,opts", [(CodebookLinear, dict(bits=2)), (CodebookLinear, dict(bits=4)),
+                                      (BCQLinear, dict(bits=4, group_size=64, init="uniform", iters=0))],
+                         ids=["cb2", "cb4", "bcq"])
+def test_rotated_layers_transform_x_inside_the_op(cls, opts):
+    from conftest import assert_fused_rotation
+
+    def spec(x, m):
+        call = m._call(x.device, x.dtype, 5)
+        return arm_neon.spec(x, dict(zip(m._packed_names, m.packed())), m.bias, call.cfg, arm_neon._format(call.cfg),
+                             m.out_features, m.in_features, rotation=call.rotation)
+
+    assert_fused_rotation("arm_neon", cls, opts, spec)
+
+
 @pytest.mark.slow  # two JIT builds
 @native
 def test_concurrent_jit_builds_do_not_race(tmp_path):

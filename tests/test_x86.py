@@ -296,3 +296,14 @@ def test_modules_on_the_x86_backend(dtype, tmp_path):
         assert again.layout == "x86" and torch.equal(again(x), y)
         torch._dynamo.reset()  # a fresh cache per layer: 9 layers of one class would hit the recompile limit
         assert torch.equal(torch.compile(again, fullgraph=True, backend="eager")(x), y)
+
+
+@pytest.mark.parametrize("opts", [dict(bits=4, group_size=64, init="uniform", iters=0), dict(bits=3, group_size=32)],
+                         ids=["uniform 4-bit", "free α 3-bit"])
+@pytest.mark.parametrize("K", [192, 256])  # a Paley block (12·16) and a power of two
+def test_rotated_layers_transform_x_inside_the_op(opts, K):
+    from conftest import assert_fused_rotation
+
+    assert_fused_rotation("x86", BCQLinear, opts, lambda x, m: x86.spec(
+        x, dict(zip(m._packed_names, m.packed())), m.bias, m._call(x.device, x.dtype, 5).cfg, m.out_features, K,
+        rotation=m._call(x.device, x.dtype, 5).rotation), K=K)

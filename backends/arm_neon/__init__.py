@@ -45,7 +45,7 @@ from qlinear.formats import bcq
 from qlinear.formats.packing import pack, unpack
 
 from .. import ANY, Kernel, Layout, register
-from .._cpu import pad_groups, quantize_activations, unpad_groups
+from .._cpu import pad_groups, quantize_activations, rotation_args, spec_input, unpad_groups
 from .._native import OPENMP, build
 
 __all__ = ["BCQ_LAYOUT", "CODEBOOK_LAYOUT", "LAYOUT", "default_layout", "spec", "linear", "available", "PATHS"]
@@ -224,11 +224,13 @@ def _weights_int8(buffers: dict, format: int, cfg, N: int, K: int, layout: str) 
 
 
 def spec(x: torch.Tensor, buffers: dict, bias, cfg, format: int, N: int, K: int,
-         layout: Optional[str] = None) -> torch.Tensor:
+         layout: Optional[str] = None, rotation=None) -> torch.Tensor:
     """The kernels' arithmetic in PyTorch over buffers packed in ``layout`` (None: :data:`LAYOUT`): ``x`` ``[M, K]``
-    -> ``[M, N]`` float32 (equal to the native op up to the order of fp32 roundings)."""
+    -> ``[M, N]`` float32 (equal to the native op up to the order of fp32 roundings).  ``rotation`` (seed, block): a
+    rotated layer, whose input the kernels transform before quantizing it."""
     layout = _layout_arg(layout)
     gs = K if cfg.group_size == -1 else cfg.group_size
+    x = spec_input(x, rotation)
     xq, xs = quantize_activations(x)
     M, H = x.shape[0], K // 32
     w = _weights_int8(buffers, format, cfg, N, K, layout)                      # [Nb·8, K]
@@ -269,16 +271,17 @@ def _format(cfg) -> int:
 
 
 def linear(x: torch.Tensor, buffers: dict, bias, cfg, out_features: int, in_features: int, path: str = "auto",
-           layout: Optional[str] = None):
+           layout: Optional[str] = None, rotation=None):
     """Registry entry: ``x`` ``[..., K]`` on CPU -> ``[..., N]`` of ``x.dtype``, over buffers packed in ``layout``
-    (default: :data:`LAYOUT`, what the repack produces)."""
+    (default: :data:`LAYOUT`, what the repack produces).  ``rotation`` (seed, block): the layer's randomized Hadamard,
+    applied to x inside the op before its int8 quantization (the kernel ``fuses_rotation``)."""
     layout = _layout_arg(layout)
     x2 = x.reshape(-1, in_features).float().contiguous()
     gs = in_features if cfg.group_size == -1 else cfg.group_size
     y = torch.ops.qlinear.arm_gemm(x2, buffers["arm_qw"], buffers["arm_qs"], buffers.get("arm_qz"),
                                    buffers.get("arm_qb"), buffers.get("codebooks"), bias, _format(cfg),
                                    getattr(cfg, "books", 1), out_features, gs, PATHS[path],
-                                   0 if layout == "mmla" else 1)
+                                   0 if layout == "mmla" else 1, *rotation_args(rotation))
     return y.to(x.dtype).reshape(*x.shape[:-1], out_features)
 
 
@@ -309,4 +312,4 @@ for _fmt, _bits, _layout, _supports in (("codebook", {2, 4}, CODEBOOK_LAYOUT, su
     register(Kernel(backend="arm_neon", format=_fmt, fn=linear, priority=_PRIORITY, devices=frozenset({"cpu"}),
                     bits=frozenset(_bits), group_sizes=ANY, max_batch=ANY, min_capability=ANY,
                     dtypes=frozenset({torch.float32, torch.float16, torch.bfloat16}), supports=_supports,
-                    available=available, layout=_layout))
+                    available=available, layout=_layout, fuses_rotation=True))

@@ -50,7 +50,7 @@ from qlinear.formats import bcq
 from qlinear.formats.packing import pack_planes, unpack_planes
 
 from .. import ANY, Kernel, Layout, register
-from .._cpu import pad_groups, quantize_activations, unpad_groups
+from .._cpu import pad_groups, quantize_activations, rotation_args, spec_input, unpad_groups
 from .._native import OPENMP, build
 
 __all__ = ["LAYOUT", "PATHS", "repack", "unrepack", "spec", "linear", "available", "simde_available",
@@ -148,11 +148,12 @@ def unrepack(buffers: dict, cfg, N: int, K: int) -> dict:
 LAYOUT = Layout(name="x86", names=_names, repack=repack, unrepack=unrepack)
 
 
-def spec(x: torch.Tensor, buffers: dict, bias, cfg, N: int, K: int) -> torch.Tensor:
+def spec(x: torch.Tensor, buffers: dict, bias, cfg, N: int, K: int, rotation=None) -> torch.Tensor:
     """The kernels' arithmetic in PyTorch over layout ``x86``: ``x`` ``[M, K]`` -> ``[M, N]`` float64, the value the
     kernels round in fp32: exact int32 sums, then per 32-input block ``h`` ``xs_h·s·(Σ code·xq − z·Σ xq)`` (uniform) or
-    ``xs_h·(Σ_i 2α_i·Σ bit_i·xq + (c − Σ_i α_i)·Σ xq)`` (free α)."""
-    xq, xs = quantize_activations(x)
+    ``xs_h·(Σ_i 2α_i·Σ bit_i·xq + (c − Σ_i α_i)·Σ xq)`` (free α).  ``rotation`` (seed, block): a rotated layer, whose
+    input the kernels transform before quantizing it."""
+    xq, xs = quantize_activations(spec_input(x, rotation))
     M, H = x.shape[0], K // 32
     gs = K if cfg.group_size == -1 else cfg.group_size
     codes = _codes(buffers, cfg, K)[:N].view(N, H, 32)
@@ -200,16 +201,18 @@ def simde_available() -> Optional[str]:
 
 
 def linear(x: torch.Tensor, buffers: dict, bias, cfg, out_features: int, in_features: int, path: str = "auto",
-           simde: bool = False):
+           simde: bool = False, rotation=None):
     """Registry entry: ``x`` ``[..., K]`` on CPU -> ``[..., N]`` of ``x.dtype`` over layout ``x86``.  ``path`` forces one
     of :data:`PATHS` (RuntimeError "cannot run path" where this CPU lacks it); ``simde`` runs the build of
-    :func:`simde_available` instead, where every path runs."""
+    :func:`simde_available` instead, where every path runs.  ``rotation`` (seed, block): the layer's randomized
+    Hadamard, applied to x inside the op before its int8 quantization (the kernel ``fuses_rotation``)."""
     N, K = out_features, in_features
     x2 = x.reshape(-1, K)
     fmt = 0 if _nibbles(cfg) else 1 if bcq.is_uniform(cfg) else 2  # qgemm.h's Format
     gs = K if cfg.group_size == -1 else cfg.group_size
     op = torch.ops.qlinear_x86_simde.x86_gemm if simde else torch.ops.qlinear.x86_gemm
-    y = op(x2.float().contiguous(), *(buffers[n] for n in _names(cfg)), bias, N, gs, cfg.bits, fmt, PATHS[path])
+    y = op(x2.float().contiguous(), *(buffers[n] for n in _names(cfg)), bias, N, gs, cfg.bits, fmt, PATHS[path],
+           *rotation_args(rotation))
     return y.to(x.dtype).reshape(*x.shape[:-1], N)
 
 
@@ -224,4 +227,4 @@ def supports(cfg, out_features: int, in_features: int) -> Optional[str]:
 register(Kernel(backend="x86", format="bcq", fn=linear, priority=15, devices=frozenset({"cpu"}),
                 dtypes=frozenset({torch.float32, torch.float16, torch.bfloat16}), bits=frozenset({1, 2, 3, 4}),
                 group_sizes=ANY, max_batch=ANY, min_capability=ANY, supports=supports, available=available,
-                layout=LAYOUT))
+                layout=LAYOUT, fuses_rotation=True))

@@ -78,6 +78,9 @@ class Config(FormatConfig):
         method: "bcq" (this module's BCQ fit) or "gptq" (GPTQ's uniform int codes with scales and
             zero points, :func:`qlinear.gptq.quantize_uniform`, stored exactly as BCQ; bits 2/3/4/8).
         sym: GPTQ's symmetric grid (method "gptq").
+        mse: GPTQ's ``mse`` grid search (method "gptq", asymmetric grid): each group's range is shrunk by the
+            factor in 1.00, 0.99, ..., 0.80 of least squared error (GPTQ's reference code, ``maxshrink=0.8``,
+            ``grid=100``; QuaRot's weight clipping).
         static_groups: GPTQ's ``static_groups`` with act_order: groups fitted up front in input
             order, so no reordering is needed (method "gptq").
     """
@@ -95,6 +98,7 @@ class Config(FormatConfig):
     fp32_offset: bool = False
     method: str = "bcq"
     sym: bool = False
+    mse: bool = False
     static_groups: bool = False
 
     def validate(self) -> None:
@@ -103,8 +107,10 @@ class Config(FormatConfig):
         if self.method == "gptq" and (self.bits not in (2, 3, 4, 8) or not self.offset):
             raise ValueError(f"method='gptq' needs bits in (2, 3, 4, 8) and offset=True, got bits={self.bits}, "
                              f"offset={self.offset}")
-        if (self.sym or self.static_groups) and self.method != "gptq":
-            raise ValueError("sym and static_groups are options of method='gptq'")
+        if (self.sym or self.static_groups or self.mse) and self.method != "gptq":
+            raise ValueError("sym, mse and static_groups are options of method='gptq'")
+        if self.sym and self.mse:
+            raise ValueError("mse searches the asymmetric grid's range; drop sym or mse")
         if self.static_groups and not self.act_order:
             raise ValueError("static_groups only changes act_order quantization; set act_order=True or drop it")
         if not 1 <= self.bits <= 8:
@@ -375,7 +381,7 @@ def quantize(weight: torch.Tensor, cfg: Config, hessian: torch.Tensor | None = N
     g = cfg.group(K)
     if cfg.method == "gptq":
         codes, scales, zeros, g_idx = gptq.quantize_uniform(
-            weight, cfg.bits, g, hessian, sym=cfg.sym, damp=cfg.damp,
+            weight, cfg.bits, g, hessian, sym=cfg.sym, mse=cfg.mse, damp=cfg.damp,
             act_order=cfg.act_order, static_groups=cfg.static_groups)
         bufs = from_uniform(codes, scales, zeros, cfg.bits, g, g_idx)[1]
         if cfg.act_order and not cfg.static_groups:  # identity order (no Hessian, or already sorted) included

@@ -12,7 +12,9 @@ import torch
 
 from .base import UNIFORM_MIN_SCALE, fp16_round, group_bounds, num_groups
 
-__all__ = ["fit", "fit_symmetric", "codes_for", "rtn", "GroupQuantizer"]
+__all__ = ["fit", "fit_symmetric", "codes_for", "rtn", "GroupQuantizer", "MSE_GRID"]
+
+MSE_GRID = tuple(1 - i / 100 for i in range(21))  # GPTQ's mse search: shrink factors 1.00 ... 0.80
 
 
 def fit(w: torch.Tensor, bits: int, weight: torch.Tensor | None = None,
@@ -60,18 +62,20 @@ def fit_symmetric(w: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tenso
 
 class GroupQuantizer:
     """Column quantizer of :mod:`qlinear.gptq` for uniform int codes (GPTQ's own quantizer): per group an
-    fp16 scale and an integer zero point, min/max (asymmetric) or :func:`fit_symmetric`."""
+    fp16 scale and an integer zero point, min/max (asymmetric, range searched over ``clip_grid``) or
+    :func:`fit_symmetric`."""
 
-    def __init__(self, out_features: int, in_features: int, bits: int, group_size: int, sym: bool = False):
+    def __init__(self, out_features: int, in_features: int, bits: int, group_size: int, sym: bool = False,
+                 clip_grid: tuple[float, ...] = (1.0,)):
         G = num_groups(in_features, group_size)
-        self.bits, self.sym = bits, sym
+        self.bits, self.sym, self.clip_grid = bits, sym, clip_grid
         self.scales = torch.zeros(out_features, G)
         self.zeros = torch.zeros(out_features, G, dtype=torch.int64)
         self.codes = torch.zeros(out_features, in_features, dtype=torch.int64)
 
     def fit_group(self, index, start, w, d):
         """Fit group ``index`` (scale and zero point per row) from its weights ``w`` ``[N, g]``."""
-        s, z = fit_symmetric(w, self.bits) if self.sym else fit(w, self.bits)
+        s, z = fit_symmetric(w, self.bits) if self.sym else fit(w, self.bits, clip_grid=self.clip_grid)
         self.scales[:, index], self.zeros[:, index] = s, z
 
     def quantize(self, index, start, w):
