@@ -24,9 +24,12 @@ def rotation_args(rotation: Optional[tuple[int, int]]) -> tuple[Optional[torch.T
     return (_rotation._paley(p).to(torch.int8) if p > 1 else None), seed, block
 
 
-def spec_input(x: torch.Tensor, rotation: Optional[tuple[int, int]]) -> torch.Tensor:
-    """What a kernel's spec quantizes: ``x`` itself, or for a rotated layer its transform ``x·Rᵀ``."""
-    return x if rotation is None else _rotation.rotate(x.float(), *rotation)
+def spec_input(x: torch.Tensor, rotation: Optional[tuple[int, int]], perm: Optional[torch.Tensor] = None
+               ) -> torch.Tensor:
+    """What a kernel's spec quantizes: ``x``, for a rotated layer its transform ``x·Rᵀ``, then for an act_order layer
+    read in stored order ``[..., perm]``."""
+    x = x if rotation is None else _rotation.rotate(x.float(), *rotation)
+    return x if perm is None else x.index_select(-1, perm.long())
 
 
 def pad_groups(t: torch.Tensor, N: int, rows: int) -> torch.Tensor:

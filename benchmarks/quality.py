@@ -114,7 +114,14 @@ for _n, _spec in _ROTATED.items():
     _opts = {**_cfg.format_options, "bits": _cfg.bits, "group_size": _cfg.group_size, "rotation": "hadamard"}
     ROWS[f"{_n}-rot"] = (f"{_label}, Hadamard-rotated", "rotated", ("qlinear", QLinearConfig(_cfg.format, **_opts),
                                                                     _cal))
-ROTATION_ROWS = [n for n in ROWS if n.endswith("-rot")] + ["bcq4-nocal", "gptq2-g128-noao", "gptq3-g128-noao",
+for _s in (1, 2):  # the rotation's seed, on the 4-bit row closest to its target
+    ROWS[f"gptq4-g128-rot-s{_s}"] = (f"GPTQ 4-bit g128, act_order, Hadamard-rotated (seed {_s})", "rotated",
+                                     ("qlinear", _q("bcq", bits=4, group_size=128, method="gptq", act_order=True,
+                                                    rotation="hadamard", rotation_seed=_s), True))
+ROWS["mixed-g64-r0.05-rot"] = ("Mixed group 64, ratio_4bit 0.05, no outliers, Hadamard-rotated", "rotated",
+                               ("qlinear", _q("mixed", group_size=64, ratio_4bit=0.05, outlier_ratio=0.0,
+                                              rotation="hadamard"), True))
+ROTATION_ROWS = [n for n in ROWS if n.endswith("-rot") or "-rot-s" in n] + ["bcq4-nocal", "gptq2-g128-noao", "gptq3-g128-noao",
                                                             "gptq4-g128-noao", "codebook2-g96", "gptq3-g128-mse", "gptq4-g128-mse"]
 
 # Rows that decide the three claims first, so that a cut-short run still answers them.

@@ -94,7 +94,8 @@ def int8_activation_bound(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 
 def assert_fused_rotation(backend: str, cls, opts: dict, spec: Callable, K: int = 192, N: int = 40) -> None:
-    """A rotated layer on a CPU kernel that ``fuses_rotation`` (issue 27): the kernel, not the op, transforms x; its
+    """A rotated layer on a CPU kernel that ``fuses_rotation`` (issue 27): the kernel, not the op, transforms x (and
+    gathers an act_order layer's ``perm`` after that); its
     output is its spec's on the transformed input, and within the int8-activation bound of ``(R·x)·Ŵ'ᵀ`` where
     ``Ŵ'`` is the stored (rotated) weight by :func:`dense64` and ``R`` the dense :func:`rotation64`.  ``spec(x,
     layer)`` runs the backend's spec on the layer's held buffers."""
@@ -102,11 +103,13 @@ def assert_fused_rotation(backend: str, cls, opts: dict, spec: Callable, K: int 
 
     torch.manual_seed(0)
     lin = torch.nn.Linear(K, N)
-    layer = cls.from_linear(lin, {**opts, "rotation": "hadamard", "rotation_seed": 9}, backend=backend)
+    hessian = random_hessian(K) if opts.get("act_order") else None  # a real act_order permutation
+    layer = cls.from_linear(lin, {**opts, "rotation": "hadamard", "rotation_seed": 9}, hessian, backend=backend)
     x = torch.randn(5, K)
     x[0, :32] *= 20  # a large block: what the rotation spreads before int8 quantization
     call = layer._call(x.device, x.dtype, 5)
     assert call.kernel.backend == backend and call.fused == {"rotation": (9, rotation.block_size(K))}
+    assert not call.gather  # an act_order layer's perm too is applied inside the op, after the rotation
     y = layer(x)
     want = spec(x, layer)
     assert torch.allclose(y.double(), want.double(), rtol=1e-5, atol=1e-5 * float(want.abs().max()))

@@ -280,8 +280,9 @@ def test_modules_on_the_arm_backend(dtype, tmp_path):
 
 @native
 @pytest.mark.parametrize("cls,opts", [(CodebookLinear, dict(bits=2)), (CodebookLinear, dict(bits=4)),
-                                      (BCQLinear, dict(bits=4, group_size=64, init="uniform", iters=0))],
-                         ids=["cb2", "cb4", "bcq"])
+                                      (BCQLinear, dict(bits=4, group_size=64, init="uniform", iters=0)),
+                                      (BCQLinear, dict(bits=4, group_size=64, method="gptq", act_order=True))],
+                         ids=["cb2", "cb4", "bcq", "gptq act_order"])
 def test_rotated_layers_transform_x_inside_the_op(cls, opts):
     from conftest import assert_fused_rotation
 

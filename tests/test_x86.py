@@ -298,8 +298,9 @@ def test_modules_on_the_x86_backend(dtype, tmp_path):
         assert torch.equal(torch.compile(again, fullgraph=True, backend="eager")(x), y)
 
 
-@pytest.mark.parametrize("opts", [dict(bits=4, group_size=64, init="uniform", iters=0), dict(bits=3, group_size=32)],
-                         ids=["uniform 4-bit", "free α 3-bit"])
+@pytest.mark.parametrize("opts", [dict(bits=4, group_size=64, init="uniform", iters=0), dict(bits=3, group_size=32),
+                                  dict(bits=3, group_size=64, method="gptq", act_order=True)],
+                         ids=["uniform 4-bit", "free α 3-bit", "GPTQ 3-bit act_order"])
 @pytest.mark.parametrize("K", [192, 256])  # a Paley block (12·16) and a power of two
 def test_rotated_layers_transform_x_inside_the_op(opts, K):
     from conftest import assert_fused_rotation

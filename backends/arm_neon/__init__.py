@@ -230,7 +230,7 @@ def spec(x: torch.Tensor, buffers: dict, bias, cfg, format: int, N: int, K: int,
     rotated layer, whose input the kernels transform before quantizing it."""
     layout = _layout_arg(layout)
     gs = K if cfg.group_size == -1 else cfg.group_size
-    x = spec_input(x, rotation)
+    x = spec_input(x, rotation, buffers.get("perm"))
     xq, xs = quantize_activations(x)
     M, H = x.shape[0], K // 32
     w = _weights_int8(buffers, format, cfg, N, K, layout)                      # [Nb·8, K]
@@ -274,14 +274,15 @@ def linear(x: torch.Tensor, buffers: dict, bias, cfg, out_features: int, in_feat
            layout: Optional[str] = None, rotation=None):
     """Registry entry: ``x`` ``[..., K]`` on CPU -> ``[..., N]`` of ``x.dtype``, over buffers packed in ``layout``
     (default: :data:`LAYOUT`, what the repack produces).  ``rotation`` (seed, block): the layer's randomized Hadamard,
-    applied to x inside the op before its int8 quantization (the kernel ``fuses_rotation``)."""
+    applied to x inside the op before its int8 quantization (the kernel ``fuses_rotation``); an act_order layer's
+    ``perm`` in ``buffers`` is gathered there too, after it (``gathers_perm``)."""
     layout = _layout_arg(layout)
     x2 = x.reshape(-1, in_features).float().contiguous()
     gs = in_features if cfg.group_size == -1 else cfg.group_size
     y = torch.ops.qlinear.arm_gemm(x2, buffers["arm_qw"], buffers["arm_qs"], buffers.get("arm_qz"),
                                    buffers.get("arm_qb"), buffers.get("codebooks"), bias, _format(cfg),
                                    getattr(cfg, "books", 1), out_features, gs, PATHS[path],
-                                   0 if layout == "mmla" else 1, *rotation_args(rotation))
+                                   0 if layout == "mmla" else 1, *rotation_args(rotation), buffers.get("perm"))
     return y.to(x.dtype).reshape(*x.shape[:-1], out_features)
 
 
@@ -312,4 +313,4 @@ for _fmt, _bits, _layout, _supports in (("codebook", {2, 4}, CODEBOOK_LAYOUT, su
     register(Kernel(backend="arm_neon", format=_fmt, fn=linear, priority=_PRIORITY, devices=frozenset({"cpu"}),
                     bits=frozenset(_bits), group_sizes=ANY, max_batch=ANY, min_capability=ANY,
                     dtypes=frozenset({torch.float32, torch.float16, torch.bfloat16}), supports=_supports,
-                    available=available, layout=_layout, fuses_rotation=True))
+                    available=available, layout=_layout, gathers_perm=True, fuses_rotation=True))

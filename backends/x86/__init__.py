@@ -153,7 +153,7 @@ def spec(x: torch.Tensor, buffers: dict, bias, cfg, N: int, K: int, rotation=Non
     kernels round in fp32: exact int32 sums, then per 32-input block ``h`` ``xs_h·s·(Σ code·xq − z·Σ xq)`` (uniform) or
     ``xs_h·(Σ_i 2α_i·Σ bit_i·xq + (c − Σ_i α_i)·Σ xq)`` (free α).  ``rotation`` (seed, block): a rotated layer, whose
     input the kernels transform before quantizing it."""
-    xq, xs = quantize_activations(spec_input(x, rotation))
+    xq, xs = quantize_activations(spec_input(x, rotation, buffers.get("perm")))
     M, H = x.shape[0], K // 32
     gs = K if cfg.group_size == -1 else cfg.group_size
     codes = _codes(buffers, cfg, K)[:N].view(N, H, 32)
@@ -205,14 +205,15 @@ def linear(x: torch.Tensor, buffers: dict, bias, cfg, out_features: int, in_feat
     """Registry entry: ``x`` ``[..., K]`` on CPU -> ``[..., N]`` of ``x.dtype`` over layout ``x86``.  ``path`` forces one
     of :data:`PATHS` (RuntimeError "cannot run path" where this CPU lacks it); ``simde`` runs the build of
     :func:`simde_available` instead, where every path runs.  ``rotation`` (seed, block): the layer's randomized
-    Hadamard, applied to x inside the op before its int8 quantization (the kernel ``fuses_rotation``)."""
+    Hadamard, applied to x inside the op before its int8 quantization (the kernel ``fuses_rotation``); an act_order
+    layer's ``perm`` in ``buffers`` is gathered there too, after it (``gathers_perm``)."""
     N, K = out_features, in_features
     x2 = x.reshape(-1, K)
     fmt = 0 if _nibbles(cfg) else 1 if bcq.is_uniform(cfg) else 2  # qgemm.h's Format
     gs = K if cfg.group_size == -1 else cfg.group_size
     op = torch.ops.qlinear_x86_simde.x86_gemm if simde else torch.ops.qlinear.x86_gemm
     y = op(x2.float().contiguous(), *(buffers[n] for n in _names(cfg)), bias, N, gs, cfg.bits, fmt, PATHS[path],
-           *rotation_args(rotation))
+           *rotation_args(rotation), buffers.get("perm"))
     return y.to(x.dtype).reshape(*x.shape[:-1], N)
 
 
@@ -227,4 +228,4 @@ def supports(cfg, out_features: int, in_features: int) -> Optional[str]:
 register(Kernel(backend="x86", format="bcq", fn=linear, priority=15, devices=frozenset({"cpu"}),
                 dtypes=frozenset({torch.float32, torch.float16, torch.bfloat16}), bits=frozenset({1, 2, 3, 4}),
                 group_sizes=ANY, max_batch=ANY, min_capability=ANY, supports=supports, available=available,
-                layout=LAYOUT, fuses_rotation=True))
+                layout=LAYOUT, gathers_perm=True, fuses_rotation=True))
