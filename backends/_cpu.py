@@ -4,6 +4,7 @@ arguments of the rotated layers' transform both fuse (``backends/_shared/rotatio
 from __future__ import annotations
 
 import functools
+import math
 from typing import Optional
 
 import torch
@@ -14,14 +15,16 @@ __all__ = ["quantize_activations", "pad_groups", "unpad_groups", "rotation_args"
 
 
 @functools.lru_cache(maxsize=64)
-def rotation_args(rotation: Optional[tuple[int, int]]) -> tuple[Optional[torch.Tensor], int, int]:
-    """The ops' ``(rot_paley, rot_seed, rot_block)`` for a layer's ``(seed, block)`` (None: not rotated, block 0):
-    the Paley factor as ±1 int8 ``[p, p]`` (None for a power-of-two block)."""
+def rotation_args(rotation: Optional[tuple[int, int]], K: int) -> tuple:
+    """The ops' ``(rot_signs, rot_paley, rot_block)`` for a layer's ``(seed, block)`` with ``K`` inputs (None: not
+    rotated, block 0): ``D``'s signs times 1/√b as float32 ``[K]`` and the ±1 Paley factor as float32 ``[p, p]`` (None
+    for a power-of-two block), computed once per layer shape."""
     if rotation is None:
-        return None, 0, 0
+        return None, None, 0
     seed, block = rotation
     p = _rotation._split(block)[0]
-    return (_rotation._paley(p).to(torch.int8) if p > 1 else None), seed, block
+    signs = _rotation.signs(seed, K, "cpu") / math.sqrt(block)
+    return signs, (_rotation._paley(p).float() if p > 1 else None), block
 
 
 def spec_input(x: torch.Tensor, rotation: Optional[tuple[int, int]], perm: Optional[torch.Tensor] = None

@@ -3,7 +3,7 @@
     python benchmarks/bench_rotation.py                      # SmolLM2 and Llama-7B input widths, M = 1, 8, 128
     python benchmarks/bench_rotation.py --shapes 576x576 --batches 1 --threads 1
 
-Per (N x K layer, M rows), median µs with torch's threads as set: the layer unrotated (RTN 4-bit g64, the kernel the
+Per (N x K layer, M rows), µs with torch's threads as set (the best of ``--rounds`` interleaved medians): the layer unrotated (RTN 4-bit g64, the kernel the
 registry picks here: x86 on x86 machines), the same weights rotated (``rotation="hadamard"``, the op's unfused
 transform ``x·Rᵀ`` before the kernel), and the transform alone (``qlinear.formats.rotation.rotate`` on a fresh
 ``x``: what one group of layers reading the same input, q/k/v or gate/up, pays once).  ``overhead`` is rotated over
@@ -29,6 +29,7 @@ def main() -> None:
     ap.add_argument("--shapes", help="comma list of NxK (default: SmolLM2's and Llama-7B's)")
     ap.add_argument("--batches", default="1,8,128")
     ap.add_argument("--threads", type=int)
+    ap.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds; the best median of each counts")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -42,11 +43,15 @@ def main() -> None:
         seed, block = rotation.params(layers["hadamard"].config, K)
         for M in map(int, args.batches.split(",")):
             x = torch.randn(M, K)
+            fns = {"plain": lambda: layers["none"](x.clone()),
+                   "rotated": lambda: layers["hadamard"](x.clone()),  # a fresh tensor: no shared transform
+                   "alone": lambda: rotation.rotate(x.clone(), seed, block), "copy": lambda: x.clone()}
+            best = {k: float("inf") for k in fns}
             with torch.no_grad():
-                plain = timeit(lambda: layers["none"](x.clone()))
-                rotated = timeit(lambda: layers["hadamard"](x.clone()))  # a fresh tensor: no shared transform
-                alone = timeit(lambda: rotation.rotate(x.clone(), seed, block))
-                copy = timeit(lambda: x.clone())
+                for _ in range(args.rounds):  # interleaved rounds, best median of each: robust to a busy machine
+                    for k, fn in fns.items():
+                        best[k] = min(best[k], timeit(fn))
+            plain, rotated, alone, copy = best["plain"], best["rotated"], best["alone"], best["copy"]
             rows.append([f"{N}x{K}", block, M, layers["none"].kernel(x).backend, plain - copy, rotated - copy,
                          alone - copy, f"{(rotated - plain) / (plain - copy):+.0%}"])
     print(table(["N x K", "block", "M", "kernel", "unrotated µs", "rotated µs", "transform alone µs", "overhead"],

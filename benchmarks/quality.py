@@ -121,6 +121,10 @@ for _s in (1, 2):  # the rotation's seed, on the 4-bit row closest to its target
 ROWS["mixed-g64-r0.05-rot"] = ("Mixed group 64, ratio_4bit 0.05, no outliers, Hadamard-rotated", "rotated",
                                ("qlinear", _q("mixed", group_size=64, ratio_4bit=0.05, outlier_ratio=0.0,
                                               rotation="hadamard"), True))
+for _b, _g in ((2, 32), (2, 64), (2, 128), (3, 128), (4, 128)):  # without act_order's perm: the fewest bits at each width
+    ROWS[f"gptq{_b}-g{_g}-noao-mse-rot"] = (f"GPTQ {_b}-bit g{_g}, mse range search, Hadamard-rotated", "rotated",
+                                           ("qlinear", _q("bcq", bits=_b, group_size=_g, method="gptq", mse=True,
+                                                          rotation="hadamard"), True))
 ROTATION_ROWS = [n for n in ROWS if n.endswith("-rot") or "-rot-s" in n] + ["bcq4-nocal", "gptq2-g128-noao", "gptq3-g128-noao",
                                                             "gptq4-g128-noao", "codebook2-g96", "gptq3-g128-mse", "gptq4-g128-mse"]
 
@@ -231,6 +235,9 @@ def _plot(results, path, fp, max_tokens, ymax=1000.0):
             elif fam == "mixed ablation":  # to the left: the defaults sit at the same bits
                 ax.annotate(n.removeprefix("mixed-"), (b, p), fontsize=6, xytext=(-5, 0), ha="right",
                             va="center", textcoords="offset points")
+            elif fam == "rotated":
+                ax.annotate(n.replace("-rot", "").replace("-noao", ""), (b, p), fontsize=5, xytext=(4, -3),
+                            textcoords="offset points", color=f"C{i % 10}")
             elif fam.startswith("mixed"):
                 ax.annotate(n.removeprefix("mixed-") if n != "mixed" else "defaults", (b, p), fontsize=6,
                             xytext=(4, 2), textcoords="offset points")
@@ -241,7 +248,7 @@ def _plot(results, path, fp, max_tokens, ymax=1000.0):
         ax.axhline(fp, color="gray", ls="--", lw=1, label=f"unquantized ({fp:.2f})")
     ax.set_yscale("log")
     ax.set_ylim(top=ymax * 1.05)
-    ax.set_xlabel("bits per weight (exact stored bits; RTN/GPTQ: uniform q + 32/g)")
+    ax.set_xlabel("bits per weight (exact stored bits of every buffer)")
     ax.set_ylabel(f"perplexity (log scale; values above {ymax:g} drawn at the top edge)")
     tokens = f"first {max_tokens} tokens of " if max_tokens else ""
     ax.set_title(f"SmolLM2-135M, perplexity on {tokens}gensim's Wikipedia excerpt vs bits/weight")

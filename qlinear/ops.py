@@ -209,21 +209,22 @@ def _(x, planes, alpha, offset, perm, bias, group_size, kt, threads, tiles_per_s
     -> ``[M, N]``."""
     return x.new_empty(x.shape[0], planes.shape[2])
 _lib.define("arm_gemm(Tensor x, Tensor qw, Tensor qs, Tensor? qz, Tensor? qb, Tensor? books, Tensor? bias, "
-            "int format, int num_books, int N, int group_size, int path, int layout, Tensor? rot_paley=None, "
-            "int rot_seed=0, int rot_block=0, Tensor? perm=None) -> Tensor")
+            "int format, int num_books, int N, int group_size, int path, int layout, Tensor? rot_signs=None, "
+            "Tensor? rot_paley=None, int rot_block=0, Tensor? perm=None) -> Tensor")
 
 
 @torch.library.register_fake("qlinear::arm_gemm")
-def _(x, qw, qs, qz, qb, books, bias, format, num_books, N, group_size, path, layout, rot_paley=None, rot_seed=0,
+def _(x, qw, qs, qz, qb, books, bias, format, num_books, N, group_size, path, layout, rot_signs=None, rot_paley=None,
       rot_block=0, perm=None):
     """Arm NEON/SDOT/SMMLA kernels of :mod:`qlinear.backends.arm_neon`: ``x`` ``[M, K]`` fp32 -> ``[M, N]`` fp32."""
     return x.new_empty(x.shape[0], N)
 _lib.define("x86_gemm(Tensor x, Tensor qw, Tensor qs, Tensor qz, Tensor? bias, int N, int group_size, int bits, "
-            "int format, int path, Tensor? rot_paley=None, int rot_seed=0, int rot_block=0, Tensor? perm=None) -> Tensor")
+            "int format, int path, Tensor? rot_signs=None, Tensor? rot_paley=None, int rot_block=0, Tensor? perm=None) "
+            "-> Tensor")
 
 
 @torch.library.register_fake("qlinear::x86_gemm")
-def _(x, qw, qs, qz, bias, N, group_size, bits, format, path, rot_paley=None, rot_seed=0, rot_block=0, perm=None):
+def _(x, qw, qs, qz, bias, N, group_size, bits, format, path, rot_signs=None, rot_paley=None, rot_block=0, perm=None):
     """x86 AVX-512 VNNI / AVX2 kernels of :mod:`qlinear.backends.x86`: ``x`` ``[M, K]`` fp32 -> ``[M, N]`` fp32."""
     return x.new_empty(x.shape[0], N)
 

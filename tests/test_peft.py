@@ -24,6 +24,7 @@ FORMATS = {
     "bcq_free": dict(format="bcq", bits=3, group_size=32),
     "mixed": dict(format="mixed", group_size=32),
     "codebook": dict(format="codebook", group_size=32),
+    "bcq_rtn_rotated": dict(format="bcq", bits=4, group_size=32, init="uniform", iters=0, rotation="hadamard"),
 }
 VOCAB = 96
 TOKENS = torch.randint(0, VOCAB, (4, 16), generator=torch.Generator().manual_seed(1))

@@ -2,13 +2,15 @@
 // PyTorch reference), for the native kernels that stage x themselves: applied to a row before it is quantized or
 // loaded, instead of a separate pass over x in PyTorch.  Torch-free; header-only.
 //
-//   row v [K] -> R·v, R = blockdiag(H_b, ..., H_b)·D:  v[k] *= D[k] (lowbias32 sign of (seed, k)), then per block of b
+//   row v [K] -> R·v, R = blockdiag(H_b, ..., H_b)·D:  v[k] *= D[k] (lowbias32 sign of (seed, k), sign() below; the CPU
+//   bindings get D/√b precomputed from the Python side, qlinear.formats.rotation.signs), then per block of b
 //   inputs viewed as [p, n] (b = p·n, n a power of two): a Sylvester H_n (radix-2 butterflies) on each of the p rows,
 //   the Paley factor (±1 [p, p], from the Python side) on each of the n columns, and 1/√b.
 #pragma once
 
 #include <cmath>
 #include <cstdint>
+#include <algorithm>
 #include <vector>
 
 namespace qlinear_rotation {
@@ -24,38 +26,61 @@ inline float sign(uint32_t seed, uint32_t k) {
   return (h >> 31) ? -1.0f : 1.0f;
 }
 
-// Rotate the M rows of x [M, K] (row stride K) in place.  paley: ±1 int8 [p, p] row-major, or null when p == 1.
-inline void rotate_rows(float* x, int64_t M, int64_t K, uint32_t seed, int64_t block, const int8_t* paley, int64_t p) {
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define QLINEAR_ROTATION_CLONES __attribute__((target_clones("avx2", "default")))  // 8-wide where the CPU has it
+#else
+#define QLINEAR_ROTATION_CLONES
+#endif
+
+// Sylvester H_n (natural order, unscaled) on u[0, n), n a power of two: the first three radix-2 stages as one 8-point
+// butterfly per 8 inputs (no short inner loops), the later ones over runs of h >= 8 contiguous inputs.
+QLINEAR_ROTATION_CLONES inline void sylvester(float* u, int64_t n) {
+  int64_t h = 1;
+  if (n >= 8) {
+    for (int64_t i = 0; i < n; i += 8) {
+      float* v = u + i;
+      const float a0 = v[0] + v[1], a1 = v[0] - v[1], a2 = v[2] + v[3], a3 = v[2] - v[3];
+      const float a4 = v[4] + v[5], a5 = v[4] - v[5], a6 = v[6] + v[7], a7 = v[6] - v[7];
+      const float b0 = a0 + a2, b1 = a1 + a3, b2 = a0 - a2, b3 = a1 - a3;
+      const float b4 = a4 + a6, b5 = a5 + a7, b6 = a4 - a6, b7 = a5 - a7;
+      v[0] = b0 + b4, v[1] = b1 + b5, v[2] = b2 + b6, v[3] = b3 + b7;
+      v[4] = b0 - b4, v[5] = b1 - b5, v[6] = b2 - b6, v[7] = b3 - b7;
+    }
+    h = 8;
+  }
+  for (; h < n; h *= 2)
+    for (int64_t i = 0; i < n; i += 2 * h)
+      for (int64_t j = i; j < i + h; ++j) {
+        const float a = u[j], c = u[j + h];
+        u[j] = a + c;
+        u[j + h] = a - c;
+      }
+}
+
+// Rotate the M rows of x [M, K] (row stride K) in place.  d: D's diagonal times 1/√b [K] (sign(seed, k)/√b, computed
+// once per layer by the caller); paley: the ±1 Paley factor as float [p, p] row-major (unused when p == 1).
+QLINEAR_ROTATION_CLONES inline void rotate_rows(float* x, int64_t M, int64_t K, const float* d, int64_t block,
+                                                const float* paley, int64_t p) {
   const int64_t n = block / p;
-  const float scale = 1.0f / std::sqrt((float)block);
-  std::vector<float> d(K), tmp(p > 1 ? block : 0);
-  for (int64_t k = 0; k < K; ++k) d[k] = sign(seed, (uint32_t)k) * scale;  // the 1/√b folded into the signs
+  std::vector<float> tmp(p > 1 ? block : 0);
   for (int64_t m = 0; m < M; ++m) {
     float* row = x + m * K;
     for (int64_t k = 0; k < K; ++k) row[k] *= d[k];
     for (int64_t b0 = 0; b0 < K; b0 += block) {
       float* v = row + b0;
-      for (int64_t r = 0; r < p; ++r) {  // H_n on each row of [p, n]
-        float* u = v + r * n;
-        for (int64_t h = 1; h < n; h *= 2)
-          for (int64_t i = 0; i < n; i += 2 * h)
-            for (int64_t j = i; j < i + h; ++j) {
-              const float a = u[j], c = u[j + h];
-              u[j] = a + c;
-              u[j + h] = a - c;
-            }
-      }
+      for (int64_t r = 0; r < p; ++r) sylvester(v + r * n, n);  // H_n on each row of [p, n]
       if (p > 1) {  // H_p on each column: tmp[i, :] = Σ_j P[i][j]·v[j, :]
         for (int64_t i = 0; i < p; ++i) {
           float* t = tmp.data() + i * n;
+          const float* pi = paley + i * p;
           for (int64_t c = 0; c < n; ++c) t[c] = 0.0f;
           for (int64_t j = 0; j < p; ++j) {
-            const float s = paley[i * p + j];
+            const float s = pi[j];
             const float* src = v + j * n;
             for (int64_t c = 0; c < n; ++c) t[c] += s * src[c];
           }
         }
-        for (int64_t k = 0; k < block; ++k) v[k] = tmp[k];
+        std::copy(tmp.begin(), tmp.end(), v);
       }
     }
   }

@@ -282,7 +282,8 @@ def linear(x: torch.Tensor, buffers: dict, bias, cfg, out_features: int, in_feat
     y = torch.ops.qlinear.arm_gemm(x2, buffers["arm_qw"], buffers["arm_qs"], buffers.get("arm_qz"),
                                    buffers.get("arm_qb"), buffers.get("codebooks"), bias, _format(cfg),
                                    getattr(cfg, "books", 1), out_features, gs, PATHS[path],
-                                   0 if layout == "mmla" else 1, *rotation_args(rotation), buffers.get("perm"))
+                                   0 if layout == "mmla" else 1, *rotation_args(rotation, in_features),
+                                   buffers.get("perm"))
     return y.to(x.dtype).reshape(*x.shape[:-1], out_features)
 
 

@@ -15,8 +15,8 @@ namespace {
 at::Tensor arm_gemm(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& qs, const std::optional<at::Tensor>& qz,
                     const std::optional<at::Tensor>& qb, const std::optional<at::Tensor>& books,
                     const std::optional<at::Tensor>& bias, int64_t format, int64_t num_books, int64_t N,
-                    int64_t group_size, int64_t path, int64_t layout, const std::optional<at::Tensor>& rot_paley,
-                    int64_t rot_seed, int64_t rot_block, const std::optional<at::Tensor>& perm) {
+                    int64_t group_size, int64_t path, int64_t layout, const std::optional<at::Tensor>& rot_signs,
+                    const std::optional<at::Tensor>& rot_paley, int64_t rot_block, const std::optional<at::Tensor>& perm) {
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(),
               "arm_gemm: x must be a contiguous float32 CPU [M, K] tensor");
   const int64_t M = x.size(0), K = x.size(1), Nb = (N + 7) / 8;
@@ -71,7 +71,7 @@ at::Tensor arm_gemm(const at::Tensor& x, const at::Tensor& qw, const at::Tensor&
   at::Tensor work = at::empty({work_bytes}, x.options().dtype(at::kByte));
   void* aligned = reinterpret_cast<void*>((reinterpret_cast<uintptr_t>(work.data_ptr()) + 15) & ~uintptr_t(15));
   qlinear_arm::Acts a{};
-  const at::Tensor xr = qlinear_rotation::staged_input(x, perm, rot_paley, rot_seed, rot_block);
+  const at::Tensor xr = qlinear_rotation::staged_input(x, perm, rot_signs, rot_paley, rot_block);
   qlinear_arm::prepare_acts(xr.data_ptr<float>(), (int)M, (int)K, (int)group_size, (int)format, w.layout, aligned, &a);
   at::Tensor y = at::empty({M, N}, x.options());
   const float* b = bias.has_value() ? bias32.data_ptr<float>() : nullptr;

@@ -213,7 +213,7 @@ def linear(x: torch.Tensor, buffers: dict, bias, cfg, out_features: int, in_feat
     gs = K if cfg.group_size == -1 else cfg.group_size
     op = torch.ops.qlinear_x86_simde.x86_gemm if simde else torch.ops.qlinear.x86_gemm
     y = op(x2.float().contiguous(), *(buffers[n] for n in _names(cfg)), bias, N, gs, cfg.bits, fmt, PATHS[path],
-           *rotation_args(rotation), buffers.get("perm"))
+           *rotation_args(rotation, in_features), buffers.get("perm"))
     return y.to(x.dtype).reshape(*x.shape[:-1], N)
 
 

@@ -15,11 +15,13 @@ namespace {
 // format kU4: qw = nibble codes uint8 [Nb, K/8, 64]; kLutUniform / kLutFree: qw = bit-planes uint8 [Nb, K/32, bits,
 // 64]; uniform: qs = scales fp16 [Nb, G, 16], qz = 2·zero uint8 [Nb, G, 16]; kLutFree: qs = α fp16 [Nb, G, bits, 16],
 // qz = offsets fp16 [Nb, G, 16] (qgemm.h).  rot_block > 0: a rotated layer, x is first transformed by its randomized
-// Hadamard (seed rot_seed, blocks of rot_block, Paley factor rot_paley int8 [p, p] or none; _shared/rotation.h).
+// Hadamard (rot_signs = D/√b float32 [K], blocks of rot_block, Paley factor rot_paley float32 [p, p] or none;
+// _shared/rotation.h).
 // perm (int32 [K]): an act_order layer, x is read as x[:, perm] (after the rotation).
 at::Tensor x86_gemm(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& qs, const at::Tensor& qz,
                     const std::optional<at::Tensor>& bias, int64_t N, int64_t group_size, int64_t bits,
-                    int64_t format, int64_t path, const std::optional<at::Tensor>& rot_paley, int64_t rot_seed,
+                    int64_t format, int64_t path, const std::optional<at::Tensor>& rot_signs,
+                    const std::optional<at::Tensor>& rot_paley,
                     int64_t rot_block, const std::optional<at::Tensor>& perm) {
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(),
               "x86_gemm: x must be a contiguous float32 CPU [M, K] tensor");
@@ -59,7 +61,7 @@ at::Tensor x86_gemm(const at::Tensor& x, const at::Tensor& qw, const at::Tensor&
                               x.options().dtype(at::kByte));
   void* aligned = reinterpret_cast<void*>((reinterpret_cast<uintptr_t>(work.data_ptr()) + 63) & ~uintptr_t(63));
   qlinear_x86::Acts a{};
-  const at::Tensor xr = qlinear_rotation::staged_input(x, perm, rot_paley, rot_seed, rot_block);
+  const at::Tensor xr = qlinear_rotation::staged_input(x, perm, rot_signs, rot_paley, rot_block);
   qlinear_x86::prepare_acts(xr.data_ptr<float>(), (int)M, (int)K, (int)group_size, lut, aligned, &a);
   at::Tensor y = at::empty({M, N}, x.options());
   const float* b = bias.has_value() ? bias32.data_ptr<float>() : nullptr;

@@ -226,11 +226,6 @@ def rotate(t: torch.Tensor, seed: int, block: int, inverse: bool = False) -> tor
     return x.to(t.dtype)
 
 
-def matrix(seed: int, block: int, in_features: int) -> torch.Tensor:
-    """The dense ``R`` ``[K, K]`` float64 (for tests and documentation; ``rotate`` never builds it)."""
-    return rotate(torch.eye(in_features, dtype=torch.float64), seed, block).T
-
-
 def rotate_hessian(hessian: torch.Tensor, seed: int, block: int) -> torch.Tensor:
     """``R·H·Rᵀ`` of a symmetric ``[K, K]`` Hessian (XᵀX of the unrotated inputs), in float64 (or its own dtype if
     wider); the Hessian of the rotated inputs ``R·x``."""
