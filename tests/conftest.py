@@ -105,9 +105,9 @@ def assert_fused_rotation(backend: str, cls, opts: dict, spec: Callable, K: int 
     lin = torch.nn.Linear(K, N)
     hessian = random_hessian(K) if opts.get("act_order") else None  # a real act_order permutation
     layer = cls.from_linear(lin, {**opts, "rotation": "hadamard", "rotation_seed": 9}, hessian, backend=backend)
-    x = torch.randn(5, K)
+    x = torch.randn(37, K)  # more rows than the native transform takes at once (32)
     x[0, :32] *= 20  # a large block: what the rotation spreads before int8 quantization
-    call = layer._call(x.device, x.dtype, 5)
+    call = layer._call(x.device, x.dtype, 37)
     assert call.kernel.backend == backend and call.fused == {"rotation": (9, rotation.block_size(K))}
     assert not call.gather  # an act_order layer's perm too is applied inside the op, after the rotation
     y = layer(x)

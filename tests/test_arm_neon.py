@@ -287,7 +287,7 @@ def test_rotated_layers_transform_x_inside_the_op(cls, opts):
     from conftest import assert_fused_rotation
 
     def spec(x, m):
-        call = m._call(x.device, x.dtype, 5)
+        call = m._call(x.device, x.dtype, 37)
         return arm_neon.spec(x, dict(zip(m._packed_names, m.packed())), m.bias, call.cfg, arm_neon._format(call.cfg),
                              m.out_features, m.in_features, rotation=call.rotation)
 

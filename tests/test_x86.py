@@ -306,5 +306,5 @@ def test_rotated_layers_transform_x_inside_the_op(opts, K):
     from conftest import assert_fused_rotation
 
     assert_fused_rotation("x86", BCQLinear, opts, lambda x, m: x86.spec(
-        x, dict(zip(m._packed_names, m.packed())), m.bias, m._call(x.device, x.dtype, 5).cfg, m.out_features, K,
-        rotation=m._call(x.device, x.dtype, 5).rotation), K=K)
+        x, dict(zip(m._packed_names, m.packed())), m.bias, m._call(x.device, x.dtype, 37).cfg, m.out_features, K,
+        rotation=m._call(x.device, x.dtype, 37).rotation), K=K)

@@ -58,30 +58,36 @@ QLINEAR_ROTATION_CLONES inline void sylvester(float* u, int64_t n) {
 }
 
 // Rotate the M rows of x [M, K] (row stride K) in place.  d: D's diagonal times 1/√b [K] (sign(seed, k)/√b, computed
-// once per layer by the caller); paley: the ±1 Paley factor as float [p, p] row-major (unused when p == 1).
+// once per layer by the caller); paley: the ±1 Paley factor as float [p, p] row-major (unused when p == 1).  The Paley
+// factor runs on up to 32 rows at once, their [p, n] blocks gathered as [p, rows·n]: one long inner loop per (i, j).
 QLINEAR_ROTATION_CLONES inline void rotate_rows(float* x, int64_t M, int64_t K, const float* d, int64_t block,
                                                 const float* paley, int64_t p) {
-  const int64_t n = block / p;
-  std::vector<float> tmp(p > 1 ? block : 0);
+  const int64_t n = block / p, chunk = 32;
   for (int64_t m = 0; m < M; ++m) {
     float* row = x + m * K;
     for (int64_t k = 0; k < K; ++k) row[k] *= d[k];
+    for (int64_t v = 0; v < K; v += n) sylvester(row + v, n);  // H_n on each row of every block's [p, n]
+  }
+  if (p == 1) return;
+  std::vector<float> in(p * chunk * n), out(p * chunk * n);
+  for (int64_t m0 = 0; m0 < M; m0 += chunk) {
+    const int64_t rows = std::min(chunk, M - m0), len = rows * n;
     for (int64_t b0 = 0; b0 < K; b0 += block) {
-      float* v = row + b0;
-      for (int64_t r = 0; r < p; ++r) sylvester(v + r * n, n);  // H_n on each row of [p, n]
-      if (p > 1) {  // H_p on each column: tmp[i, :] = Σ_j P[i][j]·v[j, :]
-        for (int64_t i = 0; i < p; ++i) {
-          float* t = tmp.data() + i * n;
-          const float* pi = paley + i * p;
-          for (int64_t c = 0; c < n; ++c) t[c] = 0.0f;
-          for (int64_t j = 0; j < p; ++j) {
-            const float s = pi[j];
-            const float* src = v + j * n;
-            for (int64_t c = 0; c < n; ++c) t[c] += s * src[c];
-          }
+      for (int64_t j = 0; j < p; ++j)  // in[j][m][c] = x[m0 + m][b0 + j·n + c]
+        for (int64_t m = 0; m < rows; ++m)
+          std::copy_n(x + (m0 + m) * K + b0 + j * n, n, in.data() + (j * rows + m) * n);
+      for (int64_t i = 0; i < p; ++i) {  // H_p on each column: out[i] = Σ_j P[i][j]·in[j]
+        float* t = out.data() + i * len;
+        std::fill_n(t, len, 0.0f);
+        for (int64_t j = 0; j < p; ++j) {
+          const float s = paley[i * p + j];
+          const float* src = in.data() + j * len;
+          for (int64_t e = 0; e < len; ++e) t[e] += s * src[e];
         }
-        std::copy(tmp.begin(), tmp.end(), v);
       }
+      for (int64_t i = 0; i < p; ++i)
+        for (int64_t m = 0; m < rows; ++m)
+          std::copy_n(out.data() + (i * rows + m) * n, n, x + (m0 + m) * K + b0 + i * n);
     }
   }
 }
