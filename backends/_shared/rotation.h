@@ -2,29 +2,17 @@
 // PyTorch reference), for the native kernels that stage x themselves: applied to a row before it is quantized or
 // loaded, instead of a separate pass over x in PyTorch.  Torch-free; header-only.
 //
-//   row v [K] -> R·v, R = blockdiag(H_b, ..., H_b)·D:  v[k] *= D[k] (lowbias32 sign of (seed, k), sign() below; the CPU
-//   bindings get D/√b precomputed from the Python side, qlinear.formats.rotation.signs), then per block of b
+//   row v [K] -> R·v, R = blockdiag(H_b, ..., H_b)·D:  v[k] *= D[k] (lowbias32 sign of (seed, k); the CPU bindings
+//   get D/√b precomputed from the Python side, qlinear.formats.rotation.signs), then per block of b
 //   inputs viewed as [p, n] (b = p·n, n a power of two): a Sylvester H_n (radix-2 butterflies) on each of the p rows,
 //   the Paley factor (±1 [p, p], from the Python side) on each of the n columns, and 1/√b.
 #pragma once
 
-#include <cmath>
 #include <cstdint>
 #include <algorithm>
 #include <vector>
 
 namespace qlinear_rotation {
-
-// D[k]: bit 31 of Wellons' lowbias32 of (k + seed·0x9E3779B9) mod 2^32 set -> −1.
-inline float sign(uint32_t seed, uint32_t k) {
-  uint32_t h = k + seed * 0x9E3779B9u;
-  h ^= h >> 16;
-  h *= 0x7FEB352Du;
-  h ^= h >> 15;
-  h *= 0x846CA68Bu;
-  h ^= h >> 16;
-  return (h >> 31) ? -1.0f : 1.0f;
-}
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #define QLINEAR_ROTATION_CLONES __attribute__((target_clones("avx2", "default")))  // 8-wide where the CPU has it
@@ -57,8 +45,8 @@ QLINEAR_ROTATION_CLONES inline void sylvester(float* u, int64_t n) {
       }
 }
 
-// Rotate the M rows of x [M, K] (row stride K) in place.  d: D's diagonal times 1/√b [K] (sign(seed, k)/√b, computed
-// once per layer by the caller); paley: the ±1 Paley factor as float [p, p] row-major (unused when p == 1).  The Paley
+// Rotate the M rows of x [M, K] (row stride K) in place.  d: D's diagonal times 1/√b [K] (computed once per layer by
+// the caller); paley: the ±1 Paley factor as float [p, p] row-major (unused when p == 1).  The Paley
 // factor runs on up to 32 rows at once, their [p, n] blocks gathered as [p, rows·n]: one long inner loop per (i, j).
 QLINEAR_ROTATION_CLONES inline void rotate_rows(float* x, int64_t M, int64_t K, const float* d, int64_t block,
                                                 const float* paley, int64_t p) {
