@@ -1,5 +1,6 @@
-"""Helpers shared by the CPU backends (Arm NEON, x86): the int8 dynamic activations both quantize x to, and the
-arguments of the rotated layers' transform both fuse (``backends/_shared/rotation.h``)."""
+"""Helpers shared by the CPU backends (Arm NEON, x86): the int8 dynamic activations both quantize x to, the
+arguments of the rotated layers' transform both fuse (``backends/_shared/rotation.h``), and which codebook layers
+both serve."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import torch
 
 from qlinear.formats import rotation as _rotation
 
-__all__ = ["quantize_activations", "pad_groups", "unpad_groups", "rotation_args", "spec_input"]
+__all__ = ["quantize_activations", "pad_groups", "unpad_groups", "rotation_args", "spec_input", "supports_codebook"]
 
 
 @functools.lru_cache(maxsize=64)
@@ -58,3 +59,13 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
     q = torch.round(xb * inv[..., None]).clamp(-127, 127)
     return q.reshape(x.shape).long(), amax / 127.0
+
+
+def supports_codebook(cfg, out_features: int, in_features: int) -> Optional[str]:
+    """Why the CPU kernels cannot run a codebook layer of this config (None if they can): 2- and 4-bit codes (the
+    registry checks the bits too) in groups of a multiple of 32 inputs (one int8 activation scale per 32)."""
+    if cfg.bits not in (2, 4):
+        return f"bits={cfg.bits}: only 2- and 4-bit codebooks are supported"
+    if cfg.group_size % 32:
+        return f"group_size={cfg.group_size} is not a multiple of 32"
+    return None

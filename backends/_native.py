@@ -83,6 +83,9 @@ def build(name: str, sources: tuple[str, ...], cflags: tuple[str, ...] = (), cud
     folder.mkdir(parents=True, exist_ok=True)
     with open(folder.parent / f"{folder.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
+        # torch's own build baton: a build killed midway leaves it, and torch would wait for it forever; while we hold
+        # the lock nobody else is building here
+        (folder / "lock").unlink(missing_ok=True)
         try:
             from torch.utils.cpp_extension import load
 

@@ -7,7 +7,8 @@
 Per layer (median µs, torch's threads as set): dense fp32 and bf16 ``F.linear``; PyTorch's int4 CPU kernel
 (``aten._weight_int4pack_mm_for_cpu``, bf16 activations, the same group size); qlinear's reference backend
 (dequantize + matmul); qlinear's x86 kernels on each path this CPU has, for each of ``--formats``: uniform u4 (nibble
-layout, VPDPBUSD) and u3/u2, free-α bcq4/3/2 (bit-plane lookup tables); group 128 (64 where K is not a multiple of
+layout, VPDPBUSD) and u3/u2, free-α bcq4/3/2 (bit-plane lookup tables), codebooks cb4/cb2 (4 books at 2 bits;
+codes looked up in the layer's 16-byte table); group 128 (64 where K is not a multiple of
 128, e.g. SmolLM2's 576).  End to end: SmolLM2-135M greedy decode tokens/s, float32 versus
 round-to-nearest 4-bit g64 through the x86 backend and through the reference, in the same run.
 ``--callgrind``: the torch-free harness (``backends/x86/harness.cpp``) built with g++ and run under valgrind's
@@ -29,7 +30,7 @@ import torch
 
 from common import table, timeit
 from qlinear.backends import x86
-from qlinear.formats import bcq
+from qlinear.formats import bcq, codebook, get_format
 
 SHAPES = [(4096, 4096), (11008, 4096), (576, 576), (1536, 576), (576, 1536)]
 PATHS = ("avx512_vnni", "avx2_vnni", "avx2", "scalar")
@@ -45,14 +46,30 @@ def _runs(path: str, x, packed, cfg, N, K) -> bool:
         raise
 
 
-FORMATS = {  # name -> BCQ config at group size gs; u4 takes the nibble layout, the others the bit-plane LUT layout
+FORMATS = {  # name -> config at group size gs; u4 takes the nibble layout, BCQ's others the bit-plane LUT layout
     "u4": lambda gs: bcq.Config(bits=4, group_size=gs, init="uniform", iters=0),
     "u3": lambda gs: bcq.Config(bits=3, group_size=gs, init="uniform", iters=0),
     "u2": lambda gs: bcq.Config(bits=2, group_size=gs, init="uniform", iters=0),
     "bcq4": lambda gs: bcq.Config(bits=4, group_size=gs, iters=1),
     "bcq3": lambda gs: bcq.Config(bits=3, group_size=gs, iters=1),
     "bcq2": lambda gs: bcq.Config(bits=2, group_size=gs, iters=1),
+    "cb4": lambda gs: codebook.Config(bits=4, group_size=gs, iters=1),  # codebooks: the table-lookup layout
+    "cb2": lambda gs: codebook.Config(bits=2, group_size=gs, iters=1),
 }
+
+
+def _quantize(w, cfg):
+    """``(canonical buffers, layout x86 buffers)`` of ``w`` in config ``cfg``."""
+    N, K = w.shape
+    canon = get_format(cfg.format).quantize(w, cfg)
+    return canon, (x86.repack_codebook if cfg.format == "codebook" else x86.repack)(canon, cfg, N, K)
+
+
+def _format_code(cfg) -> int:
+    """qgemm.h's Format of a layer (the callgrind harness's FORMAT)."""
+    if cfg.format == "codebook":
+        return 3 if cfg.bits == 4 else 4
+    return 0 if bcq.is_uniform(cfg) and cfg.bits == 4 else 1 if bcq.is_uniform(cfg) else 2
 
 
 def layers(shapes, batches, iters, formats):
@@ -78,9 +95,9 @@ def layers(shapes, batches, iters, formats):
             ours_u4 = None
             for name in formats:
                 cfg = FORMATS[name](gs)
-                canon = bcq.quantize(w, cfg)
-                packed = x86.repack(canon, cfg, N, K)
-                t = dict(base, ref=timeit(lambda: torch.nn.functional.linear(x, bcq.dequantize(canon, cfg, N, K)),
+                canon, packed = _quantize(w, cfg)
+                deq = get_format(cfg.format).dequantize
+                t = dict(base, ref=timeit(lambda: torch.nn.functional.linear(x, deq(canon, cfg, N, K)),
                                           warmup=1, iters=3 if slow else iters))
                 for p in PATHS:
                     if (p != "scalar" or N * K * M <= 4096 * 4096) and _runs(p, x, packed, cfg, N, K):
@@ -105,7 +122,7 @@ def callgrind(shapes, formats):
             gs = 128 if K % 128 == 0 else 64
             for name in formats:
                 cfg = FORMATS[name](gs)
-                fmt = 0 if name == "u4" else 1 if bcq.is_uniform(cfg) else 2  # qgemm.h's Format
+                fmt = _format_code(cfg)
                 row = [f"{N}x{K}", gs, name]
                 for p in PATHS:
                     r = subprocess.run(["valgrind", "--tool=callgrind", f"--callgrind-out-file={tmp}/cg.out",
@@ -169,7 +186,8 @@ def main() -> None:
     cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")),
                platform.processor())
     print(f"{time.strftime('%Y-%m-%d')}, {cpu}, torch {torch.__version__}, {torch.get_num_threads()} threads; "
-          f"median µs per call; formats: u4/u3/u2 uniform (round-to-nearest), bcq4/3/2 free α (BCQ fit)")
+          "median µs per call; formats: u4/u3/u2 uniform (round-to-nearest), bcq4/3/2 free α (BCQ fit), "
+          "cb4/cb2 codebooks")
     if not args.no_layers:
         print(table(["N x K", "M", "group", "format", "dense fp32", "dense bf16", "PyTorch int4", "qlinear reference",
                      *[f"x86 {p}" for p in PATHS], "int4 / best x86", "bf16 / best x86", "best x86 / u4's"],

@@ -219,12 +219,13 @@ def _(x, qw, qs, qz, qb, books, bias, format, num_books, N, group_size, path, la
     """Arm NEON/SDOT/SMMLA kernels of :mod:`qlinear.backends.arm_neon`: ``x`` ``[M, K]`` fp32 -> ``[M, N]`` fp32."""
     return x.new_empty(x.shape[0], N)
 _lib.define("x86_gemm(Tensor x, Tensor qw, Tensor qs, Tensor qz, Tensor? bias, int N, int group_size, int bits, "
-            "int format, int path, Tensor? rot_signs=None, Tensor? rot_paley=None, int rot_block=0, Tensor? perm=None) "
-            "-> Tensor")
+            "int format, int path, Tensor? rot_signs=None, Tensor? rot_paley=None, int rot_block=0, Tensor? perm=None, "
+            "Tensor? qb=None) -> Tensor")
 
 
 @torch.library.register_fake("qlinear::x86_gemm")
-def _(x, qw, qs, qz, bias, N, group_size, bits, format, path, rot_signs=None, rot_paley=None, rot_block=0, perm=None):
+def _(x, qw, qs, qz, bias, N, group_size, bits, format, path, rot_signs=None, rot_paley=None, rot_block=0, perm=None,
+      qb=None):
     """x86 AVX-512 VNNI / AVX2 kernels of :mod:`qlinear.backends.x86`: ``x`` ``[M, K]`` fp32 -> ``[M, N]`` fp32."""
     return x.new_empty(x.shape[0], N)
 

@@ -228,17 +228,27 @@ def ref64(mod, x: torch.Tensor) -> torch.Tensor:
 NATIVE_CPU_BACKENDS = ("x86", "arm_neon")
 
 
+def _without_native_cpu_kernels(mp: pytest.MonkeyPatch) -> None:
+    import qlinear.backends as backends
+
+    mp.setattr(backends, "_KERNELS", [k for k in backends._KERNELS if k.backend not in NATIVE_CPU_BACKENDS])
+    mp.setattr(backends, "_REGISTERED", backends._REGISTERED + 1)  # resolutions cached before are stale
+
+
 @pytest.fixture(scope="module")
 def reference_on_cpu():
     """The registry without the native CPU kernels (x86, arm_neon) for a test module: module and registry mechanics
     are tested against the reference kernel's exact float math (each native kernel has its own test file, with its
     int8-activation error bound)."""
-    import qlinear.backends as backends
-
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(backends, "_KERNELS", [k for k in backends._KERNELS if k.backend not in NATIVE_CPU_BACKENDS])
-        mp.setattr(backends, "_REGISTERED", backends._REGISTERED + 1)  # resolutions cached before are stale
+        _without_native_cpu_kernels(mp)
         yield
+
+
+@pytest.fixture
+def reference_on_cpu_here(monkeypatch):
+    """:func:`reference_on_cpu` for one test."""
+    _without_native_cpu_kernels(monkeypatch)
 
 
 @pytest.fixture

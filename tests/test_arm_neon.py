@@ -160,8 +160,6 @@ def test_registry_reasons():
     assert "multiple of 32" in cb.reject(codebook.Config(bits=2, group_size=16), cpu, torch.float32, 1, (8, 64))
     b = next(k for k in backends.kernels("bcq") if k.backend == "arm_neon")
     assert "bits=3" in b.reject(bcq.Config(bits=3, init="uniform", iters=0), cpu, torch.float32, 1, (8, 64))
-    assert "device cuda" in b.reject(bcq.Config(bits=4, init="uniform", iters=0), torch.device("cuda"), torch.float32,
-                                     1, (8, 64))
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -253,32 +251,6 @@ def test_op_rejects_inconsistent_codebook_buffers():
 
 
 @native
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_modules_on_the_arm_backend(dtype, tmp_path):
-    torch.manual_seed(0)
-    lin = torch.nn.Linear(128, 40)
-    for cls, cfg in ((CodebookLinear, dict(bits=2)), (CodebookLinear, dict(bits=4)),
-                     (BCQLinear, dict(bits=4, group_size=64, init="uniform", iters=0))):
-        ref = cls.from_linear(lin, cfg, backend="reference")
-        mod = cls.from_linear(lin, cfg, backend="arm_neon")
-        assert mod.layout.startswith("arm_neon") and ref.layout == ""
-        assert mod.memory_footprint() <= ref.memory_footprint() + 8 * 2 * 40  # scales + padding only
-        sd = mod.state_dict()
-        assert list(sd) == list(ref.state_dict()) and all(torch.equal(sd[k], ref.state_dict()[k]) for k in sd)
-        x = torch.randn(3, 7, 128).to(dtype)
-        y = mod(x)
-        assert y.dtype == dtype and y.shape == (3, 7, 40)
-        w = ref.dequantize(torch.float64)
-        x2 = x.reshape(-1, 128).float()
-        err = (y.reshape(-1, 40).double() - (x2.double() @ w.T + lin.bias.double()))
-        tol = int8_activation_bound(w, x2) + (0 if dtype == torch.float32 else 2 ** -7 * y.reshape(-1, 40).double().abs())
-        assert (err.abs() <= tol).all()
-        torch._dynamo.reset()
-        compiled = torch.compile(mod, fullgraph=True, backend="eager")
-        assert torch.equal(compiled(x), y)
-
-
-@native
 @pytest.mark.parametrize("cls,opts", [(CodebookLinear, dict(bits=2)), (CodebookLinear, dict(bits=4)),
                                       (BCQLinear, dict(bits=4, group_size=64, init="uniform", iters=0)),
                                       (BCQLinear, dict(bits=4, group_size=64, method="gptq", act_order=True))],
@@ -297,7 +269,8 @@ def test_rotated_layers_transform_x_inside_the_op(cls, opts):
 @pytest.mark.slow  # two JIT builds
 @native
 def test_concurrent_jit_builds_do_not_race(tmp_path):
-    """Two processes building the extension into an empty cache at once both load it."""
+    """Two processes building the extension into an empty cache at once both load it; a stale build baton (left by
+    a killed build) does not make the next process wait for it."""
     code = ("from qlinear.backends import arm_neon; import sys; r = arm_neon.available(); "
             "print(r); sys.exit(0 if r is None else 1)")
     env = dict(os.environ, QLINEAR_CACHE=str(tmp_path))
@@ -305,7 +278,11 @@ def test_concurrent_jit_builds_do_not_race(tmp_path):
                               text=True) for _ in range(2)]
     outs = [p.communicate(timeout=900)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs), outs
-    assert len(list((tmp_path / "ext").glob("qlinear_arm_neon-*/*.so"))) == 1
+    built = list((tmp_path / "ext").glob("qlinear_arm_neon-*/*.so"))
+    assert len(built) == 1
+    (built[0].parent / "lock").touch()  # torch's build baton, as a build killed midway leaves it
+    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout + p.stderr
 
 
 # --- the standalone harness on aarch64 under qemu ----------------------------------------------------------------
@@ -330,20 +307,3 @@ def test_harness_under_qemu(harness, cpu, path):
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
     assert f"dispatch: {path}" in r.stdout and " 0 failures" in r.stdout
 
-
-@native
-def test_gptq_act_order_layer_on_the_arm_backend():
-    from qlinear import QLinearConfig
-
-    torch.manual_seed(0)
-    lin = torch.nn.Linear(256, 40)
-    X = torch.randn(256, 256) * torch.linspace(0.1, 2.0, 256)
-    cfg = QLinearConfig("bcq", bits=4, group_size=64, method="gptq", act_order=True)
-    m = BCQLinear.from_linear(lin, cfg, X.T @ X, backend="arm_neon")
-    assert m.layout == arm_neon.BCQ_LAYOUT.name and "perm" in m._packed_names
-    x = torch.randn(5, 256)
-    w = m.dequantize(torch.float64)
-    ref = x.double() @ w.T + lin.bias.double()
-    # the kernel sees x[..., perm] and the reordered weight: bound over the reordered blocks
-    perm = m.perm.long()
-    assert ((m(x).double() - ref).abs() <= int8_activation_bound(w[:, perm], x[:, perm])).all()

@@ -460,26 +460,3 @@ def test_separate_outlier_path_matches(N, K):
     for M in (1, 8):
         _check(layer, torch.randn(M, K, device="cuda").half(), torch.float16, outliers="separate")
 
-
-@gpu
-def test_smollm2_shaped_model_compiled_matches_eager():
-    """A SmolLM2-135M-shaped Llama (4 layers, random weights) in the mixed format: compile(fullgraph,
-    reduce-overhead) decodes the same tokens as eager, through this kernel."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    import qlinear
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=4,
-                      num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True)
-    model = LlamaForCausalLM(cfg).eval()
-    qlinear.replace_linear(model, qlinear.QLinearConfig("mixed"), progress=False)
-    model = model.to("cuda", torch.float16)
-    assert model.model.layers[0].mlp.down_proj.layout == "async_dequant"
-    model.generation_config.cache_implementation = "static"
-    ids = torch.randint(0, 49152, (1, 8), device="cuda")
-    kw = dict(max_new_tokens=12, do_sample=False, pad_token_id=0)
-    with torch.no_grad():
-        eager = model.generate(ids, **kw)
-        model.forward = torch.compile(model.forward, fullgraph=True, mode="reduce-overhead")
-        assert torch.equal(model.generate(ids, **kw), eager)

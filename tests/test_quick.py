@@ -15,7 +15,7 @@ import itertools
 
 import pytest
 import torch
-from conftest import int8_activation_bound, poison_cuda_allocator, spec_kernel_fixture
+from conftest import poison_cuda_allocator, spec_kernel_fixture
 
 import qlinear.backends as backends
 from qlinear import BCQLinear, QLinearConfig
@@ -158,22 +158,6 @@ spec_kernel = spec_kernel_fixture("quick")
 def test_free_alpha_module_keeps_another_layout(spec_kernel):
     mod = BCQLinear.from_linear(torch.nn.Linear(128, 64), QLinearConfig("bcq", bits=4, group_size=64, iters=1))
     assert mod.layout != "quick" and mod.kernel(torch.randn(16, 128)).backend != "quick_spec"
-
-
-def test_act_order_gptq_layer_through_the_quick_layout(spec_kernel):
-    torch.manual_seed(0)
-    lin = torch.nn.Linear(256, 64)
-    X = torch.randn(512, 256) * torch.linspace(0.1, 2.0, 256)
-    m = BCQLinear.from_linear(lin, QLinearConfig("bcq", bits=4, group_size=64, method="gptq", act_order=True), X.T @ X)
-    assert m.layout == "quick" and m._packed_names[-1] == "perm"
-    x = torch.randn(3, 256).half().float()
-    assert torch.allclose(m(x), x @ m.dequantize().T + lin.bias, atol=2e-2)
-    assert spec_kernel.gathered  # the kernel got perm and x unpermuted: the op did not gather first
-    big = torch.randn(600, 256)  # the fallback (a CPU kernel that does not gather) gets x gathered by the op
-    assert m.kernel(big).backend in ("reference", "x86", "arm_neon")
-    w, perm = m.dequantize(torch.float64), m.perm.long()
-    bound = int8_activation_bound(w[:, perm], big[:, perm])  # the CPU kernels' int8 activations at most
-    assert ((m(big).double() - big.double() @ w.T - lin.bias.double()).abs() <= bound).all()
 
 
 # --- on a GPU ---------------------------------------------------------------------------------------------
@@ -367,22 +351,3 @@ def test_kernel_source_under_host_emulation(emulator, bits, imported, dtype):
         y = _emulate(emulator, x, bufs, bias, cfg, N, K, launch, perm=perm)
         assert torch.equal(y, _emulate(emulator, x[:, perm.long()], bufs, bias, cfg, N, K, launch))
 
-
-@gpu
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_act_order_layer_gathers_x_inside_the_kernel(dtype):
-    """A GPTQ act_order layer: the kernel reads x[:, perm] while loading x, bitwise equal to gathering first."""
-    torch.manual_seed(0)
-    lin = torch.nn.Linear(576, 1536)
-    X = torch.randn(1024, 576) * torch.linspace(0.1, 2.0, 576)
-    cfg = QLinearConfig("bcq", bits=4, group_size=64, method="gptq", act_order=True)
-    mod = BCQLinear.from_linear(lin, cfg, X.T @ X, backend="reference")
-    mod.backend = None
-    mod.cuda()
-    assert mod.layout == "quick" and mod.kernel(torch.randn(1, 576, device="cuda", dtype=dtype)).backend == "quick"
-    qw, sc, off, perm = (getattr(mod, n) for n in ("quick_qweight", "quick_scales", "quick_zeros", "perm"))
-    for M in (1, 37, 300):
-        x = torch.randn(M, 576, device="cuda", dtype=dtype)
-        launch = quick.plan(M, 1536, 576, torch.cuda.get_device_properties(0).multi_processor_count)
-        gathered = torch.ops.qlinear.quick_gemm(x[:, perm.long()].contiguous(), qw, sc, off, None, mod.bias, 64, *launch)
-        assert torch.equal(mod(x), gathered)

@@ -115,9 +115,11 @@ _RTN4 = QLinearConfig("bcq", bits=4, group_size=64, init="uniform", iters=0)
     ("x86", QLinearConfig("bcq", bits=4, group_size=128, method="gptq", act_order=True), _FIRST4),
     ("x86", QLinearConfig("bcq", bits=4, group_size=64), _FIRST4),
     ("x86", QLinearConfig("bcq", bits=3, group_size=64, init="uniform", iters=0), None),
-    ("x86", QLinearConfig("bcq", bits=2, group_size=64, iters=2, error_feedback=True), _FIRST4)],
+    ("x86", QLinearConfig("bcq", bits=2, group_size=64, iters=2, error_feedback=True), _FIRST4),
+    ("x86", QLinearConfig("codebook", bits=2, iters=2, error_feedback=True), _FIRST4),
+    ("x86", QLinearConfig("codebook", bits=4, iters=2), _FIRST4)],
     ids=["arm-codebook2", "arm-codebook4", "arm-bcq4-uniform", "x86-bcq4-uniform", "x86-gptq4-g128-act_order",
-         "x86-bcq4-free", "x86-rtn3-lut", "x86-bcq2-free-lut"])
+         "x86-bcq4-free", "x86-rtn3-lut", "x86-bcq2-free-lut", "x86-codebook2", "x86-codebook4"])
 def test_cpu_backend_perplexity_matches_reference(setup, backend, config, subset):
     """The CPU kernels with int8 activations (Arm through SIMDe here, x86) give the reference backend's perplexity
     within 1% on the real model (2% at 2 bits).  Round-to-nearest layers quantize fast, so the x86 ones quantize the

@@ -14,13 +14,13 @@ import platform
 
 import pytest
 import torch
-from conftest import int8_activation_bound, ref64
+from conftest import int8_activation_bound
 
 import qlinear.backends as backends
-from qlinear import BCQLinear, QLinearConfig
+from qlinear import BCQLinear, CodebookLinear
 from qlinear.backends import x86
 from qlinear.backends._cpu import quantize_activations
-from qlinear.formats import bcq
+from qlinear.formats import bcq, codebook
 from qlinear.formats.packing import unpack_planes
 
 pytestmark = pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="x86-64 only")
@@ -68,10 +68,30 @@ CASES = {  # (N, K, group size, offset, imported, free α, bits); all but unifor
 }
 
 
+CB_CASES = {  # codebooks: (N, K, group size, bits, books)
+    "codebook 4-bit g32": (20, 128, 32, 4, 1),
+    "codebook 4-bit g64 ragged N tail": (40, 320, 64, 4, 1),
+    "codebook 2-bit 1 book": (8, 96, 32, 2, 1),
+    "codebook 2-bit 2 books ragged N tail": (19, 128, 32, 2, 2),
+    "codebook 2-bit 4 books g64": (33, 192, 64, 2, 4),
+    "codebook 2-bit 4 books g128": (48, 256, 128, 2, 4),
+}
+ALL = [*CASES, *CB_CASES]
+
+
 def _case(name):
+    if name in CB_CASES:
+        N, K, gs, bits, books = CB_CASES[name]
+        torch.manual_seed(N + K)
+        cfg = codebook.Config(bits=bits, group_size=gs, num_codebooks=books, iters=1)
+        return cfg, codebook.quantize(torch.randn(N, K), cfg), N, K
     N, K, gs, offset, imported, free, bits = CASES[name]
     cfg, bufs = _layer(N, K, gs, offset, imported, seed=N + K, free=free, bits=bits)
     return cfg, bufs, N, K
+
+
+def _repack(cfg, bufs, N, K):
+    return (x86.repack_codebook if cfg.format == "codebook" else x86.repack)(bufs, cfg, N, K)
 
 
 def _planes(cfg) -> bool:
@@ -81,7 +101,7 @@ def _planes(cfg) -> bool:
 def _dense(cfg, bufs, N, K):
     from conftest import dense64
 
-    return dense64("bcq", bufs, cfg, N, K)
+    return dense64(cfg.format, bufs, cfg, N, K)
 
 
 def _op(x, packed, bias, N, cfg, path):
@@ -143,10 +163,40 @@ def test_bit_planes_sit_where_the_header_says(name):
     assert N % 16 and not lp[-1].view(*lp.shape[1:3], 4, 16)[..., N % 16:].any()  # padding rows are zero
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", list(CB_CASES))
+def test_codebook_layout_round_trip_is_exact(name):
+    cfg, bufs, N, K = _case(name)
+    packed = x86.repack_codebook(bufs, cfg, N, K)
+    assert tuple(packed) == x86.CODEBOOK_LAYOUT.names(cfg)
+    Nb, G = -(-N // 16), K // cfg.group_size
+    assert [(t.dtype, tuple(t.shape)) for t in packed.values()] == [
+        (torch.uint8, (Nb, K * cfg.bits // 32, 64)), (torch.float16, (Nb, G, 16)),
+        *([(torch.int32, (Nb, G))] if cfg.books > 1 else []), (torch.int8, (cfg.books, 2 ** cfg.bits))]
+    back = x86.unrepack_codebook(packed, cfg, N, K)
+    assert set(back) == set(bufs) and all(torch.equal(back[k], bufs[k]) and back[k].dtype == bufs[k].dtype
+                                          for k in bufs)
+
+
+def test_codebook_codes_and_books_sit_where_the_header_says():
+    """2 bits: byte ``4r + j`` of chunk ``c`` of block ``b`` holds code ``[16b + r, 16c + 4t + j]`` in bits
+    ``2t..2t+1``; bits ``2r..2r+1`` of word ``[b, g]`` hold the book of row ``16b + r`` in group ``g``."""
+    from qlinear.formats.packing import unpack
+
+    cfg, bufs, N, K = _case("codebook 2-bit 4 books g64")
+    codes, books = unpack(bufs["codes"], 2, K), unpack(bufs["book_idx"], 2, K // 64)
+    packed = x86.repack_codebook(bufs, cfg, N, K)
+    qw, qb = packed["x86_qw"], packed["x86_qb"]
+    for n, k in [(0, 0), (1, 5), (17, 191), (32, 100), (15, 12), (16, 7)]:
+        b, r, c, t, j = n // 16, n % 16, k // 16, (k % 16) // 4, k % 4
+        assert (int(qw[b, c, 4 * r + j]) >> (2 * t)) & 3 == codes[n, k]
+        assert (int(qb[b, k // 64]) >> (2 * r)) & 3 == books[n, k // 64]
+    assert not qw[2, :, 4:].any() and not (qb[2] >> 2).any()  # rows 33..47 pad with zeros
+
+
+@pytest.mark.parametrize("name", ALL)
 def test_spec_matches_reference_within_activation_bound(name):
     cfg, bufs, N, K = _case(name)
-    packed = x86.repack(bufs, cfg, N, K)
+    packed = _repack(cfg, bufs, N, K)
     w = _dense(cfg, bufs, N, K)
     bias = torch.randn(N)
     for M in (1, 3, 8):
@@ -174,6 +224,22 @@ def test_spec_catches_a_wrong_layout():
             assert not ((y - x.double() @ w.T).abs() <= int8_activation_bound(w, x)).all(), name
 
 
+def test_codebook_spec_catches_a_wrong_layout():
+    for name in ("codebook 4-bit g64 ragged N tail", "codebook 2-bit 4 books g64"):
+        cfg, bufs, N, K = _case(name)
+        packed = x86.repack_codebook(bufs, cfg, N, K)
+        w = _dense(cfg, bufs, N, K)
+        x = torch.randn(2, K)
+        qw = packed["x86_qw"]
+        rows = qw.view(*qw.shape[:2], 16, 4).flip(2).reshape(qw.shape)  # rows of a block reversed
+        bad = [{**packed, "x86_qw": rows}, {**packed, "x86_qs": packed["x86_qs"].flip(-1).contiguous()}]
+        if cfg.books > 1:
+            bad.append({**packed, "x86_qb": packed["x86_qb"].flip(-1).contiguous()})  # other groups' books
+        for b in bad:
+            y = x86.spec(x, b, None, cfg, N, K)
+            assert not ((y - x.double() @ w.T).abs() <= int8_activation_bound(w, x)).all(), name
+
+
 def _native_bound(cfg, bufs, packed, N, K, x):
     """fp32 rounding of the kernels' scaling and sums (module docstring); free α: per plane, ``|α_i|`` in place of
     ``|ŵ|`` (the planes' partial sums are formed apart, then combined)."""
@@ -181,7 +247,8 @@ def _native_bound(cfg, bufs, packed, N, K, x):
     xhat = (xq.view(x.shape[0], K // 32, 32).double() * xs.double()[..., None]).view(x.shape[0], K).abs()
     G = -(-K // (K if cfg.group_size == -1 else cfg.group_size))
     mag = _dense(cfg, bufs, N, K).abs()
-    if not bcq.is_uniform(cfg):  # Σ_i |α_i| + |c| + Σ_i |α_i| per weight: what the planes and the offset term carry
+    if cfg.format == "bcq" and not bcq.is_uniform(cfg):
+        # Σ_i |α_i| + |c| + Σ_i |α_i| per weight: what the planes and the offset term carry
         gs = K if cfg.group_size == -1 else cfg.group_size
         a = bufs["alpha"].double().abs().sum(0) * 2 + (bufs["offset"].double().abs() if cfg.offset else 0)
         mag = a.repeat_interleave(gs, 1)[:, :K]
@@ -207,11 +274,11 @@ def test_the_simde_build_builds_where_expected():
     assert x86.simde_available() is None, x86.simde_available()
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", ALL)
 @pytest.mark.parametrize("bias", [True, False])
 def test_every_path_matches_the_spec_and_the_others_bitwise(name, bias):
     cfg, bufs, N, K = _case(name)
-    packed = x86.repack(bufs, cfg, N, K)
+    packed = _repack(cfg, bufs, N, K)
     b = torch.randn(N) if bias else None
     for M in (1, 2, 3, 4, 5, 8, 17):
         x = torch.randn(M, K)
@@ -240,7 +307,7 @@ def test_op_rejects_inconsistent_buffers():
     with pytest.raises(RuntimeError, match="unknown path"):
         op(x, qw, qs, qz, None, N, 128, 4, 0, 9)
     with pytest.raises(RuntimeError, match="unknown format"):
-        op(x, qw, qs, qz, None, N, 128, 4, 3, 0)
+        op(x, qw, qs, qz, None, N, 128, 4, 5, 0)
     with pytest.raises(RuntimeError, match="bits 5 not in 1..4"):
         op(x, qw, qs, qz, None, N, 128, 5, 1, 0)
     with pytest.raises(RuntimeError, match=r"qw must be contiguous uint8 \[3, 8, 2, 64\]"):  # nibbles as 2-bit planes
@@ -252,6 +319,25 @@ def test_op_rejects_inconsistent_buffers():
            1, 2, 0)
 
 
+def test_op_rejects_inconsistent_codebook_buffers():
+    cfg, bufs, N, K = _case("codebook 2-bit 4 books g64")
+    p = x86.repack_codebook(bufs, cfg, N, K)
+    x = torch.randn(1, K)
+
+    def call(qw=p["x86_qw"], table=p["codebooks"], qb=p["x86_qb"], bits=2, fmt=4):
+        return torch.ops.qlinear.x86_gemm(x, qw, p["x86_qs"], table, None, N, 64, bits, fmt, 0, qb=qb)
+
+    assert call().shape == (1, N)
+    with pytest.raises(RuntimeError, match="qb .book words. is needed exactly when"):
+        call(qb=None)
+    with pytest.raises(RuntimeError, match=r"qz \(the codebooks\) must be contiguous int8 \[C, 4\]"):
+        call(table=torch.zeros(5, 4, dtype=torch.int8))
+    with pytest.raises(RuntimeError, match="format 4 takes bits=2"):
+        call(bits=4)
+    with pytest.raises(RuntimeError, match=r"qw must be contiguous uint8 \[3, 24, 64\]"):  # 2-bit codes as 4-bit
+        call(bits=4, fmt=3)
+
+
 def test_registry_reasons():
     k = next(k for k in backends.kernels("bcq") if k.backend == "x86")
     cpu = torch.device("cpu")
@@ -260,51 +346,21 @@ def test_registry_reasons():
         assert k.reject(bcq.Config(bits=bits, init="uniform", iters=0), cpu, torch.float32, 1, (64, 256)) is None
     assert "fp32 offsets" in k.reject(bcq.Config(bits=4, fp32_offset=True), cpu, torch.float32, 1, (64, 256))
     assert "bits=5" in k.reject(bcq.Config(bits=5, init="uniform", iters=0), cpu, torch.float32, 1, (64, 256))
-    assert "device cuda" in k.reject(bcq.Config(bits=4, init="uniform", iters=0), torch.device("cuda"),
-                                     torch.float16, 1, (64, 256))
+    cb = next(k for k in backends.kernels("codebook") if k.backend == "x86")
+    assert cb.reject(codebook.Config(bits=2, group_size=64), cpu, torch.bfloat16, 1, (64, 256)) is None
+    assert "bits=1" in cb.reject(codebook.Config(bits=1), cpu, torch.float32, 1, (64, 256))
+    assert "multiple of 32" in cb.reject(codebook.Config(bits=2, group_size=48), cpu, torch.float32, 1, (64, 192))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_modules_on_the_x86_backend(dtype, tmp_path):
-    """Round-to-nearest, GPTQ (4-bit act_order, 3-bit) and free-α BCQ (4-bit error feedback act_order, 2-bit
-    activation-aware) layers hold the x86 layout on the CPU, run the native op within the activations' bound of the float64 reference, save canonical
-    buffers and reload exactly; compile keeps them."""
-    torch.manual_seed(0)
-    lin = torch.nn.Linear(320, 40)
-    X = torch.randn(512, 320) * torch.linspace(0.1, 2.0, 320)
-    for cfg, h in ((QLinearConfig("bcq", bits=4, group_size=64, init="uniform", iters=0), None),
-                   (QLinearConfig("bcq", bits=4, group_size=64, method="gptq", act_order=True), X.T @ X),
-                   (QLinearConfig("bcq", bits=4, group_size=64, iters=2, error_feedback=True, act_order=True), X.T @ X),
-                   (QLinearConfig("bcq", bits=3, group_size=64, method="gptq"), X.T @ X),
-                   (QLinearConfig("bcq", bits=2, group_size=32, iters=2, activation_aware=True), X.T @ X)):
-        m = BCQLinear.from_linear(lin, cfg, h)
-        x = torch.randn(2, 3, 320).to(dtype)
-        assert m.layout == "x86" and m.kernel(x).backend == "x86"
-        y = m(x)
-        assert y.dtype == dtype and y.shape == (2, 3, 40)
-        x2 = x.reshape(-1, 320).float()
-        w = _dense(m.config, m.canonical(), 40, 320)  # in input order; x is quantized after the act_order gather
-        perm = m.canonical()["perm"].long() if "perm" in m.canonical() else torch.arange(320)
-        tol = int8_activation_bound(w[:, perm], x2[:, perm]) + (0 if dtype == torch.float32 else
-                                                       2 ** -7 * y.reshape(-1, 40).double().abs())
-        assert ((y.reshape(-1, 40).double() - ref64(m, x2)).abs() <= tol).all()
-        sd = m.state_dict()
-        assert ("qweight" if bcq.is_uniform(m.config) else "planes") in sd and not any(k.startswith("x86_") for k in sd)
-        torch.save(sd, tmp_path / "m.pt")
-        again = BCQLinear(320, 40, True, m.config)
-        again.load_state_dict(torch.load(tmp_path / "m.pt"))
-        assert again.layout == "x86" and torch.equal(again(x), y)
-        torch._dynamo.reset()  # a fresh cache per layer: 9 layers of one class would hit the recompile limit
-        assert torch.equal(torch.compile(again, fullgraph=True, backend="eager")(x), y)
-
-
-@pytest.mark.parametrize("opts", [dict(bits=4, group_size=64, init="uniform", iters=0), dict(bits=3, group_size=32),
-                                  dict(bits=3, group_size=64, method="gptq", act_order=True)],
-                         ids=["uniform 4-bit", "free α 3-bit", "GPTQ 3-bit act_order"])
+@pytest.mark.parametrize("cls,opts", [(BCQLinear, dict(bits=4, group_size=64, init="uniform", iters=0)),
+                                      (BCQLinear, dict(bits=3, group_size=32)),
+                                      (BCQLinear, dict(bits=3, group_size=64, method="gptq", act_order=True)),
+                                      (CodebookLinear, dict(bits=2))],
+                         ids=["uniform 4-bit", "free α 3-bit", "GPTQ 3-bit act_order", "codebook 2-bit"])
 @pytest.mark.parametrize("K", [192, 256])  # a Paley block (12·16) and a power of two
-def test_rotated_layers_transform_x_inside_the_op(opts, K):
+def test_rotated_layers_transform_x_inside_the_op(cls, opts, K):
     from conftest import assert_fused_rotation
 
-    assert_fused_rotation("x86", BCQLinear, opts, lambda x, m: x86.spec(
+    assert_fused_rotation("x86", cls, opts, lambda x, m: x86.spec(
         x, dict(zip(m._packed_names, m.packed())), m.bias, m._call(x.device, x.dtype, 37).cfg, m.out_features, K,
         rotation=m._call(x.device, x.dtype, 37).rotation), K=K)

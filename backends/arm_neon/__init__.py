@@ -45,7 +45,7 @@ from qlinear.formats import bcq
 from qlinear.formats.packing import pack, unpack
 
 from .. import ANY, Kernel, Layout, register
-from .._cpu import pad_groups, quantize_activations, rotation_args, spec_input, unpad_groups
+from .._cpu import pad_groups, quantize_activations, rotation_args, spec_input, supports_codebook, unpad_groups
 from .._native import OPENMP, build
 
 __all__ = ["BCQ_LAYOUT", "CODEBOOK_LAYOUT", "LAYOUT", "default_layout", "spec", "linear", "available", "PATHS"]
@@ -294,15 +294,6 @@ def supports_bcq(cfg, out_features: int, in_features: int) -> Optional[str]:
     if not bcq.is_uniform(cfg):
         return "α must be uniform (GPTQ, round-to-nearest init='uniform', iters=0, or imported GPTQ/AWQ weights)"
     if cfg.group_size != -1 and cfg.group_size % 32:
-        return f"group_size={cfg.group_size} is not a multiple of 32"
-    return None
-
-
-def supports_codebook(cfg, out_features: int, in_features: int) -> Optional[str]:
-    """Why the kernel cannot run a codebook layer of this config (None if it can)."""
-    if cfg.bits not in (2, 4):
-        return f"bits={cfg.bits}: only 2- and 4-bit codebooks are supported"
-    if cfg.group_size % 32:
         return f"group_size={cfg.group_size} is not a multiple of 32"
     return None
 

@@ -1,5 +1,6 @@
 """x86 CPU kernels (AVX-512 VNNI + VBMI, AVX2 + AVX-VNNI, AVX2, scalar) for :class:`qlinear.BCQLinear` at 1-4 bits:
-uniform (round-to-nearest, GPTQ, imported GPTQ/AWQ weights) and free-α BCQ (the BCQ fit, activation-aware or not).
+uniform (round-to-nearest, GPTQ, imported GPTQ/AWQ weights) and free-α BCQ (the BCQ fit, activation-aware or not),
+and for :class:`qlinear.CodebookLinear` at 2 and 4 bits.
 
 The Arm paper's recipe ("Highly Optimized Kernels and Fine-Grained Codebooks for LLM Inference on Arm CPUs", §4)
 carried to x86: activations quantized to int8 per 32 inputs (:func:`qlinear.backends._cpu.quantize_activations`),
@@ -17,7 +18,13 @@ Two layouts (``qgemm.h`` has the byte-level description):
   Cost per weight and activation row: one lookup and one VPDPBUSD lane per 4 weights per plane, so time falls with
   the bits.
 
-Either way the error versus the reference is the activations' rounding alone: per output ``|y − y_ref| ≤ Σ_h
+* Codebooks (the Arm paper's group-wise codebooks, §5): all of a layer's int8 centroids fit one 16-byte table, so
+  one VPSHUFB per 64 weights turns codes, with their row's book in the bits above them, into int8 weights for
+  VPDPBUSD (offset by 128 into its unsigned operand and corrected by ``128·Σ xq``); AVX2 without VNNI multiplies
+  ``|w|`` by ``xq`` with ``w``'s sign (VPMADDUBSW + VPSIGNB).  4-bit codes take the uniform nibble layout, 2-bit codes
+  4 per byte.
+
+Every way the error versus the reference is the activations' rounding alone: per output ``|y − y_ref| ≤ Σ_h
 (amax_h / 254) · Σ_{k∈h} |ŵ_k|`` plus fp32 rounding (``amax_h``: the largest ``|x|`` of 32-input block ``h``), as for
 the Arm kernels.
 
@@ -34,12 +41,17 @@ code ``[16b + r, 8c + j]`` in its low nibble and ``[16b + r, 8c + 4 + j]`` in it
 nibble = ``bit_i[16b + r, 32h + 4g + t]``, of its high nibble ``bit_i[16b + r, 32h + 16 + 4g + t]``); uniform layers
 add ``x86_qs`` fp16 ``[Nb, G, 16]`` (scales) and ``x86_qz`` uint8 ``[Nb, G, 16]`` holding ``2·z`` (``2^bits − 1`` for the
 symmetric grid), free-α layers ``x86_qa`` fp16 ``[Nb, G, bits, 16]`` (α per plane) and ``x86_qc`` fp16 ``[Nb, G, 16]``
-(the offset, 0 without one).  :func:`spec` is the executable PyTorch specification of the kernels' arithmetic.
+(the offset, 0 without one).  Layout ``x86_codebook``: ``x86_qw`` (4 bits: as ``x86_qw`` above; 2 bits: uint8
+``[Nb, K/16, 64]``, byte ``4r + j`` of chunk ``c`` holding code ``[16b + r, 16c + 4t + j]`` in bits ``2t..2t+1``),
+``x86_qs`` fp16 ``[Nb, G, 16]`` (scales), with several codebooks ``x86_qb`` int32 ``[Nb, G]`` (bits ``2r..2r+1``: the
+book of row ``16b + r``), and ``codebooks`` as stored.  :func:`spec` is the executable PyTorch specification of the
+kernels' arithmetic.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 import platform
 from pathlib import Path
 from typing import Optional
@@ -47,14 +59,14 @@ from typing import Optional
 import torch
 
 from qlinear.formats import bcq
-from qlinear.formats.packing import pack_planes, unpack_planes
+from qlinear.formats.packing import pack, pack_planes, unpack, unpack_planes
 
 from .. import ANY, Kernel, Layout, register
-from .._cpu import pad_groups, quantize_activations, rotation_args, spec_input, unpad_groups
+from .._cpu import pad_groups, quantize_activations, rotation_args, spec_input, supports_codebook, unpad_groups
 from .._native import OPENMP, build
 
-__all__ = ["LAYOUT", "PATHS", "repack", "unrepack", "spec", "linear", "available", "simde_available",
-           "supports"]
+__all__ = ["LAYOUT", "CODEBOOK_LAYOUT", "PATHS", "repack", "unrepack", "repack_codebook", "unrepack_codebook", "spec",
+           "linear", "available", "simde_available", "supports"]
 
 _HERE = Path(__file__).parent
 PATHS = {"auto": 0, "scalar": 1, "avx2": 2, "avx2_vnni": 3, "avx512_vnni": 4}
@@ -148,19 +160,91 @@ def unrepack(buffers: dict, cfg, N: int, K: int) -> dict:
 LAYOUT = Layout(name="x86", names=_names, repack=repack, unrepack=unrepack)
 
 
+def _crumbs(codes: torch.Tensor, N: int, K: int) -> torch.Tensor:
+    """2-bit codes ``[N, K]`` -> ``x86_qw`` uint8 ``[Nb, K/16, 64]``: byte ``4r + j`` of block ``b``, chunk ``c`` holds
+    code ``[16b + r, 16c + 4t + j]`` in bits ``2t..2t+1`` (zero rows pad N to 16)."""
+    Nb = -(-N // ROWS)
+    padded = codes.new_zeros(Nb * ROWS, K)
+    padded[:N] = codes
+    v = padded.view(Nb, ROWS, K // 16, 4, 4).permute(0, 2, 1, 4, 3)  # (b, chunk c, row r, j, t)
+    return (v << (2 * torch.arange(4))).sum(-1).to(torch.uint8).reshape(Nb, K // 16, 64)
+
+
+def _uncrumbs(qw: torch.Tensor, K: int) -> torch.Tensor:
+    """Inverse of :func:`_crumbs`: ``[Nb, K/16, 64]`` -> codes ``[Nb·16, K]`` int64."""
+    Nb = qw.shape[0]
+    v = (qw.view(Nb, K // 16, ROWS, 4).to(torch.int64)[..., None] >> (2 * torch.arange(4))) & 3  # (b, c, r, j, t)
+    return v.permute(0, 2, 1, 4, 3).reshape(Nb * ROWS, K)
+
+
+def _codebook_names(cfg) -> tuple[str, ...]:
+    return ("x86_qw", "x86_qs", *(("x86_qb",) if cfg.books > 1 else ()), "codebooks")
+
+
+def _book_bits(cfg) -> int:
+    return int(math.log2(cfg.books))
+
+
+def repack_codebook(buffers: dict, cfg, N: int, K: int) -> dict:
+    """Canonical codebook buffers (2 or 4 bits) -> layout ``x86_codebook``: ``x86_qw`` (4 bits: the nibbles of
+    :func:`_interleave`; 2 bits: :func:`_crumbs`), ``x86_qs`` fp16 ``[Nb, G, 16]`` (scales), ``x86_qb`` int32
+    ``[Nb, G]`` with several codebooks (bits ``2r..2r+1``: the book of row r) and ``codebooks`` unchanged."""
+    G = K // cfg.group_size
+    codes = unpack(buffers["codes"], cfg.bits, K)
+    out = {"x86_qw": _interleave(codes, N, K) if cfg.bits == 4 else _crumbs(codes, N, K),
+           "x86_qs": pad_groups(buffers["scales"], N, ROWS)}
+    if cfg.books > 1:
+        books = pad_groups(unpack(buffers["book_idx"], _book_bits(cfg), G), N, ROWS).to(torch.int64)  # [Nb, G, 16]
+        word = (books << (2 * torch.arange(ROWS))).sum(-1)
+        out["x86_qb"] = torch.where(word >= 2 ** 31, word - 2 ** 32, word).to(torch.int32)
+    out["codebooks"] = buffers["codebooks"]
+    return out
+
+
+def _books(qb: torch.Tensor) -> torch.Tensor:
+    """``x86_qb`` ``[Nb, G]`` -> the book of each row and group ``[Nb, G, 16]`` int64."""
+    return ((qb.to(torch.int64) & 0xFFFFFFFF)[..., None] >> (2 * torch.arange(ROWS))) & 3
+
+
+def unrepack_codebook(buffers: dict, cfg, N: int, K: int) -> dict:
+    """Layout ``x86_codebook`` -> canonical codebook buffers (exact inverse of :func:`repack_codebook`)."""
+    qw = buffers["x86_qw"]
+    codes = (_deinterleave(qw, K) if cfg.bits == 4 else _uncrumbs(qw, K))[:N]
+    out = {"codes": pack(codes, cfg.bits)}
+    if cfg.books > 1:
+        out["book_idx"] = pack(unpad_groups(_books(buffers["x86_qb"]), N), _book_bits(cfg))
+    out["scales"] = unpad_groups(buffers["x86_qs"], N)
+    out["codebooks"] = buffers["codebooks"]
+    return out
+
+
+CODEBOOK_LAYOUT = Layout(name="x86_codebook", names=_codebook_names, repack=repack_codebook,
+                         unrepack=unrepack_codebook)
+
+
 def spec(x: torch.Tensor, buffers: dict, bias, cfg, N: int, K: int, rotation=None) -> torch.Tensor:
-    """The kernels' arithmetic in PyTorch over layout ``x86``: ``x`` ``[M, K]`` -> ``[M, N]`` float64, the value the
-    kernels round in fp32: exact int32 sums, then per 32-input block ``h`` ``xs_h·s·(Σ code·xq − z·Σ xq)`` (uniform) or
-    ``xs_h·(Σ_i 2α_i·Σ bit_i·xq + (c − Σ_i α_i)·Σ xq)`` (free α).  ``rotation`` (seed, block): a rotated layer, whose
+    """The kernels' arithmetic in PyTorch over layout ``x86`` or ``x86_codebook``: ``x`` ``[M, K]`` -> ``[M, N]``
+    float64, the value the kernels round in fp32: exact int32 sums, then per 32-input block ``h``
+    ``xs_h·s·(Σ code·xq − z·Σ xq)`` (uniform), ``xs_h·(Σ_i 2α_i·Σ bit_i·xq + (c − Σ_i α_i)·Σ xq)`` (free α)
+    or ``xs_h·s·Σ codebook[book][code]·xq`` (codebook).  ``rotation`` (seed, block): a rotated layer, whose
     input the kernels transform before quantizing it."""
     xq, xs = quantize_activations(spec_input(x, rotation, buffers.get("perm")))
     M, H = x.shape[0], K // 32
     gs = K if cfg.group_size == -1 else cfg.group_size
-    codes = _codes(buffers, cfg, K)[:N].view(N, H, 32)
     g = torch.arange(H) * 32 // gs  # each 32-input block's group
     xb = xq.view(M, H, 32).double()
     qsum = xb.sum(-1)[:, None, :]  # [M, 1, H]
     dot = lambda c: torch.einsum("mhk,nhk->mnh", xb, c.double())  # exact integers [M, N, H]
+    if cfg.format == "codebook":
+        qw = buffers["x86_qw"]
+        codes = (_deinterleave(qw, K) if cfg.bits == 4 else _uncrumbs(qw, K))[:N]
+        books = (unpad_groups(_books(buffers["x86_qb"]), N) if "x86_qb" in buffers
+                 else torch.zeros(N, K // gs, dtype=torch.int64))
+        w = buffers["codebooks"].to(torch.int64)[books[:, g].repeat_interleave(32, 1), codes]  # int8 values [N, K]
+        per_block = dot(w.view(N, H, 32)) * unpad_groups(buffers["x86_qs"], N).double()[:, g][None]
+        y = (per_block * xs.double()[:, None, :]).sum(-1)
+        return y if bias is None else y + bias.double()
+    codes = _codes(buffers, cfg, K)[:N].view(N, H, 32)
     if bcq.is_uniform(cfg):
         s = unpad_groups(buffers["x86_qs"], N).double()[:, g]  # [N, H]
         z = unpad_groups(buffers["x86_qz"], N).double()[:, g] / 2
@@ -202,18 +286,24 @@ def simde_available() -> Optional[str]:
 
 def linear(x: torch.Tensor, buffers: dict, bias, cfg, out_features: int, in_features: int, path: str = "auto",
            simde: bool = False, rotation=None):
-    """Registry entry: ``x`` ``[..., K]`` on CPU -> ``[..., N]`` of ``x.dtype`` over layout ``x86``.  ``path`` forces one
+    """Registry entry: ``x`` ``[..., K]`` on CPU -> ``[..., N]`` of ``x.dtype`` over layout ``x86`` (BCQ) or
+    ``x86_codebook``.  ``path`` forces one
     of :data:`PATHS` (RuntimeError "cannot run path" where this CPU lacks it); ``simde`` runs the build of
     :func:`simde_available` instead, where every path runs.  ``rotation`` (seed, block): the layer's randomized
     Hadamard, applied to x inside the op before its int8 quantization (the kernel ``fuses_rotation``); an act_order
     layer's ``perm`` in ``buffers`` is gathered there too, after it (``gathers_perm``)."""
     N, K = out_features, in_features
     x2 = x.reshape(-1, K)
+    op = torch.ops.qlinear_x86_simde.x86_gemm if simde else torch.ops.qlinear.x86_gemm
+    if cfg.format == "codebook":  # qgemm.h's Format kCB4 / kCB2
+        y = op(x2.float().contiguous(), buffers["x86_qw"], buffers["x86_qs"], buffers["codebooks"], bias, N,
+               cfg.group_size, cfg.bits, 3 if cfg.bits == 4 else 4, PATHS[path], *rotation_args(rotation, K), None,
+               buffers.get("x86_qb"))
+        return y.to(x.dtype).reshape(*x.shape[:-1], N)
     fmt = 0 if _nibbles(cfg) else 1 if bcq.is_uniform(cfg) else 2  # qgemm.h's Format
     gs = K if cfg.group_size == -1 else cfg.group_size
-    op = torch.ops.qlinear_x86_simde.x86_gemm if simde else torch.ops.qlinear.x86_gemm
     y = op(x2.float().contiguous(), *(buffers[n] for n in _names(cfg)), bias, N, gs, cfg.bits, fmt, PATHS[path],
-           *rotation_args(rotation, in_features), buffers.get("perm"))
+           *rotation_args(rotation, in_features), buffers.get("perm"), None)
     return y.to(x.dtype).reshape(*x.shape[:-1], N)
 
 
@@ -225,7 +315,9 @@ def supports(cfg, out_features: int, in_features: int) -> Optional[str]:
     return None
 
 
-register(Kernel(backend="x86", format="bcq", fn=linear, priority=15, devices=frozenset({"cpu"}),
-                dtypes=frozenset({torch.float32, torch.float16, torch.bfloat16}), bits=frozenset({1, 2, 3, 4}),
-                group_sizes=ANY, max_batch=ANY, min_capability=ANY, supports=supports, available=available,
-                layout=LAYOUT, gathers_perm=True, fuses_rotation=True))
+for _fmt, _bits, _supports, _layout in (("bcq", {1, 2, 3, 4}, supports, LAYOUT),
+                                        ("codebook", {2, 4}, supports_codebook, CODEBOOK_LAYOUT)):
+    register(Kernel(backend="x86", format=_fmt, fn=linear, priority=15, devices=frozenset({"cpu"}),
+                    dtypes=frozenset({torch.float32, torch.float16, torch.bfloat16}), bits=frozenset(_bits),
+                    group_sizes=ANY, max_batch=ANY, min_capability=ANY, supports=_supports, available=available,
+                    layout=_layout, gathers_perm=True, fuses_rotation=True))

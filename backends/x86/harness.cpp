@@ -2,8 +2,8 @@
 // (benchmarks/bench_x86.py --callgrind builds and runs it):
 //   harness PATH M N K GROUP REPS [FORMAT BITS]
 //       REPS calls of qlinear_x86::run on path PATH (1 scalar, 2 avx2, 3 avx2_vnni, 4 avx512_vnni) over all row
-//       blocks of random weights, one thread; FORMAT 0 uniform 4-bit nibbles (default), 1 uniform LUT, 2 free-α LUT
-//       (qgemm.h), BITS 1-4
+//       blocks of random weights, one thread; FORMAT 0 uniform 4-bit nibbles (default), 1 uniform LUT, 2 free-α LUT,
+//       3 4-bit codebook, 4 2-bit codebook with 4 books (qgemm.h), BITS 1-4
 // Exits 2 when this CPU (or valgrind's emulated one) lacks the path.
 #include <stdio.h>
 #include <stdlib.h>
@@ -32,13 +32,19 @@ int main(int argc, char** argv) {
   for (auto& v : qz) v = (uint8_t)((rnd() >> 24) % 31);
   for (auto& v : qs) v = (uint16_t)(0x1c00 | ((rnd() >> 20) & 1023));  // fp16 in [2^-8, 2^-7)
   for (auto& v : qc) v = (uint16_t)(0x1c00 | ((rnd() >> 20) & 1023));
+  std::vector<int8_t> table(16);
+  std::vector<int32_t> qb((size_t)Nb * G);
+  for (auto& v : table) v = (int8_t)(rnd() >> 24);
+  for (auto& v : qb) v = (int32_t)rnd();
   std::vector<float> x((size_t)M * K), y((size_t)M * N);
   for (auto& v : x) v = (float)((int)(rnd() >> 16) - 32768) / 32768.0f;
-  std::vector<char> work(qlinear_x86::acts_bytes(M, K, gs, format != 0) + 64);
+  const bool tables = format == qlinear_x86::kLutUniform || format == qlinear_x86::kLutFree;
+  std::vector<char> work(qlinear_x86::acts_bytes(M, K, gs, tables) + 64);
   void* aligned = reinterpret_cast<void*>((reinterpret_cast<uintptr_t>(work.data()) + 63) & ~uintptr_t(63));
   qlinear_x86::Acts a{};
-  qlinear_x86::prepare_acts(x.data(), M, K, gs, format != 0, aligned, &a);
-  const qlinear_x86::Weights w{qw.data(), qs.data(), qz.data(), N, K, gs, format, bits, qc.data()};
+  qlinear_x86::prepare_acts(x.data(), M, K, gs, tables, aligned, &a);
+  const qlinear_x86::Weights w{qw.data(), qs.data(), qz.data(), N, K, gs, format, bits, qc.data(), table.data(),
+                               format == qlinear_x86::kCB2 ? qb.data() : nullptr};
   for (int r = 0; r < reps; ++r) qlinear_x86::run(w, a, nullptr, y.data(), 0, Nb, path);
   double sum = 0;
   for (float v : y) sum += v;

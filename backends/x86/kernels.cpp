@@ -1,4 +1,5 @@
-// x86 kernels for uniform 4-bit codes and BCQ bit-planes (layouts and arithmetic in qgemm.h).  Built with baseline flags: each SIMD
+// x86 kernels for uniform 4-bit codes, BCQ bit-planes and codebooks (layouts and arithmetic in qgemm.h).  Built
+// with baseline flags: each SIMD
 // path carries its own target attribute and runs only where cpuid reports its features.  Compiled with
 // -ffp-contract=off so that every fp32 operation is the one written (the paths give the same bits).
 #ifdef QLINEAR_X86_SIMDE
@@ -497,12 +498,217 @@ QLINEAR_TARGET("avx2,fma,f16c") void block_avx2_lut(const Weights& w, const Acts
   }
 }
 
+// ---- codebooks (kCB4, kCB2): codes and their row's book index the layer's 16-byte table (qgemm.h) --------------
+inline int64_t cb_block(const Weights& w, int b, int B) { return static_cast<int64_t>(b) * 2 * w.K * B; }
+
+// The book of row r in group g (0 with a single book).
+inline int cb_book(const Weights& w, int b, int g, int r) {
+  return w.qb ? (w.qb[static_cast<int64_t>(b) * num_groups(w) + g] >> (2 * r)) & 3 : 0;
+}
+
+// The code of row r at input 32h + k of a block's codes (layout of qgemm.h).
+template <int B>
+inline int cb_code(const uint8_t* qw, int h, int k, int r) {
+  if constexpr (B == 4) {
+    const uint8_t v = qw[static_cast<int64_t>(4 * h + k / 8) * 64 + 4 * r + k % 4];
+    return (k % 8) < 4 ? v & 15 : v >> 4;
+  } else {
+    const uint8_t v = qw[static_cast<int64_t>(2 * h + k / 16) * 64 + 4 * r + k % 4];
+    return (v >> (2 * ((k % 16) / 4))) & 3;
+  }
+}
+
+template <int B>
+void block_scalar_cb_bits(const Weights& w, const Acts& a, const float* bias, float* y, int b) {
+  const int K = w.K, H = K / 32, G = num_groups(w);
+  const uint8_t* qw = w.qw + cb_block(w, b, B);
+  for (int m = 0; m < a.M; ++m) {
+    float yv[kRows] = {};
+    for (int g = 0; g < G; ++g) {
+      float F[kRows] = {};
+      const int h1 = std::min((g + 1) * w.group_size, K) / 32;
+      for (int h = g * w.group_size / 32; h < h1; ++h) {
+        const int8_t* xq = a.xq + static_cast<int64_t>(m) * K + 32 * h;
+        const float xs = a.xs[static_cast<int64_t>(m) * H + h];
+        for (int r = 0; r < kRows; ++r) {
+          const int book = cb_book(w, b, g, r) << B;
+          int32_t I = 0;
+          for (int k = 0; k < 32; ++k) I += w.table[book | cb_code<B>(qw, h, k, r)] * xq[k];
+          F[r] = std::fmaf(static_cast<float>(I), xs, F[r]);
+        }
+      }
+      const int64_t at = (static_cast<int64_t>(b) * G + g) * kRows;
+      for (int r = 0; r < kRows; ++r) yv[r] = std::fmaf(half_to_float(w.qs[at + r]), F[r], yv[r]);
+    }
+    for (int r = 0; r < kRows && kRows * b + r < w.N; ++r) {
+      const int n = kRows * b + r;
+      y[static_cast<int64_t>(m) * w.N + n] = bias ? yv[r] + bias[n] : yv[r];
+    }
+  }
+}
+
+void block_scalar_cb(const Weights& w, const Acts& a, const float* bias, float* y, int b) {
+  w.format == kCB4 ? block_scalar_cb_bits<4>(w, a, bias, y, b) : block_scalar_cb_bits<2>(w, a, bias, y, b);
+}
+
+// Per 64 bytes of codes: kCB4 2 sub-vectors (nibbles, inputs 8c + 4·sub..), kCB2 4 (crumbs, inputs 16c + 4·sub..).
+template <int B>
+constexpr int cb_subs() { return 8 / B; }
+
+// AVX-512: 16 rows in one register; the table (offset by 128: VPDPBUSD's unsigned operand) in every 128-bit lane.
+template <int MT, int B>
+QLINEAR_TARGET("avx512f,avx512bw,avx512vl,avx512vnni") void tile_avx512_cb(const Weights& w, const Acts& a,
+                                                                             const float* bias, float* y, int b,
+                                                                             int m0) {
+  const int K = w.K, H = K / 32, G = num_groups(w);
+  constexpr int S = cb_subs<B>(), L = B;  // sub-vectors per 64-byte load, loads per 32 inputs
+  const uint8_t* qw = w.qw + cb_block(w, b, B);
+  const __m512i table = _mm512_broadcast_i32x4(
+      _mm_xor_si128(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.table)), _mm_set1_epi8(-128)));
+  const __m512i mask = _mm512_set1_epi8((1 << B) - 1);
+  const __m512i shifts = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  __m512 yv[MT];
+  for (int m = 0; m < MT; ++m) yv[m] = _mm512_setzero_ps();
+  for (int g = 0; g < G; ++g) {
+    __m512i books = _mm512_setzero_si512();  // byte 4r + j: row r's book << B
+    if (w.qb) {
+      const __m512i id = _mm512_and_si512(
+          _mm512_srlv_epi32(_mm512_set1_epi32(w.qb[static_cast<int64_t>(b) * G + g]), shifts), _mm512_set1_epi32(3));
+      books = _mm512_mullo_epi32(_mm512_slli_epi32(id, B), _mm512_set1_epi32(0x01010101));
+    }
+    __m512 F[MT];
+    for (int m = 0; m < MT; ++m) F[m] = _mm512_setzero_ps();
+    const int h1 = std::min((g + 1) * w.group_size, K) / 32;
+    for (int h = g * w.group_size / 32; h < h1; ++h) {
+      __m512i acc[MT][2];
+      for (int m = 0; m < MT; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_si512();
+      for (int c = 0; c < L; ++c) {
+        const __m512i v = _mm512_loadu_si512(qw + static_cast<int64_t>(L * h + c) * 64);
+        for (int t = 0; t < S; ++t) {
+          // ((v >> B·t) & mask) | books: ternary-logic truth table 0xEA = (A & B) | C
+          const __m512i idx = _mm512_ternarylogic_epi32(_mm512_srli_epi16(v, B * t), mask, books, 0xEA);
+          const __m512i wv = _mm512_shuffle_epi8(table, idx);
+          for (int m = 0; m < MT; ++m) {
+            const int8_t* xp = a.xq + static_cast<int64_t>(m0 + m) * K + 32 * h + 32 / L * c + 4 * t;
+            acc[m][t & 1] = _mm512_dpbusd_epi32(acc[m][t & 1], wv, _mm512_set1_epi32(load4(xp)));
+          }
+        }
+      }
+      for (int m = 0; m < MT; ++m) {
+        const int64_t mh = static_cast<int64_t>(m0 + m) * H + h;
+        const __m512i I =
+            _mm512_sub_epi32(_mm512_add_epi32(acc[m][0], acc[m][1]), _mm512_set1_epi32(128 * a.xqsum[mh]));
+        F[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(I), _mm512_set1_ps(a.xs[mh]), F[m]);
+      }
+    }
+    const int64_t at = (static_cast<int64_t>(b) * G + g) * kRows;
+    const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.qs + at)));
+    for (int m = 0; m < MT; ++m) yv[m] = _mm512_fmadd_ps(s, F[m], yv[m]);
+  }
+  const int n0 = kRows * b;
+  const __mmask16 keep = static_cast<__mmask16>(w.N - n0 >= kRows ? 0xFFFF : (1u << (w.N - n0)) - 1);
+  const __m512 bv = bias ? _mm512_maskz_loadu_ps(keep, bias + n0) : _mm512_setzero_ps();
+  for (int m = 0; m < MT; ++m)
+    _mm512_mask_storeu_ps(y + static_cast<int64_t>(m0 + m) * w.N + n0, keep, bias ? _mm512_add_ps(yv[m], bv) : yv[m]);
+}
+
+template <int B>
+QLINEAR_TARGET("avx512f,avx512bw,avx512vl,avx512vnni") void block_avx512_cb(const Weights& w, const Acts& a,
+                                                                              const float* bias, float* y, int b) {
+  int m = 0;
+  for (; m + 4 <= a.M; m += 4) tile_avx512_cb<4, B>(w, a, bias, y, b, m);
+  for (; m < a.M; ++m) tile_avx512_cb<1, B>(w, a, bias, y, b, m);
+}
+
+// AVX2 (+ AVX-VNNI): the 16 rows as two 8-lane halves.  Without VNNI the products are VPMADDUBSW's of |w| and xq
+// with w's sign (VPSIGNB), so the signed table needs no offset.
+template <int MT, int B, bool VNNI>
+QLINEAR_TARGET("avx2,fma,f16c,avxvnni") void tile_avx2_cb(const Weights& w, const Acts& a, const float* bias,
+                                                              float* y, int b, int m0) {
+  const int K = w.K, H = K / 32, G = num_groups(w);
+  constexpr int S = cb_subs<B>(), L = B;
+  const uint8_t* qw = w.qw + cb_block(w, b, B);
+  const __m128i t16 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.table));
+  const __m256i table = _mm256_broadcastsi128_si256(VNNI ? _mm_xor_si128(t16, _mm_set1_epi8(-128)) : t16);
+  const __m256i mask = _mm256_set1_epi8((1 << B) - 1), ones = _mm256_set1_epi16(1);
+  __m256 yv[MT][2];
+  for (int m = 0; m < MT; ++m) yv[m][0] = yv[m][1] = _mm256_setzero_ps();
+  for (int g = 0; g < G; ++g) {
+    __m256i books[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+    if (w.qb) {
+      const __m256i word = _mm256_set1_epi32(w.qb[static_cast<int64_t>(b) * G + g]);
+      for (int half = 0; half < 2; ++half) {
+        const __m256i sh = _mm256_add_epi32(_mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14), _mm256_set1_epi32(16 * half));
+        const __m256i id = _mm256_and_si256(_mm256_srlv_epi32(word, sh), _mm256_set1_epi32(3));
+        books[half] = _mm256_mullo_epi32(_mm256_slli_epi32(id, B), _mm256_set1_epi32(0x01010101));
+      }
+    }
+    __m256 F[MT][2];
+    for (int m = 0; m < MT; ++m) F[m][0] = F[m][1] = _mm256_setzero_ps();
+    const int h1 = std::min((g + 1) * w.group_size, K) / 32;
+    for (int h = g * w.group_size / 32; h < h1; ++h) {
+      __m256i acc[MT][2];
+      for (int m = 0; m < MT; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_si256();
+      for (int c = 0; c < L; ++c) {
+        const uint8_t* p = qw + static_cast<int64_t>(L * h + c) * 64;
+        for (int half = 0; half < 2; ++half) {
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * half));
+          for (int t = 0; t < S; ++t) {
+            const __m256i idx = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, B * t), mask), books[half]);
+            const __m256i wv = _mm256_shuffle_epi8(table, idx);
+            const __m256i wabs = VNNI ? wv : _mm256_abs_epi8(wv);
+            for (int m = 0; m < MT; ++m) {
+              const int8_t* xp = a.xq + static_cast<int64_t>(m0 + m) * K + 32 * h + 32 / L * c + 4 * t;
+              const __m256i xv = _mm256_set1_epi32(load4(xp));
+              if constexpr (VNNI) {
+                acc[m][half] = _mm256_dpbusd_avx_epi32(acc[m][half], wv, xv);
+              } else {
+                acc[m][half] = _mm256_add_epi32(
+                    acc[m][half], _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, _mm256_sign_epi8(xv, wv)), ones));
+              }
+            }
+          }
+        }
+      }
+      for (int m = 0; m < MT; ++m) {
+        const int64_t mh = static_cast<int64_t>(m0 + m) * H + h;
+        const __m256 xs = _mm256_set1_ps(a.xs[mh]);
+        for (int half = 0; half < 2; ++half) {
+          const __m256i I = VNNI ? _mm256_sub_epi32(acc[m][half], _mm256_set1_epi32(128 * a.xqsum[mh])) : acc[m][half];
+          F[m][half] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(I), xs, F[m][half]);
+        }
+      }
+    }
+    const int64_t at = (static_cast<int64_t>(b) * G + g) * kRows;
+    for (int half = 0; half < 2; ++half) {
+      const __m256 sv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.qs + at + 8 * half)));
+      for (int m = 0; m < MT; ++m) yv[m][half] = _mm256_fmadd_ps(sv, F[m][half], yv[m][half]);
+    }
+  }
+  const int n0 = kRows * b;
+  for (int m = 0; m < MT; ++m) {
+    alignas(32) float out[kRows];
+    _mm256_store_ps(out, yv[m][0]);
+    _mm256_store_ps(out + 8, yv[m][1]);
+    for (int r = 0; r < kRows && n0 + r < w.N; ++r)
+      y[static_cast<int64_t>(m0 + m) * w.N + n0 + r] = bias ? out[r] + bias[n0 + r] : out[r];
+  }
+}
+
+template <int B, bool VNNI>
+QLINEAR_TARGET("avx2,fma,f16c,avxvnni") void block_avx2_cb(const Weights& w, const Acts& a, const float* bias,
+                                                               float* y, int b) {
+  int m = 0;
+  for (; m + 2 <= a.M; m += 2) tile_avx2_cb<2, B, VNNI>(w, a, bias, y, b, m);
+  if (m < a.M) tile_avx2_cb<1, B, VNNI>(w, a, bias, y, b, m);
+}
+
 }  // namespace
 
 namespace {
 int64_t quant_bytes(int M, int K, int group_size) {
   const int64_t G = (K + group_size - 1) / group_size;
-  return ((static_cast<int64_t>(M) * K + 15) / 16) * 16 + 4 * static_cast<int64_t>(M) * (K / 32 + G);
+  return ((static_cast<int64_t>(M) * K + 15) / 16) * 16 + 4 * static_cast<int64_t>(M) * (2 * (K / 32) + G);
 }
 
 // The LUT formats' tables (qgemm.h) of one row's int8 activations xq [K] into T [K/32, 4, 64].
@@ -537,6 +743,7 @@ void prepare_acts(const float* x, int M, int K, int group_size, bool tables, voi
   int8_t* xq = static_cast<int8_t*>(work);
   float* xs = reinterpret_cast<float*>(xq + ((static_cast<int64_t>(M) * K + 15) / 16) * 16);
   float* xsum = xs + static_cast<int64_t>(M) * H;
+  int32_t* xqsum = reinterpret_cast<int32_t*>(xsum + static_cast<int64_t>(M) * G);
   for (int m = 0; m < M; ++m) {
     for (int g = 0; g < G; ++g) {
       float acc = 0.0f;
@@ -554,6 +761,7 @@ void prepare_acts(const float* x, int M, int K, int group_size, bool tables, voi
         }
         const float scale = amax / 127.0f;
         xs[static_cast<int64_t>(m) * H + h] = scale;
+        xqsum[static_cast<int64_t>(m) * H + h] = qsum;
         const float t = scale * static_cast<float>(qsum);
         acc = acc + t;
       }
@@ -563,6 +771,7 @@ void prepare_acts(const float* x, int M, int K, int group_size, bool tables, voi
   a->xq = xq;
   a->xs = xs;
   a->xsum = xsum;
+  a->xqsum = xqsum;
   a->M = M;
   a->tables = nullptr;
   if (tables) {
@@ -580,7 +789,7 @@ bool path_supported(int path, int format) {
     case kAVX2VNNI: return path_supported(kAVX2, format) && QLINEAR_HAS("avxvnni");
     case kAVX512VNNI:  // the bit-plane kernels' VPERMB needs VBMI (Ice Lake, Zen 4 and later)
       return QLINEAR_HAS("avx512f") && QLINEAR_HAS("avx512bw") && QLINEAR_HAS("avx512vl") &&
-             QLINEAR_HAS("avx512vnni") && (format == kU4 || QLINEAR_HAS("avx512vbmi"));
+             QLINEAR_HAS("avx512vnni") && (format == kU4 || format >= kCB4 || QLINEAR_HAS("avx512vbmi"));
     default: return false;
   }
 }
@@ -593,6 +802,18 @@ int best_path(int format) {
 
 void run(const Weights& w, const Acts& a, const float* bias, float* y, int b0, int b1, int path) {
   if (path == kAuto) path = best_path(w.format);
+  if (w.format >= kCB4) {
+    const bool four = w.format == kCB4;
+    for (int b = b0; b < b1; ++b) {
+      switch (path) {
+        case kAVX512VNNI: four ? block_avx512_cb<4>(w, a, bias, y, b) : block_avx512_cb<2>(w, a, bias, y, b); break;
+        case kAVX2VNNI: four ? block_avx2_cb<4, true>(w, a, bias, y, b) : block_avx2_cb<2, true>(w, a, bias, y, b); break;
+        case kAVX2: four ? block_avx2_cb<4, false>(w, a, bias, y, b) : block_avx2_cb<2, false>(w, a, bias, y, b); break;
+        default: block_scalar_cb(w, a, bias, y, b); break;
+      }
+    }
+    return;
+  }
   if (w.format != kU4) {
     for (int b = b0; b < b1; ++b) {
       switch (path) {

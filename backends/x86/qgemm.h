@@ -1,5 +1,5 @@
 // x86 CPU kernels (torch-free): quantized weights times int8 dynamic activations, the products summed exactly in
-// int32, scaled in fp32.  Two weight layouts (backends/x86/__init__.py has the executable PyTorch spec of both and
+// int32, scaled in fp32.  Three weight layouts (backends/x86/__init__.py has the executable PyTorch spec of each and
 // their exact inverses):
 //
 // kU4, uniform 4-bit codes, multiplied by VPDPBUSD (AVX-512 VNNI, AVX-VNNI) or VPMADDUBSW + VPMADDWD (AVX2):
@@ -18,6 +18,17 @@
 //   (lo sums 0..60, hi sums −32..28: both fit int8).  A plane's nibble, with its group g in bits 4-5, indexes the
 //   64-byte table (VPERMB), and VPDPBUSD adds 4 lookups of one row times 1 (lo) or 16 (hi):
 //   S_i[m][n][h] = Σ_{k ∈ h} bit_i[n][k]·xq[m][k], exactly.
+//
+// kCB4 / kCB2, group-wise codebooks (codebook format, 4 or 2 bits): each code, with its (row, group)'s book in the bits
+// above it, indexes the layer's table of int8 centroids (all books together: 16 bytes, VPSHUFB's table):
+//   qw  kCB4: as kU4 (the codes as nibbles);  kCB2: uint8 [Nb, K/16, 64]: 16-input chunk c, byte 4r + j holds in
+//       bits 2t..2t+1 code[16b + r][16c + 4t + j] (t, j = 0..3).
+//   table  int8 [16]: entry (book << bits) | code = codebooks[book][code] (qz in the binding: the codebooks).
+//   qb  int32 [Nb, G] (several books only, else null): bits 2r..2r+1 the book of row r in group g.
+//   qs  fp16 [Nb, G, 16]: each row's scale.
+//   I[m][n][h] = Σ_{k ∈ h} table[code]·xq[m][k], exactly (VNNI paths: Σ (table + 128)·xq − 128·xqsum[m][h], u8 × s8;
+//   AVX2: VPMADDUBSW of |table| and xq with table's sign, |128·127·2| < 2^15);
+//   y[m][n] = Σ_g s·Σ_{h ∈ g} xs[m][h]·I[m][n][h].
 //
 // Per-group values, qs/qz (uniform, both layouts):
 //   qs  fp16  [Nb, G, 16]: the scale s of each row of the block in group g.
@@ -41,7 +52,7 @@
 namespace qlinear_x86 {
 
 enum Path { kAuto = 0, kScalar = 1, kAVX2 = 2, kAVX2VNNI = 3, kAVX512VNNI = 4 };
-enum Format { kU4 = 0, kLutUniform = 1, kLutFree = 2 };
+enum Format { kU4 = 0, kLutUniform = 1, kLutFree = 2, kCB4 = 3, kCB2 = 4 };
 
 struct Weights {
   const uint8_t* qw;
@@ -51,6 +62,8 @@ struct Weights {
   int format = kU4;
   int bits = 4;
   const uint16_t* qc = nullptr;  // fp16 bits: offsets (kLutFree)
+  const int8_t* table = nullptr;  // [16] centroids (kCB4, kCB2)
+  const int32_t* qb = nullptr;    // [Nb, G] book words (kCB4, kCB2 with several books)
 };
 
 struct Acts {
@@ -58,6 +71,7 @@ struct Acts {
   const float* xs;     // [M, K/32]
   const float* xsum;   // [M, G]: Σ_{h ∈ g} xs·Σ xq, accumulated in h order
   const int8_t* tables;  // [M, K/32, 4, 64] (LUT formats only, else null)
+  const int32_t* xqsum;  // [M, K/32]: Σ xq per 32 inputs
   int M;
 };
 
