@@ -13,9 +13,23 @@ os.environ.pop("QLINEAR_BACKEND", None)
 _FIXTURE_MARKS = {"emulator": "emulation", "harness": "qemu"}
 
 
+# the longest test file runs first, so that pytest-xdist's workers (``-n``, README) do not end on it
+_FIRST = ("test_real_model.py",)
+
+
+def pytest_configure(config):
+    """Under pytest-xdist, each worker's torch takes its share of the cores (two workers each using every core
+    would oversubscribe them)."""
+    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if workers:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(workers)))
+
+
 def pytest_collection_modifyitems(config, items):
     """``gpu`` tests skip without a CUDA GPU; tests using the emulator or the qemu harness get their marker; ``qemu``,
-    ``emulation`` and ``real_model`` tests are also ``slow`` (markers are declared in pyproject.toml)."""
+    ``emulation`` and ``real_model`` tests are also ``slow`` (markers are declared in pyproject.toml); the files of
+    ``_FIRST`` go first."""
+    items.sort(key=lambda item: item.path.name not in _FIRST)  # stable: the order within files is kept
     no_gpu = None if torch.cuda.is_available() else pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
         for fixture, mark in _FIXTURE_MARKS.items():

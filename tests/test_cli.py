@@ -1,6 +1,7 @@
 """The command line (issue 26, item 3): ``qlinear quantize|eval|info``, ``python -m qlinear`` and ``optimum-cli
-qlinear``, run in subprocesses on a tiny Llama with a word-level tokenizer built from gensim's Lee corpus.  Each
-command's result is checked against the same work done in this process."""
+qlinear``, run in subprocesses on a tiny Llama with a word-level tokenizer built from gensim's Lee corpus (the help
+and error cases call ``qlinear.cli.main`` in this process).  Each command's result is checked against the same work
+done in this process."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import torch
 
 import qlinear
 from qlinear import QLinearConfig, QuantLinear
-from qlinear.cli import parser
+from qlinear.cli import main, parser
 from qlinear.evaluation import calibration_texts, perplexity
 
 transformers = pytest.importorskip("transformers")
@@ -25,6 +26,18 @@ pytestmark = pytest.mark.slow
 
 def _run(*args, cwd=None):
     return subprocess.run([sys.executable, "-m", "qlinear", *map(str, args)], capture_output=True, text=True, cwd=cwd)
+
+
+def _run_here(capsys, *args) -> tuple[int, str, str]:
+    """``(exit status, stdout, stderr)`` of ``qlinear.cli.main`` in this process (``python -m qlinear`` exits with
+    what it returns; argparse's errors and ``--help`` raise SystemExit): the subprocess tests above cover the entry
+    points, these the commands' own handling without the cost of an interpreter each."""
+    try:
+        code = main([str(a) for a in args])
+    except SystemExit as e:
+        code = e.code
+    out = capsys.readouterr()
+    return code, out.out, out.err
 
 
 @pytest.fixture(scope="module")
@@ -47,15 +60,17 @@ def float_ckpt(tmp_path_factory):
     return root / "fp", root / "text.txt"
 
 
-def test_help_documents_every_option():
+def test_help_documents_every_option(capsys):
     subs = parser()._subparsers._group_actions[0].choices
     assert set(subs) == {"quantize", "eval", "info"}
     for name, p in subs.items():
         for action in p._actions:
             assert action.help, (name, action.dest)
-        out = _run(name, "--help")
-        assert out.returncode == 0
-        assert all(o in out.stdout for a in p._actions for o in a.option_strings), out.stdout
+        code, out, _ = _run_here(capsys, name, "--help")
+        assert code == 0
+        assert all(o in out for a in p._actions for o in a.option_strings), out
+    out = _run("--help")
+    assert out.returncode == 0 and all(name in out.stdout for name in subs), out.stdout
 
 
 def test_quantize_eval_info_match_the_library(float_ckpt, tmp_path):
@@ -106,7 +121,14 @@ def test_quantize_with_calibration_text(float_ckpt, tmp_path):
     (["eval", "{fp}", "--text", "nothing.txt"], 2, "no such text file"),
     (["info", "{fp}"], 1, "qlinear: error: .* has no qlinear layers"),
 ])
-def test_errors_exit_with_a_message_and_no_traceback(float_ckpt, tmp_path, args, code, message):
-    out = _run(*[a.format(fp=float_ckpt[0]) for a in args], cwd=tmp_path)
-    assert out.returncode == code and re.search(message, out.stderr) and "Traceback" not in out.stderr, out.stderr
+def test_errors_exit_with_a_message_and_no_traceback(float_ckpt, tmp_path, monkeypatch, capsys, args, code, message):
+    monkeypatch.chdir(tmp_path)
+    got, _, err = _run_here(capsys, *[a.format(fp=float_ckpt[0]) for a in args])  # an uncaught exception fails here
+    assert got == code and re.search(message, err), err
     assert not (tmp_path / "out").exists()
+
+
+def test_an_error_exits_the_interpreter_with_its_status(tmp_path):
+    out = _run("quantize", "missing", "out", cwd=tmp_path)
+    assert out.returncode == 2 and "is not a transformers checkpoint folder" in out.stderr
+    assert "Traceback" not in out.stderr and not (tmp_path / "out").exists()

@@ -1,4 +1,5 @@
-"""Every CUDA source of every native backend compiles with nvcc for sm_80 and sm_90a (no GPU needed).
+"""Every CUDA source of every native backend compiles with nvcc for sm_80 and sm_90a (no GPU needed), and the
+just-in-time build of ``backends/_native.py`` is safe across processes.
 
 The ``.cu`` files are torch-free by design (see backends/_native.py), so this runs where only nvcc is
 installed, and a kernel that does not compile never lands.  Skipped when nvcc is absent.
@@ -9,6 +10,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -71,3 +73,33 @@ def test_cuda_binding_compiles_against_torch_headers(binding, tmp_path):
            *(f"-I{p}" for p in include_paths()), str(binding)]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, f"{binding.name} does not compile:\n{p.stderr[-4000:]}"
+
+
+_TINY_OP = """
+#include <ATen/ATen.h>
+#include <torch/library.h>
+at::Tensor twice(const at::Tensor& x) { return x * 2; }
+TORCH_LIBRARY(qlinear_build_test, m) { m.def("twice", &twice); }
+"""
+
+
+@pytest.mark.skipif(shutil.which("g++") is None or shutil.which("ninja") is None, reason="needs g++ and ninja")
+def test_concurrent_builds_do_not_race_and_a_stale_baton_does_not_hang(tmp_path):
+    """Two processes building one op library into an empty cache at once both load it, built once; a build baton
+    left by a killed build (torch's ``lock`` file) does not make the next process wait for it forever."""
+    (tmp_path / "src").mkdir()
+    src = tmp_path / "src" / "tiny.cpp"
+    src.write_text(_TINY_OP)
+    code = ("import sys, torch; from qlinear.backends import _native; "
+            f"r = _native.build('qlinear_build_test', ({str(src)!r},)); print(r); "
+            "sys.exit(0 if r is None and torch.ops.qlinear_build_test.twice(torch.ones(1)).item() == 2 else 1)")
+    env = dict(os.environ, QLINEAR_CACHE=str(tmp_path / "cache"))
+    procs = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True) for _ in range(2)]
+    outs = [p.communicate(timeout=900)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+    built = list((tmp_path / "cache" / "ext").glob("qlinear_build_test-*/*.so"))
+    assert len(built) == 1
+    (built[0].parent / "lock").touch()
+    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout + p.stderr

@@ -1,6 +1,7 @@
-"""x86 backend (AVX-512 VNNI + VBMI / AVX2 + AVX-VNNI / AVX2 / scalar): its two layouts (uniform 4-bit nibbles, BCQ
-bit-planes for the lookup tables), executable spec, every dispatch path of the native op on this machine and, through
-the SIMDe build, the paths this CPU lacks; registry rules and modules.
+"""x86 backend (AVX-512 VNNI + VBMI / AVX2 + AVX-VNNI / AVX2 / scalar): its layouts (uniform 4-bit nibbles, BCQ
+bit-planes for the lookup tables, codebook codes), executable spec, every dispatch path of the native op on this
+machine and, through the SIMDe build, the paths this CPU lacks; registry rules.  Modules on the backend are in
+test_kernel_conformance.py.
 
 Error bound versus the float64 reference: the int8 activations' (``conftest.int8_activation_bound``, as for the Arm
 kernels).  Native op versus :func:`qlinear.backends.x86.spec` (float64 of the same integers): fp32 rounding of the
