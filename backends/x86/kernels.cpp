@@ -104,6 +104,32 @@ void block_scalar(const Weights& w, const Acts& a, const float* bias, float* y, 
 template <int MT>
 constexpr int chains() { return MT <= 2 ? 4 : MT <= 4 ? 2 : 1; }
 
+// y[m0 + m][16b + r] = yv[m] lane r (+ bias), for the block's rows below N.
+template <int MT>
+QLINEAR_TARGET("avx512f,avx512bw,avx512vl,avx512vnni") inline void store_avx512(const Weights& w, const float* bias,
+                                                                                  float* y, int b, int m0,
+                                                                                  const __m512* yv) {
+  const int n0 = kRows * b;
+  const __mmask16 keep = static_cast<__mmask16>(w.N - n0 >= kRows ? 0xFFFF : (1u << (w.N - n0)) - 1);
+  const __m512 bv = bias ? _mm512_maskz_loadu_ps(keep, bias + n0) : _mm512_setzero_ps();
+  for (int m = 0; m < MT; ++m)
+    _mm512_mask_storeu_ps(y + static_cast<int64_t>(m0 + m) * w.N + n0, keep, bias ? _mm512_add_ps(yv[m], bv) : yv[m]);
+}
+
+// The same from two 8-lane halves per activation row.
+template <int MT>
+QLINEAR_TARGET("avx2,fma,f16c") inline void store_avx2(const Weights& w, const float* bias, float* y, int b, int m0,
+                                                        const __m256 (*yv)[2]) {
+  const int n0 = kRows * b;
+  for (int m = 0; m < MT; ++m) {
+    alignas(32) float out[kRows];
+    _mm256_store_ps(out, yv[m][0]);
+    _mm256_store_ps(out + 8, yv[m][1]);
+    for (int r = 0; r < kRows && n0 + r < w.N; ++r)
+      y[static_cast<int64_t>(m0 + m) * w.N + n0 + r] = bias ? out[r] + bias[n0 + r] : out[r];
+  }
+}
+
 // ---- AVX-512 VNNI: a block's 16 rows in one register, MT activation rows at a time -----------------------------
 template <int MT>
 QLINEAR_TARGET("avx512f,avx512bw,avx512vl,avx512vnni") void tile_avx512(const Weights& w, const Acts& a,
@@ -150,11 +176,7 @@ QLINEAR_TARGET("avx512f,avx512bw,avx512vl,avx512vnni") void tile_avx512(const We
       yv[m] = _mm512_fmadd_ps(s, t, yv[m]);
     }
   }
-  const int n0 = kRows * b;
-  const __mmask16 keep = static_cast<__mmask16>(w.N - n0 >= kRows ? 0xFFFF : (1u << (w.N - n0)) - 1);
-  const __m512 bv = bias ? _mm512_maskz_loadu_ps(keep, bias + n0) : _mm512_setzero_ps();
-  for (int m = 0; m < MT; ++m)
-    _mm512_mask_storeu_ps(y + static_cast<int64_t>(m0 + m) * w.N + n0, keep, bias ? _mm512_add_ps(yv[m], bv) : yv[m]);
+  store_avx512<MT>(w, bias, y, b, m0, yv);
 }
 
 QLINEAR_TARGET("avx512f,avx512bw,avx512vl,avx512vnni") void block_avx512(const Weights& w, const Acts& a,
@@ -231,14 +253,7 @@ QLINEAR_TARGET("avx2,fma,f16c,avxvnni") void tile_avx2(const Weights& w, const A
       }
     }
   }
-  const int n0 = kRows * b;
-  for (int m = 0; m < MT; ++m) {
-    alignas(32) float out[kRows];
-    _mm256_store_ps(out, yv[m][0]);
-    _mm256_store_ps(out + 8, yv[m][1]);
-    for (int r = 0; r < kRows && n0 + r < w.N; ++r)
-      y[static_cast<int64_t>(m0 + m) * w.N + n0 + r] = bias ? out[r] + bias[n0 + r] : out[r];
-  }
+  store_avx2<MT>(w, bias, y, b, m0, yv);
 }
 
 template <bool VNNI>
@@ -386,11 +401,7 @@ QLINEAR_AVX512_LUT void tile_avx512_lut(const Weights& w, const Acts& a, const f
       }
     }
   }
-  const int n0 = kRows * b;
-  const __mmask16 keep = static_cast<__mmask16>(w.N - n0 >= kRows ? 0xFFFF : (1u << (w.N - n0)) - 1);
-  const __m512 bv = bias ? _mm512_maskz_loadu_ps(keep, bias + n0) : _mm512_setzero_ps();
-  for (int m = 0; m < MT; ++m)
-    _mm512_mask_storeu_ps(y + static_cast<int64_t>(m0 + m) * w.N + n0, keep, bias ? _mm512_add_ps(yv[m], bv) : yv[m]);
+  store_avx512<MT>(w, bias, y, b, m0, yv);
 }
 
 template <int B>
@@ -605,11 +616,7 @@ QLINEAR_TARGET("avx512f,avx512bw,avx512vl,avx512vnni") void tile_avx512_cb(const
     const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.qs + at)));
     for (int m = 0; m < MT; ++m) yv[m] = _mm512_fmadd_ps(s, F[m], yv[m]);
   }
-  const int n0 = kRows * b;
-  const __mmask16 keep = static_cast<__mmask16>(w.N - n0 >= kRows ? 0xFFFF : (1u << (w.N - n0)) - 1);
-  const __m512 bv = bias ? _mm512_maskz_loadu_ps(keep, bias + n0) : _mm512_setzero_ps();
-  for (int m = 0; m < MT; ++m)
-    _mm512_mask_storeu_ps(y + static_cast<int64_t>(m0 + m) * w.N + n0, keep, bias ? _mm512_add_ps(yv[m], bv) : yv[m]);
+  store_avx512<MT>(w, bias, y, b, m0, yv);
 }
 
 template <int B>
@@ -685,14 +692,7 @@ QLINEAR_TARGET("avx2,fma,f16c,avxvnni") void tile_avx2_cb(const Weights& w, cons
       for (int m = 0; m < MT; ++m) yv[m][half] = _mm256_fmadd_ps(sv, F[m][half], yv[m][half]);
     }
   }
-  const int n0 = kRows * b;
-  for (int m = 0; m < MT; ++m) {
-    alignas(32) float out[kRows];
-    _mm256_store_ps(out, yv[m][0]);
-    _mm256_store_ps(out + 8, yv[m][1]);
-    for (int r = 0; r < kRows && n0 + r < w.N; ++r)
-      y[static_cast<int64_t>(m0 + m) * w.N + n0 + r] = bias ? out[r] + bias[n0 + r] : out[r];
-  }
+  store_avx2<MT>(w, bias, y, b, m0, yv);
 }
 
 template <int B, bool VNNI>
