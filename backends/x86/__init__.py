@@ -124,7 +124,9 @@ def _names(cfg) -> tuple[str, ...]:
 
 
 def _codes(buffers: dict, cfg, K: int) -> torch.Tensor:
-    """The codes ``[Nb·16, K]`` int64 of the layout."""
+    """The codes ``[Nb·16, K]`` int64 of layout ``x86`` or ``x86_codebook``."""
+    if cfg.format == "codebook":
+        return (_deinterleave if cfg.bits == 4 else _uncrumbs)(buffers["x86_qw"], K)
     return _deinterleave(buffers["x86_qw"], K) if _nibbles(cfg) else _unplanes(buffers["x86_lp"], K)
 
 
@@ -208,9 +210,7 @@ def _books(qb: torch.Tensor) -> torch.Tensor:
 
 def unrepack_codebook(buffers: dict, cfg, N: int, K: int) -> dict:
     """Layout ``x86_codebook`` -> canonical codebook buffers (exact inverse of :func:`repack_codebook`)."""
-    qw = buffers["x86_qw"]
-    codes = (_deinterleave(qw, K) if cfg.bits == 4 else _uncrumbs(qw, K))[:N]
-    out = {"codes": pack(codes, cfg.bits)}
+    out = {"codes": pack(_codes(buffers, cfg, K)[:N], cfg.bits)}
     if cfg.books > 1:
         out["book_idx"] = pack(unpad_groups(_books(buffers["x86_qb"]), N), _book_bits(cfg))
     out["scales"] = unpad_groups(buffers["x86_qs"], N)
@@ -236,8 +236,7 @@ def spec(x: torch.Tensor, buffers: dict, bias, cfg, N: int, K: int, rotation=Non
     qsum = xb.sum(-1)[:, None, :]  # [M, 1, H]
     dot = lambda c: torch.einsum("mhk,nhk->mnh", xb, c.double())  # exact integers [M, N, H]
     if cfg.format == "codebook":
-        qw = buffers["x86_qw"]
-        codes = (_deinterleave(qw, K) if cfg.bits == 4 else _uncrumbs(qw, K))[:N]
+        codes = _codes(buffers, cfg, K)[:N]
         books = (unpad_groups(_books(buffers["x86_qb"]), N) if "x86_qb" in buffers
                  else torch.zeros(N, K // gs, dtype=torch.int64))
         w = buffers["codebooks"].to(torch.int64)[books[:, g].repeat_interleave(32, 1), codes]  # int8 values [N, K]
