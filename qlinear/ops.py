@@ -21,6 +21,7 @@ import torch
 
 from . import backends
 from .formats import config_from_dict, get_format, rotation
+from .formats.base import place_inputs
 
 
 @functools.lru_cache(maxsize=1024)
@@ -165,8 +166,21 @@ def dequantize(packed: list[torch.Tensor], format: str, config: str, out_feature
     canonical).  The conversion back to the canonical buffers happens inside the op, where torch.compile does not
     trace it (its bit unpacking has data-dependent checks)."""
     cfg, bufs = _buffers(format, config, packed, out_features, in_features, layout)
+    held = backends.get_layout(layout) if layout else None
+    if held is not None and held.dequantize is not None:
+        return _dequantize_held(held, bufs, cfg, out_features, in_features).to(dtype)
     bufs = canonical(bufs, cfg, layout, out_features, in_features)
     return get_format(format).dequantize(bufs, cfg, out_features, in_features).to(dtype)
+
+
+def _dequantize_held(held, bufs: dict, cfg, out_features: int, in_features: int) -> torch.Tensor:
+    # the layout's Ŵ of the kernels' view, then the side buffers undone as the format's dequantize undoes them
+    kcfg, side = kernel_view(cfg)
+    w = held.dequantize({k: v for k, v in bufs.items() if k not in side}, kcfg, out_features, in_features)
+    if "perm" in side:
+        w = place_inputs(w, bufs["perm"])
+    p = rotation.params(cfg, in_features)
+    return w if p is None else rotation.rotate(w, *p, inverse=True)
 
 
 @dequantize.register_fake
@@ -228,6 +242,14 @@ def _(x, qw, qs, qz, bias, N, group_size, bits, format, path, rot_signs=None, ro
       qb=None):
     """x86 AVX-512 VNNI / AVX2 kernels of :mod:`qlinear.backends.x86`: ``x`` ``[M, K]`` fp32 -> ``[M, N]`` fp32."""
     return x.new_empty(x.shape[0], N)
+_lib.define("x86_dequantize(Tensor qw, Tensor qs, Tensor qz, Tensor? qb, int N, int K, int group_size, int bits, "
+            "int format) -> Tensor")
+
+
+@torch.library.register_fake("qlinear::x86_dequantize")
+def _(qw, qs, qz, qb, N, K, group_size, bits, format):
+    """``Ŵ`` ``[N, K]`` float32 from the :mod:`qlinear.backends.x86` layouts."""
+    return qs.new_empty(N, K, dtype=torch.float32)
 
 
 _lib.define("quick_gemm(Tensor x, Tensor qweight, Tensor scales, Tensor? zeros, Tensor? perm, Tensor? bias, "

@@ -113,7 +113,7 @@ def assert_fused_rotation(backend: str, cls, opts: dict, spec: Callable, K: int 
     output is its spec's on the transformed input, and within the int8-activation bound of ``(R·x)·Ŵ'ᵀ`` where
     ``Ŵ'`` is the stored (rotated) weight by :func:`dense64` and ``R`` the dense :func:`rotation64`.  ``spec(x,
     layer)`` runs the backend's spec on the layer's held buffers."""
-    from qlinear.formats import rotation
+    from qlinear.formats import get_format, rotation
 
     torch.manual_seed(0)
     lin = torch.nn.Linear(K, N)
@@ -132,6 +132,10 @@ def assert_fused_rotation(backend: str, cls, opts: dict, spec: Callable, K: int 
     xr = x.double() @ rotation64(9, rotation.block_size(K), K).T
     err = y.double() - (xr @ w.T + lin.bias.double())
     assert (err.abs() <= int8_activation_bound(w, xr.float()) + 1e-5 * y.double().abs()).all()
+    # Ŵ in the layer's input basis (the backward's weight, from the held layout where it has a dequantize), bit for
+    # bit the format's, and Ŵ'·R by float64
+    assert torch.equal(layer.dequantize(), get_format(cls.format).dequantize(layer.canonical(), layer.config, N, K))
+    assert torch.allclose(layer.dequantize().double(), w @ rotation64(9, rotation.block_size(K), K), atol=1e-6)
 
 
 def random_hessian(K: int, n: int = 4096, seed: int = 0) -> torch.Tensor:

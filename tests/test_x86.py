@@ -119,6 +119,20 @@ def _op(x, packed, bias, N, cfg, path):
         raise
 
 
+@pytest.mark.parametrize("name", ALL)
+def test_dequantize_from_the_layout_is_the_formats_bit_for_bit(name):
+    """The layouts' ``dequantize`` (the backward pass's weight, no unrepack) gives the format's float32 values, and
+    their float64 formula to fp32 rounding."""
+    from qlinear.formats import get_format
+
+    if x86.available() is not None:
+        pytest.skip(x86.available())
+    cfg, bufs, N, K = _case(name)
+    w = x86.dequantize(_repack(cfg, bufs, N, K), cfg, N, K)
+    assert w.dtype == torch.float32 and torch.equal(w, get_format(cfg.format).dequantize(bufs, cfg, N, K))
+    assert torch.allclose(w.double(), _dense(cfg, bufs, N, K), rtol=2.0 ** -23, atol=0)
+
+
 @pytest.mark.parametrize("name", list(CASES))
 def test_layout_round_trip_is_exact(name):
     cfg, bufs, N, K = _case(name)
@@ -313,6 +327,8 @@ def test_op_rejects_inconsistent_buffers():
         op(x, qw, qs, qz, None, N, 128, 5, 1, 0)
     with pytest.raises(RuntimeError, match=r"qw must be contiguous uint8 \[3, 8, 2, 64\]"):  # nibbles as 2-bit planes
         op(x, qw, qs, qz, None, N, 128, 2, 1, 0)
+    with pytest.raises(RuntimeError, match="x86_dequantize: qw must be contiguous uint8"):  # the same checks
+        torch.ops.qlinear.x86_dequantize(qw[:1], qs, qz, None, N, K, 128, 4, 0)
     cfg, bufs, N, K = _case("free α 2-bit g64")
     packed = x86.repack(bufs, cfg, N, K)
     with pytest.raises(RuntimeError, match=r"qs must be contiguous fp16 \[3, 5, 1, 16\]"):  # 2-bit α, one plane

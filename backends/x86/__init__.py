@@ -66,7 +66,7 @@ from .._cpu import pad_groups, quantize_activations, rotation_args, spec_input, 
 from .._native import OPENMP, build
 
 __all__ = ["LAYOUT", "CODEBOOK_LAYOUT", "PATHS", "repack", "unrepack", "repack_codebook", "unrepack_codebook", "spec",
-           "linear", "available", "simde_available", "supports"]
+           "linear", "dequantize", "available", "simde_available", "supports"]
 
 _HERE = Path(__file__).parent
 PATHS = {"auto": 0, "scalar": 1, "avx2": 2, "avx2_vnni": 3, "avx512_vnni": 4}
@@ -159,7 +159,23 @@ def unrepack(buffers: dict, cfg, N: int, K: int) -> dict:
     return bcq.uniform_buffers(codes, unpad_groups(buffers["x86_qs"], N), zeros, cfg.bits)
 
 
-LAYOUT = Layout(name="x86", names=_names, repack=repack, unrepack=unrepack)
+def _weights(buffers: dict, cfg, K: int) -> tuple:
+    """``(qw, qs, qz, qb, group_size, bits, format)``: the op arguments (qgemm.h's ``Weights``) of a layer's buffers."""
+    if cfg.format == "codebook":  # qgemm.h's Format kCB4 / kCB2; qz: the codebooks
+        return (buffers["x86_qw"], buffers["x86_qs"], buffers["codebooks"], buffers.get("x86_qb"), cfg.group_size,
+                cfg.bits, 3 if cfg.bits == 4 else 4)
+    fmt = 0 if _nibbles(cfg) else 1 if bcq.is_uniform(cfg) else 2  # kU4, kLutUniform, kLutFree
+    return (*(buffers[n] for n in _names(cfg)), None, K if cfg.group_size == -1 else cfg.group_size, cfg.bits, fmt)
+
+
+def dequantize(buffers: dict, cfg, out_features: int, in_features: int) -> torch.Tensor:
+    """``Ŵ`` ``[N, K]`` float32 straight from layout ``x86`` or ``x86_codebook`` (the layouts' ``dequantize``, for
+    the backward pass): the same values as the format's ``dequantize`` of the :func:`unrepack`-ed buffers."""
+    qw, qs, qz, qb, gs, bits, fmt = _weights(buffers, cfg, in_features)
+    return torch.ops.qlinear.x86_dequantize(qw, qs, qz, qb, out_features, in_features, gs, bits, fmt)
+
+
+LAYOUT = Layout(name="x86", names=_names, repack=repack, unrepack=unrepack, dequantize=dequantize)
 
 
 def _crumbs(codes: torch.Tensor, N: int, K: int) -> torch.Tensor:
@@ -219,7 +235,7 @@ def unrepack_codebook(buffers: dict, cfg, N: int, K: int) -> dict:
 
 
 CODEBOOK_LAYOUT = Layout(name="x86_codebook", names=_codebook_names, repack=repack_codebook,
-                         unrepack=unrepack_codebook)
+                         unrepack=unrepack_codebook, dequantize=dequantize)
 
 
 def spec(x: torch.Tensor, buffers: dict, bias, cfg, N: int, K: int, rotation=None) -> torch.Tensor:
@@ -294,15 +310,9 @@ def linear(x: torch.Tensor, buffers: dict, bias, cfg, out_features: int, in_feat
     N, K = out_features, in_features
     x2 = x.reshape(-1, K)
     op = torch.ops.qlinear_x86_simde.x86_gemm if simde else torch.ops.qlinear.x86_gemm
-    if cfg.format == "codebook":  # qgemm.h's Format kCB4 / kCB2
-        y = op(x2.float().contiguous(), buffers["x86_qw"], buffers["x86_qs"], buffers["codebooks"], bias, N,
-               cfg.group_size, cfg.bits, 3 if cfg.bits == 4 else 4, PATHS[path], *rotation_args(rotation, K), None,
-               buffers.get("x86_qb"))
-        return y.to(x.dtype).reshape(*x.shape[:-1], N)
-    fmt = 0 if _nibbles(cfg) else 1 if bcq.is_uniform(cfg) else 2  # qgemm.h's Format
-    gs = K if cfg.group_size == -1 else cfg.group_size
-    y = op(x2.float().contiguous(), *(buffers[n] for n in _names(cfg)), bias, N, gs, cfg.bits, fmt, PATHS[path],
-           *rotation_args(rotation, in_features), buffers.get("perm"), None)
+    qw, qs, qz, qb, gs, bits, fmt = _weights(buffers, cfg, K)
+    y = op(x2.float().contiguous(), qw, qs, qz, bias, N, gs, bits, fmt, PATHS[path], *rotation_args(rotation, K),
+           buffers.get("perm"), qb)
     return y.to(x.dtype).reshape(*x.shape[:-1], N)
 
 

@@ -842,4 +842,88 @@ void run(const Weights& w, const Acts& a, const float* bias, float* y, int b0, i
   }
 }
 
+namespace {
+// The codes c[r][k] of a block's 16 rows at inputs 32h + k (layouts of qgemm.h).
+void block_codes(const Weights& w, const uint8_t* blk, int h, uint8_t (*c)[32]) {
+  if (w.format == kU4 || w.format == kCB4) {
+    for (int q = 0; q < 4; ++q) {
+      const uint8_t* v = blk + static_cast<int64_t>(4 * h + q) * 64;
+      for (int r = 0; r < kRows; ++r)
+        for (int j = 0; j < 4; ++j) {
+          c[r][8 * q + j] = v[4 * r + j] & 15;
+          c[r][8 * q + 4 + j] = v[4 * r + j] >> 4;
+        }
+    }
+  } else if (w.format == kCB2) {
+    for (int q = 0; q < 2; ++q) {
+      const uint8_t* v = blk + static_cast<int64_t>(2 * h + q) * 64;
+      for (int r = 0; r < kRows; ++r)
+        for (int t = 0; t < 4; ++t)
+          for (int j = 0; j < 4; ++j) c[r][16 * q + 4 * t + j] = (v[4 * r + j] >> (2 * t)) & 3;
+    }
+  } else {  // bit-planes: byte 16g + r of plane i holds bit i of inputs 4g + t (low nibble) and 16 + 4g + t (high)
+    static constexpr auto spread = [] {  // nibble -> its 4 bits in the low bit of 4 bytes (little-endian)
+      struct { uint32_t v[16]; } t{};
+      for (uint32_t n = 0; n < 16; ++n) t.v[n] = (n & 1) | ((n >> 1 & 1) << 8) | ((n >> 2 & 1) << 16) | ((n >> 3) << 24);
+      return t;
+    }();
+    uint32_t acc[kRows][8] = {};
+    for (int i = 0; i < w.bits; ++i) {
+      const uint8_t* v = blk + (static_cast<int64_t>(h) * w.bits + i) * 64;
+      for (int g = 0; g < 4; ++g)
+        for (int r = 0; r < kRows; ++r) {
+          acc[r][g] |= spread.v[v[16 * g + r] & 15] << i;
+          acc[r][4 + g] |= spread.v[v[16 * g + r] >> 4] << i;
+        }
+    }
+    std::memcpy(c, acc, sizeof(acc));
+  }
+}
+
+// The 2^bits weight values of row r of block b in group g.
+void levels(const Weights& w, int b, int g, int r, float* lv) {
+  const int64_t at = (static_cast<int64_t>(b) * num_groups(w) + g) * kRows + r;
+  const int L = 1 << w.bits;
+  if (w.format >= kCB4) {
+    const int book = cb_book(w, b, g, r) << w.bits;
+    const float scale = half_to_float(w.qs[at]);
+    for (int c = 0; c < L; ++c) lv[c] = scale * static_cast<float>(w.table[book | c]);
+  } else if (w.format == kLutFree) {
+    const int64_t ab = (static_cast<int64_t>(b) * num_groups(w) + g) * w.bits;
+    float al[kMaxBits];
+    for (int i = 0; i < w.bits; ++i) al[i] = half_to_float(w.qs[(ab + i) * kRows + r]);
+    const float offset = half_to_float(w.qc[at]);
+    for (int c = 0; c < L; ++c) {
+      float v = 0.0f;
+      for (int i = 0; i < w.bits; ++i) v = v + ((c >> i) & 1 ? al[i] : -al[i]);
+      lv[c] = v + offset;
+    }
+  } else {
+    const float s = half_to_float(w.qs[at]), z = static_cast<float>(w.qz[at]) * 0.5f;
+    for (int c = 0; c < L; ++c) lv[c] = s * (static_cast<float>(c) - z);
+  }
+}
+}  // namespace
+
+void dequantize(const Weights& w, float* out, int b0, int b1) {
+  const int K = w.K, G = num_groups(w);
+  const bool planes = w.format == kLutUniform || w.format == kLutFree;
+  float lv[kRows][16];
+  uint8_t c[kRows][32];
+  for (int b = b0; b < b1; ++b) {
+    const uint8_t* blk = w.qw + (planes ? lut_block(w, b) : cb_block(w, b, w.format == kCB2 ? 2 : 4));
+    const int rows = std::min(kRows, w.N - kRows * b);
+    for (int g = 0; g < G; ++g) {
+      for (int r = 0; r < rows; ++r) levels(w, b, g, r, lv[r]);
+      for (int h = g * w.group_size / 32; h < std::min((g + 1) * w.group_size, K) / 32; ++h) {
+        block_codes(w, blk, h, c);
+        for (int r = 0; r < rows; ++r) {
+          float* o = out + static_cast<int64_t>(kRows * b + r) * K + 32 * h;
+          for (int k = 0; k < 32; ++k) o[k] = lv[r][c[r][k]];
+        }
+      }
+    }
+  }
+}
+
 }  // namespace qlinear_x86

@@ -85,5 +85,9 @@ int best_path(int format);
 bool path_supported(int path, int format);
 // y [M, N] float32 = x Wᵀ (+ bias) for the 16-row blocks [b0, b1).
 void run(const Weights& w, const Acts& a, const float* bias, float* y, int b0, int b1, int path);
+// Rows [16·b0, min(16·b1, N)) of Ŵ [N, K] float32, the values of the canonical formats' dequantization
+// (qlinear/formats): uniform s·(code − z); free α +0 ± α_1 ± ... ± α_B in plane order, + c; codebooks
+// s·centroid.  For the backward pass (grad_x = grad·Ŵ) without converting the layout back.
+void dequantize(const Weights& w, float* out, int b0, int b1);
 
 }  // namespace qlinear_x86

@@ -37,6 +37,9 @@ class Layout:
     A module on a device where this layout's kernel is the one :func:`layout_for` picks holds only the
     repacked buffers (no second copy); checkpoints always hold the canonical ones.  ``saved_specs(N, K, cfg)``
     (older storages only) gives the buffer specs such a checkpoint holds, or None for configs it does not apply to.
+    ``dequantize(buffers, cfg, N, K) -> Ŵ`` float32 ``[N, K]`` (optional): the format's ``dequantize`` of the
+    unrepacked buffers, value for value, computed from the layout directly (the backward pass's weight); ``cfg`` is
+    the kernels' view (:func:`qlinear.ops.kernel_view`), so act_order's ``perm`` and a rotation are not its business.
     """
 
     name: str
@@ -44,6 +47,7 @@ class Layout:
     repack: Callable
     unrepack: Callable
     saved_specs: Optional[Callable] = None
+    dequantize: Optional[Callable] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,6 +198,14 @@ def on_weight_device(quantizer: Callable) -> Callable:
             return quantizer(weight, *args, **kwargs)
 
     return run
+
+
+def place_inputs(w: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
+    """``W`` ``[N, K]`` in input order from its stored columns ``w`` ``[N, K]``, stored position ``j`` being input
+    ``perm[j]`` (int ``[K]``; an act_order layer, GPTQ's ``g_idx`` order)."""
+    out = torch.empty_like(w)
+    out[:, perm.long()] = w
+    return out
 
 
 def fp16_round(t: torch.Tensor) -> torch.Tensor:

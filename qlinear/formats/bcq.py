@@ -52,7 +52,7 @@ import torch
 
 from . import rotation, uniform
 from .base import (UNIFORM_MIN_SCALE, BufferSpecs, FormatConfig, Layout, check_input_split, fp16_round, on_weight_device,
-                   group_lookup, importance, num_groups)
+                   group_lookup, importance, num_groups, place_inputs)
 from .packing import pack, pack_planes, packed_len, unpack, unpack_planes, unpack_u8
 
 NAME = "bcq"
@@ -434,11 +434,7 @@ def dequantize(buffers: dict[str, torch.Tensor], cfg: Config, out_features: int,
     if lookup:  # w holds the levels [N, G, 2^q]: look each weight up
         w = group_lookup(w, codes)
     w = w.reshape(N, G * g)[:, :K]
-    if "perm" in buffers:  # stored position j is input column perm[j]
-        out = torch.empty_like(w)
-        out[:, buffers["perm"].long()] = w
-        return out
-    return w
+    return place_inputs(w, buffers["perm"]) if "perm" in buffers else w
 
 
 # Uniform storage <-> BCQ view -----------------------------------------------------------------------------------
