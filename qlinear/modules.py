@@ -253,7 +253,7 @@ class QuantLinear(nn.Module):
         layer (cleared by ``.to()``, state-dict loads, repacks and backend changes); logs the choice, and warns once
         per layer when the kernel needs the buffers converted on every call."""
         device, dtype, batch, gen = key
-        if self._placed_on != self._buffers[self._packed_names[0]].device:
+        if self._placed_on != self._buffers[self._packed_names[0]].device and not self.offloaded():
             # buffers set from outside (accelerate's load_checkpoint_and_dispatch): take this device's layout once
             self.repack_for_device()
         call = ops.resolve(self.format, self._config_json, self.out_features, self.in_features, self.layout, device,
@@ -263,7 +263,7 @@ class QuantLinear(nn.Module):
         self._calls[key] = call
         logger.info("%s: %s %s batch %d -> kernel %s, layout %s", self._describe(), device, dtype, batch,
                     call.kernel.backend, self.layout or "canonical")
-        if call.converts and not self._warned_conversion:
+        if call.converts and not self._warned_conversion and not self.offloaded():  # offloaded: expected
             self._warned_conversion = True
             why = ops.why_not_held(self.format, call.cfg, self.layout, device, dtype, batch, call.shape, self.backend)
             warnings.warn(f"{self._describe()} holds layout {self.layout or 'canonical'} but kernel "
@@ -396,6 +396,26 @@ class QuantLinear(nn.Module):
         if specs is None:
             raise ValueError(f"{layout.name} is not an older storage of {self._describe()}")
         self._set_packed({n: torch.empty(shape, dtype=dt, device="meta") for n, (shape, dt) in specs.items()}, layout)
+
+    def release_packed(self) -> dict[str, torch.Tensor]:
+        """Hand the packed tensors over to an offloader and hold empty meta buffers of the canonical specs instead.
+
+        Returns the canonical buffers by name (converted from the held kernel layout).  For accelerate's offload
+        hooks, which load the tensors before each call and drop them after it; the layer then keeps the canonical
+        layout (see :meth:`offloaded`).
+        """
+        bufs = self.canonical()
+        self._set_packed({n: torch.empty(t.shape, dtype=t.dtype, device="meta") for n, t in bufs.items()}, None)
+        self._placed_on = None
+        return bufs
+
+    def offloaded(self) -> bool:
+        """Whether an accelerate hook holds this layer's packed tensors elsewhere (CPU or disk) and brings them in for
+        each call (``AlignDevicesHook`` with ``offload`` and ``offload_buffers``).  Such a layer stays in the
+        canonical layout: its tensors are replaced on every call, so a kernel layout would be rebuilt each time."""
+        hook = getattr(self, "_hf_hook", None)
+        return any(getattr(h, "offload", False) and getattr(h, "offload_buffers", False)
+                   for h in getattr(hook, "hooks", (hook,)))
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         holds_saved = self._layout is not None and self._layout.saved_specs is not None

@@ -425,6 +425,41 @@ def test_accelerate_empty_skeleton_loads_like_from_pretrained(quantized_llama, f
         qlinear.init_empty_quantized(float_llama[0], QLinearConfig(**FORMATS[fmt]))
 
 
+DISK_MAP = {"model.embed_tokens": "cpu", "model.rotary_emb": "cpu", "model.layers.0": "cpu", "model.layers.1": "disk",
+            "model.norm": "cpu", "lm_head": "cpu"}
+
+
+@pytest.mark.parametrize("source", ["saved", "quantized on load"])
+def test_disk_offload_takes_the_packed_tensors_without_offload_buffers(quantized_llama, float_llama, source, tmp_path):
+    """device_map "disk" layers hold no packed tensor in RAM (meta), without offload_buffers=True: a saved
+    checkpoint's are read from its own file (nothing copied), a quantized-on-load model's are written to the offload
+    folder; logits equal the in-memory model's, with and without autograd, call after call."""
+    fmt, ref, saved = quantized_llama
+    kw = (dict(quantization_config=QLinearConfig(**FORMATS[fmt])) if source != "saved" else {})
+    model = AutoModelForCausalLM.from_pretrained(saved if source == "saved" else float_llama[1], device_map=DISK_MAP,
+                                                 offload_folder=str(tmp_path / "offload"), **kw)
+    layers = quant_layers(model)
+    for name, mod in layers.items():
+        devices = {b.device.type for _, b in mod.named_buffers() if _ != "bias"}
+        assert devices == ({"meta"} if name.startswith("model.layers.1.") else {"cpu"}), name
+        assert mod.offloaded() == name.startswith("model.layers.1.")
+    written = {f.name for f in (tmp_path / "offload").iterdir()}
+    packed = {f"{n}.{b}.dat" for n, m in layers.items() if m.offloaded() for b in m.held_specs()}
+    assert packed <= written if source != "saved" else not packed & written
+    assert torch.equal(model(TOKENS).logits, logits(ref))  # autograd on: through the op
+    for length in (12, 9):  # eager: the layer's cached call, twice
+        assert torch.equal(logits(model, TOKENS[:, :length]), logits(ref, TOKENS[:, :length]))
+    assert all(b.device.type == "meta" for n, m in layers.items() if m.offloaded() for _, b in m.named_buffers())
+    model.save_pretrained(tmp_path / "again")  # the offloaded tensors are read back to be saved
+    assert torch.equal(logits(AutoModelForCausalLM.from_pretrained(tmp_path / "again")), logits(ref))
+
+
+def test_disk_offload_of_a_layer_quantized_on_load_needs_an_offload_folder(float_llama):
+    with pytest.raises(ValueError, match="offloaded to disk but its packed tensors .* pass offload_folder="):
+        AutoModelForCausalLM.from_pretrained(float_llama[1], quantization_config=QLinearConfig(**FORMATS["bcq"]),
+                                             device_map=DISK_MAP)
+
+
 def test_float_layer_in_checkpoint_raises(float_llama, tmp_path):
     _, path = float_llama
     model = AutoModelForCausalLM.from_pretrained(

@@ -464,10 +464,64 @@ class QLinearHfQuantizer(HfQuantizer):
                 tp.finish_load_shards(model, self._tp_specs, next(model.parameters()).device)
                 tp.add_gather_hooks(model, self._tp_specs, mesh.get_group())
             self._tp_sharded = True
+        _offload_packed(model, self._checkpoint_index)
         for mod in model.modules():  # tensors were assigned in place: derive each kernel's layout once now
             if isinstance(mod, QuantLinear):
                 mod.repack_for_device()
         return model
+
+
+def _offload_packed(model: nn.Module, checkpoint_index: dict[str, dict[str, tuple[str, str]]]) -> None:
+    """Send the packed tensors of the layers ``device_map`` offloads ("cpu" beside a GPU, or "disk") to the offload
+    too.  transformers offloads only parameters unless ``from_pretrained`` gets ``offload_buffers=True`` (it passes
+    that flag to accelerate itself; a quantizer cannot set it), and packed tensors are buffers, so without this they
+    would stay in RAM (or on the GPU).  Each such layer's hook gets its tensors: on "disk" an entry pointing at the
+    checkpoint's safetensors file (no copy) or, for tensors the checkpoint does not hold as they are (quantized on
+    load, an older storage), a file written to the offload folder; on "cpu" the tensor itself.  Then the hook loads
+    buffers too (``offload_buffers``) and the layer holds meta tensors.  Uses accelerate's ``AlignDevicesHook``
+    (``offload``, ``offload_buffers``, ``weights_map``) and ``OffloadedWeightsLoader`` (``state_dict``, ``index``,
+    ``save_folder``, ``all_keys``), accelerate 1.x.
+
+    Raises:
+        ValueError: a disk-offloaded layer whose tensors must be written, without an offload folder.
+    """
+    device_map = getattr(model, "hf_device_map", None) or {}
+    if not {"cpu", "disk"} & set(device_map.values()):
+        return
+    from accelerate.hooks import AlignDevicesHook
+    from accelerate.utils import OffloadedWeightsLoader, PrefixedDataset, offload_weight
+
+    for name, mod in model.named_modules():
+        hook = getattr(mod, "_hf_hook", None)
+        if not isinstance(mod, QuantLinear) or not isinstance(hook, AlignDevicesHook) or not hook.offload \
+                or hook.offload_buffers or not isinstance(hook.weights_map, PrefixedDataset) \
+                or not isinstance(hook.weights_map.dataset, OffloadedWeightsLoader):
+            continue
+        loader, prefix = hook.weights_map.dataset, hook.weights_map.prefix
+        disk = _mapped_device(device_map, name) == "disk"
+        files = checkpoint_index.get(name, {})
+        for buf, t in mod.release_packed().items():
+            key = prefix + buf
+            if not disk:
+                loader.state_dict[key] = t.cpu()
+            elif buf in files:
+                loader.index[key] = {"safetensors_file": files[buf][0], "weight_name": files[buf][1],
+                                     "dtype": str(t.dtype).removeprefix("torch.")}
+            elif loader.save_folder is None:
+                raise ValueError(f"{name} is offloaded to disk but its packed tensors are not in a safetensors "
+                                 f"checkpoint: pass offload_folder= to from_pretrained")
+            else:
+                offload_weight(t, key, loader.save_folder, index=loader.index)
+            if key not in loader.all_keys:
+                loader.all_keys.append(key)
+        hook.offload_buffers = True
+
+
+def _mapped_device(device_map: dict, name: str):
+    """The ``device_map`` entry that places module ``name`` (its own or its closest ancestor's)."""
+    while name not in device_map and name:
+        name = name.rpartition(".")[0]
+    return device_map.get(name)
 
 
 def init_empty_quantized(model: nn.Module, config: Any = None) -> nn.Module:
