@@ -6,7 +6,8 @@
 
 Per layer (median µs, torch's threads as set): dense fp32 and bf16 ``F.linear``; PyTorch's int4 CPU kernel
 (``aten._weight_int4pack_mm_for_cpu``, bf16 activations, the same group size); qlinear's reference backend
-(dequantize + matmul); qlinear's x86 kernels on each path this CPU has, for each of ``--formats``: uniform u4 (nibble
+(dequantize + matmul); qlinear's x86 kernels on each path this CPU has, and "auto" (what a layer runs: the best path,
+or from ``x86.DEQUANT_FROM`` rows of a bit-plane layer the batched path), for each of ``--formats``: uniform u4 (nibble
 layout, VPDPBUSD) and u3/u2, free-α bcq4/3/2 (bit-plane lookup tables), codebooks cb4/cb2 (4 books at 2 bits;
 codes looked up in the layer's 16-byte table); group 128 (64 where K is not a multiple of
 128, e.g. SmolLM2's 576).  End to end: SmolLM2-135M greedy decode tokens/s, float32 versus
@@ -102,10 +103,11 @@ def layers(shapes, batches, iters, formats):
                 for p in PATHS:
                     if (p != "scalar" or N * K * M <= 4096 * 4096) and _runs(p, x, packed, cfg, N, K):
                         t[p] = timeit(lambda p=p: x86.linear(x, packed, None, cfg, N, K, path=p), iters=iters)
-                best = min(t[p] for p in PATHS if p in t)
+                t["auto"] = timeit(lambda: x86.linear(x, packed, None, cfg, N, K), iters=iters)
+                best = min(t[p] for p in (*PATHS, "auto") if p in t)
                 ours_u4 = best if name == "u4" else ours_u4
                 rows.append([f"{N}x{K}", M, gs, name, *[t.get(k, float("nan")) for k in ("fp32", "bf16", "int4", "ref",
-                                                                                        *PATHS)],
+                                                                                        *PATHS, "auto")],
                              t["int4"] / best, t["bf16"] / best, best / ours_u4 if ours_u4 else float("nan")])
     return rows
 
@@ -190,7 +192,8 @@ def main() -> None:
           "cb4/cb2 codebooks")
     if not args.no_layers:
         print(table(["N x K", "M", "group", "format", "dense fp32", "dense bf16", "PyTorch int4", "qlinear reference",
-                     *[f"x86 {p}" for p in PATHS], "int4 / best x86", "bf16 / best x86", "best x86 / u4's"],
+                     *[f"x86 {p}" for p in PATHS], "x86 auto", "int4 / best x86", "bf16 / best x86",
+                     "best x86 / u4's"],
                     layers(shapes, batches, args.iters, args.formats.split(","))))
     if not args.no_e2e:
         print(f"\nSmolLM2-135M greedy decode, {args.tokens} tokens after a 5-token prompt, batch 1")

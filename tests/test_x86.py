@@ -309,6 +309,38 @@ def test_every_path_matches_the_spec_and_the_others_bitwise(name, bias):
         assert torch.equal(_op(x, packed, b, N, cfg, "auto"), ys["scalar"])
 
 
+@pytest.mark.parametrize("name", [n for n in CASES if _planes(_case(n)[0])])
+def test_large_batches_of_bit_plane_layers_take_the_float_gemm(name):
+    """From DEQUANT_FROM rows ("auto"), Ŵ from the layout times unquantized x: within float32 GEMM rounding of the
+    float64 reference, far inside the int8-activation bound the lookups keep below it."""
+    if x86.available() is not None:
+        pytest.skip(x86.available())
+    cfg, bufs, N, K = _case(name)
+    packed, w64, b = x86.repack(bufs, cfg, N, K), _dense(cfg, bufs, N, K), torch.randn(N)
+    for M in (x86.DEQUANT_FROM - 1, x86.DEQUANT_FROM):
+        x = torch.randn(M, K)
+        y = _op(x, packed, b, N, cfg, "auto").double()
+        err = (y - (x.double() @ w64.T + b.double())).abs()
+        gemm = 2 * K * 2.0 ** -24 * (x.double().abs() @ w64.abs().T + b.double().abs())
+        assert (err <= gemm).all() == (M >= x86.DEQUANT_FROM), M
+
+
+def test_large_batches_of_rotated_act_order_layers_take_the_float_gemm():
+    """The batched path applies what the lookups fuse: the rotation of x, then act_order's gather."""
+    from conftest import random_hessian, ref64
+
+    if x86.available() is not None:
+        pytest.skip(x86.available())
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(192, 40)
+    layer = BCQLinear.from_linear(lin, dict(bits=3, group_size=64, method="gptq", act_order=True, rotation="hadamard",
+                                            rotation_seed=5), random_hessian(192), backend="x86")
+    x = torch.randn(x86.DEQUANT_FROM, 192)
+    assert layer.kernel(x).backend == "x86" and layer.layout == "x86"
+    want = ref64(layer, x)
+    assert ((layer(x).double() - want).abs() <= 1e-5 * (1 + want.abs())).all()
+
+
 def test_op_rejects_inconsistent_buffers():
     cfg, bufs, N, K = _case("g128")
     packed = x86.repack(bufs, cfg, N, K)

@@ -30,7 +30,9 @@ the Arm kernels.
 
 Paths, chosen from cpuid once (``path`` forces one): AVX-512 VNNI (the LUT layout also needs VBMI, else it runs on
 AVX2), AVX2 with AVX-VNNI, AVX2 (VPMADDUBSW + VPMADDWD; the lookups by VPSHUFB), scalar C++.  All compute the
-same int32 sums and the same fp32 operations in the same order, so they give the same bits.  Built just in time
+same int32 sums and the same fp32 operations in the same order, so they give the same bits.  Batches of
+:data:`DEQUANT_FROM` rows or more of a bit-plane layer (path "auto") take the batched path instead: ``Ŵ`` from the
+layout (:func:`dequantize`, also the backward pass's weight), then a float32 GEMM on unquantized activations.  Built just in time
 (``backends/_native.py``) with baseline flags; each SIMD path carries its own ``target`` attribute.  Rows are split
 across threads with ``at::parallel_for``.
 
@@ -71,6 +73,9 @@ __all__ = ["LAYOUT", "CODEBOOK_LAYOUT", "PATHS", "repack", "unrepack", "repack_c
 _HERE = Path(__file__).parent
 PATHS = {"auto": 0, "scalar": 1, "avx2": 2, "avx2_vnni": 3, "avx512_vnni": 4}
 ROWS = 16  # rows per block (one 32-bit lane each of a 512-bit register)
+# From this many rows the bit-plane layers (all but uniform 4-bit) dequantize Ŵ and run a float32 GEMM instead of the
+# lookups (path "auto"; benchmarks/RESULTS.md, "x86 kernels, batched bit-plane layers", 2026-11-26)
+DEQUANT_FROM = 64
 SOURCES = tuple(str(_HERE / f) for f in ("kernels.cpp", "binding.cpp"))
 CFLAGS = ("-O3", "-std=c++17", "-ffp-contract=off", *OPENMP)
 
@@ -309,6 +314,12 @@ def linear(x: torch.Tensor, buffers: dict, bias, cfg, out_features: int, in_feat
     layer's ``perm`` in ``buffers`` is gathered there too, after it (``gathers_perm``)."""
     N, K = out_features, in_features
     x2 = x.reshape(-1, K)
+    if path == "auto" and not simde and x2.shape[0] >= DEQUANT_FROM and cfg.format == "bcq" and not _nibbles(cfg):
+        # the batched path: Ŵ once, then a float32 GEMM (the weight read once per call instead of once per row block)
+        w = dequantize(buffers, cfg, N, K)
+        y = torch.nn.functional.linear(spec_input(x2.float(), rotation, buffers.get("perm")), w,
+                                       None if bias is None else bias.float())
+        return y.to(x.dtype).reshape(*x.shape[:-1], N)
     op = torch.ops.qlinear_x86_simde.x86_gemm if simde else torch.ops.qlinear.x86_gemm
     qw, qs, qz, qb, gs, bits, fmt = _weights(buffers, cfg, K)
     y = op(x2.float().contiguous(), qw, qs, qz, bias, N, gs, bits, fmt, PATHS[path], *rotation_args(rotation, K),
