@@ -31,10 +31,11 @@ the Arm kernels.
 Paths, chosen from cpuid once (``path`` forces one): AVX-512 VNNI (the LUT layout also needs VBMI, else it runs on
 AVX2), AVX2 with AVX-VNNI, AVX2 (VPMADDUBSW + VPMADDWD; the lookups by VPSHUFB), scalar C++.  All compute the
 same int32 sums and the same fp32 operations in the same order, so they give the same bits.  Batches of
-:data:`DEQUANT_FROM` rows or more of a bit-plane layer (path "auto") take the batched path instead: ``Ŵ`` from the
-layout (:func:`dequantize`, also the backward pass's weight), then a float32 GEMM on unquantized activations.  Built just in time
-(``backends/_native.py``) with baseline flags; each SIMD path carries its own ``target`` attribute.  Rows are split
-across threads with ``at::parallel_for``.
+:data:`DEQUANT_FROM` rows or more (by bits) of a bit-plane layer (path "auto") take the batched path instead: ``Ŵ``
+from the layout a cache-sized tile of rows at a time (:func:`dequantize`, also the backward pass's weight), each
+tile times the unquantized activations by a float32 GEMM.  Built just in time (``backends/_native.py``) with
+baseline flags; each SIMD path carries its own ``target`` attribute.  Rows are split across threads with
+``at::parallel_for``.
 
 Layout ``x86`` (repacked once at load; :func:`repack` / :func:`unrepack` are exact inverses), ``Nb = ceil(N/16)``:
 ``x86_qw`` uint8 ``[Nb, K/8, 64]`` (uniform 4-bit: byte ``4r + j`` of 16-row block ``b``, 8-input chunk ``c`` holds
@@ -73,9 +74,10 @@ __all__ = ["LAYOUT", "CODEBOOK_LAYOUT", "PATHS", "repack", "unrepack", "repack_c
 _HERE = Path(__file__).parent
 PATHS = {"auto": 0, "scalar": 1, "avx2": 2, "avx2_vnni": 3, "avx512_vnni": 4}
 ROWS = 16  # rows per block (one 32-bit lane each of a 512-bit register)
-# From this many rows the bit-plane layers (all but uniform 4-bit) dequantize Ŵ and run a float32 GEMM instead of the
-# lookups (path "auto"; benchmarks/RESULTS.md, "x86 kernels, batched bit-plane layers", 2026-11-26)
-DEQUANT_FROM = 64
+# From this many rows (by bits) the bit-plane layers (all but uniform 4-bit) dequantize Ŵ and run a float32 GEMM
+# instead of the lookups (path "auto"; benchmarks/RESULTS.md, "x86 kernels, fourth slice", 2026-11-26)
+DEQUANT_FROM = {1: 256, 2: 256, 3: 128, 4: 128}
+_TILE_BYTES = 4 << 20  # float32 rows of Ŵ per tile of the batched path: cache-sized, below glibc's mmap threshold
 SOURCES = tuple(str(_HERE / f) for f in ("kernels.cpp", "binding.cpp"))
 CFLAGS = ("-O3", "-std=c++17", "-ffp-contract=off", *OPENMP)
 
@@ -314,16 +316,29 @@ def linear(x: torch.Tensor, buffers: dict, bias, cfg, out_features: int, in_feat
     layer's ``perm`` in ``buffers`` is gathered there too, after it (``gathers_perm``)."""
     N, K = out_features, in_features
     x2 = x.reshape(-1, K)
-    if path == "auto" and not simde and x2.shape[0] >= DEQUANT_FROM and cfg.format == "bcq" and not _nibbles(cfg):
-        # the batched path: Ŵ once, then a float32 GEMM (the weight read once per call instead of once per row block)
-        w = dequantize(buffers, cfg, N, K)
-        y = torch.nn.functional.linear(spec_input(x2.float(), rotation, buffers.get("perm")), w,
-                                       None if bias is None else bias.float())
-        return y.to(x.dtype).reshape(*x.shape[:-1], N)
+    if path == "auto" and not simde and cfg.format == "bcq" and not _nibbles(cfg) \
+            and x2.shape[0] >= DEQUANT_FROM[cfg.bits]:
+        return _batched(x, buffers, bias, cfg, N, K, rotation)
     op = torch.ops.qlinear_x86_simde.x86_gemm if simde else torch.ops.qlinear.x86_gemm
     qw, qs, qz, qb, gs, bits, fmt = _weights(buffers, cfg, K)
     y = op(x2.float().contiguous(), qw, qs, qz, bias, N, gs, bits, fmt, PATHS[path], *rotation_args(rotation, K),
            buffers.get("perm"), qb)
+    return y.to(x.dtype).reshape(*x.shape[:-1], N)
+
+
+def _batched(x: torch.Tensor, buffers: dict, bias, cfg, N: int, K: int, rotation) -> torch.Tensor:
+    """The batched path: ``Ŵ`` a tile of rows at a time (blocks of the layout are whole rows) into a cache-sized float32
+    buffer (a whole Ŵ of a large layer would cost more in page faults than the GEMM), each tile times the unquantized
+    (rotated, gathered) x by a float32 GEMM."""
+    xs = spec_input(x.reshape(-1, K).float(), rotation, buffers.get("perm"))
+    y = xs.new_empty(xs.shape[0], N)
+    blocks = max(1, _TILE_BYTES // (4 * K * ROWS))
+    main = {n: buffers[n] for n in _names(cfg)}
+    for b0 in range(0, -(-N // ROWS), blocks):
+        r0, r1 = b0 * ROWS, min(N, (b0 + blocks) * ROWS)
+        y[:, r0:r1] = xs @ dequantize({n: t[b0:b0 + blocks] for n, t in main.items()}, cfg, r1 - r0, K).T
+    if bias is not None:
+        y += bias.float()
     return y.to(x.dtype).reshape(*x.shape[:-1], N)
 
 
