@@ -454,6 +454,29 @@ def test_disk_offload_takes_the_packed_tensors_without_offload_buffers(quantized
     assert torch.equal(logits(AutoModelForCausalLM.from_pretrained(tmp_path / "again")), logits(ref))
 
 
+def test_cpu_offloaded_layers_hand_their_packed_tensors_to_the_hook(quantized_llama):
+    """The "cpu" offload (a layer on the CPU beside a GPU, which a CPU-only machine cannot reach through
+    from_pretrained): accelerate's hook, as dispatch_model attaches it, gets the canonical tensors in its weights map
+    and the layer holds meta ones; the logits do not change."""
+    from accelerate.hooks import AlignDevicesHook, add_hook_to_module
+    from accelerate.utils import OffloadedWeightsLoader, PrefixedDataset
+
+    from qlinear.integrations.transformers.quantizer import _offload_packed
+
+    _, _, saved = quantized_llama
+    model = AutoModelForCausalLM.from_pretrained(saved)
+    want, name = logits(model), "model.layers.1.mlp.down_proj"
+    layer, loader = model.get_submodule(name), OffloadedWeightsLoader(state_dict={})
+    canon = layer.canonical()
+    add_hook_to_module(layer, AlignDevicesHook("cpu", offload=True, weights_map=PrefixedDataset(loader, name + ".")))
+    model.hf_device_map = {"": "cpu"}
+    _offload_packed(model, {})
+    assert layer.offloaded() and all(b.is_meta for _, b in layer.named_buffers())
+    assert loader.state_dict.keys() == {f"{name}.{k}" for k in canon}
+    assert all(torch.equal(loader.state_dict[f"{name}.{k}"], v) for k, v in canon.items())
+    assert torch.equal(logits(model), want) and torch.equal(model(TOKENS).logits, want)
+
+
 def test_disk_offload_of_a_layer_quantized_on_load_needs_an_offload_folder(float_llama):
     with pytest.raises(ValueError, match="offloaded to disk but its packed tensors .* pass offload_folder="):
         AutoModelForCausalLM.from_pretrained(float_llama[1], quantization_config=QLinearConfig(**FORMATS["bcq"]),
