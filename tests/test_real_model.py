@@ -31,26 +31,64 @@ def setup():
     return path, tok, text, load, fp
 
 
-def ppl(model, setup):
+def ppl(model, setup, tokens=TOKENS):
     _, tok, text, _, _ = setup
-    return perplexity(model, tok, text, max_tokens=TOKENS, batch_size=2)
+    return perplexity(model, tok, text, max_tokens=tokens, batch_size=2)
 
 
 _FIRST4 = [f"model.layers.{i}.*" for i in range(4)]
+# The file's slow part is quantizing SmolLM2 and measuring perplexities: tests that need the same calibration, the same
+# quantized model or its reference-backend perplexity share them (each test sets the backend it runs on).
+_HESSIANS: dict[tuple, dict] = {}
+_MODELS: dict[tuple, torch.nn.Module] = {}  # the two last built (SmolLM2 copies are ~0.5 GB each)
+_REF_PPL: dict[tuple, float] = {}
+
+
+def _key(config, layers) -> tuple:
+    return config.format_config().to_json(), None if layers is None else tuple(layers)
 
 
 def _quantize(setup, config, layers=None):
     """SmolLM2 with ``config`` on the decoder layers matching ``layers`` (all when None); calibrated on 8 Lee-corpus
-    texts where the config needs it (GPTQ; 2 bits, uncalibrated SmolLM2 at 2 bits has perplexity in the millions)."""
+    texts where the config needs it (GPTQ; 2 bits, uncalibrated SmolLM2 at 2 bits has perplexity in the millions).
+    Built once per (config, layers) for the module."""
+    key = _key(config, layers)
+    if key in _MODELS:
+        return _MODELS[key]
     _, tok, _, load, _ = setup
     model = load()
-    names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head" and (
-        layers is None or any(qlinear.replace.matches(n, p) for p in layers))]
+    names = tuple(n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head" and (
+        layers is None or any(qlinear.replace.matches(n, p) for p in layers)))
     H, cfg = None, config.format_config()
     if cfg.bits == 2 or getattr(cfg, "method", None) == "gptq":
-        H = qlinear.calibrate(model, calibration_texts(8), tok, max_length=256, modules=names, progress=False)
+        if names not in _HESSIANS:
+            _HESSIANS[names] = qlinear.calibrate(model, calibration_texts(8), tok, max_length=256, modules=names,
+                                                 progress=False)
+        H = {k: v.clone() for k, v in _HESSIANS[names].items()}
     per_module = None if layers is None else {**{p: config for p in layers}, "*": None}  # first match wins
-    return qlinear.replace_linear(model, config, per_module=per_module, calibration_data=H, progress=False)
+    while len(_MODELS) >= 2:
+        del _MODELS[next(iter(_MODELS))]
+    _MODELS[key] = qlinear.replace_linear(model, config, per_module=per_module, calibration_data=H, progress=False)
+    return _MODELS[key]
+
+
+def _run_on(model, backend: str) -> list:
+    """Every quantized layer of ``model`` on ``backend``, in its layout; returns them."""
+    layers = [m for m in model.modules() if isinstance(m, qlinear.QuantLinear)]
+    for m in layers:
+        m.backend = backend
+        m.repack_for_device()
+    return layers
+
+
+def _reference_ppl(setup, config, layers=None, tokens=TOKENS) -> float:
+    """Perplexity of :func:`_quantize`'s model through the reference backend (once per (config, layers, tokens))."""
+    key = (*_key(config, layers), tokens)
+    if key not in _REF_PPL:
+        model = _quantize(setup, config, layers)
+        _run_on(model, "reference")
+        _REF_PPL[key] = ppl(model, setup, tokens)
+    return _REF_PPL[key]
 
 
 def test_unquantized_reference(setup):
@@ -68,13 +106,16 @@ def test_bcq_4bit_whole_model(setup):
     assert len(greedy_continuation(model, tok, "The capital of France is", 4).strip()) > 0
 
 
-@pytest.mark.parametrize("config", [QLinearConfig("mixed"), QLinearConfig("codebook", bits=2)])
+_CODEBOOK2 = QLinearConfig("codebook", bits=2, iters=2, error_feedback=True)
+
+
+@pytest.mark.parametrize("config", [QLinearConfig("mixed"), _CODEBOOK2])
 def test_low_bit_formats_calibrated_on_first_layers(setup, config):
     """~2-3 bit formats on the first four decoder layers, calibrated on the (disjoint) Lee corpus."""
     _, _, _, _, fp = setup
     model = _quantize(setup, config, _FIRST4)
     assert sum(isinstance(m, qlinear.QuantLinear) for m in model.modules()) == 28
-    assert ppl(model, setup) < 2.0 * fp
+    assert _reference_ppl(setup, config, _FIRST4) < 2.0 * fp
 
 
 def test_transformers_quantize_on_load_save_reload(setup, tmp_path):
@@ -107,24 +148,27 @@ def test_bcq_smollm2_on_gpu_compiled_matches_eager(setup):
 
 
 _RTN4 = QLinearConfig("bcq", bits=4, group_size=64, init="uniform", iters=0)
-@pytest.mark.parametrize("backend,config,subset", [
-    ("arm_neon", QLinearConfig("codebook", bits=2, iters=2, error_feedback=True), _FIRST4),
-    ("arm_neon", QLinearConfig("codebook", bits=4, iters=2), _FIRST4),
-    ("arm_neon", _RTN4, _FIRST4),  # the Arm kernels run through SIMDe's NEON emulation here: slow
-    ("x86", _RTN4, None),
-    ("x86", QLinearConfig("bcq", bits=4, group_size=128, method="gptq", act_order=True), _FIRST4),
-    ("x86", QLinearConfig("bcq", bits=4, group_size=64), _FIRST4),
-    ("x86", QLinearConfig("bcq", bits=3, group_size=64, init="uniform", iters=0), None),
-    ("x86", QLinearConfig("bcq", bits=2, group_size=64, iters=2, error_feedback=True), _FIRST4),
-    ("x86", QLinearConfig("codebook", bits=2, iters=2, error_feedback=True), _FIRST4),
-    ("x86", QLinearConfig("codebook", bits=4, iters=2), _FIRST4)],
-    ids=["arm-codebook2", "arm-codebook4", "arm-bcq4-uniform", "x86-bcq4-uniform", "x86-gptq4-g128-act_order",
-         "x86-bcq4-free", "x86-rtn3-lut", "x86-bcq2-free-lut", "x86-codebook2", "x86-codebook4"])
+_CASES = {  # id -> (backend, config, decoder layers); tests sharing a model are adjacent (_MODELS keeps two)
+    "arm-codebook2": ("arm_neon", _CODEBOOK2, _FIRST4),  # the Arm kernels run through SIMDe's NEON emulation here: slow
+    "x86-codebook2": ("x86", _CODEBOOK2, _FIRST4),
+    "arm-codebook4": ("arm_neon", QLinearConfig("codebook", bits=4, iters=2), _FIRST4),
+    "x86-codebook4": ("x86", QLinearConfig("codebook", bits=4, iters=2), _FIRST4),
+    "arm-bcq4-uniform": ("arm_neon", _RTN4, _FIRST4),
+    "x86-bcq4-uniform": ("x86", _RTN4, None),
+    "x86-gptq4-g128-act_order": ("x86", QLinearConfig("bcq", bits=4, group_size=128, method="gptq", act_order=True),
+                                 _FIRST4),
+    "x86-bcq4-free": ("x86", QLinearConfig("bcq", bits=4, group_size=64), _FIRST4),
+    "x86-rtn3-lut": ("x86", QLinearConfig("bcq", bits=3, group_size=64, init="uniform", iters=0), _FIRST4),
+    "x86-bcq2-free-lut": ("x86", QLinearConfig("bcq", bits=2, group_size=64, iters=2, error_feedback=True), _FIRST4),
+}
+
+
+@pytest.mark.parametrize("backend,config,subset", list(_CASES.values()), ids=list(_CASES))
 def test_cpu_backend_perplexity_matches_reference(setup, backend, config, subset, monkeypatch):
     """The CPU kernels with int8 activations (Arm through SIMDe here, x86) give the reference backend's perplexity
-    within 1% on the real model (2% at 2 bits).  Round-to-nearest layers quantize fast, so the x86 ones quantize the
-    whole model; the fitted and calibrated ones (minutes of quantizing on 2 cores for the whole model) and the Arm ones
-    quantize the first four decoder layers and leave the rest in float: the kernels still run on real activations, and the
+    within 1% on the real model (2% at 2 bits).  Round-to-nearest 4-bit on x86 (the default of the main job) quantizes
+    the whole model; the others quantize the first four decoder layers and leave the rest in float (the fitted and
+    calibrated ones take minutes on 2 cores for the whole model): the kernels still run on real activations, and the
     per-layer bit-exactness against the scalar path is tested in test_x86.py / test_arm_neon.py."""
     import importlib
 
@@ -136,18 +180,13 @@ def test_cpu_backend_perplexity_matches_reference(setup, backend, config, subset
     if backend == "x86":  # the int8 lookups on real activations: 512-token windows would take the batched path
         never = dict.fromkeys(range(1, 5), 1 << 30)
         monkeypatch.setattr(importlib.import_module("qlinear.backends.x86"), "DEQUANT_FROM", never)
+    tokens = TOKENS // 2 if backend == "arm_neon" else TOKENS  # one window: SIMDe's NEON emulation is slow
     model = _quantize(setup, config, subset)
-    layers = [m for m in model.modules() if isinstance(m, qlinear.QuantLinear)]
+    ref = _reference_ppl(setup, config, subset, tokens)
+    layers = _run_on(model, backend)
     assert len(layers) == (28 if subset else 210)
-    for m in layers:
-        m.backend = "reference"
-        m.repack_for_device()
-    ref = ppl(model, setup)
-    for m in layers:
-        m.backend = backend
-        m.repack_for_device()
     assert all(m.layout.startswith(backend) for m in layers)
-    got = ppl(model, setup)
+    got = ppl(model, setup, tokens)
     print(f"perplexity reference {ref:.3f}, {backend} {got:.3f} ({100 * (got - ref) / ref:+.2f}%)")
     # 1 %, except 2 bits: that model (perplexity ~480, 20x the float one) amplifies the kernels' int8 activation
     # rounding and the CPU's own float rounding; measured -1.41 % on an Intel Xeon (2026-11-25), within 1 % on the AMD
