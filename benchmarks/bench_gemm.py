@@ -59,6 +59,7 @@ def main() -> None:
         n = pool_size(N * K // 2)
         for M in map(int, args.batches.split(",")):
             x = torch.randn(M, K, device="cuda", dtype=torch.float16)
+            first = len(rows)
             t_fp16 = gpu_time_us(cublas_calls(M, N, K))
             base = lambda name, fmt, t, nbytes: [name, fmt, f"{N}x{K}", M, t,
                                                  nbytes / t / 1e6 if nbytes else "", t_fp16 / t]
@@ -89,7 +90,7 @@ def main() -> None:
                                      gpu_time_us(op_calls(x, cfg, sets, N, K, "cuda_lut", "cuda_lut")), nbytes))
                 del sets
                 torch.cuda.empty_cache()
-            for r in rows[-6:]:
+            for r in rows[first:]:
                 print(r, flush=True)
     text = head + "\n\n" + table(["kernel", "format", "N x K", "M", "µs", "TB/s", "x cuBLAS fp16"], rows)
     print(text)

@@ -11,12 +11,17 @@
 #   bash benchmarks/gpu_checks.sh sweep      # sweep_plans.py: every launch around plan() of the LUT GEMV and QUICK
 #   bash benchmarks/gpu_checks.sh ncu [NxK] [bits] [M]  # ncu --set full on one LUT GEMV call (profile_one.py)
 #   bash benchmarks/gpu_checks.sh quick      # build + tests + the --quick benchmarks, one short call
+#   bash benchmarks/gpu_checks.sh session    # one ~9-minute call for a 15-minute lease: build; every gpu-marked test
+#                                            # with memcheck + racecheck of the LUT GEMV beside it; bench_gemv's issue-23
+#                                            # rows (GemLite at 8192²); bench_gemm --quick; ncu of the LUT GEMV, 8192² q4 M1
 # Outputs land in $OUT (or ./gpu-out) for benchmarks/RESULTS.md.  GemLite is installed from wheels/ if present
 # (there is no internet on the GPU machine: build it here with
 #  `pip wheel --no-deps --no-build-isolation gemlite==0.6.0.post2 -w wheels/` and carry wheels/).
 # Seen on the H100 (2026-11-23): the build takes ~50 s (carrying a .qlinear-cache from another machine does not
 # save it); `test` needs more than one 10-minute call (88 % done after 400 s with -n 4; the two
 # test_compile_fullgraph_matches_eager cases take 67 s each), so run it as `test kernels` then `test rest`.
+# Seen on an H200 (2026-11-26): the build takes ~60 s; `test gpu` (the 288 gpu-marked tests) 98 % done after 185 s
+# with -n 12; `session` took 389 s of a 418 s lease call; GemLite's first calls at 8192² take over 40 s (autotuning).
 set -u
 STAGE=${1:-quick}
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
@@ -32,23 +37,29 @@ build() {
     python3 -c "from qlinear.backends import $b; print('$b build:', $b.available() or 'ok')" >"$OUT/build_$b.txt" 2>&1 &
   done
   wait; cat "$OUT"/build_*.txt
+  for f in "$OUT"/build_*.txt; do grep -q "build: ok" "$f" || return 1; done
 }
 # the full log goes to $OUT (a run stopped at its time limit still returns it); -n 4 when pytest-xdist is there
 tests() {
   case "${1:-all}" in
     kernels) files="tests/test_cuda_lut.py tests/test_quick.py tests/test_async_dequant.py" ;;
     rest) files="tests/test_dispatch.py tests/test_modules.py" ;;
+    gpu) files="$TESTS tests/test_kernel_conformance.py tests/test_quantize_device.py -m gpu" ;;
+    compile) files="tests/test_kernel_conformance.py -m gpu -k compile" ;;  # the slow ones (~60 s each)
     *) files=$TESTS ;;
   esac
-  python3 -c "import xdist" 2>/dev/null && XDIST="-n 4" || XDIST=""
-  python3 -m pytest -q -rfEs --durations=15 -p no:cacheprovider $XDIST $files >"$OUT/pytest_gpu_${1:-all}.txt" 2>&1
-  tail -40 "$OUT/pytest_gpu_${1:-all}.txt"
+  python3 -c "import xdist" 2>/dev/null && XDIST="-n ${WORKERS:-4}" || XDIST=""
+  # -v names every result as it comes and --timeout ends a hung test, so a run cut at its limit still says what failed
+  python3 -c "import pytest_timeout" 2>/dev/null && TMO="--timeout=${TEST_TIMEOUT:-150}" || TMO=""
+  python3 -m pytest -v -rfEs --tb=short --durations=15 -p no:cacheprovider $TMO $XDIST $files \
+    >"$OUT/pytest_gpu_${1:-all}.txt" 2>&1
+  grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest_gpu_${1:-all}.txt" | tail -20
 }
 sanitize() {
   for tool in ${1:-memcheck racecheck}; do  # one tool per call fits the 10-minute limit better
-    for b in $BACKENDS; do
-      timeout 120 compute-sanitizer --tool $tool --error-exitcode 9 python3 -m pytest -q -x -p no:cacheprovider \
-        tests/test_$b.py -k "kernel_matches and 576-576 and dtype0" >"$OUT/${tool}_$b.txt" 2>&1
+    for b in ${2:-$BACKENDS}; do
+      timeout ${SAN_TIMEOUT:-120} compute-sanitizer --tool $tool --error-exitcode 9 python3 -m pytest -q -x \
+        -p no:cacheprovider tests/test_$b.py -k "${SAN_K:-kernel_matches and 576-576 and dtype0}" >"$OUT/${tool}_$b.txt" 2>&1
       echo "$tool $b: rc $? $(grep -E 'passed|ERROR SUMMARY' "$OUT/${tool}_$b.txt" | tr '\n' ' ')"
     done
   done
@@ -69,7 +80,7 @@ case "$STAGE" in
   e2e) python3 benchmarks/bench_e2e.py --variants "${2:-fp16,bcq4,bcq3}" --markdown "$OUT/bench_e2e_${2:-all}.md" 2>&1 | tail -15 ;;
   tp) python3 benchmarks/bench_tp.py --single cuda 2>&1 | tee "$OUT/bench_tp_single.md" | tail -25 ;;
   ncu)
-    ncu --set full -k regex:lut_gemv_kernel --launch-skip 5 --launch-count 1 python3 benchmarks/profile_one.py \
+    ncu --set full --clock-control none -k regex:lut_gemv_kernel --launch-skip 5 --launch-count 1 python3 benchmarks/profile_one.py \
       --shape "${2:-8192x8192}" --bits "${3:-4}" --M "${4:-1}" >"$OUT/ncu_lut_${2:-8192x8192}_q${3:-4}_m${4:-1}.txt" 2>&1
     tail -60 "$OUT/ncu_lut_${2:-8192x8192}_q${3:-4}_m${4:-1}.txt" ;;
   sweep) timeout 560 python3 benchmarks/sweep_plans.py --markdown "$OUT/sweep_plans.md" 2>&1 | tail -60 ;;
@@ -77,5 +88,26 @@ case "$STAGE" in
     build; tests
     python3 benchmarks/bench_gemv.py --quick --markdown "$OUT/bench_gemv.md" 2>&1 | tail -12
     python3 benchmarks/bench_gemm.py --quick --markdown "$OUT/bench_gemm.md" 2>&1 | tail -12 ;;
-  *) echo "unknown stage $STAGE (build|test|sanitize|bench|tune|e2e|tp|sweep|ncu|quick)"; exit 2 ;;
+  session)  # at most 8 files come back from the device: the logs travel as one archive, refreshed after each stage
+    FINAL=$OUT; export OUT=/tmp/gpu-session; mkdir -p "$OUT"
+    snap() { tar czf "$FINAL/session.tgz" -C "$OUT" .; }
+    build || { snap; exit 1; }
+    (WORKERS=12 timeout 240 bash "$0" test gpu >/dev/null 2>&1) &
+    export SAN_TIMEOUT=100 SAN_K="kernel_matches and dtype0-128 and (576-576 or 1024-8192)"
+    (sanitize memcheck cuda_lut; sanitize racecheck cuda_lut) >"$OUT/sanitize.txt" 2>&1 &
+    wait; snap; tail -25 "$OUT/pytest_gpu_gpu.txt"; cat "$OUT/sanitize.txt"
+    timeout 120 python3 benchmarks/bench_gemv.py --shapes 8192x8192,12288x12288,28672x8192,576x576,1536x576 \
+      --batches 1,8 --groups 128 --mixed-shapes 8192x8192 --outliers 0,0.002 --mixed-large-batches "" \
+      --gemlite-bits "" --markdown "$OUT/bench_gemv.md" >"$OUT/bench_gemv.log" 2>&1
+    timeout 90 python3 benchmarks/bench_gemv.py --shapes 8192x8192 --batches 1,8 --bits 4 --groups 128 --no-mixed \
+      --markdown "$OUT/bench_gemv_gemlite.md" >>"$OUT/bench_gemv.log" 2>&1
+    snap
+    timeout 45 python3 benchmarks/bench_gemm.py --quick --markdown "$OUT/bench_gemm.md" >"$OUT/bench_gemm.log" 2>&1
+    timeout 60 bash "$0" ncu 8192x8192 4 1 >/dev/null 2>&1
+    grep -E "Duration|DRAM Throughput|Achieved Occupancy|Registers Per|Shared Memory Configuration Size" \
+      "$OUT"/ncu_lut_*.txt | head -8
+    snap
+    cat "$OUT/bench_gemv.md" "$OUT/bench_gemv_gemlite.md" "$OUT/bench_gemm.md" 2>/dev/null | grep -v "^|---" | cut -c1-110
+    tail -3 "$OUT/bench_gemv.log" "$OUT/bench_gemm.log" ;;
+  *) echo "unknown stage $STAGE (build|test|sanitize|bench|tune|e2e|tp|sweep|ncu|quick|session)"; exit 2 ;;
 esac

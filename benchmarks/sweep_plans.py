@@ -37,9 +37,11 @@ def lut_launches(M: int, N: int, K: int, sms: int, bits: int) -> list[tuple[int,
     out = [cuda_lut.plan(M, N, K, sms, bits)]
     kt = 32 * cuda_lut.words(M, bits)
     tiles = math.ceil(K / kt)
-    for threads, s in itertools.product((32, 64, 128, 256), SPLIT_TARGETS + (64,)):
+    for threads, s in itertools.product((32, 64, 128, 256), SPLIT_TARGETS + (64, 0, -1)):
         if threads > 32 * math.ceil(N / 128):
             continue
+        if s <= 0:  # one (s = 0) or two (s = -1) full waves of two blocks per SM
+            s = max(1, 2 * (1 - s) * sms // math.ceil(N / (4 * threads)))
         per = math.ceil(tiles / min(tiles, s))
         launch = (kt, threads, per, math.ceil(tiles / per))
         if launch not in out:

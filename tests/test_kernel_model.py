@@ -54,12 +54,26 @@ def test_residency_follows_the_h100_limits():
 
 def test_predict_adds_launch_reduction_and_the_longer_of_chain_and_bandwidth():
     c = dict(t0=3.0, t_red=2.0, L=1.0, L_tab=0.5, c_tab=0.25, c_lds=0.01, BW=2.0)
-    f = dict(W=4, tiles=2, tables_per_warp=2, splits=8, waves=1.0, warps_sm=16, lookups=32, bytes=10**6,
-             pipelined=False, iterations=8)
+    f = dict(W=4, tiles=2, tables_per_warp=2, splits=8, waves=1, warps_sm=16, tail_warps_sm=0, lookups=32,
+             bytes=10**6, pipelined=False, iterations=8)
     step, tab = 16 * 32 * 0.01, 0.5 + 2 * 0.25
     assert km.predict(f, c) == pytest.approx(3 + 2 + 2 * tab + 8 * (1 + step))
     assert km.predict({**f, "pipelined": True}, c) == pytest.approx(3 + 2 + 1 + 2 * max(tab + 4 * step, 1))
     assert km.predict({**f, "bytes": 10**9, "splits": 1}, c) == pytest.approx(3 + 10**9 / 2e12 * 1e6)
+    # a tail wave of 4 warps per SM: one more chain, its lookups queue behind 4 warps instead of 16
+    tail = 2 * tab + 8 * (1 + 4 * 32 * 0.01)
+    assert km.predict({**f, "tail_warps_sm": 4}, c) == pytest.approx(3 + 2 + 2 * tab + 8 * (1 + step) + tail)
+    assert km.predict({**f, "waves": 0, "warps_sm": 0, "tail_warps_sm": 4}, c) == pytest.approx(3 + 2 + tail)
+
+
+def test_features_split_the_grid_into_full_waves_and_a_tail():
+    """280 blocks of 256 threads, two per SM on 132 SMs: one full wave of 264 and a tail of 16 (one block per SM)."""
+    v = km.Version("t", plan=lambda M, N, K, sms, q: (64, 256, 13, 10), sass={(1, 4): km.Sass(128, 368, True)},
+                   smem=lambda M, kt: 16 * 1024, words_per_iteration=lambda M, kt: 2)
+    f = km.features(v, 1, 28672, 8192, 4, 128)
+    assert (f["waves"], f["warps_sm"], f["tail_warps_sm"]) == (1, 16, 8)
+    f = km.features(v, 1, 8192 * 3, 8192, 4, 128)  # 24 x 10 = 240 blocks: no full wave, 2 blocks on most SMs
+    assert (f["waves"], f["tail_warps_sm"]) == (0, 16)
 
 
 def _tools_or_skip():

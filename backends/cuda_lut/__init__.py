@@ -86,15 +86,17 @@ def plan(M: int, N: int, K: int, sms: int, bits: int) -> tuple[int, int, int, in
     ``4·threads`` rows: the most rows per block that still gives two blocks per SM (tables are built once per block,
     so big blocks amortise them), but at least ``64·M·W`` threads (two of a tile's ``4·M·W`` tables per warp: on
     small layers the table build, not the weights, is the critical path; kernel_model.py predicts 576², M=1,
-    2 bits 11.3 → 8.4 µs on an H100 for this floor) and no more than the rows need.  K is then split into whole tiles until
-    there are about two blocks per SM (the kernel's register budget lets two 256-thread blocks reside on an SM).
+    2 bits 11.3 → 8.4 µs on an H100 for this floor) and no more than the rows need.  K is then split into whole tiles
+    until there are at most two blocks per SM (the kernel's register budget lets two 256-thread blocks reside on an
+    SM): 28672x8192, 4 bits, M=1 on an H200 took 99.7 µs with 280 blocks (a second wave of 16) and 83 µs with 252
+    (RESULTS.md, 2026-11-26).
     """
     W = words(M, bits)
     tiles = math.ceil(K / (32 * W))
     threads = next((t for t in (256, 128, 64) if math.ceil(N / (4 * t)) * tiles >= 2 * sms), 32)
     threads = min(max(threads, 64 * M * W, 32), 256, 32 * math.ceil(N / 128))
     blocks_n = math.ceil(N / (4 * threads))
-    per_split = math.ceil(tiles / min(tiles, math.ceil(2 * sms / blocks_n)))
+    per_split = math.ceil(tiles / min(tiles, max(1, 2 * sms // blocks_n)))  # one wave: a second costs a whole chain
     return 32 * W, threads, per_split, math.ceil(tiles / per_split)
 
 
