@@ -244,15 +244,17 @@ def plan(M: int, N: int, K: int, sms: int) -> tuple[int, int, int]:
     """Launch shape ``(tile_m, tiles_per_split, splits)`` for ``x`` ``[M, K]`` and ``N`` rows.
 
     ``tile_m`` (rows of x per block) is the smallest of 16/32/64/128 covering M (128: two warps along M).
-    Blocks own 128 rows of Ŵ; K (in 64-input tiles) is split until there are about two blocks per SM, keeping
-    ≥ 2 tiles per split and the fp32 partials (written and read once) below ~15% of the weight bytes.
-    A heuristic until ``benchmarks/tune_dispatch.py`` has measured it on a GPU.
+    Blocks own 128 rows of Ŵ; K (in 64-input tiles) is split into at most ``4·SMs / blocks`` slices (one wave of
+    four 128-thread blocks per SM: each thread keeps 2-4 tiles of codes and scales in flight, so four blocks give an
+    SM ~100 KB of loads in flight), keeping ≥ 2 tiles per split and at most 8 MiB of fp32 partials (they stay in
+    L2 for the reduction).  The 2026-11-23 heuristic aimed at two blocks per SM and capped the partials at 15 % of
+    the weight bytes: at M = 64 on 8192² that left 64 blocks, one split, 128 tiles per warp (205 µs on an H100).
+    A heuristic until ``benchmarks/tune_dispatch.py`` / ``sweep_plans.py`` have measured it on a GPU.
     """
     tile_m = next(t for t in (16, 32, 64, 128) if M <= t or t == 128)
     blocks = math.ceil(N / 128) * math.ceil(M / tile_m)
     tiles = K // TILE_K
-    traffic_cap = max(1, int(0.15 * N * K / 2 / (8 * M * N)))  # 4-bit weight bytes vs splits·M·N·8 partial bytes
-    splits = max(1, min(math.ceil(2 * sms / blocks), tiles // 2, traffic_cap))
+    splits = max(1, min(4 * sms // blocks, tiles // 2, (8 << 20) // (4 * M * N)))
     per_split = math.ceil(tiles / splits)
     return tile_m, per_split, math.ceil(tiles / per_split)
 

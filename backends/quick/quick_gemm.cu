@@ -6,7 +6,8 @@
 // converted with one lop3 + one sub + one fma per register pair, and go into the tensor cores: no shared
 // memory write-back of dequantized weights and no ldmatrix for B.  Only x goes through shared memory, in a
 // STAGES-deep cp.async pipeline (XOR-swizzled so ldmatrix is conflict-free), which the public QUICK kernel
-// lacks.  B for the next K tile is loaded into registers while the current one is multiplied.
+// lacks.  The codes and scales of the next D K tiles (D = 2..4) are in flight in a register ring while the current
+// one is multiplied.
 //
 // Work split: warp = 32 output rows (4 n8 blocks) × (16·MT) rows of x; block = 4 warps along N × WM warps
 // along M; K is walked in 64-input tiles; gridDim.z = split-K slices (fp32 partials summed in slice order by a
@@ -80,21 +81,51 @@ __device__ __forceinline__ unsigned dequant_pair(unsigned codes, typename Num<T>
   return *reinterpret_cast<const unsigned*>(&r);
 }
 
-// Per-group s and c' = −s·z of the lane's 4 rows (stored contiguously from pos, a multiple of 4), as T pairs.
+// One group's raw s (4 fp16) and zero points (4 nibbles) of the lane's 4 rows, stored contiguously from pos (a
+// multiple of 4): loaded with the codes that use them, converted when they are used.
+struct GroupRaw {
+  uint2 s;
+  unsigned z;
+};
+
+__device__ __forceinline__ GroupRaw load_group(const QuickArgs& a, int g, int pos) {
+  return {__ldg(reinterpret_cast<const uint2*>(static_cast<const __half*>(a.scales) + (size_t)g * a.N + pos)),
+          a.zeros ? (unsigned)__ldg(a.zeros + ((size_t)g * a.N + pos) / 4) : 0u};
+}
+
+// Per-group s and c' = −s·z of the lane's 4 rows, as T pairs.
 template <typename T, int Q>
-__device__ __forceinline__ void load_scales(typename Num<T>::T2 (&s2)[4], typename Num<T>::T2 (&c2)[4], const QuickArgs& a,
-                                            int g, int pos) {
-  const uint2 sraw = __ldg(reinterpret_cast<const uint2*>(static_cast<const __half*>(a.scales) + (size_t)g * a.N + pos));
-  const __half2 s01 = *reinterpret_cast<const __half2*>(&sraw.x), s23 = *reinterpret_cast<const __half2*>(&sraw.y);
+__device__ __forceinline__ void group_pairs(typename Num<T>::T2 (&s2)[4], typename Num<T>::T2 (&c2)[4], GroupRaw r,
+                                            bool has_zeros) {
+  const __half2 s01 = *reinterpret_cast<const __half2*>(&r.s.x), s23 = *reinterpret_cast<const __half2*>(&r.s.y);
   const float s[4] = {__low2float(s01), __high2float(s01), __low2float(s23), __high2float(s23)};
-  const unsigned z4 = a.zeros ? __ldg(a.zeros + ((size_t)g * a.N + pos) / 4) : 0u;
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
-    const float z = a.zeros ? (float)((z4 >> (4 * i)) & 15u) : ((1 << Q) - 1) * 0.5f;
+    const float z = has_zeros ? (float)((r.z >> (4 * i)) & 15u) : ((1 << Q) - 1) * 0.5f;
     s2[i] = Num<T>::pair(s[i]);
     c2[i] = Num<T>::pair(-s[i] * z);  // exact in fp32 (fp16 s times a 4-bit integer or half-integer): one rounding to T
   }
 }
+
+// What a lane holds of one K tile before its MMAs: the codes and the raw scales of the tile's two 32-input halves
+// (group sizes are multiples of 32, so each half has one group).
+template <int Q>
+struct TileRegs {
+  unsigned w[Words<Q>::n];
+  GroupRaw g[2];
+};
+
+template <int Q>
+__device__ __forceinline__ void load_tile_regs(TileRegs<Q>& r, const QuickArgs& a, const unsigned* tile, int k0, int pos,
+                                               int lane) {
+  load_tile<Q>(r.w, tile, lane);
+  r.g[0] = load_group(a, k0 / a.group_size, pos);
+  r.g[1] = load_group(a, (k0 + 32) / a.group_size, pos);
+}
+
+// K tiles a lane keeps in flight (codes and scales in registers, loaded D tiles before their MMAs): deeper where
+// the accumulators leave registers for it.
+template <int MT> constexpr int kDepth = MT >= 4 ? 2 : 4;
 
 #ifndef QLINEAR_HOST_EMULATION  // tests/cuda_emulation.py supplies host versions of these PTX wrappers
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
@@ -191,33 +222,34 @@ __global__ void __launch_bounds__(32 * kWarpsN * WM) quick_gemm_kernel(const Qui
     if (s < nt_count) load_a_stage<T, BM, THREADS>(smem + s * BM * kTileK, x, a.perm, a.M, a.K, m0, (t0 + s) * kTileK, tid);
     cp_async_commit();
   }
-  unsigned cur[W::n], nxt[W::n];
-  if (active) load_tile<Q>(cur, wtile, lane);
-
-  for (int it = 0; it < nt_count; ++it) {
-    const int k0 = (t0 + it) * kTileK;
-    if (active && it + 1 < nt_count) load_tile<Q>(nxt, wtile + (size_t)(it + 1) * 64 * Q, lane);
-    T2 s2[2][4], c2[2][4];  // groups of k16 steps 0-1 and 2-3 (group sizes are multiples of 32)
-    if (active) {
-      const int ga = k0 / a.group_size, gb = (k0 + 32) / a.group_size;
-      load_scales<T, Q>(s2[0], c2[0], a, ga, pos);
-      if (gb != ga) {
-        load_scales<T, Q>(s2[1], c2[1], a, gb, pos);
-      } else {
+  // Register ring of the next D tiles' codes and scales: slot j holds tile base + j; it is refilled with tile
+  // base + j + D right after its MMAs, so D tiles of loads stay in flight while tiles are multiplied.  The loop
+  // over slots is unrolled (register arrays need compile-time indices); nt_count is uniform in a block, so every
+  // thread leaves it at the same tile and the barriers stay matched.
+  constexpr int D = kDepth<MT>;
+  TileRegs<Q> ring[D];
 #pragma unroll
-        for (int i = 0; i < 4; ++i) { s2[1][i] = s2[0][i]; c2[1][i] = c2[0][i]; }
+  for (int j = 0; j < D; ++j)
+    if (active && j < nt_count) load_tile_regs<Q>(ring[j], a, wtile + (size_t)j * 64 * Q, (t0 + j) * kTileK, pos, lane);
+
+  for (int base = 0; base < nt_count; base += D) {
+#pragma unroll
+    for (int j = 0; j < D; ++j) {
+      const int it = base + j;
+      if (it >= nt_count) break;
+      cp_async_wait<kStages - 2>();
+      __syncthreads();
+      {
+        const int nxt_stage = it + kStages - 1;
+        if (nxt_stage < nt_count)
+          load_a_stage<T, BM, THREADS>(smem + (nxt_stage % kStages) * BM * kTileK, x, a.perm, a.M, a.K, m0,
+                                       (t0 + nxt_stage) * kTileK, tid);
+        cp_async_commit();
       }
-    }
-    cp_async_wait<kStages - 2>();
-    __syncthreads();
-    {
-      const int nxt_stage = it + kStages - 1;
-      if (nxt_stage < nt_count)
-        load_a_stage<T, BM, THREADS>(smem + (nxt_stage % kStages) * BM * kTileK, x, a.perm, a.M, a.K, m0,
-                                     (t0 + nxt_stage) * kTileK, tid);
-      cp_async_commit();
-    }
-    if (active) {
+      if (!active) continue;
+      T2 s2[2][4], c2[2][4];  // groups of k16 steps 0-1 and 2-3
+      group_pairs<T, Q>(s2[0], c2[0], ring[j].g[0], a.zeros != nullptr);
+      group_pairs<T, Q>(s2[1], c2[1], ring[j].g[1], a.zeros != nullptr);
       T* stage = smem + (it % kStages) * BM * kTileK;
 #pragma unroll
       for (int ks = 0; ks < 4; ++ks) {
@@ -230,15 +262,15 @@ __global__ void __launch_bounds__(32 * kWarpsN * WM) quick_gemm_kernel(const Qui
 #pragma unroll
         for (int nt = 0; nt < 4; ++nt) {
           const int p = (ks * 4 + nt) * 2;
-          const unsigned b0 = dequant_pair<T>(pair_codes<Q>(cur, p), s2[ks >> 1][nt], c2[ks >> 1][nt]);
-          const unsigned b1 = dequant_pair<T>(pair_codes<Q>(cur, p + 1), s2[ks >> 1][nt], c2[ks >> 1][nt]);
+          const unsigned b0 = dequant_pair<T>(pair_codes<Q>(ring[j].w, p), s2[ks >> 1][nt], c2[ks >> 1][nt]);
+          const unsigned b1 = dequant_pair<T>(pair_codes<Q>(ring[j].w, p + 1), s2[ks >> 1][nt], c2[ks >> 1][nt]);
 #pragma unroll
           for (int mt = 0; mt < MT; ++mt) mma<T>(acc[mt][nt], af[mt], b0, b1);
         }
       }
+      if (it + D < nt_count)
+        load_tile_regs<Q>(ring[j], a, wtile + (size_t)(it + D) * 64 * Q, (t0 + it + D) * kTileK, pos, lane);
     }
-#pragma unroll
-    for (int i = 0; i < W::n; ++i) cur[i] = nxt[i];
   }
   cp_async_wait<0>();
   if (!active) return;
@@ -278,13 +310,14 @@ __global__ void __launch_bounds__(128) quick_dequantize_kernel(const QuickArgs a
   const int k_tiles = a.K / kTileK;
   if (tile >= (a.N / kTileN) * k_tiles) return;
   const int n_tile = tile / k_tiles, k0 = (tile % k_tiles) * kTileK;
-  unsigned w[Words<Q>::n];
-  load_tile<Q>(w, a.qweight + (size_t)tile * 64 * Q, lane);
+  TileRegs<Q> r;
+  load_tile_regs<Q>(r, a, a.qweight + (size_t)tile * 64 * Q, k0, n_tile * kTileN + (lane >> 2) * 4, lane);
+  const unsigned (&w)[Words<Q>::n] = r.w;
   T2 s2[4], c2[4];
   T* out = static_cast<T*>(a.y);
 #pragma unroll
   for (int ks = 0; ks < 4; ++ks) {
-    if (ks % 2 == 0) load_scales<T, Q>(s2, c2, a, (k0 + ks * 16) / a.group_size, n_tile * kTileN + (lane >> 2) * 4);
+    if (ks % 2 == 0) group_pairs<T, Q>(s2, c2, r.g[ks / 2], a.zeros != nullptr);
 #pragma unroll
     for (int nt = 0; nt < 4; ++nt) {
 #pragma unroll
