@@ -118,3 +118,9 @@ def build_cuda_backend(name: str, folder: Path) -> Optional[str]:
 def sm_count(index: int) -> int:
     """Streaming multiprocessors of CUDA device ``index`` (launch plans size their grids by it)."""
     return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def dense_linear(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """``x Ŵᵀ + b`` by ``F.linear`` (cuBLAS on a GPU) with a dequantized ``w`` ``[N, K]`` of ``x``'s dtype: the
+    large-batch path of the CUDA backends (their dequantize kernel, then one dense GEMM)."""
+    return torch.nn.functional.linear(x, w, None if bias is None else bias.to(x.dtype))

@@ -222,6 +222,13 @@ def _(x, planes, alpha, offset, perm, bias, group_size, kt, threads, tiles_per_s
     """LUT GEMV of :mod:`qlinear.backends.cuda_lut`: ``x`` ``[M, K]`` fp16/bf16 (read as ``x[:, perm]`` if given)
     -> ``[M, N]``."""
     return x.new_empty(x.shape[0], planes.shape[2])
+_lib.define("bcq_lut_dequantize(Tensor planes, Tensor alpha, Tensor? offset, int group_size, ScalarType dtype) -> Tensor")
+
+
+@torch.library.register_fake("qlinear::bcq_lut_dequantize")
+def _(planes, alpha, offset, group_size, dtype):
+    """Dense ``Ŵ`` ``[N, K]`` of ``dtype`` from the :mod:`qlinear.backends.cuda_lut` layout."""
+    return planes.new_empty(planes.shape[2], planes.shape[0] * 32, dtype=dtype)
 _lib.define("arm_gemm(Tensor x, Tensor qw, Tensor qs, Tensor? qz, Tensor? qb, Tensor? books, Tensor? bias, "
             "int format, int num_books, int N, int group_size, int path, int layout, Tensor? rot_signs=None, "
             "Tensor? rot_paley=None, int rot_block=0, Tensor? perm=None) -> Tensor")

@@ -180,7 +180,28 @@ def test_kernel_matches_reference_and_is_deterministic(dtype, group_size, bits, 
         assert (err <= _bound(mod, x, eps, y64)).all(), err.max().item()
         poison_cuda_allocator()
         assert torch.equal(mod(x), y)
-    assert mod.kernel(torch.randn(9, K, device="cuda", dtype=dtype)).backend == "reference"
+    # above the GEMV's batches: the dequantize kernel + cuBLAS, within the bound plus Ŵ's rounding to dtype
+    w = bcq.dequantize({k: v.cpu() for k, v in mod.canonical().items()}, mod.config, N, K).double()
+    for M in (9, 64):
+        x = torch.randn(M, K, device="cuda").to(dtype)
+        assert mod.kernel(x).backend == "cuda_lut_dequant"
+        y64 = ref64(mod, x)
+        err = (mod(x).double().cpu() - y64).abs()
+        assert (err <= _bound(mod, x, eps, y64) + eps * (x.double().abs().cpu() @ w.abs().T)).all(), err.max().item()
+
+
+@gpu
+@pytest.mark.parametrize("bits", [1, 2, 3, 4])
+@pytest.mark.parametrize("group_size", [64, -1])
+def test_dequantize_kernel_is_the_format_bit_for_bit(bits, group_size):
+    """``bcq_lut_dequantize``: the format's float32 Ŵ exactly, and its one rounding to fp16 / bf16."""
+    mod = _gpu_layer(1536, 576, bits, group_size)
+    held = dict(mod.named_buffers())
+    want = bcq.dequantize({k: v.cpu() for k, v in mod.canonical().items()}, mod.config, 1536, 576)
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        poison_cuda_allocator()
+        assert torch.equal(cuda_lut.dequantize(held, mod.config, 1536, 576, dtype).cpu(), want.to(dtype)), dtype
+    assert torch.equal(mod.dequantize().cpu(), want)  # the layout's dequantize: what the backward pass uses
 
 
 # --- the kernel's own source, run on the CPU under the host emulation (tests/cuda_emulation.py) -------------
@@ -200,12 +221,15 @@ template <typename T, int M> void run_q(const LutGemvArgs& a) {
 template <typename T> void run_m(const LutGemvArgs& a) {
   switch (a.M) { case 1: return run_q<T, 1>(a); case 3: return run_q<T, 3>(a); default: return run_q<T, 8>(a); }
 }
+template <int Q> void dequantize(const LutGemvArgs& a) {
+  run_grid(dim3((a.N / 4 + 255) / 256, a.K / 32, 1), 256, [&a] { lut_dequantize_kernel<float, Q>(a); });
+}
 }  // namespace emu
 
 int main(int argc, char** argv) {
   using namespace emu;
   FILE* f = fopen(argv[1], "rb");
-  auto h = emu_read<int>(f, 13);
+  auto h = emu_read<int>(f, 14);
   const int M = h[0], N = h[1], K = h[2], Q = h[3], gs = h[4], bf16 = h[9], off_kind = h[10], has_bias = h[11];
   const int G = (K + gs - 1) / gs;
   auto x = emu_read<uint16_t>(f, (size_t)M * K);
@@ -227,6 +251,14 @@ int main(int argc, char** argv) {
   a.M = M; a.N = N; a.K = K; a.Q = Q; a.group_size = gs;
   a.kt = h[5]; a.threads = h[6]; a.tiles_per_split = h[7]; a.splits = h[8];
   a.x_dtype = bf16 ? DType::kBFloat16 : DType::kHalf;
+  if (h[13]) {  // the dequantize kernel: Ŵ [N, K] float32
+    std::vector<float> w((size_t)N * K, NAN);
+    a.y = w.data();
+    switch (Q) { case 1: dequantize<1>(a); break; case 2: dequantize<2>(a); break; case 3: dequantize<3>(a); break;
+                 default: dequantize<4>(a); }
+    FILE* o = fopen(argv[2], "wb"); fwrite(w.data(), 4, w.size(), o); fclose(o);
+    return 0;
+  }
   if (bf16) run_m<__nv_bfloat16>(a); else run_m<__half>(a);
   emu_write(argv[2], y, bf16);
   return 0;
@@ -243,14 +275,16 @@ def emulator(tmp_path_factory):
         ("extern __shared__ float smem[];", "float* smem = reinterpret_cast<float*>(::g_smem4);"), "", _LUT_DRIVER)
 
 
-def _emulate(exe, x, bufs, bias, cfg, N, K, launch, perm=None):
+def _emulate(exe, x, bufs, bias, cfg, N, K, launch, perm=None, dequant=False):
+    """The GEMV (float32 ``[M, N]``) or, with ``dequant``, the dequantize kernel (float32 ``Ŵ`` ``[N, K]``; ``x`` only
+    sizes the call) run by the emulator."""
     from cuda_emulation import dtype_kind, run
 
     off = bufs.get("lut_offset")
     hdr = [x.shape[0], N, K, cfg.bits, cfg.group(K), *launch, int(x.dtype == torch.bfloat16), dtype_kind(off),
-           int(bias is not None), int(perm is not None)]
+           int(bias is not None), int(perm is not None), int(dequant)]
     tensors = [x, bufs["lut_planes"], bufs["lut_alpha"], off, None if bias is None else bias.float(), perm]
-    return run(exe, hdr, tensors, (x.shape[0], N))
+    return run(exe, hdr, tensors, (N, K) if dequant else (x.shape[0], N))
 
 
 @pytest.mark.parametrize("bits,group_size,offset,fp32_offset,dtype", [
@@ -273,6 +307,17 @@ def test_kernel_source_under_host_emulation(emulator, bits, group_size, offset, 
             y = _emulate(emulator, x, bufs, mod.bias, cfg, N, K, launch)
             err = (y.double() - y64).abs()
             assert (err <= _bound(mod, x, eps, y64)).all(), (M, launch, err.max().item())
+    # the dequantize kernel: the format's float32 Ŵ bit for bit (fp16/bf16 outputs are its one rounding), also for a
+    # round-to-nearest layer, whose s·(q − z) storage the layout holds as uniform α and an offset
+    w = _emulate(emulator, torch.zeros(1, K).to(dtype), bufs, None, cfg, N, K, (32, 32, 1, 1), dequant=True)
+    assert torch.equal(w, bcq.dequantize(mod.canonical(), cfg, N, K))
+    if offset and bits > 1:
+        ucfg = bcq.Config(bits=bits, group_size=group_size, init="uniform", iters=0, fp32_offset=fp32_offset)
+        umod = BCQLinear.from_linear(torch.nn.Linear(K, N), ucfg, backend="reference")
+        assert "qweight" in umod.canonical()
+        ubufs = cuda_lut.repack(umod.canonical(), umod.config, N, K)
+        w = _emulate(emulator, torch.zeros(1, K).to(dtype), ubufs, None, umod.config, N, K, (32, 32, 1, 1), dequant=True)
+        assert torch.equal(w, bcq.dequantize(umod.canonical(), umod.config, N, K))
     # act_order: the kernel reads x[:, perm] as it loads x (bitwise the same as gathering first)
     perm = torch.randperm(K, generator=torch.Generator().manual_seed(1)).to(torch.int32)
     x = torch.randn(3, K).to(dtype)

@@ -116,3 +116,51 @@ def test_committed_tables_name_registered_kernels_of_their_layout(path):
             assert (by_name[name].layout.name if by_name[name].layout else "") == e["layout"], (path.name, name)
             cap = by_name[name].max_batch
             assert cap is None or (max_batch is not None and max_batch <= cap), f"{path.name}: {name} beyond M={cap}"
+
+
+@pytest.fixture
+def posing_gpu(monkeypatch):
+    """This CPU machine posing as a CUDA device of compute capability 9.0 (default dispatch table) on which every CUDA
+    kernel is available: the registry's choices only, nothing runs."""
+    import dataclasses
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(dispatch, "_device_name", lambda device: "Fake GPU x1")
+    cuda = [k for k in backends._KERNELS if k.devices is not backends.ANY and "cuda" in k.devices]
+    assert {k.backend for k in cuda} >= {"cuda_lut", "quick", "async_dequant"}
+    monkeypatch.setattr(backends, "_KERNELS", [dataclasses.replace(k, available=None) if k in cuda else k
+                                               for k in backends._KERNELS])
+
+
+BATCHES = sorted({*range(1, 17), 31, 32, 33, 63, 64, 100, 128, 129, 256, 511, 512, 513, 1000, 1024, 2048, 4095, 4096})
+NO_REFERENCE = {  # name -> (format, kernel config, N, K)
+    "bcq free α 1-bit g64": ("bcq", dict(bits=1, group_size=64), 256, 512),
+    "bcq free α 3-bit g128 act_order": ("bcq", dict(bits=3, group_size=128, act_order=True), 256, 512),
+    "bcq free α 4-bit whole row": ("bcq", dict(bits=4, group_size=-1), 96, 320),
+    "bcq uniform 2-bit g64": ("bcq", dict(bits=2, group_size=64, init="uniform", iters=0), 256, 512),
+    "bcq uniform 4-bit g128": ("bcq", dict(bits=4, group_size=128, init="uniform", iters=0), 4096, 4096),
+}
+KNOWN_GAPS = {  # formats with no CUDA kernel at every batch yet (issue 24): strict, so closing a gap fails here
+    "mixed defaults": ("mixed", dict(), 256, 512),
+    "codebook 2-bit": ("codebook", dict(bits=2), 256, 512),
+}
+
+
+@pytest.mark.parametrize("case", [*NO_REFERENCE, *(pytest.param(c, marks=pytest.mark.xfail(
+    strict=True, reason="no CUDA kernel for this format above its GEMV's batches (issue 24)")) for c in KNOWN_GAPS)])
+def test_no_call_on_a_gpu_falls_back_to_the_reference(posing_gpu, case):
+    """Issue 24: on a CUDA device every BCQ layer, free α or uniform, finds a GPU kernel at every batch 1..4096 and
+    both dtypes, and it reads the layout the layer holds there (no conversion on every call)."""
+    from qlinear.modules import format_config
+    from qlinear.ops import kernel_view
+
+    fmt, opts, N, K = {**NO_REFERENCE, **KNOWN_GAPS}[case]
+    cfg = kernel_view(format_config(fmt, QLinearConfig(fmt, **opts))[0])[0]
+    device = torch.device("cuda")
+    held = backends.layout_for(fmt, cfg, device, (N, K))
+    for dtype in (torch.float16, torch.bfloat16):
+        for M in BATCHES:
+            k = backends.select(fmt, cfg, device, dtype, M, shape=(N, K), layout=held and held.name)
+            assert k.backend != "reference", (dtype, M)
+            assert k.layout is held, (dtype, M, k.backend)

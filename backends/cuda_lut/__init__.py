@@ -5,6 +5,9 @@
 The kernel (``bcq_lut_gemv.cu``) builds, per K tile, the 256 partial sums ``±x_j`` of every 8 inputs
 in shared memory and turns every weight byte into one table lookup; each thread keeps the plane words, α and
 offsets of a whole K tile (``words(M, bits)`` words) in flight while the tables are built and looked up.
+Above ``M = 8`` the second kernel of this backend, ``cuda_lut_dequant``, writes ``Ŵ`` in fp16/bf16 from the same
+layout (:func:`dequantize`, one thread per 4 rows × 32 inputs) for one cuBLAS GEMM; it is also the layout's
+``dequantize`` for the backward pass.
 
 Layout ``cuda_lut`` (repacked once when a module lands on a GPU; a permutation of the canonical
 buffers, so it costs no extra memory and :func:`unrepack` restores them exactly):
@@ -33,10 +36,11 @@ import torch
 from qlinear.formats import bcq
 
 from .. import ANY, Kernel, Layout, register
-from .._native import build_cuda_backend
+from .._native import build_cuda_backend, dense_linear
 from .._native import sm_count as _sms  # module attribute: tests replace it without a GPU
 
-__all__ = ["LAYOUT", "MAX_BATCH", "words", "plan", "spec", "repack", "unrepack", "linear"]
+__all__ = ["LAYOUT", "MAX_BATCH", "words", "plan", "spec", "repack", "unrepack", "linear", "dequantize",
+           "linear_dequantized"]
 
 MAX_BATCH = 8
 _HERE = Path(__file__).parent
@@ -66,7 +70,7 @@ def unrepack(buffers: dict, cfg, out_features: int, in_features: int) -> dict:
     return bcq.as_uniform(out, cfg, out_features, in_features) if bcq.is_uniform(cfg) else out
 
 
-LAYOUT = Layout(name="cuda_lut", names=_names, repack=repack, unrepack=unrepack)
+
 
 
 def words(M: int, bits: int) -> int:
@@ -161,6 +165,27 @@ def linear(x: torch.Tensor, buffers: dict, bias, cfg, out_features: int, in_feat
     return y.reshape(*x.shape[:-1], out_features)
 
 
+def dequantize(buffers: dict, cfg, out_features: int, in_features: int, dtype: torch.dtype = torch.float32
+               ) -> torch.Tensor:
+    """Dense ``Ŵ`` ``[N, K]`` of ``dtype`` (float32, fp16 or bf16) from the ``cuda_lut`` buffers on a GPU: the format's
+    float32 values (:func:`qlinear.formats.bcq.dequantize` of the :func:`unrepack`-ed buffers), rounded once.  With
+    the default float32 it is the layout's ``dequantize`` (the backward pass, :func:`qlinear.ops.dequantize`).  Buffers
+    held in this layout off a GPU (CPU tests standing a spec kernel in for the GEMV) take the format's dequantize."""
+    if buffers["lut_planes"].device.type != "cuda":
+        return bcq.dequantize(unrepack(buffers, cfg, out_features, in_features), cfg, out_features, in_features).to(dtype)
+    return torch.ops.qlinear.bcq_lut_dequantize(buffers["lut_planes"], buffers["lut_alpha"], buffers.get("lut_offset"),
+                                                cfg.group(in_features), dtype)
+
+
+LAYOUT = Layout(name="cuda_lut", names=_names, repack=repack, unrepack=unrepack, dequantize=dequantize)
+
+
+def linear_dequantized(x: torch.Tensor, buffers: dict, bias, cfg, out_features: int, in_features: int) -> torch.Tensor:
+    """Registry entry above the GEMV's batches: :func:`dequantize` to ``x``'s dtype, then cuBLAS.  ``x`` ``[..., K]``
+    fp16/bf16 on CUDA (an act_order layer's ``x`` arrives gathered by ``perm``) -> ``[..., N]``."""
+    return dense_linear(x, dequantize(buffers, cfg, out_features, in_features, x.dtype), bias)
+
+
 def supports(cfg, out_features: int, in_features: int) -> Optional[str]:
     """Why the kernel cannot run a BCQ layer of this config and shape (None if it can)."""
     if out_features % 4:
@@ -174,7 +199,10 @@ def available() -> Optional[str]:
     return build_cuda_backend("qlinear_cuda_lut", _HERE)
 
 
-register(Kernel(backend="cuda_lut", format="bcq", fn=linear, priority=10, devices=frozenset({"cuda"}),
-                dtypes=frozenset({torch.float16, torch.bfloat16}), bits=frozenset({1, 2, 3, 4}),
-                group_sizes=ANY, min_capability=(8, 0), max_batch=MAX_BATCH, supports=supports, available=available,
-                layout=LAYOUT, gathers_perm=True))
+_COMMON = dict(format="bcq", devices=frozenset({"cuda"}), dtypes=frozenset({torch.float16, torch.bfloat16}),
+               bits=frozenset({1, 2, 3, 4}), group_sizes=ANY, min_capability=(8, 0), supports=supports,
+               available=available, layout=LAYOUT)
+register(Kernel(backend="cuda_lut", fn=linear, priority=10, max_batch=MAX_BATCH, gathers_perm=True, **_COMMON))
+# every batch: free-α BCQ layers (which QUICK cannot take) never fall back to the reference on a GPU; below
+# quick_dequant, so that uniform layers (held in the quick layout) keep theirs
+register(Kernel(backend="cuda_lut_dequant", fn=linear_dequantized, priority=4, max_batch=ANY, **_COMMON))

@@ -108,6 +108,18 @@ __device__ __forceinline__ void load_word(Word<Q>& wd, const LutGemvArgs& a, int
   }
 }
 
+// The 4 rows' offsets of a word as float (0 without offsets).
+template <int Q>
+__device__ __forceinline__ void word_offsets(const Word<Q>& wd, DType offset_dtype, float (&off)[4]) {
+  off[0] = off[1] = off[2] = off[3] = 0.f;
+  if (offset_dtype == DType::kHalf) {
+    half4_to_float(make_uint2(wd.offset.x, wd.offset.y), off);
+  } else if (offset_dtype == DType::kFloat) {
+    off[0] = __uint_as_float(wd.offset.x); off[1] = __uint_as_float(wd.offset.y);
+    off[2] = __uint_as_float(wd.offset.z); off[3] = __uint_as_float(wd.offset.w);
+  }
+}
+
 template <typename T, int M, int Q, int W>
 __global__ void __launch_bounds__(256, 2) lut_gemv_kernel(const LutGemvArgs a) {
   constexpr int kt = 32 * W, kTables = M * (kt / 8);  // tables per tile, [M][kt/8][256] floats per buffer
@@ -179,15 +191,10 @@ __global__ void __launch_bounds__(256, 2) lut_gemv_kernel(const LutGemvArgs a) {
 #pragma unroll
     for (int w = 0; w < W; ++w) {
       if (w >= words) break;
-      float al[Q][4], off[4] = {0.f, 0.f, 0.f, 0.f};
+      float al[Q][4], off[4];
 #pragma unroll
       for (int q = 0; q < Q; ++q) half4_to_float(wd[w].alpha[q], al[q]);
-      if (a.offset_dtype == DType::kHalf) {
-        half4_to_float(make_uint2(wd[w].offset.x, wd[w].offset.y), off);
-      } else if (a.offset_dtype == DType::kFloat) {
-        off[0] = __uint_as_float(wd[w].offset.x); off[1] = __uint_as_float(wd[w].offset.y);
-        off[2] = __uint_as_float(wd[w].offset.z); off[3] = __uint_as_float(wd[w].offset.w);
-      }
+      word_offsets<Q>(wd[w], a.offset_dtype, off);
 #pragma unroll
       for (int m = 0; m < M; ++m) {
         const float* L = lut + (m * (kt / 8) + 4 * w) * 256;
@@ -221,6 +228,44 @@ __global__ void __launch_bounds__(256, 2) lut_gemv_kernel(const LutGemvArgs a) {
     for (int m = 0; m < M; ++m)
       *reinterpret_cast<float4*>(a.partial + ((size_t)blockIdx.y * M + m) * N + n0) =
           make_float4(acc[m][0], acc[m][1], acc[m][2], acc[m][3]);
+  }
+}
+
+template <typename OutT> __device__ __forceinline__ OutT out_of(float v) { return from_float<OutT>(v); }
+template <> __device__ __forceinline__ float out_of<float>(float v) { return v; }
+
+// Ŵ [N, K] of OutT (float, fp16 or bf16) from the layout, for dequantize + cuBLAS above the GEMV's batches and for the
+// backward pass.  Per weight, in fp32 and in bcq.dequantize's order (so the same float32 values): the planes' ±α summed
+// from +0 in plane order, then the offset; one rounding to OutT.  A thread owns 4 rows × one 32-input word:
+// consecutive threads take consecutive row quads, so the plane, α and offset loads coalesce as in the GEMV, and each
+// row's 32 outputs are one contiguous 64-128 B run (16-byte stores).
+template <typename OutT, int Q>
+__global__ void __launch_bounds__(256) lut_dequantize_kernel(const LutGemvArgs a) {
+  const int n0 = (blockIdx.x * blockDim.x + threadIdx.x) * 4, kword = blockIdx.y;
+  if (n0 >= a.N) return;
+  Word<Q> wd;
+  load_word<Q>(wd, a, kword, n0);
+  float al[Q][4], off[4];
+#pragma unroll
+  for (int q = 0; q < Q; ++q) half4_to_float(wd.alpha[q], al[q]);
+  word_offsets<Q>(wd, a.offset_dtype, off);
+  constexpr int kChunks = 32 * sizeof(OutT) / 16;
+#pragma unroll
+  for (int r = 0; r < 4; ++r) {
+    union { OutT v[32]; uint4 u[kChunks]; } out;
+#pragma unroll
+    for (int k = 0; k < 32; ++k) {
+      float w = 0.f;
+#pragma unroll
+      for (int q = 0; q < Q; ++q) {
+        const float t = (word_of(wd.bits[q], r) >> k) & 1u ? al[q][r] : -al[q][r];
+        w = q == 0 ? t + 0.f : w + t;  // + 0: an all-zero sum is +0, as in the reference's sum from 0
+      }
+      out.v[k] = out_of<OutT>(a.offset_dtype == DType::kNone ? w : w + off[r]);
+    }
+    uint4* dst = reinterpret_cast<uint4*>(static_cast<OutT*>(a.y) + (size_t)(n0 + r) * a.K + kword * 32);
+#pragma unroll
+    for (int c = 0; c < kChunks; ++c) dst[c] = out.u[c];
   }
 }
 
@@ -268,6 +313,19 @@ cudaError_t dispatch_m(const LutGemvArgs& a, cudaStream_t s) {
   }
 }
 
+template <typename OutT>
+cudaError_t dequantize_q(const LutGemvArgs& a, cudaStream_t s) {
+  const dim3 grid((a.N / 4 + 255) / 256, a.K / 32);
+  switch (a.Q) {
+    case 1: lut_dequantize_kernel<OutT, 1><<<grid, 256, 0, s>>>(a); break;
+    case 2: lut_dequantize_kernel<OutT, 2><<<grid, 256, 0, s>>>(a); break;
+    case 3: lut_dequantize_kernel<OutT, 3><<<grid, 256, 0, s>>>(a); break;
+    case 4: lut_dequantize_kernel<OutT, 4><<<grid, 256, 0, s>>>(a); break;
+    default: return cudaErrorInvalidValue;
+  }
+  return cudaGetLastError();
+}
+
 }  // namespace
 
 size_t lut_gemv_smem_bytes(int M, int kt) {
@@ -280,6 +338,14 @@ cudaError_t lut_gemv(const LutGemvArgs& a, cudaStream_t stream) {
   }
   if (a.x_dtype == DType::kHalf) return dispatch_m<__half>(a, stream);
   if (a.x_dtype == DType::kBFloat16) return dispatch_m<__nv_bfloat16>(a, stream);
+  return cudaErrorInvalidValue;
+}
+
+cudaError_t lut_dequantize(const LutGemvArgs& a, DType out, cudaStream_t stream) {
+  if (a.group_size % 32 || a.K % 32 || a.N % 4 || a.K / 32 > 65535) return cudaErrorInvalidValue;
+  if (out == DType::kFloat) return dequantize_q<float>(a, stream);
+  if (out == DType::kHalf) return dequantize_q<__half>(a, stream);
+  if (out == DType::kBFloat16) return dequantize_q<__nv_bfloat16>(a, stream);
   return cudaErrorInvalidValue;
 }
 

@@ -44,4 +44,8 @@ size_t lut_gemv_smem_bytes(int M, int kt);
 // Returns cudaErrorInvalidValue for an unsupported M (1..8), Q (1..4) or dtype.
 cudaError_t lut_gemv(const LutGemvArgs& args, cudaStream_t stream);
 
+// Writes Ŵ [N, K] of dtype `out` (fp32, fp16 or bf16) to args.y from planes, alpha and offset (the other fields
+// unused): bcq.dequantize's float32 values, rounded once.  cudaErrorInvalidValue for a shape or dtype it cannot take.
+cudaError_t lut_dequantize(const LutGemvArgs& args, DType out, cudaStream_t stream);
+
 }  // namespace qlinear

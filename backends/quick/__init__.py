@@ -57,7 +57,7 @@ import torch
 from qlinear.formats import bcq
 
 from .. import ANY, Kernel, Layout, register
-from .._native import build_cuda_backend
+from .._native import build_cuda_backend, dense_linear
 from .._native import sm_count as _sms  # module attribute: tests replace it without a GPU
 
 __all__ = ["LAYOUT", "TILE_N", "TILE_K", "MAX_BATCH", "repack", "unrepack", "fragments", "ptx_fragments",
@@ -281,8 +281,7 @@ def dequantize(buffers: dict, cfg, out_features: int, in_features: int, dtype: t
 
 def linear_dequantized(x: torch.Tensor, buffers: dict, bias, cfg, out_features: int, in_features: int) -> torch.Tensor:
     """Registry entry of dequantize + cuBLAS (large M): ``x`` ``[..., K]`` fp16/bf16 on CUDA -> ``[..., N]``."""
-    w = dequantize(buffers, cfg, out_features, in_features, x.dtype)
-    return torch.nn.functional.linear(x, w, None if bias is None else bias.to(x.dtype))
+    return dense_linear(x, dequantize(buffers, cfg, out_features, in_features, x.dtype), bias)
 
 
 @functools.lru_cache(maxsize=1)
