@@ -28,8 +28,8 @@ OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
 export QLINEAR_CACHE=${QLINEAR_CACHE:-$PWD/.qlinear-cache}
 python3 -m pip install -q --no-deps --no-build-isolation -e . || exit 1
 ls wheels/*.whl >/dev/null 2>&1 && python3 -m pip install -q --no-deps wheels/*.whl
-BACKENDS="cuda_lut quick async_dequant"
-TESTS="tests/test_cuda_lut.py tests/test_quick.py tests/test_async_dequant.py tests/test_dispatch.py tests/test_modules.py"
+BACKENDS="cuda_lut quick async_dequant cuda_codebook"
+TESTS="tests/test_cuda_lut.py tests/test_quick.py tests/test_async_dequant.py tests/test_cuda_codebook.py tests/test_dispatch.py tests/test_modules.py"
 
 build() {
   nvidia-smi --query-gpu=name,clocks.max.sm,clocks.max.mem --format=csv | tee "$OUT/gpu.txt"

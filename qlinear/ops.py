@@ -229,6 +229,14 @@ _lib.define("bcq_lut_dequantize(Tensor planes, Tensor alpha, Tensor? offset, int
 def _(planes, alpha, offset, group_size, dtype):
     """Dense ``Ŵ`` ``[N, K]`` of ``dtype`` from the :mod:`qlinear.backends.cuda_lut` layout."""
     return planes.new_empty(planes.shape[2], planes.shape[0] * 32, dtype=dtype)
+_lib.define("codebook_dequantize(Tensor codes, Tensor? book_idx, Tensor scales, Tensor codebooks, int K, int group_size, "
+            "int bits, ScalarType dtype) -> Tensor")
+
+
+@torch.library.register_fake("qlinear::codebook_dequantize")
+def _(codes, book_idx, scales, codebooks, K, group_size, bits, dtype):
+    """Dense ``Ŵ`` ``[N, K]`` of ``dtype`` from canonical codebook buffers (:mod:`qlinear.backends.cuda_codebook`)."""
+    return codes.new_empty(codes.shape[0], K, dtype=dtype)
 _lib.define("arm_gemm(Tensor x, Tensor qw, Tensor qs, Tensor? qz, Tensor? qb, Tensor? books, Tensor? bias, "
             "int format, int num_books, int N, int group_size, int path, int layout, Tensor? rot_signs=None, "
             "Tensor? rot_paley=None, int rot_block=0, Tensor? perm=None) -> Tensor")

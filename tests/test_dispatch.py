@@ -128,7 +128,7 @@ def posing_gpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     monkeypatch.setattr(dispatch, "_device_name", lambda device: "Fake GPU x1")
     cuda = [k for k in backends._KERNELS if k.devices is not backends.ANY and "cuda" in k.devices]
-    assert {k.backend for k in cuda} >= {"cuda_lut", "quick", "async_dequant"}
+    assert {k.backend for k in cuda} >= {"cuda_lut", "quick", "async_dequant", "cuda_codebook"}
     monkeypatch.setattr(backends, "_KERNELS", [dataclasses.replace(k, available=None) if k in cuda else k
                                                for k in backends._KERNELS])
 
@@ -140,18 +140,19 @@ NO_REFERENCE = {  # name -> (format, kernel config, N, K)
     "bcq free α 4-bit whole row": ("bcq", dict(bits=4, group_size=-1), 96, 320),
     "bcq uniform 2-bit g64": ("bcq", dict(bits=2, group_size=64, init="uniform", iters=0), 256, 512),
     "bcq uniform 4-bit g128": ("bcq", dict(bits=4, group_size=128, init="uniform", iters=0), 4096, 4096),
+    "codebook 2-bit 4 books": ("codebook", dict(bits=2), 256, 512),
+    "codebook 4-bit g64": ("codebook", dict(bits=4, group_size=64), 96, 320),
 }
 KNOWN_GAPS = {  # formats with no CUDA kernel at every batch yet (issue 24): strict, so closing a gap fails here
     "mixed defaults": ("mixed", dict(), 256, 512),
-    "codebook 2-bit": ("codebook", dict(bits=2), 256, 512),
 }
 
 
 @pytest.mark.parametrize("case", [*NO_REFERENCE, *(pytest.param(c, marks=pytest.mark.xfail(
     strict=True, reason="no CUDA kernel for this format above its GEMV's batches (issue 24)")) for c in KNOWN_GAPS)])
 def test_no_call_on_a_gpu_falls_back_to_the_reference(posing_gpu, case):
-    """Issue 24: on a CUDA device every BCQ layer, free α or uniform, finds a GPU kernel at every batch 1..4096 and
-    both dtypes, and it reads the layout the layer holds there (no conversion on every call)."""
+    """Issue 24: on a CUDA device every BCQ layer (free α or uniform) and codebook layer finds a GPU kernel at every
+    batch 1..4096 and both dtypes, and it reads the layout the layer holds there (no conversion on every call)."""
     from qlinear.modules import format_config
     from qlinear.ops import kernel_view
 

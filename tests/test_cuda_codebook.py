@@ -1,0 +1,100 @@
+"""The codebook format's GPU decode path (``cuda_codebook``: dequantize kernel + cuBLAS): its CUDA source under the
+host emulation against the format's dequantize, bit for bit; on a GPU the op and the forward pass."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import poison_cuda_allocator
+
+from qlinear import CodebookLinear, QLinearConfig
+from qlinear.backends import cuda_codebook
+from qlinear.formats import codebook
+
+CASES = [(1, 4, 32), (2, 4, 64), (2, 2, 32), (2, 1, 128), (4, 1, 32), (4, 1, 16)]  # bits, books, group_size
+
+_DRIVER = r'''
+// Driver: reads one call from argv[1] (header, codes, book_idx, scales, codebooks), writes Ŵ (fp32) to argv[2].
+int main(int argc, char** argv) {
+  using namespace qlinear;
+  FILE* f = fopen(argv[1], "rb");
+  auto h = emu_read<int>(f, 7);
+  const int N = h[0], K = h[1], bits = h[2], gs = h[3], books = h[4], code_words = h[5], book_words = h[6];
+  auto codes = emu_read<unsigned>(f, (size_t)N * code_words);
+  auto book_idx = emu_read<unsigned>(f, (size_t)N * book_words);
+  auto scales = emu_read<uint16_t>(f, (size_t)N * (K / gs));
+  auto books_i8 = emu_read<signed char>(f, (size_t)books << bits);
+  fclose(f);
+  std::vector<float> w((size_t)N * K, NAN);
+  CodebookArgs a{codes.data(), book_words ? book_idx.data() : nullptr, scales.data(), books_i8.data(), w.data(),
+                 N, K, bits, gs, books, code_words, book_words};
+  const unsigned blocks = (unsigned)(((long long)N * (K / 32) + 255) / 256);
+  switch (bits) {
+    case 1: run_grid(dim3(blocks, 1, 1), 256, [&a] { codebook_dequantize_kernel<float, 1>(a); }); break;
+    case 2: run_grid(dim3(blocks, 1, 1), 256, [&a] { codebook_dequantize_kernel<float, 2>(a); }); break;
+    default: run_grid(dim3(blocks, 1, 1), 256, [&a] { codebook_dequantize_kernel<float, 4>(a); });
+  }
+  FILE* o = fopen(argv[2], "wb"); fwrite(w.data(), 4, w.size(), o); fclose(o);
+  return 0;
+}
+'''
+
+
+@pytest.fixture(scope="module")
+def emulator(tmp_path_factory):
+    import cuda_emulation
+
+    return cuda_emulation.build(tmp_path_factory.mktemp("codebook_emu"), "cuda_codebook/codebook_dequant.cu",
+                                ("", ""), "", _DRIVER)
+
+
+def _layer(N, K, bits, books, group_size, seed=0):
+    torch.manual_seed(seed)
+    cfg = QLinearConfig("codebook", bits=bits, num_codebooks=books, group_size=group_size)
+    return CodebookLinear.from_linear(torch.nn.Linear(K, N), cfg, backend="reference")
+
+
+@pytest.mark.parametrize("bits,books,group_size", CASES)
+def test_kernel_source_under_host_emulation_is_the_format_bit_for_bit(emulator, bits, books, group_size):
+    from cuda_emulation import run
+
+    N, K = 40, 256
+    mod = _layer(N, K, bits, books, group_size, seed=bits * 10 + books)
+    bufs, cfg = mod.canonical(), mod.config
+    assert cfg.books == books and ("book_idx" in bufs) == (books > 1)
+    idx = bufs.get("book_idx")
+    hdr = [N, K, bits, group_size, books, bufs["codes"].shape[1], 0 if idx is None else idx.shape[1]]
+    w = run(emulator, hdr, [bufs["codes"], idx, bufs["scales"], bufs["codebooks"]], (N, K))
+    assert torch.equal(w, codebook.dequantize(bufs, cfg, N, K))
+
+
+def test_supports_and_errors():
+    assert cuda_codebook.supports(None, 64, 256) is None
+    assert "multiple of 32" in cuda_codebook.supports(None, 64, 48)
+
+
+# --- on a GPU ---------------------------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("bits,books,group_size", CASES)
+def test_dequantize_op_and_forward_on_the_gpu(bits, books, group_size):
+    """The op: the format's float32 Ŵ exactly, and its one rounding to fp16/bf16; the layer is served by it at every
+    batch, within fp16 GEMM rounding of the float64 product."""
+    assert cuda_codebook.available() is None, cuda_codebook.available()
+    N, K = 1536, 576
+    mod = _layer(N, K, bits, books, group_size)
+    want = codebook.dequantize(mod.canonical(), mod.config, N, K)
+    mod.backend = None
+    mod.cuda()
+    bufs = {k: v for k, v in mod.named_buffers()}
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        poison_cuda_allocator()
+        assert torch.equal(cuda_codebook.dequantize(bufs, mod.config, N, K, dtype).cpu(), want.to(dtype)), dtype
+    eps = {torch.float16: 2.0 ** -11, torch.bfloat16: 2.0 ** -8}
+    for dtype in (torch.float16, torch.bfloat16):
+        for M in (1, 9, 300):
+            x = torch.randn(M, K, device="cuda", dtype=dtype)
+            assert mod.kernel(x).backend == "cuda_codebook"
+            y64 = x.double().cpu() @ want.double().T + mod.bias.detach().double().cpu()
+            mag = x.double().abs().cpu() @ want.double().abs().T
+            err = (mod(x).double().cpu() - y64).abs()
+            assert (err <= 3 * eps[dtype] * (mag + y64.abs()) + 1e-3).all(), (dtype, M, err.max().item())
