@@ -7,7 +7,7 @@
 Per layer (median µs, torch's threads as set): dense fp32 and bf16 ``F.linear``; PyTorch's int4 CPU kernel
 (``aten._weight_int4pack_mm_for_cpu``, bf16 activations, the same group size); qlinear's reference backend
 (dequantize + matmul); qlinear's x86 kernels on each path this CPU has, and "auto" (what a layer runs: the best path,
-or from ``x86.DEQUANT_FROM`` rows (by bits) of a bit-plane layer the batched path), for each of ``--formats``: uniform u4 (nibble
+or from ``x86.dequant_from`` rows (by bits and size) of a bit-plane layer the batched path), for each of ``--formats``: uniform u4 (nibble
 layout, VPDPBUSD) and u3/u2, free-α bcq4/3/2 (bit-plane lookup tables), codebooks cb4/cb2 (4 books at 2 bits;
 codes looked up in the layer's 16-byte table); group 128 (64 where K is not a multiple of
 128, e.g. SmolLM2's 576).  End to end: SmolLM2-135M greedy decode tokens/s, float32 versus

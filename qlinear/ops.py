@@ -284,6 +284,16 @@ def _(x, qweight, scales, zeros, perm, bias, group_size, tile_m, tiles_per_split
 def _(qweight, scales, zeros, group_size, K, dtype):
     """Dense ``Ŵ`` ``[N, K]`` of ``dtype`` from the :mod:`qlinear.backends.quick` layout."""
     return qweight.new_empty(qweight.shape[0] * 32, K, dtype=dtype)
+_lib.define("mixed_dequantize(Tensor codes, Tensor meta, Tensor sq, Tensor gtab, Tensor? outlier_values, "
+            "Tensor? outlier_cols, Tensor? outlier_row_ptr, int N, int K, int group_size, int scale_bits, "
+            "int scale_group_size, ScalarType dtype) -> Tensor")
+
+
+@torch.library.register_fake("qlinear::mixed_dequantize")
+def _(codes, meta, sq, gtab, outlier_values, outlier_cols, outlier_row_ptr, N, K, group_size, scale_bits,
+      scale_group_size, dtype):
+    """Dense ``Ŵ`` ``[N, K]`` of ``dtype`` from the :mod:`qlinear.backends.async_dequant` layout."""
+    return codes.new_empty(N, K, dtype=dtype)
 _lib.define("mixed_gemv(Tensor x, Tensor codes, Tensor meta, Tensor sq, Tensor gtab, Tensor? outlier_values, "
             "Tensor? outlier_cols, Tensor? outlier_row_ptr, Tensor? bias, int N, int group_size, int scale_bits, "
             "int scale_group_size, int threads, int tiles_per_split, int splits, bool async_dequant) -> Tensor")

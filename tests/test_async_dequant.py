@@ -440,7 +440,13 @@ def test_kernel_matches_reference_and_is_deterministic(dtype, outlier_ratio, N, 
         sync = ad.linear(x, {n: b for n, b in zip(mod._packed_names, mod.packed())}, mod.bias, cfg, N, K,
                          async_dequant=False)
         assert torch.equal(sync, y)  # same arithmetic in the same order
-    assert mod.kernel(torch.randn(65, K, device="cuda", dtype=dtype)).backend == "reference"
+    # beyond the GEMV's batches: the dequantize kernel + cuBLAS, within the bound plus Ŵ's rounding to dtype
+    x = torch.randn(65, K, device="cuda", dtype=dtype)
+    assert mod.kernel(x).backend == "mixed_dequant"
+    eps = {torch.float16: 2.0 ** -11, torch.bfloat16: 2.0 ** -8}[dtype]
+    mag = x.double().abs() @ layer[3].T
+    y64 = x.double() @ layer[2].T + mod.bias.double()
+    assert ((mod(x).double() - y64).abs() <= layer[4] * mag + eps * (mag + y64.abs())).all()
 
 
 @gpu
@@ -460,3 +466,75 @@ def test_separate_outlier_path_matches(N, K):
     for M in (1, 8):
         _check(layer, torch.randn(M, K, device="cuda").half(), torch.float16, outliers="separate")
 
+
+
+@gpu
+@pytest.mark.parametrize("outlier_ratio", [0.0, 0.005])
+def test_dequantize_op_is_the_format_bit_for_bit(outlier_ratio):
+    """``mixed_dequantize`` on the GPU: the format's float32 Ŵ exactly (outliers included), and its one rounding to
+    fp16/bf16; also the layout's dequantize (the backward pass)."""
+    mod, cfg, w64 = _gpu_layer(1536, 576, 0.25, outlier_ratio, True)[:3]
+    held = {n: b for n, b in zip(mod._packed_names, mod.packed())}
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        poison_cuda_allocator()
+        assert torch.equal(ad.dequantize(held, cfg, 1536, 576, dtype), w64.float().to(dtype)), dtype
+    assert torch.equal(mod.dequantize(), w64.float())
+
+
+# --- the dequantize kernel (mixed_dequant.cu: Ŵ for cuBLAS above the GEMV's batches, and the backward pass) -------
+_DEQUANT_DRIVER = r'''// Driver: reads one call from argv[1] (header, codes, meta, sq, gtab, outliers), writes Ŵ (fp32 [N, K]) to argv[2].
+int main(int argc, char** argv) {
+  using namespace qlinear::mixed;
+  FILE* f = fopen(argv[1], "rb");
+  auto h = emu_read<int>(f, 12);
+  const int N = h[0], K = h[1], W = h[2], G = h[3], MW = h[4], S2 = h[8], nnz = h[9];
+  auto codes = emu_read<unsigned>(f, (size_t)N * W);
+  auto meta = emu_read<unsigned>(f, (size_t)MW * N);
+  auto sq = emu_read<unsigned>(f, (size_t)S2 * G);
+  auto gtab = emu_read<int>(f, G);
+  auto values = emu_read<uint16_t>(f, nnz);
+  auto cols = emu_read<char>(f, (size_t)nnz * (h[10] ? 4 : 2));
+  auto row_ptr = emu_read<int>(f, nnz ? N + 1 : 0);
+  fclose(f);
+  std::vector<float> w((size_t)N * K, NAN);
+  MixedGemvArgs a{};
+  a.codes = codes.data(); a.meta = meta.data(); a.sq = sq.data(); a.gtab = gtab.data();
+  if (nnz) { a.outlier_values = values.data(); a.outlier_cols = cols.data(); a.outlier_row_ptr = row_ptr.data(); }
+  a.cols_int32 = h[10];
+  a.y = w.data();
+  a.N = N; a.K = K; a.W = W; a.G = G; a.MW = MW;
+  a.group_size = h[5]; a.scale_bits = h[6]; a.scale_group_size = h[7];
+  const unsigned blocks = (unsigned)(((long long)G * N + 255) / 256);
+  run_grid(dim3(blocks, 1, 1), 256, [&a] { mixed_dequantize_kernel<float>(a); });
+  FILE* o = fopen(argv[2], "wb"); fwrite(w.data(), 4, w.size(), o); fclose(o);
+  return 0;
+}
+'''
+
+
+@pytest.fixture(scope="module")
+def dequant_emulator(tmp_path_factory):
+    import cuda_emulation
+
+    return cuda_emulation.build(tmp_path_factory.mktemp("dequant_emu"), "async_dequant/mixed_dequant.cu", ("", ""), "",
+                                _DEQUANT_DRIVER)
+
+
+@pytest.mark.parametrize("name,N,K", [("default", 100, 112), ("g32", 130, 256), ("g48_sb8_sg7", 96, 480),
+                                      ("no_4bit", 64, 320), ("all_4bit", 64, 320), ("outliers_0.005", 200, 400),
+                                      ("sb2_no_outliers", 70, 144)])
+def test_dequantize_kernel_source_is_the_format_bit_for_bit(dequant_emulator, name, N, K):
+    """mixed_dequant.cu under the host emulation: the format's float32 Ŵ (second-order scales, both group kinds,
+    outliers) exactly."""
+    from cuda_emulation import run
+
+    cfg = CONFIGS[name]
+    canon = ad.random_buffers(N, K, cfg, seed=N * K + 1)
+    bufs = ad.repack(canon, cfg, N, K)
+    nnz = bufs["ad_outlier_values"].numel()
+    hdr = [N, K, _W(bufs, cfg), bufs["ad_gtab"].numel(), bufs["ad_meta"].shape[0], cfg.group_size, cfg.scale_bits,
+           cfg.scale_group_size, bufs["ad_sq"].shape[0], nnz, int(bufs["ad_outlier_cols"].dtype == torch.int32), 0]
+    outliers = [bufs[k] for k in ("ad_outlier_values", "ad_outlier_cols", "ad_outlier_row_ptr")] if nnz else []
+    w = run(dequant_emulator, hdr, [*(bufs[k] for k in ("ad_codes", "ad_meta", "ad_sq", "ad_gtab")), *outliers],
+            (N, K))
+    assert torch.equal(w, mixed.dequantize(canon, cfg, N, K))

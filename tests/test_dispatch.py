@@ -142,21 +142,19 @@ NO_REFERENCE = {  # name -> (format, kernel config, N, K)
     "bcq uniform 4-bit g128": ("bcq", dict(bits=4, group_size=128, init="uniform", iters=0), 4096, 4096),
     "codebook 2-bit 4 books": ("codebook", dict(bits=2), 256, 512),
     "codebook 4-bit g64": ("codebook", dict(bits=4, group_size=64), 96, 320),
-}
-KNOWN_GAPS = {  # formats with no CUDA kernel at every batch yet (issue 24): strict, so closing a gap fails here
     "mixed defaults": ("mixed", dict(), 256, 512),
+    "mixed g32 outliers anywhere": ("mixed", dict(group_size=32, outlier_placement="any"), 96, 320),
 }
 
 
-@pytest.mark.parametrize("case", [*NO_REFERENCE, *(pytest.param(c, marks=pytest.mark.xfail(
-    strict=True, reason="no CUDA kernel for this format above its GEMV's batches (issue 24)")) for c in KNOWN_GAPS)])
+@pytest.mark.parametrize("case", NO_REFERENCE)
 def test_no_call_on_a_gpu_falls_back_to_the_reference(posing_gpu, case):
-    """Issue 24: on a CUDA device every BCQ layer (free α or uniform) and codebook layer finds a GPU kernel at every
+    """Issue 24: on a CUDA device every BCQ (free α or uniform), codebook and mixed layer finds a GPU kernel at every
     batch 1..4096 and both dtypes, and it reads the layout the layer holds there (no conversion on every call)."""
     from qlinear.modules import format_config
     from qlinear.ops import kernel_view
 
-    fmt, opts, N, K = {**NO_REFERENCE, **KNOWN_GAPS}[case]
+    fmt, opts, N, K = NO_REFERENCE[case]
     cfg = kernel_view(format_config(fmt, QLinearConfig(fmt, **opts))[0])[0]
     device = torch.device("cuda")
     held = backends.layout_for(fmt, cfg, device, (N, K))

@@ -310,22 +310,27 @@ def test_every_path_matches_the_spec_and_the_others_bitwise(name, bias):
 
 
 @pytest.mark.parametrize("name", [n for n in CASES if _planes(_case(n)[0])])
-@pytest.mark.parametrize("tile", ["one", "16 rows"])
+@pytest.mark.parametrize("tile", ["one", "16 rows", "large layer"])
 def test_large_batches_of_bit_plane_layers_take_the_float_gemm(name, tile, monkeypatch):
-    """From DEQUANT_FROM rows ("auto"), Ŵ from the layout (a tile of rows at a time) times unquantized x: within
-    float32 GEMM rounding of the float64 reference, far inside the int8-activation bound the lookups keep below it."""
+    """From ``dequant_from`` rows ("auto": DEQUANT_FROM by bits, twice that for a layer of LARGE_LAYER weights), Ŵ from
+    the layout (a tile of rows at a time) times unquantized x: within float32 GEMM rounding of the float64 reference,
+    far inside the int8-activation bound the lookups keep below it."""
     if x86.available() is not None:
         pytest.skip(x86.available())
-    if tile != "one":
-        monkeypatch.setattr(x86, "_TILE_BYTES", 1)  # one 16-row block per tile, the last one ragged
     cfg, bufs, N, K = _case(name)
+    if tile == "16 rows":
+        monkeypatch.setattr(x86, "_TILE_BYTES", 1)  # one 16-row block per tile, the last one ragged
+    if tile == "large layer":
+        monkeypatch.setattr(x86, "LARGE_LAYER", N * K)  # this layer counts as large: the threshold doubles
+    first = x86.dequant_from(cfg.bits, N, K)
+    assert first == x86.DEQUANT_FROM[cfg.bits] * (2 if tile == "large layer" else 1)
     packed, w64, b = x86.repack(bufs, cfg, N, K), _dense(cfg, bufs, N, K), torch.randn(N)
-    for M in (x86.DEQUANT_FROM[cfg.bits] - 1, x86.DEQUANT_FROM[cfg.bits]):
+    for M in (first - 1, first):
         x = torch.randn(M, K)
         y = _op(x, packed, b, N, cfg, "auto").double()
         err = (y - (x.double() @ w64.T + b.double())).abs()
         gemm = 2 * K * 2.0 ** -24 * (x.double().abs() @ w64.abs().T + b.double().abs())
-        assert (err <= gemm).all() == (M >= x86.DEQUANT_FROM[cfg.bits]), M
+        assert (err <= gemm).all() == (M >= first), M
 
 
 def test_large_batches_of_rotated_act_order_layers_take_the_float_gemm():
@@ -338,7 +343,7 @@ def test_large_batches_of_rotated_act_order_layers_take_the_float_gemm():
     lin = torch.nn.Linear(192, 40)
     layer = BCQLinear.from_linear(lin, dict(bits=3, group_size=64, method="gptq", act_order=True, rotation="hadamard",
                                             rotation_seed=5), random_hessian(192), backend="x86")
-    x = torch.randn(x86.DEQUANT_FROM[3], 192)
+    x = torch.randn(x86.dequant_from(3, 40, 192), 192)
     assert layer.kernel(x).backend == "x86" and layer.layout == "x86"
     want = ref64(layer, x)
     assert ((layer(x).double() - want).abs() <= 1e-5 * (1 + want.abs())).all()

@@ -71,11 +71,11 @@ from qlinear.formats.base import spec_bits
 from qlinear.formats.packing import pack, unpack
 
 from .. import ANY, Kernel, Layout, register
-from .._native import build_cuda_backend
+from .._native import build_cuda_backend, dense_linear
 from .._native import sm_count as _sms  # module attribute: tests replace it without a GPU
 
 __all__ = ["LAYOUT", "MAX_BATCH", "NAMES", "plan", "spec", "repack", "unrepack", "linear", "supports", "available",
-           "layout_bits", "num_words", "random_buffers"]
+           "layout_bits", "num_words", "random_buffers", "dequantize", "linear_dequantized"]
 
 MAX_BATCH = 64      # kernel M <= 8 per launch; 9..64 loops over chunks of 8 (to be confirmed by the benchmark)
 KERNEL_M = 8
@@ -202,7 +202,23 @@ def unrepack(buffers: dict, cfg, out_features: int, in_features: int) -> dict:
     return out
 
 
-LAYOUT = Layout(name="async_dequant", names=lambda cfg: NAMES, repack=repack, unrepack=unrepack)
+def dequantize(buffers: dict, cfg, out_features: int, in_features: int, dtype: torch.dtype = torch.float32
+               ) -> torch.Tensor:
+    """Dense ``Ŵ`` ``[N, K]`` of ``dtype`` (float32, fp16 or bf16) from the ``async_dequant`` buffers on a GPU
+    (``mixed_dequant.cu``): :func:`qlinear.formats.mixed.dequantize`'s float32 values, outliers included, rounded once.
+    With the default float32 it is the layout's ``dequantize`` (the backward pass).  Buffers held in this layout off a
+    GPU (CPU tests standing a spec kernel in for the GEMV) take the format's dequantize."""
+    if buffers["ad_codes"].device.type != "cuda":
+        return mixed.dequantize(unrepack(buffers, cfg, out_features, in_features), cfg, out_features,
+                                in_features).to(dtype)
+    has = buffers["ad_outlier_values"].numel() > 0
+    ov = [buffers[k] for _, k in _OUTLIERS] if has else [None, None, None]
+    return torch.ops.qlinear.mixed_dequantize(buffers["ad_codes"], buffers["ad_meta"], buffers["ad_sq"],
+                                              buffers["ad_gtab"], *ov, out_features, in_features, cfg.group_size,
+                                              cfg.scale_bits, cfg.scale_group_size, dtype)
+
+
+LAYOUT = Layout(name="async_dequant", names=lambda cfg: NAMES, repack=repack, unrepack=unrepack, dequantize=dequantize)
 
 
 def layout_bits(cfg, out_features: int, in_features: int) -> tuple[float, float]:
@@ -378,6 +394,12 @@ def linear(x: torch.Tensor, buffers: dict, bias, cfg, out_features: int, in_feat
     return y.reshape(*x.shape[:-1], N)
 
 
+def linear_dequantized(x: torch.Tensor, buffers: dict, bias, cfg, out_features: int, in_features: int) -> torch.Tensor:
+    """Registry entry above the GEMV's batches: :func:`dequantize` to ``x``'s dtype, then cuBLAS.  ``x`` ``[..., K]``
+    fp16/bf16 on CUDA -> ``[..., N]``."""
+    return dense_linear(x, dequantize(buffers, cfg, out_features, in_features, x.dtype), bias)
+
+
 def supports(cfg, out_features: int, in_features: int) -> Optional[str]:
     """Why the kernel cannot run a mixed layer of this config and shape (None if it can)."""
     if cfg.group_size % 16:
@@ -437,7 +459,8 @@ def random_buffers(out_features: int, in_features: int, cfg, seed: int = 0, devi
     return out
 
 
-register(Kernel(backend="async_dequant", format="mixed", fn=linear, priority=10, devices=frozenset({"cuda"}),
-                dtypes=frozenset({torch.float16, torch.bfloat16}), bits=ANY, group_sizes=ANY, min_capability=(8, 0),
-                max_batch=MAX_BATCH,
-                supports=supports, available=available, layout=LAYOUT))
+_COMMON = dict(format="mixed", devices=frozenset({"cuda"}), dtypes=frozenset({torch.float16, torch.bfloat16}), bits=ANY,
+               group_sizes=ANY, min_capability=(8, 0), supports=supports, available=available, layout=LAYOUT)
+register(Kernel(backend="async_dequant", fn=linear, priority=10, max_batch=MAX_BATCH, **_COMMON))
+# every batch beyond: dequantize + cuBLAS, so that no mixed layer falls back to the reference on a GPU
+register(Kernel(backend="mixed_dequant", fn=linear_dequantized, priority=5, max_batch=ANY, **_COMMON))

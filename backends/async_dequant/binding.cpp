@@ -1,6 +1,6 @@
-// Torch binding of the mixed 2/4/16 GEMV: CUDA implementation of qlinear::mixed_gemv, whose schema and fake
-// implementation are declared in qlinear/ops.py (one file holds the whole op surface).  M > 8 runs the same
-// kernel over chunks of 8 rows of x.
+// Torch binding of the mixed 2/4/16 GEMV and dequantize kernel: CUDA implementations of qlinear::mixed_gemv and
+// qlinear::mixed_dequantize, whose schemas and fake implementations are declared in qlinear/ops.py (one file holds the
+// whole op surface).  M > 8 runs the same GEMV over chunks of 8 rows of x.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -9,6 +9,50 @@
 #include "mixed_gemv.h"
 
 namespace {
+// Checks the layout's buffers and the outliers for N rows and K inputs on `device` and fills their fields of `a`; the
+// op name goes into the errors.
+void weights_of(const at::Tensor& codes, const at::Tensor& meta, const at::Tensor& sq, const at::Tensor& gtab,
+                const std::optional<at::Tensor>& outlier_values, const std::optional<at::Tensor>& outlier_cols,
+                const std::optional<at::Tensor>& outlier_row_ptr, int64_t N, int64_t K, int64_t group_size,
+                int64_t scale_bits, int64_t scale_group_size, const at::Device& device, qlinear::mixed::MixedGemvArgs& a,
+                const char* op) {
+  const int64_t G = gtab.numel();
+  for (const at::Tensor* t : {&codes, &meta, &sq, &gtab}) {
+    TORCH_CHECK(t->scalar_type() == at::kInt && t->is_contiguous() && t->device() == device,
+                op, ": codes, meta, sq and gtab must be contiguous int32 on x's device");
+  }
+  TORCH_CHECK(N >= 1 && codes.numel() % N == 0, op, ": codes hold ", codes.numel(), " words, not N·W");
+  const int64_t W = codes.numel() / N;  // code words per row
+  TORCH_CHECK(K % 16 == 0 && group_size % 16 == 0 && G * group_size == K, op, ": K=", K, " group_size=",
+              group_size, " and ", G, " groups do not fit");
+  TORCH_CHECK(W >= G * group_size / 16 && W <= G * group_size / 8, op, ": ", W, " words per row do not fit K=", K);
+  TORCH_CHECK(meta.dim() == 2 && meta.size(1) == N, op, ": meta must be [MW, N]");
+  const int64_t S2 = (N + scale_group_size - 1) / scale_group_size;
+  TORCH_CHECK(sq.dim() == 2 && sq.size(0) == S2 && sq.size(1) == G, op, ": sq must be [S2, G]");
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(codes.data_ptr()) % 16 == 0, op, ": codes must be 16-byte aligned");
+  TORCH_CHECK(N < (1LL << 31) / 8 && N * W < (1LL << 40), op, ": N out of range");
+  a.codes = reinterpret_cast<const unsigned*>(codes.data_ptr<int>());
+  a.meta = reinterpret_cast<const unsigned*>(meta.data_ptr<int>());
+  a.sq = reinterpret_cast<const unsigned*>(sq.data_ptr<int>());
+  a.gtab = gtab.data_ptr<int>();
+  if (outlier_values.has_value() && outlier_values->numel() > 0) {
+    TORCH_CHECK(outlier_cols.has_value() && outlier_row_ptr.has_value(), op, ": outliers need cols and row_ptr");
+    TORCH_CHECK(outlier_values->scalar_type() == at::kHalf && outlier_values->is_contiguous() &&
+                    outlier_values->device() == device, op, ": outlier values must be contiguous fp16");
+    TORCH_CHECK((outlier_cols->scalar_type() == at::kShort || outlier_cols->scalar_type() == at::kInt) &&
+                    outlier_cols->is_contiguous() && outlier_cols->numel() == outlier_values->numel() &&
+                    outlier_cols->device() == device, op, ": outlier cols must be contiguous int16/int32 [nnz]");
+    TORCH_CHECK(outlier_row_ptr->scalar_type() == at::kInt && outlier_row_ptr->numel() == N + 1 &&
+                    outlier_row_ptr->is_contiguous() && outlier_row_ptr->device() == device,
+                op, ": outlier row_ptr must be contiguous int32 [N + 1]");
+    a.outlier_values = outlier_values->data_ptr();
+    a.outlier_cols = outlier_cols->data_ptr();
+    a.outlier_row_ptr = outlier_row_ptr->data_ptr<int>();
+    a.cols_int32 = outlier_cols->scalar_type() == at::kInt;
+  }
+  a.N = (int)N; a.K = (int)K; a.W = (int)W; a.G = (int)G; a.MW = (int)meta.size(0);
+  a.group_size = (int)group_size; a.scale_bits = (int)scale_bits; a.scale_group_size = (int)scale_group_size;
+}
 
 at::Tensor mixed_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& meta, const at::Tensor& sq,
                       const at::Tensor& gtab, const std::optional<at::Tensor>& outlier_values,
@@ -18,42 +62,11 @@ at::Tensor mixed_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Te
                       bool async_dequant) {
   TORCH_CHECK(x.is_cuda() && x.dim() == 2 && x.is_contiguous(), "mixed_gemv: x must be a contiguous CUDA [M, K] tensor");
   TORCH_CHECK_TYPE(x.scalar_type() == at::kHalf || x.scalar_type() == at::kBFloat16, "mixed_gemv: x must be fp16 or bf16");
-  const int64_t M = x.size(0), K = x.size(1), G = gtab.numel();
-  for (const at::Tensor* t : {&codes, &meta, &sq, &gtab}) {
-    TORCH_CHECK(t->scalar_type() == at::kInt && t->is_contiguous() && t->device() == x.device(),
-                "mixed_gemv: codes, meta, sq and gtab must be contiguous int32 on x's device");
-  }
-  TORCH_CHECK(N >= 1 && codes.numel() % N == 0, "mixed_gemv: codes hold ", codes.numel(), " words, not N·W");
-  const int64_t W = codes.numel() / N;  // code words per row
-  TORCH_CHECK(K % 16 == 0 && group_size % 16 == 0 && G * group_size == K, "mixed_gemv: K=", K, " group_size=",
-              group_size, " and ", G, " groups do not fit");
-  TORCH_CHECK(W >= G * group_size / 16 && W <= G * group_size / 8, "mixed_gemv: ", W, " words per row do not fit K=", K);
-  TORCH_CHECK(meta.dim() == 2 && meta.size(1) == N, "mixed_gemv: meta must be [MW, N]");
-  const int64_t S2 = (N + scale_group_size - 1) / scale_group_size;
-  TORCH_CHECK(sq.dim() == 2 && sq.size(0) == S2 && sq.size(1) == G, "mixed_gemv: sq must be [S2, G]");
-  TORCH_CHECK(reinterpret_cast<uintptr_t>(codes.data_ptr()) % 16 == 0, "mixed_gemv: codes must be 16-byte aligned");
-  TORCH_CHECK(N >= 1 && N < (1LL << 31) / 8 && N * W < (1LL << 40), "mixed_gemv: N out of range");
+  const int64_t M = x.size(0), K = x.size(1);
   c10::cuda::CUDAGuard guard(x.device());
   qlinear::mixed::MixedGemvArgs a{};
-  a.codes = reinterpret_cast<const unsigned*>(codes.data_ptr<int>());
-  a.meta = reinterpret_cast<const unsigned*>(meta.data_ptr<int>());
-  a.sq = reinterpret_cast<const unsigned*>(sq.data_ptr<int>());
-  a.gtab = gtab.data_ptr<int>();
-  if (outlier_values.has_value() && outlier_values->numel() > 0) {
-    TORCH_CHECK(outlier_cols.has_value() && outlier_row_ptr.has_value(), "mixed_gemv: outliers need cols and row_ptr");
-    TORCH_CHECK(outlier_values->scalar_type() == at::kHalf && outlier_values->is_contiguous() &&
-                    outlier_values->device() == x.device(), "mixed_gemv: outlier values must be contiguous fp16");
-    TORCH_CHECK((outlier_cols->scalar_type() == at::kShort || outlier_cols->scalar_type() == at::kInt) &&
-                    outlier_cols->is_contiguous() && outlier_cols->numel() == outlier_values->numel() &&
-                    outlier_cols->device() == x.device(), "mixed_gemv: outlier cols must be contiguous int16/int32 [nnz]");
-    TORCH_CHECK(outlier_row_ptr->scalar_type() == at::kInt && outlier_row_ptr->numel() == N + 1 &&
-                    outlier_row_ptr->is_contiguous() && outlier_row_ptr->device() == x.device(),
-                "mixed_gemv: outlier row_ptr must be contiguous int32 [N + 1]");
-    a.outlier_values = outlier_values->data_ptr();
-    a.outlier_cols = outlier_cols->data_ptr();
-    a.outlier_row_ptr = outlier_row_ptr->data_ptr<int>();
-    a.cols_int32 = outlier_cols->scalar_type() == at::kInt;
-  }
+  weights_of(codes, meta, sq, gtab, outlier_values, outlier_cols, outlier_row_ptr, N, K, group_size, scale_bits,
+             scale_group_size, x.device(), a, "mixed_gemv");
   at::Tensor bias32;
   if (bias.has_value()) {
     TORCH_CHECK(bias->numel() == N && bias->device() == x.device(), "mixed_gemv: bias must have N elements on x's device");
@@ -63,8 +76,6 @@ at::Tensor mixed_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Te
   at::Tensor y = at::empty({M, N}, x.options());
   at::Tensor partial;
   if (splits > 1) partial = at::empty({splits, std::min<int64_t>(M, 8), N}, x.options().dtype(at::kFloat));
-  a.N = (int)N; a.K = (int)K; a.W = (int)W; a.G = (int)G; a.MW = (int)meta.size(0);
-  a.group_size = (int)group_size; a.scale_bits = (int)scale_bits; a.scale_group_size = (int)scale_group_size;
   a.threads = (int)threads; a.tiles_per_split = (int)tiles_per_split; a.splits = (int)splits;
   a.async_dequant = async_dequant ? 1 : 0;
   a.x_dtype = x.scalar_type() == at::kHalf ? qlinear::DType::kHalf : qlinear::DType::kBFloat16;
@@ -81,6 +92,29 @@ at::Tensor mixed_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Te
   return y;
 }
 
+at::Tensor mixed_dequantize(const at::Tensor& codes, const at::Tensor& meta, const at::Tensor& sq, const at::Tensor& gtab,
+                            const std::optional<at::Tensor>& outlier_values,
+                            const std::optional<at::Tensor>& outlier_cols,
+                            const std::optional<at::Tensor>& outlier_row_ptr, int64_t N, int64_t K, int64_t group_size,
+                            int64_t scale_bits, int64_t scale_group_size, at::ScalarType dtype) {
+  TORCH_CHECK(codes.is_cuda(), "mixed_dequantize: the buffers must be on a CUDA device");
+  c10::cuda::CUDAGuard guard(codes.device());
+  qlinear::mixed::MixedGemvArgs a{};
+  weights_of(codes, meta, sq, gtab, outlier_values, outlier_cols, outlier_row_ptr, N, K, group_size, scale_bits,
+             scale_group_size, codes.device(), a, "mixed_dequantize");
+  at::Tensor w = at::empty({N, K}, codes.options().dtype(dtype));
+  a.y = w.data_ptr();
+  const qlinear::DType out = dtype == at::kFloat ? qlinear::DType::kFloat : dtype == at::kHalf ? qlinear::DType::kHalf
+                             : dtype == at::kBFloat16 ? qlinear::DType::kBFloat16 : qlinear::DType::kNone;
+  TORCH_CHECK_TYPE(out != qlinear::DType::kNone, "mixed_dequantize: dtype must be float32, float16 or bfloat16");
+  const cudaError_t err = qlinear::mixed::mixed_dequantize(a, out, c10::cuda::getCurrentCUDAStream());
+  TORCH_CHECK(err == cudaSuccess, "mixed_dequantize launch failed: ", cudaGetErrorString(err));
+  return w;
+}
+
 }  // namespace
 
-TORCH_LIBRARY_IMPL(qlinear, CUDA, m) { m.impl("mixed_gemv", &mixed_gemv); }
+TORCH_LIBRARY_IMPL(qlinear, CUDA, m) {
+  m.impl("mixed_gemv", &mixed_gemv);
+  m.impl("mixed_dequantize", &mixed_dequantize);
+}

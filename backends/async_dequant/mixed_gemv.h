@@ -48,5 +48,11 @@ size_t mixed_gemv_smem_bytes(int M, int K, int tiles_per_split);
 // Returns cudaErrorInvalidValue for an unsupported M (1..8), dtype or launch shape.
 cudaError_t mixed_gemv(const MixedGemvArgs& args, cudaStream_t stream);
 
+// Writes Ŵ [N, K] of dtype `out` (fp32, fp16 or bf16) to args.y from the layout and the outliers (x, bias, the launch
+// fields unused): qlinear.formats.mixed.dequantize's float32 values (ŝ = zero + scale·code, ŝ·(q − z), + the outlier,
+// each rounded in fp32), rounded once.  Outlier columns must ascend within a row, as the format stores them.
+// Returns cudaErrorInvalidValue for a group size that is not a multiple of 16 or an unsupported dtype.
+cudaError_t mixed_dequantize(const MixedGemvArgs& args, DType out, cudaStream_t stream);
+
 }  // namespace mixed
 }  // namespace qlinear

@@ -31,7 +31,7 @@ the Arm kernels.
 Paths, chosen from cpuid once (``path`` forces one): AVX-512 VNNI (the LUT layout also needs VBMI, else it runs on
 AVX2), AVX2 with AVX-VNNI, AVX2 (VPMADDUBSW + VPMADDWD; the lookups by VPSHUFB), scalar C++.  All compute the
 same int32 sums and the same fp32 operations in the same order, so they give the same bits.  Batches of
-:data:`DEQUANT_FROM` rows or more (by bits) of a bit-plane layer (path "auto") take the batched path instead: ``Ŵ``
+:func:`dequant_from` rows or more (by bits and size) of a bit-plane layer (path "auto") take the batched path: ``Ŵ``
 from the layout a cache-sized tile of rows at a time (:func:`dequantize`, also the backward pass's weight), each
 tile times the unquantized activations by a float32 GEMM.  Built just in time (``backends/_native.py``) with
 baseline flags; each SIMD path carries its own ``target`` attribute.  Rows are split across threads with
@@ -68,15 +68,19 @@ from .. import ANY, Kernel, Layout, register
 from .._cpu import pad_groups, quantize_activations, rotation_args, spec_input, supports_codebook, unpad_groups
 from .._native import OPENMP, build
 
-__all__ = ["LAYOUT", "CODEBOOK_LAYOUT", "PATHS", "repack", "unrepack", "repack_codebook", "unrepack_codebook", "spec",
-           "linear", "dequantize", "available", "simde_available", "supports"]
+__all__ = ["LAYOUT", "CODEBOOK_LAYOUT", "PATHS", "DEQUANT_FROM", "LARGE_LAYER", "dequant_from", "repack", "unrepack",
+           "repack_codebook", "unrepack_codebook", "spec", "linear", "dequantize", "available", "simde_available",
+           "supports"]
 
 _HERE = Path(__file__).parent
 PATHS = {"auto": 0, "scalar": 1, "avx2": 2, "avx2_vnni": 3, "avx512_vnni": 4}
 ROWS = 16  # rows per block (one 32-bit lane each of a 512-bit register)
 # From this many rows (by bits) the bit-plane layers (all but uniform 4-bit) dequantize Ŵ and run a float32 GEMM
 # instead of the lookups (path "auto"; benchmarks/RESULTS.md, "x86 kernels, fourth slice", 2026-11-26)
+# instead of the lookups (path "auto"; benchmarks/RESULTS.md, "x86 kernels, fourth slice", 2026-11-26); layers of
+# LARGE_LAYER weights or more cross over later (4096², 11008x4096: about 2x the rows), so their threshold doubles
 DEQUANT_FROM = {1: 256, 2: 256, 3: 128, 4: 128}
+LARGE_LAYER = 8 << 20
 _TILE_BYTES = 4 << 20  # float32 rows of Ŵ per tile of the batched path: cache-sized, below glibc's mmap threshold
 SOURCES = tuple(str(_HERE / f) for f in ("kernels.cpp", "binding.cpp"))
 CFLAGS = ("-O3", "-std=c++17", "-ffp-contract=off", *OPENMP)
@@ -317,13 +321,22 @@ def linear(x: torch.Tensor, buffers: dict, bias, cfg, out_features: int, in_feat
     N, K = out_features, in_features
     x2 = x.reshape(-1, K)
     if path == "auto" and not simde and cfg.format == "bcq" and not _nibbles(cfg) \
-            and x2.shape[0] >= DEQUANT_FROM[cfg.bits]:
+            and x2.shape[0] >= dequant_from(cfg.bits, N, K):
         return _batched(x, buffers, bias, cfg, N, K, rotation)
     op = torch.ops.qlinear_x86_simde.x86_gemm if simde else torch.ops.qlinear.x86_gemm
     qw, qs, qz, qb, gs, bits, fmt = _weights(buffers, cfg, K)
     y = op(x2.float().contiguous(), qw, qs, qz, bias, N, gs, bits, fmt, PATHS[path], *rotation_args(rotation, K),
            buffers.get("perm"), qb)
     return y.to(x.dtype).reshape(*x.shape[:-1], N)
+
+
+def dequant_from(bits: int, out_features: int, in_features: int) -> int:
+    """Rows from which a bit-plane layer of ``bits`` and shape (N, K) takes the batched path (path "auto"):
+    ``DEQUANT_FROM[bits]``, doubled for layers of ``LARGE_LAYER`` weights or more.  From one run on a 2-core Xeon
+    (RESULTS.md, "x86 kernels, fourth slice"): at 4096² and 11008x4096 the lookups stay faster up to about 2x the
+    SmolLM2-shape crossover (11008x4096, 3-bit, 128 rows: 142 ms lookups vs 215 batched), at the cost of 4096²,
+    4-bit free α between 128 and 255 rows (82 vs 72 ms at 128)."""
+    return DEQUANT_FROM[bits] * (2 if out_features * in_features >= LARGE_LAYER else 1)
 
 
 def _batched(x: torch.Tensor, buffers: dict, bias, cfg, N: int, K: int, rotation) -> torch.Tensor:
