@@ -10,7 +10,7 @@ os.environ.pop("QLINEAR_BACKEND", None)
 
 
 # fixture -> marker: tests using the CUDA host emulator or the aarch64 harness under qemu
-_FIXTURE_MARKS = {"emulator": "emulation", "harness": "qemu"}
+_FIXTURE_MARKS = {"emulator": "emulation", "dequant_emulator": "emulation", "harness": "qemu"}
 
 
 # the longest test file runs first, so that pytest-xdist's workers (``-n``, README) do not end on it
