@@ -14,6 +14,7 @@ template <> __device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat
 template <typename T> __device__ __forceinline__ T from_float(float v);
 template <> __device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(v); }
 template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+template <> __device__ __forceinline__ float from_float<float>(float v) { return v; }  // dequantize kernels' fp32 output
 
 // y[i] = Σ_p partial[p, i] (in slice order: deterministic) + bias[i % N], for split-K kernels.
 template <typename T>

@@ -6,6 +6,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
+#include "../_cuda/binding.h"
 #include "mixed_gemv.h"
 
 namespace {
@@ -104,10 +105,8 @@ at::Tensor mixed_dequantize(const at::Tensor& codes, const at::Tensor& meta, con
              scale_group_size, codes.device(), a, "mixed_dequantize");
   at::Tensor w = at::empty({N, K}, codes.options().dtype(dtype));
   a.y = w.data_ptr();
-  const qlinear::DType out = dtype == at::kFloat ? qlinear::DType::kFloat : dtype == at::kHalf ? qlinear::DType::kHalf
-                             : dtype == at::kBFloat16 ? qlinear::DType::kBFloat16 : qlinear::DType::kNone;
-  TORCH_CHECK_TYPE(out != qlinear::DType::kNone, "mixed_dequantize: dtype must be float32, float16 or bfloat16");
-  const cudaError_t err = qlinear::mixed::mixed_dequantize(a, out, c10::cuda::getCurrentCUDAStream());
+  const cudaError_t err = qlinear::mixed::mixed_dequantize(a, qlinear::dtype_of(dtype, "mixed_dequantize"),
+                                                           c10::cuda::getCurrentCUDAStream());
   TORCH_CHECK(err == cudaSuccess, "mixed_dequantize launch failed: ", cudaGetErrorString(err));
   return w;
 }

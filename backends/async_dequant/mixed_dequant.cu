@@ -18,9 +18,6 @@ namespace qlinear {
 namespace mixed {
 namespace {
 
-template <typename OutT> __device__ __forceinline__ OutT mixed_out(float v) { return from_float<OutT>(v); }
-template <> __device__ __forceinline__ float mixed_out<float>(float v) { return v; }
-
 // Code word w of row n in the tile-major layout.
 __device__ __forceinline__ unsigned code_word(const MixedGemvArgs& a, int n, int w) {
   const int full = a.W / 4, t = w >> 2;
@@ -54,7 +51,7 @@ __device__ __forceinline__ void write_group(const MixedGemvArgs& a, int n, int k
         v = __fadd_rn(v, __half2float(__ldg(static_cast<const __half*>(a.outlier_values) + o)));
         ++o;
       }
-      out.v[e] = mixed_out<OutT>(v);
+      out.v[e] = from_float<OutT>(v);
     }
     uint4* d = reinterpret_cast<uint4*>(dst + k0);
 #pragma unroll

@@ -14,9 +14,6 @@
 namespace qlinear {
 namespace {
 
-template <typename OutT> __device__ __forceinline__ OutT codebook_out(float v) { return from_float<OutT>(v); }
-template <> __device__ __forceinline__ float codebook_out<float>(float v) { return v; }
-
 template <typename OutT, int BITS>
 __global__ void __launch_bounds__(256) codebook_dequantize_kernel(const CodebookArgs a) {
   const int chunks = a.K / 32;
@@ -39,7 +36,7 @@ __global__ void __launch_bounds__(256) codebook_dequantize_kernel(const Codebook
       book = (bw >> (g * book_bits % 32)) & (a.books - 1u);
     }
     const float centroid = (float)__ldg(a.codebooks + (book << BITS) + code);
-    out.v[j] = codebook_out<OutT>(__half2float(__ldg(scales + g)) * centroid);
+    out.v[j] = from_float<OutT>(__half2float(__ldg(scales + g)) * centroid);
   }
   uint4* dst = reinterpret_cast<uint4*>(static_cast<OutT*>(a.w) + (size_t)n * a.K + c * 32);
 #pragma unroll

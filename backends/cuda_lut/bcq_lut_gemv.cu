@@ -231,9 +231,6 @@ __global__ void __launch_bounds__(256, 2) lut_gemv_kernel(const LutGemvArgs a) {
   }
 }
 
-template <typename OutT> __device__ __forceinline__ OutT out_of(float v) { return from_float<OutT>(v); }
-template <> __device__ __forceinline__ float out_of<float>(float v) { return v; }
-
 // Ŵ [N, K] of OutT (float, fp16 or bf16) from the layout, for dequantize + cuBLAS above the GEMV's batches and for the
 // backward pass.  Per weight, in fp32 and in bcq.dequantize's order (so the same float32 values): the planes' ±α summed
 // from +0 in plane order, then the offset; one rounding to OutT.  A thread owns 4 rows × one 32-input word:
@@ -261,7 +258,7 @@ __global__ void __launch_bounds__(256) lut_dequantize_kernel(const LutGemvArgs a
         const float t = (word_of(wd.bits[q], r) >> k) & 1u ? al[q][r] : -al[q][r];
         w = q == 0 ? t + 0.f : w + t;  // + 0: an all-zero sum is +0, as in the reference's sum from 0
       }
-      out.v[k] = out_of<OutT>(a.offset_dtype == DType::kNone ? w : w + off[r]);
+      out.v[k] = from_float<OutT>(a.offset_dtype == DType::kNone ? w : w + off[r]);
     }
     uint4* dst = reinterpret_cast<uint4*>(static_cast<OutT*>(a.y) + (size_t)(n0 + r) * a.K + kword * 32);
 #pragma unroll
