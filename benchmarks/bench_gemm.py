@@ -5,7 +5,7 @@ cuBLAS fp16, tinygemm int4 and GemLite, measured in the same run.
                                     [--group 128] [--markdown out.md]
 
 Timing as in bench_gemv.py (:func:`common.gpu_time_us`: CUDA-graph replay, weights rotated through 3x L2).
-Rows: ``quick`` (the GEMM alone), ``dispatched`` (``qlinear::linear`` with automatic kernel choice, holding the
+Rows: ``quick`` (the GEMM alone, uniform and free-α BCQ), ``dispatched`` (``qlinear::linear`` with automatic kernel choice, holding the
 layout :func:`qlinear.backends.layout_for` picks, i.e. following this GPU's dispatch table if it has one),
 ``cuda_lut`` (M <= 8), ``cuBLAS fp16`` (``F.linear``), ``tinygemm`` (``torch._weight_int4pack_mm``, bf16,
 4-bit only) and ``GemLite`` (PyPI ``gemlite``, ``A16Wn`` Triton kernels, 4 and 2 bits; skipped with the reason
@@ -24,7 +24,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_gemv import cublas_calls, gemlite_calls, tinygemm_calls  # noqa: E402
-from common import gpu_run_header, gpu_time_us, op_calls, pool_size, table, uniform_bcq_sets  # noqa: E402
+from common import (free_bcq_sets, gpu_run_header, gpu_time_us, op_calls, pool_size, table,  # noqa: E402
+                    uniform_bcq_sets)
 
 from qlinear import backends  # noqa: E402
 from qlinear.backends import cuda_lut, quick  # noqa: E402
@@ -78,6 +79,10 @@ def main() -> None:
                 if M <= quick.MAX_BATCH:
                     rows.append(base("quick", f"bcq int{q} g{g}", gpu_time_us(op_calls(x, cfg, sets, N, K, "quick", "quick")),
                                      nbytes))
+                    fcfg, fsets = free_bcq_sets(N, K, q, g, "quick", n)  # q fp16 α and an fp16 offset per row, group
+                    rows.append(base("quick", f"bcq free α q{q} g{g}", gpu_time_us(
+                        op_calls(x, fcfg, fsets, N, K, "quick", "quick")), nbytes + (2 * q - 4) * N * math.ceil(K / g)))
+                    del fsets
                 held = backends.layout_for("bcq", cfg, x.device, (N, K))
                 held = "" if held is None else held.name
                 if held != "quick":

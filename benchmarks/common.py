@@ -105,6 +105,25 @@ def uniform_bcq_sets(N: int, K: int, bits: int, group_size: int, layout: str, n:
     return cfg, sets
 
 
+def free_bcq_sets(N: int, K: int, bits: int, group_size: int, layout: str, n: int, device: str = "cuda"):
+    """``(cfg, [packed list, ...])`` as :func:`uniform_bcq_sets` for free-α BCQ: random bit-planes, fp16 α and
+    offsets (the BCQ fit's storage)."""
+    from qlinear import backends
+    from qlinear.formats import bcq
+    from qlinear.ops import to_layout
+
+    G = -(-K // group_size)
+    cfg = bcq.Config(bits=bits, group_size=group_size)
+    sets = []
+    for _ in range(n):
+        canon = {"planes": torch.randint(-2 ** 31, 2 ** 31, (bits, N, K // 32), device=device, dtype=torch.int32),
+                 "alpha": (torch.rand(bits, N, G, device=device) * 0.01 + 0.001).half(),
+                 "offset": (torch.rand(N, G, device=device) * 0.01).half()}
+        bufs = to_layout(canon, cfg, backends.get_layout(layout), N, K) if layout else canon
+        sets.append(list(bufs.values()))
+    return cfg, sets
+
+
 def op_calls(x: torch.Tensor, cfg, sets, N: int, K: int, backend: str, layout: str) -> list[Callable[[], object]]:
     """Closures calling ``qlinear::linear`` on each weight set with ``backend`` ("" = dispatched) and held ``layout``."""
     from qlinear.ops import linear

@@ -39,6 +39,7 @@ measurements: RESULTS.md marks them so.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import re
@@ -55,6 +56,10 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "h100-2026-11-23-bench_gemv.md"
 MEASURED_COMMIT = "30bf025"  # the kernel source the 2026-11-23 H100 rows were measured with
 LUT_SOURCE = "backends/cuda_lut/bcq_lut_gemv.cu"
+NVCC_FLAGS = ("-cubin", "-O3", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", "-Xptxas", "-v")
+# The SASS features of MEASURED_COMMIT's kernel per nvcc build (--save-measured-sass): that source never changes, so
+# they are data; an nvcc without an entry compiles it (~90 s on 2 cores)
+MEASURED_SASS = ROOT / "benchmarks" / "results" / f"lut-sass-{MEASURED_COMMIT}.json"
 
 # H100 SXM (sm_90) residency limits
 SMS, REGS_PER_SM, SMEM_PER_SM, SMEM_RESERVED, THREADS_PER_SM, BLOCKS_PER_SM = 132, 65536, 233472, 1024, 2048, 32
@@ -147,17 +152,29 @@ def lookup_loop(instrs: list[tuple[int, str]]) -> tuple[int, bool]:
     return sum(_load_bytes(op) for _, op in loads), any(a > first_lds for a, _ in loads)
 
 
-def lut_sass(source_root: Path, work: Path) -> dict[tuple[int, int], Sass]:
-    """SASS features of every fp16 ``lut_gemv_kernel`` instantiation built from ``source_root`` (a tree holding
-    backends/), keyed by (M, Q).  Compiles for sm_90a; needs nvcc and cuobjdump."""
+def nvcc_version() -> str:
+    """nvcc's build line (``Build cuda_13.0.r13.0/compiler.36424714_0``): the key of :data:`MEASURED_SASS`."""
+    return subprocess.run([nvcc(), "--version"], capture_output=True, text=True, check=True).stdout.split("\n")[-2]
+
+
+def compile_cubin(cu: Path, work: Path) -> tuple[Path, str]:
+    """``nvcc -cubin`` of ``cu`` for sm_90a with ``-Xptxas -v`` into ``work``: (the cubin, nvcc's output)."""
     work.mkdir(parents=True, exist_ok=True)
-    cubin = work / "lut.cubin"
-    r = subprocess.run([nvcc(), "-cubin", "-O3", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", "-Xptxas", "-v",
-                        str(source_root / LUT_SOURCE), "-o", str(cubin)], capture_output=True, text=True)
+    cubin = work / (cu.stem + ".cubin")
+    r = subprocess.run([nvcc(), *NVCC_FLAGS, str(cu), "-o", str(cubin)], capture_output=True, text=True)
     if r.returncode:
-        raise RuntimeError(f"nvcc failed on {source_root / LUT_SOURCE}:\n{r.stderr[-2000:]}")
+        raise RuntimeError(f"nvcc failed on {cu}:\n{r.stderr[-2000:]}")
+    return cubin, r.stdout + r.stderr
+
+
+def lut_sass(source_root: Path, work: Path, build: Callable[[Path], tuple[Path, str]] = None
+             ) -> dict[tuple[int, int], Sass]:
+    """SASS features of every fp16 ``lut_gemv_kernel`` instantiation built from ``source_root`` (a tree holding
+    backends/), keyed by (M, Q).  ``build`` (source -> (cubin, nvcc output), :func:`compile_cubin` into ``work`` by
+    default) lets a caller share one build; needs nvcc and cuobjdump."""
+    cubin, log = (build or (lambda cu: compile_cubin(cu, work)))(source_root / LUT_SOURCE)
     regs, name = {}, None
-    for line in r.stderr.splitlines():
+    for line in log.splitlines():
         m = re.search(r"Compiling entry function '(\S+)'", line)
         name = m.group(1) if m else name
         m = re.search(r"Used (\d+) registers", line)
@@ -207,19 +224,33 @@ def plan_2026_11_23(M: int, N: int, K: int, sms: int, bits: int) -> tuple[int, i
     return kt, threads, per_split, math.ceil(tiles / per_split)
 
 
+def _sass_json(sass: dict) -> dict:
+    return {f"{M},{Q}": [f.regs, f.loop_bytes, f.pipelined] for (M, Q), f in sorted(sass.items())}
+
+
+def measured_sass(work: Path) -> dict[tuple[int, int], Sass]:
+    """The SASS features of the 2026-11-23 kernel: :data:`MEASURED_SASS`'s entry for this nvcc, else compiled from
+    MEASURED_COMMIT (git history)."""
+    saved = json.loads(MEASURED_SASS.read_text()) if MEASURED_SASS.exists() else {}
+    entry = saved.get(nvcc_version())
+    if entry is None:
+        src = checkout(MEASURED_COMMIT, work / "measured")
+        return lut_sass(src, src)
+    return {tuple(map(int, k.split(","))): Sass(*v) for k, v in entry.items()}
+
+
 def measured_version(work: Path) -> Version:
     """The kernel of the 2026-11-23 H100 rows: one word per loop iteration, tables ``4·M·(32·kt + kt/32 + kt)`` B."""
-    src = checkout(MEASURED_COMMIT, work / "measured")
     return Version("2026-11-23", plan_2026_11_23, lambda M, kt: 4 * M * (kt // 8 * 256 + kt // 32 + kt),
-                   lambda M, kt: 1, lut_sass(src, src))
+                   lambda M, kt: 1, measured_sass(work))
 
 
-def current_version(work: Path) -> Version:
-    """This checkout's kernel: one tile per loop iteration, two table buffers."""
+def current_version(work: Path, build: Callable[[Path], tuple[Path, str]] = None) -> Version:
+    """This checkout's kernel: one tile per loop iteration, two table buffers (``build``: see :func:`lut_sass`)."""
     from qlinear.backends import cuda_lut
 
     return Version("current", cuda_lut.plan, lambda M, kt: 2 * 4 * M * (kt // 8) * 256, lambda M, kt: kt // 32,
-                   lut_sass(ROOT, work / "current"))
+                   lut_sass(ROOT, work / "current", build))
 
 
 # --- the model ----------------------------------------------------------------------------------------------------
@@ -332,10 +363,22 @@ def main() -> None:
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--bw", type=float, help="DRAM bandwidth (TB/s) replacing the fitted one, to predict another card "
                     "with the H100's latencies (H200: its bandwidth ratio to the H100 times the fitted value)")
+    ap.add_argument("--save-measured-sass", action="store_true", help=f"compile {MEASURED_COMMIT}'s kernel with this "
+                    f"nvcc and add its SASS features to {MEASURED_SASS.relative_to(ROOT)}")
     args = ap.parse_args()
     if nvcc() is None or cuobjdump() is None:
         sys.exit("needs nvcc and cuobjdump (pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm)")
     sys.path.insert(0, str(ROOT))
+    if args.save_measured_sass:
+        with tempfile.TemporaryDirectory() as tmp:
+            src = checkout(MEASURED_COMMIT, Path(tmp))
+            entry = _sass_json(lut_sass(src, src))
+        saved = json.loads(MEASURED_SASS.read_text()) if MEASURED_SASS.exists() else {}
+        saved[nvcc_version()] = entry
+        MEASURED_SASS.write_text("{\n" + ",\n".join(f"{json.dumps(k)}: {json.dumps(v)}" for k, v in saved.items())
+                                 + "\n}\n")
+        print(f"{MEASURED_SASS}: {nvcc_version()}: {len(entry)} instantiations")
+        return
     with tempfile.TemporaryDirectory() as tmp:
         measured, current = measured_version(Path(tmp)), current_version(Path(tmp))
     res = check(measured, read_rows(Path(args.results)))

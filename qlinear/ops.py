@@ -276,7 +276,8 @@ _lib.define("quick_dequantize(Tensor qweight, Tensor scales, Tensor? zeros, int 
 @torch.library.register_fake("qlinear::quick_gemm")
 def _(x, qweight, scales, zeros, perm, bias, group_size, tile_m, tiles_per_split, splits):
     """QUICK GEMM of :mod:`qlinear.backends.quick`: ``x`` ``[M, K]`` fp16/bf16 (read as ``x[:, perm]`` if given)
-    -> ``[M, N]``."""
+    -> ``[M, N]``.  Uniform layers: ``scales`` fp16 ``[G, N]``, ``zeros`` int16 ``[G, N/4]`` (packed zero points) or
+    None; free-α layers: ``scales`` the α, fp16 ``[G, Q, N]``, ``zeros`` the fp16 offsets ``[G, N]`` or None."""
     return x.new_empty(x.shape[0], qweight.shape[0] * 32)
 
 

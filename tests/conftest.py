@@ -13,13 +13,20 @@ os.environ.pop("QLINEAR_BACKEND", None)
 _FIXTURE_MARKS = {"emulator": "emulation", "dequant_emulator": "emulation", "harness": "qemu"}
 
 
-# the longest test file runs first, so that pytest-xdist's workers (``-n``, README) do not end on it
-_FIRST = ("test_real_model.py",)
+# The longest test files, longest first (seconds on 2 cores, 2026-11-26): pytest-xdist's workers (``-n``, README)
+# take whole files (``--dist loadfile``) in this order, so that none ends on a long file while the others idle
+_FIRST = ("test_real_model.py",       # 630
+          "test_native_build.py",     # 370
+          "test_tensor_parallel.py",  # 160
+          "test_kernel_model.py")     # 120
 
 
 def pytest_configure(config):
     """Under pytest-xdist, each worker's torch takes its share of the cores (two workers each using every core
-    would oversubscribe them)."""
+    would oversubscribe them), and files are handed out in collection order (xdist would otherwise sort them by
+    their number of tests, and start the long files of few tests last)."""
+    if getattr(config.option, "dist", "no") == "loadfile":
+        config.option.loadscopereorder = False
     workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
     if workers:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(workers)))
@@ -29,7 +36,8 @@ def pytest_collection_modifyitems(config, items):
     """``gpu`` tests skip without a CUDA GPU; tests using the emulator or the qemu harness get their marker; ``qemu``,
     ``emulation`` and ``real_model`` tests are also ``slow`` (markers are declared in pyproject.toml); the files of
     ``_FIRST`` go first."""
-    items.sort(key=lambda item: item.path.name not in _FIRST)  # stable: the order within files is kept
+    rank = {name: i for i, name in enumerate(_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(_FIRST)))  # stable: the order within files is kept
     no_gpu = None if torch.cuda.is_available() else pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
         for fixture, mark in _FIXTURE_MARKS.items():
@@ -63,6 +71,7 @@ def _spec_call(backend: str):
         "cuda_lut": lambda x, b, bias, cfg, N, K: cuda_lut.spec(x, b, bias, cfg, N, K,
                                                                 cuda_lut.plan(x.shape[0], N, K, 4, cfg.bits)),
         "quick": lambda x, b, bias, cfg, N, K: quick.spec(x, b, bias, cfg, N, K, torch.float16),
+        "quick_free": lambda x, b, bias, cfg, N, K: quick.spec(x, b, bias, cfg, N, K, torch.float16),
         "async_dequant": lambda x, b, bias, cfg, N, K: async_dequant.spec(
             x, b, bias, cfg, N, K, async_dequant.plan(x.shape[0], N, K, async_dequant.num_words(b, cfg), 4)),
     }[backend]
@@ -310,3 +319,33 @@ def counting_layout():
     k = backends.register(cpu_kernel("counting", "bcq", fn, priority=100, layout=layout))
     yield counts
     backends._KERNELS.remove(k)
+
+
+@pytest.fixture(scope="session")
+def sm90a_cubin(tmp_path_factory) -> Callable:
+    """``cu -> (cubin, nvcc output)``: ``benchmarks/kernel_model.py``'s sm_90a build (``-cubin -Xptxas -v``) of a CUDA
+    source, once per test run for every pytest-xdist worker (test_native_build and test_kernel_model both need the
+    LUT kernel's: ~90 s on 2 cores).  Raises RuntimeError with nvcc's output when it fails."""
+    import fcntl
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import kernel_model as km
+
+    base = tmp_path_factory.getbasetemp()
+    root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "sm90a-cubins"  # the run's, shared
+    root.mkdir(exist_ok=True)
+
+    def build(cu: Path) -> tuple[Path, str]:
+        work = root / cu.relative_to(Path(__file__).resolve().parents[1]).as_posix().replace("/", "-")
+        with open(f"{work}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # a second worker waits for the first's build
+            done = work / "nvcc-output.txt"
+            if done.exists():
+                return work / f"{cu.stem}.cubin", done.read_text()
+            cubin, out = km.compile_cubin(cu, work)
+            done.write_text(out)
+            return cubin, out
+
+    return build

@@ -90,6 +90,29 @@ def test_the_table_chooses_layout_and_kernel_per_batch(fake_gpu):
     assert other.layout == "quick"
 
 
+def test_free_alpha_layers_follow_only_entries_measured_on_free_alpha(fake_gpu):
+    """An entry measured on uniform layers (no "uniform" key) does not move a free-α layer; one marked
+    ``"uniform": false`` does, and names its kernel per batch (here a CPU stand-in for quick_free, ranked low as it)."""
+    free = backends.register(cpu_kernel("quick_free_spec", "bcq", lambda x, b, bias, cfg, N, K: quick.spec(
+        x.reshape(-1, K), b, bias, cfg, N, K).to(x.dtype).reshape(*x.shape[:-1], N), priority=3, max_batch=512,
+        supports=quick.supports_free, layout=quick.LAYOUT))
+    try:
+        entry = {"format": "bcq", "bits": 4, "group_size": 64, "N": 64, "K": 128, "layout": "quick",
+                 "plan": [[None, "quick_free_spec"]]}
+        ref = BCQLinear.from_linear(torch.nn.Linear(128, 64), QLinearConfig("bcq", bits=4, group_size=64, iters=1),
+                                    backend="reference")
+        x = torch.randn(2, 128)
+        for table, layout, kernel in (([entry], "cuda_lut", "lut_spec"),
+                                      ([{**entry, "uniform": False}], "quick", "quick_free_spec")):
+            fake_gpu(table)
+            mod = BCQLinear(128, 64, True, ref.config)
+            mod.load_state_dict(ref.state_dict())
+            assert mod.layout == layout and mod.kernel(x).backend == kernel
+            assert torch.allclose(mod(x), ref(x), atol=1e-3)
+    finally:
+        backends._KERNELS.remove(free)
+
+
 def test_malformed_table_is_a_clear_error(fake_gpu):
     fake_gpu([{"format": "bcq", "bits": 4}])
     with pytest.raises(ValueError, match="malformed.*tune_dispatch"):

@@ -85,6 +85,9 @@ SUBJECTS = {s.backend + ("" if s.device == "cuda" else f"/{s.format}"): s for s 
     Subject("quick", "bcq", "cuda", {"RTN 3-bit g64": _layer(BCQLinear, 96, 192, dict(RTN4, bits=3)),
                                      "GPTQ 4-bit act_order": _layer(BCQLinear, 64, 256, GPTQ4_ACT_ORDER, True)},
             test_quick.spec_bound, "quick_gemm", quick.plan, 0, QLinearConfig("bcq", **RTN4)),
+    Subject("quick_free", "bcq", "cuda", {"free α 4-bit error feedback act_order": _layer(BCQLinear, 64, 256, dict(
+        bits=4, group_size=64, iters=1, error_feedback=True, act_order=True), True)},
+            test_quick.spec_bound, "quick_gemm", quick.plan, 0, QLinearConfig("bcq", bits=4, group_size=64, iters=1)),
     Subject("async_dequant", "mixed", "cuda", {"mixed": lambda: _mixed_layer(96, 320)},
             lambda m, x: test_async_dequant._bound(m.canonical(), m.config, m.out_features, m.in_features, x),
             "mixed_gemv", async_dequant.plan, 1, QLinearConfig("mixed")),
@@ -325,4 +328,5 @@ def test_act_order_layer_gathers_x_inside_the_kernel(backend, dtype):
 
 spec_cuda_lut = spec_kernel_fixture("cuda_lut")
 spec_quick = spec_kernel_fixture("quick")
+spec_quick_free = spec_kernel_fixture("quick_free")
 spec_async_dequant = spec_kernel_fixture("async_dequant")

@@ -1,7 +1,7 @@
 """The LUT GEMV performance model (benchmarks/kernel_model.py): its SASS reading, and its fit kept honest.
 
-The fit test recompiles the kernel the committed H100 rows were measured with (git history), reads its SASS, fits the
-machine constants on every other row and fails if the held-out rows are predicted worse than the issue's bounds
+The fit test reads the SASS of the kernel the committed H100 rows were measured with (its features for this nvcc from
+benchmarks/results/lut-sass-30bf025.json, else compiled from git history), fits the machine constants on every other row and fails if the held-out rows are predicted worse than the issue's bounds
 (median |error| <= 30 %, no row off by more than 2x).  Skipped where nvcc, cuobjdump, scipy or that commit is missing.
 """
 
@@ -86,11 +86,13 @@ def _tools_or_skip():
 
 
 @pytest.fixture(scope="module")
-def versions():
+def versions(sm90a_cubin):
+    """The measured kernel's SASS features (km.MEASURED_SASS, or compiled where this nvcc has no entry) and this
+    checkout's, from the build test_native_build shares."""
     _tools_or_skip()
     with tempfile.TemporaryDirectory() as tmp, ThreadPoolExecutor(2) as pool:
         measured = pool.submit(km.measured_version, Path(tmp))
-        current = pool.submit(km.current_version, Path(tmp))
+        current = pool.submit(km.current_version, Path(tmp), sm90a_cubin)
         return measured.result(), current.result()
 
 

@@ -3,7 +3,9 @@ kernel on a GPU.
 
 Error bounds.  The kernel's weights: with ``s_T = T(s)``, ``c'_T = T(c − s·mid)`` and ``ŵ_T = T(v·s_T + c'_T)``
 (v the integer code, u = 2⁻¹¹ for fp16, 2⁻⁸ for bf16; s is fp16 so u_s = 0 for fp16), every weight obeys
-``|ŵ_T − ŵ| ≤ u·(|v·s| + |c'| + |ŵ|)·(1 + 2u)``.  Outputs: fp32 accumulation over K products gives
+``|ŵ_T − ŵ| ≤ u·(|v·s| + |c'| + |ŵ|)·(1 + 2u)``.  Free α: ``c'_T = T(c − Σ_i α_i)`` (fp32 subtractions) and Q fmas
+``ŵ ← T(bit_i·T(2α_i) + ŵ)``; every partial value is at most ``A = |c| + 3·Σ_i |α_i|``, so
+``|ŵ_T − ŵ| ≤ u·((Q + 1)·A + 2·Σ_i |α_i|)·(1 + 2u) + Q·2⁻²⁴·A``.  Outputs: fp32 accumulation over K products gives
 ``|y − y₆₄| ≤ Σ_k |x_k|·werr_k + K·u₃₂·Σ_k |x_k|·(|ŵ_k| + werr_k) + u_T·|y₆₄|`` (last term: output rounding).
 """
 
@@ -41,14 +43,25 @@ def _uniform(N, K, bits, group_size, imported=False, offset=True, seed=0):
     return cfg, bcq.quantize(torch.randn(N, K, generator=g), cfg)
 
 
+def _free(N, K, bits, group_size, offset=True, seed=0):
+    """A free-α layer (the BCQ fit with error feedback, a few iterations) with its config."""
+    cfg = bcq.Config(bits=bits, group_size=group_size, iters=2, offset=offset)
+    return cfg, bcq.quantize(torch.randn(N, K, generator=torch.Generator().manual_seed(seed)), cfg)
+
+
 def _weight_error_bound(canon, cfg, N, K, dtype):
-    """Per-weight bound of the module docstring, ``[N, K]`` float64: ``ŵ = fma(q, s_T, T(−s·z))`` rounds twice."""
+    """Per-weight bound of the module docstring, ``[N, K]`` float64: ``ŵ = fma(q, s_T, T(−s·z))`` rounds twice (free
+    α: once per plane, plus ``c'``)."""
     g = torch.arange(K) // cfg.group(K)
+    u = U.get(dtype, 2.0 ** -24)
+    if not bcq.is_uniform(cfg):
+        alpha = canon["alpha"].double().abs()[:, :, g].sum(0)  # Σ_i |α_i| per weight
+        A = (canon["offset"].double().abs()[:, g] if "offset" in canon else 0) + 3 * alpha
+        return u * ((cfg.bits + 1) * A + 2 * alpha) * (1 + 2 * u) + cfg.bits * 2.0 ** -24 * A
     codes, s, z = bcq.uniform_parts(canon, cfg, N, K)
     s = s.double()[:, g]
     z = z.double()[:, g] if z is not None else (2 ** cfg.bits - 1) / 2
     w = bcq.dequantize(canon, cfg, N, K).double()
-    u = U[dtype]
     return u * ((codes.double() * s).abs() + (s * z).abs() + w.abs()) * (1 + 2 * u)
 
 
@@ -73,6 +86,39 @@ def test_layout_round_trip_is_bit_exact_and_no_bigger(bits, offset, imported):
     back = quick.unrepack(packed, cfg, 96, 256)
     assert set(back) == set(canon)
     assert all(torch.equal(back[k], canon[k]) and back[k].dtype == canon[k].dtype for k in canon)
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+@pytest.mark.parametrize("offset", [True, False])
+def test_free_alpha_layout_round_trip_is_bit_exact_and_the_same_size(bits, offset):
+    cfg, canon = _free(96, 256, bits, 64, offset, seed=bits)
+    packed = quick.repack(canon, cfg, 96, 256)
+    assert tuple(packed) == quick.LAYOUT.names(cfg) == ("quick_qweight", "quick_alpha") + ("quick_offset",) * offset
+    assert packed["quick_alpha"].shape == (4, bits, 96) and packed["quick_alpha"].dtype == torch.float16
+    size = lambda d: sum(t.numel() * t.element_size() for t in d.values())
+    assert size(packed) == size(canon)
+    back = quick.unrepack(packed, cfg, 96, 256)
+    assert set(back) == set(canon) and all(torch.equal(back[k], canon[k]) for k in canon)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("bits", [2, 3, 4])
+@pytest.mark.parametrize("group_size", [32, 64, -1])
+def test_free_alpha_fragments_are_the_ptx_table_of_the_weight_within_the_rounding_bound(dtype, bits, group_size):
+    """Free α: each lane's fragment values, decoded from the repacked words, α and offsets with the kernel's
+    arithmetic (one fma per plane), are the float64 weight at the PTX ISA's positions, within the module docstring's
+    bound (fp32: the fp32 subtractions of c' alone), and values a T register holds."""
+    N, K = 192, 576
+    cfg, canon = _free(N, K, bits, group_size, seed=bits + group_size)
+    packed = quick.repack(canon, cfg, N, K)
+    frags = quick.fragments(packed, cfg, N, K, dtype)
+    assert torch.equal(frags, frags.to(dtype).float())
+    w = bcq.dequantize(canon, cfg, N, K).double()
+    err = (quick.dense_from_fragments(frags).double() - w).abs()
+    bound = _weight_error_bound(canon, cfg, N, K, dtype)
+    assert (err <= bound).all()
+    misplaced = quick.ptx_fragments(w.roll(1, 0)) - frags.double()  # a row off: far outside the bound
+    assert (misplaced.abs() > quick.ptx_fragments(bound)).any()
 
 
 def test_layout_of_a_gptq_4bit_g128_layer_takes_4_156_bits():
@@ -120,11 +166,13 @@ def test_spec_catches_a_wrong_layout():
     assert not torch.equal(quick.fragments(nibbles, cfg, 64, 128, torch.float32), w)
 
 
-def test_repack_rejects_free_alpha_and_bad_shapes():
+def test_repack_rejects_fp32_offsets_a_wrong_storage_and_bad_shapes():
     cfg = bcq.Config(bits=4, group_size=64, iters=1)
     canon = bcq.quantize(torch.randn(64, 128), cfg)
     with pytest.raises(ValueError, match="uniform"):
         quick.repack(canon, dataclasses.replace(cfg, init="uniform", iters=0), 64, 128)
+    with pytest.raises(ValueError, match="fp32 offsets"):
+        quick.repack({**canon, "offset": canon["offset"].float()}, dataclasses.replace(cfg, fp32_offset=True), 64, 128)
     ucfg, ucanon = _uniform(48, 128, 4, 64)
     with pytest.raises(ValueError, match="out_features % 32"):
         quick.repack(ucanon, ucfg, 48, 128)
@@ -136,6 +184,11 @@ def test_registry_rejects_unsupported_configs():
     k = next(k for k in backends.kernels("bcq") if k.backend == "quick")
     rtn = bcq.Config(bits=4, group_size=128, init="uniform", iters=0)
     assert "not uniform" in k.reject(bcq.Config(bits=4), cuda, torch.float16, 16, (64, 64))
+    free = next(k for k in backends.kernels("bcq") if k.backend == "quick_free")
+    assert free.priority < min(k.priority for k in backends.kernels("bcq") if k.backend.startswith("cuda_lut"))
+    assert quick.supports_free(bcq.Config(bits=4), 64, 64) is None
+    assert "fp32 offsets" in free.reject(bcq.Config(bits=4, fp32_offset=True), cuda, torch.float16, 16, (64, 64))
+    assert "uniform layers take backend 'quick'" in free.reject(rtn, cuda, torch.float16, 16, (64, 64))
     assert "bits=8" in k.reject(bcq.Config(bits=8, method="gptq"), cuda, torch.float16, 16, (64, 64))
     assert "in_features % 64" in k.reject(rtn, cuda, torch.float16, 16, (64, 96))
 
@@ -157,11 +210,18 @@ def test_plan_covers_every_tile_once():
 
 # --- the layout machinery, driven on CPU by a kernel that runs the spec --------------------------------
 spec_kernel = spec_kernel_fixture("quick")
+spec_free = spec_kernel_fixture("quick_free")
 
 
-def test_free_alpha_module_keeps_another_layout(spec_kernel):
-    mod = BCQLinear.from_linear(torch.nn.Linear(128, 64), QLinearConfig("bcq", bits=4, group_size=64, iters=1))
-    assert mod.layout != "quick" and mod.kernel(torch.randn(16, 128)).backend != "quick_spec"
+def test_free_alpha_module_runs_on_the_quick_layout(spec_free):
+    """A free-α layer takes the quick layout and kernel ``quick_free`` (here its spec on the CPU, ranked first),
+    within the fragments' bound of its float64 weight."""
+    lin = torch.nn.Linear(128, 64)
+    mod = BCQLinear.from_linear(lin, QLinearConfig("bcq", bits=3, group_size=64, iters=1))
+    x = torch.randn(16, 128)
+    assert mod.layout == "quick" and mod.kernel(x).backend == "quick_free_spec"
+    assert ((mod(x).double() - x.double() @ mod.dequantize(torch.float64).T - lin.bias.double()).abs()
+            <= spec_bound(mod, x) + 1e-5).all()
 
 
 # --- on a GPU ---------------------------------------------------------------------------------------------
@@ -243,53 +303,83 @@ def test_dequantize_kernel_is_the_spec_bit_for_bit(bits, dtype):
     _check_gpu(mod, x, _gpu_reference(mod, dtype), acc_eps=U[dtype])
 
 
+@gpu
+@pytest.mark.parametrize("bits", [2, 3, 4])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("N,K,group_size", [(1536, 576, 64), (4096, 4096, 128)])
+def test_free_alpha_kernel_matches_reference_and_its_dequantize_is_the_spec(N, K, group_size, dtype, bits):
+    """``quick_free`` on a GPU: within the module docstring's bound of the float64 weight at every tile size, split-K
+    and beyond 512 rows (dequantize + cuBLAS, whose Ŵ is the spec's bit for bit), deterministic."""
+    assert quick.available() is None, quick.available()
+    torch.manual_seed(N + bits)
+    cfg = QLinearConfig("bcq", bits=bits, group_size=group_size, iters=1)
+    mod = BCQLinear.from_linear(torch.nn.Linear(K, N).cuda(), cfg, backend="quick_free")  # quantized on the GPU
+    assert mod.layout == "quick"
+    ref = _gpu_reference(mod, dtype)
+    for M in (1, 3, 8, 16, 17, 64, 129, 300, 512):
+        x = torch.randn(M, K, device="cuda").to(dtype)
+        assert mod.kernel(x).backend == "quick_free"
+        _check_gpu(mod, x, ref)
+    names = quick.LAYOUT.names(mod.config)
+    bufs = {n: getattr(mod, n) for n in names}
+    want = quick.dense_from_fragments(quick.fragments({k: v.cpu() for k, v in bufs.items()}, mod.config, N, K, dtype))
+    assert torch.equal(quick.dequantize(bufs, mod.config, N, K, dtype).cpu(), want.to(dtype))
+    _check_gpu(mod, torch.randn(600, K, device="cuda", dtype=dtype), ref, acc_eps=U[dtype])
+
+
 # --- the kernel's own source, run on the CPU under the host emulation (tests/cuda_emulation.py) -------------
 _QUICK_DRIVER = r'''
-// Driver: reads one call from argv[1] (header, x, qweight, scales, zeros, bias), writes y or Ŵ (fp32) to argv[2].
+// Driver: reads one call from argv[1] (header, x, qweight, scales or α, zeros or offsets, bias, perm), writes y or Ŵ
+// (fp32) to argv[2].
 namespace emu {
 using namespace qlinear;
-template <typename T, int Q, int MT, int WM> void gemm(const QuickArgs& a) {
+template <typename T, int Q, int MT, int WM, bool F> void gemm(const QuickArgs& a) {
   constexpr int BM = 16 * MT * WM, THREADS = 32 * 4 * WM;
   emu_warp::reset(THREADS);
-  run_grid(dim3((a.N + 127) / 128, (a.M + BM - 1) / BM, a.splits), THREADS, [&a] { quick_gemm_kernel<T, Q, MT, WM>(a); });
+  run_grid(dim3((a.N + 127) / 128, (a.M + BM - 1) / BM, a.splits), THREADS, [&a] { quick_gemm_kernel<T, Q, MT, WM, F>(a); });
   if (a.splits > 1) emulate_reduce_splits<T>(a.partial, a.bias, a.y, a.splits, a.M, a.N);
 }
-template <typename T, int Q> void run(const QuickArgs& a, bool dequant) {
+template <typename T, int Q, bool F> void run(const QuickArgs& a, bool dequant) {
   if (dequant) {
     const int tiles = (a.N / 32) * (a.K / 64);
     emu_warp::reset(128);
-    run_grid(dim3((tiles + 3) / 4, 1, 1), 128, [&a] { quick_dequantize_kernel<T, Q>(a); });
+    run_grid(dim3((tiles + 3) / 4, 1, 1), 128, [&a] { quick_dequantize_kernel<T, Q, F>(a); });
     return;
   }
   switch (a.tile_m) {
-    case 16: return gemm<T, Q, 1, 1>(a);
-    case 32: return gemm<T, Q, 2, 1>(a);
-    case 64: return gemm<T, Q, 4, 1>(a);
-    default: return gemm<T, Q, 4, 2>(a);
+    case 16: return gemm<T, Q, 1, 1, F>(a);
+    case 32: return gemm<T, Q, 2, 1, F>(a);
+    case 64: return gemm<T, Q, 4, 1, F>(a);
+    default: return gemm<T, Q, 4, 2, F>(a);
   }
 }
+template <typename T, bool F> void run_f(const QuickArgs& a, bool dequant) {
+  if (a.Q == 2) run<T, 2, F>(a, dequant); else if (a.Q == 3) run<T, 3, F>(a, dequant); else run<T, 4, F>(a, dequant);
+}
 template <typename T> void run_q(const QuickArgs& a, bool dequant) {
-  if (a.Q == 2) run<T, 2>(a, dequant); else if (a.Q == 3) run<T, 3>(a, dequant); else run<T, 4>(a, dequant);
+  if (a.free_alpha) run_f<T, true>(a, dequant); else run_f<T, false>(a, dequant);
 }
 }  // namespace emu
 
 int main(int argc, char** argv) {
   using namespace emu;
   FILE* f = fopen(argv[1], "rb");
-  auto h = emu_read<int>(f, 13);
+  auto h = emu_read<int>(f, 14);
   const int M = h[0], N = h[1], K = h[2], Q = h[3], gs = h[4], bf16 = h[8], has_zeros = h[9], has_bias = h[10];
-  const int dequant = h[11], G = (K + gs - 1) / gs;
+  const int dequant = h[11], free_alpha = h[13], G = (K + gs - 1) / gs;
   auto x = emu_read<uint16_t>(f, (size_t)M * K);
   auto qweight = emu_read<unsigned>(f, (size_t)N * K * Q / 32);
-  auto scales = emu_read<uint16_t>(f, (size_t)G * N);
-  std::vector<unsigned short> zeros = emu_read<unsigned short>(f, has_zeros ? (size_t)G * N / 4 : 0);
+  auto scales = emu_read<uint16_t>(f, (size_t)G * N * (free_alpha ? Q : 1));
+  std::vector<unsigned short> zeros = emu_read<unsigned short>(f, has_zeros ? (size_t)G * N / (free_alpha ? 1 : 4) : 0);
   std::vector<float> bias = emu_read<float>(f, has_bias ? N : 0);
   std::vector<int> perm = emu_read<int>(f, h[12] ? K : 0);
   fclose(f);
   QuickArgs a{};
   a.perm = h[12] ? perm.data() : nullptr;
   a.x = x.data(); a.qweight = qweight.data(); a.scales = scales.data();
-  a.zeros = has_zeros ? zeros.data() : nullptr;
+  a.free_alpha = free_alpha;
+  if (free_alpha) a.offsets = has_zeros ? zeros.data() : nullptr;
+  else a.zeros = has_zeros ? zeros.data() : nullptr;
   a.bias = has_bias ? bias.data() : nullptr;
   const size_t outs = dequant ? (size_t)N * K : (size_t)M * N;
   std::vector<uint16_t> y(outs, 0x7E00);  // NaN-poisoned output
@@ -319,21 +409,27 @@ def _emulate(exe, x, bufs, bias, cfg, N, K, launch, dequant=False, perm=None):
     with ``perm`` the kernel reads ``x[:, perm]``."""
     from cuda_emulation import run
 
-    zeros = bufs.get("quick_zeros")
+    free = "quick_alpha" in bufs
+    zeros = bufs.get("quick_offset" if free else "quick_zeros")
     hdr = [x.shape[0], N, K, cfg.bits, cfg.group(K), *launch, int(x.dtype == torch.bfloat16), int(zeros is not None),
-           int(bias is not None), int(dequant), int(perm is not None)]
-    tensors = [x, bufs["quick_qweight"], bufs["quick_scales"], zeros, None if bias is None else bias.float(), perm]
+           int(bias is not None), int(dequant), int(perm is not None), int(free)]
+    tensors = [x, bufs["quick_qweight"], bufs["quick_alpha" if free else "quick_scales"], zeros,
+               None if bias is None else bias.float(), perm]
     return run(exe, hdr, tensors, (N, K) if dequant else (x.shape[0], N))
 
 
 @pytest.mark.parametrize("bits,imported,dtype", [(4, True, torch.float16), (3, False, torch.bfloat16),
-                                                    (2, True, torch.bfloat16), (4, False, torch.float16)])
+                                                    (2, True, torch.bfloat16), (4, False, torch.float16),
+                                                    (4, "free", torch.bfloat16), (3, "free", torch.float16)])
 def test_kernel_source_under_host_emulation(emulator, bits, imported, dtype):
     """quick_gemm.cu itself (its tiles, cp.async stages, swizzle, ldmatrix/mma fragment use, split-K and output
     mapping) on the CPU: within the error bound of the float64 reference for every tile_m, one split and several,
-    M not a multiple of the tile; its dequantize kernel equals the spec bit for bit."""
+    M not a multiple of the tile; its dequantize kernel equals the spec bit for bit.  Uniform layers (round-to-nearest
+    or imported) and free-α ones (``imported="free"``)."""
     N, K = 160, 192
-    cfg, canon = _uniform(N, K, bits, 64, imported, seed=bits)
+    make = (lambda N, K, bits, g, seed: _free(N, K, bits, g, seed=seed)) if imported == "free" else (
+        lambda N, K, bits, g, seed: _uniform(N, K, bits, g, imported, seed=seed))
+    cfg, canon = make(N, K, bits, 64, bits)
     bufs = quick.repack(canon, cfg, N, K)
     w64 = bcq.dequantize(canon, cfg, N, K).double()
     werr = _weight_error_bound(canon, cfg, N, K, dtype)
@@ -350,7 +446,7 @@ def test_kernel_source_under_host_emulation(emulator, bits, imported, dtype):
     assert torch.equal(w, quick.dense_from_fragments(quick.fragments(bufs, cfg, N, K, dtype)))
     # a K walk longer than the register ring (4 tiles in flight at tile_m 16, 2 at 64): slots refilled and reused
     N2, K2 = 64, 640
-    cfg2, canon2 = _uniform(N2, K2, bits, 128, imported, seed=bits + 10)
+    cfg2, canon2 = make(N2, K2, bits, 128, bits + 10)
     bufs2 = quick.repack(canon2, cfg2, N2, K2)
     w64_2, werr2 = bcq.dequantize(canon2, cfg2, N2, K2).double(), _weight_error_bound(canon2, cfg2, N2, K2, dtype)
     for M, launch in ((3, (16, 10, 1)), (7, (16, 7, 2)), (40, (64, 5, 2))):

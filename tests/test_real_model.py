@@ -180,7 +180,9 @@ def test_cpu_backend_perplexity_matches_reference(setup, backend, config, subset
     if backend == "x86":  # the int8 lookups on real activations: 512-token windows would take the batched path
         never = dict.fromkeys(range(1, 5), 1 << 30)
         monkeypatch.setattr(importlib.import_module("qlinear.backends.x86"), "DEQUANT_FROM", never)
-    tokens = TOKENS // 2 if backend == "arm_neon" else TOKENS  # one window: SIMDe's NEON emulation is slow
+    # one 512-token window (the reference runs the same): x86 at 3-4 bits was within 0.3 % of it there (2026-11-26); the
+    # 2-bit models amplify the activations' rounding, and keep two windows on x86
+    tokens = TOKENS // 2 if backend == "arm_neon" or config.bits > 2 else TOKENS
     model = _quantize(setup, config, subset)
     ref = _reference_ppl(setup, config, subset, tokens)
     layers = _run_on(model, backend)

@@ -14,6 +14,8 @@ File format (JSON)::
         {"format": "bcq", "bits": 4, "group_size": 128, "N": 8192, "K": 8192, "layout": "quick",
          "plan": [[8, "quick"], [256, "quick"], [null, "quick_dequant"]]}, ...]}
 
+(``"uniform": false`` marks an entry measured on free-α BCQ layers; without it an entry is for uniform ones.)
+
 ``plan`` is read in order: the first ``[max_batch, backend]`` with ``batch <= max_batch`` (null = any) wins.
 A layer's shape is matched to the entry of the same format, bits and group size with the nearest (N, K) in
 log scale, within a factor of 2 in both; otherwise the layer has no entry.
@@ -78,10 +80,11 @@ def _device_name(device: torch.device) -> Optional[str]:
 
 
 @functools.lru_cache(maxsize=4096)
-def _lookup(device_name: str, format: str, bits: int, group_size: int, N: int, K: int) -> Optional[dict]:
+def _lookup(device_name: str, format: str, bits: int, group_size: int, uniform: bool, N: int, K: int
+            ) -> Optional[dict]:
     best, dist = None, math.inf
     for e in entries(device_name):
-        if (e["format"], e["bits"], e["group_size"]) != (format, bits, group_size):
+        if (e["format"], e["bits"], e["group_size"], e.get("uniform", True)) != (format, bits, group_size, uniform):
             continue
         dn, dk = abs(math.log2(e["N"] / N)), abs(math.log2(e["K"] / K))
         if dn <= 1 and dk <= 1 and dn + dk < dist:
@@ -90,11 +93,16 @@ def _lookup(device_name: str, format: str, bits: int, group_size: int, N: int, K
 
 
 def lookup(format: str, cfg, device: torch.device, shape: tuple[int, int]) -> Optional[dict]:
-    """The measured entry for a ``format`` layer with config ``cfg`` and ``shape`` = (N, K) on ``device``, or None."""
+    """The measured entry for a ``format`` layer with config ``cfg`` and ``shape`` = (N, K) on ``device``, or None.
+    BCQ layers with free α match only entries measured on free α (``"uniform": false``; entries without the key were
+    measured on uniform layers)."""
     name = _device_name(device)
     if name is None:
         return None
-    return _lookup(name, format, getattr(cfg, "bits", 0), getattr(cfg, "group_size", 0), *shape)
+    from qlinear.formats import bcq
+
+    uniform = format != bcq.NAME or bcq.is_uniform(cfg)
+    return _lookup(name, format, getattr(cfg, "bits", 0), getattr(cfg, "group_size", 0), uniform, *shape)
 
 
 def preferred_backend(format: str, cfg, device: torch.device, shape: tuple[int, int], batch: int) -> Optional[str]:

@@ -1,5 +1,6 @@
-"""QUICK tensor-core GEMM for uniform :class:`qlinear.BCQLinear` layers (Kim et al., "QUICK: Quantization-aware
-Interleaving and Conflict-free Kernel for efficient LLM inference", §3.1-3.2, Fig. 4-6).
+"""QUICK tensor-core GEMM for :class:`qlinear.BCQLinear` layers (Kim et al., "QUICK: Quantization-aware
+Interleaving and Conflict-free Kernel for efficient LLM inference", §3.1-3.2, Fig. 4-6), uniform (kernel ``quick``)
+or with free α (kernel ``quick_free``: the stretch goal of QUICK for BCQ, see below).
 
 ``y = x Ŵᵀ + b`` for ``x`` ``[M, K]`` fp16/bf16, ``M = 1..512``, BCQ with uniform α (``α_i = s·2^(i-2)``:
 group-wise int2/int3/int4 with a zero point, from round-to-nearest, GPTQ or an imported GPTQ/AWQ checkpoint),
@@ -36,6 +37,14 @@ uniform storage exactly).  With ``s`` the group scale and ``z`` its zero point, 
   within each 32-row tile to position ``(r % 8)·4 + r / 8``: the four rows ``nt·8 + l/4`` a lane needs are
   contiguous (one 8-byte load of scales, one 2-byte load of zero points).
 
+**Free α** (the BCQ fit's non-uniform levels, ``ŵ = Σ_i α_i·(2·bit_i − 1) + c``): ``quick_qweight`` holds the codes
+``q = Σ_i bit_i·2^i`` of the bit-planes, exactly as above; ``quick_alpha`` fp16 ``[G, Q, N]`` (α of plane ``i`` at
+``[g, i]``) and ``quick_offset`` fp16 ``[G, N]`` (absent without offset) take the scales' row permutation (the same
+size as the canonical planes, α and offsets).  Per group and row, once: ``a_i = T(2·α_i)`` and
+``c'_T = T(c − α_1 − ... − α_Q)`` (fp32 subtractions in plane order); per register pair ``ŵ = c'_T``, then per plane
+``b = (magic | bit_i) − magic`` (0 or 1, exact) and ``ŵ = fma(b, a_i, ŵ)`` (one rounding each).  fp32 offsets
+(``fp32_offset=True``) are not held.
+
 Dequantization in the kernel, per register pair, in the activation dtype T: per group and row, once,
 ``s_T = T(s)`` and ``c'_T = T(−s·z)`` (fp32 arithmetic, exact before the rounding); per pair
 ``v = (magic | q) − magic`` (exact: the integer code) and ``ŵ = fma(v, s_T, c'_T)`` (one rounding).
@@ -55,13 +64,15 @@ from typing import Optional
 import torch
 
 from qlinear.formats import bcq
+from qlinear.formats.packing import pack_planes, unpack_planes
 
 from .. import ANY, Kernel, Layout, register
 from .._native import build_cuda_backend, dense_linear
 from .._native import sm_count as _sms  # module attribute: tests replace it without a GPU
 
 __all__ = ["LAYOUT", "TILE_N", "TILE_K", "MAX_BATCH", "repack", "unrepack", "fragments", "ptx_fragments",
-           "dense_from_fragments", "round_to", "spec", "dequantize", "plan", "linear", "linear_dequantized", "supports"]
+           "dense_from_fragments", "round_to", "spec", "dequantize", "plan", "linear", "linear_free", "linear_dequantized",
+           "holds", "supports", "supports_free"]
 
 TILE_N, TILE_K = 32, 64
 MAX_BATCH = 512
@@ -92,17 +103,38 @@ def _row_order(N: int) -> torch.Tensor:
 
 
 def _names(cfg) -> tuple[str, ...]:
+    if not bcq.is_uniform(cfg):
+        return ("quick_qweight", "quick_alpha") + (("quick_offset",) if cfg.offset else ())
     return ("quick_qweight", "quick_scales") + (("quick_zeros",) if cfg.offset else ())
 
 
 def repack(buffers: dict, cfg, out_features: int, in_features: int) -> dict:
-    """Canonical BCQ buffers -> layout ``quick`` (module docstring).  Raises ValueError for non-uniform α or a
-    shape the layout cannot tile (see :func:`supports`)."""
-    why = supports(cfg, out_features, in_features)
+    """Canonical BCQ buffers -> layout ``quick`` (module docstring).  Raises ValueError for a config or a shape the
+    layout cannot hold (see :func:`supports`)."""
+    why = holds(cfg, out_features, in_features)
     if why is not None:
         raise ValueError(f"quick layout: {why}")
-    N, K, Q = out_features, in_features, cfg.bits
+    N, K = out_features, in_features
+    order = _row_order(N)
+    if not bcq.is_uniform(cfg):
+        planes = buffers["planes"]
+        out = {"quick_qweight": _pack_codes(unpack_planes(planes, K), N, K, cfg.bits),
+               "quick_alpha": buffers["alpha"].permute(2, 0, 1)[:, :, order.to(planes.device)].contiguous()}
+        if cfg.offset:
+            out["quick_offset"] = buffers["offset"].T[:, order.to(planes.device)].contiguous()
+        return out
     codes, s, zeros = bcq.uniform_parts(buffers, cfg, N, K)                      # [N, K], [N, G], [N, G]
+    order = order.to(codes.device)
+    out = {"quick_qweight": _pack_codes(codes, N, K, cfg.bits), "quick_scales": s.T[:, order].contiguous()}
+    if zeros is not None:
+        z = zeros.T[:, order].reshape(-1, N // 4, 4) << torch.arange(0, 16, 4, device=zeros.device)
+        z = z.sum(-1)
+        out["quick_zeros"] = torch.where(z >= 2 ** 15, z - 2 ** 16, z).to(torch.int16)
+    return out
+
+
+def _pack_codes(codes: torch.Tensor, N: int, K: int, Q: int) -> torch.Tensor:
+    """Codes ``[N, K]`` -> ``quick_qweight`` int32 ``[N/32, K/64, 64·Q]`` (fragment and converter order)."""
     row, k = (t.to(codes.device) for t in _lane_slots())
     tiles = codes.reshape(N // TILE_N, TILE_N, K // TILE_K, TILE_K).permute(0, 2, 1, 3)
     slots = tiles[:, :, row, k]                                                   # [Nt, Kt, 32, 64]
@@ -114,14 +146,7 @@ def repack(buffers: dict, cfg, out_features: int, in_features: int) -> dict:
         words.append(w.reshape(*slots.shape[:2], -1))
         shift += c
     qweight = torch.cat(words, -1)
-    qweight = torch.where(qweight >= 2 ** 31, qweight - 2 ** 32, qweight).to(torch.int32)
-    order = _row_order(N).to(codes.device)
-    out = {"quick_qweight": qweight.contiguous(), "quick_scales": s.T[:, order].contiguous()}
-    if zeros is not None:
-        z = zeros.T[:, order].reshape(-1, N // 4, 4) << torch.arange(0, 16, 4, device=zeros.device)
-        z = z.sum(-1)
-        out["quick_zeros"] = torch.where(z >= 2 ** 15, z - 2 ** 16, z).to(torch.int16)
-    return out
+    return torch.where(qweight >= 2 ** 31, qweight - 2 ** 32, qweight).to(torch.int32).contiguous()
 
 
 def _chunk_values(qweight: torch.Tensor, Q: int) -> torch.Tensor:
@@ -148,6 +173,11 @@ def unrepack(buffers: dict, cfg, out_features: int, in_features: int) -> dict:
     tiles[:, :, row, k] = slots
     codes = tiles.permute(0, 2, 1, 3).reshape(N, K)
     inv = torch.argsort(_row_order(N)).to(slots.device)
+    if not bcq.is_uniform(cfg):
+        out = {"planes": pack_planes(codes, Q), "alpha": buffers["quick_alpha"][:, :, inv].permute(1, 2, 0).contiguous()}
+        if cfg.offset:
+            out["offset"] = buffers["quick_offset"][:, inv].T.contiguous()
+        return out
     s = buffers["quick_scales"][:, inv].T.contiguous()
     zeros = _zeros(buffers["quick_zeros"])[:, inv].T if "quick_zeros" in buffers else None
     return bcq.uniform_buffers(codes, s, zeros, Q)
@@ -182,10 +212,20 @@ def fragments(buffers: dict, cfg, out_features: int, in_features: int, dtype: to
     def load(name):
         return buffers[name].float()[g, col]                                   # [Nt, Kt, 32, 64]
 
-    s = load("quick_scales")
-    z = _zeros(buffers["quick_zeros"]).float()[g, col] if "quick_zeros" in buffers else (2 ** Q - 1) / 2
-    c = (-s * z).to(dtype).double()                                             # c'_T: exact fp32 product, one rounding
-    w = round_to(v * s.to(dtype).double() + c, dtype).float()                   # fma in T: one rounding
+    if "quick_alpha" in buffers:                                                # free α
+        alpha = buffers["quick_alpha"].float()                                  # [G, Q, N]
+        c = load("quick_offset") if "quick_offset" in buffers else torch.zeros(())
+        for i in range(Q):
+            c = c - alpha[:, i][g, col]                                         # fp32, in plane order
+        w, codes = c.to(dtype).double(), v.long()
+        for i in range(Q):                                                      # fma in T per plane: one rounding each
+            w = round_to(((codes >> i) & 1).double() * (2 * alpha[:, i][g, col]).to(dtype).double() + w, dtype).double()
+        w = w.float()
+    else:
+        s = load("quick_scales")
+        z = _zeros(buffers["quick_zeros"]).float()[g, col] if "quick_zeros" in buffers else (2 ** Q - 1) / 2
+        c = (-s * z).to(dtype).double()                                         # c'_T: exact fp32 product, one rounding
+        w = round_to(v * s.to(dtype).double() + c, dtype).float()               # fma in T: one rounding
     return w.reshape(Nt, Kt, 32, 4, 4, 4).permute(0, 1, 3, 4, 2, 5).contiguous()  # p = (ks·4 + nt)·2 + h
 
 
@@ -229,15 +269,30 @@ def spec(x: torch.Tensor, buffers: dict, bias: Optional[torch.Tensor], cfg, out_
     return y if bias is None else y + bias.float()
 
 
-def supports(cfg, out_features: int, in_features: int) -> Optional[str]:
-    """Why the kernel cannot run a BCQ layer of this config and shape (None if it can)."""
+def holds(cfg, out_features: int, in_features: int) -> Optional[str]:
+    """Why the ``quick`` layout cannot hold a BCQ layer of this config and shape (None if it can)."""
     if cfg.bits not in BITS:
         return f"bits={cfg.bits} not in {list(BITS)}"
-    if not bcq.is_uniform(cfg):
-        return "α are not uniform (needs method='gptq', round-to-nearest init='uniform' iters=0, or imported weights)"
+    if cfg.fp32_offset and not bcq.is_uniform(cfg):
+        return "fp32 offsets (fp32_offset=True) are not supported; the quick layout holds fp16 offsets"
     if out_features % TILE_N or in_features % TILE_K:
         return f"needs out_features % {TILE_N} == 0 and in_features % {TILE_K} == 0, got {out_features}x{in_features}"
     return None
+
+
+def supports(cfg, out_features: int, in_features: int) -> Optional[str]:
+    """Why kernel ``quick`` (uniform layers) cannot run a BCQ layer of this config and shape (None if it can)."""
+    if not bcq.is_uniform(cfg):
+        return ("α are not uniform (needs method='gptq', round-to-nearest init='uniform' iters=0, or imported weights); "
+                "free-α layers take backend 'quick_free'")
+    return holds(cfg, out_features, in_features)
+
+
+def supports_free(cfg, out_features: int, in_features: int) -> Optional[str]:
+    """Why kernel ``quick_free`` (free-α layers) cannot run a BCQ layer of this config and shape (None if it can)."""
+    if bcq.is_uniform(cfg):
+        return "uniform layers take backend 'quick'"
+    return holds(cfg, out_features, in_features)
 
 
 def plan(M: int, N: int, K: int, sms: int) -> tuple[int, int, int]:
@@ -260,7 +315,9 @@ def plan(M: int, N: int, K: int, sms: int) -> tuple[int, int, int]:
 
 
 def _weights(buffers: dict, cfg, in_features: int):
-    return buffers["quick_qweight"], buffers["quick_scales"], buffers.get("quick_zeros"), cfg.group(in_features)
+    """The op's ``(qweight, scales, zeros, group_size)``: free α passes ``quick_alpha`` and ``quick_offset`` there."""
+    qweight, scales, zeros = (buffers.get(n) for n in (*_names(cfg), None)[:3])
+    return qweight, scales, zeros, cfg.group(in_features)
 
 
 def linear(x: torch.Tensor, buffers: dict, bias, cfg, out_features: int, in_features: int) -> torch.Tensor:
@@ -279,6 +336,14 @@ def dequantize(buffers: dict, cfg, out_features: int, in_features: int, dtype: t
     return torch.ops.qlinear.quick_dequantize(qweight, scales, zeros, gs, in_features, dtype)
 
 
+def linear_free(x: torch.Tensor, buffers: dict, bias, cfg, out_features: int, in_features: int) -> torch.Tensor:
+    """Registry entry for free-α layers, every batch: the GEMM up to :data:`MAX_BATCH` rows, dequantize + cuBLAS
+    above (a layer held in the ``quick`` layout converts nothing at any batch)."""
+    if x.numel() // in_features <= MAX_BATCH:
+        return linear(x, buffers, bias, cfg, out_features, in_features)
+    return linear_dequantized(x, buffers, bias, cfg, out_features, in_features)
+
+
 def linear_dequantized(x: torch.Tensor, buffers: dict, bias, cfg, out_features: int, in_features: int) -> torch.Tensor:
     """Registry entry of dequantize + cuBLAS (large M): ``x`` ``[..., K]`` fp16/bf16 on CUDA -> ``[..., N]``."""
     return dense_linear(x, dequantize(buffers, cfg, out_features, in_features, x.dtype), bias)
@@ -291,7 +356,12 @@ def available() -> Optional[str]:
 
 
 _COMMON = dict(format="bcq", devices=frozenset({"cuda"}), dtypes=frozenset({torch.float16, torch.bfloat16}),
-               bits=frozenset(BITS), group_sizes=ANY, min_capability=(8, 0), supports=supports, available=available,
-               layout=LAYOUT)
-register(Kernel(backend="quick", fn=linear, priority=20, max_batch=MAX_BATCH, gathers_perm=True, **_COMMON))
-register(Kernel(backend="quick_dequant", fn=linear_dequantized, priority=5, max_batch=ANY, **_COMMON))
+               bits=frozenset(BITS), group_sizes=ANY, min_capability=(8, 0), available=available, layout=LAYOUT)
+register(Kernel(backend="quick", fn=linear, priority=20, max_batch=MAX_BATCH, gathers_perm=True, supports=supports,
+                **_COMMON))
+register(Kernel(backend="quick_dequant", fn=linear_dequantized, priority=5, max_batch=ANY, supports=supports, **_COMMON))
+# Free α: below the LUT GEMV and its dequantize path (priorities 10 and 4), so taken where a GPU's measured dispatch
+# table (benchmarks/tune_dispatch.py) prefers it or by backend="quick_free": this GEMM has run only under the host
+# emulation so far (2026-11-26), the LUT GEMV has been measured
+register(Kernel(backend="quick_free", fn=linear_free, priority=3, max_batch=ANY, gathers_perm=True,
+                supports=supports_free, **_COMMON))

@@ -20,15 +20,25 @@ qlinear::QuickArgs weight_args(const at::Tensor& qweight, const at::Tensor& scal
                   qweight.size(2) == 64 * Q, "quick: qweight ", qweight.sizes(), " does not fit N=", N, ", K=", K);
   TORCH_CHECK(group_size % 32 == 0 && group_size > 0, "quick: group_size must be a positive multiple of 32");
   const int64_t G = (K + group_size - 1) / group_size;
-  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() && scales.dim() == 2 && scales.size(0) == G &&
-                  scales.size(1) == N && scales.device() == device, "quick: scales must be contiguous fp16 [G, N]");
+  // uniform: s [G, N] and packed zero points; free α: α [G, Q, N] and fp16 offsets [G, N]
+  const bool free_alpha = scales.dim() == 3;
+  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() && scales.size(0) == G &&
+                  scales.size(-1) == N && scales.device() == device &&
+                  (scales.dim() == 2 || (free_alpha && scales.size(1) == Q)),
+              "quick: scales must be contiguous fp16 [G, N] (uniform) or [G, Q, N] (free α)");
   TORCH_CHECK(reinterpret_cast<uintptr_t>(qweight.data_ptr()) % 16 == 0 && reinterpret_cast<uintptr_t>(scales.data_ptr()) % 8 == 0,
               "quick: qweight must be 16-byte and scales 8-byte aligned");
   qlinear::QuickArgs a{};
   a.qweight = reinterpret_cast<const unsigned*>(qweight.data_ptr<int>());
   a.scales = scales.data_ptr();
-  a.zeros = nullptr;
-  if (zeros.has_value()) {
+  a.free_alpha = free_alpha;
+  if (zeros.has_value() && free_alpha) {
+    TORCH_CHECK(zeros->is_contiguous() && zeros->scalar_type() == at::kHalf && zeros->dim() == 2 && zeros->size(0) == G &&
+                    zeros->size(1) == N && zeros->device() == device &&
+                    reinterpret_cast<uintptr_t>(zeros->data_ptr()) % 8 == 0,
+                "quick: the offsets of a free-α layer must be contiguous, 8-byte aligned fp16 [G, N]");
+    a.offsets = zeros->data_ptr();
+  } else if (zeros.has_value()) {
     TORCH_CHECK(zeros->is_contiguous() && zeros->scalar_type() == at::kShort && zeros->dim() == 2 && zeros->size(0) == G &&
                     zeros->size(1) * 4 == N && zeros->device() == device,
                 "quick: zeros must be contiguous int16 [G, N/4]");

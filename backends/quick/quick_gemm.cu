@@ -1,10 +1,11 @@
-// QUICK tensor-core GEMM for uniform BCQ weights (int2/int3/int4 with a per-group zero point), M = 1..512.
+// QUICK tensor-core GEMM for BCQ weights, M = 1..512: uniform (int2/int3/int4 with a per-group zero point) or free α
+// (w = Σ_i α_i·(2·bit_i − 1) + c per (row, group), the BCQ fit's non-uniform levels).
 //
 // Why: above M ≈ 8 CUDA-core kernels (the LUT GEMV) become compute bound, and dequantize-then-cuBLAS
 // re-expands the whole weight every call.  Here each warp's B fragments of `mma.m16n8k16` come straight
 // from DRAM into registers (the weights were interleaved offline in fragment order, QUICK §3.1-3.2), are
-// converted with one lop3 + one sub + one fma per register pair, and go into the tensor cores: no shared
-// memory write-back of dequantized weights and no ldmatrix for B.  Only x goes through shared memory, in a
+// converted with one lop3 + one sub + one fma per register pair (free α: one of each per bit-plane), and go into the
+// tensor cores: no shared memory write-back of dequantized weights and no ldmatrix for B.  Only x goes through shared memory, in a
 // STAGES-deep cp.async pipeline (XOR-swizzled so ldmatrix is conflict-free), which the public QUICK kernel
 // lacks.  The codes and scales of the next D K tiles (D = 2..4) are in flight in a register ring while the current
 // one is multiplied.
@@ -72,60 +73,115 @@ __device__ __forceinline__ unsigned pair_codes(const unsigned (&w)[Words<Q>::n],
   return ((w[p / 8] >> (2 * (p % 8))) & 0x00030003u) | (((w[Words<Q>::n0 + p / 16] >> (p % 16)) & 0x00010001u) << 2);
 }
 
-template <typename T>
-__device__ __forceinline__ unsigned dequant_pair(unsigned codes, typename Num<T>::T2 s, typename Num<T>::T2 c) {
-  using T2 = typename Num<T>::T2;
-  const unsigned h = codes | Num<T>::kMagic;
-  const T2 v = __hsub2(*reinterpret_cast<const T2*>(&h), Num<T>::base());  // exact: the integer code
-  const T2 r = __hfma2(v, s, c);
-  return *reinterpret_cast<const unsigned*>(&r);
-}
-
-// One group's raw s (4 fp16) and zero points (4 nibbles) of the lane's 4 rows, stored contiguously from pos (a
-// multiple of 4): loaded with the codes that use them, converted when they are used.
-struct GroupRaw {
+// One group's raw per-row values of the lane's 4 rows, stored contiguously from pos (a multiple of 4): loaded with
+// the codes that use them, converted when they are used.  Uniform: s (4 fp16) and the zero points (4 nibbles); free
+// α: α of each plane (4 fp16 each) and the offset c (4 fp16, 0 without one).
+template <int Q, bool FREE> struct GroupRaw {
   uint2 s;
   unsigned z;
 };
-
-__device__ __forceinline__ GroupRaw load_group(const QuickArgs& a, int g, int pos) {
-  return {__ldg(reinterpret_cast<const uint2*>(static_cast<const __half*>(a.scales) + (size_t)g * a.N + pos)),
-          a.zeros ? (unsigned)__ldg(a.zeros + ((size_t)g * a.N + pos) / 4) : 0u};
-}
-
-// Per-group s and c' = −s·z of the lane's 4 rows, as T pairs.
-template <typename T, int Q>
-__device__ __forceinline__ void group_pairs(typename Num<T>::T2 (&s2)[4], typename Num<T>::T2 (&c2)[4], GroupRaw r,
-                                            bool has_zeros) {
-  const __half2 s01 = *reinterpret_cast<const __half2*>(&r.s.x), s23 = *reinterpret_cast<const __half2*>(&r.s.y);
-  const float s[4] = {__low2float(s01), __high2float(s01), __low2float(s23), __high2float(s23)};
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float z = has_zeros ? (float)((r.z >> (4 * i)) & 15u) : ((1 << Q) - 1) * 0.5f;
-    s2[i] = Num<T>::pair(s[i]);
-    c2[i] = Num<T>::pair(-s[i] * z);  // exact in fp32 (fp16 s times a 4-bit integer or half-integer): one rounding to T
-  }
-}
-
-// What a lane holds of one K tile before its MMAs: the codes and the raw scales of the tile's two 32-input halves
-// (group sizes are multiples of 32, so each half has one group).
-template <int Q>
-struct TileRegs {
-  unsigned w[Words<Q>::n];
-  GroupRaw g[2];
+template <int Q> struct GroupRaw<Q, true> {
+  uint2 alpha[Q];
+  uint2 c;
 };
 
-template <int Q>
-__device__ __forceinline__ void load_tile_regs(TileRegs<Q>& r, const QuickArgs& a, const unsigned* tile, int k0, int pos,
-                                               int lane) {
+__device__ __forceinline__ uint2 load4h(const void* base, size_t at) {
+  return __ldg(reinterpret_cast<const uint2*>(static_cast<const __half*>(base) + at));
+}
+
+template <int Q, bool FREE>
+__device__ __forceinline__ GroupRaw<Q, FREE> load_group(const QuickArgs& a, int g, int pos) {
+  GroupRaw<Q, FREE> r;
+  if constexpr (FREE) {
+#pragma unroll
+    for (int i = 0; i < Q; ++i) r.alpha[i] = load4h(a.scales, ((size_t)g * Q + i) * a.N + pos);
+    r.c = a.offsets ? load4h(a.offsets, (size_t)g * a.N + pos) : make_uint2(0u, 0u);
+  } else {
+    r.s = load4h(a.scales, (size_t)g * a.N + pos);
+    r.z = a.zeros ? (unsigned)__ldg(a.zeros + ((size_t)g * a.N + pos) / 4) : 0u;
+  }
+  return r;
+}
+
+__device__ __forceinline__ void halves4(float (&v)[4], uint2 h) {
+  const __half2 v01 = *reinterpret_cast<const __half2*>(&h.x), v23 = *reinterpret_cast<const __half2*>(&h.y);
+  v[0] = __low2float(v01); v[1] = __high2float(v01); v[2] = __low2float(v23); v[3] = __high2float(v23);
+}
+
+// One group's dequantization of the lane's 4 rows, as T pairs, and its application to a register pair of codes.
+// Uniform: s_T = T(s) and c'_T = T(−s·z) (exact in fp32: fp16 s times a 4-bit integer or half-integer; one rounding
+// to T), ŵ = fma(q, s_T, c'_T).  Free α: a_i = T(2·α_i), c'_T = T(c − α_1 − ... − α_Q) (fp32, in plane order), then
+// ŵ = c'_T and per plane ŵ = fma(bit_i, a_i, ŵ) (w = Σ_i α_i·(2·bit_i − 1) + c; one rounding per plane).
+template <typename T, int Q, bool FREE> struct GroupDeq {
+  using T2 = typename Num<T>::T2;
+  T2 s[4], c[4];
+  __device__ __forceinline__ void set(const GroupRaw<Q, false>& r, bool has_zeros) {
+    float sf[4];
+    halves4(sf, r.s);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float z = has_zeros ? (float)((r.z >> (4 * i)) & 15u) : ((1 << Q) - 1) * 0.5f;
+      s[i] = Num<T>::pair(sf[i]);
+      c[i] = Num<T>::pair(-sf[i] * z);
+    }
+  }
+  __device__ __forceinline__ unsigned operator()(unsigned codes, int row) const {
+    const unsigned h = codes | Num<T>::kMagic;
+    const T2 v = __hsub2(*reinterpret_cast<const T2*>(&h), Num<T>::base());  // exact: the integer code
+    const T2 r = __hfma2(v, s[row], c[row]);
+    return *reinterpret_cast<const unsigned*>(&r);
+  }
+};
+
+template <typename T, int Q> struct GroupDeq<T, Q, true> {
+  using T2 = typename Num<T>::T2;
+  T2 a[Q][4], c[4];
+  __device__ __forceinline__ void set(const GroupRaw<Q, true>& r, bool) {
+    float cf[4], af[Q][4];
+    halves4(cf, r.c);
+#pragma unroll
+    for (int i = 0; i < Q; ++i) halves4(af[i], r.alpha[i]);
+#pragma unroll
+    for (int row = 0; row < 4; ++row) {
+#pragma unroll
+      for (int i = 0; i < Q; ++i) {
+        a[i][row] = Num<T>::pair(2.f * af[i][row]);
+        cf[row] -= af[i][row];
+      }
+      c[row] = Num<T>::pair(cf[row]);
+    }
+  }
+  __device__ __forceinline__ unsigned operator()(unsigned codes, int row) const {
+    T2 w = c[row];
+#pragma unroll
+    for (int i = 0; i < Q; ++i) {
+      const unsigned h = ((codes >> i) & 0x00010001u) | Num<T>::kMagic;
+      const T2 b = __hsub2(*reinterpret_cast<const T2*>(&h), Num<T>::base());  // exact: bit i, 0 or 1
+      w = __hfma2(b, a[i][row], w);
+    }
+    return *reinterpret_cast<const unsigned*>(&w);
+  }
+};
+
+// What a lane holds of one K tile before its MMAs: the codes and the raw scales (α) of the tile's two 32-input halves
+// (group sizes are multiples of 32, so each half has one group).
+template <int Q, bool FREE>
+struct TileRegs {
+  unsigned w[Words<Q>::n];
+  GroupRaw<Q, FREE> g[2];
+};
+
+template <int Q, bool FREE>
+__device__ __forceinline__ void load_tile_regs(TileRegs<Q, FREE>& r, const QuickArgs& a, const unsigned* tile, int k0,
+                                               int pos, int lane) {
   load_tile<Q>(r.w, tile, lane);
-  r.g[0] = load_group(a, k0 / a.group_size, pos);
-  r.g[1] = load_group(a, (k0 + 32) / a.group_size, pos);
+  r.g[0] = load_group<Q, FREE>(a, k0 / a.group_size, pos);
+  r.g[1] = load_group<Q, FREE>(a, (k0 + 32) / a.group_size, pos);
 }
 
 // K tiles a lane keeps in flight (codes and scales in registers, loaded D tiles before their MMAs): deeper where
-// the accumulators leave registers for it.
-template <int MT> constexpr int kDepth = MT >= 4 ? 2 : 4;
+// the accumulators (and, free α, the Q α per row) leave registers for it.
+template <int MT, bool FREE> constexpr int kDepth = FREE ? 2 : MT >= 4 ? 2 : 4;
 
 #ifndef QLINEAR_HOST_EMULATION  // tests/cuda_emulation.py supplies host versions of these PTX wrappers
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
@@ -189,10 +245,9 @@ __device__ __forceinline__ void load_a_stage(T* stage, const T* __restrict__ x, 
   }
 }
 
-template <typename T, int Q, int MT, int WM>
+template <typename T, int Q, int MT, int WM, bool FREE>
 __global__ void __launch_bounds__(32 * kWarpsN * WM) quick_gemm_kernel(const QuickArgs a) {
   using T2 = typename Num<T>::T2;
-  using W = Words<Q>;
   constexpr int BM = 16 * MT * WM, THREADS = 32 * kWarpsN * WM;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* smem = reinterpret_cast<T*>(smem_raw);
@@ -226,11 +281,11 @@ __global__ void __launch_bounds__(32 * kWarpsN * WM) quick_gemm_kernel(const Qui
   // base + j + D right after its MMAs, so D tiles of loads stay in flight while tiles are multiplied.  The loop
   // over slots is unrolled (register arrays need compile-time indices); nt_count is uniform in a block, so every
   // thread leaves it at the same tile and the barriers stay matched.
-  constexpr int D = kDepth<MT>;
-  TileRegs<Q> ring[D];
+  constexpr int D = kDepth<MT, FREE>;
+  TileRegs<Q, FREE> ring[D];
 #pragma unroll
   for (int j = 0; j < D; ++j)
-    if (active && j < nt_count) load_tile_regs<Q>(ring[j], a, wtile + (size_t)j * 64 * Q, (t0 + j) * kTileK, pos, lane);
+    if (active && j < nt_count) load_tile_regs(ring[j], a, wtile + (size_t)j * 64 * Q, (t0 + j) * kTileK, pos, lane);
 
   for (int base = 0; base < nt_count; base += D) {
 #pragma unroll
@@ -247,9 +302,9 @@ __global__ void __launch_bounds__(32 * kWarpsN * WM) quick_gemm_kernel(const Qui
         cp_async_commit();
       }
       if (!active) continue;
-      T2 s2[2][4], c2[2][4];  // groups of k16 steps 0-1 and 2-3
-      group_pairs<T, Q>(s2[0], c2[0], ring[j].g[0], a.zeros != nullptr);
-      group_pairs<T, Q>(s2[1], c2[1], ring[j].g[1], a.zeros != nullptr);
+      GroupDeq<T, Q, FREE> deq[2];  // groups of k16 steps 0-1 and 2-3
+      deq[0].set(ring[j].g[0], a.zeros != nullptr);
+      deq[1].set(ring[j].g[1], a.zeros != nullptr);
       T* stage = smem + (it % kStages) * BM * kTileK;
 #pragma unroll
       for (int ks = 0; ks < 4; ++ks) {
@@ -262,14 +317,14 @@ __global__ void __launch_bounds__(32 * kWarpsN * WM) quick_gemm_kernel(const Qui
 #pragma unroll
         for (int nt = 0; nt < 4; ++nt) {
           const int p = (ks * 4 + nt) * 2;
-          const unsigned b0 = dequant_pair<T>(pair_codes<Q>(ring[j].w, p), s2[ks >> 1][nt], c2[ks >> 1][nt]);
-          const unsigned b1 = dequant_pair<T>(pair_codes<Q>(ring[j].w, p + 1), s2[ks >> 1][nt], c2[ks >> 1][nt]);
+          const unsigned b0 = deq[ks >> 1](pair_codes<Q>(ring[j].w, p), nt);
+          const unsigned b1 = deq[ks >> 1](pair_codes<Q>(ring[j].w, p + 1), nt);
 #pragma unroll
           for (int mt = 0; mt < MT; ++mt) mma<T>(acc[mt][nt], af[mt], b0, b1);
         }
       }
       if (it + D < nt_count)
-        load_tile_regs<Q>(ring[j], a, wtile + (size_t)(it + D) * 64 * Q, (t0 + it + D) * kTileK, pos, lane);
+        load_tile_regs(ring[j], a, wtile + (size_t)(it + D) * 64 * Q, (t0 + it + D) * kTileK, pos, lane);
     }
   }
   cp_async_wait<0>();
@@ -302,27 +357,25 @@ __global__ void __launch_bounds__(32 * kWarpsN * WM) quick_gemm_kernel(const Qui
 }
 
 // One warp per 32×64 tile: the lane's fragments, dequantized exactly as in the GEMM, written to Ŵ[n][k].
-template <typename T, int Q>
+template <typename T, int Q, bool FREE>
 __global__ void __launch_bounds__(128) quick_dequantize_kernel(const QuickArgs a) {
-  using T2 = typename Num<T>::T2;
   const int lane = threadIdx.x & 31;
   const int tile = blockIdx.x * 4 + (threadIdx.x >> 5);
   const int k_tiles = a.K / kTileK;
   if (tile >= (a.N / kTileN) * k_tiles) return;
   const int n_tile = tile / k_tiles, k0 = (tile % k_tiles) * kTileK;
-  TileRegs<Q> r;
-  load_tile_regs<Q>(r, a, a.qweight + (size_t)tile * 64 * Q, k0, n_tile * kTileN + (lane >> 2) * 4, lane);
-  const unsigned (&w)[Words<Q>::n] = r.w;
-  T2 s2[4], c2[4];
+  TileRegs<Q, FREE> r;
+  load_tile_regs(r, a, a.qweight + (size_t)tile * 64 * Q, k0, n_tile * kTileN + (lane >> 2) * 4, lane);
+  GroupDeq<T, Q, FREE> deq;
   T* out = static_cast<T*>(a.y);
 #pragma unroll
   for (int ks = 0; ks < 4; ++ks) {
-    if (ks % 2 == 0) group_pairs<T, Q>(s2, c2, r.g[ks / 2], a.zeros != nullptr);
+    if (ks % 2 == 0) deq.set(r.g[ks / 2], a.zeros != nullptr);
 #pragma unroll
     for (int nt = 0; nt < 4; ++nt) {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        const unsigned v = dequant_pair<T>(pair_codes<Q>(w, (ks * 4 + nt) * 2 + h), s2[nt], c2[nt]);
+        const unsigned v = deq(pair_codes<Q>(r.w, (ks * 4 + nt) * 2 + h), nt);
         const int n = n_tile * kTileN + nt * 8 + (lane >> 2), k = k0 + ks * 16 + 2 * (lane & 3) + 8 * h;
         *reinterpret_cast<unsigned*>(out + (size_t)n * a.K + k) = v;
       }
@@ -335,7 +388,10 @@ cudaError_t launch(const QuickArgs& a, cudaStream_t stream) {
   constexpr int BM = 16 * MT * WM;
   const size_t smem = (size_t)kStages * BM * kTileK * sizeof(T);
   const dim3 grid((a.N + kTileN * kWarpsN - 1) / (kTileN * kWarpsN), (a.M + BM - 1) / BM, a.splits);
-  quick_gemm_kernel<T, Q, MT, WM><<<grid, 32 * kWarpsN * WM, smem, stream>>>(a);
+  if (a.free_alpha)
+    quick_gemm_kernel<T, Q, MT, WM, true><<<grid, 32 * kWarpsN * WM, smem, stream>>>(a);
+  else
+    quick_gemm_kernel<T, Q, MT, WM, false><<<grid, 32 * kWarpsN * WM, smem, stream>>>(a);
   if (a.splits > 1) reduce_splits<T>(a.partial, a.bias, a.y, a.splits, a.M, a.N, stream);
   return cudaGetLastError();
 }
@@ -354,11 +410,14 @@ cudaError_t dispatch_tile(const QuickArgs& a, cudaStream_t s) {
 template <typename T>
 cudaError_t dispatch_q(const QuickArgs& a, cudaStream_t s, bool dequant) {
   if (dequant) {
-    const int tiles = (a.N / kTileN) * (a.K / kTileK);
-    switch (a.Q) {
-      case 2: quick_dequantize_kernel<T, 2><<<(tiles + 3) / 4, 128, 0, s>>>(a); break;
-      case 3: quick_dequantize_kernel<T, 3><<<(tiles + 3) / 4, 128, 0, s>>>(a); break;
-      case 4: quick_dequantize_kernel<T, 4><<<(tiles + 3) / 4, 128, 0, s>>>(a); break;
+    const int blocks = ((a.N / kTileN) * (a.K / kTileK) + 3) / 4;
+    switch (a.Q * 2 + a.free_alpha) {
+      case 4: quick_dequantize_kernel<T, 2, false><<<blocks, 128, 0, s>>>(a); break;
+      case 5: quick_dequantize_kernel<T, 2, true><<<blocks, 128, 0, s>>>(a); break;
+      case 6: quick_dequantize_kernel<T, 3, false><<<blocks, 128, 0, s>>>(a); break;
+      case 7: quick_dequantize_kernel<T, 3, true><<<blocks, 128, 0, s>>>(a); break;
+      case 8: quick_dequantize_kernel<T, 4, false><<<blocks, 128, 0, s>>>(a); break;
+      case 9: quick_dequantize_kernel<T, 4, true><<<blocks, 128, 0, s>>>(a); break;
       default: return cudaErrorInvalidValue;
     }
     return cudaGetLastError();

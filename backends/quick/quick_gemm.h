@@ -1,4 +1,4 @@
-// QUICK tensor-core GEMM for uniform BCQ weights (Kim et al., QUICK, section 3): launchers over raw pointers.
+// QUICK tensor-core GEMM for BCQ weights (Kim et al., QUICK, section 3): launchers over raw pointers.
 // Torch-free so it compiles with nvcc alone; binding.cpp is the only file that includes torch.
 #pragma once
 #include <cuda_runtime.h>
@@ -7,17 +7,22 @@
 
 namespace qlinear {
 
-// y[M, N] = x[M, K] · Ŵᵀ + bias, Ŵ[n, k] = s·(q − z) with the code q of layout "quick"
-// (backends/quick/__init__.py documents it and holds the executable PyTorch spec):
+// y[M, N] = x[M, K] · Ŵᵀ + bias with the code q = Σ_i bit_i·2^i of layout "quick" (backends/quick/__init__.py
+// documents it and holds the executable PyTorch spec): Ŵ[n, k] = s·(q − z) (uniform) or Σ_i α_i·(2·bit_i − 1) + c
+// (free α):
 //   qweight uint32 [N/32, K/64, 64·Q]   per 32×64 tile, each lane's B-fragment codes in mma/converter order
-//   scales  fp16   [G, N]               rows permuted within 32-row tiles: position (r % 8)·4 + r / 8
-//   zeros   uint16 [G, N/4]            same permutation, 4-bit zero points of positions 4j..4j+3 in word j
+//   scales  fp16   [G, N] (uniform s) or [G, Q, N] (free α: α of plane i at [g, i])   rows permuted within 32-row
+//                                       tiles: position (r % 8)·4 + r / 8
+//   zeros   uint16 [G, N/4]            uniform: same permutation, 4-bit zero points of positions 4j..4j+3 in word j
 //                                       (position 4j+i at bits 4i..4i+3); null: the symmetric z = (2^Q − 1)/2
+//   offsets fp16   [G, N]              free α: the offset c, same permutation; null: 0
 struct QuickArgs {
   const void* x;              // [M, K], x_dtype (unused by quick_dequantize)
   const unsigned* qweight;
   const void* scales;
   const unsigned short* zeros;
+  const void* offsets;        // free α only
+  bool free_alpha;
   const int* perm;            // [K] int32: the kernel reads x[:, perm] (act_order layers), or nullptr
   const float* bias;          // [N] fp32, or nullptr
   void* y;                    // [M, N] x_dtype; quick_dequantize: Ŵ [N, K] x_dtype
