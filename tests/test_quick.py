@@ -208,6 +208,21 @@ def test_plan_covers_every_tile_once():
         assert splits == 1 or splits * M * N * 4 <= 8 << 20, case  # the partials stay in L2 for the reduction
 
 
+def test_free_alpha_entry_above_512_rows_gathers_x_and_dequantizes(monkeypatch):
+    """``linear_free`` beyond the GEMM's batch range: Ŵ from the dequantize kernel (here the spec's fragments) times
+    ``x[:, perm]`` for an act_order layer (the registry leaves the gather to a kernel that ``gathers_perm``)."""
+    N, K = 64, 256
+    cfg, canon = _free(N, K, 3, 64, seed=7)
+    bufs = quick.repack(canon, cfg, N, K)
+    bufs["perm"] = torch.randperm(K, generator=torch.Generator().manual_seed(2)).to(torch.int32)
+    w = quick.dense_from_fragments(quick.fragments(bufs, cfg, N, K, torch.float32))
+    monkeypatch.setattr(quick, "dequantize", lambda b, c, n, k, dtype: w.to(dtype))
+    monkeypatch.setattr(quick, "linear", lambda *a: pytest.fail("the GEMM above MAX_BATCH"))
+    x = torch.randn(quick.MAX_BATCH + 1, K)
+    want = x.double()[:, bufs["perm"].long()] @ w.double().T
+    assert torch.allclose(quick.linear_free(x, bufs, None, cfg, N, K).double(), want, atol=1e-4)
+
+
 # --- the layout machinery, driven on CPU by a kernel that runs the spec --------------------------------
 spec_kernel = spec_kernel_fixture("quick")
 spec_free = spec_kernel_fixture("quick_free")

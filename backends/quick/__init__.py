@@ -338,9 +338,12 @@ def dequantize(buffers: dict, cfg, out_features: int, in_features: int, dtype: t
 
 def linear_free(x: torch.Tensor, buffers: dict, bias, cfg, out_features: int, in_features: int) -> torch.Tensor:
     """Registry entry for free-α layers, every batch: the GEMM up to :data:`MAX_BATCH` rows, dequantize + cuBLAS
-    above (a layer held in the ``quick`` layout converts nothing at any batch)."""
+    above (a layer held in the ``quick`` layout converts nothing at any batch).  Both read an act_order layer's x
+    through ``perm`` (the kernel ``gathers_perm``)."""
     if x.numel() // in_features <= MAX_BATCH:
         return linear(x, buffers, bias, cfg, out_features, in_features)
+    perm = buffers.get("perm")
+    x = x if perm is None else x.index_select(-1, perm)
     return linear_dequantized(x, buffers, bias, cfg, out_features, in_features)
 
 
