@@ -77,10 +77,10 @@ def test_cuda_binding_compiles_against_torch_headers(binding, tmp_path):
     assert p.returncode == 0, f"{binding.name} does not compile:\n{p.stderr[-4000:]}"
 
 
+# torch/library.h alone (not ATen/ATen.h): half the compile time
 _TINY_OP = """
-#include <ATen/ATen.h>
 #include <torch/library.h>
-at::Tensor twice(const at::Tensor& x) { return x * 2; }
+at::Tensor twice(const at::Tensor& x) { return x.mul(2); }
 TORCH_LIBRARY(qlinear_build_test, m) { m.def("twice", &twice); }
 """
 
