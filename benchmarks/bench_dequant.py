@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import gpu_run_header, gpu_time_us, pool_size, table, uniform_bcq_sets  # noqa: E402
+from common import gpu_run_header, gpu_time_us, pool_size, report, table, uniform_bcq_sets  # noqa: E402
 
 from qlinear import ops as _ops  # noqa: E402
 from qlinear.backends import async_dequant, cuda_codebook, cuda_lut, quick  # noqa: E402
@@ -90,9 +90,7 @@ def main() -> None:
         del sets
         torch.cuda.empty_cache()
     text = head + "\n\n" + table(["kernel", "format", "N x K", "µs", "TB/s", "% copy BW"], rows)
-    print(text)
-    if args.markdown:
-        Path(args.markdown).write_text(text + "\n")
+    report(text, args.markdown)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import table, uniform_bcq_sets  # noqa: E402
+from common import report, table, uniform_bcq_sets  # noqa: E402
 
 from qlinear import BCQLinear  # noqa: E402
 
@@ -96,9 +96,7 @@ def main() -> None:
         del model
         torch.cuda.empty_cache()
     text = head + "\n\n" + table(["model", "batch", "prefill (ms)", "decode tokens/s", "x fp16", "peak GiB"], rows)
-    print(text)
-    if args.markdown:
-        Path(args.markdown).write_text(text + "\n")
+    report(text, args.markdown)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_gemv import cublas_calls, gemlite_calls, tinygemm_calls  # noqa: E402
-from common import (free_bcq_sets, gpu_run_header, gpu_time_us, op_calls, pool_size, table,  # noqa: E402
+from common import (free_bcq_sets, gpu_run_header, gpu_time_us, op_calls, pool_size, report, table,  # noqa: E402
                     uniform_bcq_sets)
 
 from qlinear import backends  # noqa: E402
@@ -98,9 +98,7 @@ def main() -> None:
             for r in rows[first:]:
                 print(r, flush=True)
     text = head + "\n\n" + table(["kernel", "format", "N x K", "M", "µs", "TB/s", "x cuBLAS fp16"], rows)
-    print(text)
-    if args.markdown:
-        Path(args.markdown).write_text(text + "\n")
+    report(text, args.markdown)
 
 
 if __name__ == "__main__":

@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import gpu_run_header, gpu_time_us, pool_size, table, timeit  # noqa: E402
+from common import gpu_run_header, gpu_time_us, pool_size, report, table, timeit  # noqa: E402
 
 from qlinear.backends import async_dequant, cuda_lut  # noqa: E402
 from qlinear.formats import mixed  # noqa: E402
@@ -254,9 +254,7 @@ def main() -> None:
         text += (f"\n\nTargets, 8192x8192, M=1, mixed defaults: {t2:.1f} µs (target <= 11); outliers at 0.2 % cost "
                  f"{100 * (t2 / t0 - 1):+.1f} % (target <= 5 %); async {ts / t2:.2f}x sync (target >= 1.2); fused "
                  f"outliers {t2:.1f} µs vs separate SpMV {tsep:.1f} µs (keep the faster)")
-    print(text)
-    if args.markdown:
-        Path(args.markdown).write_text(text + "\n")
+    report(text, args.markdown)
 
 
 if __name__ == "__main__":

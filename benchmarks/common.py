@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -30,6 +31,13 @@ def table(header: list[str], rows: list[list[object]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(fmt(v) for v in r) + " |" for r in rows]
     return "\n".join(lines)
+
+
+def report(text: str, markdown) -> None:
+    """Print a benchmark's ``text`` and, given a path ``markdown`` (its ``--markdown``), write it there too."""
+    print(text)
+    if markdown:
+        Path(markdown).write_text(text + "\n")
 
 
 def gpu_time_us(calls: list[Callable[[], object]], replays: int = 25) -> float:

@@ -167,7 +167,7 @@ def dequantize(packed: list[torch.Tensor], format: str, config: str, out_feature
     trace it (its bit unpacking has data-dependent checks)."""
     cfg, bufs = _buffers(format, config, packed, out_features, in_features, layout)
     held = backends.get_layout(layout) if layout else None
-    if held is not None and held.dequantize is not None:
+    if held is not None and held.dequantize is not None and packed[0].device.type in held.dequantize_devices:
         return _dequantize_held(held, bufs, cfg, out_features, in_features).to(dtype)
     bufs = canonical(bufs, cfg, layout, out_features, in_features)
     return get_format(format).dequantize(bufs, cfg, out_features, in_features).to(dtype)
@@ -285,6 +285,8 @@ def _(x, qweight, scales, zeros, perm, bias, group_size, tile_m, tiles_per_split
 def _(qweight, scales, zeros, group_size, K, dtype):
     """Dense ``Ŵ`` ``[N, K]`` of ``dtype`` from the :mod:`qlinear.backends.quick` layout."""
     return qweight.new_empty(qweight.shape[0] * 32, K, dtype=dtype)
+
+
 _lib.define("mixed_dequantize(Tensor codes, Tensor meta, Tensor sq, Tensor gtab, Tensor? outlier_values, "
             "Tensor? outlier_cols, Tensor? outlier_row_ptr, int N, int K, int group_size, int scale_bits, "
             "int scale_group_size, ScalarType dtype) -> Tensor")
@@ -295,6 +297,8 @@ def _(codes, meta, sq, gtab, outlier_values, outlier_cols, outlier_row_ptr, N, K
       scale_group_size, dtype):
     """Dense ``Ŵ`` ``[N, K]`` of ``dtype`` from the :mod:`qlinear.backends.async_dequant` layout."""
     return codes.new_empty(N, K, dtype=dtype)
+
+
 _lib.define("mixed_gemv(Tensor x, Tensor codes, Tensor meta, Tensor sq, Tensor gtab, Tensor? outlier_values, "
             "Tensor? outlier_cols, Tensor? outlier_row_ptr, Tensor? bias, int N, int group_size, int scale_bits, "
             "int scale_group_size, int threads, int tiles_per_split, int splits, bool async_dequant) -> Tensor")

@@ -206,11 +206,7 @@ def dequantize(buffers: dict, cfg, out_features: int, in_features: int, dtype: t
                ) -> torch.Tensor:
     """Dense ``Ŵ`` ``[N, K]`` of ``dtype`` (float32, fp16 or bf16) from the ``async_dequant`` buffers on a GPU
     (``mixed_dequant.cu``): :func:`qlinear.formats.mixed.dequantize`'s float32 values, outliers included, rounded once.
-    With the default float32 it is the layout's ``dequantize`` (the backward pass).  Buffers held in this layout off a
-    GPU (CPU tests standing a spec kernel in for the GEMV) take the format's dequantize."""
-    if buffers["ad_codes"].device.type != "cuda":
-        return mixed.dequantize(unrepack(buffers, cfg, out_features, in_features), cfg, out_features,
-                                in_features).to(dtype)
+    With the default float32 it is the layout's ``dequantize`` (the backward pass)."""
     has = buffers["ad_outlier_values"].numel() > 0
     ov = [buffers[k] for _, k in _OUTLIERS] if has else [None, None, None]
     return torch.ops.qlinear.mixed_dequantize(buffers["ad_codes"], buffers["ad_meta"], buffers["ad_sq"],
@@ -218,7 +214,8 @@ def dequantize(buffers: dict, cfg, out_features: int, in_features: int, dtype: t
                                               cfg.scale_bits, cfg.scale_group_size, dtype)
 
 
-LAYOUT = Layout(name="async_dequant", names=lambda cfg: NAMES, repack=repack, unrepack=unrepack, dequantize=dequantize)
+LAYOUT = Layout(name="async_dequant", names=lambda cfg: NAMES, repack=repack, unrepack=unrepack, dequantize=dequantize,
+                dequantize_devices=frozenset({"cuda"}))
 
 
 def layout_bits(cfg, out_features: int, in_features: int) -> tuple[float, float]:

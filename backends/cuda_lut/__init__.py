@@ -169,15 +169,13 @@ def dequantize(buffers: dict, cfg, out_features: int, in_features: int, dtype: t
                ) -> torch.Tensor:
     """Dense ``Ŵ`` ``[N, K]`` of ``dtype`` (float32, fp16 or bf16) from the ``cuda_lut`` buffers on a GPU: the format's
     float32 values (:func:`qlinear.formats.bcq.dequantize` of the :func:`unrepack`-ed buffers), rounded once.  With
-    the default float32 it is the layout's ``dequantize`` (the backward pass, :func:`qlinear.ops.dequantize`).  Buffers
-    held in this layout off a GPU (CPU tests standing a spec kernel in for the GEMV) take the format's dequantize."""
-    if buffers["lut_planes"].device.type != "cuda":
-        return bcq.dequantize(unrepack(buffers, cfg, out_features, in_features), cfg, out_features, in_features).to(dtype)
+    the default float32 it is the layout's ``dequantize`` (the backward pass, :func:`qlinear.ops.dequantize`)."""
     return torch.ops.qlinear.bcq_lut_dequantize(buffers["lut_planes"], buffers["lut_alpha"], buffers.get("lut_offset"),
                                                 cfg.group(in_features), dtype)
 
 
-LAYOUT = Layout(name="cuda_lut", names=_names, repack=repack, unrepack=unrepack, dequantize=dequantize)
+LAYOUT = Layout(name="cuda_lut", names=_names, repack=repack, unrepack=unrepack, dequantize=dequantize,
+                dequantize_devices=frozenset({"cuda"}))
 
 
 def linear_dequantized(x: torch.Tensor, buffers: dict, bias, cfg, out_features: int, in_features: int) -> torch.Tensor:

@@ -110,7 +110,7 @@ def _names(cfg) -> tuple[str, ...]:
 
 def repack(buffers: dict, cfg, out_features: int, in_features: int) -> dict:
     """Canonical BCQ buffers -> layout ``quick`` (module docstring).  Raises ValueError for a config or a shape the
-    layout cannot hold (see :func:`supports`)."""
+    layout cannot hold (see :func:`holds`)."""
     why = holds(cfg, out_features, in_features)
     if why is not None:
         raise ValueError(f"quick layout: {why}")
@@ -316,8 +316,8 @@ def plan(M: int, N: int, K: int, sms: int) -> tuple[int, int, int]:
 
 def _weights(buffers: dict, cfg, in_features: int):
     """The op's ``(qweight, scales, zeros, group_size)``: free α passes ``quick_alpha`` and ``quick_offset`` there."""
-    qweight, scales, zeros = (buffers.get(n) for n in (*_names(cfg), None)[:3])
-    return qweight, scales, zeros, cfg.group(in_features)
+    names = _names(cfg)
+    return buffers[names[0]], buffers[names[1]], buffers[names[2]] if len(names) > 2 else None, cfg.group(in_features)
 
 
 def linear(x: torch.Tensor, buffers: dict, bias, cfg, out_features: int, in_features: int) -> torch.Tensor:

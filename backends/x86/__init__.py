@@ -76,7 +76,6 @@ _HERE = Path(__file__).parent
 PATHS = {"auto": 0, "scalar": 1, "avx2": 2, "avx2_vnni": 3, "avx512_vnni": 4}
 ROWS = 16  # rows per block (one 32-bit lane each of a 512-bit register)
 # From this many rows (by bits) the bit-plane layers (all but uniform 4-bit) dequantize Ŵ and run a float32 GEMM
-# instead of the lookups (path "auto"; benchmarks/RESULTS.md, "x86 kernels, fourth slice", 2026-11-26)
 # instead of the lookups (path "auto"; benchmarks/RESULTS.md, "x86 kernels, fourth slice", 2026-11-26); layers of
 # LARGE_LAYER weights or more cross over later (4096², 11008x4096: about 2x the rows), so their threshold doubles
 DEQUANT_FROM = {1: 256, 2: 256, 3: 128, 4: 128}
@@ -186,7 +185,8 @@ def dequantize(buffers: dict, cfg, out_features: int, in_features: int) -> torch
     return torch.ops.qlinear.x86_dequantize(qw, qs, qz, qb, out_features, in_features, gs, bits, fmt)
 
 
-LAYOUT = Layout(name="x86", names=_names, repack=repack, unrepack=unrepack, dequantize=dequantize)
+LAYOUT = Layout(name="x86", names=_names, repack=repack, unrepack=unrepack, dequantize=dequantize,
+                dequantize_devices=frozenset({"cpu"}))
 
 
 def _crumbs(codes: torch.Tensor, N: int, K: int) -> torch.Tensor:
@@ -246,7 +246,7 @@ def unrepack_codebook(buffers: dict, cfg, N: int, K: int) -> dict:
 
 
 CODEBOOK_LAYOUT = Layout(name="x86_codebook", names=_codebook_names, repack=repack_codebook,
-                         unrepack=unrepack_codebook, dequantize=dequantize)
+                         unrepack=unrepack_codebook, dequantize=dequantize, dequantize_devices=frozenset({"cpu"}))
 
 
 def spec(x: torch.Tensor, buffers: dict, bias, cfg, N: int, K: int, rotation=None) -> torch.Tensor:

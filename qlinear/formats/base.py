@@ -39,7 +39,9 @@ class Layout:
     (older storages only) gives the buffer specs such a checkpoint holds, or None for configs it does not apply to.
     ``dequantize(buffers, cfg, N, K) -> Ŵ`` float32 ``[N, K]`` (optional): the format's ``dequantize`` of the
     unrepacked buffers, value for value, computed from the layout directly (the backward pass's weight); ``cfg`` is
-    the kernels' view (:func:`qlinear.ops.kernel_view`), so act_order's ``perm`` and a rotation are not its business.
+    the kernels' view (:func:`qlinear.ops.kernel_view`), so act_order's ``perm`` and a rotation are not its business;
+    ``dequantize_devices``: the device types it runs on (buffers held elsewhere, e.g. by CPU tests standing a spec
+    kernel in for a GPU kernel, are unrepacked and take the format's dequantize).
     """
 
     name: str
@@ -48,6 +50,7 @@ class Layout:
     unrepack: Callable
     saved_specs: Optional[Callable] = None
     dequantize: Optional[Callable] = None
+    dequantize_devices: frozenset = frozenset()
 
 
 @dataclasses.dataclass(frozen=True)
