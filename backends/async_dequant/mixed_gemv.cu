@@ -13,8 +13,12 @@
 //
 // A word holds 16 2-bit codes or 8 4-bit codes of consecutive inputs of one group.  Per word and row:
 //   ŝ = fma(scale_scale, scale_code, scale_zero)  (second-order dequantization, fp32)
-//   dot = Σ_i (q_i − z)·x_i                         (q − z exact via the 2²³ magic number, fp32 FMAs)
+//   dot = Σ_i (q_i − z)·x_i                         (q − z exact, fp32 FMAs)
 //   acc = fma(ŝ, dot, acc)
+// Up to M = 4, q − z costs one LOP3 and one FADD per code: a code at bit p of its 16-bit half-word is OR-ed, in place,
+// into the mantissa of 2^(23−p) (whose mantissa LSB weighs 2^−p), giving 2^(23−p) + q exactly; subtracting 2^(23−p) + z
+// (one FADD per position, row and word) leaves q − z exactly: no shift per code (the 2026-11-23 kernel spent a SHF and
+// two LOP3s per code on it).  Above M = 4 the FMAs dominate and the codes are shifted to bit 0 instead.
 // Asynchronous mode (Alg. 1): the 16-byte code loads of tile t+1 are issued first, then the FMAs of tile t
 // run, then the scales of tile t+1 are dequantized (meta and second-order loads, mostly L1 hits, plus the
 // arithmetic) while those codes are still in flight: scale work hides under the weight loads.  Synchronous
@@ -36,8 +40,6 @@ namespace qlinear {
 namespace mixed {
 namespace {
 
-constexpr float kMagic = 8388608.f;  // 2^23: __int_as_float(0x4B000000 | q) == 2^23 + q for q < 2^23
-
 __device__ __forceinline__ unsigned word_of(const uint4& v, int j) {
   return j == 0 ? v.x : j == 1 ? v.y : j == 2 ? v.z : v.w;
 }
@@ -52,9 +54,23 @@ __device__ __forceinline__ int entry_kstart(int e, int gs) {
   return entry_group(e) * gs + ((e >> 20) & 0x7FF) * (entry_is4(e) ? 8 : 16);
 }
 
+// (a & b) | c in one LOP3 (nvcc splits the expression into two when b and c are both immediates).
+__device__ __forceinline__ unsigned and_or(unsigned a, unsigned b, unsigned c) {
+#ifdef __CUDA_ARCH__
+  unsigned d;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+  return d;
+#else
+  return (a & b) | c;
+#endif
+}
+
+// 2^(23 − p) as float bits: its mantissa LSB weighs 2^−p, so a code at bits p.. of the mantissa reads as its value.
+__host__ __device__ constexpr unsigned magic_bits(int p) { return (unsigned)(150 - p) << 23; }
+
 struct Rows {
-  int n[2];     // the two rows (clamped to N - 1 for loads of inactive threads)
-  int chunk[2]; // row / scale_group_size
+  int n[2];                // the two rows (clamped to N - 1 for loads of inactive threads)
+  int chunk[2];            // row / scale_group_size: the rows' second-order pairs are sq[chunk][g]
 };
 
 // The 4 code words of tile t for row n: full tiles [Tf][N][4], the tail tile [N][tail].
@@ -83,17 +99,17 @@ __device__ __forceinline__ unsigned meta_record(const MixedGemvArgs& a, int n, i
   return __funnelshift_r(w.lo, w.hi, off & 31);
 }
 
-// Second-order dequantization of the first-order scale (and zero) of each word of tile t, for both rows:
-// s = ŝ, c = 2^23 + z (so that (2^23 + q) − c = q − z exactly).
+// Second-order dequantization of the first-order scale of each word of tile t, for both rows: s = ŝ, z = the zero
+// point as float, plus `zbase` (kZeroBase).
 __device__ __forceinline__ void tile_scales(const MixedGemvArgs& a, const int* wt, int w_begin, int w_end, int t,
                                             const Rows& rows, MetaWindow (&win)[2], float (&s)[4][2],
-                                            float (&c)[4][2]) {
+                                            float (&z)[4][2], float zbase) {
   const unsigned smask = (1u << a.scale_bits) - 1u;
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
     const int w = 4 * t + j;
 #pragma unroll
-    for (int r = 0; r < 2; ++r) { s[j][r] = 0.f; c[j][r] = kMagic; }
+    for (int r = 0; r < 2; ++r) { s[j][r] = 0.f; z[j][r] = 0.f; }
     if (w >= w_end) continue;
     const int e = wt[w - w_begin];
     const int g = entry_group(e);
@@ -105,31 +121,47 @@ __device__ __forceinline__ void tile_scales(const MixedGemvArgs& a, const int* w
       const unsigned pair = __ldg(a.sq + (size_t)rows.chunk[r] * a.G + g);
       const float2 sz = __half22float2(*reinterpret_cast<const __half2*>(&pair));
       s[j][r] = fmaf(sz.x, (float)((rec >> zb) & smask), sz.y);
-      c[j][r] = kMagic + (float)(rec & ((1u << zb) - 1u));
+      z[j][r] = zbase + (float)(rec & ((1u << zb) - 1u));
     }
   }
 }
 
-// dot[r][m] = Σ_i (q_i − z_r)·x[m][i] over the 32/BITS codes of word wd[r] (code i at bits BITS·i); the magic
-// 2^23 offset in c turns the code bits into a float with one OR.
+// dot[r][m] = Σ_i (q_i − z_r)·x[m][i] over the 32/BITS codes of word wd[r] (code i at bits BITS·i).  Order: per run of
+// 4 positions of a half-word, the low half's 4 codes, then the high half's.
+// Up to M = 4 a code at bit p of its half-word is OR-ed in place into the mantissa of 2^(23 − p) and c = 2^(23 − p) + z
+// is subtracted; above, where registers are short and the FMAs dominate, the codes are shifted down to bit 0 and share
+// 2^23, with z = 2^23 + z from tile_scales (kZeroBase).  Both give q − z exactly.
 template <int BITS, int M>
-__device__ __forceinline__ void word_dot(const unsigned (&wd)[2], const float (&c)[2], const float* xw, int span,
+__device__ __forceinline__ void word_dot(const unsigned (&wd)[2], const float (&z)[2], const float* xw, int span,
                                          float (&dot)[2][M]) {
+  constexpr int kHalf = 16 / BITS;  // codes per 16-bit half-word
+  constexpr unsigned kMask = (1u << BITS) - 1u;
 #pragma unroll
-  for (int i4 = 0; i4 < 8 / BITS; ++i4) {
-    float f[2][4];
+  for (int i4 = 0; i4 < kHalf / 4; ++i4) {
+    float c[2][4];
 #pragma unroll
-    for (int r = 0; r < 2; ++r)
+    for (int ii = 0; ii < 4; ++ii)
 #pragma unroll
-      for (int ii = 0; ii < 4; ++ii)
-        f[r][ii] = __uint_as_float(0x4B000000u | ((wd[r] >> (BITS * (4 * i4 + ii))) & ((1u << BITS) - 1u))) - c[r];
+      for (int r = 0; r < 2; ++r) c[r][ii] = M <= 4 ? __uint_as_float(magic_bits(BITS * (4 * i4 + ii))) + z[r] : z[r];
 #pragma unroll
-    for (int m = 0; m < M; ++m) {
-      const float4 xv = *reinterpret_cast<const float4*>(xw + m * span + 4 * i4);
+    for (int h = 0; h < 2; ++h) {
+      float f[2][4];
 #pragma unroll
-      for (int ii = 0; ii < 4; ++ii)
+      for (int ii = 0; ii < 4; ++ii) {
+        const int p = BITS * (4 * i4 + ii);
 #pragma unroll
-        for (int r = 0; r < 2; ++r) dot[r][m] = fmaf(f[r][ii], elem(xv, ii), dot[r][m]);
+        for (int r = 0; r < 2; ++r)
+          f[r][ii] = __uint_as_float(M <= 4 ? and_or(wd[r] >> (16 * h), kMask << p, magic_bits(p))
+                                            : magic_bits(0) | ((wd[r] >> (16 * h + p)) & kMask)) - c[r][ii];
+      }
+#pragma unroll
+      for (int m = 0; m < M; ++m) {
+        const float4 xv = *reinterpret_cast<const float4*>(xw + m * span + h * kHalf + 4 * i4);
+#pragma unroll
+        for (int ii = 0; ii < 4; ++ii)
+#pragma unroll
+          for (int r = 0; r < 2; ++r) dot[r][m] = fmaf(f[r][ii], elem(xv, ii), dot[r][m]);
+      }
     }
   }
 }
@@ -138,7 +170,7 @@ __device__ __forceinline__ void word_dot(const unsigned (&wd)[2], const float (&
 template <int M>
 __device__ __forceinline__ void tile_fma(const int* wt, int w_begin, int w_end, int t, int gs, int k_lo, int span,
                                          const float* xs, const uint4 (&code)[2], const float (&s)[4][2],
-                                         const float (&c)[4][2], float (&acc)[2][M]) {
+                                         const float (&z)[4][2], float (&acc)[2][M]) {
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
     const int w = 4 * t + j;
@@ -152,9 +184,9 @@ __device__ __forceinline__ void tile_fma(const int* wt, int w_begin, int w_end, 
 #pragma unroll
       for (int m = 0; m < M; ++m) dot[r][m] = 0.f;
     if (!entry_is4(e)) {
-      word_dot<2, M>(wd, c[j], xw, span, dot);  // 16 2-bit codes: code i at bits 2i
+      word_dot<2, M>(wd, z[j], xw, span, dot);  // 16 2-bit codes: code i at bits 2i
     } else {
-      word_dot<4, M>(wd, c[j], xw, span, dot);  // 8 4-bit codes: code i at bits 4i
+      word_dot<4, M>(wd, z[j], xw, span, dot);  // 8 4-bit codes: code i at bits 4i
     }
 #pragma unroll
     for (int r = 0; r < 2; ++r)
@@ -162,6 +194,10 @@ __device__ __forceinline__ void tile_fma(const int* wt, int w_begin, int w_end, 
       for (int m = 0; m < M; ++m) acc[r][m] = fmaf(s[j][r], dot[r][m], acc[r][m]);
   }
 }
+
+// What tile_scales adds to z: 0 where word_dot subtracts 2^(23 − p) + z per position, 2^23 where it shifts every code
+// to bit 0 (M > 4) and subtracts the zero as is.
+template <int M> constexpr float kZeroBase = M <= 4 ? 0.f : 8388608.f;
 
 __device__ __forceinline__ int span_of(int M, int K, int tiles_per_split) {
   return min(K, 64 * tiles_per_split);  // a tile covers at most 4 words × 16 inputs
@@ -193,8 +229,9 @@ __global__ void __launch_bounds__(256, M <= 2 ? 3 : 2) mixed_gemv_kernel(const M
       const int e = __ldg(a.gtab + g), fw = first_word(g, e);
       if (fw >= w_end) break;
       const int nw = e < 0 ? gs / 8 : gs / 16;
-      for (int j = max(0, w_begin - fw); j < nw && fw + j < w_end; ++j)
+      for (int j = max(0, w_begin - fw); j < nw && fw + j < w_end; ++j) {
         wt[fw + j - w_begin] = g | (j << 20) | (int)((unsigned)e & 0x80000000u);
+      }
     }
   }
   __syncthreads();
@@ -212,12 +249,12 @@ __global__ void __launch_bounds__(256, M <= 2 ? 3 : 2) mixed_gemv_kernel(const M
   const bool active[2] = {row0 < N, row0 + 32 < N};
   if (!active[0]) return;  // no further barriers
   Rows rows;
+  MetaWindow win[2] = {{-2, 0u, 0u}, {-2, 0u, 0u}};
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     rows.n[r] = min(row0 + 32 * r, N - 1);
     rows.chunk[r] = rows.n[r] / a.scale_group_size;
   }
-  MetaWindow win[2] = {{-2, 0u, 0u}, {-2, 0u, 0u}};
   float acc[2][M];
 #pragma unroll
   for (int r = 0; r < 2; ++r)
@@ -226,10 +263,10 @@ __global__ void __launch_bounds__(256, M <= 2 ? 3 : 2) mixed_gemv_kernel(const M
 
   if (ASYNC) {
     uint4 nxt[2];
-    float s[4][2], c[4][2];
+    float s[4][2], z[4][2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) nxt[r] = load_tile(a, t_begin, rows.n[r], full_tiles, tail);
-    tile_scales(a, wt, w_begin, w_end, t_begin, rows, win, s, c);
+    tile_scales(a, wt, w_begin, w_end, t_begin, rows, win, s, z, kZeroBase<M>);
     for (int t = t_begin; t < t_end; ++t) {
       const uint4 cur[2] = {nxt[0], nxt[1]};
       const bool more = t + 1 < t_end;
@@ -237,21 +274,21 @@ __global__ void __launch_bounds__(256, M <= 2 ? 3 : 2) mixed_gemv_kernel(const M
 #pragma unroll
         for (int r = 0; r < 2; ++r) nxt[r] = load_tile(a, t + 1, rows.n[r], full_tiles, tail);
       }
-      tile_fma<M>(wt, w_begin, w_end, t, gs, k_lo, span, xs, cur, s, c, acc);
+      tile_fma<M>(wt, w_begin, w_end, t, gs, k_lo, span, xs, cur, s, z, acc);
       // second-order dequantization of tile t+1's scales while its codes are still loading
-      if (more) tile_scales(a, wt, w_begin, w_end, t + 1, rows, win, s, c);
+      if (more) tile_scales(a, wt, w_begin, w_end, t + 1, rows, win, s, z, kZeroBase<M>);
     }
   } else {
     for (int t = t_begin; t < t_end; ++t) {
-      float s[4][2], c[4][2];
-      tile_scales(a, wt, w_begin, w_end, t, rows, win, s, c);
+      float s[4][2], z[4][2];
+      tile_scales(a, wt, w_begin, w_end, t, rows, win, s, z, kZeroBase<M>);
       // Data dependency on the dequantized scale: the code load cannot start before the scales are done
       // (ŝ never has this NaN bit pattern, so tt == t).
       const int tt = t + (__float_as_uint(s[0][0]) == 0xFFFFFFFFu ? 1 : 0);
       uint4 cur[2];
 #pragma unroll
       for (int r = 0; r < 2; ++r) cur[r] = load_tile(a, tt, rows.n[r], full_tiles, tail);
-      tile_fma<M>(wt, w_begin, w_end, t, gs, k_lo, span, xs, cur, s, c, acc);
+      tile_fma<M>(wt, w_begin, w_end, t, gs, k_lo, span, xs, cur, s, z, acc);
     }
   }
 
