@@ -9,7 +9,7 @@ Per layer (median µs, torch's threads as set): dense fp32 and bf16 ``F.linear``
 (dequantize + matmul); qlinear's x86 kernels on each path this CPU has, and "auto" (what a layer runs: the best path,
 or from ``x86.dequant_from`` rows (by bits and size) of a bit-plane layer the batched path), for each of ``--formats``: uniform u4 (nibble
 layout, VPDPBUSD) and u3/u2, free-α bcq4/3/2 (bit-plane lookup tables), codebooks cb4/cb2 (4 books at 2 bits;
-codes looked up in the layer's 16-byte table); group 128 (64 where K is not a multiple of
+codes looked up in the layer's 16-byte table), the mixed format at its defaults (fp32 GEMV, ``mixed.cpp``); group 128 (64 where K is not a multiple of
 128, e.g. SmolLM2's 576).  End to end: SmolLM2-135M greedy decode tokens/s, float32 versus
 round-to-nearest 4-bit g64 through the x86 backend and through the reference, in the same run.
 ``--callgrind``: the torch-free harness (``backends/x86/harness.cpp``) built with g++ and run under valgrind's
@@ -31,15 +31,20 @@ import torch
 
 from common import table, timeit
 from qlinear.backends import x86
-from qlinear.formats import bcq, codebook, get_format
+from qlinear.formats import bcq, codebook, get_format, mixed
 
 SHAPES = [(4096, 4096), (11008, 4096), (576, 576), (1536, 576), (576, 1536)]
 PATHS = ("avx512_vnni", "avx2_vnni", "avx2", "scalar")
 
 
+def _op(cfg):
+    """The backend's entry for a layer of ``cfg``."""
+    return x86.linear_mixed if cfg.format == "mixed" else x86.linear
+
+
 def _runs(path: str, x, packed, cfg, N, K) -> bool:
     try:
-        x86.linear(x, packed, None, cfg, N, K, path=path)
+        _op(cfg)(x, packed, None, cfg, N, K, path=path)
         return True
     except RuntimeError as e:
         if "cannot run path" in str(e):
@@ -56,6 +61,7 @@ FORMATS = {  # name -> config at group size gs; u4 takes the nibble layout, BCQ'
     "bcq2": lambda gs: bcq.Config(bits=2, group_size=gs, iters=1),
     "cb4": lambda gs: codebook.Config(bits=4, group_size=gs, iters=1),  # codebooks: the table-lookup layout
     "cb2": lambda gs: codebook.Config(bits=2, group_size=gs, iters=1),
+    "mixed": lambda gs: mixed.Config(),  # its own defaults (group 16, 25 % 4-bit groups, 0.2 % outliers): fp32 GEMV
 }
 
 
@@ -63,7 +69,8 @@ def _quantize(w, cfg):
     """``(canonical buffers, layout x86 buffers)`` of ``w`` in config ``cfg``."""
     N, K = w.shape
     canon = get_format(cfg.format).quantize(w, cfg)
-    return canon, (x86.repack_codebook if cfg.format == "codebook" else x86.repack)(canon, cfg, N, K)
+    repack = {"codebook": x86.repack_codebook, "mixed": x86.repack_mixed}.get(cfg.format, x86.repack)
+    return canon, repack(canon, cfg, N, K)
 
 
 def _format_code(cfg) -> int:
@@ -102,8 +109,8 @@ def layers(shapes, batches, iters, formats):
                                           warmup=1, iters=3 if slow else iters))
                 for p in PATHS:
                     if (p != "scalar" or N * K * M <= 4096 * 4096) and _runs(p, x, packed, cfg, N, K):
-                        t[p] = timeit(lambda p=p: x86.linear(x, packed, None, cfg, N, K, path=p), iters=iters)
-                t["auto"] = timeit(lambda: x86.linear(x, packed, None, cfg, N, K), iters=iters)
+                        t[p] = timeit(lambda p=p: _op(cfg)(x, packed, None, cfg, N, K, path=p), iters=iters)
+                t["auto"] = timeit(lambda: _op(cfg)(x, packed, None, cfg, N, K), iters=iters)
                 best = min(t[p] for p in (*PATHS, "auto") if p in t)
                 ours_u4 = best if name == "u4" else ours_u4
                 rows.append([f"{N}x{K}", M, gs, name, *[t.get(k, float("nan")) for k in ("fp32", "bf16", "int4", "ref",
@@ -124,6 +131,9 @@ def callgrind(shapes, formats):
             gs = 128 if K % 128 == 0 else 64
             for name in formats:
                 cfg = FORMATS[name](gs)
+                if cfg.format == "mixed":  # the harness drives qlinear_x86::run only
+                    rows.append([f"{N}x{K}", gs, name, *["not run"] * len(PATHS)])
+                    continue
                 fmt = _format_code(cfg)
                 row = [f"{N}x{K}", gs, name]
                 for p in PATHS:

@@ -40,7 +40,7 @@ def _mag(bufs: dict, cfg, N: int, K: int, x: torch.Tensor) -> torch.Tensor:
 
 
 def _bound(bufs, cfg, N, K, x, out_eps=0.0, y64=None):
-    W = ad._word_table(ad._group_kinds(bufs["idx4"], K // cfg.group_size), cfg.group_size)[0].numel()
+    W = ad._word_table(mixed.group_kinds(bufs["idx4"], K // cfg.group_size), cfg.group_size)[0].numel()
     nnz_row = int(bufs["outlier_row_ptr"].long().diff().max()) if N else 0
     bound = (W + 64 + nnz_row) * U32 * _mag(bufs, cfg, N, K, x)
     if out_eps:
@@ -111,7 +111,7 @@ def test_spec_handles_outliers_in_4bit_groups():
     N, K = 64, 256
     canon = ad.random_buffers(N, K, cfg, seed=3)
     G = K // cfg.group_size
-    is4 = ad._group_kinds(canon["idx4"], G)
+    is4 = mixed.group_kinds(canon["idx4"], G)
     cols4 = (torch.nonzero(is4).flatten()[:, None] * 16 + torch.arange(16)).flatten()
     rp = canon["outlier_row_ptr"].long()
     r = int(rp.diff().argmax())                            # move the busiest row's outliers into 4-bit groups
@@ -398,7 +398,7 @@ def _gpu_layer(N, K, ratio_4bit, outlier_ratio, bias):
     w64 = mixed.dequantize(canon, cfg, N, K).double()
     wabs = mixed.dequantize(dict(canon, outlier_values=torch.zeros_like(canon["outlier_values"])), cfg, N, K).double()
     wabs = wabs.abs_() + (w64 - wabs).abs()  # outliers are the only difference (distinct positions)
-    W = ad._word_table(ad._group_kinds(canon["idx4"], K // cfg.group_size), cfg.group_size)[0].numel()
+    W = ad._word_table(mixed.group_kinds(canon["idx4"], K // cfg.group_size), cfg.group_size)[0].numel()
     nnz_row = int(canon["outlier_row_ptr"].long().diff().max())
     return mod, cfg, w64, wabs, (W + 64 + nnz_row) * U32
 

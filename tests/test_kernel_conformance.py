@@ -23,6 +23,7 @@ import torch
 import test_async_dequant
 import test_cuda_lut
 import test_quick
+import test_x86
 from conftest import dense64, int8_activation_bound, ref64, spec_kernel_fixture
 
 from qlinear import BCQLinear, CodebookLinear, MixedPrecisionLinear, QLinearConfig, backends, ops
@@ -102,6 +103,8 @@ SUBJECTS = {s.backend + ("" if s.device == "cuda" else f"/{s.format}"): s for s 
     Subject("x86", "codebook", "cpu", {
         "2-bit 4 books g64": _layer(CodebookLinear, 48, 320, dict(bits=2, group_size=64)),
         "4-bit": _layer(CodebookLinear, 48, 320, dict(bits=4))}, _int8_bound),
+    Subject("x86", "mixed", "cpu", {"mixed": lambda: _mixed_layer(96, 320)},
+            lambda m, x: test_x86._mixed_bound(m.canonical(), m.config, m.out_features, m.in_features, x)),
     Subject("arm_neon", "bcq", "cpu", {"RTN 4-bit g64": _layer(BCQLinear, 48, 128, RTN4),
                                        "GPTQ 4-bit act_order": _layer(BCQLinear, 48, 256, GPTQ4_ACT_ORDER, True)},
             _int8_bound, layout_slack=0.5),  # an fp32 offset per group of 64 where checkpoints pack a 4-bit zero

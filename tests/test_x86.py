@@ -11,6 +11,7 @@ activations times their scales.
 
 from __future__ import annotations
 
+import itertools
 import platform
 
 import pytest
@@ -18,11 +19,11 @@ import torch
 from conftest import int8_activation_bound
 
 import qlinear.backends as backends
-from qlinear import BCQLinear, CodebookLinear
+from qlinear import BCQLinear, CodebookLinear, MixedPrecisionLinear
 from qlinear.backends import x86
 from qlinear.backends._cpu import quantize_activations
-from qlinear.formats import bcq, codebook
-from qlinear.formats.packing import unpack_planes
+from qlinear.formats import bcq, codebook, mixed
+from qlinear.formats.packing import unpack, unpack_planes
 
 pytestmark = pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="x86-64 only")
 
@@ -421,3 +422,154 @@ def test_rotated_layers_transform_x_inside_the_op(cls, opts, K):
     assert_fused_rotation("x86", cls, opts, lambda x, m: x86.spec(
         x, dict(zip(m._packed_names, m.packed())), m.bias, m._call(x.device, x.dtype, 37).cfg, m.out_features, K,
         rotation=m._call(x.device, x.dtype, 37).rotation), K=K)
+
+
+# --- the mixed 2/4/16 format (mixed.cpp): float32 activations, layout x86_mixed ---------------------------------------
+# Bound versus the float64 reference: the kernel rebuilds each ŵ = ŝ·(q − z) exactly as the format does and sums
+# ŵ·x in 8 fp32 lanes (at most K/8 FMAs each), reduces the lanes in 4 steps, then adds the outliers and the bias:
+# |y − y₆₄| ≤ (K/8 + nnz_row + 8)·2⁻²⁴·Σ_k (|ŵ_k| + |o_k|)·|x_k| (the reference rounds ŵ + o once more: in the 8).
+MIXED = {"default": mixed.Config(), "g32 sb8 sg7": mixed.Config(group_size=32, scale_bits=8, scale_group_size=7),
+         "g48 sb2": mixed.Config(group_size=48, scale_bits=2, outlier_ratio=0.0),
+         "no 4-bit": mixed.Config(ratio_4bit=0.0, outlier_ratio=0.005),
+         "all 4-bit": mixed.Config(ratio_4bit=1.0, outlier_ratio=0.0)}
+
+
+def _mixed(name, N=100, K=480):
+    from qlinear.backends import async_dequant
+
+    cfg = MIXED[name]
+    return cfg, async_dequant.random_buffers(N, K, cfg, seed=N + K)
+
+
+def _mixed_bound(canon, cfg, N, K, x):
+    from test_async_dequant import _mag
+
+    nnz_row = int(canon["outlier_row_ptr"].long().diff().max())
+    return (K / 8 + nnz_row + 8) * 2.0 ** -24 * _mag(canon, cfg, N, K, x)
+
+
+@pytest.mark.parametrize("name", list(MIXED))
+def test_mixed_layout_round_trip_is_exact(name):
+    cfg, canon = _mixed(name)
+    back = x86.unrepack_mixed(x86.repack_mixed(canon, cfg, 100, 480), cfg, 100, 480)
+    assert set(back) == set(canon) and all(torch.equal(back[k], canon[k]) and back[k].dtype == canon[k].dtype
+                                           for k in canon)
+
+
+def test_mixed_layout_round_trip_of_a_fresh_module():
+    """A freshly constructed layer's zero buffers (``idx4`` all zeros: not a set of groups) survive the layout too."""
+    mod = MixedPrecisionLinear(320, 64, True, mixed.Config(), backend="reference")
+    canon = mod.canonical()
+    back = x86.unrepack_mixed(x86.repack_mixed(canon, mod.config, 64, 320), mod.config, 64, 320)
+    assert all(torch.equal(back[k], canon[k]) for k in canon)
+
+
+@pytest.mark.parametrize("name", list(MIXED))
+def test_mixed_dequantize_from_the_layout_is_the_formats_bit_for_bit(name):
+    """Ŵ from layout ``x86_mixed`` (batches above the GEMV's, the backward pass) equals the format's float32 Ŵ,
+    outliers included."""
+    cfg, canon = _mixed(name)
+    held = x86.repack_mixed(canon, cfg, 100, 480)
+    assert torch.equal(x86.dequantize_mixed(held, cfg, 100, 480), mixed.dequantize(canon, cfg, 100, 480))
+
+
+def test_mixed_layout_holds_each_rows_scale_codes_and_the_group_kinds():
+    """Row n, group i of a kind in ``x86m_sc2``/``x86m_sc4`` is the canonical code of (group, n); ``x86m_kinds`` has bit
+    g set exactly for the groups ``idx4`` lists."""
+    cfg, canon = _mixed("g32 sb8 sg7")
+    held = x86.repack_mixed(canon, cfg, 100, 480)
+    G = 480 // cfg.group_size
+    sc = unpack(canon["scale_codes"], cfg.scale_bits, 100)  # [G, N]
+    is4 = torch.zeros(G, dtype=torch.bool)
+    is4[canon["idx4"].long()] = True
+    assert torch.equal(unpack(held["x86m_kinds"], 1, G).bool(), is4)
+    for name, groups in (("x86m_sc2", torch.nonzero(~is4).flatten()), ("x86m_sc4", torch.nonzero(is4).flatten())):
+        assert torch.equal(unpack(held[name], cfg.scale_bits, groups.numel()), sc[groups].T)
+
+
+@pytest.mark.parametrize("name", list(MIXED))
+@pytest.mark.parametrize("bias", [True, False])
+def test_mixed_kernel_paths_agree_bitwise_within_the_bound(name, bias):
+    """Scalar and AVX2 give the same bits (every M: the kernel takes 4 activation rows per pass) and stay within the
+    bound above of the float64 reference, with and without outliers and bias."""
+    N, K = 100, 480
+    cfg, canon = _mixed(name, N, K)
+    held = x86.repack_mixed(canon, cfg, N, K)
+    b = torch.randn(N) if bias else None
+    w64 = mixed.dequantize(canon, cfg, N, K).double()
+    for M in (1, 3, 4, 5, 9):
+        x = torch.randn(M, K)
+        x[0, :16] *= 30  # one large group: its products dominate their lanes
+        y = x86.linear_mixed(x, held, b, cfg, N, K, path="scalar")
+        assert torch.equal(x86.linear_mixed(x, held, b, cfg, N, K, path="avx2"), y), M
+        y64 = x.double() @ w64.T + (0 if b is None else b.double())
+        assert ((y.double() - y64).abs() <= _mixed_bound(canon, cfg, N, K, x)).all(), M
+        spec = x86.spec_mixed(x, held, b, cfg, N, K)
+        assert ((y.double() - spec).abs() <= _mixed_bound(canon, cfg, N, K, x)).all(), M
+
+
+def test_mixed_large_batches_take_the_float_gemm(monkeypatch):
+    """Above MIXED_GEMV_ROWS rows (path "auto") the op multiplies by the format's Ŵ, within the same bound; at or below
+    it, and with a forced path, it runs the GEMV."""
+    N, K = 100, 480
+    cfg, canon = _mixed("default", N, K)
+    held = x86.repack_mixed(canon, cfg, N, K)
+    monkeypatch.setattr(x86, "MIXED_GEMV_ROWS", 4)
+    calls = []
+    monkeypatch.setattr(x86, "dequantize_mixed", lambda *a: calls.append(1) or x86.MIXED_LAYOUT.dequantize(*a))
+    x, b = torch.randn(9, K), torch.randn(N)
+    y = x86.linear_mixed(x, held, b, cfg, N, K)
+    assert calls == [1]
+    y64 = x.double() @ mixed.dequantize(canon, cfg, N, K).double().T + b.double()
+    assert ((y.double() - y64).abs() <= _mixed_bound(canon, cfg, N, K, x)).all()
+    x86.linear_mixed(x[:4], held, b, cfg, N, K)
+    x86.linear_mixed(x, held, b, cfg, N, K, path="avx2")
+    assert calls == [1]
+
+
+def test_mixed_kernel_catches_a_wrong_layout():
+    """Swapping two groups' scale codes in the layout moves the output outside the bound (the test can fail)."""
+    N, K = 100, 480
+    cfg, canon = _mixed("default", N, K)
+    held = x86.repack_mixed(canon, cfg, N, K)
+    bad = dict(held, x86m_sc2=held["x86m_sc2"].roll(1, 0))  # each row gets its neighbour's scale codes
+    x = torch.randn(2, K)
+    y64 = x.double() @ mixed.dequantize(canon, cfg, N, K).double().T
+    y = x86.linear_mixed(x, bad, None, cfg, N, K)
+    assert not ((y.double() - y64).abs() <= _mixed_bound(canon, cfg, N, K, x)).all()
+
+
+def test_mixed_op_rejects_inconsistent_buffers():
+    N, K = 100, 480
+    cfg, canon = _mixed("default", N, K)
+    held = x86.repack_mixed(canon, cfg, N, K)
+    x = torch.randn(1, K)
+    with pytest.raises(RuntimeError, match="kinds marks"):
+        x86.linear_mixed(x, dict(held, x86m_kinds=torch.zeros_like(held["x86m_kinds"])), None, cfg, N, K)
+    with pytest.raises(RuntimeError, match="ss and sz must be"):
+        x86.linear_mixed(x, dict(held, x86m_ss=held["x86m_ss"][:-1]), None, cfg, N, K)
+    with pytest.raises(RuntimeError, match="sc2 must be"):
+        x86.linear_mixed(x, dict(held, x86m_sc2=held["x86m_sc2"][:-1]), None, cfg, N, K)
+    with pytest.raises(RuntimeError, match="cannot run path"):
+        torch.ops.qlinear.x86_mixed_gemm(x, *(held[k] for k in x86.MIXED_NAMES[:9]), None, None, None, None, N,
+                                         cfg.group_size, cfg.scale_bits, cfg.scale_group_size, x86.PATHS["avx512_vnni"])
+
+
+def test_mixed_registry():
+    """On a CPU the mixed format runs on x86 at every batch and float dtype, with a reason for group sizes that are not
+    multiples of 16."""
+    k = next(k for k in backends.kernels("mixed") if k.backend == "x86")
+    cpu = torch.device("cpu")
+    for dtype, batch in itertools.product((torch.float32, torch.float16, torch.bfloat16), (1, 4096)):
+        assert k.reject(mixed.Config(), cpu, dtype, batch, (64, 320)) is None
+    assert "multiple of 16" in k.reject(mixed.Config(group_size=24), cpu, torch.float32, 1, (64, 336))
+    mod = MixedPrecisionLinear.from_packed(_mixed("default", 64, 320)[1], 320, 64, mixed.Config(), None)
+    assert mod.kernel(torch.randn(3, 320)).backend == "x86" and mod.layout == "x86_mixed"
+
+
+def test_rotated_mixed_layer_transforms_x_inside_the_op():
+    from conftest import assert_fused_rotation
+
+    assert_fused_rotation("x86", MixedPrecisionLinear, {}, lambda x, m: x86.spec_mixed(
+        x, dict(zip(m._packed_names, m.packed())), m.bias, m._call(x.device, x.dtype, 37).cfg, m.out_features, 192,
+        rotation=m._call(x.device, x.dtype, 37).rotation), K=192)

@@ -93,19 +93,6 @@ def _to_int32(words: torch.Tensor) -> torch.Tensor:
     return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
 
 
-def _group_kinds(idx4: torch.Tensor, G: int) -> torch.Tensor:
-    """``[G]`` bool: the 4-bit groups.  An ``idx4`` that is not a set of distinct groups (the zero buffers of a
-    freshly constructed module) is completed with the first unlisted groups, so that the word counts still
-    match ``qweight2``/``qweight4`` and the repack stays a permutation (``ad_idx4`` then keeps ``idx4``)."""
-    idx4 = idx4.long()
-    is4 = torch.zeros(G, dtype=torch.bool, device=idx4.device)
-    is4[idx4[(idx4 >= 0) & (idx4 < G)]] = True
-    missing = idx4.numel() - int(is4.sum())
-    if missing > 0:
-        is4[torch.nonzero(~is4).flatten()[:missing]] = True
-    return is4
-
-
 def _valid_idx4(idx4: torch.Tensor, G: int) -> bool:
     i = idx4.long()
     return bool(((i >= 0) & (i < G)).all()) and bool((i.diff() > 0).all())
@@ -145,7 +132,7 @@ def repack(buffers: dict, cfg, out_features: int, in_features: int) -> dict:
     N, K, g, sb = out_features, in_features, cfg.group_size, cfg.scale_bits
     G = K // g
     dev = buffers["qweight2"].device
-    is4 = _group_kinds(buffers["idx4"], G)
+    is4 = mixed.group_kinds(buffers["idx4"], G)
     idx2, idx4 = torch.nonzero(~is4).flatten(), torch.nonzero(is4).flatten()
     _, src = _word_table(is4, g)
     W = src.numel()
@@ -176,7 +163,7 @@ def unrepack(buffers: dict, cfg, out_features: int, in_features: int) -> dict:
     G = K // g
     gtab = buffers["ad_gtab"].long() & _MASK32
     dev = gtab.device
-    is4 = _group_kinds(buffers["ad_idx4"], G) if buffers["ad_idx4"].numel() else (gtab >> 31) == 1
+    is4 = mixed.group_kinds(buffers["ad_idx4"], G) if buffers["ad_idx4"].numel() else (gtab >> 31) == 1
     idx2, idx4 = torch.nonzero(~is4).flatten(), torch.nonzero(is4).flatten()
     W = buffers["ad_codes"].numel() // N
     _, src = _word_table(is4, g)

@@ -1,6 +1,7 @@
 """x86 CPU kernels (AVX-512 VNNI + VBMI, AVX2 + AVX-VNNI, AVX2, scalar) for :class:`qlinear.BCQLinear` at 1-4 bits:
 uniform (round-to-nearest, GPTQ, imported GPTQ/AWQ weights) and free-α BCQ (the BCQ fit, activation-aware or not),
-and for :class:`qlinear.CodebookLinear` at 2 and 4 bits.
+and for :class:`qlinear.CodebookLinear` at 2 and 4 bits; an AVX2 / scalar float32 GEMV for
+:class:`qlinear.MixedPrecisionLinear` (layout ``x86_mixed``, :func:`linear_mixed`).
 
 The Arm paper's recipe ("Highly Optimized Kernels and Fine-Grained Codebooks for LLM Inference on Arm CPUs", §4)
 carried to x86: activations quantized to int8 per 32 inputs (:func:`qlinear.backends._cpu.quantize_activations`),
@@ -49,6 +50,15 @@ symmetric grid), free-α layers ``x86_qa`` fp16 ``[Nb, G, bits, 16]`` (α per pl
 ``x86_qs`` fp16 ``[Nb, G, 16]`` (scales), with several codebooks ``x86_qb`` int32 ``[Nb, G]`` (bits ``2r..2r+1``: the
 book of row ``16b + r``), and ``codebooks`` as stored.  :func:`spec` is the executable PyTorch specification of the
 kernels' arithmetic.
+
+The mixed format does not fit the int8 machinery: its groups are 16 inputs (the activations' blocks are 32), each
+with its own scale, zero point and width.  ``mixed.cpp`` instead rebuilds each weight as the format's own float32
+``ŝ·(q − z)`` (2-bit groups through an 8-entry table per group looked up with VPERMPS, 4-bit groups by shifts and a
+conversion) and multiplies it into float32 activations, in 4 accumulators of 8 lanes; the outliers are added after.
+Layout ``x86_mixed`` (``qgemm.h``, MixedWeights): the canonical codes, zero points and outliers as they are, the scale
+codes packed per row instead of along N, the group kinds as a bitmask.  Above :data:`MIXED_GEMV_ROWS` rows it takes Ŵ
+(:func:`dequantize_mixed`, the format's values bit for bit) and a float32 GEMM.  Error versus the float64 reference:
+fp32 accumulation only (``tests/test_x86.py``); :func:`spec_mixed` is its float64 value.
 """
 
 from __future__ import annotations
@@ -61,7 +71,7 @@ from typing import Optional
 
 import torch
 
-from qlinear.formats import bcq
+from qlinear.formats import bcq, mixed
 from qlinear.formats.packing import pack, pack_planes, unpack, unpack_planes
 
 from .. import ANY, Kernel, Layout, register
@@ -69,8 +79,8 @@ from .._cpu import pad_groups, quantize_activations, rotation_args, spec_input, 
 from .._native import OPENMP, build
 
 __all__ = ["LAYOUT", "CODEBOOK_LAYOUT", "PATHS", "DEQUANT_FROM", "LARGE_LAYER", "dequant_from", "repack", "unrepack",
-           "repack_codebook", "unrepack_codebook", "spec", "linear", "dequantize", "available", "simde_available",
-           "supports"]
+           "repack_codebook", "unrepack_codebook", "MIXED_LAYOUT", "repack_mixed", "unrepack_mixed", "linear_mixed",
+           "dequantize_mixed", "spec_mixed", "supports_mixed", "spec", "linear", "dequantize", "available", "simde_available", "supports"]
 
 _HERE = Path(__file__).parent
 PATHS = {"auto": 0, "scalar": 1, "avx2": 2, "avx2_vnni": 3, "avx512_vnni": 4}
@@ -80,8 +90,12 @@ ROWS = 16  # rows per block (one 32-bit lane each of a 512-bit register)
 # LARGE_LAYER weights or more cross over later (4096², 11008x4096: about 2x the rows), so their threshold doubles
 DEQUANT_FROM = {1: 256, 2: 256, 3: 128, 4: 128}
 LARGE_LAYER = 8 << 20
+# Above this many rows (3x for layers of LARGE_LAYER weights or more) the mixed format takes Ŵ + a float32 GEMM (path
+# "auto"; benchmarks/RESULTS.md, "The mixed format on x86", 2026-11-26: SmolLM2's shapes cross over between 8 and 32 rows,
+# 4096² near 64)
+MIXED_GEMV_ROWS = 16
 _TILE_BYTES = 4 << 20  # float32 rows of Ŵ per tile of the batched path: cache-sized, below glibc's mmap threshold
-SOURCES = tuple(str(_HERE / f) for f in ("kernels.cpp", "binding.cpp"))
+SOURCES = tuple(str(_HERE / f) for f in ("kernels.cpp", "mixed.cpp", "binding.cpp"))
 CFLAGS = ("-O3", "-std=c++17", "-ffp-contract=off", *OPENMP)
 
 
@@ -249,6 +263,105 @@ CODEBOOK_LAYOUT = Layout(name="x86_codebook", names=_codebook_names, repack=repa
                          unrepack=unrepack_codebook, dequantize=dequantize, dequantize_devices=frozenset({"cpu"}))
 
 
+MIXED_NAMES = ("x86m_q2", "x86m_q4", "x86m_z2", "x86m_z4", "x86m_sc2", "x86m_sc4", "x86m_ss", "x86m_sz", "x86m_kinds",
+               "x86m_idx4", "x86m_ov", "x86m_oc", "x86m_orp")
+_MIXED_SAME = (("qweight2", "x86m_q2"), ("qweight4", "x86m_q4"), ("zeros2", "x86m_z2"), ("zeros4", "x86m_z4"),
+               ("idx4", "x86m_idx4"), ("outlier_values", "x86m_ov"), ("outlier_cols", "x86m_oc"),
+               ("outlier_row_ptr", "x86m_orp"))
+
+
+def _kinds(idx4: torch.Tensor, G: int) -> tuple[torch.Tensor, torch.Tensor]:
+    is4 = mixed.group_kinds(idx4, G)
+    return torch.nonzero(~is4).flatten(), torch.nonzero(is4).flatten()
+
+
+def repack_mixed(buffers: dict, cfg, N: int, K: int) -> dict:
+    """Canonical mixed buffers -> layout ``x86_mixed`` (``qgemm.h``, MixedWeights): codes, zero points and outliers as
+    they are; the first-order scale codes packed per row (2-bit groups, then 4-bit groups) instead of along N; the
+    second-order pairs ``[S2, G]`` in that group order; ``x86m_kinds`` int32 ``[ceil(G/32)]`` bit ``i`` set for each
+    4-bit group ``i`` (the op reads x's columns in the same order: 2-bit groups, then 4-bit groups)."""
+    g, sb = cfg.group_size, cfg.scale_bits
+    idx2, idx4 = _kinds(buffers["idx4"], K // g)
+    sc = unpack(buffers["scale_codes"], sb, N)                                       # [G, N]
+    order, G = torch.cat([idx2, idx4]), K // g
+    is4 = torch.zeros(-(-G // 32) * 32, dtype=torch.int64, device=order.device)
+    is4[idx4] = 1
+    out = {new: buffers[old] for old, new in _MIXED_SAME}
+    out.update({"x86m_sc2": pack(sc[idx2].T.contiguous(), sb), "x86m_sc4": pack(sc[idx4].T.contiguous(), sb),
+                "x86m_ss": buffers["scale_scale"].T[:, order].contiguous(),
+                "x86m_sz": buffers["scale_zero"].T[:, order].contiguous(), "x86m_kinds": pack(is4.view(-1, 32), 1).flatten()})
+    return {k: out[k] for k in MIXED_NAMES}  # the module holds them in this order
+
+
+def unrepack_mixed(buffers: dict, cfg, N: int, K: int) -> dict:
+    """Layout ``x86_mixed`` -> canonical mixed buffers (exact inverse of :func:`repack_mixed`)."""
+    G, sb = K // cfg.group_size, cfg.scale_bits
+    idx2, idx4 = _kinds(buffers["x86m_idx4"], G)
+    order = torch.cat([idx2, idx4])
+    sc = torch.empty(G, N, dtype=torch.int64, device=order.device)
+    sc[idx2] = unpack(buffers["x86m_sc2"], sb, idx2.numel()).T
+    sc[idx4] = unpack(buffers["x86m_sc4"], sb, idx4.numel()).T
+    out = {old: buffers[new] for old, new in _MIXED_SAME}
+    ss, sz = torch.empty_like(buffers["x86m_ss"].T), torch.empty_like(buffers["x86m_sz"].T)
+    ss[order], sz[order] = buffers["x86m_ss"].T, buffers["x86m_sz"].T
+    out.update({"scale_codes": pack(sc, sb), "scale_scale": ss.contiguous(), "scale_zero": sz.contiguous()})
+    return {k: out[k] for k in mixed.buffer_specs(N, K, cfg)}  # the format's order
+
+
+def _mixed_args(buffers: dict) -> list:
+    """The op's buffer arguments: the 9 tensors, then the outliers (or three Nones)."""
+    has = buffers["x86m_ov"].numel() > 0
+    return [*(buffers[k] for k in MIXED_NAMES[:9]),
+            *([buffers[k] for k in ("x86m_ov", "x86m_oc", "x86m_orp")] if has else [None, None, None])]
+
+
+def dequantize_mixed(buffers: dict, cfg, out_features: int, in_features: int) -> torch.Tensor:
+    """``Ŵ`` ``[N, K]`` float32 from layout ``x86_mixed`` (``mixed.cpp``): :func:`qlinear.formats.mixed.dequantize`'s
+    values bit for bit, for batches above :data:`MIXED_GEMV_ROWS` and the backward pass."""
+    return torch.ops.qlinear.x86_mixed_dequantize(*_mixed_args(buffers), out_features, in_features, cfg.group_size,
+                                                  cfg.scale_bits, cfg.scale_group_size)
+
+
+MIXED_LAYOUT = Layout(name="x86_mixed", names=lambda cfg: MIXED_NAMES, repack=repack_mixed, unrepack=unrepack_mixed,
+                      dequantize=dequantize_mixed, dequantize_devices=frozenset({"cpu"}))
+
+
+def linear_mixed(x: torch.Tensor, buffers: dict, bias, cfg, out_features: int, in_features: int, path: str = "auto",
+                 simde: bool = False, rotation=None) -> torch.Tensor:
+    """Registry entry for the mixed format: ``x`` ``[..., K]`` on CPU -> ``[..., N]`` of ``x.dtype`` over layout
+    ``x86_mixed``, float32 activations (``mixed.cpp``); above :data:`MIXED_GEMV_ROWS` rows (three times that for layers
+    of :data:`LARGE_LAYER` weights or more; path "auto") Ŵ (:func:`dequantize_mixed`) and a float32 GEMM instead.  ``path`` "auto", "scalar" or "avx2" (RuntimeError "cannot
+    run path" where this CPU lacks AVX2 + FMA); ``simde`` runs the SIMDe build; ``rotation`` (seed, block): the layer's
+    randomized Hadamard, applied to x inside the op."""
+    N, K = out_features, in_features
+    x2 = x.reshape(-1, K)
+    if path == "auto" and not simde and x2.shape[0] > MIXED_GEMV_ROWS * (3 if N * K >= LARGE_LAYER else 1):
+        y = torch.nn.functional.linear(spec_input(x2.float(), rotation), dequantize_mixed(buffers, cfg, N, K),
+                                       None if bias is None else bias.float())
+        return y.to(x.dtype).reshape(*x.shape[:-1], N)
+    op = torch.ops.qlinear_x86_simde.x86_mixed_gemm if simde else torch.ops.qlinear.x86_mixed_gemm
+    y = op(x2.float().contiguous(), *_mixed_args(buffers), bias, N, cfg.group_size, cfg.scale_bits,
+           cfg.scale_group_size, PATHS[path], *rotation_args(rotation, K))
+    return y.to(x.dtype).reshape(*x.shape[:-1], N)
+
+
+def spec_mixed(x: torch.Tensor, buffers: dict, bias, cfg, N: int, K: int, rotation=None) -> torch.Tensor:
+    """The mixed GEMV's value before its fp32 rounding, over layout ``x86_mixed``: ``x`` ``[M, K]`` -> ``[M, N]`` float64
+    ``x'·Ŵᵀ (+ bias)``, ``x'`` the input (transformed first for a rotated layer: ``rotation`` (seed, block)) and ``Ŵ`` the
+    format's weights from the layout's canonical buffers (each ``ŝ·(q − z)`` as the kernel rebuilds it, outliers
+    added)."""
+    w = mixed.dequantize(unrepack_mixed(buffers, cfg, N, K), cfg, N, K).double()
+    y = spec_input(x.float(), rotation).double() @ w.T
+    return y if bias is None else y + bias.double()
+
+
+def supports_mixed(cfg, out_features: int, in_features: int) -> Optional[str]:
+    """Why the mixed GEMV cannot run a layer of this config and shape (None if it can)."""
+    if cfg.group_size % 16:
+        return f"group_size={cfg.group_size} is not a multiple of 16"
+    return None
+
+
 def spec(x: torch.Tensor, buffers: dict, bias, cfg, N: int, K: int, rotation=None) -> torch.Tensor:
     """The kernels' arithmetic in PyTorch over layout ``x86`` or ``x86_codebook``: ``x`` ``[M, K]`` -> ``[M, N]``
     float64, the value the kernels round in fp32: exact int32 sums, then per 32-input block ``h``
@@ -369,3 +482,8 @@ for _fmt, _bits, _supports, _layout in (("bcq", {1, 2, 3, 4}, supports, LAYOUT),
                     dtypes=frozenset({torch.float32, torch.float16, torch.bfloat16}), bits=frozenset(_bits),
                     group_sizes=ANY, max_batch=ANY, min_capability=ANY, supports=_supports, available=available,
                     layout=_layout, gathers_perm=True, fuses_rotation=True))
+# mixed 2/4/16: float32 activations (mixed.cpp), Ŵ + a float32 GEMM above MIXED_GEMV_ROWS rows
+register(Kernel(backend="x86", format="mixed", fn=linear_mixed, priority=15, devices=frozenset({"cpu"}),
+                dtypes=frozenset({torch.float32, torch.float16, torch.bfloat16}), bits=ANY, group_sizes=ANY,
+                max_batch=ANY, min_capability=ANY, supports=supports_mixed, available=available,
+                layout=MIXED_LAYOUT, fuses_rotation=True))

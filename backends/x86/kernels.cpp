@@ -40,11 +40,6 @@ inline simde__m512 simde_load_masked(simde__mmask16 k, const float* p) {  // SIM
 #include "qgemm.h"
 
 namespace qlinear_x86 {
-namespace {
-
-constexpr int kRows = 16;  // rows per block: one 32-bit lane each in a 512-bit register
-
-inline int num_groups(const Weights& w) { return (w.K + w.group_size - 1) / w.group_size; }
 
 float half_to_float(uint16_t h) {
   const uint32_t sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
@@ -57,6 +52,13 @@ float half_to_float(uint16_t h) {
   std::memcpy(&f, &bits, 4);
   return f;
 }
+
+namespace {
+
+constexpr int kRows = 16;  // rows per block: one 32-bit lane each in a 512-bit register
+
+inline int num_groups(const Weights& w) { return (w.K + w.group_size - 1) / w.group_size; }
+
 
 inline int32_t load4(const int8_t* p) {
   int32_t v;

@@ -1,5 +1,5 @@
 // x86 CPU kernels (torch-free): quantized weights times int8 dynamic activations, the products summed exactly in
-// int32, scaled in fp32.  Three weight layouts (backends/x86/__init__.py has the executable PyTorch spec of each and
+// int32, scaled in fp32 (and, at the end of this header, the mixed format's float32 GEMV).  Three weight layouts (backends/x86/__init__.py has the executable PyTorch spec of each and
 // their exact inverses):
 //
 // kU4, uniform 4-bit codes, multiplied by VPDPBUSD (AVX-512 VNNI, AVX-VNNI) or VPMADDUBSW + VPMADDWD (AVX2):
@@ -89,5 +89,39 @@ void run(const Weights& w, const Acts& a, const float* bias, float* y, int b0, i
 // (qlinear/formats): uniform s·(code − z); free α +0 ± α_1 ± ... ± α_B in plane order, + c; codebooks
 // s·centroid.  For the backward pass (grad_x = grad·Ŵ) without converting the layout back.
 void dequantize(const Weights& w, float* out, int b0, int b1);
+
+// fp16 bits -> float32, exact.
+float half_to_float(uint16_t h);
+
+// Mixed 2/4/16 format (qlinear/formats/mixed.py), layout x86_mixed (mixed.cpp; float32 activations), per row n:
+//   q2  [N, W2] uint32: the canonical qweight2 (16 2-bit codes per word, code t at bits 2t, the 2-bit groups' columns
+//       ascending, W2 = G2·g/16);  q4 [N, W4]: qweight4 (8 4-bit codes per word, W4 = G4·g/8)
+//   z2  [N, ZW2], z4 [N, ZW4] uint32: the canonical zeros2 / zeros4 (zero of group i at bits zbits·i)
+//   sc2 [N, SW2], sc4 [N, SW4] uint32: the first-order scale codes of the row's 2-bit, then 4-bit groups (code of group
+//       i at bits scale_bits·i; canonical scale_codes is packed along N instead)
+//   ss, sz  fp16 [S2, G2 + G4]: scale_scale, scale_zero per row chunk (scale_group_size rows), 2-bit groups then 4-bit
+//   ov, oc, orp: the outliers as CSR (float32 values, int32 columns of the layer's input, int32 row pointers) or null
+// x2 [M, K2] and x4 [M, K4]: the inputs of the 2-bit and 4-bit groups' columns, gathered; x [M, K] for the outliers.
+//   y[m][n] = Σ_groups Σ_k ŝ·(q − z)·x[m][k] + Σ_outliers o·x[m][col] + bias[n],  ŝ = scale_zero + scale_scale·code,
+// each ŵ = ŝ·(q − z) rounded as the format rounds it, the products accumulated in 8 fp32 lanes (mixed.cpp).
+struct MixedWeights {
+  int N, group_size, G2, G4, scale_bits, scale_group_size;
+  const uint32_t *q2, *q4, *z2, *z4, *sc2, *sc4;
+  int ZW2, ZW4, SW2, SW4;
+  const uint16_t *ss, *sz;
+  const uint32_t* kinds = nullptr;  // [ceil(G/32)]: bit i set for each 4-bit group i (mixed_dequantize)
+  const float* ov = nullptr;
+  const int32_t* oc = nullptr;
+  const int32_t* orp = nullptr;
+};
+
+// Whether this CPU runs `path` (kScalar or kAVX2) for the mixed format.
+bool mixed_path_supported(int path);
+// Rows [n0, n1) of Ŵ [N, K] float32 into out: qlinear.formats.mixed.dequantize's values (ŝ·(q − z) per weight, each
+// outlier added to its weight), for batches above the GEMV's and the backward pass.
+void mixed_dequantize(const MixedWeights& w, float* out, int n0, int n1);
+// y [M, N] float32 for rows [n0, n1) (path kAuto: AVX2 + FMA where the CPU has them, else scalar; the same bits).
+void mixed_run(const MixedWeights& w, const float* x2, const float* x4, const float* x, int M, const float* bias,
+               float* y, int n0, int n1, int path);
 
 }  // namespace qlinear_x86

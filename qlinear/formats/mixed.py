@@ -326,6 +326,20 @@ def quantize(weight: torch.Tensor, cfg: Config, hessian: torch.Tensor | None = N
     return gptq.run(w, cfg.group_size, q, hessian, damp=cfg.damp)
 
 
+def group_kinds(idx4: torch.Tensor, G: int) -> torch.Tensor:
+    """``[G]`` bool: which of the ``G`` groups ``idx4`` (int32 ``[G4]``) stores with 4-bit codes.  An ``idx4`` that is
+    not a set of distinct groups (the zero buffers of a freshly constructed module) is completed with the first
+    unlisted groups, so that the kinds still count ``G4`` 4-bit groups and match ``qweight2``/``qweight4`` (kernel
+    layouts that repack by kind then stay exact permutations)."""
+    idx4 = idx4.long()
+    is4 = torch.zeros(G, dtype=torch.bool, device=idx4.device)
+    is4[idx4[(idx4 >= 0) & (idx4 < G)]] = True
+    missing = idx4.numel() - int(is4.sum())
+    if missing > 0:
+        is4[torch.nonzero(~is4).flatten()[:missing]] = True
+    return is4
+
+
 @rotation.unrotates
 def dequantize(buffers: dict[str, torch.Tensor], cfg: Config, out_features: int, in_features: int) -> torch.Tensor:
     """Dense weight ``[N, K]`` float32: uniform codes with second-order scales, plus CSR outliers."""
