@@ -2,7 +2,8 @@
 // executable spec).  Float32 activations: the int8 machinery of kernels.cpp blocks inputs by 32 and scales once per
 // block, while a mixed group is 16 inputs with its own scale, zero point and width.  Each weight is rebuilt as the
 // format's own value ŵ = ŝ·(q − z) (ŝ = scale_zero + scale_scale·code, each operation rounded as
-// qlinear.formats.mixed.dequantize rounds it) and multiplied into 8 fp32 lanes; the outliers are added after.
+// qlinear.formats.mixed.dequantize rounds it) and multiplied into 4 accumulators of 8 fp32 lanes; the outliers are
+// added after.
 // Built with -ffp-contract=off like kernels.cpp, so the scalar path's fmaf calls are the AVX2 path's FMAs and both
 // paths give the same bits.
 #ifdef QLINEAR_X86_SIMDE
@@ -16,7 +17,6 @@
 #endif
 
 #include <cmath>
-#include <cstring>
 #include <vector>
 
 #include "qgemm.h"
