@@ -426,7 +426,8 @@ def test_rotated_layers_transform_x_inside_the_op(cls, opts, K):
 
 # --- the mixed 2/4/16 format (mixed.cpp): float32 activations, layout x86_mixed ---------------------------------------
 # Bound versus the float64 reference: the kernel rebuilds each ŵ = ŝ·(q − z) exactly as the format does and sums
-# ŵ·x in 8 fp32 lanes (at most K/8 FMAs each), reduces the lanes in 4 steps, then adds the outliers and the bias:
+# ŵ·x in 4 accumulators of 8 fp32 lanes (at most K/8 FMAs each), reduces them in 5 steps, then adds the outliers and
+# the bias:
 # |y − y₆₄| ≤ (K/8 + nnz_row + 8)·2⁻²⁴·Σ_k (|ŵ_k| + |o_k|)·|x_k| (the reference rounds ŵ + o once more: in the 8).
 MIXED = {"default": mixed.Config(), "g32 sb8 sg7": mixed.Config(group_size=32, scale_bits=8, scale_group_size=7),
          "g48 sb2": mixed.Config(group_size=48, scale_bits=2, outlier_ratio=0.0),
@@ -490,7 +491,7 @@ def test_mixed_layout_holds_each_rows_scale_codes_and_the_group_kinds():
 @pytest.mark.parametrize("name", list(MIXED))
 @pytest.mark.parametrize("bias", [True, False])
 def test_mixed_kernel_paths_agree_bitwise_within_the_bound(name, bias):
-    """Scalar and AVX2 give the same bits (every M: the kernel takes 4 activation rows per pass) and stay within the
+    """Scalar and AVX2 give the same bits (every M: the kernel takes 2 activation rows per pass) and stay within the
     bound above of the float64 reference, with and without outliers and bias."""
     N, K = 100, 480
     cfg, canon = _mixed(name, N, K)

@@ -80,7 +80,8 @@ from .._native import OPENMP, build
 
 __all__ = ["LAYOUT", "CODEBOOK_LAYOUT", "PATHS", "DEQUANT_FROM", "LARGE_LAYER", "dequant_from", "repack", "unrepack",
            "repack_codebook", "unrepack_codebook", "MIXED_LAYOUT", "repack_mixed", "unrepack_mixed", "linear_mixed",
-           "dequantize_mixed", "spec_mixed", "supports_mixed", "spec", "linear", "dequantize", "available", "simde_available", "supports"]
+           "dequantize_mixed", "spec_mixed", "supports_mixed", "spec", "linear", "dequantize", "available",
+           "simde_available", "supports"]
 
 _HERE = Path(__file__).parent
 PATHS = {"auto": 0, "scalar": 1, "avx2": 2, "avx2_vnni": 3, "avx512_vnni": 4}
@@ -91,8 +92,8 @@ ROWS = 16  # rows per block (one 32-bit lane each of a 512-bit register)
 DEQUANT_FROM = {1: 256, 2: 256, 3: 128, 4: 128}
 LARGE_LAYER = 8 << 20
 # Above this many rows (3x for layers of LARGE_LAYER weights or more) the mixed format takes Ŵ + a float32 GEMM (path
-# "auto"; benchmarks/RESULTS.md, "The mixed format on x86", 2026-11-26: SmolLM2's shapes cross over between 8 and 32 rows,
-# 4096² near 64)
+# "auto"; benchmarks/RESULTS.md, "The mixed format on x86", 2026-11-26: SmolLM2's shapes cross over between 8 and 32
+# rows, 4096² near 64)
 MIXED_GEMV_ROWS = 16
 _TILE_BYTES = 4 << 20  # float32 rows of Ŵ per tile of the batched path: cache-sized, below glibc's mmap threshold
 SOURCES = tuple(str(_HERE / f) for f in ("kernels.cpp", "mixed.cpp", "binding.cpp"))
@@ -289,7 +290,8 @@ def repack_mixed(buffers: dict, cfg, N: int, K: int) -> dict:
     out = {new: buffers[old] for old, new in _MIXED_SAME}
     out.update({"x86m_sc2": pack(sc[idx2].T.contiguous(), sb), "x86m_sc4": pack(sc[idx4].T.contiguous(), sb),
                 "x86m_ss": buffers["scale_scale"].T[:, order].contiguous(),
-                "x86m_sz": buffers["scale_zero"].T[:, order].contiguous(), "x86m_kinds": pack(is4.view(-1, 32), 1).flatten()})
+                "x86m_sz": buffers["scale_zero"].T[:, order].contiguous(),
+                "x86m_kinds": pack(is4.view(-1, 32), 1).flatten()})
     return {k: out[k] for k in MIXED_NAMES}  # the module holds them in this order
 
 
@@ -330,9 +332,9 @@ def linear_mixed(x: torch.Tensor, buffers: dict, bias, cfg, out_features: int, i
                  simde: bool = False, rotation=None) -> torch.Tensor:
     """Registry entry for the mixed format: ``x`` ``[..., K]`` on CPU -> ``[..., N]`` of ``x.dtype`` over layout
     ``x86_mixed``, float32 activations (``mixed.cpp``); above :data:`MIXED_GEMV_ROWS` rows (three times that for layers
-    of :data:`LARGE_LAYER` weights or more; path "auto") Ŵ (:func:`dequantize_mixed`) and a float32 GEMM instead.  ``path`` "auto", "scalar" or "avx2" (RuntimeError "cannot
-    run path" where this CPU lacks AVX2 + FMA); ``simde`` runs the SIMDe build; ``rotation`` (seed, block): the layer's
-    randomized Hadamard, applied to x inside the op."""
+    of :data:`LARGE_LAYER` weights or more; path "auto") Ŵ (:func:`dequantize_mixed`) and a float32 GEMM instead.
+    ``path`` "auto", "scalar" or "avx2" (RuntimeError "cannot run path" where this CPU lacks AVX2 + FMA); ``simde``
+    runs the SIMDe build; ``rotation`` (seed, block): the layer's randomized Hadamard, applied to x inside the op."""
     N, K = out_features, in_features
     x2 = x.reshape(-1, K)
     if path == "auto" and not simde and x2.shape[0] > MIXED_GEMV_ROWS * (3 if N * K >= LARGE_LAYER else 1):
@@ -346,10 +348,10 @@ def linear_mixed(x: torch.Tensor, buffers: dict, bias, cfg, out_features: int, i
 
 
 def spec_mixed(x: torch.Tensor, buffers: dict, bias, cfg, N: int, K: int, rotation=None) -> torch.Tensor:
-    """The mixed GEMV's value before its fp32 rounding, over layout ``x86_mixed``: ``x`` ``[M, K]`` -> ``[M, N]`` float64
-    ``x'·Ŵᵀ (+ bias)``, ``x'`` the input (transformed first for a rotated layer: ``rotation`` (seed, block)) and ``Ŵ`` the
-    format's weights from the layout's canonical buffers (each ``ŝ·(q − z)`` as the kernel rebuilds it, outliers
-    added)."""
+    """The mixed GEMV's value before its fp32 rounding, over layout ``x86_mixed``: ``x`` ``[M, K]`` -> ``[M, N]``
+    float64 ``x'·Ŵᵀ (+ bias)``, ``x'`` the input (transformed first for a rotated layer: ``rotation`` (seed, block))
+    and ``Ŵ`` the format's weights from the layout's canonical buffers (each ``ŝ·(q − z)`` as the kernel rebuilds it,
+    outliers added)."""
     w = mixed.dequantize(unrepack_mixed(buffers, cfg, N, K), cfg, N, K).double()
     y = spec_input(x.float(), rotation).double() @ w.T
     return y if bias is None else y + bias.double()

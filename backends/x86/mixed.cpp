@@ -170,9 +170,12 @@ QLINEAR_TARGET("avx2,fma")
 inline void word2(__m256 s, __m256 z, int ii, uint32_t word, const float* x, int K2, __m256 (&acc)[MC][kAcc]) {
   const __m256 codes = _mm256_setr_ps(0.f, 1.f, 2.f, 3.f, 0.f, 1.f, 2.f, 3.f);
   const __m256i lane = _mm256_set1_epi32(ii), wd = _mm256_set1_epi32((int)word);
-  const __m256 table = _mm256_mul_ps(_mm256_permutevar8x32_ps(s, lane), _mm256_sub_ps(codes, _mm256_permutevar8x32_ps(z, lane)));
-  const __m256 lo = _mm256_permutevar8x32_ps(table, _mm256_srlv_epi32(wd, _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14)));
-  const __m256 hi = _mm256_permutevar8x32_ps(table, _mm256_srlv_epi32(wd, _mm256_setr_epi32(16, 18, 20, 22, 24, 26, 28, 30)));
+  const __m256 table =
+      _mm256_mul_ps(_mm256_permutevar8x32_ps(s, lane), _mm256_sub_ps(codes, _mm256_permutevar8x32_ps(z, lane)));
+  const __m256i lo_shift = _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14);
+  const __m256i hi_shift = _mm256_add_epi32(lo_shift, _mm256_set1_epi32(16));
+  const __m256 lo = _mm256_permutevar8x32_ps(table, _mm256_srlv_epi32(wd, lo_shift));
+  const __m256 hi = _mm256_permutevar8x32_ps(table, _mm256_srlv_epi32(wd, hi_shift));
   for (int m = 0; m < MC; ++m) {
     acc[m][C] = _mm256_fmadd_ps(lo, _mm256_loadu_ps(x + (int64_t)m * K2), acc[m][C]);
     acc[m][C + 1] = _mm256_fmadd_ps(hi, _mm256_loadu_ps(x + (int64_t)m * K2 + 8), acc[m][C + 1]);
