@@ -50,11 +50,12 @@ def unpad_groups(t: torch.Tensor, N: int) -> torch.Tensor:
     return t.transpose(1, 2).reshape(-1, t.shape[1])[:N].contiguous()
 
 
-def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x`` ``[M, K]`` float32 (K a multiple of 32) -> (int8-valued codes ``[M, K]`` as int64, scales ``[M, K/32]``
-    float32): per 32 inputs ``q = round_half_even(x · (127 / amax))``, ``scale = amax / 127`` (0 for an all-zero
-    block).  The Arm paper's dynamic int8 activations (§4); the native kernels compute the same fp32 values."""
-    xb = x.float().reshape(x.shape[0], -1, 32)
+def quantize_activations(x: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` ``[M, K]`` float32 (K a multiple of ``block``) -> (int8-valued codes ``[M, K]`` as int64, scales
+    ``[M, K/block]`` float32): per ``block`` inputs ``q = round_half_even(x · (127 / amax))``, ``scale = amax / 127``
+    (0 for an all-zero block).  The Arm paper's dynamic int8 activations (§4); the native kernels compute the same fp32
+    values (blocks of 32; the x86 mixed GEMV's of 16)."""
+    xb = x.float().reshape(x.shape[0], -1, block)
     amax = xb.abs().amax(-1)
     inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
     q = torch.round(xb * inv[..., None]).clamp(-127, 127)

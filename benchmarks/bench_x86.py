@@ -9,7 +9,7 @@ Per layer (median µs, torch's threads as set): dense fp32 and bf16 ``F.linear``
 (dequantize + matmul); qlinear's x86 kernels on each path this CPU has, and "auto" (what a layer runs: the best path,
 or from ``x86.dequant_from`` rows (by bits and size) of a bit-plane layer the batched path), for each of ``--formats``: uniform u4 (nibble
 layout, VPDPBUSD) and u3/u2, free-α bcq4/3/2 (bit-plane lookup tables), codebooks cb4/cb2 (4 books at 2 bits;
-codes looked up in the layer's 16-byte table), the mixed format at its defaults (fp32 GEMV, ``mixed.cpp``); group 128 (64 where K is not a multiple of
+codes looked up in the layer's 16-byte table), the mixed format at its defaults (int8 activations per 16 inputs, ``mixed.cpp``); group 128 (64 where K is not a multiple of
 128, e.g. SmolLM2's 576).  End to end: SmolLM2-135M greedy decode tokens/s, float32 versus
 round-to-nearest 4-bit g64 through the x86 backend and through the reference, in the same run.
 ``--callgrind``: the torch-free harness (``backends/x86/harness.cpp``) built with g++ and run under valgrind's
@@ -61,7 +61,7 @@ FORMATS = {  # name -> config at group size gs; u4 takes the nibble layout, BCQ'
     "bcq2": lambda gs: bcq.Config(bits=2, group_size=gs, iters=1),
     "cb4": lambda gs: codebook.Config(bits=4, group_size=gs, iters=1),  # codebooks: the table-lookup layout
     "cb2": lambda gs: codebook.Config(bits=2, group_size=gs, iters=1),
-    "mixed": lambda gs: mixed.Config(),  # its own defaults (group 16, 25 % 4-bit groups, 0.2 % outliers): fp32 GEMV
+    "mixed": lambda gs: mixed.Config(),  # its own defaults (group 16, 25 % 4-bit groups, 0.2 % outliers)
 }
 
 

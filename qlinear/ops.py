@@ -267,26 +267,26 @@ def _(qw, qs, qz, qb, N, K, group_size, bits, format):
     return qs.new_empty(N, K, dtype=torch.float32)
 
 
-_lib.define("x86_mixed_gemm(Tensor x, Tensor q2, Tensor q4, Tensor z2, Tensor z4, Tensor sc2, Tensor sc4, Tensor ss, "
-            "Tensor sz, Tensor kinds, Tensor? ov, Tensor? oc, Tensor? orp, Tensor? bias, int N, int group_size, "
-            "int scale_bits, int scale_group_size, int path, Tensor? rot_signs=None, Tensor? rot_paley=None, "
+_lib.define("x86_mixed_gemm(Tensor x, Tensor q2, Tensor q4, Tensor sc, Tensor z, Tensor ss, Tensor sz, Tensor kinds, "
+            "Tensor? ov, Tensor? oc, Tensor? orp, Tensor? bias, int N, int group_size, int scale_bits, "
+            "int scale_group_size, int path, Tensor? rot_signs=None, Tensor? rot_paley=None, "
             "int rot_block=0) -> Tensor")
 
 
 @torch.library.register_fake("qlinear::x86_mixed_gemm")
-def _(x, q2, q4, z2, z4, sc2, sc4, ss, sz, kinds, ov, oc, orp, bias, N, group_size, scale_bits, scale_group_size, path,
+def _(x, q2, q4, sc, z, ss, sz, kinds, ov, oc, orp, bias, N, group_size, scale_bits, scale_group_size, path,
       rot_signs=None, rot_paley=None, rot_block=0):
     """The mixed format's x86 GEMV (:mod:`qlinear.backends.x86`): ``x`` ``[M, K]`` fp32 -> ``[M, N]`` fp32."""
     return x.new_empty(x.shape[0], N)
 
 
-_lib.define("x86_mixed_dequantize(Tensor q2, Tensor q4, Tensor z2, Tensor z4, Tensor sc2, Tensor sc4, Tensor ss, "
-            "Tensor sz, Tensor kinds, Tensor? ov, Tensor? oc, Tensor? orp, int N, int K, int group_size, int scale_bits, "
-            "int scale_group_size) -> Tensor")
+_lib.define("x86_mixed_dequantize(Tensor q2, Tensor q4, Tensor sc, Tensor z, Tensor ss, Tensor sz, Tensor kinds, "
+            "Tensor? ov, Tensor? oc, Tensor? orp, int N, int K, int group_size, int scale_bits, int scale_group_size) "
+            "-> Tensor")
 
 
 @torch.library.register_fake("qlinear::x86_mixed_dequantize")
-def _(q2, q4, z2, z4, sc2, sc4, ss, sz, kinds, ov, oc, orp, N, K, group_size, scale_bits, scale_group_size):
+def _(q2, q4, sc, z, ss, sz, kinds, ov, oc, orp, N, K, group_size, scale_bits, scale_group_size):
     """``Ŵ`` ``[N, K]`` float32 of the mixed format from layout ``x86_mixed``."""
     return ss.new_empty(N, K, dtype=torch.float32)
 

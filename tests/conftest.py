@@ -105,14 +105,14 @@ def spec_kernel_fixture(backend: str):
     return spec_kernel
 
 
-def int8_activation_bound(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """``[M, N]`` float64 bound on ``|y − x Wᵀ|`` of a CPU kernel with int8 activations per 32 inputs (Arm paper §4;
-    the Arm and x86 backends) for dense ``w`` ``[N, K]`` and ``x`` ``[M, K]``: each input moves by at most half a
-    step ``amax_h / 254`` of its block ``h``, plus fp32 rounding: ``Σ_h (amax_h / 254)·Σ_{k∈h} |w_k| +
-    1e-5·Σ_k |w_k x_k| + 1e-6``."""
+def int8_activation_bound(w: torch.Tensor, x: torch.Tensor, block: int = 32) -> torch.Tensor:
+    """``[M, N]`` float64 bound on ``|y − x Wᵀ|`` of a CPU kernel with int8 activations per ``block`` inputs (Arm paper
+    §4; the Arm and x86 backends per 32, the x86 mixed GEMV per 16) for dense ``w`` ``[N, K]`` and ``x`` ``[M, K]``:
+    each input moves by at most half a step ``amax_h / 254`` of its block ``h``, plus fp32 rounding:
+    ``Σ_h (amax_h / 254)·Σ_{k∈h} |w_k| + 1e-5·Σ_k |w_k x_k| + 1e-6``."""
     M, K = x.shape
-    amax = x.double().abs().view(M, K // 32, 32).amax(-1)  # [M, H]
-    wabs = w.double().abs().view(w.shape[0], K // 32, 32).sum(-1)  # [N, H]
+    amax = x.double().abs().view(M, K // block, block).amax(-1)  # [M, H]
+    wabs = w.double().abs().view(w.shape[0], K // block, block).sum(-1)  # [N, H]
     return (amax / 254) @ wabs.T + 1e-5 * (x.double().abs() @ w.double().abs().T) + 1e-6
 
 

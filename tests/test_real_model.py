@@ -149,7 +149,7 @@ def test_bcq_smollm2_on_gpu_compiled_matches_eager(setup):
 
 _RTN4 = QLinearConfig("bcq", bits=4, group_size=64, init="uniform", iters=0)
 _CASES = {  # id -> (backend, config, decoder layers); tests sharing a model are adjacent (_MODELS keeps two)
-    "x86-mixed": ("x86", QLinearConfig("mixed"), _FIRST4),  # fp32 activations: the model of the test above
+    "x86-mixed": ("x86", QLinearConfig("mixed"), _FIRST4),  # the model of the test above
     "arm-codebook2": ("arm_neon", _CODEBOOK2, _FIRST4),  # the Arm kernels run through SIMDe's NEON emulation here: slow
     "x86-codebook2": ("x86", _CODEBOOK2, _FIRST4),
     "arm-codebook4": ("arm_neon", QLinearConfig("codebook", bits=4, iters=2), _FIRST4),
@@ -166,7 +166,7 @@ _CASES = {  # id -> (backend, config, decoder layers); tests sharing a model are
 
 @pytest.mark.parametrize("backend,config,subset", list(_CASES.values()), ids=list(_CASES))
 def test_cpu_backend_perplexity_matches_reference(setup, backend, config, subset, monkeypatch):
-    """The CPU kernels with int8 activations (Arm through SIMDe here, x86; the x86 mixed GEMV's are float32) give the
+    """The CPU kernels with int8 activations (Arm through SIMDe here, x86) give the
     reference backend's perplexity within 1% on the real model (2% at 2 bits).  Round-to-nearest 4-bit on x86 (the default of the main job) quantizes
     the whole model; the others quantize the first four decoder layers and leave the rest in float (the fitted and
     calibrated ones take minutes on 2 cores for the whole model): the kernels still run on real activations, and the

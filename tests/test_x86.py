@@ -16,7 +16,7 @@ import platform
 
 import pytest
 import torch
-from conftest import int8_activation_bound
+from conftest import dense64, int8_activation_bound
 
 import qlinear.backends as backends
 from qlinear import BCQLinear, CodebookLinear, MixedPrecisionLinear
@@ -424,15 +424,12 @@ def test_rotated_layers_transform_x_inside_the_op(cls, opts, K):
         rotation=m._call(x.device, x.dtype, 37).rotation), K=K)
 
 
-# --- the mixed 2/4/16 format (mixed.cpp): float32 activations, layout x86_mixed ---------------------------------------
-# Bound versus the float64 reference: the kernel rebuilds each ŵ = ŝ·(q − z) exactly as the format does and sums
-# ŵ·x in 4 accumulators of 8 fp32 lanes (at most K/8 FMAs each), reduces them in 5 steps, then adds the outliers and
-# the bias:
-# |y − y₆₄| ≤ (K/8 + nnz_row + 8)·2⁻²⁴·Σ_k (|ŵ_k| + |o_k|)·|x_k| (the reference rounds ŵ + o once more: in the 8).
+# --- the mixed 2/4/16 format (mixed.cpp): int8 activations per 16 inputs, layout x86_mixed ----------------------------
 MIXED = {"default": mixed.Config(), "g32 sb8 sg7": mixed.Config(group_size=32, scale_bits=8, scale_group_size=7),
          "g48 sb2": mixed.Config(group_size=48, scale_bits=2, outlier_ratio=0.0),
          "no 4-bit": mixed.Config(ratio_4bit=0.0, outlier_ratio=0.005),
          "all 4-bit": mixed.Config(ratio_4bit=1.0, outlier_ratio=0.0)}
+MIXED_PATHS = ("scalar", "avx2", "avx2_vnni", "avx512_vnni", "simde-avx2", "simde-avx2_vnni", "simde-avx512_vnni")
 
 
 def _mixed(name, N=100, K=480):
@@ -443,10 +440,30 @@ def _mixed(name, N=100, K=480):
 
 
 def _mixed_bound(canon, cfg, N, K, x):
-    from test_async_dequant import _mag
+    """Bound on the GEMV's distance to the float64 ``x·Ŵᵀ``: the activations' rounding per 16 inputs plus fp32."""
+    return int8_activation_bound(dense64("mixed", canon, cfg, N, K), x, block=16)
 
-    nnz_row = int(canon["outlier_row_ptr"].long().diff().max())
-    return (K / 8 + nnz_row + 8) * 2.0 ** -24 * _mag(canon, cfg, N, K, x)
+
+def _mixed_spec_bound(canon, cfg, N, K, x):
+    """Bound on the GEMV's distance to its own arithmetic in float64 (:func:`x86.spec_mixed`): per output at most
+    K/16 + G + nnz + 1 fp32 roundings, each within 2⁻²⁴ of a partial sum bounded by ``Σ_k |ŵ_k|·amax_h(k) +
+    Σ |o·x|``, well inside ``1e-5·Σ_k |w_k|·(|x_k| + amax_h(k)/127) + 1e-6``."""
+    M = x.shape[0]
+    amax = x.abs().view(M, K // 16, 16).amax(-1).repeat_interleave(16, 1)
+    return 1e-5 * ((x.abs() + amax / 127).double() @ dense64("mixed", canon, cfg, N, K).abs().T) + 1e-6
+
+
+def _mixed_op(x, held, b, cfg, N, K, path):
+    """The GEMV on ``path`` (``simde-<path>``: the SIMDe build), or None where this CPU or machine lacks it."""
+    simde = path.startswith("simde-")
+    if simde and x86.simde_available() is not None:
+        return None
+    try:
+        return x86.linear_mixed(x, held, b, cfg, N, K, path=path.removeprefix("simde-"), simde=simde)
+    except RuntimeError as e:  # a path this CPU lacks
+        if "cannot run path" in str(e):
+            return None
+        raise
 
 
 @pytest.mark.parametrize("name", list(MIXED))
@@ -474,39 +491,70 @@ def test_mixed_dequantize_from_the_layout_is_the_formats_bit_for_bit(name):
     assert torch.equal(x86.dequantize_mixed(held, cfg, 100, 480), mixed.dequantize(canon, cfg, 100, 480))
 
 
-def test_mixed_layout_holds_each_rows_scale_codes_and_the_group_kinds():
-    """Row n, group i of a kind in ``x86m_sc2``/``x86m_sc4`` is the canonical code of (group, n); ``x86m_kinds`` has bit
-    g set exactly for the groups ``idx4`` lists."""
-    cfg, canon = _mixed("g32 sb8 sg7")
-    held = x86.repack_mixed(canon, cfg, 100, 480)
-    G = 480 // cfg.group_size
-    sc = unpack(canon["scale_codes"], cfg.scale_bits, 100)  # [G, N]
+@pytest.mark.parametrize("name", ["g32 sb8 sg7", "g48 sb2", "default"])
+def test_mixed_layout_puts_each_field_where_qgemm_h_says(name):
+    """Bit positions read one field at a time from the held words, as ``qgemm.h`` describes them (the layout's Python
+    inverse is not used): code ``[n, c]`` of the 2-bit groups' columns in word ``[n/16, c/16, n%16]``, byte ``c%4``,
+    bits ``2·(c%16/4)``; 4-bit column ``c`` in word ``[n/16, c/8, n%16]``, byte ``c%4``, high nibble when ``c%8 ≥ 4``;
+    the scale code of row n, layout group i at bit ``sb·(16i + n%16)`` of block ``n/16``; zero points of 2-bit group i
+    at bit ``32i + 2·(n%16)``, of 4-bit group i at ``32·G2 + 64i + 4·(n%16)``; ``x86m_kinds`` bit i for the groups
+    ``idx4`` lists."""
+    N, K = 100, 480
+    cfg, canon = _mixed(name, N, K)
+    held = x86.repack_mixed(canon, cfg, N, K)
+    G, g, sb = K // cfg.group_size, cfg.group_size, cfg.scale_bits
     is4 = torch.zeros(G, dtype=torch.bool)
     is4[canon["idx4"].long()] = True
+    idx2, idx4 = torch.nonzero(~is4).flatten().tolist(), torch.nonzero(is4).flatten().tolist()
     assert torch.equal(unpack(held["x86m_kinds"], 1, G).bool(), is4)
-    for name, groups in (("x86m_sc2", torch.nonzero(~is4).flatten()), ("x86m_sc4", torch.nonzero(is4).flatten())):
-        assert torch.equal(unpack(held[name], cfg.scale_bits, groups.numel()), sc[groups].T)
+    codes2 = unpack(canon["qweight2"], 2, len(idx2) * g)
+    codes4 = unpack(canon["qweight4"], 4, len(idx4) * g)
+    sc = unpack(canon["scale_codes"], sb, N)  # [G, N]
+    z2, z4 = unpack(canon["zeros2"], 2, len(idx2)), unpack(canon["zeros4"], 4, len(idx4))
+
+    def field(words, bit, bits):
+        return (int(words[bit // 32]) & 0xFFFFFFFF) >> (bit % 32) & ((1 << bits) - 1)
+
+    gen = torch.Generator().manual_seed(1)
+    for n in torch.randint(0, N, (12,), generator=gen).tolist() + [N - 1]:
+        b, r = divmod(n, 16)
+        for c in range(0, codes2.shape[1], 7):
+            word = held["x86m_q2"][b, c // 16, r : r + 1]
+            assert field(word, 8 * (c % 4) + 2 * (c % 16 // 4), 2) == codes2[n, c]
+        for c in range(0, codes4.shape[1], 5):
+            word = held["x86m_q4"][b, c // 8, r : r + 1]
+            assert field(word, 8 * (c % 4) + 4 * (c % 8 // 4), 4) == codes4[n, c]
+        for i, grp in enumerate(idx2 + idx4):
+            assert field(held["x86m_sc"][b], sb * (16 * i + r), sb) == sc[grp, n]
+        for i in range(len(idx2)):
+            assert field(held["x86m_z"][b], 32 * i + 2 * r, 2) == z2[n, i]
+        for i in range(len(idx4)):
+            assert field(held["x86m_z"][b], 32 * len(idx2) + 64 * i + 4 * r, 4) == z4[n, i]
 
 
 @pytest.mark.parametrize("name", list(MIXED))
 @pytest.mark.parametrize("bias", [True, False])
 def test_mixed_kernel_paths_agree_bitwise_within_the_bound(name, bias):
-    """Scalar and AVX2 give the same bits (every M: the kernel takes 2 activation rows per pass) and stay within the
-    bound above of the float64 reference, with and without outliers and bias."""
+    """Every path (scalar, AVX2, AVX2 + AVX-VNNI, AVX-512 VNNI; their SIMDe builds) gives the same bits at every M (the
+    kernel takes 4 activation rows per pass), within fp32 rounding of the kernel's arithmetic in float64 (its spec) and within the
+    int8-activation bound of the float64 reference, with and without outliers and bias."""
     N, K = 100, 480
     cfg, canon = _mixed(name, N, K)
     held = x86.repack_mixed(canon, cfg, N, K)
     b = torch.randn(N) if bias else None
-    w64 = mixed.dequantize(canon, cfg, N, K).double()
+    w64 = dense64("mixed", canon, cfg, N, K)
     for M in (1, 3, 4, 5, 9):
         x = torch.randn(M, K)
-        x[0, :16] *= 30  # one large group: its products dominate their lanes
-        y = x86.linear_mixed(x, held, b, cfg, N, K, path="scalar")
-        assert torch.equal(x86.linear_mixed(x, held, b, cfg, N, K, path="avx2"), y), M
+        x[0, :16] *= 30  # one large block: its products dominate their lanes
+        ys = {p: y for p in MIXED_PATHS if (y := _mixed_op(x, held, b, cfg, N, K, p)) is not None}
+        y = ys["scalar"]
+        ran = {p.removeprefix("simde-") for p in ys}
+        assert ran == set(MIXED_PATHS[:4]) or not _simde_expected(), (M, list(ys))  # every path ran
+        assert all(torch.equal(v, y) for v in ys.values()), (M, list(ys))
         y64 = x.double() @ w64.T + (0 if b is None else b.double())
         assert ((y.double() - y64).abs() <= _mixed_bound(canon, cfg, N, K, x)).all(), M
         spec = x86.spec_mixed(x, held, b, cfg, N, K)
-        assert ((y.double() - spec).abs() <= _mixed_bound(canon, cfg, N, K, x)).all(), M
+        assert ((y.double() - spec).abs() <= _mixed_spec_bound(canon, cfg, N, K, x)).all(), M
 
 
 def test_mixed_large_batches_take_the_float_gemm(monkeypatch):
@@ -529,15 +577,15 @@ def test_mixed_large_batches_take_the_float_gemm(monkeypatch):
 
 
 def test_mixed_kernel_catches_a_wrong_layout():
-    """Swapping two groups' scale codes in the layout moves the output outside the bound (the test can fail)."""
+    """Each block given its neighbour's scale codes moves the output outside the spec's bound (the test can fail)."""
     N, K = 100, 480
     cfg, canon = _mixed("default", N, K)
     held = x86.repack_mixed(canon, cfg, N, K)
-    bad = dict(held, x86m_sc2=held["x86m_sc2"].roll(1, 0))  # each row gets its neighbour's scale codes
+    bad = dict(held, x86m_sc=held["x86m_sc"].roll(1, 0))
     x = torch.randn(2, K)
-    y64 = x.double() @ mixed.dequantize(canon, cfg, N, K).double().T
     y = x86.linear_mixed(x, bad, None, cfg, N, K)
-    assert not ((y.double() - y64).abs() <= _mixed_bound(canon, cfg, N, K, x)).all()
+    spec = x86.spec_mixed(x, held, None, cfg, N, K)
+    assert not ((y.double() - spec).abs() <= _mixed_spec_bound(canon, cfg, N, K, x)).all()
 
 
 def test_mixed_op_rejects_inconsistent_buffers():
@@ -549,11 +597,13 @@ def test_mixed_op_rejects_inconsistent_buffers():
         x86.linear_mixed(x, dict(held, x86m_kinds=torch.zeros_like(held["x86m_kinds"])), None, cfg, N, K)
     with pytest.raises(RuntimeError, match="ss and sz must be"):
         x86.linear_mixed(x, dict(held, x86m_ss=held["x86m_ss"][:-1]), None, cfg, N, K)
-    with pytest.raises(RuntimeError, match="sc2 must be"):
-        x86.linear_mixed(x, dict(held, x86m_sc2=held["x86m_sc2"][:-1]), None, cfg, N, K)
+    with pytest.raises(RuntimeError, match="sc must be"):
+        x86.linear_mixed(x, dict(held, x86m_sc=held["x86m_sc"][:-1]), None, cfg, N, K)
+    with pytest.raises(RuntimeError, match="z must be"):
+        x86.linear_mixed(x, dict(held, x86m_z=held["x86m_z"][:, :-1].contiguous()), None, cfg, N, K)
     with pytest.raises(RuntimeError, match="cannot run path"):
-        torch.ops.qlinear.x86_mixed_gemm(x, *(held[k] for k in x86.MIXED_NAMES[:9]), None, None, None, None, N,
-                                         cfg.group_size, cfg.scale_bits, cfg.scale_group_size, x86.PATHS["avx512_vnni"])
+        torch.ops.qlinear.x86_mixed_gemm(x, *(held[k] for k in x86.MIXED_NAMES[:7]), None, None, None, None, N,
+                                         cfg.group_size, cfg.scale_bits, cfg.scale_group_size, 7)
 
 
 def test_mixed_registry():
@@ -568,9 +618,10 @@ def test_mixed_registry():
     assert mod.kernel(torch.randn(3, 320)).backend == "x86" and mod.layout == "x86_mixed"
 
 
-def test_rotated_mixed_layer_transforms_x_inside_the_op():
+def test_rotated_mixed_layer_transforms_x_inside_the_op(monkeypatch):
     from conftest import assert_fused_rotation
 
+    monkeypatch.setattr(x86, "MIXED_GEMV_ROWS", 64)  # its 37 rows through the GEMV, whose arithmetic spec_mixed is
     assert_fused_rotation("x86", MixedPrecisionLinear, {}, lambda x, m: x86.spec_mixed(
         x, dict(zip(m._packed_names, m.packed())), m.bias, m._call(x.device, x.dtype, 37).cfg, m.out_features, 192,
         rotation=m._call(x.device, x.dtype, 37).rotation), K=192)

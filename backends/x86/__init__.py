@@ -1,7 +1,7 @@
 """x86 CPU kernels (AVX-512 VNNI + VBMI, AVX2 + AVX-VNNI, AVX2, scalar) for :class:`qlinear.BCQLinear` at 1-4 bits:
 uniform (round-to-nearest, GPTQ, imported GPTQ/AWQ weights) and free-α BCQ (the BCQ fit, activation-aware or not),
-and for :class:`qlinear.CodebookLinear` at 2 and 4 bits; an AVX2 / scalar float32 GEMV for
-:class:`qlinear.MixedPrecisionLinear` (layout ``x86_mixed``, :func:`linear_mixed`).
+and for :class:`qlinear.CodebookLinear` at 2 and 4 bits, and for :class:`qlinear.MixedPrecisionLinear` (layout
+``x86_mixed``, :func:`linear_mixed`).
 
 The Arm paper's recipe ("Highly Optimized Kernels and Fine-Grained Codebooks for LLM Inference on Arm CPUs", §4)
 carried to x86: activations quantized to int8 per 32 inputs (:func:`qlinear.backends._cpu.quantize_activations`),
@@ -51,14 +51,15 @@ symmetric grid), free-α layers ``x86_qa`` fp16 ``[Nb, G, bits, 16]`` (α per pl
 book of row ``16b + r``), and ``codebooks`` as stored.  :func:`spec` is the executable PyTorch specification of the
 kernels' arithmetic.
 
-The mixed format does not fit the int8 machinery: its groups are 16 inputs (the activations' blocks are 32), each
-with its own scale, zero point and width.  ``mixed.cpp`` instead rebuilds each weight as the format's own float32
-``ŝ·(q − z)`` (2-bit groups through an 8-entry table per group looked up with VPERMPS, 4-bit groups by shifts and a
-conversion) and multiplies it into float32 activations, in 4 accumulators of 8 lanes; the outliers are added after.
-Layout ``x86_mixed`` (``qgemm.h``, MixedWeights): the canonical codes, zero points and outliers as they are, the scale
-codes packed per row instead of along N, the group kinds as a bitmask.  Above :data:`MIXED_GEMV_ROWS` rows it takes Ŵ
+The mixed format at its own granularity (``mixed.cpp``): its groups are 16·j inputs, each with its own width, scale
+and zero point, so the activations are quantized to int8 per 16 inputs (``xs``, ``xq``) and 16 rows are interleaved
+as for the uniform layout; per 16-input chunk ``h`` one VPDPBUSD per 4 inputs (AVX-512 VNNI: the 16 rows at once;
+AVX-VNNI, or VPMADDUBSW + VPMADDWD: 8 at a time) gives each row's ``I_h = Σ q·xq`` exactly, then per group
+``ŝ·Σ_h xs_h·(I_h − z·Σ xq)`` in fp32; the outliers are added with the float32 activations.  Layout ``x86_mixed``
+(:func:`repack_mixed`; exact inverse :func:`unrepack_mixed`).  Above :data:`MIXED_GEMV_ROWS` rows it takes Ŵ
 (:func:`dequantize_mixed`, the format's values bit for bit) and a float32 GEMM.  Error versus the float64 reference:
-fp32 accumulation only (``tests/test_x86.py``); :func:`spec_mixed` is its float64 value.
+the activations' rounding, ``Σ_h (amax_h / 254)·Σ_{k∈h} |ŝ·(q − z)|`` (``amax_h`` over 16 inputs), plus fp32
+rounding; :func:`spec_mixed` is the kernel's value before that rounding.
 """
 
 from __future__ import annotations
@@ -92,9 +93,9 @@ ROWS = 16  # rows per block (one 32-bit lane each of a 512-bit register)
 DEQUANT_FROM = {1: 256, 2: 256, 3: 128, 4: 128}
 LARGE_LAYER = 8 << 20
 # Above this many rows (3x for layers of LARGE_LAYER weights or more) the mixed format takes Ŵ + a float32 GEMM (path
-# "auto"; benchmarks/RESULTS.md, "The mixed format on x86", 2026-11-26: SmolLM2's shapes cross over between 8 and 32
-# rows, 4096² near 64)
-MIXED_GEMV_ROWS = 16
+# "auto"; benchmarks/RESULTS.md, "The mixed format on x86: int8 activations", 2026-11-26, AVX-512 VNNI: SmolLM2's
+# shapes cross over between 64 and 128 rows, 4096² and 11008x4096 above 128)
+MIXED_GEMV_ROWS = 64
 _TILE_BYTES = 4 << 20  # float32 rows of Ŵ per tile of the batched path: cache-sized, below glibc's mmap threshold
 SOURCES = tuple(str(_HERE / f) for f in ("kernels.cpp", "mixed.cpp", "binding.cpp"))
 CFLAGS = ("-O3", "-std=c++17", "-ffp-contract=off", *OPENMP)
@@ -264,10 +265,9 @@ CODEBOOK_LAYOUT = Layout(name="x86_codebook", names=_codebook_names, repack=repa
                          unrepack=unrepack_codebook, dequantize=dequantize, dequantize_devices=frozenset({"cpu"}))
 
 
-MIXED_NAMES = ("x86m_q2", "x86m_q4", "x86m_z2", "x86m_z4", "x86m_sc2", "x86m_sc4", "x86m_ss", "x86m_sz", "x86m_kinds",
-               "x86m_idx4", "x86m_ov", "x86m_oc", "x86m_orp")
-_MIXED_SAME = (("qweight2", "x86m_q2"), ("qweight4", "x86m_q4"), ("zeros2", "x86m_z2"), ("zeros4", "x86m_z4"),
-               ("idx4", "x86m_idx4"), ("outlier_values", "x86m_ov"), ("outlier_cols", "x86m_oc"),
+MIXED_NAMES = ("x86m_q2", "x86m_q4", "x86m_sc", "x86m_z", "x86m_ss", "x86m_sz", "x86m_kinds", "x86m_idx4", "x86m_ov",
+               "x86m_oc", "x86m_orp")
+_MIXED_SAME = (("idx4", "x86m_idx4"), ("outlier_values", "x86m_ov"), ("outlier_cols", "x86m_oc"),
                ("outlier_row_ptr", "x86m_orp"))
 
 
@@ -276,19 +276,52 @@ def _kinds(idx4: torch.Tensor, G: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.nonzero(~is4).flatten(), torch.nonzero(is4).flatten()
 
 
+def _row_blocks(t: torch.Tensor, N: int) -> torch.Tensor:
+    """``[N, ...]`` -> ``[Nb, 16, ...]``, zero rows padding N to a multiple of 16."""
+    Nb = -(-N // ROWS)
+    out = t.new_zeros(Nb * ROWS, *t.shape[1:])
+    out[:N] = t
+    return out.view(Nb, ROWS, *t.shape[1:])
+
+
+def _lanes(t: torch.Tensor, N: int, bits: int) -> torch.Tensor:
+    """Per-(row, group) fields ``[N, n]`` -> int32 ``[Nb, n·bits/2]``: row ``16b + r``, group ``i`` at bit
+    ``bits·(16i + r)`` of block ``b``."""
+    v = _row_blocks(t, N).transpose(1, 2)  # [Nb, n, 8]
+    return pack(v.reshape(v.shape[0], v.shape[1] * ROWS), bits)
+
+
+def _unlanes(words: torch.Tensor, N: int, n: int, bits: int) -> torch.Tensor:
+    """Inverse of :func:`_lanes`: ``[N, n]`` int64."""
+    Nb = words.shape[0]
+    return unpack(words, bits, n * ROWS).view(Nb, n, ROWS).transpose(1, 2).reshape(Nb * ROWS, n)[:N]
+
+
 def repack_mixed(buffers: dict, cfg, N: int, K: int) -> dict:
-    """Canonical mixed buffers -> layout ``x86_mixed`` (``qgemm.h``, MixedWeights): codes, zero points and outliers as
-    they are; the first-order scale codes packed per row (2-bit groups, then 4-bit groups) instead of along N; the
-    second-order pairs ``[S2, G]`` in that group order; ``x86m_kinds`` int32 ``[ceil(G/32)]`` bit ``i`` set for each
-    4-bit group ``i`` (the op reads x's columns in the same order: 2-bit groups, then 4-bit groups)."""
-    g, sb = cfg.group_size, cfg.scale_bits
-    idx2, idx4 = _kinds(buffers["idx4"], K // g)
-    sc = unpack(buffers["scale_codes"], sb, N)                                       # [G, N]
-    order, G = torch.cat([idx2, idx4]), K // g
+    """Canonical mixed buffers -> layout ``x86_mixed`` (``qgemm.h``, MixedWeights; ``Nb = ceil(N/16)``, groups in
+    layout order: the 2-bit groups, then the 4-bit groups, each ascending): ``x86m_q2`` int32 ``[Nb, K2/16, 16]`` (word
+    ``c`` of lane ``r``: code ``[16b + r, 16c + 4t + j]`` of the 2-bit groups' columns in byte ``j``, bits
+    ``2t..2t+1``), ``x86m_q4`` int32 ``[Nb, K4/8, 16]`` (code ``[16b + r, 8c + j]`` in the low nibble of byte ``j``,
+    ``[16b + r, 8c + 4 + j]`` in its high nibble), ``x86m_sc`` int32 ``[Nb, G·scale_bits/2]`` (the scale code of row
+    ``16b + r``, group ``i`` at bit ``scale_bits·(16i + r)``), ``x86m_z`` int32 ``[Nb, G2 + 2·G4]`` (zero points: of
+    2-bit group ``i`` at bit ``32i + 2r``, of 4-bit group ``i`` at bit ``32·G2 + 64i + 4r``), ``x86m_ss``/``x86m_sz``
+    fp16 ``[S2, G]`` (the second-order pairs in layout order), ``x86m_kinds`` int32 ``[ceil(G/32)]`` (bit ``i`` set for
+    each 4-bit group ``i``), ``idx4`` and the outliers as they are.  Rows past N are zero."""
+    g, sb, G = cfg.group_size, cfg.scale_bits, K // cfg.group_size
+    idx2, idx4 = _kinds(buffers["idx4"], G)
+    G2, G4 = idx2.numel(), idx4.numel()
+    Nb = -(-N // ROWS)
+    c2 = _row_blocks(unpack(buffers["qweight2"], 2, G2 * g), N).view(Nb, ROWS, G2 * g // 16, 4, 4)  # (b, r, c, t, j)
+    c4 = _row_blocks(unpack(buffers["qweight4"], 4, G4 * g), N).view(Nb, ROWS, G4 * g // 8, 2, 4)   # (b, r, c, h, j)
+    order = torch.cat([idx2, idx4])
     is4 = torch.zeros(-(-G // 32) * 32, dtype=torch.int64, device=order.device)
     is4[idx4] = 1
     out = {new: buffers[old] for old, new in _MIXED_SAME}
-    out.update({"x86m_sc2": pack(sc[idx2].T.contiguous(), sb), "x86m_sc4": pack(sc[idx4].T.contiguous(), sb),
+    out.update({"x86m_q2": pack(c2.permute(0, 2, 1, 4, 3).reshape(Nb, G2 * g // 16, ROWS, 16), 2).view(Nb, -1, ROWS),
+                "x86m_q4": pack(c4.permute(0, 2, 1, 4, 3).reshape(Nb, G4 * g // 8, ROWS, 8), 4).view(Nb, -1, ROWS),
+                "x86m_sc": _lanes(unpack(buffers["scale_codes"], sb, N)[order].T, N, sb),
+                "x86m_z": torch.cat([_lanes(unpack(buffers["zeros2"], 2, G2), N, 2),
+                                     _lanes(unpack(buffers["zeros4"], 4, G4), N, 4)], 1),
                 "x86m_ss": buffers["scale_scale"].T[:, order].contiguous(),
                 "x86m_sz": buffers["scale_zero"].T[:, order].contiguous(),
                 "x86m_kinds": pack(is4.view(-1, 32), 1).flatten()})
@@ -297,23 +330,30 @@ def repack_mixed(buffers: dict, cfg, N: int, K: int) -> dict:
 
 def unrepack_mixed(buffers: dict, cfg, N: int, K: int) -> dict:
     """Layout ``x86_mixed`` -> canonical mixed buffers (exact inverse of :func:`repack_mixed`)."""
-    G, sb = K // cfg.group_size, cfg.scale_bits
+    g, sb, G = cfg.group_size, cfg.scale_bits, K // cfg.group_size
     idx2, idx4 = _kinds(buffers["x86m_idx4"], G)
+    G2, G4 = idx2.numel(), idx4.numel()
+    Nb, W2, W4 = -(-N // ROWS), G2 * g // 16, G4 * g // 8
+    c2 = unpack(buffers["x86m_q2"].view(Nb, W2, ROWS, 1), 2, 16).view(Nb, W2, ROWS, 4, 4).permute(0, 2, 1, 4, 3)
+    c4 = unpack(buffers["x86m_q4"].view(Nb, W4, ROWS, 1), 4, 8).view(Nb, W4, ROWS, 4, 2).permute(0, 2, 1, 4, 3)
     order = torch.cat([idx2, idx4])
     sc = torch.empty(G, N, dtype=torch.int64, device=order.device)
-    sc[idx2] = unpack(buffers["x86m_sc2"], sb, idx2.numel()).T
-    sc[idx4] = unpack(buffers["x86m_sc4"], sb, idx4.numel()).T
-    out = {old: buffers[new] for old, new in _MIXED_SAME}
+    sc[order] = _unlanes(buffers["x86m_sc"], N, G, sb).T
     ss, sz = torch.empty_like(buffers["x86m_ss"].T), torch.empty_like(buffers["x86m_sz"].T)
     ss[order], sz[order] = buffers["x86m_ss"].T, buffers["x86m_sz"].T
-    out.update({"scale_codes": pack(sc, sb), "scale_scale": ss.contiguous(), "scale_zero": sz.contiguous()})
+    out = {old: buffers[new] for old, new in _MIXED_SAME}
+    out.update({"qweight2": pack(c2.reshape(Nb * ROWS, W2 * 16)[:N], 2),
+                "qweight4": pack(c4.reshape(Nb * ROWS, W4 * 8)[:N], 4),
+                "zeros2": pack(_unlanes(buffers["x86m_z"][:, :G2], N, G2, 2), 2),
+                "zeros4": pack(_unlanes(buffers["x86m_z"][:, G2:], N, G4, 4), 4),
+                "scale_codes": pack(sc, sb), "scale_scale": ss.contiguous(), "scale_zero": sz.contiguous()})
     return {k: out[k] for k in mixed.buffer_specs(N, K, cfg)}  # the format's order
 
 
 def _mixed_args(buffers: dict) -> list:
-    """The op's buffer arguments: the 9 tensors, then the outliers (or three Nones)."""
+    """The op's buffer arguments: the 7 tensors, then the outliers (or three Nones)."""
     has = buffers["x86m_ov"].numel() > 0
-    return [*(buffers[k] for k in MIXED_NAMES[:9]),
+    return [*(buffers[k] for k in MIXED_NAMES[:7]),
             *([buffers[k] for k in ("x86m_ov", "x86m_oc", "x86m_orp")] if has else [None, None, None])]
 
 
@@ -331,9 +371,9 @@ MIXED_LAYOUT = Layout(name="x86_mixed", names=lambda cfg: MIXED_NAMES, repack=re
 def linear_mixed(x: torch.Tensor, buffers: dict, bias, cfg, out_features: int, in_features: int, path: str = "auto",
                  simde: bool = False, rotation=None) -> torch.Tensor:
     """Registry entry for the mixed format: ``x`` ``[..., K]`` on CPU -> ``[..., N]`` of ``x.dtype`` over layout
-    ``x86_mixed``, float32 activations (``mixed.cpp``); above :data:`MIXED_GEMV_ROWS` rows (three times that for layers
+    ``x86_mixed``, int8 activations per 16 inputs (``mixed.cpp``); above :data:`MIXED_GEMV_ROWS` rows (three times that for layers
     of :data:`LARGE_LAYER` weights or more; path "auto") Ŵ (:func:`dequantize_mixed`) and a float32 GEMM instead.
-    ``path`` "auto", "scalar" or "avx2" (RuntimeError "cannot run path" where this CPU lacks AVX2 + FMA); ``simde``
+    ``path`` one of :data:`PATHS` (RuntimeError "cannot run path" where this CPU lacks it); ``simde``
     runs the SIMDe build; ``rotation`` (seed, block): the layer's randomized Hadamard, applied to x inside the op."""
     N, K = out_features, in_features
     x2 = x.reshape(-1, K)
@@ -348,13 +388,31 @@ def linear_mixed(x: torch.Tensor, buffers: dict, bias, cfg, out_features: int, i
 
 
 def spec_mixed(x: torch.Tensor, buffers: dict, bias, cfg, N: int, K: int, rotation=None) -> torch.Tensor:
-    """The mixed GEMV's value before its fp32 rounding, over layout ``x86_mixed``: ``x`` ``[M, K]`` -> ``[M, N]``
-    float64 ``x'·Ŵᵀ (+ bias)``, ``x'`` the input (transformed first for a rotated layer: ``rotation`` (seed, block))
-    and ``Ŵ`` the format's weights from the layout's canonical buffers (each ``ŝ·(q − z)`` as the kernel rebuilds it,
-    outliers added)."""
-    w = mixed.dequantize(unrepack_mixed(buffers, cfg, N, K), cfg, N, K).double()
-    y = spec_input(x.float(), rotation).double() @ w.T
+    """The mixed GEMV's arithmetic in PyTorch over layout ``x86_mixed``: ``x`` ``[M, K]`` -> ``[M, N]`` float64, the
+    value the kernel rounds in fp32: ``x'`` the input (transformed first for a rotated layer: ``rotation`` (seed,
+    block)), ``xq, xs`` its int8 codes and scales per 16 inputs (:func:`qlinear.backends._cpu.quantize_activations`),
+    and per row ``n``, group ``i`` (scale ``ŝ``, zero ``z``, codes ``q`` of :func:`qlinear.formats.mixed.decode`)
+    ``Σ_{h ∈ i} ŝ·xs_h·(Σ_{k ∈ h} q·xq − z·Σ_{k ∈ h} xq)``, plus ``Σ o·x'[col]`` over the row's outliers (float32
+    activations), plus the bias."""
+    xr = spec_input(x.float(), rotation)
+    xq, xs = quantize_activations(xr, 16)
+    canon = unrepack_mixed(buffers, cfg, N, K)
+    codes, zeros, scales = mixed.decode(canon, cfg, N, K)
+    M, H, per = x.shape[0], K // 16, cfg.group_size // 16
+    xb = xq.view(M, H, 16).double()
+    dots = torch.einsum("mhk,nhk->mnh", xb, codes.view(N, H, 16).double())
+    d = dots - zeros.repeat_interleave(per, 1).double() * xb.sum(-1)[:, None, :]
+    y = (scales.repeat_interleave(per, 1).double() * xs.double()[:, None, :] * d).sum(-1)
+    y = y + xr.double() @ _outliers(canon, N, K).T
     return y if bias is None else y + bias.double()
+
+
+def _outliers(canon: dict, N: int, K: int) -> torch.Tensor:
+    """The canonical CSR outliers as a dense float64 ``[N, K]`` (summed where a (row, column) repeats)."""
+    o = torch.zeros(N, K, dtype=torch.float64)
+    rows = torch.repeat_interleave(torch.arange(N), canon["outlier_row_ptr"].long().diff())
+    o.index_put_((rows, canon["outlier_cols"].long()), canon["outlier_values"].double(), accumulate=True)
+    return o
 
 
 def supports_mixed(cfg, out_features: int, in_features: int) -> Optional[str]:
@@ -484,7 +542,7 @@ for _fmt, _bits, _supports, _layout in (("bcq", {1, 2, 3, 4}, supports, LAYOUT),
                     dtypes=frozenset({torch.float32, torch.float16, torch.bfloat16}), bits=frozenset(_bits),
                     group_sizes=ANY, max_batch=ANY, min_capability=ANY, supports=_supports, available=available,
                     layout=_layout, gathers_perm=True, fuses_rotation=True))
-# mixed 2/4/16: float32 activations (mixed.cpp), Ŵ + a float32 GEMM above MIXED_GEMV_ROWS rows
+# mixed 2/4/16: int8 activations per 16 inputs (mixed.cpp), Ŵ + a float32 GEMM above MIXED_GEMV_ROWS rows
 register(Kernel(backend="x86", format="mixed", fn=linear_mixed, priority=15, devices=frozenset({"cpu"}),
                 dtypes=frozenset({torch.float32, torch.float16, torch.bfloat16}), bits=ANY, group_sizes=ANY,
                 max_batch=ANY, min_capability=ANY, supports=supports_mixed, available=available,

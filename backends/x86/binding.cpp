@@ -120,50 +120,51 @@ at::Tensor x86_dequantize(const at::Tensor& qw, const at::Tensor& qs, const at::
   return out;
 }
 
-// The mixed format (qgemm.h, MixedWeights): kinds (int32 [ceil(G/32)]) has bit i set for each 4-bit group i; ov/oc/orp
-// the CSR outliers (fp16 values, int16 or int32 columns, int32 row pointers) or none.  The buffers of a layer with K
-// inputs, checked, and the float32 outlier values and int32 columns w points into.
+// The mixed format (qgemm.h, MixedWeights: layout x86_mixed, 16-row blocks); ov/oc/orp the CSR outliers (fp16
+// values, int16 or int32 columns, int32 row pointers) or none.  The buffers of a layer with K inputs, checked, and the
+// float32 outlier values and int32 columns w points into.
 struct MixedBuffers {
   qlinear_x86::MixedWeights w{};
   at::Tensor ov32, oc32;
+  int64_t blocks = 0;
 };
 
-MixedBuffers mixed_weights_of(const char* op, const at::Tensor& q2, const at::Tensor& q4, const at::Tensor& z2,
-                              const at::Tensor& z4, const at::Tensor& sc2, const at::Tensor& sc4, const at::Tensor& ss,
-                              const at::Tensor& sz, const at::Tensor& kinds, const std::optional<at::Tensor>& ov,
-                              const std::optional<at::Tensor>& oc, const std::optional<at::Tensor>& orp, int64_t N,
-                              int64_t K, int64_t g, int64_t scale_bits, int64_t scale_group_size) {
-  TORCH_CHECK(g > 0 && g % 16 == 0 && K % g == 0, op, ": group_size must be a multiple of 16 dividing K");
+MixedBuffers mixed_weights_of(const char* op, const at::Tensor& q2, const at::Tensor& q4, const at::Tensor& sc,
+                              const at::Tensor& z, const at::Tensor& ss, const at::Tensor& sz, const at::Tensor& kinds,
+                              const std::optional<at::Tensor>& ov, const std::optional<at::Tensor>& oc,
+                              const std::optional<at::Tensor>& orp, int64_t N, int64_t K, int64_t g,
+                              int64_t scale_bits, int64_t scale_group_size) {
+  TORCH_CHECK(N > 0 && g > 0 && g % 16 == 0 && K > 0 && K % g == 0, op,
+              ": N must be positive and group_size a multiple of 16 dividing K");
   TORCH_CHECK(scale_bits == 2 || scale_bits == 4 || scale_bits == 8, op, ": scale_bits must be 2, 4 or 8");
   TORCH_CHECK(scale_group_size > 0, op, ": scale_group_size must be positive");
-  TORCH_CHECK(q2.dim() == 2 && q4.dim() == 2, op, ": q2 and q4 must be [N, words]");
-  const int64_t W2 = q2.size(1), W4 = q4.size(1), G2 = W2 * 16 / g, G4 = W4 * 8 / g, S2 = ss.size(0);
-  auto words = [&](const at::Tensor& t, int64_t cols, const char* name) {
-    TORCH_CHECK(t.scalar_type() == at::kInt && t.is_contiguous() && t.dim() == 2 && t.size(0) == N &&
-                    t.size(1) == cols, op, ": ", name, " must be contiguous int32 [", N, ", ", cols, "]");
+  const int64_t Nb = (N + 15) / 16, G = K / g;
+  TORCH_CHECK(q2.dim() == 3 && q4.dim() == 3, op, ": q2 and q4 must be [ceil(N/16), words, 16]");
+  const int64_t G2 = q2.size(1) * 16 / g, G4 = q4.size(1) * 8 / g, S2 = ss.size(0);
+  TORCH_CHECK(G2 + G4 == G && q2.size(1) == G2 * g / 16 && q4.size(1) == G4 * g / 8, op,
+              ": q2 and q4 must hold K/group_size groups together");
+  auto words = [&](const at::Tensor& t, int64_t cols, int64_t lanes, const char* name) {
+    TORCH_CHECK(t.scalar_type() == at::kInt && t.is_contiguous() && t.numel() == Nb * cols * lanes && t.size(0) == Nb,
+                op, ": ", name, " must be contiguous int32 [", Nb, ", ", cols, lanes > 1 ? ", 16]" : "]");
     return reinterpret_cast<const uint32_t*>(t.data_ptr<int32_t>());
   };
-  TORCH_CHECK(G2 + G4 == K / g, op, ": q2 and q4 must hold K/group_size groups together");
   TORCH_CHECK(ss.scalar_type() == at::kHalf && sz.scalar_type() == at::kHalf && ss.is_contiguous() &&
-                  sz.is_contiguous() && ss.sizes() == sz.sizes() && ss.dim() == 2 && ss.size(1) == G2 + G4 &&
+                  sz.is_contiguous() && ss.sizes() == sz.sizes() && ss.dim() == 2 && ss.size(1) == G &&
                   S2 == (N + scale_group_size - 1) / scale_group_size,
               op, ": ss and sz must be contiguous fp16 [ceil(N / scale_group_size), K / group_size]");
-  TORCH_CHECK(kinds.scalar_type() == at::kInt && kinds.is_contiguous() && kinds.numel() == (G2 + G4 + 31) / 32,
+  TORCH_CHECK(kinds.scalar_type() == at::kInt && kinds.is_contiguous() && kinds.numel() == (G + 31) / 32,
               op, ": kinds must be contiguous int32 [ceil(G / 32)]");
   MixedBuffers b;
   qlinear_x86::MixedWeights& w = b.w;
   w.N = (int)N; w.group_size = (int)g; w.G2 = (int)G2; w.G4 = (int)G4;
   w.scale_bits = (int)scale_bits; w.scale_group_size = (int)scale_group_size;
-  w.ZW2 = (int)((G2 + 15) / 16); w.ZW4 = (int)((G4 + 7) / 8);
-  w.SW2 = (int)((G2 * scale_bits + 31) / 32); w.SW4 = (int)((G4 * scale_bits + 31) / 32);
-  w.q2 = words(q2, W2, "q2"); w.q4 = words(q4, W4, "q4");
-  w.z2 = words(z2, w.ZW2, "z2"); w.z4 = words(z4, w.ZW4, "z4");
-  w.sc2 = words(sc2, w.SW2, "sc2"); w.sc4 = words(sc4, w.SW4, "sc4");
+  w.q2 = words(q2, q2.size(1), 16, "q2"); w.q4 = words(q4, q4.size(1), 16, "q4");
+  w.sc = words(sc, G * scale_bits / 2, 1, "sc"); w.z = words(z, G2 + 2 * G4, 1, "z");
   w.ss = reinterpret_cast<const uint16_t*>(ss.data_ptr<at::Half>());
   w.sz = reinterpret_cast<const uint16_t*>(sz.data_ptr<at::Half>());
   w.kinds = reinterpret_cast<const uint32_t*>(kinds.data_ptr<int32_t>());
   int64_t n4 = 0;
-  for (int64_t i = 0; i < G2 + G4; ++i) n4 += (w.kinds[i / 32] >> (i % 32)) & 1u;
+  for (int64_t i = 0; i < G; ++i) n4 += (w.kinds[i / 32] >> (i % 32)) & 1u;
   TORCH_CHECK(n4 == G4, op, ": kinds marks ", n4, " 4-bit groups, q4 holds ", G4);
   if (ov.has_value()) {
     TORCH_CHECK(oc.has_value() && orp.has_value() && orp->scalar_type() == at::kInt && orp->is_contiguous() &&
@@ -173,61 +174,55 @@ MixedBuffers mixed_weights_of(const char* op, const at::Tensor& q2, const at::Te
     b.oc32 = oc->to(at::kInt).contiguous();
     w.ov = b.ov32.data_ptr<float>(); w.oc = b.oc32.data_ptr<int32_t>(); w.orp = orp->data_ptr<int32_t>();
   }
+  b.blocks = Nb;
   return b;
 }
 
-// y = x·Ŵᵀ (+ bias) for the mixed format: x is read as x[:, cols] (after the rotation), cols the 2-bit groups' input
-// columns, then the 4-bit groups'.
-at::Tensor x86_mixed_gemm(const at::Tensor& x, const at::Tensor& q2, const at::Tensor& q4, const at::Tensor& z2,
-                          const at::Tensor& z4, const at::Tensor& sc2, const at::Tensor& sc4, const at::Tensor& ss,
-                          const at::Tensor& sz, const at::Tensor& kinds, const std::optional<at::Tensor>& ov,
-                          const std::optional<at::Tensor>& oc, const std::optional<at::Tensor>& orp,
-                          const std::optional<at::Tensor>& bias, int64_t N, int64_t group_size, int64_t scale_bits,
-                          int64_t scale_group_size, int64_t path, const std::optional<at::Tensor>& rot_signs,
-                          const std::optional<at::Tensor>& rot_paley, int64_t rot_block) {
+// y = x·Ŵᵀ (+ bias) for the mixed format (x transformed first for a rotated layer), int8 activations per 16 inputs.
+at::Tensor x86_mixed_gemm(const at::Tensor& x, const at::Tensor& q2, const at::Tensor& q4, const at::Tensor& sc,
+                          const at::Tensor& z, const at::Tensor& ss, const at::Tensor& sz, const at::Tensor& kinds,
+                          const std::optional<at::Tensor>& ov, const std::optional<at::Tensor>& oc,
+                          const std::optional<at::Tensor>& orp, const std::optional<at::Tensor>& bias, int64_t N,
+                          int64_t group_size, int64_t scale_bits, int64_t scale_group_size, int64_t path,
+                          const std::optional<at::Tensor>& rot_signs, const std::optional<at::Tensor>& rot_paley,
+                          int64_t rot_block) {
   const char* op = "x86_mixed_gemm";
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(),
               op, ": x must be a contiguous float32 CPU [M, K] tensor");
   TORCH_CHECK(path == qlinear_x86::kAuto || qlinear_x86::mixed_path_supported((int)path),
-              op, ": this CPU cannot run path ", path, " for the mixed format (scalar or AVX2)");
-  const int64_t M = x.size(0), K = x.size(1), g = group_size;
-  const MixedBuffers mb = mixed_weights_of(op, q2, q4, z2, z4, sc2, sc4, ss, sz, kinds, ov, oc, orp, N, K, g,
+              op, ": this CPU cannot run path ", path, " for the mixed format");
+  const int64_t M = x.size(0), K = x.size(1);
+  const MixedBuffers mb = mixed_weights_of(op, q2, q4, sc, z, ss, sz, kinds, ov, oc, orp, N, K, group_size,
                                            scale_bits, scale_group_size);
-  const qlinear_x86::MixedWeights& w = mb.w;
   at::Tensor bias32;
   if (bias.has_value()) {
     TORCH_CHECK(bias->numel() == N, op, ": bias must have N elements");
     bias32 = bias->to(at::kFloat).contiguous();
   }
-  at::Tensor cols = at::empty({K}, kinds.options());
-  int32_t* c = cols.data_ptr<int32_t>();
-  for (int64_t i = 0, at2 = 0, at4 = (int64_t)w.G2 * g; i < K / g; ++i) {
-    int64_t& at = (w.kinds[i / 32] >> (i % 32)) & 1u ? at4 : at2;
-    for (int64_t k = 0; k < g; ++k) c[at++] = (int32_t)(i * g + k);
-  }
   const at::Tensor xr = qlinear_rotation::staged_input(x, std::nullopt, rot_signs, rot_paley, rot_block);
-  const at::Tensor xg = qlinear_rotation::staged_input(xr, cols, std::nullopt, std::nullopt, 0);
-  const at::Tensor x2 = xg.narrow(1, 0, w.G2 * g).contiguous(), x4 = xg.narrow(1, w.G2 * g, w.G4 * g).contiguous();
+  at::Tensor work = at::empty({qlinear_x86::mixed_acts_bytes((int)M, (int)K) + 64}, x.options().dtype(at::kByte));
+  void* base = reinterpret_cast<void*>((reinterpret_cast<uintptr_t>(work.data_ptr()) + 63) & ~uintptr_t(63));
+  qlinear_x86::MixedActs acts;
+  qlinear_x86::mixed_prepare_acts(xr.data_ptr<float>(), (int)M, (int)K, base, &acts);
   at::Tensor y = at::empty({M, N}, x.options());
   const float* b = bias.has_value() ? bias32.data_ptr<float>() : nullptr;
-  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-    qlinear_x86::mixed_run(w, x2.data_ptr<float>(), x4.data_ptr<float>(), xr.data_ptr<float>(), (int)M, b,
-                           y.data_ptr<float>(), (int)n0, (int)n1, (int)path);
+  at::parallel_for(0, mb.blocks, 2, [&](int64_t b0, int64_t b1) {
+    qlinear_x86::mixed_run(mb.w, acts, b, y.data_ptr<float>(), (int)b0, (int)b1, (int)path);
   });
   return y;
 }
 
 // Ŵ [N, K] float32 of the mixed format from the same buffers (qgemm.h's mixed_dequantize).
-at::Tensor x86_mixed_dequantize(const at::Tensor& q2, const at::Tensor& q4, const at::Tensor& z2, const at::Tensor& z4,
-                                const at::Tensor& sc2, const at::Tensor& sc4, const at::Tensor& ss,
-                                const at::Tensor& sz, const at::Tensor& kinds, const std::optional<at::Tensor>& ov,
-                                const std::optional<at::Tensor>& oc, const std::optional<at::Tensor>& orp, int64_t N,
-                                int64_t K, int64_t group_size, int64_t scale_bits, int64_t scale_group_size) {
-  const MixedBuffers mb = mixed_weights_of("x86_mixed_dequantize", q2, q4, z2, z4, sc2, sc4, ss, sz, kinds, ov, oc,
-                                           orp, N, K, group_size, scale_bits, scale_group_size);
+at::Tensor x86_mixed_dequantize(const at::Tensor& q2, const at::Tensor& q4, const at::Tensor& sc, const at::Tensor& z,
+                                const at::Tensor& ss, const at::Tensor& sz, const at::Tensor& kinds,
+                                const std::optional<at::Tensor>& ov, const std::optional<at::Tensor>& oc,
+                                const std::optional<at::Tensor>& orp, int64_t N, int64_t K, int64_t group_size,
+                                int64_t scale_bits, int64_t scale_group_size) {
+  const MixedBuffers mb = mixed_weights_of("x86_mixed_dequantize", q2, q4, sc, z, ss, sz, kinds, ov, oc, orp, N, K,
+                                           group_size, scale_bits, scale_group_size);
   at::Tensor out = at::empty({N, K}, ss.options().dtype(at::kFloat));
-  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-    qlinear_x86::mixed_dequantize(mb.w, out.data_ptr<float>(), (int)n0, (int)n1);
+  at::parallel_for(0, mb.blocks, 2, [&](int64_t b0, int64_t b1) {
+    qlinear_x86::mixed_dequantize(mb.w, out.data_ptr<float>(), (int)b0, (int)b1);
   });
   return out;
 }

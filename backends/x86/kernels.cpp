@@ -736,6 +736,20 @@ void build_tables(const int8_t* xq, int K, int8_t* T) {
 }
 }  // namespace
 
+int quantize_block(const float* x, int n, int8_t* q, float* scale) {
+  float amax = 0.0f;
+  for (int k = 0; k < n; ++k) amax = std::max(amax, std::fabs(x[k]));
+  const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+  int qsum = 0;
+  for (int k = 0; k < n; ++k) {
+    const float v = std::min(127.0f, std::max(-127.0f, std::nearbyint(x[k] * inv)));
+    q[k] = static_cast<int8_t>(v);
+    qsum += static_cast<int>(v);
+  }
+  *scale = amax / 127.0f;
+  return qsum;
+}
+
 int64_t acts_bytes(int M, int K, int group_size, bool tables) {
   return quant_bytes(M, K, group_size) + (tables ? 64 + static_cast<int64_t>(M) * (K / 32) * 256 : 0);
 }
@@ -751,17 +765,9 @@ void prepare_acts(const float* x, int M, int K, int group_size, bool tables, voi
       float acc = 0.0f;
       const int h1 = std::min((g + 1) * group_size, K) / 32;
       for (int h = g * group_size / 32; h < h1; ++h) {
-        const float* xp = x + static_cast<int64_t>(m) * K + 32 * h;
-        float amax = 0.0f;
-        for (int k = 0; k < 32; ++k) amax = std::max(amax, std::fabs(xp[k]));
-        const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-        int qsum = 0;
-        for (int k = 0; k < 32; ++k) {
-          const float q = std::min(127.0f, std::max(-127.0f, std::nearbyint(xp[k] * inv)));
-          xq[static_cast<int64_t>(m) * K + 32 * h + k] = static_cast<int8_t>(q);
-          qsum += static_cast<int>(q);
-        }
-        const float scale = amax / 127.0f;
+        const int64_t at = static_cast<int64_t>(m) * K + 32 * h;
+        float scale;
+        const int qsum = quantize_block(x + at, 32, xq + at, &scale);
         xs[static_cast<int64_t>(m) * H + h] = scale;
         xqsum[static_cast<int64_t>(m) * H + h] = qsum;
         const float t = scale * static_cast<float>(qsum);

@@ -1,22 +1,25 @@
-// x86 GEMV for the mixed 2/4/16 format (layout x86_mixed; qgemm.h has the buffers, backends/x86/__init__.py the
-// executable spec).  Float32 activations: the int8 machinery of kernels.cpp blocks inputs by 32 and scales once per
-// block, while a mixed group is 16 inputs with its own scale, zero point and width.  Each weight is rebuilt as the
-// format's own value ŵ = ŝ·(q − z) (ŝ = scale_zero + scale_scale·code, each operation rounded as
-// qlinear.formats.mixed.dequantize rounds it) and multiplied into 4 accumulators of 8 fp32 lanes; the outliers are
-// added after.
+// x86 GEMV for the mixed 2/4/16 format (layout x86_mixed; qgemm.h has the buffers and the arithmetic,
+// backends/x86/__init__.py the executable spec).  The Arm paper's int8 recipe at the format's own granularity:
+// activations quantized per 16 inputs (a mixed group is 16·j inputs with its own scale, zero point and width), 16 rows
+// interleaved so that one VPDPBUSD (AVX-512 VNNI: all 16 rows; AVX-VNNI or VPMADDUBSW + VPMADDWD: 8 at a time)
+// multiplies 4 codes of each row by 4 shared activations, the codes' integer sums exact in int32, then per group
+// ŝ·Σ xs·(I − z·Σ xq) in fp32; the outliers are added after in float32.
 // Built with -ffp-contract=off like kernels.cpp, so the scalar path's fmaf calls are the AVX2 path's FMAs and both
 // paths give the same bits.
 #ifdef QLINEAR_X86_SIMDE
 #define SIMDE_ENABLE_NATIVE_ALIASES
-#include <simde/x86/avx2.h>
+#include <simde/x86/avx512.h>
 #include <simde/x86/fma.h>
+#define _mm256_dpbusd_avx_epi32 _mm256_dpbusd_epi32
 #define QLINEAR_TARGET(features)
 #else
 #include <immintrin.h>
 #define QLINEAR_TARGET(features) __attribute__((target(features)))
 #endif
 
+#include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <vector>
 
 #include "qgemm.h"
@@ -24,288 +27,373 @@
 namespace qlinear_x86 {
 namespace {
 
-constexpr int kLanes = 8;
-constexpr int kMaxM = 2;  // activation rows per pass over a weight row (4 accumulators each)
-constexpr int kAcc = 4;   // accumulators per row: FMA latency needs 4 chains in flight
+constexpr int kRows = 16;  // rows per block: one 32-bit lane each of a 512-bit register (two 256-bit halves)
+constexpr int kMaxM = 4;   // activation rows per pass over a block's weights
 
-// Per row: the scale code, zero point and ŝ of group i of one kind (2- or 4-bit).
-struct Group {
-  float s;
-  int z;
+inline int scale_words(const MixedWeights& w) { return (w.G2 + w.G4) * w.scale_bits / 2; }
+inline int zero_words(const MixedWeights& w) { return w.G2 + 2 * w.G4; }
+
+// The first 16-input block of x that group i (layout order) reads.
+struct Groups {
+  std::vector<int> h0;  // [G]
+  explicit Groups(const MixedWeights& w) : h0(w.G2 + w.G4) {
+    for (int i = 0, c2 = 0, c4 = w.G2; i < w.G2 + w.G4; ++i)
+      h0[(w.kinds[i / 32] >> (i % 32)) & 1u ? c4++ : c2++] = i * w.group_size / 16;
+  }
 };
 
-inline Group group_of(const MixedWeights& w, const uint32_t* sc_row, const uint32_t* z_row, const float* ss,
-                      const float* sz, int i, int zbits) {
-  const int sb = w.scale_bits;
-  const unsigned code = (sc_row[i * sb / 32] >> (i * sb % 32)) & ((1u << sb) - 1u);
-  const int per = 32 / zbits;
-  const int z = (int)((z_row[i / per] >> (zbits * (i % per))) & ((1u << zbits) - 1u));
-  const float prod = ss[i] * (float)code;
-  return Group{sz[i] + prod, z};
+// Bit offsets of row r's (r = 0..15) scale code and zero point of group i in its block's words (qgemm.h).
+inline int scale_bit(const MixedWeights& w, int i, int r) { return w.scale_bits * (kRows * i + r); }
+inline int zero_bit(const MixedWeights& w, int i, int r) {
+  return i < w.G2 ? 32 * i + 2 * r : 32 * w.G2 + 64 * (i - w.G2) + 4 * r;
+}
+inline unsigned field(const uint32_t* words, int bit, int bits) {
+  return (words[bit / 32] >> (bit % 32)) & ((1u << bits) - 1u);
 }
 
-// The second-order (scale_scale, scale_zero) of row chunk c as float32, both kinds: [G2] then [G4] each.
-struct ChunkScales {
+// The second-order (scale_scale, scale_zero) of a block's rows as float32: one pair per group when the block's rows
+// share a row chunk (`uniform`, reloaded only when the chunk changes), else one per lane and group ([G][16]).
+struct BlockScales {
+  bool uniform = true;
   int chunk = -1;
   std::vector<float> ss, sz;
-  void load(const MixedWeights& w, int c) {
-    if (c == chunk) return;
-    const int G = w.G2 + w.G4;
-    ss.resize(G);
-    sz.resize(G);
-    for (int i = 0; i < G; ++i) {
-      ss[i] = half_to_float(w.ss[(int64_t)c * G + i]);
-      sz[i] = half_to_float(w.sz[(int64_t)c * G + i]);
+  void load(const MixedWeights& w, int b) {
+    const int G = w.G2 + w.G4, sg = w.scale_group_size, last = std::min(kRows * b + kRows, w.N) - 1;
+    const int c0 = kRows * b / sg;
+    uniform = c0 == last / sg;
+    if (uniform) {
+      if (c0 == chunk) return;
+      ss.resize(G);
+      sz.resize(G);
+      for (int i = 0; i < G; ++i) {
+        ss[i] = half_to_float(w.ss[(int64_t)c0 * G + i]);
+        sz[i] = half_to_float(w.sz[(int64_t)c0 * G + i]);
+      }
+      chunk = c0;
+      return;
     }
-    chunk = c;
+    chunk = -1;
+    ss.resize((size_t)G * kRows);
+    sz.resize((size_t)G * kRows);
+    for (int r = 0; r < kRows; ++r) {
+      const int c = std::min(kRows * b + r, last) / sg;  // rows past N: any chunk, their results are dropped
+      for (int i = 0; i < G; ++i) {
+        ss[(size_t)i * kRows + r] = half_to_float(w.ss[(int64_t)c * G + i]);
+        sz[(size_t)i * kRows + r] = half_to_float(w.sz[(int64_t)c * G + i]);
+      }
+    }
+  }
+  float scale(int i, int r, unsigned code) const {  // ŝ = scale_zero + scale_scale·code, as the format rounds it
+    const size_t at = uniform ? (size_t)i : (size_t)i * kRows + r;
+    const float prod = ss[at] * (float)code;
+    return sz[at] + prod;
   }
 };
 
-// y[m][n] from the accumulators: (0 + 1) + (2 + 3), then lanes l + l+4, l + l+2, 0 + 1 (the AVX2 path's
-// reduction), the outliers in CSR order, the bias.
-inline float finish(const float (&acc)[kAcc][kLanes], const MixedWeights& w, const float* x, int n, const float* bias) {
-  float v[kLanes];
-  for (int l = 0; l < kLanes; ++l) v[l] = (acc[0][l] + acc[1][l]) + (acc[2][l] + acc[3][l]);
-  float t[4], u[2];
-  for (int l = 0; l < 4; ++l) t[l] = v[l] + v[l + 4];
-  for (int l = 0; l < 2; ++l) u[l] = t[l] + t[l + 2];
-  float y = u[0] + u[1];
-  if (w.ov != nullptr)
-    for (int i = w.orp[n]; i < w.orp[n + 1]; ++i) y = std::fmaf(w.ov[i], x[w.oc[i]], y);
-  return bias ? y + bias[n] : y;
+inline int load32(const void* p) {
+  int v;
+  std::memcpy(&v, p, 4);
+  return v;
 }
 
-// Scalar path: the same lanes and order as the AVX2 path.  Word j of 2-bit group i gives code l of its low half-word
-// to lane l of accumulator 2·((i + j) % 2), code 8 + l to the next accumulator; the row's 4-bit words, counted t, give
-// code l to accumulator t % 4.
+// y of the block's rows from the lanes' accumulators: the outliers in CSR order, then the bias.
+inline void finish(const float* acc, const MixedWeights& w, const MixedActs& a, int m, int b, const float* bias,
+                   float* y) {
+  const float* x = a.x + (int64_t)m * a.K;
+  for (int r = 0; r < kRows && kRows * b + r < w.N; ++r) {
+    const int n = kRows * b + r;
+    float v = acc[r];
+    if (w.ov != nullptr)
+      for (int i = w.orp[n]; i < w.orp[n + 1]; ++i) v = std::fmaf(w.ov[i], x[w.oc[i]], v);
+    y[(int64_t)m * w.N + n] = bias ? v + bias[n] : v;
+  }
+}
+
+// A block's words: the codes of its 2-bit and 4-bit groups, its scale codes and zero points.
+struct BlockWords {
+  const uint32_t *q2, *q4, *sc, *z;
+  BlockWords(const MixedWeights& w, int b) {
+    const int g = w.group_size;
+    q2 = w.q2 + (int64_t)b * (w.G2 * g / 16) * kRows;
+    q4 = w.q4 + (int64_t)b * (w.G4 * g / 8) * kRows;
+    sc = w.sc + (int64_t)b * scale_words(w);
+    z = w.z + (int64_t)b * zero_words(w);
+  }
+  // Lane 0's word of chunk c (16 inputs) of group i: 2-bit groups one word per lane, 4-bit groups two (8 inputs each).
+  const uint32_t* chunk(const MixedWeights& w, int i, int c) const {
+    const int g = w.group_size;
+    return i < w.G2 ? q2 + (int64_t)(i * g / 16 + c) * kRows : q4 + (int64_t)((i - w.G2) * g / 8 + 2 * c) * kRows;
+  }
+};
+
+// Expanded word t (0..3) of lane r of a chunk: byte j = the code at input 4t + j of the chunk (qgemm.h).
+inline uint32_t expand(const uint32_t* chunk, bool four, int r, int t) {
+  return four ? (chunk[(t / 2) * kRows + r] >> (4 * (t % 2))) & 0x0F0F0F0Fu : (chunk[r] >> (2 * t)) & 0x03030303u;
+}
+
 template <int MC>
-void row_scalar(const MixedWeights& w, const ChunkScales& cs, const float* x2, const float* x4, const float* x, int K2,
-                int K4, int K, int n, const float* bias, float* y) {
-  const int g = w.group_size, W2 = w.G2 * g / 16, W4 = w.G4 * g / 8;
-  const uint32_t* q2 = w.q2 + (int64_t)n * W2;
-  const uint32_t* q4 = w.q4 + (int64_t)n * W4;
-  float acc[MC][kAcc][kLanes] = {};
-  for (int i = 0; i < w.G2; ++i) {
-    const Group gr = group_of(w, w.sc2 + (int64_t)n * w.SW2, w.z2 + (int64_t)n * w.ZW2, cs.ss.data(), cs.sz.data(),
-                              i, 2);
-    for (int j = 0; j < g / 16; ++j) {
-      const int c = 2 * ((i + j) % 2);
-      const uint32_t word = q2[i * g / 16 + j];
-      const int k0 = i * g + 16 * j;
-      for (int l = 0; l < kLanes; ++l) {
-        const float lo = gr.s * (float)((int)((word >> (2 * l)) & 3u) - gr.z);
-        const float hi = gr.s * (float)((int)((word >> (2 * l + 16)) & 3u) - gr.z);
+void block_scalar(const MixedWeights& w, const Groups& gs, const BlockScales& bs, const MixedActs& a, int m0, int b,
+                  const float* bias, float* y) {
+  const BlockWords bw(w, b);
+  float acc[MC][kRows] = {};
+  for (int i = 0; i < w.G2 + w.G4; ++i) {
+    const bool four = i >= w.G2;
+    for (int r = 0; r < kRows; ++r) {
+      const float s = bs.scale(i, r, field(bw.sc, scale_bit(w, i, r), w.scale_bits));
+      const float zf = (float)field(bw.z, zero_bit(w, i, r), four ? 4 : 2);
+      float t[MC] = {};
+      for (int c = 0; c < w.group_size / 16; ++c) {
+        const int h = gs.h0[i] + c;
         for (int m = 0; m < MC; ++m) {
-          acc[m][c][l] = std::fmaf(lo, x2[(int64_t)m * K2 + k0 + l], acc[m][c][l]);
-          acc[m][c + 1][l] = std::fmaf(hi, x2[(int64_t)m * K2 + k0 + 8 + l], acc[m][c + 1][l]);
+          const int8_t* xq = a.xq + (int64_t)(m0 + m) * a.K + 16 * h;
+          int I = 0;
+          for (int k = 0; k < 4; ++k) {
+            const uint32_t e = expand(bw.chunk(w, i, c), four, r, k);
+            for (int j = 0; j < 4; ++j) I += (int)((e >> (8 * j)) & 0xFFu) * xq[4 * k + j];
+          }
+          const int64_t at = (int64_t)(m0 + m) * (a.K / 16) + h;
+          const float d = std::fmaf(-zf, a.xsum[at], (float)I);
+          t[m] = std::fmaf(a.xs[at], d, t[m]);
         }
       }
+      for (int m = 0; m < MC; ++m) acc[m][r] = std::fmaf(s, t[m], acc[m][r]);
     }
   }
-  for (int i = 0; i < w.G4; ++i) {
-    const Group gr = group_of(w, w.sc4 + (int64_t)n * w.SW4, w.z4 + (int64_t)n * w.ZW4, cs.ss.data() + w.G2,
-                              cs.sz.data() + w.G2, i, 4);
-    for (int j = 0; j < g / 8; ++j) {
-      const int t = i * g / 8 + j;
-      const uint32_t word = q4[t];
-      const int k0 = i * g + 8 * j;
-      for (int l = 0; l < kLanes; ++l) {
-        const float v = gr.s * (float)((int)((word >> (4 * l)) & 15u) - gr.z);
-        for (int m = 0; m < MC; ++m) acc[m][t % 4][l] = std::fmaf(v, x4[(int64_t)m * K4 + k0 + l], acc[m][t % 4][l]);
-      }
-    }
-  }
-  for (int m = 0; m < MC; ++m) y[(int64_t)m * w.N + n] = finish(acc[m], w, x + (int64_t)m * K, n, bias);
+  for (int m = 0; m < MC; ++m) finish(acc[m], w, a, m0 + m, b, bias, y);
 }
 
-QLINEAR_TARGET("avx2,fma")
-inline __m256 weights8(uint32_t word, __m256i shifts, __m256i mask, __m256i z, __m256 s) {
-  const __m256i q = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)word), shifts), mask);
-  return _mm256_mul_ps(s, _mm256_cvtepi32_ps(_mm256_sub_epi32(q, z)));
+// ---- AVX2 (+ AVX-VNNI): a block's 16 rows as two 8-lane halves ---------------------------------------------------
+// The 8 lanes' fields of a shifted word (lane r at bit bits·r), as int32: shifts = bits·r, mask = 2^bits − 1.
+struct LaneFields {
+  __m256i shifts, mask;
+};
+QLINEAR_TARGET("avx2,fma,avxvnni")
+inline LaneFields lane_fields(int bits) {
+  return {_mm256_setr_epi32(0, bits, 2 * bits, 3 * bits, 4 * bits, 5 * bits, 6 * bits, 7 * bits),
+          _mm256_set1_epi32((1 << bits) - 1)};
+}
+// Lanes 8·hf .. 8·hf + 7 of the `bits`-bit fields at `bit0` (the field of lane 0; 8·bits <= 32 and word-aligned).
+QLINEAR_TARGET("avx2,fma,avxvnni")
+inline __m256i half_fields(const uint32_t* words, int bit0, int bits, int hf, const LaneFields& f) {
+  const int bit = bit0 + 8 * bits * hf;
+  if (bits == 8) return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(
+                     reinterpret_cast<const uint8_t*>(words) + bit / 8)));
+  return _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)(words[bit / 32] >> (bit % 32))), f.shifts),
+                          f.mask);
 }
 
-// ŝ and z (as float) of groups [i0, i0 + cnt) of one kind, cnt <= 8, in lanes 0..cnt-1: eight at once from a whole
-// block (the values of group_of, operation for operation), one at a time in a partial one (whose words may end the
-// row).  Kept in registers: a 32-byte store read back 4 bytes at a time would stall on store forwarding.
-QLINEAR_TARGET("avx2,fma")
-inline void group_block(const MixedWeights& w, const uint32_t* sc_row, const uint32_t* z_row, const float* ss,
-                        const float* sz, int i0, int cnt, int zbits, __m256& s_out, __m256& z_out) {
-  if (cnt < 8) {
-    alignas(32) float sv[8] = {}, zv[8] = {};
-    for (int i = 0; i < cnt; ++i) {
-      const Group gr = group_of(w, sc_row, z_row, ss, sz, i0 + i, zbits);
-      sv[i] = gr.s;
-      zv[i] = (float)gr.z;
-    }
-    s_out = _mm256_load_ps(sv);
-    z_out = _mm256_load_ps(zv);
-    return;
-  }
-  const int sb = w.scale_bits;
-  const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-  __m256i code;
-  if (sb == 8) {  // 4 codes per word: lanes 0-3 from one word, 4-7 from the next
-    const int lo = (int)sc_row[i0 / 4], hi = (int)sc_row[i0 / 4 + 1];
-    code = _mm256_srlv_epi32(_mm256_setr_epi32(lo, lo, lo, lo, hi, hi, hi, hi),
-                             _mm256_setr_epi32(0, 8, 16, 24, 0, 8, 16, 24));
-  } else {  // 2 or 4 bits: the 8 codes sit in one word from bit i0·sb % 32
-    const uint32_t word = sc_row[i0 * sb / 32] >> (i0 * sb % 32);
-    code = _mm256_srlv_epi32(_mm256_set1_epi32((int)word), _mm256_mullo_epi32(lanes, _mm256_set1_epi32(sb)));
-  }
-  code = _mm256_and_si256(code, _mm256_set1_epi32((1 << sb) - 1));
-  const uint32_t zword = z_row[i0 * zbits / 32] >> (i0 * zbits % 32);
-  const __m256i z = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)zword),
-                                                       _mm256_mullo_epi32(lanes, _mm256_set1_epi32(zbits))),
-                                     _mm256_set1_epi32((1 << zbits) - 1));
-  const __m256 prod = _mm256_mul_ps(_mm256_loadu_ps(ss + i0), _mm256_cvtepi32_ps(code));
-  s_out = _mm256_add_ps(_mm256_loadu_ps(sz + i0), prod);
-  z_out = _mm256_cvtepi32_ps(z);
-}
-
-// One word of 16 2-bit codes of a group whose ŝ and z are lane ii of s, z, against x[m][0..15] (stride K2 per m): the
-// group's 4 weights ŝ·(k − z), twice (VPERMPS reads 3 index bits, and above a code's 2 lie the next code's), looked
-// up by the codes.
-template <int MC, int C>
-QLINEAR_TARGET("avx2,fma")
-inline void word2(__m256 s, __m256 z, int ii, uint32_t word, const float* x, int K2, __m256 (&acc)[MC][kAcc]) {
-  const __m256 codes = _mm256_setr_ps(0.f, 1.f, 2.f, 3.f, 0.f, 1.f, 2.f, 3.f);
-  const __m256i lane = _mm256_set1_epi32(ii), wd = _mm256_set1_epi32((int)word);
-  const __m256 table =
-      _mm256_mul_ps(_mm256_permutevar8x32_ps(s, lane), _mm256_sub_ps(codes, _mm256_permutevar8x32_ps(z, lane)));
-  const __m256i lo_shift = _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14);
-  const __m256i hi_shift = _mm256_add_epi32(lo_shift, _mm256_set1_epi32(16));
-  const __m256 lo = _mm256_permutevar8x32_ps(table, _mm256_srlv_epi32(wd, lo_shift));
-  const __m256 hi = _mm256_permutevar8x32_ps(table, _mm256_srlv_epi32(wd, hi_shift));
-  for (int m = 0; m < MC; ++m) {
-    acc[m][C] = _mm256_fmadd_ps(lo, _mm256_loadu_ps(x + (int64_t)m * K2), acc[m][C]);
-    acc[m][C + 1] = _mm256_fmadd_ps(hi, _mm256_loadu_ps(x + (int64_t)m * K2 + 8), acc[m][C + 1]);
+// Σ over one 16-input chunk of the 4 expanded code vectors times activations xq[0..15], int32 per lane, exact:
+// VPDPBUSD (AVX-VNNI; two chains, its latency would otherwise bound the loop), or VPMADDUBSW pairs (at most
+// 2·15·127) summed in int16 (at most 8·15·127 < 2^15) + VPMADDWD.
+template <bool VNNI>
+QLINEAR_TARGET("avx2,fma,avxvnni")
+inline __m256i chunk_dot(const __m256i (&e)[4], const int8_t* xq) {
+  __m256i x[4];
+  for (int k = 0; k < 4; ++k) x[k] = _mm256_set1_epi32(load32(xq + 4 * k));
+  if constexpr (VNNI) {
+    const __m256i z = _mm256_setzero_si256();
+    return _mm256_add_epi32(_mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(z, e[0], x[0]), e[1], x[1]),
+                            _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(z, e[2], x[2]), e[3], x[3]));
+  } else {
+    const __m256i sum = _mm256_add_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(e[0], x[0]), _mm256_maddubs_epi16(e[1], x[1])),
+                                         _mm256_add_epi16(_mm256_maddubs_epi16(e[2], x[2]), _mm256_maddubs_epi16(e[3], x[3])));
+    return _mm256_madd_epi16(sum, _mm256_set1_epi16(1));
   }
 }
 
-template <int MC, int C>
-QLINEAR_TARGET("avx2,fma")
-inline void fma_rows(__m256 v, const float* x, int stride, __m256 (&acc)[MC][kAcc]) {
-  for (int m = 0; m < MC; ++m) acc[m][C] = _mm256_fmadd_ps(v, _mm256_loadu_ps(x + (int64_t)m * stride), acc[m][C]);
-}
-
-template <int MC>
-QLINEAR_TARGET("avx2,fma")
-void row_avx2(const MixedWeights& w, const ChunkScales& cs, const float* x2, const float* x4, const float* x, int K2,
-              int K4, int K, int n, const float* bias, float* y) {
-  const int g = w.group_size, W2 = w.G2 * g / 16, W4 = w.G4 * g / 8;
-  const uint32_t* q2 = w.q2 + (int64_t)n * W2;
-  const uint32_t* q4 = w.q4 + (int64_t)n * W4;
-  const __m256i sh4 = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28), m4 = _mm256_set1_epi32(15);
-  __m256 sv, zv;
-  __m256 acc[MC][kAcc];
-  for (int m = 0; m < MC; ++m)
-    for (int c = 0; c < kAcc; ++c) acc[m][c] = _mm256_setzero_ps();
-  for (int i0 = 0; i0 < w.G2; i0 += 8) {
-    const int cnt = w.G2 - i0 < 8 ? w.G2 - i0 : 8;
-    group_block(w, w.sc2 + (int64_t)n * w.SW2, w.z2 + (int64_t)n * w.ZW2, cs.ss.data(), cs.sz.data(), i0, cnt, 2, sv,
-                zv);
-    if (g == 16 && cnt == 8) {  // the format's default: one word per group, 8 groups unrolled
-      for (int ii = 0; ii < 8; ii += 2) {
-        word2<MC, 0>(sv, zv, ii, q2[i0 + ii], x2 + (i0 + ii) * 16, K2, acc);
-        word2<MC, 2>(sv, zv, ii + 1, q2[i0 + ii + 1], x2 + (i0 + ii + 1) * 16, K2, acc);
-      }
-    } else {
-      for (int ii = 0; ii < cnt; ++ii)
-        for (int j = 0; j < g / 16; ++j) {
-          const int wi = (i0 + ii) * g / 16 + j;
-          if ((i0 + ii + j) % 2) word2<MC, 2>(sv, zv, ii, q2[wi], x2 + 16 * wi, K2, acc);
-          else word2<MC, 0>(sv, zv, ii, q2[wi], x2 + 16 * wi, K2, acc);
+template <int MC, bool UNIFORM, bool VNNI>
+QLINEAR_TARGET("avx2,fma,avxvnni")
+void block_avx2(const MixedWeights& w, const Groups& gs, const BlockScales& bs, const MixedActs& a, int m0, int b,
+                const float* bias, float* y) {
+  const BlockWords bw(w, b);
+  const int KH = a.K / 16, sb = w.scale_bits;
+  const __m256i m2 = _mm256_set1_epi32(0x03030303), m4 = _mm256_set1_epi32(0x0F0F0F0F);
+  const LaneFields fs = lane_fields(sb == 8 ? 4 : sb), fz2 = lane_fields(2), fz4 = lane_fields(4);
+  __m256 acc[MC][2];
+  for (int m = 0; m < MC; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+  for (int i = 0; i < w.G2 + w.G4; ++i) {
+    const bool four = i >= w.G2;
+    for (int hf = 0; hf < 2; ++hf) {
+      const __m256i code = half_fields(bw.sc, scale_bit(w, i, 0), sb, hf, fs);
+      const size_t at = UNIFORM ? (size_t)i : (size_t)i * kRows + 8 * hf;
+      const __m256 ss = UNIFORM ? _mm256_set1_ps(bs.ss[at]) : _mm256_loadu_ps(&bs.ss[at]);
+      const __m256 sz = UNIFORM ? _mm256_set1_ps(bs.sz[at]) : _mm256_loadu_ps(&bs.sz[at]);
+      const __m256 s = _mm256_add_ps(sz, _mm256_mul_ps(ss, _mm256_cvtepi32_ps(code)));
+      const __m256 zf = _mm256_cvtepi32_ps(half_fields(bw.z, zero_bit(w, i, 0), four ? 4 : 2, hf, four ? fz4 : fz2));
+      __m256 t[MC];
+      for (int m = 0; m < MC; ++m) t[m] = _mm256_setzero_ps();
+      for (int c = 0; c < w.group_size / 16; ++c) {
+        const int h = gs.h0[i] + c;
+        const uint32_t* p = bw.chunk(w, i, c) + 8 * hf;
+        __m256i e[4];
+        if (four) {
+          const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+          const __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + kRows));
+          e[0] = _mm256_and_si256(lo, m4);
+          e[1] = _mm256_and_si256(_mm256_srli_epi32(lo, 4), m4);
+          e[2] = _mm256_and_si256(hi, m4);
+          e[3] = _mm256_and_si256(_mm256_srli_epi32(hi, 4), m4);
+        } else {
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+          for (int k = 0; k < 4; ++k) e[k] = _mm256_and_si256(_mm256_srli_epi32(v, 2 * k), m2);
         }
-    }
-  }
-  for (int i0 = 0; i0 < w.G4; i0 += 8) {
-    const int cnt = w.G4 - i0 < 8 ? w.G4 - i0 : 8;
-    group_block(w, w.sc4 + (int64_t)n * w.SW4, w.z4 + (int64_t)n * w.ZW4, cs.ss.data() + w.G2, cs.sz.data() + w.G2,
-                i0, cnt, 4, sv, zv);
-    for (int ii = 0; ii < cnt; ++ii) {
-      const int i = i0 + ii;
-      const __m256i lane = _mm256_set1_epi32(ii);
-      const __m256 s = _mm256_permutevar8x32_ps(sv, lane);
-      const __m256i z = _mm256_cvtps_epi32(_mm256_permutevar8x32_ps(zv, lane));
-      for (int j = 0; j < g / 8; ++j) {
-        const int t = i * g / 8 + j;
-        const __m256 v = weights8(q4[t], sh4, m4, z, s);
-        switch (t % 4) {  // constant indices keep the accumulators in registers
-          case 0: fma_rows<MC, 0>(v, x4 + 8 * t, K4, acc); break;
-          case 1: fma_rows<MC, 1>(v, x4 + 8 * t, K4, acc); break;
-          case 2: fma_rows<MC, 2>(v, x4 + 8 * t, K4, acc); break;
-          default: fma_rows<MC, 3>(v, x4 + 8 * t, K4, acc); break;
+        for (int m = 0; m < MC; ++m) {
+          const __m256 I = _mm256_cvtepi32_ps(chunk_dot<VNNI>(e, a.xq + (int64_t)(m0 + m) * a.K + 16 * h));
+          const int64_t ah = (int64_t)(m0 + m) * KH + h;
+          const __m256 d = _mm256_fnmadd_ps(zf, _mm256_set1_ps(a.xsum[ah]), I);
+          t[m] = _mm256_fmadd_ps(_mm256_set1_ps(a.xs[ah]), d, t[m]);
         }
       }
+      for (int m = 0; m < MC; ++m) acc[m][hf] = _mm256_fmadd_ps(s, t[m], acc[m][hf]);
     }
   }
   for (int m = 0; m < MC; ++m) {
-    alignas(32) float lanes[kAcc][kLanes];
-    for (int c = 0; c < kAcc; ++c) _mm256_store_ps(lanes[c], acc[m][c]);
-    y[(int64_t)m * w.N + n] = finish(lanes, w, x + (int64_t)m * K, n, bias);
+    alignas(32) float lanes[kRows];
+    _mm256_store_ps(lanes, acc[m][0]);
+    _mm256_store_ps(lanes + 8, acc[m][1]);
+    finish(lanes, w, a, m0 + m, b, bias, y);
+  }
+}
+
+// ---- AVX-512 VNNI: a block's 16 rows in one register ----------------------------------------------------------------
+#define QLINEAR_AVX512 "avx512f,avx512bw,avx512vl,avx512vnni"
+
+// The 16 lanes' `bits`-bit fields at `bit0` (lane r at bit0 + bits·r).
+QLINEAR_TARGET(QLINEAR_AVX512)
+inline __m512i fields16(const uint32_t* words, int bit0, int bits) {
+  if (bits == 8) return _mm512_cvtepu16_epi32(_mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(
+                     reinterpret_cast<const uint8_t*>(words) + bit0 / 8))));
+  const int hi = bit0 + 8 * bits;  // lanes 8..15 start at a word boundary (8·bits <= 32 bits each half)
+  const __m512i v = _mm512_mask_set1_epi32(_mm512_set1_epi32((int)(words[bit0 / 32] >> (bit0 % 32))), 0xFF00,
+                                           (int)(words[hi / 32] >> (hi % 32)));
+  const __m512i shifts = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7),
+                                            _mm512_set1_epi32(bits));
+  return _mm512_and_si512(_mm512_srlv_epi32(v, shifts), _mm512_set1_epi32((1 << bits) - 1));
+}
+
+template <int MC, bool UNIFORM>
+QLINEAR_TARGET(QLINEAR_AVX512)
+void block_avx512(const MixedWeights& w, const Groups& gs, const BlockScales& bs, const MixedActs& a, int m0, int b,
+                  const float* bias, float* y) {
+  const BlockWords bw(w, b);
+  const int KH = a.K / 16;
+  const __m512i m2 = _mm512_set1_epi32(0x03030303), m4 = _mm512_set1_epi32(0x0F0F0F0F);
+  __m512 acc[MC];
+  for (int m = 0; m < MC; ++m) acc[m] = _mm512_setzero_ps();
+  for (int i = 0; i < w.G2 + w.G4; ++i) {
+    const bool four = i >= w.G2;
+    const __m512i code = fields16(bw.sc, scale_bit(w, i, 0), w.scale_bits);
+    const __m512 ss = UNIFORM ? _mm512_set1_ps(bs.ss[i]) : _mm512_loadu_ps(&bs.ss[(size_t)i * kRows]);
+    const __m512 sz = UNIFORM ? _mm512_set1_ps(bs.sz[i]) : _mm512_loadu_ps(&bs.sz[(size_t)i * kRows]);
+    const __m512 s = _mm512_add_ps(sz, _mm512_mul_ps(ss, _mm512_cvtepi32_ps(code)));
+    const __m512 zf = _mm512_cvtepi32_ps(fields16(bw.z, zero_bit(w, i, 0), four ? 4 : 2));
+    __m512 t[MC];
+    for (int m = 0; m < MC; ++m) t[m] = _mm512_setzero_ps();
+    for (int c = 0; c < w.group_size / 16; ++c) {
+      const int h = gs.h0[i] + c;
+      const uint32_t* p = bw.chunk(w, i, c);
+      __m512i e[4];
+      if (four) {
+        const __m512i lo = _mm512_loadu_si512(p), hi = _mm512_loadu_si512(p + kRows);
+        e[0] = _mm512_and_si512(lo, m4);
+        e[1] = _mm512_and_si512(_mm512_srli_epi32(lo, 4), m4);
+        e[2] = _mm512_and_si512(hi, m4);
+        e[3] = _mm512_and_si512(_mm512_srli_epi32(hi, 4), m4);
+      } else {
+        const __m512i v = _mm512_loadu_si512(p);
+        for (int k = 0; k < 4; ++k) e[k] = _mm512_and_si512(_mm512_srli_epi32(v, 2 * k), m2);
+      }
+      for (int m = 0; m < MC; ++m) {
+        const int8_t* xq = a.xq + (int64_t)(m0 + m) * a.K + 16 * h;
+        const __m512i z = _mm512_setzero_si512();
+        const __m512i I = _mm512_add_epi32(
+            _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(z, e[0], _mm512_set1_epi32(load32(xq))), e[1],
+                                _mm512_set1_epi32(load32(xq + 4))),
+            _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(z, e[2], _mm512_set1_epi32(load32(xq + 8))), e[3],
+                                _mm512_set1_epi32(load32(xq + 12))));
+        const int64_t ah = (int64_t)(m0 + m) * KH + h;
+        const __m512 d = _mm512_fnmadd_ps(zf, _mm512_set1_ps(a.xsum[ah]), _mm512_cvtepi32_ps(I));
+        t[m] = _mm512_fmadd_ps(_mm512_set1_ps(a.xs[ah]), d, t[m]);
+      }
+    }
+    for (int m = 0; m < MC; ++m) acc[m] = _mm512_fmadd_ps(s, t[m], acc[m]);
+  }
+  for (int m = 0; m < MC; ++m) {
+    alignas(64) float lanes[kRows];
+    _mm512_store_ps(lanes, acc[m]);
+    finish(lanes, w, a, m0 + m, b, bias, y);
   }
 }
 
 template <int MC>
-void rows(const MixedWeights& w, const float* x2, const float* x4, const float* x, int K2, int K4, int K,
-          const float* bias, float* y, int n0, int n1, int path) {
-  ChunkScales cs;
-  for (int n = n0; n < n1; ++n) {
-    cs.load(w, n / w.scale_group_size);
-    if (path == kScalar) row_scalar<MC>(w, cs, x2, x4, x, K2, K4, K, n, bias, y);
-    else row_avx2<MC>(w, cs, x2, x4, x, K2, K4, K, n, bias, y);
+void blocks(const MixedWeights& w, const MixedActs& a, int m0, const float* bias, float* y, int b0, int b1, int path) {
+  const Groups gs(w);
+  BlockScales bs;
+  for (int b = b0; b < b1; ++b) {
+    bs.load(w, b);
+    const bool u = bs.uniform;
+    switch (path) {
+      case kScalar: block_scalar<MC>(w, gs, bs, a, m0, b, bias, y); break;
+      case kAVX2: u ? block_avx2<MC, true, false>(w, gs, bs, a, m0, b, bias, y)
+                    : block_avx2<MC, false, false>(w, gs, bs, a, m0, b, bias, y); break;
+      case kAVX2VNNI: u ? block_avx2<MC, true, true>(w, gs, bs, a, m0, b, bias, y)
+                        : block_avx2<MC, false, true>(w, gs, bs, a, m0, b, bias, y); break;
+      default: u ? block_avx512<MC, true>(w, gs, bs, a, m0, b, bias, y)
+                 : block_avx512<MC, false>(w, gs, bs, a, m0, b, bias, y); break;
+    }
   }
-}
-
-// The g weights ŝ·(q − z) of one group from its words (BITS-bit codes, code t of a word at bits BITS·t).
-template <int BITS>
-void group_weights(const uint32_t* q, int g, Group gr, float* dst) {
-  constexpr int kPer = 32 / BITS;
-  for (int wd = 0; wd < g / kPer; ++wd)
-    for (int t = 0; t < kPer; ++t)
-      dst[wd * kPer + t] = gr.s * (float)((int)((q[wd] >> (BITS * t)) & ((1u << BITS) - 1u)) - gr.z);
 }
 
 }  // namespace
 
-void mixed_dequantize(const MixedWeights& w, float* out, int n0, int n1) {
-  const int g = w.group_size, G = w.G2 + w.G4, K = G * g, W2 = w.G2 * g / 16, W4 = w.G4 * g / 8;
-  std::vector<int> first(G);  // the input column of each group of a kind, in the kind's order: 2-bit, then 4-bit
-  for (int i = 0, c2 = 0, c4 = w.G2; i < G; ++i) first[(w.kinds[i / 32] >> (i % 32)) & 1u ? c4++ : c2++] = i * g;
-  ChunkScales cs;
-  for (int n = n0; n < n1; ++n) {
-    cs.load(w, n / w.scale_group_size);
-    float* row = out + (int64_t)n * K;
-    for (int i = 0; i < G; ++i) {
-      const bool four = i >= w.G2;
-      const int r = four ? i - w.G2 : i;
-      const Group gr = four ? group_of(w, w.sc4 + (int64_t)n * w.SW4, w.z4 + (int64_t)n * w.ZW4, cs.ss.data() + w.G2,
-                                       cs.sz.data() + w.G2, r, 4)
-                            : group_of(w, w.sc2 + (int64_t)n * w.SW2, w.z2 + (int64_t)n * w.ZW2, cs.ss.data(),
-                                       cs.sz.data(), r, 2);
-      const uint32_t* q = four ? w.q4 + (int64_t)n * W4 + r * g / 8 : w.q2 + (int64_t)n * W2 + r * g / 16;
-      float* dst = row + first[i];
-      if (four) group_weights<4>(q, g, gr, dst);
-      else group_weights<2>(q, g, gr, dst);
+int64_t mixed_acts_bytes(int M, int K) { return ((int64_t)M * K + 63) / 64 * 64 + 2 * (int64_t)M * (K / 16) * 4; }
+
+void mixed_prepare_acts(const float* x, int M, int K, void* work, MixedActs* a) {
+  int8_t* xq = static_cast<int8_t*>(work);
+  float* xs = reinterpret_cast<float*>(xq + ((int64_t)M * K + 63) / 64 * 64);
+  float* xsum = xs + (int64_t)M * (K / 16);
+  for (int64_t h = 0; h < (int64_t)M * (K / 16); ++h)
+    xsum[h] = (float)quantize_block(x + 16 * h, 16, xq + 16 * h, xs + h);
+  *a = MixedActs{xq, xs, xsum, x, M, K};
+}
+
+void mixed_dequantize(const MixedWeights& w, float* out, int b0, int b1) {
+  const int g = w.group_size, K = (w.G2 + w.G4) * g;
+  const Groups gs(w);
+  BlockScales bs;
+  for (int b = b0; b < b1; ++b) {
+    bs.load(w, b);
+    const BlockWords bw(w, b);
+    for (int r = 0; r < kRows && kRows * b + r < w.N; ++r) {
+      float* row = out + (int64_t)(kRows * b + r) * K;
+      for (int i = 0; i < w.G2 + w.G4; ++i) {
+        const bool four = i >= w.G2;
+        const float s = bs.scale(i, r, field(bw.sc, scale_bit(w, i, r), w.scale_bits));
+        const int zp = (int)field(bw.z, zero_bit(w, i, r), four ? 4 : 2);
+        for (int c = 0; c < g / 16; ++c)
+          for (int k = 0; k < 4; ++k) {
+            const uint32_t e = expand(bw.chunk(w, i, c), four, r, k);
+            for (int j = 0; j < 4; ++j)
+              row[16 * (gs.h0[i] + c) + 4 * k + j] = s * (float)((int)((e >> (8 * j)) & 0xFFu) - zp);
+          }
+      }
+      const int n = kRows * b + r;
+      if (w.ov != nullptr)  // the format adds each outlier to its weight (one fp32 rounding)
+        for (int i = w.orp[n]; i < w.orp[n + 1]; ++i) row[w.oc[i]] += w.ov[i];
     }
-    if (w.ov != nullptr)  // the format adds each outlier to its weight (one fp32 rounding)
-      for (int i = w.orp[n]; i < w.orp[n + 1]; ++i) row[w.oc[i]] += w.ov[i];
   }
 }
 
-bool mixed_path_supported(int path) { return path == kScalar || (path == kAVX2 && path_supported(kAVX2, kU4)); }
+bool mixed_path_supported(int path) { return path >= kScalar && path <= kAVX512VNNI && path_supported(path, kU4); }
 
-void mixed_run(const MixedWeights& w, const float* x2, const float* x4, const float* x, int M, const float* bias,
-               float* y, int n0, int n1, int path) {
-  if (path == kAuto) path = mixed_path_supported(kAVX2) ? kAVX2 : kScalar;
-  const int K2 = w.G2 * w.group_size, K4 = w.G4 * w.group_size, K = K2 + K4;
-  for (int m0 = 0; m0 < M; m0 += kMaxM) {
-    const int mc = M - m0 < kMaxM ? M - m0 : kMaxM;
-    const float *a2 = x2 + (int64_t)m0 * K2, *a4 = x4 + (int64_t)m0 * K4, *a = x + (int64_t)m0 * K;
-    float* out = y + (int64_t)m0 * w.N;
-    switch (mc) {
-      case 1: rows<1>(w, a2, a4, a, K2, K4, K, bias, out, n0, n1, path); break;
-      default: rows<2>(w, a2, a4, a, K2, K4, K, bias, out, n0, n1, path); break;
+void mixed_run(const MixedWeights& w, const MixedActs& a, const float* bias, float* y, int b0, int b1, int path) {
+  if (path == kAuto) path = best_path(kU4);
+  for (int m0 = 0; m0 < a.M; m0 += kMaxM) {
+    switch (a.M - m0 < kMaxM ? a.M - m0 : kMaxM) {
+      case 1: blocks<1>(w, a, m0, bias, y, b0, b1, path); break;
+      case 2: blocks<2>(w, a, m0, bias, y, b0, b1, path); break;
+      case 3: blocks<3>(w, a, m0, bias, y, b0, b1, path); break;
+      default: blocks<4>(w, a, m0, bias, y, b0, b1, path); break;
     }
   }
 }

@@ -93,35 +93,55 @@ void dequantize(const Weights& w, float* out, int b0, int b1);
 // fp16 bits -> float32, exact.
 float half_to_float(uint16_t h);
 
-// Mixed 2/4/16 format (qlinear/formats/mixed.py), layout x86_mixed (mixed.cpp; float32 activations), per row n:
-//   q2  [N, W2] uint32: the canonical qweight2 (16 2-bit codes per word, code t at bits 2t, the 2-bit groups' columns
-//       ascending, W2 = G2·g/16);  q4 [N, W4]: qweight4 (8 4-bit codes per word, W4 = G4·g/8)
-//   z2  [N, ZW2], z4 [N, ZW4] uint32: the canonical zeros2 / zeros4 (zero of group i at bits zbits·i)
-//   sc2 [N, SW2], sc4 [N, SW4] uint32: the first-order scale codes of the row's 2-bit, then 4-bit groups (code of group
-//       i at bits scale_bits·i; canonical scale_codes is packed along N instead)
-//   ss, sz  fp16 [S2, G2 + G4]: scale_scale, scale_zero per row chunk (scale_group_size rows), 2-bit groups then 4-bit
+// Mixed 2/4/16 format (qlinear/formats/mixed.py), layout x86_mixed (mixed.cpp): int8 activations per 16 inputs, the
+// weights interleaved for 16 rows at once (lane r = row 16b + r of block b; rows past N are zero).  The groups of a
+// block come in layout order: the 2-bit groups (ascending), then the 4-bit groups.
+//   q2  uint32 [Nb, W2, 16], W2 = G2·g/16: word c of lane r holds in byte j, bits 2t..2t+1, code[16b + r][16c + 4t + j]
+//       of the 2-bit groups' columns (ascending): (word >> 2t) & 0x03030303 pairs with activations 16c + 4t .. + 3
+//   q4  uint32 [Nb, W4, 16], W4 = G4·g/8: word c of lane r holds in byte j code[16b + r][8c + j] (low nibble) and
+//       code[16b + r][8c + 4 + j] (high nibble) of the 4-bit groups' columns
+//   sc  uint32 [Nb, G·scale_bits/2]: the first-order scale code of row 16b + r, group i at bit scale_bits·(16i + r)
+//   z   uint32 [Nb, G2 + 2·G4]: the zero point of row 16b + r, 2-bit group i at bit 32i + 2r, 4-bit group i at bit
+//       32·G2 + 64i + 4r
+//   ss, sz  fp16 [S2, G]: scale_scale, scale_zero per row chunk (scale_group_size rows), groups in layout order
+//   kinds  [ceil(G/32)]: bit i set for each 4-bit group i (group i's columns are i·g .. i·g + g − 1 of x)
 //   ov, oc, orp: the outliers as CSR (float32 values, int32 columns of the layer's input, int32 row pointers) or null
-// x2 [M, K2] and x4 [M, K4]: the inputs of the 2-bit and 4-bit groups' columns, gathered; x [M, K] for the outliers.
-//   y[m][n] = Σ_groups Σ_k ŝ·(q − z)·x[m][k] + Σ_outliers o·x[m][col] + bias[n],  ŝ = scale_zero + scale_scale·code,
-// each ŵ = ŝ·(q − z) rounded as the format rounds it, the products accumulated in 8 fp32 lanes (mixed.cpp).
+// Activations (mixed_prepare_acts): per row m and 16 inputs h of x, xq = round_half_even(x·127/amax) in int8,
+// xs = amax/127 and xsum = Σ_{k ∈ h} xq as float32.  Per row n, group i (zero z, scale ŝ = sz + ss·code, fp32):
+//   I_h = Σ_{k ∈ h} q·xq exactly (VPDPBUSD or VPMADDUBSW + VPMADDWD), t_i = Σ_{h ∈ i} xs_h·(I_h − z·xsum_h) (fp32
+//   FMAs in h order, I_h − z·xsum_h exact), y[m][n] = Σ_i ŝ_i·t_i (FMAs, groups in layout order) + Σ_outliers
+//   o·x[m][col] (FMAs in CSR order) + bias[n].  Every path gives the same bits.
 struct MixedWeights {
   int N, group_size, G2, G4, scale_bits, scale_group_size;
-  const uint32_t *q2, *q4, *z2, *z4, *sc2, *sc4;
-  int ZW2, ZW4, SW2, SW4;
+  const uint32_t *q2, *q4, *sc, *z;
   const uint16_t *ss, *sz;
-  const uint32_t* kinds = nullptr;  // [ceil(G/32)]: bit i set for each 4-bit group i (mixed_dequantize)
+  const uint32_t* kinds;
   const float* ov = nullptr;
   const int32_t* oc = nullptr;
   const int32_t* orp = nullptr;
 };
 
-// Whether this CPU runs `path` (kScalar or kAVX2) for the mixed format.
+struct MixedActs {
+  const int8_t* xq;   // [M, K]
+  const float* xs;    // [M, K/16]
+  const float* xsum;  // [M, K/16]
+  const float* x;     // [M, K] float32 (the outliers)
+  int M, K;
+};
+
+// Per-block quantization of activations (prepare_acts' and mixed_prepare_acts' arithmetic): x[0..n) -> q, returns
+// Σ q and sets scale = amax / 127.
+int quantize_block(const float* x, int n, int8_t* q, float* scale);
+// Bytes of the mixed format's activation buffer (64-byte aligned by the caller).
+int64_t mixed_acts_bytes(int M, int K);
+// Quantize x [M, K] float32 into the work buffer, per 16 inputs, and point `a` at its parts (and at x).
+void mixed_prepare_acts(const float* x, int M, int K, void* work, MixedActs* a);
+// Whether this CPU runs `path` for the mixed format (the uniform 4-bit kernels' paths).
 bool mixed_path_supported(int path);
-// Rows [n0, n1) of Ŵ [N, K] float32 into out: qlinear.formats.mixed.dequantize's values (ŝ·(q − z) per weight, each
-// outlier added to its weight), for batches above the GEMV's and the backward pass.
-void mixed_dequantize(const MixedWeights& w, float* out, int n0, int n1);
-// y [M, N] float32 for rows [n0, n1) (path kAuto: AVX2 + FMA where the CPU has them, else scalar; the same bits).
-void mixed_run(const MixedWeights& w, const float* x2, const float* x4, const float* x, int M, const float* bias,
-               float* y, int n0, int n1, int path);
+// Rows [16·b0, min(16·b1, N)) of Ŵ [N, K] float32: qlinear.formats.mixed.dequantize's values (ŝ·(q − z) per weight,
+// each outlier added to its weight), for batches above the GEMV's and the backward pass.
+void mixed_dequantize(const MixedWeights& w, float* out, int b0, int b1);
+// y [M, N] float32 for the 16-row blocks [b0, b1) (path kAuto: the best this CPU runs; every path the same bits).
+void mixed_run(const MixedWeights& w, const MixedActs& a, const float* bias, float* y, int b0, int b1, int path);
 
 }  // namespace qlinear_x86

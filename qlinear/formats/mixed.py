@@ -340,32 +340,40 @@ def group_kinds(idx4: torch.Tensor, G: int) -> torch.Tensor:
     return is4
 
 
-@rotation.unrotates
-def dequantize(buffers: dict[str, torch.Tensor], cfg: Config, out_features: int, in_features: int) -> torch.Tensor:
-    """Dense weight ``[N, K]`` float32: uniform codes with second-order scales, plus CSR outliers."""
+def decode(buffers: dict[str, torch.Tensor], cfg: Config, out_features: int,
+           in_features: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The codes and group parameters of the stored weight (in the rotated basis for a rotated layer), all float32
+    (the codes and zero points are small integers, exact): codes ``q`` ``[N, K]`` (2- or 4-bit by the column's group),
+    zero points ``z`` ``[N, G]`` and first-order scales ``ŝ = scale_zero + scale_scale·code`` ``[N, G]`` (the
+    product, then the sum, each rounded to fp32), so that without outliers ``Ŵ = ŝ·(q − z)`` per group
+    (:func:`dequantize`)."""
     N, K, g = out_features, in_features, cfg.group_size
     G = K // g
     dev = buffers["scale_scale"].device
-    idx4 = buffers["idx4"].long()
-    is4 = torch.zeros(G, dtype=torch.bool, device=dev)
-    is4[idx4] = True
-    idx2 = torch.nonzero(~is4).flatten()
+    is4 = group_kinds(buffers["idx4"], G)
     sg = cfg.scale_group_size
     sc = unpack(buffers["scale_codes"], cfg.scale_bits, N).to(torch.float32)  # [G, N]
     ss = buffers["scale_scale"].to(torch.float32).repeat_interleave(sg, 1)[:, :N]
     zz = buffers["scale_zero"].to(torch.float32).repeat_interleave(sg, 1)[:, :N]
-    scales = (zz + ss * sc).T  # [N, G]
-    w = torch.empty(N, K, dtype=torch.float32, device=dev)
-    for idx, bits, qw, zw in ((idx2, 2, "qweight2", "zeros2"), (idx4, 4, "qweight4", "zeros4")):
-        n = idx.numel()
-        if n == 0:
-            continue
-        codes = unpack_u8(buffers[qw], bits, n * g).reshape(N, n, g).to(torch.float32)
-        z = unpack_u8(buffers[zw], bits, n).to(torch.float32)
-        vals = scales[:, idx, None] * (codes - z[:, :, None])
-        w.view(N, G, g)[:, idx] = vals
+    scales = (zz + ss * sc).T.contiguous()  # [N, G]
+    codes = torch.empty(N, G, g, dtype=torch.float32, device=dev)
+    zeros = torch.empty(N, G, dtype=torch.float32, device=dev)
+    for kind, bits, qw, zw in ((~is4, 2, "qweight2", "zeros2"), (is4, 4, "qweight4", "zeros4")):
+        n = int(kind.sum())
+        if n:
+            codes[:, kind] = unpack_u8(buffers[qw], bits, n * g).reshape(N, n, g).to(torch.float32)
+            zeros[:, kind] = unpack_u8(buffers[zw], bits, n).to(torch.float32)
+    return codes.reshape(N, K), zeros, scales
+
+
+@rotation.unrotates
+def dequantize(buffers: dict[str, torch.Tensor], cfg: Config, out_features: int, in_features: int) -> torch.Tensor:
+    """Dense weight ``[N, K]`` float32: uniform codes with second-order scales, plus CSR outliers."""
+    N, K, g = out_features, in_features, cfg.group_size
+    codes, zeros, scales = decode(buffers, cfg, N, K)
+    w = (scales[:, :, None] * (codes.view(N, K // g, g) - zeros[:, :, None])).reshape(N, K)
     vals = buffers["outlier_values"]
     if vals.numel():
-        rows = torch.repeat_interleave(torch.arange(N, device=dev), buffers["outlier_row_ptr"].long().diff())
+        rows = torch.repeat_interleave(torch.arange(N, device=w.device), buffers["outlier_row_ptr"].long().diff())
         w.index_put_((rows, buffers["outlier_cols"].long()), vals.to(torch.float32), accumulate=True)
     return w

@@ -55,12 +55,14 @@ def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     n = c.shape[-1]
     if 32 % bits == 0:  # whole codes per word: one shift-and-sum
         per = 32 // bits
-        c = torch.nn.functional.pad(c, (0, packed_len(n, bits) * per - n)).reshape(*c.shape[:-1], -1, per)
+        c = torch.nn.functional.pad(c, (0, packed_len(n, bits) * per - n)).reshape(*c.shape[:-1], packed_len(n, bits),
+                                                                                    per)
         return _to_int32((c << (torch.arange(per, device=c.device) * bits)).sum(-1))
     stream = (c.unsqueeze(-1) >> torch.arange(bits, device=c.device)) & 1          # [..., n, bits]
     stream = stream.reshape(*c.shape[:-1], n * bits)
     stream = torch.nn.functional.pad(stream, (0, packed_len(n, bits) * 32 - n * bits))
-    return _to_int32((stream.reshape(*c.shape[:-1], -1, 32) << torch.arange(32, device=c.device)).sum(-1))
+    return _to_int32((stream.reshape(*c.shape[:-1], packed_len(n, bits), 32)
+                      << torch.arange(32, device=c.device)).sum(-1))
 
 
 @functools.lru_cache(maxsize=None)
