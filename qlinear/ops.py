@@ -281,14 +281,16 @@ def _(x, q2, q4, sc, z, ss, sz, kinds, ov, oc, orp, bias, N, group_size, scale_b
 
 
 _lib.define("x86_mixed_dequantize(Tensor q2, Tensor q4, Tensor sc, Tensor z, Tensor ss, Tensor sz, Tensor kinds, "
-            "Tensor? ov, Tensor? oc, Tensor? orp, int N, int K, int group_size, int scale_bits, int scale_group_size) "
-            "-> Tensor")
+            "Tensor? ov, Tensor? oc, Tensor? orp, int N, int K, int group_size, int scale_bits, int scale_group_size, "
+            "int path=0, int b0=0, int b1=-1) -> Tensor")
 
 
 @torch.library.register_fake("qlinear::x86_mixed_dequantize")
-def _(q2, q4, sc, z, ss, sz, kinds, ov, oc, orp, N, K, group_size, scale_bits, scale_group_size):
-    """``Ŵ`` ``[N, K]`` float32 of the mixed format from layout ``x86_mixed``."""
-    return ss.new_empty(N, K, dtype=torch.float32)
+def _(q2, q4, sc, z, ss, sz, kinds, ov, oc, orp, N, K, group_size, scale_bits, scale_group_size, path=0, b0=0, b1=-1):
+    """Rows ``[16·b0, min(16·b1, N))`` (``b1 < 0``: to N) of ``Ŵ`` ``[N, K]`` float32 of the mixed format from layout
+    ``x86_mixed``."""
+    end = N if b1 < 0 else min(16 * b1, N)
+    return ss.new_empty(end - 16 * b0, K, dtype=torch.float32)
 
 
 _lib.define("quick_gemm(Tensor x, Tensor qweight, Tensor scales, Tensor? zeros, Tensor? perm, Tensor? bias, "

@@ -92,9 +92,9 @@ ROWS = 16  # rows per block (one 32-bit lane each of a 512-bit register)
 # LARGE_LAYER weights or more cross over later (4096², 11008x4096: about 2x the rows), so their threshold doubles
 DEQUANT_FROM = {1: 256, 2: 256, 3: 128, 4: 128}
 LARGE_LAYER = 8 << 20
-# Above this many rows (3x for layers of LARGE_LAYER weights or more) the mixed format takes Ŵ + a float32 GEMM (path
-# "auto"; benchmarks/RESULTS.md, "The mixed format on x86: int8 activations", 2026-11-26, AVX-512 VNNI: SmolLM2's
-# shapes cross over between 64 and 128 rows, 4096² and 11008x4096 above 128)
+# Above this many rows (2x for layers of LARGE_LAYER weights or more) the mixed format takes Ŵ, a tile of rows at a
+# time, and a float32 GEMM (path "auto"; benchmarks/RESULTS.md, "The mixed format on x86: int8 activations",
+# 2026-11-26, AVX-512 VNNI: SmolLM2's shapes cross over between 64 and 128 rows, 4096² and 11008x4096 near 128-150)
 MIXED_GEMV_ROWS = 64
 _TILE_BYTES = 4 << 20  # float32 rows of Ŵ per tile of the batched path: cache-sized, below glibc's mmap threshold
 SOURCES = tuple(str(_HERE / f) for f in ("kernels.cpp", "mixed.cpp", "binding.cpp"))
@@ -357,11 +357,12 @@ def _mixed_args(buffers: dict) -> list:
             *([buffers[k] for k in ("x86m_ov", "x86m_oc", "x86m_orp")] if has else [None, None, None])]
 
 
-def dequantize_mixed(buffers: dict, cfg, out_features: int, in_features: int) -> torch.Tensor:
+def dequantize_mixed(buffers: dict, cfg, out_features: int, in_features: int, path: str = "auto") -> torch.Tensor:
     """``Ŵ`` ``[N, K]`` float32 from layout ``x86_mixed`` (``mixed.cpp``): :func:`qlinear.formats.mixed.dequantize`'s
-    values bit for bit, for batches above :data:`MIXED_GEMV_ROWS` and the backward pass."""
+    values bit for bit, for batches above :data:`MIXED_GEMV_ROWS` and the backward pass.  ``path`` "auto", "scalar"
+    or "avx2" (the same bits; RuntimeError "cannot run path" where this CPU lacks AVX2)."""
     return torch.ops.qlinear.x86_mixed_dequantize(*_mixed_args(buffers), out_features, in_features, cfg.group_size,
-                                                  cfg.scale_bits, cfg.scale_group_size)
+                                                  cfg.scale_bits, cfg.scale_group_size, PATHS[path])
 
 
 MIXED_LAYOUT = Layout(name="x86_mixed", names=lambda cfg: MIXED_NAMES, repack=repack_mixed, unrepack=unrepack_mixed,
@@ -371,16 +372,16 @@ MIXED_LAYOUT = Layout(name="x86_mixed", names=lambda cfg: MIXED_NAMES, repack=re
 def linear_mixed(x: torch.Tensor, buffers: dict, bias, cfg, out_features: int, in_features: int, path: str = "auto",
                  simde: bool = False, rotation=None) -> torch.Tensor:
     """Registry entry for the mixed format: ``x`` ``[..., K]`` on CPU -> ``[..., N]`` of ``x.dtype`` over layout
-    ``x86_mixed``, int8 activations per 16 inputs (``mixed.cpp``); above :data:`MIXED_GEMV_ROWS` rows (three times that for layers
-    of :data:`LARGE_LAYER` weights or more; path "auto") Ŵ (:func:`dequantize_mixed`) and a float32 GEMM instead.
-    ``path`` one of :data:`PATHS` (RuntimeError "cannot run path" where this CPU lacks it); ``simde``
-    runs the SIMDe build; ``rotation`` (seed, block): the layer's randomized Hadamard, applied to x inside the op."""
+    ``x86_mixed``, int8 activations per 16 inputs (``mixed.cpp``); above :data:`MIXED_GEMV_ROWS` rows (twice that for
+    layers of :data:`LARGE_LAYER` weights or more; path "auto") Ŵ from the layout a tile of rows at a time and a
+    float32 GEMM instead.  ``path`` one of :data:`PATHS` (RuntimeError "cannot run path" where this CPU lacks it);
+    ``simde`` runs the SIMDe build; ``rotation`` (seed, block): the layer's randomized Hadamard, applied to x inside
+    the op."""
     N, K = out_features, in_features
     x2 = x.reshape(-1, K)
-    if path == "auto" and not simde and x2.shape[0] > MIXED_GEMV_ROWS * (3 if N * K >= LARGE_LAYER else 1):
-        y = torch.nn.functional.linear(spec_input(x2.float(), rotation), dequantize_mixed(buffers, cfg, N, K),
-                                       None if bias is None else bias.float())
-        return y.to(x.dtype).reshape(*x.shape[:-1], N)
+    if path == "auto" and not simde and x2.shape[0] > MIXED_GEMV_ROWS * (2 if N * K >= LARGE_LAYER else 1):
+        args = (*_mixed_args(buffers), N, K, cfg.group_size, cfg.scale_bits, cfg.scale_group_size, 0)
+        return _batched(x, lambda b0, b1: torch.ops.qlinear.x86_mixed_dequantize(*args, b0, b1), bias, N, K, rotation)
     op = torch.ops.qlinear_x86_simde.x86_mixed_gemm if simde else torch.ops.qlinear.x86_mixed_gemm
     y = op(x2.float().contiguous(), *_mixed_args(buffers), bias, N, cfg.group_size, cfg.scale_bits,
            cfg.scale_group_size, PATHS[path], *rotation_args(rotation, K))
@@ -495,7 +496,10 @@ def linear(x: torch.Tensor, buffers: dict, bias, cfg, out_features: int, in_feat
     x2 = x.reshape(-1, K)
     if path == "auto" and not simde and cfg.format == "bcq" and not _nibbles(cfg) \
             and x2.shape[0] >= dequant_from(cfg.bits, N, K):
-        return _batched(x, buffers, bias, cfg, N, K, rotation)
+        main = {n: buffers[n] for n in _names(cfg)}
+        return _batched(x, lambda b0, b1: dequantize({n: t[b0:b1] for n, t in main.items()}, cfg,
+                                                      min(N, b1 * ROWS) - b0 * ROWS, K), bias, N, K, rotation,
+                        buffers.get("perm"))
     op = torch.ops.qlinear_x86_simde.x86_gemm if simde else torch.ops.qlinear.x86_gemm
     qw, qs, qz, qb, gs, bits, fmt = _weights(buffers, cfg, K)
     y = op(x2.float().contiguous(), qw, qs, qz, bias, N, gs, bits, fmt, PATHS[path], *rotation_args(rotation, K),
@@ -512,17 +516,15 @@ def dequant_from(bits: int, out_features: int, in_features: int) -> int:
     return DEQUANT_FROM[bits] * (2 if out_features * in_features >= LARGE_LAYER else 1)
 
 
-def _batched(x: torch.Tensor, buffers: dict, bias, cfg, N: int, K: int, rotation) -> torch.Tensor:
-    """The batched path: ``Ŵ`` a tile of rows at a time (blocks of the layout are whole rows) into a cache-sized float32
-    buffer (a whole Ŵ of a large layer would cost more in page faults than the GEMM), each tile times the unquantized
-    (rotated, gathered) x by a float32 GEMM."""
-    xs = spec_input(x.reshape(-1, K).float(), rotation, buffers.get("perm"))
+def _batched(x: torch.Tensor, rows, bias, N: int, K: int, rotation, perm=None) -> torch.Tensor:
+    """The batched path: ``Ŵ`` a tile of rows at a time (``rows(b0, b1)``: the rows of layout blocks ``[b0, b1)``,
+    float32) into a cache-sized buffer (a whole Ŵ of a large layer would cost more in page faults than the GEMM), each
+    tile times the unquantized (rotated, gathered by ``perm``) x by a float32 GEMM."""
+    xs = spec_input(x.reshape(-1, K).float(), rotation, perm)
     y = xs.new_empty(xs.shape[0], N)
     blocks = max(1, _TILE_BYTES // (4 * K * ROWS))
-    main = {n: buffers[n] for n in _names(cfg)}
     for b0 in range(0, -(-N // ROWS), blocks):
-        r0, r1 = b0 * ROWS, min(N, (b0 + blocks) * ROWS)
-        y[:, r0:r1] = xs @ dequantize({n: t[b0:b0 + blocks] for n, t in main.items()}, cfg, r1 - r0, K).T
+        y[:, b0 * ROWS:min(N, (b0 + blocks) * ROWS)] = xs @ rows(b0, b0 + blocks).T
     if bias is not None:
         y += bias.float()
     return y.to(x.dtype).reshape(*x.shape[:-1], N)

@@ -212,17 +212,25 @@ at::Tensor x86_mixed_gemm(const at::Tensor& x, const at::Tensor& q2, const at::T
   return y;
 }
 
-// Ŵ [N, K] float32 of the mixed format from the same buffers (qgemm.h's mixed_dequantize).
+// Rows [16·b0, min(16·b1, N)) of Ŵ (b1 < 0: to the end) float32 of the mixed format from the same buffers (qgemm.h's
+// mixed_dequantize).
 at::Tensor x86_mixed_dequantize(const at::Tensor& q2, const at::Tensor& q4, const at::Tensor& sc, const at::Tensor& z,
                                 const at::Tensor& ss, const at::Tensor& sz, const at::Tensor& kinds,
                                 const std::optional<at::Tensor>& ov, const std::optional<at::Tensor>& oc,
                                 const std::optional<at::Tensor>& orp, int64_t N, int64_t K, int64_t group_size,
-                                int64_t scale_bits, int64_t scale_group_size) {
-  const MixedBuffers mb = mixed_weights_of("x86_mixed_dequantize", q2, q4, sc, z, ss, sz, kinds, ov, oc, orp, N, K,
-                                           group_size, scale_bits, scale_group_size);
-  at::Tensor out = at::empty({N, K}, ss.options().dtype(at::kFloat));
-  at::parallel_for(0, mb.blocks, 2, [&](int64_t b0, int64_t b1) {
-    qlinear_x86::mixed_dequantize(mb.w, out.data_ptr<float>(), (int)b0, (int)b1);
+                                int64_t scale_bits, int64_t scale_group_size, int64_t path, int64_t b0, int64_t b1) {
+  const char* op = "x86_mixed_dequantize";
+  const MixedBuffers mb = mixed_weights_of(op, q2, q4, sc, z, ss, sz, kinds, ov, oc, orp, N, K, group_size,
+                                           scale_bits, scale_group_size);
+  TORCH_CHECK(path == qlinear_x86::kAuto || path == qlinear_x86::kScalar ||
+                  (path == qlinear_x86::kAVX2 && qlinear_x86::mixed_path_supported((int)path)),
+              op, ": this CPU cannot run path ", path, " (auto, scalar or AVX2)");
+  if (b1 < 0 || b1 > mb.blocks) b1 = mb.blocks;
+  TORCH_CHECK(b0 >= 0 && b0 < b1, op, ": empty block range [", b0, ", ", b1, ")");
+  const int64_t row0 = 16 * b0, rows = std::min<int64_t>(16 * b1, N) - row0;
+  at::Tensor out = at::empty({rows, K}, ss.options().dtype(at::kFloat));
+  at::parallel_for(b0, b1, 2, [&](int64_t lo, int64_t hi) {
+    qlinear_x86::mixed_dequantize(mb.w, out.data_ptr<float>(), (int)lo, (int)hi, (int)path, (int)row0);
   });
   return out;
 }

@@ -4,8 +4,8 @@
 // interleaved so that one VPDPBUSD (AVX-512 VNNI: all 16 rows; AVX-VNNI or VPMADDUBSW + VPMADDWD: 8 at a time)
 // multiplies 4 codes of each row by 4 shared activations, the codes' integer sums exact in int32, then per group
 // ŝ·Σ xs·(I − z·Σ xq) in fp32; the outliers are added after in float32.
-// Built with -ffp-contract=off like kernels.cpp, so the scalar path's fmaf calls are the AVX2 path's FMAs and both
-// paths give the same bits.
+// Built with -ffp-contract=off like kernels.cpp, so the scalar path's fmaf calls are the SIMD paths' FMAs and all paths
+// give the same bits.
 #ifdef QLINEAR_X86_SIMDE
 #define SIMDE_ENABLE_NATIVE_ALIASES
 #include <simde/x86/avx512.h>
@@ -201,41 +201,39 @@ inline __m256i chunk_dot(const __m256i (&e)[4], const int8_t* xq) {
   }
 }
 
-template <int MC, bool UNIFORM, bool VNNI>
+// Groups [i0, i1) of one kind (FOUR: 4-bit) of a block into acc (two 8-lane halves per activation row); p: the first
+// group's code words.
+template <int MC, bool UNIFORM, bool VNNI, bool FOUR>
 QLINEAR_TARGET("avx2,fma,avxvnni")
-void block_avx2(const MixedWeights& w, const Groups& gs, const BlockScales& bs, const MixedActs& a, int m0, int b,
-                const float* bias, float* y) {
-  const BlockWords bw(w, b);
-  const int KH = a.K / 16, sb = w.scale_bits;
-  const __m256i m2 = _mm256_set1_epi32(0x03030303), m4 = _mm256_set1_epi32(0x0F0F0F0F);
-  const LaneFields fs = lane_fields(sb == 8 ? 4 : sb), fz2 = lane_fields(2), fz4 = lane_fields(4);
-  __m256 acc[MC][2];
-  for (int m = 0; m < MC; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
-  for (int i = 0; i < w.G2 + w.G4; ++i) {
-    const bool four = i >= w.G2;
+inline void groups_avx2(const MixedWeights& w, const Groups& gs, const BlockScales& bs, const MixedActs& a, int m0,
+                        const BlockWords& bw, int i0, int i1, const uint32_t* p, __m256 (&acc)[MC][2]) {
+  const int KH = a.K / 16, chunks = w.group_size / 16, sb = w.scale_bits;
+  const __m256i mask = _mm256_set1_epi32(FOUR ? 0x0F0F0F0F : 0x03030303);
+  const LaneFields fs = lane_fields(sb == 8 ? 4 : sb), fz = lane_fields(FOUR ? 4 : 2);
+  for (int i = i0; i < i1; ++i, p += chunks * (FOUR ? 2 : 1) * kRows) {
     for (int hf = 0; hf < 2; ++hf) {
       const __m256i code = half_fields(bw.sc, scale_bit(w, i, 0), sb, hf, fs);
       const size_t at = UNIFORM ? (size_t)i : (size_t)i * kRows + 8 * hf;
       const __m256 ss = UNIFORM ? _mm256_set1_ps(bs.ss[at]) : _mm256_loadu_ps(&bs.ss[at]);
       const __m256 sz = UNIFORM ? _mm256_set1_ps(bs.sz[at]) : _mm256_loadu_ps(&bs.sz[at]);
       const __m256 s = _mm256_add_ps(sz, _mm256_mul_ps(ss, _mm256_cvtepi32_ps(code)));
-      const __m256 zf = _mm256_cvtepi32_ps(half_fields(bw.z, zero_bit(w, i, 0), four ? 4 : 2, hf, four ? fz4 : fz2));
+      const __m256 zf = _mm256_cvtepi32_ps(half_fields(bw.z, zero_bit(w, i, 0), FOUR ? 4 : 2, hf, fz));
       __m256 t[MC];
       for (int m = 0; m < MC; ++m) t[m] = _mm256_setzero_ps();
-      for (int c = 0; c < w.group_size / 16; ++c) {
+      for (int c = 0; c < chunks; ++c) {
         const int h = gs.h0[i] + c;
-        const uint32_t* p = bw.chunk(w, i, c) + 8 * hf;
+        const uint32_t* q = p + c * (FOUR ? 2 : 1) * kRows + 8 * hf;
         __m256i e[4];
-        if (four) {
-          const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-          const __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + kRows));
-          e[0] = _mm256_and_si256(lo, m4);
-          e[1] = _mm256_and_si256(_mm256_srli_epi32(lo, 4), m4);
-          e[2] = _mm256_and_si256(hi, m4);
-          e[3] = _mm256_and_si256(_mm256_srli_epi32(hi, 4), m4);
+        if constexpr (FOUR) {
+          const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
+          const __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + kRows));
+          e[0] = _mm256_and_si256(lo, mask);
+          e[1] = _mm256_and_si256(_mm256_srli_epi32(lo, 4), mask);
+          e[2] = _mm256_and_si256(hi, mask);
+          e[3] = _mm256_and_si256(_mm256_srli_epi32(hi, 4), mask);
         } else {
-          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-          for (int k = 0; k < 4; ++k) e[k] = _mm256_and_si256(_mm256_srli_epi32(v, 2 * k), m2);
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
+          for (int k = 0; k < 4; ++k) e[k] = _mm256_and_si256(_mm256_srli_epi32(v, 2 * k), mask);
         }
         for (int m = 0; m < MC; ++m) {
           const __m256 I = _mm256_cvtepi32_ps(chunk_dot<VNNI>(e, a.xq + (int64_t)(m0 + m) * a.K + 16 * h));
@@ -247,6 +245,17 @@ void block_avx2(const MixedWeights& w, const Groups& gs, const BlockScales& bs, 
       for (int m = 0; m < MC; ++m) acc[m][hf] = _mm256_fmadd_ps(s, t[m], acc[m][hf]);
     }
   }
+}
+
+template <int MC, bool UNIFORM, bool VNNI>
+QLINEAR_TARGET("avx2,fma,avxvnni")
+void block_avx2(const MixedWeights& w, const Groups& gs, const BlockScales& bs, const MixedActs& a, int m0, int b,
+                const float* bias, float* y) {
+  const BlockWords bw(w, b);
+  __m256 acc[MC][2];
+  for (int m = 0; m < MC; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+  groups_avx2<MC, UNIFORM, VNNI, false>(w, gs, bs, a, m0, bw, 0, w.G2, bw.q2, acc);
+  groups_avx2<MC, UNIFORM, VNNI, true>(w, gs, bs, a, m0, bw, w.G2, w.G2 + w.G4, bw.q4, acc);
   for (int m = 0; m < MC; ++m) {
     alignas(32) float lanes[kRows];
     _mm256_store_ps(lanes, acc[m][0]);
@@ -271,37 +280,34 @@ inline __m512i fields16(const uint32_t* words, int bit0, int bits) {
   return _mm512_and_si512(_mm512_srlv_epi32(v, shifts), _mm512_set1_epi32((1 << bits) - 1));
 }
 
-template <int MC, bool UNIFORM>
+// Groups [i0, i1) of one kind (FOUR: 4-bit) of a block into acc; p: the first group's code words (the kind's chunks
+// follow each other: 16 words per 2-bit chunk, 32 per 4-bit chunk).
+template <int MC, bool UNIFORM, bool FOUR>
 QLINEAR_TARGET(QLINEAR_AVX512)
-void block_avx512(const MixedWeights& w, const Groups& gs, const BlockScales& bs, const MixedActs& a, int m0, int b,
-                  const float* bias, float* y) {
-  const BlockWords bw(w, b);
-  const int KH = a.K / 16;
-  const __m512i m2 = _mm512_set1_epi32(0x03030303), m4 = _mm512_set1_epi32(0x0F0F0F0F);
-  __m512 acc[MC];
-  for (int m = 0; m < MC; ++m) acc[m] = _mm512_setzero_ps();
-  for (int i = 0; i < w.G2 + w.G4; ++i) {
-    const bool four = i >= w.G2;
+inline void groups_avx512(const MixedWeights& w, const Groups& gs, const BlockScales& bs, const MixedActs& a, int m0,
+                          const BlockWords& bw, int i0, int i1, const uint32_t* p, __m512 (&acc)[MC]) {
+  const int KH = a.K / 16, chunks = w.group_size / 16;
+  const __m512i mask = _mm512_set1_epi32(FOUR ? 0x0F0F0F0F : 0x03030303);
+  for (int i = i0; i < i1; ++i) {
     const __m512i code = fields16(bw.sc, scale_bit(w, i, 0), w.scale_bits);
     const __m512 ss = UNIFORM ? _mm512_set1_ps(bs.ss[i]) : _mm512_loadu_ps(&bs.ss[(size_t)i * kRows]);
     const __m512 sz = UNIFORM ? _mm512_set1_ps(bs.sz[i]) : _mm512_loadu_ps(&bs.sz[(size_t)i * kRows]);
     const __m512 s = _mm512_add_ps(sz, _mm512_mul_ps(ss, _mm512_cvtepi32_ps(code)));
-    const __m512 zf = _mm512_cvtepi32_ps(fields16(bw.z, zero_bit(w, i, 0), four ? 4 : 2));
+    const __m512 zf = _mm512_cvtepi32_ps(fields16(bw.z, zero_bit(w, i, 0), FOUR ? 4 : 2));
     __m512 t[MC];
     for (int m = 0; m < MC; ++m) t[m] = _mm512_setzero_ps();
-    for (int c = 0; c < w.group_size / 16; ++c) {
+    for (int c = 0; c < chunks; ++c, p += (FOUR ? 2 : 1) * kRows) {
       const int h = gs.h0[i] + c;
-      const uint32_t* p = bw.chunk(w, i, c);
       __m512i e[4];
-      if (four) {
+      if constexpr (FOUR) {
         const __m512i lo = _mm512_loadu_si512(p), hi = _mm512_loadu_si512(p + kRows);
-        e[0] = _mm512_and_si512(lo, m4);
-        e[1] = _mm512_and_si512(_mm512_srli_epi32(lo, 4), m4);
-        e[2] = _mm512_and_si512(hi, m4);
-        e[3] = _mm512_and_si512(_mm512_srli_epi32(hi, 4), m4);
+        e[0] = _mm512_and_si512(lo, mask);
+        e[1] = _mm512_and_si512(_mm512_srli_epi32(lo, 4), mask);
+        e[2] = _mm512_and_si512(hi, mask);
+        e[3] = _mm512_and_si512(_mm512_srli_epi32(hi, 4), mask);
       } else {
         const __m512i v = _mm512_loadu_si512(p);
-        for (int k = 0; k < 4; ++k) e[k] = _mm512_and_si512(_mm512_srli_epi32(v, 2 * k), m2);
+        for (int k = 0; k < 4; ++k) e[k] = _mm512_and_si512(_mm512_srli_epi32(v, 2 * k), mask);
       }
       for (int m = 0; m < MC; ++m) {
         const int8_t* xq = a.xq + (int64_t)(m0 + m) * a.K + 16 * h;
@@ -318,10 +324,40 @@ void block_avx512(const MixedWeights& w, const Groups& gs, const BlockScales& bs
     }
     for (int m = 0; m < MC; ++m) acc[m] = _mm512_fmadd_ps(s, t[m], acc[m]);
   }
+}
+
+template <int MC, bool UNIFORM>
+QLINEAR_TARGET(QLINEAR_AVX512)
+void block_avx512(const MixedWeights& w, const Groups& gs, const BlockScales& bs, const MixedActs& a, int m0, int b,
+                  const float* bias, float* y) {
+  const BlockWords bw(w, b);
+  __m512 acc[MC];
+  for (int m = 0; m < MC; ++m) acc[m] = _mm512_setzero_ps();
+  groups_avx512<MC, UNIFORM, false>(w, gs, bs, a, m0, bw, 0, w.G2, bw.q2, acc);
+  groups_avx512<MC, UNIFORM, true>(w, gs, bs, a, m0, bw, w.G2, w.G2 + w.G4, bw.q4, acc);
   for (int m = 0; m < MC; ++m) {
     alignas(64) float lanes[kRows];
     _mm512_store_ps(lanes, acc[m]);
     finish(lanes, w, a, m0 + m, b, bias, y);
+  }
+}
+
+// The 16 weights s·(q − z) of one row's chunk (its word(s) at `word`, the next 8 inputs of a 4-bit chunk kRows words
+// on), in input order: the scalar path's integers and its one fp32 product each.
+QLINEAR_TARGET("avx2,fma")
+inline void chunk_weights_avx2(const uint32_t* word, bool four, float s, int zp, float* dst) {
+  const __m256i z = _mm256_set1_epi32(zp);
+  const __m256 sv = _mm256_set1_ps(s);
+  for (int half = 0; half < 2; ++half) {  // inputs 8·half .. 8·half + 7
+    __m256i q;
+    if (four)  // input 4h + j of a word at bits 8j + 4h
+      q = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)word[half * kRows]),
+                                             _mm256_setr_epi32(0, 8, 16, 24, 4, 12, 20, 28)), _mm256_set1_epi32(15));
+    else  // input 4t + j at bits 8j + 2t
+      q = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)word[0]),
+                                             _mm256_add_epi32(_mm256_setr_epi32(0, 8, 16, 24, 2, 10, 18, 26),
+                                                              _mm256_set1_epi32(4 * half))), _mm256_set1_epi32(3));
+    _mm256_storeu_ps(dst + 8 * half, _mm256_mul_ps(sv, _mm256_cvtepi32_ps(_mm256_sub_epi32(q, z))));
   }
 }
 
@@ -357,7 +393,8 @@ void mixed_prepare_acts(const float* x, int M, int K, void* work, MixedActs* a) 
   *a = MixedActs{xq, xs, xsum, x, M, K};
 }
 
-void mixed_dequantize(const MixedWeights& w, float* out, int b0, int b1) {
+void mixed_dequantize(const MixedWeights& w, float* out, int b0, int b1, int path, int row0) {
+  if (path == kAuto) path = mixed_path_supported(kAVX2) ? kAVX2 : kScalar;
   const int g = w.group_size, K = (w.G2 + w.G4) * g;
   const Groups gs(w);
   BlockScales bs;
@@ -365,17 +402,22 @@ void mixed_dequantize(const MixedWeights& w, float* out, int b0, int b1) {
     bs.load(w, b);
     const BlockWords bw(w, b);
     for (int r = 0; r < kRows && kRows * b + r < w.N; ++r) {
-      float* row = out + (int64_t)(kRows * b + r) * K;
+      float* row = out + (int64_t)(kRows * b + r - row0) * K;
       for (int i = 0; i < w.G2 + w.G4; ++i) {
         const bool four = i >= w.G2;
         const float s = bs.scale(i, r, field(bw.sc, scale_bit(w, i, r), w.scale_bits));
         const int zp = (int)field(bw.z, zero_bit(w, i, r), four ? 4 : 2);
-        for (int c = 0; c < g / 16; ++c)
+        for (int c = 0; c < g / 16; ++c) {
+          float* dst = row + 16 * (gs.h0[i] + c);
+          if (path != kScalar) {
+            chunk_weights_avx2(bw.chunk(w, i, c) + r, four, s, zp, dst);
+            continue;
+          }
           for (int k = 0; k < 4; ++k) {
             const uint32_t e = expand(bw.chunk(w, i, c), four, r, k);
-            for (int j = 0; j < 4; ++j)
-              row[16 * (gs.h0[i] + c) + 4 * k + j] = s * (float)((int)((e >> (8 * j)) & 0xFFu) - zp);
+            for (int j = 0; j < 4; ++j) dst[4 * k + j] = s * (float)((int)((e >> (8 * j)) & 0xFFu) - zp);
           }
+        }
       }
       const int n = kRows * b + r;
       if (w.ov != nullptr)  // the format adds each outlier to its weight (one fp32 rounding)

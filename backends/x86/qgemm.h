@@ -138,9 +138,10 @@ int64_t mixed_acts_bytes(int M, int K);
 void mixed_prepare_acts(const float* x, int M, int K, void* work, MixedActs* a);
 // Whether this CPU runs `path` for the mixed format (the uniform 4-bit kernels' paths).
 bool mixed_path_supported(int path);
-// Rows [16·b0, min(16·b1, N)) of Ŵ [N, K] float32: qlinear.formats.mixed.dequantize's values (ŝ·(q − z) per weight,
-// each outlier added to its weight), for batches above the GEMV's and the backward pass.
-void mixed_dequantize(const MixedWeights& w, float* out, int b0, int b1);
+// Rows [16·b0, min(16·b1, N)) of Ŵ [N, K] float32, row n at out + (n − row0)·K: qlinear.formats.mixed.dequantize's
+// values (ŝ·(q − z) per weight, each outlier added to its weight), for batches above the GEMV's and the backward pass
+// (path kAuto: AVX2 where the CPU has it, else scalar; the same bits).
+void mixed_dequantize(const MixedWeights& w, float* out, int b0, int b1, int path, int row0);
 // y [M, N] float32 for the 16-row blocks [b0, b1) (path kAuto: the best this CPU runs; every path the same bits).
 void mixed_run(const MixedWeights& w, const MixedActs& a, const float* bias, float* y, int b0, int b1, int path);
 
