@@ -538,8 +538,8 @@ def test_mixed_layout_puts_each_field_where_qgemm_h_says(name):
 @pytest.mark.parametrize("bias", [True, False])
 def test_mixed_kernel_paths_agree_bitwise_within_the_bound(name, bias):
     """Every path (scalar, AVX2, AVX2 + AVX-VNNI, AVX-512 VNNI; their SIMDe builds) gives the same bits at every M (the
-    kernel takes 4 activation rows per pass), within fp32 rounding of the kernel's arithmetic in float64 (its spec) and within the
-    int8-activation bound of the float64 reference, with and without outliers and bias."""
+    kernel takes 4 activation rows per pass), within fp32 rounding of the kernel's arithmetic in float64
+    (its spec) and within the int8-activation bound of the float64 reference, with and without outliers and bias."""
     N, K = 100, 480
     cfg, canon = _mixed(name, N, K)
     held = x86.repack_mixed(canon, cfg, N, K)

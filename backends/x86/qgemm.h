@@ -1,6 +1,6 @@
 // x86 CPU kernels (torch-free): quantized weights times int8 dynamic activations, the products summed exactly in
-// int32, scaled in fp32 (and, at the end of this header, the mixed format's float32 GEMV).  Three weight layouts (backends/x86/__init__.py has the executable PyTorch spec of each and
-// their exact inverses):
+// int32, scaled in fp32 (and, at the end of this header, the mixed format's GEMV).  Three weight layouts
+// (backends/x86/__init__.py has the executable PyTorch spec of each and their exact inverses):
 //
 // kU4, uniform 4-bit codes, multiplied by VPDPBUSD (AVX-512 VNNI, AVX-VNNI) or VPMADDUBSW + VPMADDWD (AVX2):
 //   qw  uint8 [Nb, K/8, 64]: 16-row block b, 8-input chunk c; byte 4r + j holds code[16b + r][8c + j] in its low
