@@ -97,7 +97,7 @@ def _repack(cfg, bufs, N, K):
 
 
 def _planes(cfg) -> bool:
-    return not (bcq.is_uniform(cfg) and cfg.bits == 4)
+    return not (bcq.is_uniform(cfg) and (cfg.bits == 4 or (cfg.bits == 2 and cfg.offset)))
 
 
 def _dense(cfg, bufs, N, K):
@@ -140,9 +140,11 @@ def test_layout_round_trip_is_exact(name):
     packed = x86.repack(bufs, cfg, N, K)
     assert tuple(packed) == x86.LAYOUT.names(cfg)
     Nb, G, B = -(-N // 16), (bufs["scales"] if "scales" in bufs else bufs["alpha"][0]).shape[1], cfg.bits
+    crumbs = bcq.is_uniform(cfg) and B == 2 and cfg.offset  # 2-bit codes 4 per byte, zero points as book words
     assert [(t.dtype, tuple(t.shape)) for t in packed.values()] == [
-        (torch.uint8, (Nb, K // 32, B, 64) if _planes(cfg) else (Nb, K // 8, 64)),
-        *([(torch.float16, (Nb, G, 16)), (torch.uint8, (Nb, G, 16))] if bcq.is_uniform(cfg) else
+        (torch.uint8, (Nb, K // 32, B, 64) if _planes(cfg) else (Nb, K // 16, 64) if crumbs else (Nb, K // 8, 64)),
+        *([(torch.float16, (Nb, G, 16)), (torch.int32, (Nb, G))] if crumbs else
+          [(torch.float16, (Nb, G, 16)), (torch.uint8, (Nb, G, 16))] if bcq.is_uniform(cfg) else
           [(torch.float16, (Nb, G, B, 16)), (torch.float16, (Nb, G, 16))])]
     back = x86.unrepack(packed, cfg, N, K)
     assert set(back) == set(bufs) and all(torch.equal(back[k], bufs[k]) and back[k].dtype == bufs[k].dtype
@@ -162,6 +164,30 @@ def test_layout_puts_each_code_where_the_header_says():
         g = k // 64
         assert qs[b, g, r] == s[n, g] and int(qz[b, g, r]) == 2 * int(zeros[n, g])
     assert not qw[2, :, 4 * 8:].any() and not qs[2, :, 8:].any()  # rows 40..47 pad with zeros
+
+
+def test_uniform_2bit_layers_are_held_and_run_as_codebook_layers():
+    """A uniform 2-bit layer with zero points takes the 2-bit codebook layout and kernel (kCB2): code ``[n, k]`` in bits
+    ``2t..2t+1`` of byte ``4r + j`` of chunk ``k/16`` (``t, j = k%16/4, k%4``), its zero point of group g, the book,
+    in bits ``2r..2r+1`` of ``x86_qb[b, g]`` (book z of ``UNIFORM2_BOOKS`` holds q − z), at every batch (no batched
+    path); without zero points (symmetric levels) the layer keeps the bit-planes."""
+    cfg, bufs, N, K = _case("uniform 2-bit g128 ragged last group")
+    codes, s, zeros = bcq.uniform_parts(bufs, cfg, N, K)
+    packed = x86.repack(bufs, cfg, N, K)
+    assert tuple(packed) == ("x86_qw", "x86_qs", "x86_qb") and x86._weights(packed, cfg, K)[-1] == 4
+    for n in (0, 5, 17, N - 1):
+        b, r = divmod(n, 16)
+        for gi in range(zeros.shape[1]):
+            assert (int(packed["x86_qb"][b, gi]) >> (2 * r)) & 3 == zeros[n, gi]
+            assert packed["x86_qs"][b, gi, r] == s[n, gi]
+        for k in (0, 5, 130, K - 1):
+            byte = int(packed["x86_qw"][b, k // 16, 4 * r + k % 4])
+            assert (byte >> (2 * (k % 16 // 4))) & 3 == codes[n, k]
+    assert all(int(x86.UNIFORM2_BOOKS[z, q]) == q - z for z in range(4) for q in range(4))
+    x = torch.randn(x86.dequant_from(2, N, K), K)  # no batched path: the codebook kernel is faster at every batch
+    assert torch.equal(_op(x, packed, None, N, cfg, "auto"), _op(x, packed, None, N, cfg, "scalar"))
+    symmetric = bcq.Config(bits=2, group_size=64, offset=False, init="uniform", iters=0)
+    assert bcq.is_uniform(symmetric) and x86.LAYOUT.names(symmetric)[0] == "x86_lp"
 
 
 @pytest.mark.parametrize("name", ["free α 3-bit g32", "uniform 3-bit g64 imported"])

@@ -10,8 +10,8 @@ Two layouts (``qgemm.h`` has the byte-level description):
 
 * Uniform 4-bit: the codes as nibbles, one 64-byte load feeding VPDPBUSD (x86's SDOT: u8 x s8 dot products of 4
   into int32 lanes); the zero point is applied per group with the sum of the quantized activations.
-* Every other BCQ layer (uniform 1-3 bits, free α at 1-4 bits): the bit-planes, each summed against the activations
-  by table lookups (LUT-GEMM's idea, "LUT-GEMM", §3; T-MAC's 16-entry tables per 4 activations looked up by a
+* Every other BCQ layer (uniform 1-3 bits, but 2-bit with zero points; free α at 1-4 bits): the bit-planes, each
+  summed against the activations by table lookups (LUT-GEMM's idea, "LUT-GEMM", §3; T-MAC's 16-entry tables per 4 activations looked up by a
   plane's nibble, here with VPERMB over 4 such tables at once).  Each int8 activation is split as ``16·hi + lo`` so
   that the tables' sums of 4 fit int8 exactly; VPDPBUSD adds the lookups of each row, ×1 for ``lo``, ×16 for ``hi``.
   A plane's sum ``S_i = Σ_k bit_i·x̂_k`` is therefore exact, and with ``w = Σ_i α_i·(2·bit_i − 1) + c``:
@@ -19,6 +19,9 @@ Two layouts (``qgemm.h`` has the byte-level description):
   Cost per weight and activation row: one lookup and one VPDPBUSD lane per 4 weights per plane, so time falls with
   the bits.
 
+* Uniform 2-bit with zero points (round-to-nearest, GPTQ): as a 2-bit codebook layer (below) whose four books are the
+  zero points' levels, book ``z`` holding ``q − z`` (:data:`UNIFORM2_BOOKS`); the same integers as the bit-plane
+  lookups, and 1.2-1.9x faster than them from 8 rows (RESULTS.md, "Uniform 2-bit layers on the codebook kernel").
 * Codebooks (the Arm paper's group-wise codebooks, §5): all of a layer's int8 centroids fit one 16-byte table, so
   one VPSHUFB per 64 weights turns codes, with their row's book in the bits above them, into int8 weights for
   VPDPBUSD (offset by 128 into its unsigned operand and corrected by ``128·Σ xq``); AVX2 without VNNI multiplies
@@ -140,11 +143,23 @@ def _unplanes(lp: torch.Tensor, K: int) -> torch.Tensor:
 
 
 def _nibbles(cfg) -> bool:
-    """Whether the layer takes the uniform 4-bit nibble layout (else the bit-planes)."""
+    """Whether the layer takes the uniform 4-bit nibble layout."""
     return bcq.is_uniform(cfg) and cfg.bits == 4
 
 
+def _uniform_crumbs(cfg) -> bool:
+    """Whether the layer is uniform 2-bit with integer zero points, run as a 2-bit codebook layer (crumbs, one of
+    :data:`UNIFORM2_BOOKS` per row and group: its zero point); other layers but uniform 4-bit take the bit-planes."""
+    return bcq.is_uniform(cfg) and cfg.bits == 2 and cfg.offset
+
+
+# Uniform 2-bit codes with zero point z as a codebook: book z holds q − z (q = 0..3), exactly the format's levels
+UNIFORM2_BOOKS = torch.tensor([[q - z for q in range(4)] for z in range(4)], dtype=torch.int8)
+
+
 def _names(cfg) -> tuple[str, ...]:
+    if _uniform_crumbs(cfg):
+        return "x86_qw", "x86_qs", "x86_qb"
     return (("x86_qw" if _nibbles(cfg) else "x86_lp"),
             *(("x86_qs", "x86_qz") if bcq.is_uniform(cfg) else ("x86_qa", "x86_qc")))
 
@@ -153,6 +168,8 @@ def _codes(buffers: dict, cfg, K: int) -> torch.Tensor:
     """The codes ``[Nb·16, K]`` int64 of layout ``x86`` or ``x86_codebook``."""
     if cfg.format == "codebook":
         return (_deinterleave if cfg.bits == 4 else _uncrumbs)(buffers["x86_qw"], K)
+    if _uniform_crumbs(cfg):
+        return _uncrumbs(buffers["x86_qw"], K)
     return _deinterleave(buffers["x86_qw"], K) if _nibbles(cfg) else _unplanes(buffers["x86_lp"], K)
 
 
@@ -165,6 +182,9 @@ def repack(buffers: dict, cfg, N: int, K: int) -> dict:
                 "x86_qa": torch.stack([pad_groups(a, N, ROWS) for a in alpha], 2),
                 "x86_qc": pad_groups(offset, N, ROWS)}
     codes, s, zeros = bcq.uniform_parts(buffers, cfg, N, K)
+    if _uniform_crumbs(cfg):
+        return {"x86_qw": _crumbs(codes, N, K), "x86_qs": pad_groups(s.to(torch.float16), N, ROWS),
+                "x86_qb": _book_words(zeros, N)}
     z2 = torch.full_like(s, 2 ** cfg.bits - 1, dtype=torch.int64) if zeros is None else 2 * zeros
     qw = _interleave(codes, N, K) if _nibbles(cfg) else _planes(codes, N, K, cfg.bits)
     return {_names(cfg)[0]: qw, "x86_qs": pad_groups(s.to(torch.float16), N, ROWS),
@@ -181,7 +201,10 @@ def unrepack(buffers: dict, cfg, N: int, K: int) -> dict:
         if cfg.offset:
             out["offset"] = unpad_groups(buffers["x86_qc"], N)
         return out
-    zeros = unpad_groups(buffers["x86_qz"], N).to(torch.int64) // 2 if cfg.offset else None
+    if _uniform_crumbs(cfg):
+        zeros = unpad_groups(_books(buffers["x86_qb"]), N)
+    else:
+        zeros = unpad_groups(buffers["x86_qz"], N).to(torch.int64) // 2 if cfg.offset else None
     return bcq.uniform_buffers(codes, unpad_groups(buffers["x86_qs"], N), zeros, cfg.bits)
 
 
@@ -190,8 +213,11 @@ def _weights(buffers: dict, cfg, K: int) -> tuple:
     if cfg.format == "codebook":  # qgemm.h's Format kCB4 / kCB2; qz: the codebooks
         return (buffers["x86_qw"], buffers["x86_qs"], buffers["codebooks"], buffers.get("x86_qb"), cfg.group_size,
                 cfg.bits, 3 if cfg.bits == 4 else 4)
+    gs = K if cfg.group_size == -1 else cfg.group_size
+    if _uniform_crumbs(cfg):  # kCB2 with the zero points' books
+        return buffers["x86_qw"], buffers["x86_qs"], UNIFORM2_BOOKS, buffers["x86_qb"], gs, 2, 4
     fmt = 0 if _nibbles(cfg) else 1 if bcq.is_uniform(cfg) else 2  # kU4, kLutUniform, kLutFree
-    return (*(buffers[n] for n in _names(cfg)), None, K if cfg.group_size == -1 else cfg.group_size, cfg.bits, fmt)
+    return (*(buffers[n] for n in _names(cfg)), None, gs, cfg.bits, fmt)
 
 
 def dequantize(buffers: dict, cfg, out_features: int, in_features: int) -> torch.Tensor:
@@ -239,11 +265,15 @@ def repack_codebook(buffers: dict, cfg, N: int, K: int) -> dict:
     out = {"x86_qw": _interleave(codes, N, K) if cfg.bits == 4 else _crumbs(codes, N, K),
            "x86_qs": pad_groups(buffers["scales"], N, ROWS)}
     if cfg.books > 1:
-        books = pad_groups(unpack(buffers["book_idx"], _book_bits(cfg), G), N, ROWS).to(torch.int64)  # [Nb, G, 16]
-        word = (books << (2 * torch.arange(ROWS))).sum(-1)
-        out["x86_qb"] = torch.where(word >= 2 ** 31, word - 2 ** 32, word).to(torch.int32)
+        out["x86_qb"] = _book_words(unpack(buffers["book_idx"], _book_bits(cfg), G), N)
     out["codebooks"] = buffers["codebooks"]
     return out
+
+
+def _book_words(books: torch.Tensor, N: int) -> torch.Tensor:
+    """Books (0..3) ``[N, G]`` -> ``x86_qb`` int32 ``[Nb, G]``: bits ``2r..2r+1`` the book of row ``16b + r``."""
+    word = (pad_groups(books.to(torch.int64), N, ROWS) << (2 * torch.arange(ROWS))).sum(-1)
+    return torch.where(word >= 2 ** 31, word - 2 ** 32, word).to(torch.int32)
 
 
 def _books(qb: torch.Tensor) -> torch.Tensor:
@@ -447,7 +477,8 @@ def spec(x: torch.Tensor, buffers: dict, bias, cfg, N: int, K: int, rotation=Non
     codes = _codes(buffers, cfg, K)[:N].view(N, H, 32)
     if bcq.is_uniform(cfg):
         s = unpad_groups(buffers["x86_qs"], N).double()[:, g]  # [N, H]
-        z = unpad_groups(buffers["x86_qz"], N).double()[:, g] / 2
+        z = (unpad_groups(_books(buffers["x86_qb"]), N).double() if _uniform_crumbs(cfg)
+             else unpad_groups(buffers["x86_qz"], N).double() / 2)[:, g]
         per_block = (dot(codes) - z[None] * qsum) * s[None]
     else:
         alpha = [unpad_groups(buffers["x86_qa"][:, :, i], N).double()[:, g] for i in range(cfg.bits)]  # [N, H] each
@@ -494,7 +525,7 @@ def linear(x: torch.Tensor, buffers: dict, bias, cfg, out_features: int, in_feat
     layer's ``perm`` in ``buffers`` is gathered there too, after it (``gathers_perm``)."""
     N, K = out_features, in_features
     x2 = x.reshape(-1, K)
-    if path == "auto" and not simde and cfg.format == "bcq" and not _nibbles(cfg) \
+    if path == "auto" and not simde and cfg.format == "bcq" and not (_nibbles(cfg) or _uniform_crumbs(cfg)) \
             and x2.shape[0] >= dequant_from(cfg.bits, N, K):
         main = {n: buffers[n] for n in _names(cfg)}
         return _batched(x, lambda b0, b1: dequantize({n: t[b0:b1] for n, t in main.items()}, cfg,
