@@ -317,14 +317,13 @@ def _row_blocks(t: torch.Tensor, N: int) -> torch.Tensor:
 def _lanes(t: torch.Tensor, N: int, bits: int) -> torch.Tensor:
     """Per-(row, group) fields ``[N, n]`` -> int32 ``[Nb, n·bits/2]``: row ``16b + r``, group ``i`` at bit
     ``bits·(16i + r)`` of block ``b``."""
-    v = _row_blocks(t, N).transpose(1, 2)  # [Nb, n, 8]
+    v = pad_groups(t, N, ROWS)  # [Nb, n, 16]
     return pack(v.reshape(v.shape[0], v.shape[1] * ROWS), bits)
 
 
 def _unlanes(words: torch.Tensor, N: int, n: int, bits: int) -> torch.Tensor:
     """Inverse of :func:`_lanes`: ``[N, n]`` int64."""
-    Nb = words.shape[0]
-    return unpack(words, bits, n * ROWS).view(Nb, n, ROWS).transpose(1, 2).reshape(Nb * ROWS, n)[:N]
+    return unpad_groups(unpack(words, bits, n * ROWS).view(words.shape[0], n, ROWS), N)
 
 
 def repack_mixed(buffers: dict, cfg, N: int, K: int) -> dict:
