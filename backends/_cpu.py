@@ -47,7 +47,7 @@ def pad_groups(t: torch.Tensor, N: int, rows: int) -> torch.Tensor:
 
 def unpad_groups(t: torch.Tensor, N: int) -> torch.Tensor:
     """Inverse of :func:`pad_groups`: ``[Nb, G, rows]`` -> ``[N, G]``."""
-    return t.transpose(1, 2).reshape(-1, t.shape[1])[:N].contiguous()
+    return t.transpose(1, 2).reshape(t.shape[0] * t.shape[2], t.shape[1])[:N].contiguous()
 
 
 def quantize_activations(x: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, torch.Tensor]:

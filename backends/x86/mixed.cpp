@@ -265,19 +265,24 @@ void block_avx2(const MixedWeights& w, const Groups& gs, const BlockScales& bs, 
 }
 
 // ---- AVX-512 VNNI: a block's 16 rows in one register ----------------------------------------------------------------
-#define QLINEAR_AVX512 "avx512f,avx512bw,avx512vl,avx512vnni"
+#define QLINEAR_AVX512 "avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi"
 
-// The 16 lanes' `bits`-bit fields at `bit0` (lane r at bit0 + bits·r).
+// The 16 lanes' `bits`-bit fields at `bit0` (lane r at bit0 + bits·r; a 32-bit boundary) as int32: for 2 and 4 bits
+// one VPMULTISHIFTQB, byte r taking the 8 bits at offset bits·r of the 16 fields' word(s), duplicated per qword.
 QLINEAR_TARGET(QLINEAR_AVX512)
 inline __m512i fields16(const uint32_t* words, int bit0, int bits) {
-  if (bits == 8) return _mm512_cvtepu16_epi32(_mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(
-                     reinterpret_cast<const uint8_t*>(words) + bit0 / 8))));
-  const int hi = bit0 + 8 * bits;  // lanes 8..15 start at a word boundary (8·bits <= 32 bits each half)
-  const __m512i v = _mm512_mask_set1_epi32(_mm512_set1_epi32((int)(words[bit0 / 32] >> (bit0 % 32))), 0xFF00,
-                                           (int)(words[hi / 32] >> (hi % 32)));
-  const __m512i shifts = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7),
-                                            _mm512_set1_epi32(bits));
-  return _mm512_and_si512(_mm512_srlv_epi32(v, shifts), _mm512_set1_epi32((1 << bits) - 1));
+  const uint32_t* p = words + bit0 / 32;
+  __m128i f;
+  if (bits == 8) {
+    f = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  } else {
+    const uint64_t v = bits == 4 ? (uint64_t)p[0] | (uint64_t)p[1] << 32 : p[0];  // only the 16 fields' words
+    const __m128i offsets = bits == 4 ? _mm_setr_epi8(0, 4, 8, 12, 16, 20, 24, 28, 32, 36, 40, 44, 48, 52, 56, 60)
+                                      : _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    f = _mm_and_si128(_mm_multishift_epi64_epi8(offsets, _mm_set1_epi64x((long long)v)),
+                      _mm_set1_epi8((char)((1 << bits) - 1)));
+  }
+  return _mm512_cvtepu16_epi32(_mm256_cvtepu8_epi16(f));
 }
 
 // Groups [i0, i1) of one kind (FOUR: 4-bit) of a block into acc; p: the first group's code words (the kind's chunks
@@ -426,10 +431,12 @@ void mixed_dequantize(const MixedWeights& w, float* out, int b0, int b1, int pat
   }
 }
 
-bool mixed_path_supported(int path) { return path >= kScalar && path <= kAVX512VNNI && path_supported(path, kU4); }
+bool mixed_path_supported(int path) {  // the AVX-512 path also needs VBMI (as the bit-plane kernels' does)
+  return path >= kScalar && path <= kAVX512VNNI && path_supported(path, path == kAVX512VNNI ? kLutUniform : kU4);
+}
 
 void mixed_run(const MixedWeights& w, const MixedActs& a, const float* bias, float* y, int b0, int b1, int path) {
-  if (path == kAuto) path = best_path(kU4);
+  if (path == kAuto) path = best_path(kLutUniform);  // the best of the paths above on this CPU
   for (int m0 = 0; m0 < a.M; m0 += kMaxM) {
     switch (a.M - m0 < kMaxM ? a.M - m0 : kMaxM) {
       case 1: blocks<1>(w, a, m0, bias, y, b0, b1, path); break;
