@@ -52,7 +52,8 @@ def _runs(path: str, x, packed, cfg, N, K) -> bool:
         raise
 
 
-FORMATS = {  # name -> config at group size gs; u4 takes the nibble layout, BCQ's others the bit-plane LUT layout
+FORMATS = {  # name -> config at group size gs; u4 takes the nibble layout, u2 the 2-bit codebook one, BCQ's others
+    # the bit-plane LUT layout
     "u4": lambda gs: bcq.Config(bits=4, group_size=gs, init="uniform", iters=0),
     "u3": lambda gs: bcq.Config(bits=3, group_size=gs, init="uniform", iters=0),
     "u2": lambda gs: bcq.Config(bits=2, group_size=gs, init="uniform", iters=0),
@@ -75,7 +76,7 @@ def _quantize(w, cfg):
 
 def _format_code(cfg) -> int:
     """qgemm.h's Format of a layer (the callgrind harness's FORMAT)."""
-    if cfg.format == "codebook":
+    if cfg.format == "codebook" or x86._uniform_crumbs(cfg):  # uniform 2-bit: the 2-bit codebook kernel, 4 books
         return 3 if cfg.bits == 4 else 4
     return 0 if bcq.is_uniform(cfg) and cfg.bits == 4 else 1 if bcq.is_uniform(cfg) else 2
 

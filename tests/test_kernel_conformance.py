@@ -96,6 +96,8 @@ SUBJECTS = {s.backend + ("" if s.device == "cuda" else f"/{s.format}"): s for s 
         "RTN 4-bit g64": _layer(BCQLinear, 48, 320, RTN4),
         "GPTQ 4-bit act_order": _layer(BCQLinear, 48, 320, dict(GPTQ4_ACT_ORDER, group_size=128), True),
         "GPTQ 3-bit g64": _layer(BCQLinear, 48, 320, dict(bits=3, group_size=64, method="gptq"), True),
+        "GPTQ 2-bit act_order (codebook kernel)": _layer(BCQLinear, 48, 320, dict(bits=2, group_size=64,
+                                                                                  method="gptq", act_order=True), True),
         "free α 4-bit error feedback act_order": _layer(BCQLinear, 48, 320, dict(
             bits=4, group_size=64, iters=2, error_feedback=True, act_order=True), True),
         "free α 2-bit g32 activation-aware": _layer(BCQLinear, 48, 320, dict(

@@ -516,7 +516,10 @@ def test_mixed_dequantize_from_the_layout_is_the_formats_bit_for_bit(name):
     held = x86.repack_mixed(canon, cfg, 100, 480)
     want = mixed.dequantize(canon, cfg, 100, 480)
     for path in ("scalar", "avx2", "auto"):
-        assert torch.equal(x86.dequantize_mixed(held, cfg, 100, 480, path), want), path
+        try:
+            assert torch.equal(x86.dequantize_mixed(held, cfg, 100, 480, path), want), path
+        except RuntimeError as e:  # a CPU without AVX2
+            assert path == "avx2" and "cannot run path" in str(e), e
 
 
 @pytest.mark.parametrize("name", ["g32 sb8 sg7", "g48 sb2", "default"])
@@ -635,6 +638,27 @@ def test_mixed_op_rejects_inconsistent_buffers():
     with pytest.raises(RuntimeError, match="cannot run path"):
         torch.ops.qlinear.x86_mixed_gemm(x, *(held[k] for k in x86.MIXED_NAMES[:7]), None, None, None, None, N,
                                          cfg.group_size, cfg.scale_bits, cfg.scale_group_size, 7)
+    # damaged outliers: never read or written out of bounds
+    nnz = held["x86m_ov"].numel()
+    assert nnz > 0
+    for bad, why in ((dict(held, x86m_oc=torch.full_like(held["x86m_oc"], K)), "columns must lie"),
+                     (dict(held, x86m_orp=held["x86m_orp"] * 1000), "row pointers must rise"),
+                     (dict(held, x86m_orp=held["x86m_orp"].flip(0).contiguous()), "row pointers must rise")):
+        for run in (lambda: x86.linear_mixed(x, bad, None, cfg, N, K), lambda: x86.dequantize_mixed(bad, cfg, N, K)):
+            with pytest.raises(RuntimeError, match=why):
+                run()
+
+
+def test_mixed_scale_group_size_beyond_int32():
+    """A second-order chunk larger than the layer (here 2^32 rows: one chunk) runs as one chunk of N rows."""
+    N, K = 40, 160
+    cfg = mixed.Config(scale_group_size=2 ** 32)
+    canon = mixed.quantize(torch.randn(N, K), cfg)
+    held = x86.repack_mixed(canon, cfg, N, K)
+    x = torch.randn(3, K)
+    y = x86.linear_mixed(x, held, None, cfg, N, K)
+    assert ((y.double() - x86.spec_mixed(x, held, None, cfg, N, K)).abs() <= _mixed_spec_bound(canon, cfg, N, K, x)).all()
+    assert torch.equal(x86.dequantize_mixed(held, cfg, N, K), mixed.dequantize(canon, cfg, N, K))
 
 
 def test_mixed_registry():

@@ -32,8 +32,8 @@ Every way the error versus the reference is the activations' rounding alone: per
 (amax_h / 254) · Σ_{k∈h} |ŵ_k|`` plus fp32 rounding (``amax_h``: the largest ``|x|`` of 32-input block ``h``), as for
 the Arm kernels.
 
-Paths, chosen from cpuid once (``path`` forces one): AVX-512 VNNI (the LUT layout also needs VBMI, else it runs on
-AVX2), AVX2 with AVX-VNNI, AVX2 (VPMADDUBSW + VPMADDWD; the lookups by VPSHUFB), scalar C++.  All compute the
+Paths, chosen from cpuid once (``path`` forces one): AVX-512 VNNI (the LUT layout and the mixed format also need
+VBMI, else they run on AVX2 + AVX-VNNI or AVX2), AVX2 with AVX-VNNI, AVX2 (VPMADDUBSW + VPMADDWD; the lookups by VPSHUFB), scalar C++.  All compute the
 same int32 sums and the same fp32 operations in the same order, so they give the same bits.  Batches of
 :func:`dequant_from` rows or more (by bits and size) of a bit-plane layer (path "auto") take the batched path: ``Ŵ``
 from the layout a cache-sized tile of rows at a time (:func:`dequantize`, also the backward pass's weight), each
@@ -48,7 +48,8 @@ code ``[16b + r, 8c + j]`` in its low nibble and ``[16b + r, 8c + 4 + j]`` in it
 nibble = ``bit_i[16b + r, 32h + 4g + t]``, of its high nibble ``bit_i[16b + r, 32h + 16 + 4g + t]``); uniform layers
 add ``x86_qs`` fp16 ``[Nb, G, 16]`` (scales) and ``x86_qz`` uint8 ``[Nb, G, 16]`` holding ``2·z`` (``2^bits − 1`` for the
 symmetric grid), free-α layers ``x86_qa`` fp16 ``[Nb, G, bits, 16]`` (α per plane) and ``x86_qc`` fp16 ``[Nb, G, 16]``
-(the offset, 0 without one).  Layout ``x86_codebook``: ``x86_qw`` (4 bits: as ``x86_qw`` above; 2 bits: uint8
+(the offset, 0 without one); uniform 2-bit layers with zero points instead hold ``x86_qw`` as the 2-bit codebook
+layout's below, ``x86_qs`` and ``x86_qb`` (their zero points as book words).  Layout ``x86_codebook``: ``x86_qw`` (4 bits: as ``x86_qw`` above; 2 bits: uint8
 ``[Nb, K/16, 64]``, byte ``4r + j`` of chunk ``c`` holding code ``[16b + r, 16c + 4t + j]`` in bits ``2t..2t+1``),
 ``x86_qs`` fp16 ``[Nb, G, 16]`` (scales), with several codebooks ``x86_qb`` int32 ``[Nb, G]`` (bits ``2r..2r+1``: the
 book of row ``16b + r``), and ``codebooks`` as stored.  :func:`spec` is the executable PyTorch specification of the
@@ -90,7 +91,8 @@ __all__ = ["LAYOUT", "CODEBOOK_LAYOUT", "PATHS", "DEQUANT_FROM", "LARGE_LAYER", 
 _HERE = Path(__file__).parent
 PATHS = {"auto": 0, "scalar": 1, "avx2": 2, "avx2_vnni": 3, "avx512_vnni": 4}
 ROWS = 16  # rows per block (one 32-bit lane each of a 512-bit register)
-# From this many rows (by bits) the bit-plane layers (all but uniform 4-bit) dequantize Ŵ and run a float32 GEMM
+# From this many rows (by bits) the bit-plane layers (all but uniform 4-bit and uniform 2-bit with zero points)
+# dequantize Ŵ and run a float32 GEMM
 # instead of the lookups (path "auto"; benchmarks/RESULTS.md, "x86 kernels, fourth slice", 2026-11-26); layers of
 # LARGE_LAYER weights or more cross over later (4096², 11008x4096: about 2x the rows), so their threshold doubles
 DEQUANT_FROM = {1: 256, 2: 256, 3: 128, 4: 128}

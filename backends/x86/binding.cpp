@@ -134,8 +134,8 @@ MixedBuffers mixed_weights_of(const char* op, const at::Tensor& q2, const at::Te
                               const std::optional<at::Tensor>& ov, const std::optional<at::Tensor>& oc,
                               const std::optional<at::Tensor>& orp, int64_t N, int64_t K, int64_t g,
                               int64_t scale_bits, int64_t scale_group_size) {
-  TORCH_CHECK(N > 0 && g > 0 && g % 16 == 0 && K > 0 && K % g == 0, op,
-              ": N must be positive and group_size a multiple of 16 dividing K");
+  TORCH_CHECK(N > 0 && N < (1 << 30) && g > 0 && g % 16 == 0 && K > 0 && K < (1 << 30) && K % g == 0, op,
+              ": N and K must be positive (below 2^30) and group_size a multiple of 16 dividing K");
   TORCH_CHECK(scale_bits == 2 || scale_bits == 4 || scale_bits == 8, op, ": scale_bits must be 2, 4 or 8");
   TORCH_CHECK(scale_group_size > 0, op, ": scale_group_size must be positive");
   const int64_t Nb = (N + 15) / 16, G = K / g;
@@ -157,7 +157,8 @@ MixedBuffers mixed_weights_of(const char* op, const at::Tensor& q2, const at::Te
   MixedBuffers b;
   qlinear_x86::MixedWeights& w = b.w;
   w.N = (int)N; w.group_size = (int)g; w.G2 = (int)G2; w.G4 = (int)G4;
-  w.scale_bits = (int)scale_bits; w.scale_group_size = (int)scale_group_size;
+  // a chunk of N rows or more is one chunk (S2 = 1): the clamp keeps the int exact
+  w.scale_bits = (int)scale_bits; w.scale_group_size = (int)std::min(scale_group_size, N);
   w.q2 = words(q2, q2.size(1), 16, "q2"); w.q4 = words(q4, q4.size(1), 16, "q4");
   w.sc = words(sc, G * scale_bits / 2, 1, "sc"); w.z = words(z, G2 + 2 * G4, 1, "z");
   w.ss = reinterpret_cast<const uint16_t*>(ss.data_ptr<at::Half>());
@@ -173,6 +174,11 @@ MixedBuffers mixed_weights_of(const char* op, const at::Tensor& q2, const at::Te
     b.ov32 = ov->to(at::kFloat).contiguous();
     b.oc32 = oc->to(at::kInt).contiguous();
     w.ov = b.ov32.data_ptr<float>(); w.oc = b.oc32.data_ptr<int32_t>(); w.orp = orp->data_ptr<int32_t>();
+    bool rows_ok = w.orp[0] == 0 && w.orp[N] == ov->numel(), cols_ok = true;
+    for (int64_t n = 0; n < N && rows_ok; ++n) rows_ok = w.orp[n] <= w.orp[n + 1];
+    for (int64_t i = 0; i < ov->numel() && cols_ok; ++i) cols_ok = w.oc[i] >= 0 && w.oc[i] < K;
+    TORCH_CHECK(rows_ok, op, ": outlier row pointers must rise from 0 to the number of outliers");
+    TORCH_CHECK(cols_ok, op, ": outlier columns must lie in [0, K)");
   }
   b.blocks = Nb;
   return b;

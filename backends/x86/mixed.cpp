@@ -172,7 +172,8 @@ inline LaneFields lane_fields(int bits) {
   return {_mm256_setr_epi32(0, bits, 2 * bits, 3 * bits, 4 * bits, 5 * bits, 6 * bits, 7 * bits),
           _mm256_set1_epi32((1 << bits) - 1)};
 }
-// Lanes 8·hf .. 8·hf + 7 of the `bits`-bit fields at `bit0` (the field of lane 0; 8·bits <= 32 and word-aligned).
+// Lanes 8·hf .. 8·hf + 7 of the `bits`-bit fields at `bit0` (the field of lane 0): 8 bytes for 8 bits, else one
+// shifted word (8·bits <= 32 bits, from a word boundary).
 QLINEAR_TARGET("avx2,fma,avxvnni")
 inline __m256i half_fields(const uint32_t* words, int bit0, int bits, int hf, const LaneFields& f) {
   const int bit = bit0 + 8 * bits * hf;

@@ -136,7 +136,7 @@ int quantize_block(const float* x, int n, int8_t* q, float* scale);
 int64_t mixed_acts_bytes(int M, int K);
 // Quantize x [M, K] float32 into the work buffer, per 16 inputs, and point `a` at its parts (and at x).
 void mixed_prepare_acts(const float* x, int M, int K, void* work, MixedActs* a);
-// Whether this CPU runs `path` for the mixed format (the uniform 4-bit kernels' paths).
+// Whether this CPU runs `path` for the mixed format (kScalar, kAVX2, kAVX2VNNI; kAVX512VNNI also needs VBMI).
 bool mixed_path_supported(int path);
 // Rows [16·b0, min(16·b1, N)) of Ŵ [N, K] float32, row n at out + (n − row0)·K: qlinear.formats.mixed.dequantize's
 // values (ŝ·(q − z) per weight, each outlier added to its weight), for batches above the GEMV's and the backward pass

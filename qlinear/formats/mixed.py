@@ -197,7 +197,8 @@ def select_4bit_groups(weight: torch.Tensor, cfg: Config, hinv_diag: torch.Tenso
 
 def _second_order(s: torch.Tensor, cfg: Config):
     """Quantize first-order scales ``s`` ``[N]`` along N; returns (ŝ [N], codes [N], ss [S2], zz [S2])."""
-    N, sg = s.shape[0], cfg.scale_group_size
+    N = s.shape[0]
+    sg = min(cfg.scale_group_size, N)  # a chunk of N rows or more is one chunk
     S2 = -(-N // sg)
     pad = torch.nn.functional.pad(s, (0, S2 * sg - N), value=float("nan")).reshape(S2, sg)
     mn = torch.nan_to_num(pad, nan=float("inf")).min(1).values
@@ -351,7 +352,7 @@ def decode(buffers: dict[str, torch.Tensor], cfg: Config, out_features: int,
     G = K // g
     dev = buffers["scale_scale"].device
     is4 = group_kinds(buffers["idx4"], G)
-    sg = cfg.scale_group_size
+    sg = min(cfg.scale_group_size, N)  # a chunk of N rows or more is one chunk
     sc = unpack(buffers["scale_codes"], cfg.scale_bits, N).to(torch.float32)  # [G, N]
     ss = buffers["scale_scale"].to(torch.float32).repeat_interleave(sg, 1)[:, :N]
     zz = buffers["scale_zero"].to(torch.float32).repeat_interleave(sg, 1)[:, :N]
