@@ -112,8 +112,9 @@ def _op(x, packed, bias, N, cfg, path):
     simde = path.startswith("simde-")
     if simde and x86.simde_available() is not None:
         return None
+    fn = x86.linear_mixed if cfg.format == "mixed" else x86.linear
     try:
-        return x86.linear(x, packed, bias, cfg, N, x.shape[1], path=path.removeprefix("simde-"), simde=simde)
+        return fn(x, packed, bias, cfg, N, x.shape[1], path=path.removeprefix("simde-"), simde=simde)
     except RuntimeError as e:
         if "cannot run path" in str(e):
             return None
@@ -479,19 +480,6 @@ def _mixed_spec_bound(canon, cfg, N, K, x):
     return 1e-5 * ((x.abs() + amax / 127).double() @ dense64("mixed", canon, cfg, N, K).abs().T) + 1e-6
 
 
-def _mixed_op(x, held, b, cfg, N, K, path):
-    """The GEMV on ``path`` (``simde-<path>``: the SIMDe build), or None where this CPU or machine lacks it."""
-    simde = path.startswith("simde-")
-    if simde and x86.simde_available() is not None:
-        return None
-    try:
-        return x86.linear_mixed(x, held, b, cfg, N, K, path=path.removeprefix("simde-"), simde=simde)
-    except RuntimeError as e:  # a path this CPU lacks
-        if "cannot run path" in str(e):
-            return None
-        raise
-
-
 @pytest.mark.parametrize("name", list(MIXED))
 def test_mixed_layout_round_trip_is_exact(name):
     cfg, canon = _mixed(name)
@@ -577,7 +565,7 @@ def test_mixed_kernel_paths_agree_bitwise_within_the_bound(name, bias):
     for M in (1, 3, 4, 5, 9):
         x = torch.randn(M, K)
         x[0, :16] *= 30  # one large block: its products dominate their lanes
-        ys = {p: y for p in MIXED_PATHS if (y := _mixed_op(x, held, b, cfg, N, K, p)) is not None}
+        ys = {p: y for p in MIXED_PATHS if (y := _op(x, held, b, N, cfg, p)) is not None}
         y = ys["scalar"]
         ran = {p.removeprefix("simde-") for p in ys}
         assert ran == set(MIXED_PATHS[:4]) or not _simde_expected(), (M, list(ys))  # every path ran

@@ -106,11 +106,18 @@ SOURCES = tuple(str(_HERE / f) for f in ("kernels.cpp", "mixed.cpp", "binding.cp
 CFLAGS = ("-O3", "-std=c++17", "-ffp-contract=off", *OPENMP)
 
 
+def _row_blocks(t: torch.Tensor, N: int) -> torch.Tensor:
+    """``[N, ...]`` -> ``[Nb, 16, ...]``, zero rows padding N to a multiple of 16."""
+    Nb = -(-N // ROWS)
+    out = t.new_zeros(Nb * ROWS, *t.shape[1:])
+    out[:N] = t
+    return out.view(Nb, ROWS, *t.shape[1:])
+
+
 def _interleave(codes: torch.Tensor, N: int, K: int) -> torch.Tensor:
     """Codes ``[N, K]`` (0..15) -> ``x86_qw`` uint8 ``[Nb, K/8, 64]`` (zero rows pad N to 16)."""
-    Nb = -(-N // ROWS)
-    padded = codes.new_zeros(Nb * ROWS, K)
-    padded[:N] = codes
+    padded = _row_blocks(codes, N)
+    Nb = padded.shape[0]
     v = padded.view(Nb, ROWS, K // 8, 2, 4).permute(0, 2, 1, 4, 3)  # (b, chunk c, row r, j, half)
     return (v[..., 0] | (v[..., 1] << 4)).to(torch.uint8).reshape(Nb, K // 8, 64)
 
@@ -125,10 +132,9 @@ def _deinterleave(qw: torch.Tensor, K: int) -> torch.Tensor:
 
 def _planes(codes: torch.Tensor, N: int, K: int, bits: int) -> torch.Tensor:
     """Codes ``[N, K]`` -> ``x86_lp`` uint8 ``[Nb, K/32, bits, 64]`` (zero rows pad N to 16)."""
-    Nb = -(-N // ROWS)
-    padded = codes.new_zeros(Nb * ROWS, K)
-    padded[:N] = codes
-    bit = torch.stack([(padded >> i) & 1 for i in range(bits)])  # [bits, Nb·16, K]
+    padded = _row_blocks(codes, N)
+    Nb = padded.shape[0]
+    bit = torch.stack([(padded >> i) & 1 for i in range(bits)])  # [bits, Nb, 16, K]
     nib = (bit.view(bits, Nb, ROWS, K // 32, 2, 4, 4) << torch.arange(4)).sum(-1)  # (i, b, r, h, half, q)
     byte = nib[..., 0, :] | (nib[..., 1, :] << 4)  # (i, b, r, h, q)
     return byte.permute(1, 3, 0, 4, 2).to(torch.uint8).reshape(Nb, K // 32, bits, 64)
@@ -236,9 +242,8 @@ LAYOUT = Layout(name="x86", names=_names, repack=repack, unrepack=unrepack, dequ
 def _crumbs(codes: torch.Tensor, N: int, K: int) -> torch.Tensor:
     """2-bit codes ``[N, K]`` -> ``x86_qw`` uint8 ``[Nb, K/16, 64]``: byte ``4r + j`` of block ``b``, chunk ``c`` holds
     code ``[16b + r, 16c + 4t + j]`` in bits ``2t..2t+1`` (zero rows pad N to 16)."""
-    Nb = -(-N // ROWS)
-    padded = codes.new_zeros(Nb * ROWS, K)
-    padded[:N] = codes
+    padded = _row_blocks(codes, N)
+    Nb = padded.shape[0]
     v = padded.view(Nb, ROWS, K // 16, 4, 4).permute(0, 2, 1, 4, 3)  # (b, chunk c, row r, j, t)
     return (v << (2 * torch.arange(4))).sum(-1).to(torch.uint8).reshape(Nb, K // 16, 64)
 
@@ -308,14 +313,6 @@ def _kinds(idx4: torch.Tensor, G: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.nonzero(~is4).flatten(), torch.nonzero(is4).flatten()
 
 
-def _row_blocks(t: torch.Tensor, N: int) -> torch.Tensor:
-    """``[N, ...]`` -> ``[Nb, 16, ...]``, zero rows padding N to a multiple of 16."""
-    Nb = -(-N // ROWS)
-    out = t.new_zeros(Nb * ROWS, *t.shape[1:])
-    out[:N] = t
-    return out.view(Nb, ROWS, *t.shape[1:])
-
-
 def _lanes(t: torch.Tensor, N: int, bits: int) -> torch.Tensor:
     """Per-(row, group) fields ``[N, n]`` -> int32 ``[Nb, n·bits/2]``: row ``16b + r``, group ``i`` at bit
     ``bits·(16i + r)`` of block ``b``."""
@@ -341,15 +338,13 @@ def repack_mixed(buffers: dict, cfg, N: int, K: int) -> dict:
     g, sb, G = cfg.group_size, cfg.scale_bits, K // cfg.group_size
     idx2, idx4 = _kinds(buffers["idx4"], G)
     G2, G4 = idx2.numel(), idx4.numel()
-    Nb = -(-N // ROWS)
-    c2 = _row_blocks(unpack(buffers["qweight2"], 2, G2 * g), N).view(Nb, ROWS, G2 * g // 16, 4, 4)  # (b, r, c, t, j)
-    c4 = _row_blocks(unpack(buffers["qweight4"], 4, G4 * g), N).view(Nb, ROWS, G4 * g // 8, 2, 4)   # (b, r, c, h, j)
     order = torch.cat([idx2, idx4])
     is4 = torch.zeros(-(-G // 32) * 32, dtype=torch.int64, device=order.device)
     is4[idx4] = 1
     out = {new: buffers[old] for old, new in _MIXED_SAME}
-    out.update({"x86m_q2": pack(c2.permute(0, 2, 1, 4, 3).reshape(Nb, G2 * g // 16, ROWS, 16), 2).view(Nb, -1, ROWS),
-                "x86m_q4": pack(c4.permute(0, 2, 1, 4, 3).reshape(Nb, G4 * g // 8, ROWS, 8), 4).view(Nb, -1, ROWS),
+    # a lane's word holds the same 4 bytes as the uniform layouts' row: the 2-bit codebook crumbs, the 4-bit nibbles
+    out.update({"x86m_q2": _crumbs(unpack(buffers["qweight2"], 2, G2 * g), N, G2 * g).view(torch.int32),
+                "x86m_q4": _interleave(unpack(buffers["qweight4"], 4, G4 * g), N, G4 * g).view(torch.int32),
                 "x86m_sc": _lanes(unpack(buffers["scale_codes"], sb, N)[order].T, N, sb),
                 "x86m_z": torch.cat([_lanes(unpack(buffers["zeros2"], 2, G2), N, 2),
                                      _lanes(unpack(buffers["zeros4"], 4, G4), N, 4)], 1),
@@ -364,17 +359,14 @@ def unrepack_mixed(buffers: dict, cfg, N: int, K: int) -> dict:
     g, sb, G = cfg.group_size, cfg.scale_bits, K // cfg.group_size
     idx2, idx4 = _kinds(buffers["x86m_idx4"], G)
     G2, G4 = idx2.numel(), idx4.numel()
-    Nb, W2, W4 = -(-N // ROWS), G2 * g // 16, G4 * g // 8
-    c2 = unpack(buffers["x86m_q2"].view(Nb, W2, ROWS, 1), 2, 16).view(Nb, W2, ROWS, 4, 4).permute(0, 2, 1, 4, 3)
-    c4 = unpack(buffers["x86m_q4"].view(Nb, W4, ROWS, 1), 4, 8).view(Nb, W4, ROWS, 4, 2).permute(0, 2, 1, 4, 3)
     order = torch.cat([idx2, idx4])
     sc = torch.empty(G, N, dtype=torch.int64, device=order.device)
     sc[order] = _unlanes(buffers["x86m_sc"], N, G, sb).T
     ss, sz = torch.empty_like(buffers["x86m_ss"].T), torch.empty_like(buffers["x86m_sz"].T)
     ss[order], sz[order] = buffers["x86m_ss"].T, buffers["x86m_sz"].T
     out = {old: buffers[new] for old, new in _MIXED_SAME}
-    out.update({"qweight2": pack(c2.reshape(Nb * ROWS, W2 * 16)[:N], 2),
-                "qweight4": pack(c4.reshape(Nb * ROWS, W4 * 8)[:N], 4),
+    out.update({"qweight2": pack(_uncrumbs(buffers["x86m_q2"].view(torch.uint8), G2 * g)[:N], 2),
+                "qweight4": pack(_deinterleave(buffers["x86m_q4"].view(torch.uint8), G4 * g)[:N], 4),
                 "zeros2": pack(_unlanes(buffers["x86m_z"][:, :G2], N, G2, 2), 2),
                 "zeros4": pack(_unlanes(buffers["x86m_z"][:, G2:], N, G4, 4), 4),
                 "scale_codes": pack(sc, sb), "scale_scale": ss.contiguous(), "scale_zero": sz.contiguous()})
@@ -435,16 +427,8 @@ def spec_mixed(x: torch.Tensor, buffers: dict, bias, cfg, N: int, K: int, rotati
     dots = torch.einsum("mhk,nhk->mnh", xb, codes.view(N, H, 16).double())
     d = dots - zeros.repeat_interleave(per, 1).double() * xb.sum(-1)[:, None, :]
     y = (scales.repeat_interleave(per, 1).double() * xs.double()[:, None, :] * d).sum(-1)
-    y = y + xr.double() @ _outliers(canon, N, K).T
+    y = y + xr.double() @ mixed.add_outliers(torch.zeros(N, K, dtype=torch.float64), canon).T
     return y if bias is None else y + bias.double()
-
-
-def _outliers(canon: dict, N: int, K: int) -> torch.Tensor:
-    """The canonical CSR outliers as a dense float64 ``[N, K]`` (summed where a (row, column) repeats)."""
-    o = torch.zeros(N, K, dtype=torch.float64)
-    rows = torch.repeat_interleave(torch.arange(N), canon["outlier_row_ptr"].long().diff())
-    o.index_put_((rows, canon["outlier_cols"].long()), canon["outlier_values"].double(), accumulate=True)
-    return o
 
 
 def supports_mixed(cfg, out_features: int, in_features: int) -> Optional[str]:

@@ -174,9 +174,10 @@ MixedBuffers mixed_weights_of(const char* op, const at::Tensor& q2, const at::Te
     b.ov32 = ov->to(at::kFloat).contiguous();
     b.oc32 = oc->to(at::kInt).contiguous();
     w.ov = b.ov32.data_ptr<float>(); w.oc = b.oc32.data_ptr<int32_t>(); w.orp = orp->data_ptr<int32_t>();
+    // every call (the op may be handed any buffers): branch-free, so that the loops vectorize
     bool rows_ok = w.orp[0] == 0 && w.orp[N] == ov->numel(), cols_ok = true;
-    for (int64_t n = 0; n < N && rows_ok; ++n) rows_ok = w.orp[n] <= w.orp[n + 1];
-    for (int64_t i = 0; i < ov->numel() && cols_ok; ++i) cols_ok = w.oc[i] >= 0 && w.oc[i] < K;
+    for (int64_t n = 0; n < N; ++n) rows_ok &= w.orp[n] <= w.orp[n + 1];
+    for (int64_t i = 0; i < ov->numel(); ++i) cols_ok &= (uint32_t)w.oc[i] < (uint32_t)K;
     TORCH_CHECK(rows_ok, op, ": outlier row pointers must rise from 0 to the number of outliers");
     TORCH_CHECK(cols_ok, op, ": outlier columns must lie in [0, K)");
   }

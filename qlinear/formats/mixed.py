@@ -373,8 +373,15 @@ def dequantize(buffers: dict[str, torch.Tensor], cfg: Config, out_features: int,
     N, K, g = out_features, in_features, cfg.group_size
     codes, zeros, scales = decode(buffers, cfg, N, K)
     w = (scales[:, :, None] * (codes.view(N, K // g, g) - zeros[:, :, None])).reshape(N, K)
+    return add_outliers(w, buffers)
+
+
+def add_outliers(w: torch.Tensor, buffers: dict[str, torch.Tensor]) -> torch.Tensor:
+    """``w`` ``[N, K]`` (any float dtype) plus the CSR outliers of ``buffers``, each added in ``w``'s dtype (a (row,
+    column) listed twice adds twice); in place, returned."""
     vals = buffers["outlier_values"]
     if vals.numel():
-        rows = torch.repeat_interleave(torch.arange(N, device=w.device), buffers["outlier_row_ptr"].long().diff())
-        w.index_put_((rows, buffers["outlier_cols"].long()), vals.to(torch.float32), accumulate=True)
+        rows = torch.repeat_interleave(torch.arange(w.shape[0], device=w.device),
+                                       buffers["outlier_row_ptr"].long().diff())
+        w.index_put_((rows, buffers["outlier_cols"].long()), vals.to(w.dtype), accumulate=True)
     return w
