@@ -81,7 +81,7 @@ def _format_code(cfg) -> int:
     return 0 if bcq.is_uniform(cfg) and cfg.bits == 4 else 1 if bcq.is_uniform(cfg) else 2
 
 
-def layers(shapes, batches, iters, formats):
+def layers(shapes, batches, iters, formats, act=torch.float32):
     rows = []
     for N, K in shapes:
         gs = 128 if K % 128 == 0 else 64
@@ -101,12 +101,12 @@ def layers(shapes, batches, iters, formats):
             base = {"fp32": timeit(lambda: torch.nn.functional.linear(x, wd), iters=iters),
                     "bf16": timeit(lambda: torch.nn.functional.linear(xb, wb), iters=iters),
                     "int4": timeit(lambda: torch._weight_int4pack_mm_for_cpu(xb, int4, gs, sz), iters=iters)}
-            ours_u4 = None
+            ours_u4, x = None, x.to(act)  # qlinear's rows take x in --activations
             for name in formats:
                 cfg = FORMATS[name](gs)
                 canon, packed = _quantize(w, cfg)
                 deq = get_format(cfg.format).dequantize
-                t = dict(base, ref=timeit(lambda: torch.nn.functional.linear(x, deq(canon, cfg, N, K)),
+                t = dict(base, ref=timeit(lambda: torch.nn.functional.linear(x, deq(canon, cfg, N, K).to(x.dtype)),
                                           warmup=1, iters=3 if slow else iters))
                 for p in PATHS:
                     if (p != "scalar" or N * K * M <= 4096 * 4096) and _runs(p, x, packed, cfg, N, K):
@@ -184,6 +184,8 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--formats", default="u4", help=f"comma list of {', '.join(FORMATS)} (u4 first for the last column)")
     ap.add_argument("--tokens", type=int, default=32, help="decode tokens (end to end)")
+    ap.add_argument("--activations", default="float32", choices=("float32", "bfloat16"),
+                    help="qlinear's activations (bfloat16: the batched path's bfloat16 GEMM on CPUs with AVX512-BF16)")
     ap.add_argument("--no-e2e", action="store_true", help="skip the SmolLM2 decode")
     ap.add_argument("--no-layers", action="store_true", help="only the SmolLM2 decode")
     ap.add_argument("--callgrind", action="store_true", help="only the instruction counts (needs g++ and valgrind)")
@@ -200,12 +202,12 @@ def main() -> None:
                platform.processor())
     print(f"{time.strftime('%Y-%m-%d')}, {cpu}, torch {torch.__version__}, {torch.get_num_threads()} threads; "
           "median µs per call; formats: u4/u3/u2 uniform (round-to-nearest), bcq4/3/2 free α (BCQ fit), "
-          "cb4/cb2 codebooks")
+          f"cb4/cb2 codebooks; qlinear activations {args.activations}")
     if not args.no_layers:
         print(table(["N x K", "M", "group", "format", "dense fp32", "dense bf16", "PyTorch int4", "qlinear reference",
                      *[f"x86 {p}" for p in PATHS], "x86 auto", "int4 / best x86", "bf16 / best x86",
                      "best x86 / u4's"],
-                    layers(shapes, batches, args.iters, args.formats.split(","))))
+                    layers(shapes, batches, args.iters, args.formats.split(","), getattr(torch, args.activations))))
     if not args.no_e2e:
         print(f"\nSmolLM2-135M greedy decode, {args.tokens} tokens after a 5-token prompt, batch 1")
         print(table(["model", "tokens/s", "vs float32"], decode(args.tokens)))

@@ -258,13 +258,13 @@ def _(x, qw, qs, qz, bias, N, group_size, bits, format, path, rot_signs=None, ro
     """x86 AVX-512 VNNI / AVX2 kernels of :mod:`qlinear.backends.x86`: ``x`` ``[M, K]`` fp32 -> ``[M, N]`` fp32."""
     return x.new_empty(x.shape[0], N)
 _lib.define("x86_dequantize(Tensor qw, Tensor qs, Tensor qz, Tensor? qb, int N, int K, int group_size, int bits, "
-            "int format) -> Tensor")
+            "int format, ScalarType? dtype=None) -> Tensor")
 
 
 @torch.library.register_fake("qlinear::x86_dequantize")
-def _(qw, qs, qz, qb, N, K, group_size, bits, format):
-    """``Ŵ`` ``[N, K]`` float32 from the :mod:`qlinear.backends.x86` layouts."""
-    return qs.new_empty(N, K, dtype=torch.float32)
+def _(qw, qs, qz, qb, N, K, group_size, bits, format, dtype=None):
+    """``Ŵ`` ``[N, K]`` float32 (``dtype`` None) or bfloat16 from the :mod:`qlinear.backends.x86` layouts."""
+    return qs.new_empty(N, K, dtype=dtype or torch.float32)
 
 
 _lib.define("x86_mixed_gemm(Tensor x, Tensor q2, Tensor q4, Tensor sc, Tensor z, Tensor ss, Tensor sz, Tensor kinds, "
@@ -282,15 +282,36 @@ def _(x, q2, q4, sc, z, ss, sz, kinds, ov, oc, orp, bias, N, group_size, scale_b
 
 _lib.define("x86_mixed_dequantize(Tensor q2, Tensor q4, Tensor sc, Tensor z, Tensor ss, Tensor sz, Tensor kinds, "
             "Tensor? ov, Tensor? oc, Tensor? orp, int N, int K, int group_size, int scale_bits, int scale_group_size, "
-            "int path=0, int b0=0, int b1=-1) -> Tensor")
+            "int path=0, int b0=0, int b1=-1, ScalarType? dtype=None) -> Tensor")
 
 
 @torch.library.register_fake("qlinear::x86_mixed_dequantize")
-def _(q2, q4, sc, z, ss, sz, kinds, ov, oc, orp, N, K, group_size, scale_bits, scale_group_size, path=0, b0=0, b1=-1):
-    """Rows ``[16·b0, min(16·b1, N))`` (``b1 < 0``: to N) of ``Ŵ`` ``[N, K]`` float32 of the mixed format from layout
-    ``x86_mixed``."""
+def _(q2, q4, sc, z, ss, sz, kinds, ov, oc, orp, N, K, group_size, scale_bits, scale_group_size, path=0, b0=0, b1=-1,
+      dtype=None):
+    """Rows ``[16·b0, min(16·b1, N))`` (``b1 < 0``: to N) of ``Ŵ`` ``[N, K]`` float32 (``dtype`` None) or bfloat16 of
+    the mixed format from layout ``x86_mixed``."""
     end = N if b1 < 0 else min(16 * b1, N)
-    return ss.new_empty(end - 16 * b0, K, dtype=torch.float32)
+    return ss.new_empty(end - 16 * b0, K, dtype=dtype or torch.float32)
+
+
+_lib.define("x86_amx_supported() -> bool")
+_lib.define("x86_amx_gemm(Tensor x, Tensor qw, Tensor qs, Tensor qz, Tensor? qb, int N, int group_size, int bits, "
+            "int format) -> Tensor")
+_lib.define("x86_mixed_amx_gemm(Tensor x, Tensor q2, Tensor q4, Tensor sc, Tensor z, Tensor ss, Tensor sz, "
+            "Tensor kinds, Tensor? ov, Tensor? oc, Tensor? orp, int N, int group_size, int scale_bits, "
+            "int scale_group_size) -> Tensor")
+
+
+@torch.library.register_fake("qlinear::x86_amx_gemm")
+def _(x, qw, qs, qz, qb, N, group_size, bits, format):
+    """``y`` ``[M, N]`` float32: bfloat16 ``x`` ``[M, K]`` times Ŵ (layouts ``x86``/``x86_codebook``) on AMX tiles."""
+    return x.new_empty(x.shape[0], N, dtype=torch.float32)
+
+
+@torch.library.register_fake("qlinear::x86_mixed_amx_gemm")
+def _(x, q2, q4, sc, z, ss, sz, kinds, ov, oc, orp, N, group_size, scale_bits, scale_group_size):
+    """``y`` ``[M, N]`` float32: bfloat16 ``x`` ``[M, K]`` times Ŵ (layout ``x86_mixed``) on AMX tiles."""
+    return x.new_empty(x.shape[0], N, dtype=torch.float32)
 
 
 _lib.define("quick_gemm(Tensor x, Tensor qweight, Tensor scales, Tensor? zeros, Tensor? perm, Tensor? bias, "

@@ -135,6 +135,77 @@ def test_dequantize_from_the_layout_is_the_formats_bit_for_bit(name):
     assert torch.allclose(w.double(), _dense(cfg, bufs, N, K), rtol=2.0 ** -23, atol=0)
 
 
+@pytest.mark.parametrize("name", ALL)
+def test_bfloat16_dequantize_rounds_the_formats_values_once(name):
+    """``dtype=torch.bfloat16`` (the batched path's tiles for bfloat16 activations): the format's float32 Ŵ rounded to
+    bfloat16 by torch, bit for bit, in the native build and (every SIMD path emulated) the SIMDe one."""
+    from qlinear.formats import get_format
+
+    if x86.available() is not None:
+        pytest.skip(x86.available())
+    cfg, bufs, N, K = _case(name)
+    held = _repack(cfg, bufs, N, K)
+    want = get_format(cfg.format).dequantize(bufs, cfg, N, K).to(torch.bfloat16)
+    got = x86.dequantize(held, cfg, N, K, torch.bfloat16)
+    assert got.dtype == torch.bfloat16 and torch.equal(got.view(torch.int16), want.view(torch.int16))
+    if x86.simde_available() is None:
+        qw, qs, qz, qb, gs, bits, fmt = x86._weights(held, cfg, K)
+        for dtype in (torch.float32, torch.bfloat16):
+            simde = torch.ops.qlinear_x86_simde.x86_dequantize(qw, qs, qz, qb, N, K, gs, bits, fmt, dtype)
+            assert torch.equal(simde, x86.dequantize(held, cfg, N, K, dtype)), dtype
+    with pytest.raises(RuntimeError, match="dtype must be torch.float32 or torch.bfloat16"):
+        x86.dequantize(held, cfg, N, K, torch.float16)
+
+
+@pytest.mark.parametrize("name", ALL)
+@pytest.mark.parametrize("gemm", ["amx", "torch"])
+def test_bfloat16_activations_take_a_bfloat16_gemm_from_the_threshold(name, gemm, monkeypatch):
+    """On a CPU with AVX512-BF16, bfloat16 activations from ``batched_from`` rows multiply the layout's Ŵ rounded to
+    bfloat16 in a bfloat16 GEMM (AMX tiles, 100 rows: a pass of 6 activation groups and a ragged one; or torch's
+    GEMM over tiles of 3 blocks, the last ragged): within the roundings of Ŵ and y to bfloat16 of the float64
+    reference; below the threshold the int8 GEMV runs (the batched path is not called)."""
+    if x86.available() is not None:
+        pytest.skip(x86.available())
+    cfg, bufs, N, K = _case(name)
+    x = torch.randn(100, K).bfloat16()
+    if x86.batched_dtype(x) != torch.bfloat16:
+        pytest.skip("no AVX512-BF16: bfloat16 activations take the float32 batched path")
+    if gemm == "amx" and not x86.amx_available():
+        pytest.skip("no AMX")
+    if gemm == "torch":
+        monkeypatch.setattr(x86, "amx_available", lambda: False)
+    monkeypatch.setattr(x86, "BF16_BATCHED_FROM", {"planes": 3, "other": 4})
+    monkeypatch.setattr(x86, "_TILE_BYTES_BF16", 2 * K * 16 * 3)
+    calls = []
+    batched = x86._batched
+    monkeypatch.setattr(x86, "_batched", lambda *a, **k: calls.append(1) or batched(*a, **k))
+    held, w64, b = _repack(cfg, bufs, N, K), _dense(cfg, bufs, N, K), torch.randn(N).bfloat16()
+    y = x86.linear(x, held, b, cfg, N, K)
+    assert calls == [1] and y.dtype == torch.bfloat16
+    y64 = x.double() @ w64.T + b.double()
+    bound = 2.0 ** -8 * (x.double().abs() @ w64.abs().T) + 2.0 ** -7 * (y64.abs() + b.double().abs()) + 1e-6
+    assert ((y.double() - y64).abs() <= bound).all()
+    x86.linear(x[:2], held, b, cfg, N, K)
+    assert calls == [1]
+
+
+def test_amx_gemm_is_the_bfloat16_product_and_rejects_bad_input():
+    """The AMX op equals x·Ŵ_bf16ᵀ summed in float64 to float32 rounding (a wrong row order or a dropped 32-input chunk
+    would be far outside), and refuses float32 x with a reason."""
+    if x86.available() is not None or not x86.amx_available():
+        pytest.skip("no AMX")
+    cfg, bufs, N, K = _case("g128")
+    held = _repack(cfg, bufs, N, K)
+    qw, qs, qz, qb, gs, bits, fmt = x86._weights(held, cfg, K)
+    x = torch.randn(37, K).bfloat16()
+    y = torch.ops.qlinear.x86_amx_gemm(x, qw, qs, qz, qb, N, gs, bits, fmt)
+    wb = x86.dequantize(held, cfg, N, K, torch.bfloat16).double()
+    want = x.double() @ wb.T
+    assert ((y.double() - want).abs() <= 2 * K * 2.0 ** -24 * (x.double().abs() @ wb.abs().T) + 1e-30).all()
+    with pytest.raises(RuntimeError, match="x must be a bfloat16"):
+        torch.ops.qlinear.x86_amx_gemm(x.float(), qw, qs, qz, qb, N, gs, bits, fmt)
+
+
 @pytest.mark.parametrize("name", list(CASES))
 def test_layout_round_trip_is_exact(name):
     cfg, bufs, N, K = _case(name)
@@ -499,13 +570,15 @@ def test_mixed_layout_round_trip_of_a_fresh_module():
 @pytest.mark.parametrize("name", list(MIXED))
 def test_mixed_dequantize_from_the_layout_is_the_formats_bit_for_bit(name):
     """Ŵ from layout ``x86_mixed`` (batches above the GEMV's, the backward pass) equals the format's float32 Ŵ,
-    outliers included, on the scalar and the AVX2 path."""
+    outliers included, on the scalar and the AVX2 path; in bfloat16, those values rounded once by torch."""
     cfg, canon = _mixed(name)
     held = x86.repack_mixed(canon, cfg, 100, 480)
     want = mixed.dequantize(canon, cfg, 100, 480)
     for path in ("scalar", "avx2", "auto"):
         try:
             assert torch.equal(x86.dequantize_mixed(held, cfg, 100, 480, path), want), path
+            got = x86.dequantize_mixed(held, cfg, 100, 480, path, torch.bfloat16)
+            assert torch.equal(got.view(torch.int16), want.to(torch.bfloat16).view(torch.int16)), path
         except RuntimeError as e:  # a CPU without AVX2
             assert path == "avx2" and "cannot run path" in str(e), e
 
@@ -596,6 +669,26 @@ def test_mixed_large_batches_take_the_float_gemm(monkeypatch):
     x86.linear_mixed(x[:4], held, b, cfg, N, K)
     x86.linear_mixed(x, held, b, cfg, N, K, path="avx2")
     assert calls == [1]
+
+
+@pytest.mark.parametrize("gemm", ["amx", "torch"])
+def test_mixed_bfloat16_activations_take_a_bfloat16_gemm(gemm, monkeypatch):
+    """Bfloat16 activations from ``batched_from`` rows: Ŵ (outliers included) rounded to bfloat16 times x, within the
+    roundings of Ŵ and y to bfloat16 of the float64 reference, on AMX tiles or torch's GEMM."""
+    N, K = 100, 480
+    cfg, canon = _mixed("default", N, K)
+    x = torch.randn(40, K).bfloat16()
+    if x86.batched_dtype(x) != torch.bfloat16 or (gemm == "amx" and not x86.amx_available()):
+        pytest.skip("no AVX512-BF16 or no AMX")
+    if gemm == "torch":
+        monkeypatch.setattr(x86, "amx_available", lambda: False)
+    monkeypatch.setattr(x86, "BF16_BATCHED_FROM", {"planes": 3, "other": 4})
+    held, b = x86.repack_mixed(canon, cfg, N, K), torch.randn(N).bfloat16()
+    y = x86.linear_mixed(x, held, b, cfg, N, K)
+    w64 = mixed.dequantize(canon, cfg, N, K).double()
+    y64 = x.double() @ w64.T + b.double()
+    bound = 2.0 ** -8 * (x.double().abs() @ w64.abs().T) + 2.0 ** -7 * (y64.abs() + b.double().abs()) + 1e-6
+    assert y.dtype == torch.bfloat16 and ((y.double() - y64).abs() <= bound).all()
 
 
 def test_mixed_kernel_catches_a_wrong_layout():

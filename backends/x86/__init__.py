@@ -35,9 +35,15 @@ the Arm kernels.
 Paths, chosen from cpuid once (``path`` forces one): AVX-512 VNNI (the LUT layout and the mixed format also need
 VBMI, else they run on AVX2 + AVX-VNNI or AVX2), AVX2 with AVX-VNNI, AVX2 (VPMADDUBSW + VPMADDWD; the lookups by VPSHUFB), scalar C++.  All compute the
 same int32 sums and the same fp32 operations in the same order, so they give the same bits.  Batches of
-:func:`dequant_from` rows or more (by bits and size) of a bit-plane layer (path "auto") take the batched path: ``Ŵ``
-from the layout a cache-sized tile of rows at a time (:func:`dequantize`, also the backward pass's weight), each
-tile times the unquantized activations by a float32 GEMM.  Built just in time (``backends/_native.py``) with
+:func:`batched_from` rows or more (path "auto") take the batched path (:func:`_batched`): the unquantized activations
+times ``Ŵ`` from the layout (:func:`dequantize`, also the backward pass's weight: AVX-512 where the CPU has it, the
+same values).  Float32 activations: a cache-sized tile of rows of ``Ŵ`` at a time and a float32 GEMM, for bit-plane
+layers from :func:`dequant_from` rows (by bits and size) and mixed layers.  Bfloat16 activations on a CPU with
+AVX512-BF16 (every format, from 32 rows for bit-plane layers, 64 for the others): ``Ŵ`` rounded once to bfloat16
+and a bfloat16 GEMM, as a dense bfloat16 layer computes; on AMX below :data:`AMX_ROWS` rows (``amx.cpp``) each
+16-row block of ``Ŵ`` is dequantized into cache and multiplied on AMX tiles (TDPBF16PS), else tiles of ``Ŵ`` go to
+torch's GEMM.  Error:
+bfloat16 rounding of ``Ŵ`` and ``y`` (float32 sums).  Built just in time (``backends/_native.py``) with
 baseline flags; each SIMD path carries its own ``target`` attribute.  Rows are split across threads with
 ``at::parallel_for``.
 
@@ -60,8 +66,8 @@ and zero point, so the activations are quantized to int8 per 16 inputs (``xs``, 
 as for the uniform layout; per 16-input chunk ``h`` one VPDPBUSD per 4 inputs (AVX-512 VNNI: the 16 rows at once;
 AVX-VNNI, or VPMADDUBSW + VPMADDWD: 8 at a time) gives each row's ``I_h = Σ q·xq`` exactly, then per group
 ``ŝ·Σ_h xs_h·(I_h − z·Σ xq)`` in fp32; the outliers are added with the float32 activations.  Layout ``x86_mixed``
-(:func:`repack_mixed`; exact inverse :func:`unrepack_mixed`).  Above :data:`MIXED_GEMV_ROWS` rows it takes Ŵ
-(:func:`dequantize_mixed`, the format's values bit for bit) and a float32 GEMM.  Error versus the float64 reference:
+(:func:`repack_mixed`; exact inverse :func:`unrepack_mixed`).  From :func:`batched_from` rows it takes the batched
+path with Ŵ from :func:`dequantize_mixed` (the format's values bit for bit).  Error versus the float64 reference:
 the activations' rounding, ``Σ_h (amax_h / 254)·Σ_{k∈h} |ŝ·(q − z)|`` (``amax_h`` over 16 inputs), plus fp32
 rounding; :func:`spec_mixed` is the kernel's value before that rounding.
 """
@@ -83,7 +89,8 @@ from .. import ANY, Kernel, Layout, register
 from .._cpu import pad_groups, quantize_activations, rotation_args, spec_input, supports_codebook, unpad_groups
 from .._native import OPENMP, build
 
-__all__ = ["LAYOUT", "CODEBOOK_LAYOUT", "PATHS", "DEQUANT_FROM", "LARGE_LAYER", "dequant_from", "repack", "unrepack",
+__all__ = ["LAYOUT", "CODEBOOK_LAYOUT", "PATHS", "DEQUANT_FROM", "LARGE_LAYER", "BF16_BATCHED_FROM", "AMX_ROWS",
+           "dequant_from", "batched_from", "batched_dtype", "amx_available", "repack", "unrepack",
            "repack_codebook", "unrepack_codebook", "MIXED_LAYOUT", "repack_mixed", "unrepack_mixed", "linear_mixed",
            "dequantize_mixed", "spec_mixed", "supports_mixed", "spec", "linear", "dequantize", "available",
            "simde_available", "supports"]
@@ -102,7 +109,16 @@ LARGE_LAYER = 8 << 20
 # 2026-11-26, AVX-512 VNNI: SmolLM2's shapes cross over between 64 and 128 rows, 4096² and 11008x4096 near 128-150)
 MIXED_GEMV_ROWS = 64
 _TILE_BYTES = 4 << 20  # float32 rows of Ŵ per tile of the batched path: cache-sized, below glibc's mmap threshold
-SOURCES = tuple(str(_HERE / f) for f in ("kernels.cpp", "mixed.cpp", "binding.cpp"))
+# Bfloat16 tiles are larger: oneDNN's per-call cost (packing x for AMX) dominates smaller ones (RESULTS.md, "x86:
+# bfloat16 activations on the batched path": 16 MB tiles 1.2-2x faster than 4 MB at 64-512 rows)
+_TILE_BYTES_BF16 = 16 << 20
+# Rows from which layers take the batched path with bfloat16 activations on a CPU with AVX512-BF16 (bfloat16 GEMMs):
+# bit-plane layers ("planes") and the others (uniform 4-bit, uniform 2-bit, codebooks, mixed), and below how many rows
+# the batched path runs on amx.cpp's kernel rather than torch's GEMM over tiles (RESULTS.md, "x86: bfloat16
+# activations on the batched path", 2026-11-26: AMX 1.1-1.4x faster at 64 rows, 0.9-1.0x from 128)
+BF16_BATCHED_FROM = {"planes": 32, "other": 64}
+AMX_ROWS = 128
+SOURCES = tuple(str(_HERE / f) for f in ("kernels.cpp", "mixed.cpp", "amx.cpp", "binding.cpp"))
 CFLAGS = ("-O3", "-std=c++17", "-ffp-contract=off", *OPENMP)
 
 
@@ -228,11 +244,13 @@ def _weights(buffers: dict, cfg, K: int) -> tuple:
     return (*(buffers[n] for n in _names(cfg)), None, gs, cfg.bits, fmt)
 
 
-def dequantize(buffers: dict, cfg, out_features: int, in_features: int) -> torch.Tensor:
+def dequantize(buffers: dict, cfg, out_features: int, in_features: int,
+               dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """``Ŵ`` ``[N, K]`` float32 straight from layout ``x86`` or ``x86_codebook`` (the layouts' ``dequantize``, for
-    the backward pass): the same values as the format's ``dequantize`` of the :func:`unrepack`-ed buffers."""
+    the backward pass): the same values as the format's ``dequantize`` of the :func:`unrepack`-ed buffers;
+    ``dtype=torch.bfloat16``: those values rounded to bfloat16 (RuntimeError for other dtypes)."""
     qw, qs, qz, qb, gs, bits, fmt = _weights(buffers, cfg, in_features)
-    return torch.ops.qlinear.x86_dequantize(qw, qs, qz, qb, out_features, in_features, gs, bits, fmt)
+    return torch.ops.qlinear.x86_dequantize(qw, qs, qz, qb, out_features, in_features, gs, bits, fmt, dtype)
 
 
 LAYOUT = Layout(name="x86", names=_names, repack=repack, unrepack=unrepack, dequantize=dequantize,
@@ -380,12 +398,14 @@ def _mixed_args(buffers: dict) -> list:
             *([buffers[k] for k in ("x86m_ov", "x86m_oc", "x86m_orp")] if has else [None, None, None])]
 
 
-def dequantize_mixed(buffers: dict, cfg, out_features: int, in_features: int, path: str = "auto") -> torch.Tensor:
+def dequantize_mixed(buffers: dict, cfg, out_features: int, in_features: int, path: str = "auto",
+                     dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """``Ŵ`` ``[N, K]`` float32 from layout ``x86_mixed`` (``mixed.cpp``): :func:`qlinear.formats.mixed.dequantize`'s
-    values bit for bit, for batches above :data:`MIXED_GEMV_ROWS` and the backward pass.  ``path`` "auto", "scalar"
-    or "avx2" (the same bits; RuntimeError "cannot run path" where this CPU lacks AVX2)."""
+    values bit for bit, for batches above :data:`MIXED_GEMV_ROWS` and the backward pass; ``dtype=torch.bfloat16``:
+    those values rounded to bfloat16.  ``path`` "auto", "scalar" or "avx2" (the same bits; RuntimeError "cannot run
+    path" where this CPU lacks AVX2)."""
     return torch.ops.qlinear.x86_mixed_dequantize(*_mixed_args(buffers), out_features, in_features, cfg.group_size,
-                                                  cfg.scale_bits, cfg.scale_group_size, PATHS[path])
+                                                  cfg.scale_bits, cfg.scale_group_size, PATHS[path], 0, -1, dtype)
 
 
 MIXED_LAYOUT = Layout(name="x86_mixed", names=lambda cfg: MIXED_NAMES, repack=repack_mixed, unrepack=unrepack_mixed,
@@ -395,16 +415,18 @@ MIXED_LAYOUT = Layout(name="x86_mixed", names=lambda cfg: MIXED_NAMES, repack=re
 def linear_mixed(x: torch.Tensor, buffers: dict, bias, cfg, out_features: int, in_features: int, path: str = "auto",
                  simde: bool = False, rotation=None) -> torch.Tensor:
     """Registry entry for the mixed format: ``x`` ``[..., K]`` on CPU -> ``[..., N]`` of ``x.dtype`` over layout
-    ``x86_mixed``, int8 activations per 16 inputs (``mixed.cpp``); above :data:`MIXED_GEMV_ROWS` rows (twice that for
-    layers of :data:`LARGE_LAYER` weights or more; path "auto") Ŵ from the layout a tile of rows at a time and a
-    float32 GEMM instead.  ``path`` one of :data:`PATHS` (RuntimeError "cannot run path" where this CPU lacks it);
+    ``x86_mixed``, int8 activations per 16 inputs (``mixed.cpp``); from :func:`batched_from` rows (path "auto") the
+    batched path instead (:func:`_batched`).  ``path`` one of :data:`PATHS` (RuntimeError "cannot run path" where this
+    CPU lacks it);
     ``simde`` runs the SIMDe build; ``rotation`` (seed, block): the layer's randomized Hadamard, applied to x inside
     the op."""
     N, K = out_features, in_features
     x2 = x.reshape(-1, K)
-    if path == "auto" and not simde and x2.shape[0] > MIXED_GEMV_ROWS * (2 if N * K >= LARGE_LAYER else 1):
-        args = (*_mixed_args(buffers), N, K, cfg.group_size, cfg.scale_bits, cfg.scale_group_size, 0)
-        return _batched(x, lambda b0, b1: torch.ops.qlinear.x86_mixed_dequantize(*args, b0, b1), bias, N, K, rotation)
+    if path == "auto" and not simde and x2.shape[0] >= batched_from(cfg, N, K, x):
+        held, opts = _mixed_args(buffers), (cfg.group_size, cfg.scale_bits, cfg.scale_group_size)
+        return _batched(x, lambda b0, b1, dtype: torch.ops.qlinear.x86_mixed_dequantize(*held, N, K, *opts, 0, b0, b1,
+                                                                                        dtype),
+                        bias, N, K, rotation, amx=lambda xs: torch.ops.qlinear.x86_mixed_amx_gemm(xs, *held, N, *opts))
     op = torch.ops.qlinear_x86_simde.x86_mixed_gemm if simde else torch.ops.qlinear.x86_mixed_gemm
     y = op(x2.float().contiguous(), *_mixed_args(buffers), bias, N, cfg.group_size, cfg.scale_bits,
            cfg.scale_group_size, PATHS[path], *rotation_args(rotation, K))
@@ -503,24 +525,40 @@ def simde_available() -> Optional[str]:
 def linear(x: torch.Tensor, buffers: dict, bias, cfg, out_features: int, in_features: int, path: str = "auto",
            simde: bool = False, rotation=None):
     """Registry entry: ``x`` ``[..., K]`` on CPU -> ``[..., N]`` of ``x.dtype`` over layout ``x86`` (BCQ) or
-    ``x86_codebook``.  ``path`` forces one
-    of :data:`PATHS` (RuntimeError "cannot run path" where this CPU lacks it); ``simde`` runs the build of
+    ``x86_codebook``; from :func:`batched_from` rows (path "auto") the batched path (:func:`_batched`).  ``path``
+    forces one of :data:`PATHS` (RuntimeError "cannot run path" where this CPU lacks it); ``simde`` runs the build of
     :func:`simde_available` instead, where every path runs.  ``rotation`` (seed, block): the layer's randomized
     Hadamard, applied to x inside the op before its int8 quantization (the kernel ``fuses_rotation``); an act_order
     layer's ``perm`` in ``buffers`` is gathered there too, after it (``gathers_perm``)."""
     N, K = out_features, in_features
     x2 = x.reshape(-1, K)
-    if path == "auto" and not simde and cfg.format == "bcq" and not (_nibbles(cfg) or _uniform_crumbs(cfg)) \
-            and x2.shape[0] >= dequant_from(cfg.bits, N, K):
-        main = {n: buffers[n] for n in _names(cfg)}
-        return _batched(x, lambda b0, b1: dequantize({n: t[b0:b1] for n, t in main.items()}, cfg,
-                                                      min(N, b1 * ROWS) - b0 * ROWS, K), bias, N, K, rotation,
-                        buffers.get("perm"))
+    if path == "auto" and not simde and x2.shape[0] >= batched_from(cfg, N, K, x):
+        names = _codebook_names(cfg) if cfg.format == "codebook" else _names(cfg)
+        main = {n: buffers[n] for n in names if n != "codebooks"}
+        qw, qs, qz, qb, gs, bits, fmt = _weights(buffers, cfg, K)
+        return _batched(x, lambda b0, b1, dtype: dequantize({**buffers, **{n: t[b0:b1] for n, t in main.items()}},
+                                                             cfg, min(N, b1 * ROWS) - b0 * ROWS, K, dtype), bias, N, K,
+                        rotation, buffers.get("perm"),
+                        lambda xs: torch.ops.qlinear.x86_amx_gemm(xs, qw, qs, qz, qb, N, gs, bits, fmt))
     op = torch.ops.qlinear_x86_simde.x86_gemm if simde else torch.ops.qlinear.x86_gemm
     qw, qs, qz, qb, gs, bits, fmt = _weights(buffers, cfg, K)
     y = op(x2.float().contiguous(), qw, qs, qz, bias, N, gs, bits, fmt, PATHS[path], *rotation_args(rotation, K),
            buffers.get("perm"), qb)
     return y.to(x.dtype).reshape(*x.shape[:-1], N)
+
+
+def batched_from(cfg, out_features: int, in_features: int, x: torch.Tensor) -> float:
+    """Rows from which a layer takes the batched path (path "auto").  Float32 GEMMs: bit-plane layers from
+    :func:`dequant_from` rows, mixed layers above :data:`MIXED_GEMV_ROWS` (twice that for layers of
+    :data:`LARGE_LAYER` weights or more), the others never (their int8 GEMVs stay faster).  Bfloat16 GEMMs
+    (:func:`batched_dtype`): :data:`BF16_BATCHED_FROM`, by "planes" (bit-plane layers) or "other"."""
+    N, K = out_features, in_features
+    planes = cfg.format == "bcq" and not (_nibbles(cfg) or _uniform_crumbs(cfg))
+    if batched_dtype(x) == torch.bfloat16:
+        return BF16_BATCHED_FROM["planes" if planes else "other"]
+    if cfg.format == "mixed":
+        return MIXED_GEMV_ROWS * (2 if N * K >= LARGE_LAYER else 1) + 1
+    return dequant_from(cfg.bits, N, K) if planes else math.inf
 
 
 def dequant_from(bits: int, out_features: int, in_features: int) -> int:
@@ -532,17 +570,38 @@ def dequant_from(bits: int, out_features: int, in_features: int) -> int:
     return DEQUANT_FROM[bits] * (2 if out_features * in_features >= LARGE_LAYER else 1)
 
 
-def _batched(x: torch.Tensor, rows, bias, N: int, K: int, rotation, perm=None) -> torch.Tensor:
-    """The batched path: ``Ŵ`` a tile of rows at a time (``rows(b0, b1)``: the rows of layout blocks ``[b0, b1)``,
-    float32) into a cache-sized buffer (a whole Ŵ of a large layer would cost more in page faults than the GEMM), each
-    tile times the unquantized (rotated, gathered by ``perm``) x by a float32 GEMM."""
-    xs = spec_input(x.reshape(-1, K).float(), rotation, perm)
-    y = xs.new_empty(xs.shape[0], N)
-    blocks = max(1, _TILE_BYTES // (4 * K * ROWS))
-    for b0 in range(0, -(-N // ROWS), blocks):
-        y[:, b0 * ROWS:min(N, (b0 + blocks) * ROWS)] = xs @ rows(b0, b0 + blocks).T
+def batched_dtype(x: torch.Tensor) -> torch.dtype:
+    """The batched path's GEMM dtype for activations ``x``: bfloat16 for bfloat16 activations on a CPU with
+    AVX512-BF16 (oneDNN runs bfloat16 GEMMs there on AMX tiles or VDPBF16PS, as a dense bfloat16 model's layers),
+    else float32."""
+    fast = getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)()
+    return torch.bfloat16 if x.dtype == torch.bfloat16 and fast else torch.float32
+
+
+def amx_available() -> bool:
+    """Whether the batched path's bfloat16 GEMM runs on AMX tiles here (``amx.cpp``: AMX-BF16 and Linux's permission
+    for the tile state; the extension built)."""
+    return available() is None and torch.ops.qlinear.x86_amx_supported()
+
+
+def _batched(x: torch.Tensor, rows, bias, N: int, K: int, rotation, perm=None, amx=None) -> torch.Tensor:
+    """The batched path: the unquantized (rotated, gathered by ``perm``) x times Ŵ in :func:`batched_dtype`.  On AMX
+    with bfloat16 (:func:`amx_available`) below :data:`AMX_ROWS` rows, ``amx(x)`` (the layout's op: each 16-row
+    block of Ŵ dequantized to bfloat16 in cache, then TDPBF16PS); else ``Ŵ`` a tile of rows at a time (``rows(b0, b1, dtype)``: the rows of
+    layout blocks ``[b0, b1)``, the format's float32 values, in bfloat16 rounded once) into a tile buffer (a whole Ŵ
+    of a large layer would cost more in page faults than the GEMM), each tile times x by torch's GEMM."""
+    cd = batched_dtype(x)
+    xs = spec_input(x.reshape(-1, K), rotation, perm).to(cd)  # bfloat16 x unrotated: no copies
+    if cd == torch.bfloat16 and amx is not None and xs.shape[0] < AMX_ROWS and amx_available():
+        y = amx(xs)
+    else:
+        yt = xs.new_empty(N, xs.shape[0])  # yᵀ: a tile is the GEMM's first operand (oneDNN packs only the second)
+        blocks = max(1, (_TILE_BYTES if cd == torch.float32 else _TILE_BYTES_BF16) // (xs.element_size() * K * ROWS))
+        for b0 in range(0, -(-N // ROWS), blocks):
+            torch.mm(rows(b0, b0 + blocks, cd), xs.T, out=yt[b0 * ROWS:(b0 + blocks) * ROWS])
+        y = yt.T.contiguous()
     if bias is not None:
-        y += bias.float()
+        y += bias.to(y.dtype)
     return y.to(x.dtype).reshape(*x.shape[:-1], N)
 
 
@@ -560,7 +619,7 @@ for _fmt, _bits, _supports, _layout in (("bcq", {1, 2, 3, 4}, supports, LAYOUT),
                     dtypes=frozenset({torch.float32, torch.float16, torch.bfloat16}), bits=frozenset(_bits),
                     group_sizes=ANY, max_batch=ANY, min_capability=ANY, supports=_supports, available=available,
                     layout=_layout, gathers_perm=True, fuses_rotation=True))
-# mixed 2/4/16: int8 activations per 16 inputs (mixed.cpp), Ŵ + a float32 GEMM above MIXED_GEMV_ROWS rows
+# mixed 2/4/16: int8 activations per 16 inputs (mixed.cpp), the batched path from batched_from rows
 register(Kernel(backend="x86", format="mixed", fn=linear_mixed, priority=15, devices=frozenset({"cpu"}),
                 dtypes=frozenset({torch.float32, torch.float16, torch.bfloat16}), bits=ANY, group_sizes=ANY,
                 max_batch=ANY, min_capability=ANY, supports=supports_mixed, available=available,

@@ -107,15 +107,24 @@ at::Tensor x86_gemm(const at::Tensor& x, const at::Tensor& qw, const at::Tensor&
   return y;
 }
 
-// Ŵ [N, K] float32 from the same buffers as x86_gemm (qgemm.h's dequantize): the backward pass's weight.
+// Ŵ's element type: float32 (dtype None) or bfloat16.
+bool bf16_out(const char* op, const std::optional<at::ScalarType>& dtype) {
+  TORCH_CHECK(!dtype.has_value() || *dtype == at::kFloat || *dtype == at::kBFloat16, op,
+              ": dtype must be torch.float32 or torch.bfloat16, got ", *dtype);
+  return dtype.has_value() && *dtype == at::kBFloat16;
+}
+
+// Ŵ [N, K] float32 or bfloat16 from the same buffers as x86_gemm (qgemm.h's dequantize): the backward pass's weight
+// and the batched path's tiles.
 at::Tensor x86_dequantize(const at::Tensor& qw, const at::Tensor& qs, const at::Tensor& qz,
                           const std::optional<at::Tensor>& qb, int64_t N, int64_t K, int64_t group_size, int64_t bits,
-                          int64_t format) {
+                          int64_t format, const std::optional<at::ScalarType>& dtype) {
   int8_t table[16] = {};
   const qlinear_x86::Weights w = weights_of("x86_dequantize", qw, qs, qz, qb, N, K, group_size, bits, format, table);
-  at::Tensor out = at::empty({N, K}, qs.options().dtype(at::kFloat));
+  const bool bf16 = bf16_out("x86_dequantize", dtype);
+  at::Tensor out = at::empty({N, K}, qs.options().dtype(bf16 ? at::kBFloat16 : at::kFloat));
   at::parallel_for(0, (N + 15) / 16, 4, [&](int64_t b0, int64_t b1) {
-    qlinear_x86::dequantize(w, out.data_ptr<float>(), (int)b0, (int)b1);
+    qlinear_x86::dequantize(w, out.data_ptr(), (int)b0, (int)b1, bf16);
   });
   return out;
 }
@@ -219,13 +228,14 @@ at::Tensor x86_mixed_gemm(const at::Tensor& x, const at::Tensor& q2, const at::T
   return y;
 }
 
-// Rows [16·b0, min(16·b1, N)) of Ŵ (b1 < 0: to the end) float32 of the mixed format from the same buffers (qgemm.h's
+// Rows [16·b0, min(16·b1, N)) of Ŵ (b1 < 0: to the end) float32 or bfloat16 of the mixed format from the same buffers (qgemm.h's
 // mixed_dequantize).
 at::Tensor x86_mixed_dequantize(const at::Tensor& q2, const at::Tensor& q4, const at::Tensor& sc, const at::Tensor& z,
                                 const at::Tensor& ss, const at::Tensor& sz, const at::Tensor& kinds,
                                 const std::optional<at::Tensor>& ov, const std::optional<at::Tensor>& oc,
                                 const std::optional<at::Tensor>& orp, int64_t N, int64_t K, int64_t group_size,
-                                int64_t scale_bits, int64_t scale_group_size, int64_t path, int64_t b0, int64_t b1) {
+                                int64_t scale_bits, int64_t scale_group_size, int64_t path, int64_t b0, int64_t b1,
+                                const std::optional<at::ScalarType>& dtype) {
   const char* op = "x86_mixed_dequantize";
   const MixedBuffers mb = mixed_weights_of(op, q2, q4, sc, z, ss, sz, kinds, ov, oc, orp, N, K, group_size,
                                            scale_bits, scale_group_size);
@@ -235,11 +245,67 @@ at::Tensor x86_mixed_dequantize(const at::Tensor& q2, const at::Tensor& q4, cons
   if (b1 < 0 || b1 > mb.blocks) b1 = mb.blocks;
   TORCH_CHECK(b0 >= 0 && b0 < b1, op, ": empty block range [", b0, ", ", b1, ")");
   const int64_t row0 = 16 * b0, rows = std::min<int64_t>(16 * b1, N) - row0;
-  at::Tensor out = at::empty({rows, K}, ss.options().dtype(at::kFloat));
+  const bool bf16 = bf16_out(op, dtype);
+  at::Tensor out = at::empty({rows, K}, ss.options().dtype(bf16 ? at::kBFloat16 : at::kFloat));
   at::parallel_for(b0, b1, 2, [&](int64_t lo, int64_t hi) {
-    qlinear_x86::mixed_dequantize(mb.w, out.data_ptr<float>(), (int)lo, (int)hi, (int)path, (int)row0);
+    qlinear_x86::mixed_dequantize(mb.w, out.data_ptr(), (int)lo, (int)hi, (int)path, (int)row0, bf16);
   });
   return out;
+}
+
+// The batched path on AMX (amx.cpp): x bfloat16 [M, K] (rotated and gathered already) times the layer's Ŵ rounded
+// to bfloat16, one 16-row block at a time -> y [M, N] float32.
+at::Tensor amx_packed(const char* op, const at::Tensor& x) {  // [ceil(M/16), K/2, 16, 2]: TDPBF16PS's B operand
+  TORCH_CHECK(qlinear_x86::amx_supported(), op, ": this CPU (or OS) does not run AMX bfloat16 tiles");
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.size(1) % 32 == 0, op,
+              ": x must be a bfloat16 CPU [M, K] tensor with K a multiple of 32");
+  const int64_t M = x.size(0), K = x.size(1), G = (M + 15) / 16;
+  at::Tensor p = at::zeros({G * 16, K}, x.options());
+  p.narrow(0, 0, M).copy_(x);
+  return p.view({G, 16, K / 2, 2}).permute({0, 2, 1, 3}).contiguous();
+}
+
+at::Tensor amx_run(const at::Tensor& x, int64_t N, int64_t blocks, void (*dequant)(const void*, int, uint16_t*),
+                   const void* weights, const at::Tensor& xp) {
+  const int64_t M = x.size(0), K = x.size(1);
+  at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
+  const auto* xb = reinterpret_cast<const uint16_t*>(xp.data_ptr());
+  at::parallel_for(0, blocks, 8, [&](int64_t b0, int64_t b1) {
+    qlinear_x86::amx_gemm((int)N, (int)K, (int)M, xb, y.data_ptr<float>(), (int)b0, (int)b1, dequant, weights);
+  });
+  return y;
+}
+
+// Whether amx.cpp runs here (Python: x86.amx_available).
+bool x86_amx_supported() { return qlinear_x86::amx_supported(); }
+
+at::Tensor x86_amx_gemm(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& qs, const at::Tensor& qz,
+                        const std::optional<at::Tensor>& qb, int64_t N, int64_t group_size, int64_t bits,
+                        int64_t format) {
+  const at::Tensor xp = amx_packed("x86_amx_gemm", x);
+  int8_t table[16] = {};
+  const qlinear_x86::Weights w = weights_of("x86_amx_gemm", qw, qs, qz, qb, N, x.size(1), group_size, bits, format,
+                                            table);
+  const auto dequant = [](const void* w, int b, uint16_t* buf) {
+    qlinear_x86::dequantize(*static_cast<const qlinear_x86::Weights*>(w), buf, b, b + 1, true, 16 * b);
+  };
+  return amx_run(x, N, (N + 15) / 16, dequant, &w, xp);
+}
+
+at::Tensor x86_mixed_amx_gemm(const at::Tensor& x, const at::Tensor& q2, const at::Tensor& q4, const at::Tensor& sc,
+                              const at::Tensor& z, const at::Tensor& ss, const at::Tensor& sz, const at::Tensor& kinds,
+                              const std::optional<at::Tensor>& ov, const std::optional<at::Tensor>& oc,
+                              const std::optional<at::Tensor>& orp, int64_t N, int64_t group_size, int64_t scale_bits,
+                              int64_t scale_group_size) {
+  const char* op = "x86_mixed_amx_gemm";
+  const at::Tensor xp = amx_packed(op, x);
+  const MixedBuffers mb = mixed_weights_of(op, q2, q4, sc, z, ss, sz, kinds, ov, oc, orp, N, x.size(1), group_size,
+                                           scale_bits, scale_group_size);
+  const auto dequant = [](const void* w, int b, uint16_t* buf) {
+    qlinear_x86::mixed_dequantize(*static_cast<const qlinear_x86::MixedWeights*>(w), buf, b, b + 1,
+                                  qlinear_x86::kAuto, 16 * b, true);
+  };
+  return amx_run(x, N, mb.blocks, dequant, &mb.w, xp);
 }
 
 }  // namespace
@@ -257,5 +323,10 @@ TORCH_LIBRARY_IMPL(qlinear, CPU, m) {
   m.impl("x86_dequantize", &x86_dequantize);
   m.impl("x86_mixed_gemm", &x86_mixed_gemm);
   m.impl("x86_mixed_dequantize", &x86_mixed_dequantize);
+  m.impl("x86_amx_gemm", &x86_amx_gemm);
+  m.impl("x86_mixed_amx_gemm", &x86_mixed_amx_gemm);
+}
+TORCH_LIBRARY_IMPL(qlinear, CompositeExplicitAutograd, m) {  // no tensor arguments: no backend to dispatch on
+  m.impl("x86_amx_supported", &x86_amx_supported);
 }
 #endif

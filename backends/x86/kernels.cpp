@@ -9,6 +9,9 @@
 #include <simde/x86/avx512.h>
 #define _mm256_dpbusd_avx_epi32 _mm256_dpbusd_epi32
 #define _mm512_cvtepu8_epi32(a) _mm512_cvtepu16_epi32(_mm256_cvtepu8_epi16(a))  // not in SIMDe 0.8
+#define _mm512_cvtepu8_epi16(a)                                                  \
+  _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_cvtepu8_epi16(_mm256_castsi256_si128(a))), \
+                     _mm256_cvtepu8_epi16(_mm256_extracti128_si256(a, 1)), 1)  // not in SIMDe 0.8
 inline void simde_store_masked(float* p, simde__mmask16 k, simde__m512 a) {  // SIMDe 0.8 writes all 16 lanes
   alignas(64) float v[16];
   simde_mm512_store_ps(v, a);
@@ -36,6 +39,7 @@ inline simde__m512 simde_load_masked(simde__mmask16 k, const float* p) {  // SIM
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 
 #include "qgemm.h"
 
@@ -888,6 +892,70 @@ void block_codes(const Weights& w, const uint8_t* blk, int h, uint8_t (*c)[32]) 
   }
 }
 
+// block_codes with AVX-512 (F, BW, VL): the same codes.  A and B hold in 128-bit lane l the codes 0..15 and 16..31
+// of row r0 + 4l; they go to c[r0 + 4l].
+QLINEAR_TARGET("avx512f,avx512bw,avx512vl")
+inline void store_rows(__m512i A, __m512i B, uint8_t (*c)[32], int r0) {
+  const __m512i lo = _mm512_shuffle_i64x2(_mm512_shuffle_i64x2(A, B, 0x44), _mm512_shuffle_i64x2(A, B, 0x44), 0xD8);
+  const __m512i hi = _mm512_shuffle_i64x2(_mm512_shuffle_i64x2(A, B, 0xEE), _mm512_shuffle_i64x2(A, B, 0xEE), 0xD8);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(c[r0]), _mm512_castsi512_si256(lo));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(c[r0 + 4]), _mm512_extracti64x4_epi64(lo, 1));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(c[r0 + 8]), _mm512_castsi512_si256(hi));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(c[r0 + 12]), _mm512_extracti64x4_epi64(hi, 1));
+}
+
+QLINEAR_TARGET("avx512f,avx512bw,avx512vl")
+inline void block_codes_avx512(const Weights& w, const uint8_t* blk, int h, uint8_t (*c)[32]) {
+  const __m512i m4 = _mm512_set1_epi8(15), m2 = _mm512_set1_epi8(3);
+  if (w.format == kU4 || w.format == kCB4) {  // lane l of chunk q: rows 4l..4l+3, 4 bytes (8 codes) each
+    __m512i P[4], Q[4];
+    for (int q = 0; q < 4; ++q) {
+      const __m512i v = _mm512_loadu_si512(blk + static_cast<int64_t>(4 * h + q) * 64);
+      const __m512i L = _mm512_and_si512(v, m4), H = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+      P[q] = _mm512_unpacklo_epi32(L, H);  // rows 4l, 4l + 1: codes 8q .. 8q + 7 each
+      Q[q] = _mm512_unpackhi_epi32(L, H);  // rows 4l + 2, 4l + 3
+    }
+    store_rows(_mm512_unpacklo_epi64(P[0], P[1]), _mm512_unpacklo_epi64(P[2], P[3]), c, 0);
+    store_rows(_mm512_unpackhi_epi64(P[0], P[1]), _mm512_unpackhi_epi64(P[2], P[3]), c, 1);
+    store_rows(_mm512_unpacklo_epi64(Q[0], Q[1]), _mm512_unpacklo_epi64(Q[2], Q[3]), c, 2);
+    store_rows(_mm512_unpackhi_epi64(Q[0], Q[1]), _mm512_unpackhi_epi64(Q[2], Q[3]), c, 3);
+  } else if (w.format == kCB2) {  // chunk q, crumb t of a row's 4 bytes: codes 16q + 4t .. 16q + 4t + 3
+    __m512i R[2][4];
+    for (int q = 0; q < 2; ++q) {
+      const __m512i v = _mm512_loadu_si512(blk + static_cast<int64_t>(2 * h + q) * 64);
+      __m512i S[4];
+      for (int t = 0; t < 4; ++t) S[t] = _mm512_and_si512(_mm512_srl_epi16(v, _mm_cvtsi32_si128(2 * t)), m2);
+      const __m512i a = _mm512_unpacklo_epi32(S[0], S[1]), b = _mm512_unpacklo_epi32(S[2], S[3]);
+      const __m512i d = _mm512_unpackhi_epi32(S[0], S[1]), e = _mm512_unpackhi_epi32(S[2], S[3]);
+      R[q][0] = _mm512_unpacklo_epi64(a, b);  // row 4l
+      R[q][1] = _mm512_unpackhi_epi64(a, b);  // row 4l + 1
+      R[q][2] = _mm512_unpacklo_epi64(d, e);
+      R[q][3] = _mm512_unpackhi_epi64(d, e);
+    }
+    for (int k = 0; k < 4; ++k) store_rows(R[0][k], R[1][k], c, k);
+  } else {  // bit-planes: per plane a 32-bit mask per row (bit k: input 32h + k), then each code byte's bit i
+    alignas(64) uint32_t m[kMaxBits][kRows];
+    for (int i = 0; i < w.bits; ++i) {
+      const uint8_t* v = blk + (static_cast<int64_t>(h) * w.bits + i) * 64;
+      __m512i acc = _mm512_setzero_si512();
+      for (int g = 0; g < 4; ++g) {  // byte 16g + r: inputs 4g + t (low nibble), 16 + 4g + t (high)
+        const __m512i x = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(v + 16 * g)));
+        acc = _mm512_or_si512(acc, _mm512_sll_epi32(_mm512_and_si512(x, _mm512_set1_epi32(15)),
+                                                    _mm_cvtsi32_si128(4 * g)));
+        acc = _mm512_or_si512(acc, _mm512_sll_epi32(_mm512_srli_epi32(x, 4), _mm_cvtsi32_si128(16 + 4 * g)));
+      }
+      _mm512_store_si512(m[i], acc);
+    }
+    for (int r = 0; r < kRows; ++r) {
+      __m256i code = _mm256_setzero_si256();
+      for (int i = 0; i < w.bits; ++i)
+        code = _mm256_or_si256(code, _mm256_and_si256(_mm256_movm_epi8(static_cast<__mmask32>(m[i][r])),
+                                                      _mm256_set1_epi8(static_cast<char>(1 << i))));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(c[r]), code);
+    }
+  }
+}
+
 // The 2^bits weight values of row r of block b in group g.
 void levels(const Weights& w, int b, int g, int r, float* lv) {
   const int64_t at = (static_cast<int64_t>(b) * num_groups(w) + g) * kRows + r;
@@ -913,25 +981,166 @@ void levels(const Weights& w, int b, int g, int r, float* lv) {
 }
 }  // namespace
 
-void dequantize(const Weights& w, float* out, int b0, int b1) {
+namespace {
+inline uint16_t bf16_bits(float f) {  // round to nearest even, as torch's .to(torch.bfloat16) for finite values
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+QLINEAR_TARGET("avx512f,avx512bw")
+inline void to_bf16_avx512(__m512 v, uint16_t* out) {  // bf16_bits of 16 floats
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)),
+                                     _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1)));
+  const __m512i even = _mm512_set_epi16(62, 60, 58, 56, 54, 52, 50, 48, 46, 44, 42, 40, 38, 36, 34, 32, 31, 29, 27, 25,
+                                        23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);  // the high half of each dword
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm512_castsi512_si256(_mm512_permutexvar_epi16(even, r)));
+}
+
+QLINEAR_TARGET("avx512f")
+inline __m512 fp16(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+
+// levels() of a block's 16 rows in group g, with AVX-512 (the same fp32 operations), as T: lt[r][c].
+template <typename T>
+QLINEAR_TARGET("avx512f,avx512bw,avx512vl")
+inline void levels16_avx512(const Weights& w, int b, int g, T (*lt)[32]) {
+  const int64_t at = (static_cast<int64_t>(b) * num_groups(w) + g) * kRows;
+  const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  alignas(64) float s[kRows], z[kRows], al[kMaxBits][kRows];
+  __m512 lv[kRows];
+  if (w.format == kLutFree) {
+    const int64_t ab = (static_cast<int64_t>(b) * num_groups(w) + g) * w.bits;
+    for (int i = 0; i < w.bits; ++i) _mm512_store_ps(al[i], fp16(w.qs + (ab + i) * kRows));
+    _mm512_store_ps(z, fp16(w.qc + at));
+    constexpr __mmask16 kBit[kMaxBits] = {0xAAAA, 0xCCCC, 0xF0F0, 0xFF00};  // codes with bit i set
+    for (int r = 0; r < kRows; ++r) {
+      __m512 v = _mm512_setzero_ps();
+      for (int i = 0; i < w.bits; ++i)
+        v = _mm512_add_ps(v, _mm512_mask_blend_ps(kBit[i], _mm512_set1_ps(-al[i][r]), _mm512_set1_ps(al[i][r])));
+      lv[r] = _mm512_add_ps(v, _mm512_set1_ps(z[r]));
+    }
+  } else if (w.format >= kCB4) {
+    _mm512_store_ps(s, fp16(w.qs + at));
+    const __m512i tab = _mm512_cvtepi16_epi32(_mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.table))));
+    for (int r = 0; r < kRows; ++r) {
+      const __m512i idx = _mm512_add_epi32(_mm512_set1_epi32(cb_book(w, b, g, r) << w.bits), _mm512_cvtps_epi32(iota));
+      lv[r] = _mm512_mul_ps(_mm512_set1_ps(s[r]), _mm512_cvtepi32_ps(_mm512_permutexvar_epi32(idx, tab)));
+    }
+  } else {
+    _mm512_store_ps(s, fp16(w.qs + at));
+    _mm512_store_ps(z, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+                                         _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.qz + at)))),
+                                     _mm512_set1_ps(0.5f)));
+    for (int r = 0; r < kRows; ++r) lv[r] = _mm512_mul_ps(_mm512_set1_ps(s[r]), _mm512_sub_ps(iota, _mm512_set1_ps(z[r])));
+  }
+  for (int r = 0; r < kRows; ++r) {
+    if constexpr (std::is_same<T, float>::value)
+      _mm512_storeu_ps(lt[r], lv[r]);
+    else
+      to_bf16_avx512(lv[r], lt[r]);
+  }
+}
+}  // namespace
+
+namespace {
+// Ŵ of 32 inputs of one row: o[k] = lv[c[k]], lv the row's (up to) 16 levels for the group (AVX-512: one
+// VPERMPS per 16 float32 outputs, one VPERMW per 32 bfloat16 ones); the same values as the scalar loop.
+QLINEAR_TARGET("avx512f,avx512bw")
+inline void lookup32_avx512(const float* lv, const uint8_t* c, float* o) {
+  const __m512 t = _mm512_loadu_ps(lv);
+  for (int k = 0; k < 32; k += 16)
+    _mm512_storeu_ps(o + k, _mm512_permutexvar_ps(
+                                _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c + k))), t));
+}
+
+QLINEAR_TARGET("avx512f,avx512bw")
+inline void lookup32_avx512(const uint16_t* lv, const uint8_t* c, uint16_t* o) {
+  const __m512i t = _mm512_loadu_si512(lv);  // lv has 32 entries (16 used)
+  _mm512_storeu_si512(o, _mm512_permutexvar_epi16(
+                             _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(c))), t));
+}
+
+// dequantize over blocks [b0, b1) with AVX-512 (F, BW, VL): the same values as dequantize_scalar.
+template <typename T>
+QLINEAR_TARGET("avx512f,avx512bw,avx512vl")
+void dequantize_avx512(const Weights& w, T* out, int b0, int b1, int row0) {
   const int K = w.K, G = num_groups(w);
   const bool planes = w.format == kLutUniform || w.format == kLutFree;
-  float lv[kRows][16];
-  uint8_t c[kRows][32];
+  alignas(64) T lt[kRows][32] = {};  // the levels as T (bfloat16: rounded once from float32)
+  alignas(64) uint8_t c[kRows][32];
   for (int b = b0; b < b1; ++b) {
     const uint8_t* blk = w.qw + (planes ? lut_block(w, b) : cb_block(w, b, w.format == kCB2 ? 2 : 4));
     const int rows = std::min(kRows, w.N - kRows * b);
     for (int g = 0; g < G; ++g) {
-      for (int r = 0; r < rows; ++r) levels(w, b, g, r, lv[r]);
+      levels16_avx512(w, b, g, lt);
+      for (int h = g * w.group_size / 32; h < std::min((g + 1) * w.group_size, K) / 32; ++h) {
+        block_codes_avx512(w, blk, h, c);
+        for (int r = 0; r < rows; ++r) lookup32_avx512(lt[r], c[r], out + static_cast<int64_t>(kRows * b + r - row0) * K + 32 * h);
+      }
+    }
+  }
+}
+
+template <typename T>
+void dequantize_scalar(const Weights& w, T* out, int b0, int b1, int row0) {
+  const int K = w.K, G = num_groups(w);
+  const bool planes = w.format == kLutUniform || w.format == kLutFree;
+  float lv[16] = {};
+  uint8_t c[kRows][32];
+  for (int b = b0; b < b1; ++b) {
+    const uint8_t* blk = w.qw + (planes ? lut_block(w, b) : cb_block(w, b, w.format == kCB2 ? 2 : 4));
+    const int rows = std::min(kRows, w.N - kRows * b);
+    T lt[kRows][16];
+    for (int g = 0; g < G; ++g) {
+      for (int r = 0; r < rows; ++r) {
+        levels(w, b, g, r, lv);
+        for (int l = 0; l < 16; ++l) {
+          if constexpr (std::is_same<T, float>::value)
+            lt[r][l] = lv[l];
+          else
+            lt[r][l] = bf16_bits(lv[l]);
+        }
+      }
       for (int h = g * w.group_size / 32; h < std::min((g + 1) * w.group_size, K) / 32; ++h) {
         block_codes(w, blk, h, c);
         for (int r = 0; r < rows; ++r) {
-          float* o = out + static_cast<int64_t>(kRows * b + r) * K + 32 * h;
-          for (int k = 0; k < 32; ++k) o[k] = lv[r][c[r][k]];
+          T* o = out + static_cast<int64_t>(kRows * b + r - row0) * K + 32 * h;
+          for (int k = 0; k < 32; ++k) o[k] = lt[r][c[r][k]];
         }
       }
     }
   }
+}
+
+template <typename T>
+void dequantize_blocks(const Weights& w, T* out, int b0, int b1, int row0) {
+  if (QLINEAR_HAS("avx512f") && QLINEAR_HAS("avx512bw") && QLINEAR_HAS("avx512vl"))
+    dequantize_avx512(w, out, b0, b1, row0);
+  else
+    dequantize_scalar(w, out, b0, b1, row0);
+}
+}  // namespace
+
+namespace {
+QLINEAR_TARGET("avx512f,avx512bw")
+int64_t to_bf16_avx512(const float* in, uint16_t* out, int64_t n) {  // the first n − n % 16 values
+  int64_t k = 0;
+  for (; k + 16 <= n; k += 16) to_bf16_avx512(_mm512_loadu_ps(in + k), out + k);
+  return k;
+}
+}  // namespace
+
+void to_bf16(const float* in, uint16_t* out, int64_t n) {
+  int64_t k = QLINEAR_HAS("avx512f") && QLINEAR_HAS("avx512bw") ? to_bf16_avx512(in, out, n) : 0;
+  for (; k < n; ++k) out[k] = bf16_bits(in[k]);
+}
+
+void dequantize(const Weights& w, void* out, int b0, int b1, bool bf16, int row0) {
+  if (bf16)
+    dequantize_blocks(w, static_cast<uint16_t*>(out), b0, b1, row0);
+  else
+    dequantize_blocks(w, static_cast<float*>(out), b0, b1, row0);
 }
 
 }  // namespace qlinear_x86

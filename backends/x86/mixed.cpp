@@ -399,16 +399,18 @@ void mixed_prepare_acts(const float* x, int M, int K, void* work, MixedActs* a) 
   *a = MixedActs{xq, xs, xsum, x, M, K};
 }
 
-void mixed_dequantize(const MixedWeights& w, float* out, int b0, int b1, int path, int row0) {
+void mixed_dequantize(const MixedWeights& w, void* out, int b0, int b1, int path, int row0, bool bf16) {
   if (path == kAuto) path = mixed_path_supported(kAVX2) ? kAVX2 : kScalar;
   const int g = w.group_size, K = (w.G2 + w.G4) * g;
   const Groups gs(w);
   BlockScales bs;
+  std::vector<float> scratch(bf16 ? K : 0);  // a bfloat16 row is written as float32 first, then rounded once
   for (int b = b0; b < b1; ++b) {
     bs.load(w, b);
     const BlockWords bw(w, b);
     for (int r = 0; r < kRows && kRows * b + r < w.N; ++r) {
-      float* row = out + (int64_t)(kRows * b + r - row0) * K;
+      const int64_t at = (int64_t)(kRows * b + r - row0) * K;
+      float* row = bf16 ? scratch.data() : static_cast<float*>(out) + at;
       for (int i = 0; i < w.G2 + w.G4; ++i) {
         const bool four = i >= w.G2;
         const float s = bs.scale(i, r, field(bw.sc, scale_bit(w, i, r), w.scale_bits));
@@ -428,6 +430,7 @@ void mixed_dequantize(const MixedWeights& w, float* out, int b0, int b1, int pat
       const int n = kRows * b + r;
       if (w.ov != nullptr)  // the format adds each outlier to its weight (one fp32 rounding)
         for (int i = w.orp[n]; i < w.orp[n + 1]; ++i) row[w.oc[i]] += w.ov[i];
+      if (bf16) to_bf16(row, static_cast<uint16_t*>(out) + at, K);
     }
   }
 }

@@ -85,10 +85,16 @@ int best_path(int format);
 bool path_supported(int path, int format);
 // y [M, N] float32 = x Wᵀ (+ bias) for the 16-row blocks [b0, b1).
 void run(const Weights& w, const Acts& a, const float* bias, float* y, int b0, int b1, int path);
-// Rows [16·b0, min(16·b1, N)) of Ŵ [N, K] float32, the values of the canonical formats' dequantization
+// Rows [16·b0, min(16·b1, N)) of Ŵ, the values of the canonical formats' dequantization
 // (qlinear/formats): uniform s·(code − z); free α +0 ± α_1 ± ... ± α_B in plane order, + c; codebooks
-// s·centroid.  For the backward pass (grad_x = grad·Ŵ) without converting the layout back.
-void dequantize(const Weights& w, float* out, int b0, int b1);
+// s·centroid.  For the backward pass (grad_x = grad·Ŵ) without converting the layout back, and for the batched path
+// (a tile of rows at a time).  Row n at out + (n − row0)·K; bf16: bfloat16 bits, each value rounded once from the
+// float32 one (to_bf16).
+void dequantize(const Weights& w, void* out, int b0, int b1, bool bf16, int row0 = 0);
+
+// float32 in[0..n) -> bfloat16 bits, rounded to nearest even (torch's .to(torch.bfloat16) for finite values; Ŵ has
+// no NaN).
+void to_bf16(const float* in, uint16_t* out, int64_t n);
 
 // fp16 bits -> float32, exact.
 float half_to_float(uint16_t h);
@@ -140,9 +146,18 @@ void mixed_prepare_acts(const float* x, int M, int K, void* work, MixedActs* a);
 bool mixed_path_supported(int path);
 // Rows [16·b0, min(16·b1, N)) of Ŵ [N, K] float32, row n at out + (n − row0)·K: qlinear.formats.mixed.dequantize's
 // values (ŝ·(q − z) per weight, each outlier added to its weight), for batches above the GEMV's and the backward pass
-// (path kAuto: AVX2 where the CPU has it, else scalar; the same bits).
-void mixed_dequantize(const MixedWeights& w, float* out, int b0, int b1, int path, int row0);
+// (path kAuto: AVX2 where the CPU has it, else scalar; the same bits).  bf16: out is bfloat16 bits, each value
+// rounded once (to_bf16) from the float32 one.
+void mixed_dequantize(const MixedWeights& w, void* out, int b0, int b1, int path, int row0, bool bf16);
 // y [M, N] float32 for the 16-row blocks [b0, b1) (path kAuto: the best this CPU runs; every path the same bits).
 void mixed_run(const MixedWeights& w, const MixedActs& a, const float* bias, float* y, int b0, int b1, int path);
+
+// AMX (amx.cpp; Linux): whether this CPU has AMX-BF16 and the OS grants the tile state (asked once).
+bool amx_supported();
+// y [M, N] float32 (row-major) for the 16-row blocks [b0, b1): dequant(weights, b, buf) writes block b's rows of Ŵ as
+// bfloat16 [16, K] into buf (rows past N: anything); xp is x bfloat16 packed as [ceil(M/16)][K/2][16][2] (activation
+// rows padded with zeros).  Each y value: Σ over 32-input chunks of TDPBF16PS (bfloat16 products, float32 sums).
+void amx_gemm(int N, int K, int M, const uint16_t* xp, float* y, int b0, int b1,
+              void (*dequant)(const void* weights, int b, uint16_t* buf), const void* weights);
 
 }  // namespace qlinear_x86

@@ -1,0 +1,124 @@
+// The batched path on AMX (Sapphire Rapids and later): each 16-row block of Ŵ is dequantized to bfloat16 into a
+// buffer that stays in cache (dequantize / mixed_dequantize: the format's values rounded once), then multiplied by
+// the activations on AMX tiles (TDPBF16PS: bfloat16 products summed in float32).  Ŵ is never written to memory
+// whole, and x is packed once per call.  Layout of the operands (qgemm.h, amx_gemm):
+//   A  tile 0: 16 rows of Ŵ × 32 inputs (64 bytes per row, row stride K bfloat16: the block buffer);
+//   B  tile 1: x packed as xp[g][k/2][m][2] (g: 16 activation rows, pairs of inputs per 32-bit element, as TDPBF16PS
+//      reads them), 16 pairs × 16 rows = 64 bytes per tile row;
+//   C  tiles 2..7: yᵀ for the block's 16 rows × 16 activation rows each, float32; up to 6 activation groups per pass.
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "qgemm.h"
+
+#if defined(__linux__) && !defined(QLINEAR_X86_SIMDE)
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#define QLINEAR_AMX 1
+#endif
+
+namespace qlinear_x86 {
+
+#ifdef QLINEAR_AMX
+namespace {
+constexpr int kRows = 16, kGroups = 6;
+
+// One pass over activation groups g0 .. g0 + NG − 1: C tile 2 + j accumulates group g0 + j over all of K.
+template <int NG>
+__attribute__((target("amx-tile,amx-bf16"))) void pass(const uint16_t* wb, int K, const uint16_t* xp, int g0,
+                                                        float* yt, int ldy) {
+#define QLINEAR_C(j, stmt) \
+  if (NG > j) stmt;
+  QLINEAR_C(0, _tile_zero(2)) QLINEAR_C(1, _tile_zero(3)) QLINEAR_C(2, _tile_zero(4))
+  QLINEAR_C(3, _tile_zero(5)) QLINEAR_C(4, _tile_zero(6)) QLINEAR_C(5, _tile_zero(7))
+  const int64_t group = static_cast<int64_t>(K / 2) * 32;  // bfloat16 elements of one group's packed x
+  for (int c = 0; c < K / 32; ++c) {
+    _tile_loadd(0, wb + 32 * c, 2 * K);
+    const uint16_t* b = xp + static_cast<int64_t>(g0) * group + static_cast<int64_t>(c) * 16 * 32;
+#define QLINEAR_STEP(j, tile) \
+  if (NG > j) {                          \
+    _tile_loadd(1, b + (j) * group, 64); \
+    _tile_dpbf16ps(tile, 0, 1);          \
+  }
+    QLINEAR_STEP(0, 2) QLINEAR_STEP(1, 3) QLINEAR_STEP(2, 4) QLINEAR_STEP(3, 5) QLINEAR_STEP(4, 6) QLINEAR_STEP(5, 7)
+#undef QLINEAR_STEP
+  }
+  float* o = yt + 16 * g0;
+  QLINEAR_C(0, _tile_stored(2, o, 4 * ldy)) QLINEAR_C(1, _tile_stored(3, o + 16, 4 * ldy))
+  QLINEAR_C(2, _tile_stored(4, o + 32, 4 * ldy)) QLINEAR_C(3, _tile_stored(5, o + 48, 4 * ldy))
+  QLINEAR_C(4, _tile_stored(6, o + 64, 4 * ldy)) QLINEAR_C(5, _tile_stored(7, o + 80, 4 * ldy))
+#undef QLINEAR_C
+}
+
+// Palette 1, tiles 0..7 of 16 rows × 64 bytes (LDTILECFG's 64-byte layout: palette, start row, 14 reserved bytes,
+// 16 column widths (uint16), 16 row counts; every unused byte must be zero).
+__attribute__((target("amx-tile"))) void configure() {
+  alignas(64) uint8_t cfg[64];
+  std::memset(cfg, 0, sizeof(cfg));
+  cfg[0] = 1;
+  for (int t = 0; t < 8; ++t) {
+    cfg[16 + 2 * t] = 64;
+    cfg[48 + t] = 16;
+  }
+  asm volatile("" : : "r"(cfg) : "memory");  // GCC 12 assumes LDTILECFG reads 16 bytes and drops the other stores
+  _tile_loadconfig(cfg);
+}
+
+__attribute__((target("amx-tile"))) void release() { _tile_release(); }
+}  // namespace
+
+bool amx_supported() {
+  static const bool ok = [] {
+    if (!__builtin_cpu_supports("amx-tile") || !__builtin_cpu_supports("amx-bf16")) return false;
+    constexpr long kReqXCompPerm = 0x1023, kXTileData = 18;  // Linux: the process asks to use the tile state
+    return syscall(SYS_arch_prctl, kReqXCompPerm, kXTileData) == 0;
+  }();
+  return ok;
+}
+
+void amx_gemm(int N, int K, int M, const uint16_t* xp, float* y, int b0, int b1,
+              void (*dequant)(const void*, int, uint16_t*), const void* weights) {
+  // R blocks of Ŵ (≤ 1 MB of bfloat16) share each pass's activation groups, so a group's packed x is read from
+  // memory once per R blocks, not once per block
+  const int G = (M + 15) / 16, ldy = 16 * G, R = std::max(1, (1 << 20) / (2 * kRows * K));
+  thread_local std::vector<uint16_t> wb;  // kept between calls: a fresh 1 MB buffer would cost its page faults
+  thread_local std::vector<float> yt;
+  wb.resize(static_cast<size_t>(R) * kRows * K);
+  yt.resize(static_cast<size_t>(R) * kRows * ldy);
+  configure();
+  for (int s = b0; s < b1; s += R) {
+    const int nb = std::min(R, b1 - s);
+    for (int i = 0; i < nb; ++i) dequant(weights, s + i, wb.data() + static_cast<size_t>(i) * kRows * K);
+    for (int g0 = 0; g0 < G; g0 += kGroups) {
+      for (int i = 0; i < nb; ++i) {
+        const uint16_t* a = wb.data() + static_cast<size_t>(i) * kRows * K;
+        float* c = yt.data() + static_cast<size_t>(i) * kRows * ldy;
+        switch (std::min(kGroups, G - g0)) {
+          case 1: pass<1>(a, K, xp, g0, c, ldy); break;
+          case 2: pass<2>(a, K, xp, g0, c, ldy); break;
+          case 3: pass<3>(a, K, xp, g0, c, ldy); break;
+          case 4: pass<4>(a, K, xp, g0, c, ldy); break;
+          case 5: pass<5>(a, K, xp, g0, c, ldy); break;
+          default: pass<6>(a, K, xp, g0, c, ldy); break;
+        }
+      }
+    }
+    for (int i = 0; i < nb; ++i) {  // block by block: its 16 rows of yᵀ stay in L1 while y is written
+      const int n0 = kRows * (s + i), rows = std::min(kRows, N - n0);
+      const float* c = yt.data() + static_cast<size_t>(i) * kRows * ldy;
+      for (int m = 0; m < M; ++m)
+        for (int r = 0; r < rows; ++r) y[static_cast<int64_t>(m) * N + n0 + r] = c[static_cast<size_t>(r) * ldy + m];
+    }
+  }
+  release();
+}
+#else
+bool amx_supported() { return false; }
+
+void amx_gemm(int, int, int, const uint16_t*, float*, int, int, void (*)(const void*, int, uint16_t*), const void*) {}
+#endif
+
+}  // namespace qlinear_x86
