@@ -1,6 +1,8 @@
-"""Performance model of the LUT GEMV (issue 23): predicts its H100 time for a shape, batch and launch plan, no GPU.
+"""Performance models of the LUT GEMV (issue 23) and the QUICK GEMM (issue 24): predict their H100 time for a shape,
+batch and launch plan, no GPU.
 
     python benchmarks/kernel_model.py [--results benchmarks/results/h100-2026-11-23-bench_gemv.md]
+    python benchmarks/kernel_model.py --quick --shapes 8192x8192 --batches 1,16,32,64,128   # the QUICK GEMM
 
 The model reads four things and fits a few machine constants:
 
@@ -34,6 +36,11 @@ other measured row (sorted by shape, M, bits), predicts the rest and reports the
 is useful when the held-out median error is within ±30 % and no row is off by more than 2x
 (``tests/test_kernel_model.py`` keeps that true).  Predictions for a kernel that never ran are predictions, not
 measurements: RESULTS.md marks them so.
+
+The QUICK GEMM's model (:func:`quick_predict`) has the same shape: per 64-input K tile every resident warp converts
+its codes and issues its MMAs (``c_cvt``, ``c_mma`` per m16 tile), and waits ``L`` for the tile's codes and scales
+unless the register ring keeps ``depth`` tiles in flight; fitted on the 2-bit rows of the H100 dispatch table
+(``backends/dispatch/nvidia-h100-80gb-hbm3.json``: 4 shapes, M = 1..512), checked on its 4-bit rows.
 """
 
 from __future__ import annotations
@@ -312,20 +319,25 @@ def read_rows(path: Path = RESULTS) -> list[tuple[int, int, int, int, int, float
     return sorted(rows)
 
 
-def fit(samples: list[tuple[dict, float]]) -> dict:
+def fit(samples: list[tuple[dict, float]], model: Callable[[dict, dict], float] = None, prior: dict = None) -> dict:
     """Constants minimising the squared log error over ``samples`` of (features, measured µs) plus the log-space
-    priors of :data:`PRIOR` (Nelder-Mead from the priors' centres, restarted where it stalls on the max() kinks)."""
+    priors (Nelder-Mead from the priors' centres, restarted where it stalls on the max() kinks).  ``model`` and
+    ``prior``: the LUT GEMV's :func:`predict` and :data:`PRIOR` by default, :func:`quick_predict` and
+    :data:`QUICK_PRIOR` for the QUICK GEMM."""
     from scipy.optimize import minimize
 
-    def loss(logc):
-        c = {k: math.exp(min(max(v, -30.0), 30.0)) for k, v in zip(CONSTANTS, logc)}
-        err = sum((math.log(predict(f, c)) - math.log(t)) ** 2 for f, t in samples)
-        return err + sum(((v - math.log(PRIOR[k][0])) / PRIOR[k][1]) ** 2 for k, v in zip(CONSTANTS, logc)) / 10
+    model, prior = model or predict, prior or PRIOR
+    names = list(prior)
 
-    x = [math.log(PRIOR[k][0]) for k in CONSTANTS]
+    def loss(logc):
+        c = {k: math.exp(min(max(v, -30.0), 30.0)) for k, v in zip(names, logc)}
+        err = sum((math.log(model(f, c)) - math.log(t)) ** 2 for f, t in samples)
+        return err + sum(((v - math.log(prior[k][0])) / prior[k][1]) ** 2 for k, v in zip(names, logc)) / 10
+
+    x = [math.log(prior[k][0]) for k in names]
     for _ in range(4):
         x = minimize(loss, x, method="Nelder-Mead", options=dict(maxiter=6000, xatol=1e-4, fatol=1e-9)).x
-    return {k: math.exp(min(max(v, -30.0), 30.0)) for k, v in zip(CONSTANTS, x)}
+    return {k: math.exp(min(max(v, -30.0), 30.0)) for k, v in zip(names, x)}
 
 
 @dataclass
@@ -356,6 +368,112 @@ def check(measured: Version, rows=None) -> Check:
     return Check(c, held)
 
 
+# --- the QUICK GEMM (issue 24) -------------------------------------------------------------------------------------
+# Its H100 rows: the dispatch table tune_dispatch.py measured on 2026-11-23 (4 shapes, 2 and 4 bits, M = 1..512)
+QUICK_TABLE = ROOT / "backends" / "dispatch" / "nvidia-h100-80gb-hbm3.json"
+# ptxas -v registers of the measured kernel by tile_m (RESULTS.md, "QUICK GEMM (quick) and the dispatch table")
+QUICK_REGS_2026_11_23 = {16: 72, 32: 96, 64: 128, 128: 128}
+# t0, t_red: as the LUT GEMV's; L: a K tile's wait for its codes and scales (two dependent DRAM round trips in the
+# measured kernel); c_cvt, c_mma: µs per warp per K tile on one SM for the code conversion and per m16 tile of MMAs
+QUICK_PRIOR = {"t0": (3.0, 0.5), "t_red": (2.0, 0.5), "L": (1.5, 0.7), "c_cvt": (0.02, 1.5), "c_mma": (0.02, 1.5),
+               "BW": (2.9, 0.1)}
+
+
+def quick_plan_2026_11_23(M: int, N: int, K: int, sms: int) -> tuple[int, int, int]:
+    """The launch plan the 2026-11-23 H100 rows ran (``quick.plan`` at commit 30bf025)."""
+    tile_m = next(t for t in (16, 32, 64, 128) if M <= t or t == 128)
+    blocks = math.ceil(N / 128) * math.ceil(M / tile_m)
+    tiles = K // 64
+    cap = max(1, int(0.15 * N * K / 2 / (8 * M * N)))
+    per_split = math.ceil(tiles / max(1, min(math.ceil(2 * sms / blocks), tiles // 2, cap)))
+    return tile_m, per_split, math.ceil(tiles / per_split)
+
+
+def quick_features(M: int, N: int, K: int, q: int, g: int, plan=quick_plan_2026_11_23, regs=None,
+                   depth=lambda tile_m: 1) -> dict:
+    """Everything :func:`quick_predict` needs for one shape, M and bits at ``plan``: blocks of 4·WM warps (32 rows of
+    Ŵ each along N, WM = 2 at tile_m 128) walking ``tiles`` 64-input K tiles with ``depth(tile_m)`` tiles of codes and
+    scales in flight per warp (1 in the measured kernel), x staged in 3 shared-memory stages."""
+    tile_m, per_split, splits = plan(M, N, K, SMS)
+    wm = 2 if tile_m == 128 else 1
+    threads = 128 * wm
+    blocks = math.ceil(N / 128) * math.ceil(M / tile_m) * splits
+    bps = residency(threads, (regs or QUICK_REGS_2026_11_23)[tile_m], 3 * tile_m * 64 * 2)
+    waves, tail = divmod(blocks, SMS * bps)
+    G = math.ceil(K / g)
+    nbytes = q * N * K // 8 + 2 * N * G + q * N * G // 8 + 2 * M * K + 2 * M * N + (8 * splits * M * N if splits > 1
+                                                                                   else 0)
+    return dict(tiles=per_split, mt=tile_m // 16 // wm, splits=splits, waves=waves, warps_sm=bps * threads // 32,
+                tail_warps_sm=math.ceil(tail / SMS) * threads // 32, bytes=nbytes, depth=depth(tile_m))
+
+
+def quick_predict(f: dict, c: dict) -> float:
+    """QUICK GEMM time in µs: per K tile every resident warp of an SM converts its codes and issues its MMAs one after
+    another (``step = warps/SM · (c_cvt + MT·c_mma)``); with one tile in flight (``depth`` 1) each tile also waits
+    ``L``, with ``depth`` D tiles in flight the wait overlaps D tiles::
+
+        chain = tiles · (L + step)                 depth 1
+        chain = L + tiles · max(L / D, step)       depth D > 1
+
+    ``t = t0 + t_red·[splits > 1] + max(waves · chain + chain_tail, bytes / BW)``, as the LUT GEMV's."""
+    def chain(warps_sm: int) -> float:
+        if not warps_sm:
+            return 0.0
+        step = warps_sm * (c["c_cvt"] + f["mt"] * c["c_mma"])
+        if f["depth"] == 1:
+            return f["tiles"] * (c["L"] + step)
+        return c["L"] + f["tiles"] * max(c["L"] / f["depth"], step)
+
+    work = f["waves"] * chain(f["warps_sm"]) + chain(f["tail_warps_sm"])
+    return c["t0"] + (c["t_red"] if f["splits"] > 1 else 0.0) + max(work, f["bytes"] / c["BW"] / 1e6)
+
+
+def quick_rows(path: Path = QUICK_TABLE) -> list[tuple[int, int, int, int, int, float]]:
+    """``(N, K, M, q, group, µs)`` of every ``quick`` time in a dispatch table (tune_dispatch.py)."""
+    rows = []
+    for e in json.loads(path.read_text())["entries"]:
+        for M, t in e["us"].get("quick", {}).items():
+            rows.append((e["N"], e["K"], int(M), e["bits"], e["group_size"], t))
+    return sorted(rows)
+
+
+QUICK_SOURCE = "backends/quick/quick_gemm.cu"
+
+
+def quick_regs(source_root: Path, work: Path, build: Callable[[Path], tuple[Path, str]] = None
+               ) -> dict[tuple[int, int, bool], int]:
+    """ptxas registers of every fp16 ``quick_gemm_kernel`` instantiation built from ``source_root``, keyed by (bits,
+    tile_m, free α); needs nvcc."""
+    _, log = (build or (lambda cu: compile_cubin(cu, work)))(source_root / QUICK_SOURCE)
+    regs, name = {}, None
+    for line in log.splitlines():
+        m = re.search(r"Compiling entry function '(\S+)'", line)
+        name = m.group(1) if m else name
+        m = re.search(r"Used (\d+) registers", line)
+        k = name and re.search(r"quick_gemm_kernelI6__halfLi(\d)ELi(\d)ELi(\d)ELb(\d)E", name)
+        if m and k:
+            q, mt, wm, free = map(int, k.groups())
+            regs[q, 16 * mt * wm, bool(free)] = int(m.group(1))
+    return regs
+
+
+def quick_current(M: int, N: int, K: int, q: int, g: int, regs: dict, free: bool = False) -> dict:
+    """:func:`quick_features` of this checkout's GEMM: its plan (``quick.plan``), registers and register ring (4 K
+    tiles in flight at tile_m 16/32, 2 at 64/128 and for free α: ``kDepth`` in quick_gemm.cu)."""
+    from qlinear.backends import quick
+
+    return quick_features(M, N, K, q, g, quick.plan, {t: regs[q, t, free] for t in (16, 32, 64, 128)},
+                          lambda tile_m: 2 if free or tile_m >= 64 else 4)
+
+
+def quick_check(rows=None) -> Check:
+    """The QUICK model fitted on the even rows of :func:`quick_rows` (sorted by shape, M, bits), the odd ones held out."""
+    rows = rows or quick_rows()
+    samples = [(quick_features(M, N, K, q, g), t) for N, K, M, q, g, t in rows]
+    c = fit(samples[0::2], quick_predict, QUICK_PRIOR)
+    return Check(c, [(*r[:5], r[5], quick_predict(f, c)) for r, (f, _) in zip(rows[1::2], samples[1::2])])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--results", default=str(RESULTS))
@@ -365,7 +483,11 @@ def main() -> None:
                     "with the H100's latencies (H200: its bandwidth ratio to the H100 times the fitted value)")
     ap.add_argument("--save-measured-sass", action="store_true", help=f"compile {MEASURED_COMMIT}'s kernel with this "
                     f"nvcc and add its SASS features to {MEASURED_SASS.relative_to(ROOT)}")
+    ap.add_argument("--quick", action="store_true", help="the QUICK GEMM's model instead: its fit on the H100 dispatch "
+                    "table's rows and predictions for this checkout's GEMM (needs nvcc for its registers)")
     args = ap.parse_args()
+    if args.quick:
+        return quick_main(args)
     if nvcc() is None or cuobjdump() is None:
         sys.exit("needs nvcc and cuobjdump (pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm)")
     sys.path.insert(0, str(ROOT))
@@ -403,6 +525,33 @@ def main() -> None:
                 s = current.sass[M, q]
                 print(f"| {N}x{K} | {M} | {q} | {current.plan(M, N, K, SMS, q)} | {s.regs} | {s.loop_bytes} | "
                       f"{s.pipelined} | {predict(f, res.constants):.3g} | {meas.get((N, K, M, q), float('nan')):.3g} |")
+
+
+def quick_main(args) -> None:
+    """``--quick``: the QUICK model's held-out check and its predictions for this checkout's GEMM (markdown)."""
+    if nvcc() is None:
+        sys.exit("needs nvcc (the registers of this checkout's QUICK GEMM)")
+    sys.path.insert(0, str(ROOT))
+    res = quick_check()
+    print(f"QUICK GEMM, fitted on {len(res.held_out)} of the H100 dispatch table's rows (2-bit), held out the other "
+          f"{len(res.held_out)} (4-bit): median |error| {100 * res.median_error:.1f} %, worst {res.worst_factor:.2f}x")
+    print("constants: " + ", ".join(f"{k} = {v:.4g}" for k, v in res.constants.items()))
+    with tempfile.TemporaryDirectory() as tmp:
+        regs = quick_regs(ROOT, Path(tmp))
+    meas = {(N, K, M, q): t for N, K, M, q, g, t in quick_rows()}
+    print("\nPredictions for this checkout's GEMM, uniform α, group 128 (the 2026-11-23 kernel's measured time beside):"
+          "\n\n| N x K | bits | M | plan (tile_m, tiles/split, splits) | regs | predicted µs | measured 2026-11-23 µs |"
+          "\n|---|---|---|---|---|---|---|")
+    from qlinear.backends import quick
+
+    for shape in args.shapes.split(","):
+        N, K = map(int, shape.split("x"))
+        for q in (2, 3, 4):
+            for M in map(int, args.batches.split(",")):
+                plan = quick.plan(M, N, K, SMS)
+                print(f"| {N}x{K} | {q} | {M} | {plan} | {regs[q, plan[0], False]} | "
+                      f"{quick_predict(quick_current(M, N, K, q, 128, regs), res.constants):.3g} | "
+                      f"{meas.get((N, K, M, q), float('nan')):.3g} |")
 
 
 if __name__ == "__main__":

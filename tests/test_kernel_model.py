@@ -122,3 +122,35 @@ def test_current_kernel_keeps_a_tile_of_words_in_flight(versions):
     assert not any(s.pipelined for s in measured.sass.values())
     # one word per iteration: Q plane words (16 B), Q α (8 B), the offset (8 B fp16 or 16 B fp32 path)
     assert all(s.loop_bytes <= 24 * Q + 24 for (M, Q), s in measured.sass.items())
+
+
+def test_quick_plan_of_the_measured_kernel():
+    """quick.plan at 30bf025 on 132 SMs, as RESULTS.md describes it: 8192² at M = 1 five splits of 26 tiles, at M = 32
+    two of 64, at M = 64 one of 128 (64 blocks: half the SMs idle)."""
+    assert km.quick_plan_2026_11_23(1, 8192, 8192, 132) == (16, 26, 5)
+    assert km.quick_plan_2026_11_23(32, 8192, 8192, 132) == (32, 64, 2)
+    assert km.quick_plan_2026_11_23(64, 8192, 8192, 132) == (64, 128, 1)
+    assert km.quick_plan_2026_11_23(256, 8192, 8192, 132) == (128, 128, 1)
+
+
+def test_quick_predict_waits_per_tile_without_a_ring_and_overlaps_with_one():
+    c = dict(t0=3.0, t_red=2.0, L=1.0, c_cvt=0.02, c_mma=0.01, BW=2.0)
+    f = dict(tiles=10, mt=2, splits=4, waves=0, warps_sm=0, tail_warps_sm=8, bytes=10**6, depth=1)
+    step = 8 * (0.02 + 2 * 0.01)
+    assert km.quick_predict(f, c) == pytest.approx(3 + 2 + 10 * (1 + step))
+    assert km.quick_predict({**f, "depth": 4}, c) == pytest.approx(3 + 2 + 1 + 10 * max(1 / 4, step))
+    assert km.quick_predict({**f, "depth": 4, "tail_warps_sm": 1}, c) == pytest.approx(3 + 2 + 1 + 10 * 0.25)
+    assert km.quick_predict({**f, "bytes": 10**9, "splits": 1}, c) == pytest.approx(3 + 10**9 / 2e12 * 1e6)
+
+
+def test_quick_fit_predicts_held_out_h100_rows_within_bounds():
+    """Fitted on the H100 dispatch table's 2-bit QUICK rows, the model predicts its 4-bit rows (same shapes and M)
+    within the issue's bounds, with physical constants."""
+    pytest.importorskip("scipy")
+    rows = km.quick_rows()
+    assert len(rows) >= 80 and {q for *_, q, g, t in rows} == {2, 4}
+    res = km.quick_check(rows)
+    assert len(res.held_out) == len(rows) // 2 and {r[3] for r in res.held_out} == {4}
+    assert res.median_error <= 0.30 and res.worst_factor <= 2.0, (res.median_error, res.worst_factor)
+    c = res.constants
+    assert 0.5 < c["t0"] < 8 and 0.2 < c["L"] < 3 and 1.5 < c["BW"] < 3.5, c
