@@ -174,12 +174,8 @@ def compile_cubin(cu: Path, work: Path) -> tuple[Path, str]:
     return cubin, r.stdout + r.stderr
 
 
-def lut_sass(source_root: Path, work: Path, build: Callable[[Path], tuple[Path, str]] = None
-             ) -> dict[tuple[int, int], Sass]:
-    """SASS features of every fp16 ``lut_gemv_kernel`` instantiation built from ``source_root`` (a tree holding
-    backends/), keyed by (M, Q).  ``build`` (source -> (cubin, nvcc output), :func:`compile_cubin` into ``work`` by
-    default) lets a caller share one build; needs nvcc and cuobjdump."""
-    cubin, log = (build or (lambda cu: compile_cubin(cu, work)))(source_root / LUT_SOURCE)
+def ptxas_registers(log: str) -> dict[str, int]:
+    """``nvcc -Xptxas -v`` output -> {mangled kernel name: registers per thread}."""
     regs, name = {}, None
     for line in log.splitlines():
         m = re.search(r"Compiling entry function '(\S+)'", line)
@@ -187,6 +183,16 @@ def lut_sass(source_root: Path, work: Path, build: Callable[[Path], tuple[Path, 
         m = re.search(r"Used (\d+) registers", line)
         if m and name:
             regs[name] = int(m.group(1))
+    return regs
+
+
+def lut_sass(source_root: Path, work: Path, build: Callable[[Path], tuple[Path, str]] = None
+             ) -> dict[tuple[int, int], Sass]:
+    """SASS features of every fp16 ``lut_gemv_kernel`` instantiation built from ``source_root`` (a tree holding
+    backends/), keyed by (M, Q).  ``build`` (source -> (cubin, nvcc output), :func:`compile_cubin` into ``work`` by
+    default) lets a caller share one build; needs nvcc and cuobjdump."""
+    cubin, log = (build or (lambda cu: compile_cubin(cu, work)))(source_root / LUT_SOURCE)
+    regs = ptxas_registers(log)
     sass = subprocess.run([cuobjdump(), "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
     out = {}
     for fname, instrs in parse_sass(sass).items():
@@ -445,15 +451,12 @@ def quick_regs(source_root: Path, work: Path, build: Callable[[Path], tuple[Path
     """ptxas registers of every fp16 ``quick_gemm_kernel`` instantiation built from ``source_root``, keyed by (bits,
     tile_m, free α); needs nvcc."""
     _, log = (build or (lambda cu: compile_cubin(cu, work)))(source_root / QUICK_SOURCE)
-    regs, name = {}, None
-    for line in log.splitlines():
-        m = re.search(r"Compiling entry function '(\S+)'", line)
-        name = m.group(1) if m else name
-        m = re.search(r"Used (\d+) registers", line)
-        k = name and re.search(r"quick_gemm_kernelI6__halfLi(\d)ELi(\d)ELi(\d)ELb(\d)E", name)
-        if m and k:
+    regs = {}
+    for name, r in ptxas_registers(log).items():
+        k = re.search(r"quick_gemm_kernelI6__halfLi(\d)ELi(\d)ELi(\d)ELb(\d)E", name)
+        if k:
             q, mt, wm, free = map(int, k.groups())
-            regs[q, 16 * mt * wm, bool(free)] = int(m.group(1))
+            regs[q, 16 * mt * wm, bool(free)] = r
     return regs
 
 

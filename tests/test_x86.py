@@ -174,7 +174,8 @@ def test_bfloat16_activations_take_a_bfloat16_gemm_from_the_threshold(name, gemm
         pytest.skip("no AMX")
     if gemm == "torch":
         monkeypatch.setattr(x86, "amx_available", lambda: False)
-    monkeypatch.setattr(x86, "BF16_BATCHED_FROM", {"planes": 3, "other": 4})
+    for table in ("BF16_BATCHED_FROM", "AMX_BATCHED_FROM"):
+        monkeypatch.setattr(x86, table, {"planes": 3, "other": 4, "mixed": 4})
     monkeypatch.setattr(x86, "_TILE_BYTES_BF16", 2 * K * 16 * 3)
     calls = []
     batched = x86._batched
@@ -682,7 +683,8 @@ def test_mixed_bfloat16_activations_take_a_bfloat16_gemm(gemm, monkeypatch):
         pytest.skip("no AVX512-BF16 or no AMX")
     if gemm == "torch":
         monkeypatch.setattr(x86, "amx_available", lambda: False)
-    monkeypatch.setattr(x86, "BF16_BATCHED_FROM", {"planes": 3, "other": 4})
+    for table in ("BF16_BATCHED_FROM", "AMX_BATCHED_FROM"):
+        monkeypatch.setattr(x86, table, {"planes": 3, "other": 4, "mixed": 4})
     held, b = x86.repack_mixed(canon, cfg, N, K), torch.randn(N).bfloat16()
     y = x86.linear_mixed(x, held, b, cfg, N, K)
     w64 = mixed.dequantize(canon, cfg, N, K).double()

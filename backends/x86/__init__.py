@@ -39,10 +39,9 @@ same int32 sums and the same fp32 operations in the same order, so they give the
 times ``Ŵ`` from the layout (:func:`dequantize`, also the backward pass's weight: AVX-512 where the CPU has it, the
 same values).  Float32 activations: a cache-sized tile of rows of ``Ŵ`` at a time and a float32 GEMM, for bit-plane
 layers from :func:`dequant_from` rows (by bits and size) and mixed layers.  Bfloat16 activations on a CPU with
-AVX512-BF16 (every format, from 32 rows for bit-plane layers, 64 for the others): ``Ŵ`` rounded once to bfloat16
-and a bfloat16 GEMM, as a dense bfloat16 layer computes; on AMX below :data:`AMX_ROWS` rows (``amx.cpp``) each
-16-row block of ``Ŵ`` is dequantized into cache and multiplied on AMX tiles (TDPBF16PS), else tiles of ``Ŵ`` go to
-torch's GEMM.  Error:
+AVX512-BF16 (every format, from 16-64 rows by format: :func:`batched_from`): ``Ŵ`` rounded once to bfloat16 and a
+bfloat16 GEMM, as a dense bfloat16 layer computes; on AMX (``amx.cpp``) each 16-row block of ``Ŵ`` is dequantized
+into cache and multiplied on AMX tiles (TDPBF16PS), else tiles of ``Ŵ`` go to torch's GEMM.  Error:
 bfloat16 rounding of ``Ŵ`` and ``y`` (float32 sums).  Built just in time (``backends/_native.py``) with
 baseline flags; each SIMD path carries its own ``target`` attribute.  Rows are split across threads with
 ``at::parallel_for``.
@@ -89,7 +88,7 @@ from .. import ANY, Kernel, Layout, register
 from .._cpu import pad_groups, quantize_activations, rotation_args, spec_input, supports_codebook, unpad_groups
 from .._native import OPENMP, build
 
-__all__ = ["LAYOUT", "CODEBOOK_LAYOUT", "PATHS", "DEQUANT_FROM", "LARGE_LAYER", "BF16_BATCHED_FROM", "AMX_ROWS",
+__all__ = ["LAYOUT", "CODEBOOK_LAYOUT", "PATHS", "DEQUANT_FROM", "LARGE_LAYER", "BF16_BATCHED_FROM", "AMX_BATCHED_FROM",
            "dequant_from", "batched_from", "batched_dtype", "amx_available", "repack", "unrepack",
            "repack_codebook", "unrepack_codebook", "MIXED_LAYOUT", "repack_mixed", "unrepack_mixed", "linear_mixed",
            "dequantize_mixed", "spec_mixed", "supports_mixed", "spec", "linear", "dequantize", "available",
@@ -112,12 +111,11 @@ _TILE_BYTES = 4 << 20  # float32 rows of Ŵ per tile of the batched path: cache-
 # Bfloat16 tiles are larger: oneDNN's per-call cost (packing x for AMX) dominates smaller ones (RESULTS.md, "x86:
 # bfloat16 activations on the batched path": 16 MB tiles 1.2-2x faster than 4 MB at 64-512 rows)
 _TILE_BYTES_BF16 = 16 << 20
-# Rows from which layers take the batched path with bfloat16 activations on a CPU with AVX512-BF16 (bfloat16 GEMMs):
-# bit-plane layers ("planes") and the others (uniform 4-bit, uniform 2-bit, codebooks, mixed), and below how many rows
-# the batched path runs on amx.cpp's kernel rather than torch's GEMM over tiles (RESULTS.md, "x86: bfloat16
-# activations on the batched path", 2026-11-26: AMX 1.1-1.4x faster at 64 rows, 0.9-1.0x from 128)
-BF16_BATCHED_FROM = {"planes": 32, "other": 64}
-AMX_ROWS = 128
+# Rows from which layers take the batched path with bfloat16 activations on a CPU with AVX512-BF16 (bfloat16 GEMMs),
+# for bit-plane layers ("planes"), the mixed format and the others (uniform 4-bit and 2-bit, codebooks): on AMX
+# (amx.cpp) and with torch's GEMM over tiles (RESULTS.md, "x86: bfloat16 activations on the batched path", 2026-11-26)
+AMX_BATCHED_FROM = {"planes": 16, "other": 32, "mixed": 64}
+BF16_BATCHED_FROM = {"planes": 32, "other": 64, "mixed": 64}
 SOURCES = tuple(str(_HERE / f) for f in ("kernels.cpp", "mixed.cpp", "amx.cpp", "binding.cpp"))
 CFLAGS = ("-O3", "-std=c++17", "-ffp-contract=off", *OPENMP)
 
@@ -551,11 +549,13 @@ def batched_from(cfg, out_features: int, in_features: int, x: torch.Tensor) -> f
     """Rows from which a layer takes the batched path (path "auto").  Float32 GEMMs: bit-plane layers from
     :func:`dequant_from` rows, mixed layers above :data:`MIXED_GEMV_ROWS` (twice that for layers of
     :data:`LARGE_LAYER` weights or more), the others never (their int8 GEMVs stay faster).  Bfloat16 GEMMs
-    (:func:`batched_dtype`): :data:`BF16_BATCHED_FROM`, by "planes" (bit-plane layers) or "other"."""
+    (:func:`batched_dtype`): :data:`AMX_BATCHED_FROM` on AMX, else :data:`BF16_BATCHED_FROM`, by "planes" (bit-plane
+    layers), "mixed" or "other"."""
     N, K = out_features, in_features
     planes = cfg.format == "bcq" and not (_nibbles(cfg) or _uniform_crumbs(cfg))
     if batched_dtype(x) == torch.bfloat16:
-        return BF16_BATCHED_FROM["planes" if planes else "other"]
+        kind = "planes" if planes else "mixed" if cfg.format == "mixed" else "other"
+        return (AMX_BATCHED_FROM if amx_available() else BF16_BATCHED_FROM)[kind]
     if cfg.format == "mixed":
         return MIXED_GEMV_ROWS * (2 if N * K >= LARGE_LAYER else 1) + 1
     return dequant_from(cfg.bits, N, K) if planes else math.inf
@@ -586,13 +586,13 @@ def amx_available() -> bool:
 
 def _batched(x: torch.Tensor, rows, bias, N: int, K: int, rotation, perm=None, amx=None) -> torch.Tensor:
     """The batched path: the unquantized (rotated, gathered by ``perm``) x times Ŵ in :func:`batched_dtype`.  On AMX
-    with bfloat16 (:func:`amx_available`) below :data:`AMX_ROWS` rows, ``amx(x)`` (the layout's op: each 16-row
-    block of Ŵ dequantized to bfloat16 in cache, then TDPBF16PS); else ``Ŵ`` a tile of rows at a time (``rows(b0, b1, dtype)``: the rows of
+    with bfloat16 (:func:`amx_available`), ``amx(x)`` (the layout's op: each 16-row block of Ŵ dequantized to
+    bfloat16 in cache, then TDPBF16PS); else ``Ŵ`` a tile of rows at a time (``rows(b0, b1, dtype)``: the rows of
     layout blocks ``[b0, b1)``, the format's float32 values, in bfloat16 rounded once) into a tile buffer (a whole Ŵ
     of a large layer would cost more in page faults than the GEMM), each tile times x by torch's GEMM."""
     cd = batched_dtype(x)
     xs = spec_input(x.reshape(-1, K), rotation, perm).to(cd)  # bfloat16 x unrotated: no copies
-    if cd == torch.bfloat16 and amx is not None and xs.shape[0] < AMX_ROWS and amx_available():
+    if cd == torch.bfloat16 and amx is not None and amx_available():
         y = amx(xs)
     else:
         yt = xs.new_empty(N, xs.shape[0])  # yᵀ: a tile is the GEMM's first operand (oneDNN packs only the second)

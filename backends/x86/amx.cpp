@@ -26,6 +26,12 @@ namespace qlinear_x86 {
 namespace {
 constexpr int kRows = 16, kGroups = 6;
 
+template <typename T>
+struct Aligned {  // a buffer's first 64-byte boundary
+  T* p;
+  T* data() const { return reinterpret_cast<T*>((reinterpret_cast<uintptr_t>(p) + 63) & ~uintptr_t(63)); }
+};
+
 // One pass over activation groups g0 .. g0 + NG − 1: C tile 2 + j accumulates group g0 + j over all of K.
 template <int NG>
 __attribute__((target("amx-tile,amx-bf16"))) void pass(const uint16_t* wb, int K, const uint16_t* xp, int g0,
@@ -84,10 +90,14 @@ void amx_gemm(int N, int K, int M, const uint16_t* xp, float* y, int b0, int b1,
   // R blocks of Ŵ (≤ 1 MB of bfloat16) share each pass's activation groups, so a group's packed x is read from
   // memory once per R blocks, not once per block
   const int G = (M + 15) / 16, ldy = 16 * G, R = std::max(1, (1 << 20) / (2 * kRows * K));
-  thread_local std::vector<uint16_t> wb;  // kept between calls: a fresh 1 MB buffer would cost its page faults
-  thread_local std::vector<float> yt;
-  wb.resize(static_cast<size_t>(R) * kRows * K);
-  yt.resize(static_cast<size_t>(R) * kRows * ldy);
+  // kept between calls (a fresh 1 MB buffer would cost its page faults); tile rows 64-byte aligned: rows that straddle
+  // two cache lines made TDPBF16PS ~3x slower (23 vs 64-72 cycles per instruction, K = 4096)
+  thread_local std::vector<uint16_t> wb_store;
+  thread_local std::vector<float> yt_store;
+  wb_store.resize(static_cast<size_t>(R) * kRows * K + 32);
+  yt_store.resize(static_cast<size_t>(R) * kRows * ldy + 16);
+  const Aligned<uint16_t> wb{wb_store.data()};
+  const Aligned<float> yt{yt_store.data()};
   configure();
   for (int s = b0; s < b1; s += R) {
     const int nb = std::min(R, b1 - s);
