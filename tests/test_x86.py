@@ -571,17 +571,17 @@ def test_mixed_layout_round_trip_of_a_fresh_module():
 @pytest.mark.parametrize("name", list(MIXED))
 def test_mixed_dequantize_from_the_layout_is_the_formats_bit_for_bit(name):
     """Ŵ from layout ``x86_mixed`` (batches above the GEMV's, the backward pass) equals the format's float32 Ŵ,
-    outliers included, on the scalar and the AVX2 path; in bfloat16, those values rounded once by torch."""
+    outliers included, on the scalar, AVX2 and AVX-512 paths; in bfloat16, those values rounded once by torch."""
     cfg, canon = _mixed(name)
     held = x86.repack_mixed(canon, cfg, 100, 480)
     want = mixed.dequantize(canon, cfg, 100, 480)
-    for path in ("scalar", "avx2", "auto"):
+    for path in ("scalar", "avx2", "avx512_vnni", "auto"):
         try:
             assert torch.equal(x86.dequantize_mixed(held, cfg, 100, 480, path), want), path
             got = x86.dequantize_mixed(held, cfg, 100, 480, path, torch.bfloat16)
             assert torch.equal(got.view(torch.int16), want.to(torch.bfloat16).view(torch.int16)), path
-        except RuntimeError as e:  # a CPU without AVX2
-            assert path == "avx2" and "cannot run path" in str(e), e
+        except RuntimeError as e:  # a CPU without AVX2 or AVX-512 VBMI
+            assert path in ("avx2", "avx512_vnni") and "cannot run path" in str(e), e
 
 
 @pytest.mark.parametrize("name", ["g32 sb8 sg7", "g48 sb2", "default"])

@@ -240,8 +240,9 @@ at::Tensor x86_mixed_dequantize(const at::Tensor& q2, const at::Tensor& q4, cons
   const MixedBuffers mb = mixed_weights_of(op, q2, q4, sc, z, ss, sz, kinds, ov, oc, orp, N, K, group_size,
                                            scale_bits, scale_group_size);
   TORCH_CHECK(path == qlinear_x86::kAuto || path == qlinear_x86::kScalar ||
-                  (path == qlinear_x86::kAVX2 && qlinear_x86::mixed_path_supported((int)path)),
-              op, ": this CPU cannot run path ", path, " (auto, scalar or AVX2)");
+                  ((path == qlinear_x86::kAVX2 || path == qlinear_x86::kAVX512VNNI) &&
+                   qlinear_x86::mixed_path_supported((int)path)),
+              op, ": this CPU cannot run path ", path, " (auto, scalar, AVX2 or AVX-512)");
   if (b1 < 0 || b1 > mb.blocks) b1 = mb.blocks;
   TORCH_CHECK(b0 >= 0 && b0 < b1, op, ": empty block range [", b0, ", ", b1, ")");
   const int64_t row0 = 16 * b0, rows = std::min<int64_t>(16 * b1, N) - row0;

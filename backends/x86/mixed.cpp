@@ -399,38 +399,81 @@ void mixed_prepare_acts(const float* x, int M, int K, void* work, MixedActs* a) 
   *a = MixedActs{xq, xs, xsum, x, M, K};
 }
 
+namespace {
+// Block b's rows of Ŵ (rows[r]: row r's float32 output) with AVX-512: per group the 16 rows' ŝ and zero points at
+// once (as the GEMV's AVX-512 path), then per row and 16-input chunk the codes in 16 lanes; the same fp32 products as
+// the scalar path (ŝ·(q − z), one rounding).
+QLINEAR_TARGET(QLINEAR_AVX512)
+void block_weights_avx512(const MixedWeights& w, const Groups& gs, const BlockScales& bs, const BlockWords& bw,
+                          int rows, float* const* out) {
+  // lane k = 4t + j of a chunk reads bits 8j + 2t of its word (2 bits), or 8(k % 4) + 4((k / 4) % 2) of word k / 8
+  const __m512i shift2 = _mm512_setr_epi32(0, 8, 16, 24, 2, 10, 18, 26, 4, 12, 20, 28, 6, 14, 22, 30);
+  const __m512i shift4 = _mm512_setr_epi32(0, 8, 16, 24, 4, 12, 20, 28, 0, 8, 16, 24, 4, 12, 20, 28);
+  alignas(64) float sv[kRows];
+  alignas(64) int32_t zv[kRows];
+  for (int i = 0; i < w.G2 + w.G4; ++i) {
+    const bool four = i >= w.G2;
+    const __m512i code = fields16(bw.sc, scale_bit(w, i, 0), w.scale_bits);
+    const __m512 ss = bs.uniform ? _mm512_set1_ps(bs.ss[i]) : _mm512_loadu_ps(&bs.ss[(size_t)i * kRows]);
+    const __m512 sz = bs.uniform ? _mm512_set1_ps(bs.sz[i]) : _mm512_loadu_ps(&bs.sz[(size_t)i * kRows]);
+    _mm512_store_ps(sv, _mm512_add_ps(sz, _mm512_mul_ps(ss, _mm512_cvtepi32_ps(code))));
+    _mm512_store_si512(zv, fields16(bw.z, zero_bit(w, i, 0), four ? 4 : 2));
+    for (int c = 0; c < w.group_size / 16; ++c) {
+      const uint32_t* chunk = bw.chunk(w, i, c);
+      for (int r = 0; r < rows; ++r) {
+        const __m512i q =
+            four ? _mm512_and_si512(_mm512_srlv_epi32(_mm512_mask_set1_epi32(_mm512_set1_epi32((int)chunk[r]), 0xFF00,
+                                                                             (int)chunk[kRows + r]), shift4),
+                                    _mm512_set1_epi32(15))
+                 : _mm512_and_si512(_mm512_srlv_epi32(_mm512_set1_epi32((int)chunk[r]), shift2), _mm512_set1_epi32(3));
+        _mm512_storeu_ps(out[r] + 16 * (gs.h0[i] + c),
+                         _mm512_mul_ps(_mm512_set1_ps(sv[r]), _mm512_cvtepi32_ps(_mm512_sub_epi32(q, _mm512_set1_epi32(zv[r])))));
+      }
+    }
+  }
+}
+}  // namespace
+
 void mixed_dequantize(const MixedWeights& w, void* out, int b0, int b1, int path, int row0, bool bf16) {
-  if (path == kAuto) path = mixed_path_supported(kAVX2) ? kAVX2 : kScalar;
+  if (path == kAuto)
+    path = mixed_path_supported(kAVX512VNNI) ? kAVX512VNNI : mixed_path_supported(kAVX2) ? kAVX2 : kScalar;
   const int g = w.group_size, K = (w.G2 + w.G4) * g;
   const Groups gs(w);
   BlockScales bs;
-  std::vector<float> scratch(bf16 ? K : 0);  // a bfloat16 row is written as float32 first, then rounded once
+  std::vector<float> scratch(bf16 ? (size_t)kRows * K : 0);  // bfloat16 rows are written as float32 first
+  float* rows[kRows];
   for (int b = b0; b < b1; ++b) {
     bs.load(w, b);
     const BlockWords bw(w, b);
-    for (int r = 0; r < kRows && kRows * b + r < w.N; ++r) {
-      const int64_t at = (int64_t)(kRows * b + r - row0) * K;
-      float* row = bf16 ? scratch.data() : static_cast<float*>(out) + at;
-      for (int i = 0; i < w.G2 + w.G4; ++i) {
-        const bool four = i >= w.G2;
-        const float s = bs.scale(i, r, field(bw.sc, scale_bit(w, i, r), w.scale_bits));
-        const int zp = (int)field(bw.z, zero_bit(w, i, r), four ? 4 : 2);
-        for (int c = 0; c < g / 16; ++c) {
-          float* dst = row + 16 * (gs.h0[i] + c);
-          if (path != kScalar) {
-            chunk_weights_avx2(bw.chunk(w, i, c) + r, four, s, zp, dst);
-            continue;
-          }
-          for (int k = 0; k < 4; ++k) {
-            const uint32_t e = expand(bw.chunk(w, i, c), four, r, k);
-            for (int j = 0; j < 4; ++j) dst[4 * k + j] = s * (float)((int)((e >> (8 * j)) & 0xFFu) - zp);
+    const int n0 = kRows * b, nr = std::min(kRows, w.N - n0);
+    for (int r = 0; r < nr; ++r)
+      rows[r] = bf16 ? scratch.data() + (size_t)r * K : static_cast<float*>(out) + (int64_t)(n0 + r - row0) * K;
+    if (path == kAVX512VNNI) {
+      block_weights_avx512(w, gs, bs, bw, nr, rows);
+    } else {
+      for (int r = 0; r < nr; ++r) {
+        for (int i = 0; i < w.G2 + w.G4; ++i) {
+          const bool four = i >= w.G2;
+          const float s = bs.scale(i, r, field(bw.sc, scale_bit(w, i, r), w.scale_bits));
+          const int zp = (int)field(bw.z, zero_bit(w, i, r), four ? 4 : 2);
+          for (int c = 0; c < g / 16; ++c) {
+            float* dst = rows[r] + 16 * (gs.h0[i] + c);
+            if (path != kScalar) {
+              chunk_weights_avx2(bw.chunk(w, i, c) + r, four, s, zp, dst);
+              continue;
+            }
+            for (int k = 0; k < 4; ++k) {
+              const uint32_t e = expand(bw.chunk(w, i, c), four, r, k);
+              for (int j = 0; j < 4; ++j) dst[4 * k + j] = s * (float)((int)((e >> (8 * j)) & 0xFFu) - zp);
+            }
           }
         }
       }
-      const int n = kRows * b + r;
+    }
+    for (int r = 0; r < nr; ++r) {
       if (w.ov != nullptr)  // the format adds each outlier to its weight (one fp32 rounding)
-        for (int i = w.orp[n]; i < w.orp[n + 1]; ++i) row[w.oc[i]] += w.ov[i];
-      if (bf16) to_bf16(row, static_cast<uint16_t*>(out) + at, K);
+        for (int i = w.orp[n0 + r]; i < w.orp[n0 + r + 1]; ++i) rows[r][w.oc[i]] += w.ov[i];
+      if (bf16) to_bf16(rows[r], static_cast<uint16_t*>(out) + (int64_t)(n0 + r - row0) * K, K);
     }
   }
 }

@@ -146,7 +146,7 @@ void mixed_prepare_acts(const float* x, int M, int K, void* work, MixedActs* a);
 bool mixed_path_supported(int path);
 // Rows [16·b0, min(16·b1, N)) of Ŵ [N, K] float32, row n at out + (n − row0)·K: qlinear.formats.mixed.dequantize's
 // values (ŝ·(q − z) per weight, each outlier added to its weight), for batches above the GEMV's and the backward pass
-// (path kAuto: AVX2 where the CPU has it, else scalar; the same bits).  bf16: out is bfloat16 bits, each value
+// (path kAuto: AVX-512 (with VBMI) or AVX2 where the CPU has it, else scalar; the same bits).  bf16: out is bfloat16 bits, each value
 // rounded once (to_bf16) from the float32 one.
 void mixed_dequantize(const MixedWeights& w, void* out, int b0, int b1, int path, int row0, bool bf16);
 // y [M, N] float32 for the 16-row blocks [b0, b1) (path kAuto: the best this CPU runs; every path the same bits).
