@@ -399,7 +399,7 @@ def _mixed_args(buffers: dict) -> list:
 def dequantize_mixed(buffers: dict, cfg, out_features: int, in_features: int, path: str = "auto",
                      dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """``Ŵ`` ``[N, K]`` float32 from layout ``x86_mixed`` (``mixed.cpp``): :func:`qlinear.formats.mixed.dequantize`'s
-    values bit for bit, for batches above :data:`MIXED_GEMV_ROWS` and the backward pass; ``dtype=torch.bfloat16``:
+    values bit for bit, for the batched path and the backward pass; ``dtype=torch.bfloat16``:
     those values rounded to bfloat16.  ``path`` "auto", "scalar", "avx2" or "avx512_vnni" (the same bits;
     RuntimeError "cannot run path" where this CPU lacks it)."""
     return torch.ops.qlinear.x86_mixed_dequantize(*_mixed_args(buffers), out_features, in_features, cfg.group_size,
