@@ -530,16 +530,15 @@ def linear(x: torch.Tensor, buffers: dict, bias, cfg, out_features: int, in_feat
     layer's ``perm`` in ``buffers`` is gathered there too, after it (``gathers_perm``)."""
     N, K = out_features, in_features
     x2 = x.reshape(-1, K)
+    qw, qs, qz, qb, gs, bits, fmt = _weights(buffers, cfg, K)
     if path == "auto" and not simde and x2.shape[0] >= batched_from(cfg, N, K, x):
         names = _codebook_names(cfg) if cfg.format == "codebook" else _names(cfg)
         main = {n: buffers[n] for n in names if n != "codebooks"}
-        qw, qs, qz, qb, gs, bits, fmt = _weights(buffers, cfg, K)
         return _batched(x, lambda b0, b1, dtype: dequantize({**buffers, **{n: t[b0:b1] for n, t in main.items()}},
                                                              cfg, min(N, b1 * ROWS) - b0 * ROWS, K, dtype), bias, N, K,
                         rotation, buffers.get("perm"),
                         lambda xs: torch.ops.qlinear.x86_amx_gemm(xs, qw, qs, qz, qb, N, gs, bits, fmt))
     op = torch.ops.qlinear_x86_simde.x86_gemm if simde else torch.ops.qlinear.x86_gemm
-    qw, qs, qz, qb, gs, bits, fmt = _weights(buffers, cfg, K)
     y = op(x2.float().contiguous(), qw, qs, qz, bias, N, gs, bits, fmt, PATHS[path], *rotation_args(rotation, K),
            buffers.get("perm"), qb)
     return y.to(x.dtype).reshape(*x.shape[:-1], N)
@@ -570,14 +569,19 @@ def dequant_from(bits: int, out_features: int, in_features: int) -> int:
     return DEQUANT_FROM[bits] * (2 if out_features * in_features >= LARGE_LAYER else 1)
 
 
+@functools.lru_cache(maxsize=1)
+def _bf16_gemms() -> bool:
+    return getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)()
+
+
 def batched_dtype(x: torch.Tensor) -> torch.dtype:
     """The batched path's GEMM dtype for activations ``x``: bfloat16 for bfloat16 activations on a CPU with
     AVX512-BF16 (oneDNN runs bfloat16 GEMMs there on AMX tiles or VDPBF16PS, as a dense bfloat16 model's layers),
     else float32."""
-    fast = getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)()
-    return torch.bfloat16 if x.dtype == torch.bfloat16 and fast else torch.float32
+    return torch.bfloat16 if x.dtype == torch.bfloat16 and _bf16_gemms() else torch.float32
 
 
+@functools.lru_cache(maxsize=1)
 def amx_available() -> bool:
     """Whether the batched path's bfloat16 GEMM runs on AMX tiles here (``amx.cpp``: AMX-BF16 and Linux's permission
     for the tile state; the extension built)."""

@@ -286,19 +286,25 @@ inline __m512i fields16(const uint32_t* words, int bit0, int bits) {
   return _mm512_cvtepu16_epi32(_mm256_cvtepu8_epi16(f));
 }
 
+// ŝ of group i for the block's 16 rows (lane r: row r), as BlockScales::scale rounds it.
+QLINEAR_TARGET(QLINEAR_AVX512)
+inline __m512 scales16(const MixedWeights& w, const BlockScales& bs, const BlockWords& bw, int i) {
+  const __m512i code = fields16(bw.sc, scale_bit(w, i, 0), w.scale_bits);
+  const __m512 ss = bs.uniform ? _mm512_set1_ps(bs.ss[i]) : _mm512_loadu_ps(&bs.ss[(size_t)i * kRows]);
+  const __m512 sz = bs.uniform ? _mm512_set1_ps(bs.sz[i]) : _mm512_loadu_ps(&bs.sz[(size_t)i * kRows]);
+  return _mm512_add_ps(sz, _mm512_mul_ps(ss, _mm512_cvtepi32_ps(code)));
+}
+
 // Groups [i0, i1) of one kind (FOUR: 4-bit) of a block into acc; p: the first group's code words (the kind's chunks
 // follow each other: 16 words per 2-bit chunk, 32 per 4-bit chunk).
-template <int MC, bool UNIFORM, bool FOUR>
+template <int MC, bool FOUR>
 QLINEAR_TARGET(QLINEAR_AVX512)
 inline void groups_avx512(const MixedWeights& w, const Groups& gs, const BlockScales& bs, const MixedActs& a, int m0,
                           const BlockWords& bw, int i0, int i1, const uint32_t* p, __m512 (&acc)[MC]) {
   const int KH = a.K / 16, chunks = w.group_size / 16;
   const __m512i mask = _mm512_set1_epi32(FOUR ? 0x0F0F0F0F : 0x03030303);
   for (int i = i0; i < i1; ++i) {
-    const __m512i code = fields16(bw.sc, scale_bit(w, i, 0), w.scale_bits);
-    const __m512 ss = UNIFORM ? _mm512_set1_ps(bs.ss[i]) : _mm512_loadu_ps(&bs.ss[(size_t)i * kRows]);
-    const __m512 sz = UNIFORM ? _mm512_set1_ps(bs.sz[i]) : _mm512_loadu_ps(&bs.sz[(size_t)i * kRows]);
-    const __m512 s = _mm512_add_ps(sz, _mm512_mul_ps(ss, _mm512_cvtepi32_ps(code)));
+    const __m512 s = scales16(w, bs, bw, i);
     const __m512 zf = _mm512_cvtepi32_ps(fields16(bw.z, zero_bit(w, i, 0), FOUR ? 4 : 2));
     __m512 t[MC];
     for (int m = 0; m < MC; ++m) t[m] = _mm512_setzero_ps();
@@ -332,15 +338,15 @@ inline void groups_avx512(const MixedWeights& w, const Groups& gs, const BlockSc
   }
 }
 
-template <int MC, bool UNIFORM>
+template <int MC>
 QLINEAR_TARGET(QLINEAR_AVX512)
 void block_avx512(const MixedWeights& w, const Groups& gs, const BlockScales& bs, const MixedActs& a, int m0, int b,
                   const float* bias, float* y) {
   const BlockWords bw(w, b);
   __m512 acc[MC];
   for (int m = 0; m < MC; ++m) acc[m] = _mm512_setzero_ps();
-  groups_avx512<MC, UNIFORM, false>(w, gs, bs, a, m0, bw, 0, w.G2, bw.q2, acc);
-  groups_avx512<MC, UNIFORM, true>(w, gs, bs, a, m0, bw, w.G2, w.G2 + w.G4, bw.q4, acc);
+  groups_avx512<MC, false>(w, gs, bs, a, m0, bw, 0, w.G2, bw.q2, acc);
+  groups_avx512<MC, true>(w, gs, bs, a, m0, bw, w.G2, w.G2 + w.G4, bw.q4, acc);
   for (int m = 0; m < MC; ++m) {
     alignas(64) float lanes[kRows];
     _mm512_store_ps(lanes, acc[m]);
@@ -380,8 +386,7 @@ void blocks(const MixedWeights& w, const MixedActs& a, int m0, const float* bias
                     : block_avx2<MC, false, false>(w, gs, bs, a, m0, b, bias, y); break;
       case kAVX2VNNI: u ? block_avx2<MC, true, true>(w, gs, bs, a, m0, b, bias, y)
                         : block_avx2<MC, false, true>(w, gs, bs, a, m0, b, bias, y); break;
-      default: u ? block_avx512<MC, true>(w, gs, bs, a, m0, b, bias, y)
-                 : block_avx512<MC, false>(w, gs, bs, a, m0, b, bias, y); break;
+      default: block_avx512<MC>(w, gs, bs, a, m0, b, bias, y); break;
     }
   }
 }
@@ -413,10 +418,7 @@ void block_weights_avx512(const MixedWeights& w, const Groups& gs, const BlockSc
   alignas(64) int32_t zv[kRows];
   for (int i = 0; i < w.G2 + w.G4; ++i) {
     const bool four = i >= w.G2;
-    const __m512i code = fields16(bw.sc, scale_bit(w, i, 0), w.scale_bits);
-    const __m512 ss = bs.uniform ? _mm512_set1_ps(bs.ss[i]) : _mm512_loadu_ps(&bs.ss[(size_t)i * kRows]);
-    const __m512 sz = bs.uniform ? _mm512_set1_ps(bs.sz[i]) : _mm512_loadu_ps(&bs.sz[(size_t)i * kRows]);
-    _mm512_store_ps(sv, _mm512_add_ps(sz, _mm512_mul_ps(ss, _mm512_cvtepi32_ps(code))));
+    _mm512_store_ps(sv, scales16(w, bs, bw, i));
     _mm512_store_si512(zv, fields16(bw.z, zero_bit(w, i, 0), four ? 4 : 2));
     for (int c = 0; c < w.group_size / 16; ++c) {
       const uint32_t* chunk = bw.chunk(w, i, c);
@@ -440,7 +442,9 @@ void mixed_dequantize(const MixedWeights& w, void* out, int b0, int b1, int path
   const int g = w.group_size, K = (w.G2 + w.G4) * g;
   const Groups gs(w);
   BlockScales bs;
-  std::vector<float> scratch(bf16 ? (size_t)kRows * K : 0);  // bfloat16 rows are written as float32 first
+  // bfloat16 rows are written as float32 first; kept between calls (the AMX GEMM asks for one block at a time)
+  thread_local std::vector<float> scratch;
+  if (bf16) scratch.resize((size_t)kRows * K);
   float* rows[kRows];
   for (int b = b0; b < b1; ++b) {
     bs.load(w, b);
