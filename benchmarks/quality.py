@@ -109,6 +109,9 @@ for _b in (3, 4):  # GPTQ's range search (mse=True), QuaRot's weight clipping
 ROWS["codebook2-g96"] = ("Codebook 2-bit g96, activation-aware + error feedback", "codebook",
                          ("qlinear", _q("codebook", bits=2, group_size=96, error_feedback=True), True))
 _ROTATED["codebook2-g96"] = None
+ROWS["codebook4-g96"] = ("Codebook 4-bit g96, activation-aware + error feedback", "codebook",
+                         ("qlinear", _q("codebook", bits=4, group_size=96, error_feedback=True), True))
+_ROTATED["codebook4-g96"] = None
 for _n, _spec in _ROTATED.items():
     _label, _cfg, _cal = _spec or (ROWS[_n][0], *ROWS[_n][2][1:])
     _opts = {**_cfg.format_options, "bits": _cfg.bits, "group_size": _cfg.group_size, "rotation": "hadamard"}
@@ -118,6 +121,11 @@ for _s in (1, 2):  # the rotation's seed, on the 4-bit row closest to its target
     ROWS[f"gptq4-g128-rot-s{_s}"] = (f"GPTQ 4-bit g128, act_order, Hadamard-rotated (seed {_s})", "rotated",
                                      ("qlinear", _q("bcq", bits=4, group_size=128, method="gptq", act_order=True,
                                                     rotation="hadamard", rotation_seed=_s), True))
+for _s in (1, 2):  # and on the 4-bit codebook row, the closest of all
+    ROWS[f"codebook4-g96-rot-s{_s}"] = (f"Codebook 4-bit g96, activation-aware + error feedback, Hadamard-rotated "
+                                        f"(seed {_s})", "rotated",
+                                        ("qlinear", _q("codebook", bits=4, group_size=96, error_feedback=True,
+                                                       rotation="hadamard", rotation_seed=_s), True))
 ROWS["mixed-g64-r0.05-rot"] = ("Mixed group 64, ratio_4bit 0.05, no outliers, Hadamard-rotated", "rotated",
                                ("qlinear", _q("mixed", group_size=64, ratio_4bit=0.05, outlier_ratio=0.0,
                                               rotation="hadamard"), True))
@@ -126,7 +134,8 @@ for _b, _g in ((2, 32), (2, 64), (2, 128), (3, 128), (4, 128)):  # without act_o
                                            ("qlinear", _q("bcq", bits=_b, group_size=_g, method="gptq", mse=True,
                                                           rotation="hadamard"), True))
 ROTATION_ROWS = [n for n in ROWS if n.endswith("-rot") or "-rot-s" in n] + ["bcq4-nocal", "gptq2-g128-noao", "gptq3-g128-noao",
-                                                            "gptq4-g128-noao", "codebook2-g96", "gptq3-g128-mse", "gptq4-g128-mse"]
+                                                            "gptq4-g128-noao", "codebook2-g96", "codebook4-g96", "gptq3-g128-mse",
+                                                            "gptq4-g128-mse"]
 
 # Rows that decide the three claims first, so that a cut-short run still answers them.
 PRIORITY = ["fp32", "rtn3-g64", "rtn3-g128", "mixed", "mixed-random", "mixed-r0.25-o0.005", "mixed-any-o0.005",

@@ -295,6 +295,7 @@ def _(q2, q4, sc, z, ss, sz, kinds, ov, oc, orp, N, K, group_size, scale_bits, s
 
 
 _lib.define("x86_amx_supported() -> bool")
+_lib.define("x86_best_path(int format) -> int")
 _lib.define("x86_amx_gemm(Tensor x, Tensor qw, Tensor qs, Tensor qz, Tensor? qb, int N, int group_size, int bits, "
             "int format) -> Tensor")
 _lib.define("x86_mixed_amx_gemm(Tensor x, Tensor q2, Tensor q4, Tensor sc, Tensor z, Tensor ss, Tensor sz, "

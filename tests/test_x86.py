@@ -12,6 +12,7 @@ activations times their scales.
 from __future__ import annotations
 
 import itertools
+import math
 import platform
 
 import pytest
@@ -417,6 +418,7 @@ def test_large_batches_of_bit_plane_layers_take_the_float_gemm(name, tile, monke
     far inside the int8-activation bound the lookups keep below it."""
     if x86.available() is not None:
         pytest.skip(x86.available())
+    monkeypatch.setattr(x86, "_plane_codes", lambda: False)  # a CPU whose uniform layers keep the lookups
     cfg, bufs, N, K = _case(name)
     if tile == "16 rows":
         monkeypatch.setattr(x86, "_TILE_BYTES", 1)  # one 16-row block per tile, the last one ragged
@@ -433,12 +435,13 @@ def test_large_batches_of_bit_plane_layers_take_the_float_gemm(name, tile, monke
         assert (err <= gemm).all() == (M >= first), M
 
 
-def test_large_batches_of_rotated_act_order_layers_take_the_float_gemm():
+def test_large_batches_of_rotated_act_order_layers_take_the_float_gemm(monkeypatch):
     """The batched path applies what the lookups fuse: the rotation of x, then act_order's gather."""
     from conftest import random_hessian, ref64
 
     if x86.available() is not None:
         pytest.skip(x86.available())
+    monkeypatch.setattr(x86, "_plane_codes", lambda: False)  # GPTQ is uniform: as on a CPU without AVX-512 VBMI
     torch.manual_seed(0)
     lin = torch.nn.Linear(192, 40)
     layer = BCQLinear.from_linear(lin, dict(bits=3, group_size=64, method="gptq", act_order=True, rotation="hadamard",
@@ -448,6 +451,26 @@ def test_large_batches_of_rotated_act_order_layers_take_the_float_gemm():
     want = ref64(layer, x)
     assert ((layer(x).double() - want).abs() <= 1e-5 * (1 + want.abs())).all()
 
+
+
+@pytest.mark.parametrize("name", ["uniform 3-bit g64 imported", "free α 3-bit g32"])
+def test_uniform_bit_plane_layers_keep_the_gemv_where_planes_become_codes(name):
+    """Where the AVX-512 path turns a uniform layer's planes into codes (``_plane_codes``), its int8 GEMV outruns the
+    float32 batched path at every batch, as uniform 4-bit's does: a float32 batch far above ``dequant_from`` stays on
+    the GEMV (its error is the int8 activations', above float32 GEMM rounding); free-α layers still switch."""
+    if x86.available() is not None:
+        pytest.skip(x86.available())
+    if not x86._plane_codes():
+        pytest.skip("no AVX-512 VBMI path: uniform bit-plane layers keep DEQUANT_FROM")
+    cfg, bufs, N, K = _case(name)
+    uniform = bcq.is_uniform(cfg)
+    M = 4 * x86.dequant_from(cfg.bits, N, K)
+    assert x86.batched_from(cfg, N, K, torch.zeros(1, K)) == (math.inf if uniform else x86.dequant_from(cfg.bits, N, K))
+    packed, w64 = x86.repack(bufs, cfg, N, K), _dense(cfg, bufs, N, K)
+    x = torch.randn(M, K)
+    y = _op(x, packed, None, N, cfg, "auto")
+    assert torch.equal(y, _op(x, packed, None, N, cfg, "avx512_vnni")) == uniform
+    assert ((y.double() - x.double() @ w64.T).abs() <= int8_activation_bound(w64, x)).all()
 
 def test_op_rejects_inconsistent_buffers():
     cfg, bufs, N, K = _case("g128")

@@ -17,7 +17,8 @@ Two layouts (``qgemm.h`` has the byte-level description):
   A plane's sum ``S_i = Σ_k bit_i·x̂_k`` is therefore exact, and with ``w = Σ_i α_i·(2·bit_i − 1) + c``:
   ``Σ_k w_k·x̂_k = Σ_i 2α_i·S_i + (c − Σ_i α_i)·Σ_k x̂_k``; uniform codes give ``Σ_k code·x̂ = Σ_i 2^i·S_i``.
   Cost per weight and activation row: one lookup and one VPDPBUSD lane per 4 weights per plane, so time falls with
-  the bits.
+  the bits.  From 4 activation rows, uniform layers on the AVX-512 path turn their planes into codes instead (once
+  per 4 or 8 rows) and multiply them as the 4-bit nibbles: the same integers, one VPDPBUSD lane per weight and row.
 
 * Uniform 2-bit with zero points (round-to-nearest, GPTQ): as a 2-bit codebook layer (below) whose four books are the
   zero points' levels, book ``z`` holding ``q − z`` (:data:`UNIFORM2_BOOKS`); the same integers as the bit-plane
@@ -97,8 +98,8 @@ __all__ = ["LAYOUT", "CODEBOOK_LAYOUT", "PATHS", "DEQUANT_FROM", "LARGE_LAYER", 
 _HERE = Path(__file__).parent
 PATHS = {"auto": 0, "scalar": 1, "avx2": 2, "avx2_vnni": 3, "avx512_vnni": 4}
 ROWS = 16  # rows per block (one 32-bit lane each of a 512-bit register)
-# From this many rows (by bits) the bit-plane layers (all but uniform 4-bit and uniform 2-bit with zero points)
-# dequantize Ŵ and run a float32 GEMM
+# From this many rows (by bits) the bit-plane layers (all but uniform 4-bit and uniform 2-bit with zero points, and
+# uniform ones where the AVX-512 path turns planes into codes: _plane_codes) dequantize Ŵ and run a float32 GEMM
 # instead of the lookups (path "auto"; benchmarks/RESULTS.md, "x86 kernels, fourth slice", 2026-11-26); layers of
 # LARGE_LAYER weights or more cross over later (4096², 11008x4096: about 2x the rows), so their threshold doubles
 DEQUANT_FROM = {1: 256, 2: 256, 3: 128, 4: 128}
@@ -112,7 +113,7 @@ _TILE_BYTES = 4 << 20  # float32 rows of Ŵ per tile of the batched path: cache-
 # bfloat16 activations on the batched path": 16 MB tiles 1.2-2x faster than 4 MB at 64-512 rows)
 _TILE_BYTES_BF16 = 16 << 20
 # Rows from which layers take the batched path with bfloat16 activations on a CPU with AVX512-BF16 (bfloat16 GEMMs),
-# for bit-plane layers ("planes"), the mixed format and the others (uniform 4-bit and 2-bit, codebooks): on AMX
+# for bit-plane layers ("planes"), the mixed format and the others (uniform layers, codebooks): on AMX
 # (amx.cpp) and with torch's GEMM over tiles (RESULTS.md, "x86: bfloat16 activations on the batched path", 2026-11-26)
 AMX_BATCHED_FROM = {"planes": 16, "other": 32, "mixed": 64}
 BF16_BATCHED_FROM = {"planes": 32, "other": 64, "mixed": 64}
@@ -551,7 +552,8 @@ def batched_from(cfg, out_features: int, in_features: int, x: torch.Tensor) -> f
     (:func:`batched_dtype`): :data:`AMX_BATCHED_FROM` on AMX, else :data:`BF16_BATCHED_FROM`, by "planes" (bit-plane
     layers), "mixed" or "other"."""
     N, K = out_features, in_features
-    planes = cfg.format == "bcq" and not (_nibbles(cfg) or _uniform_crumbs(cfg))
+    planes = cfg.format == "bcq" and not (_nibbles(cfg) or _uniform_crumbs(cfg) or (bcq.is_uniform(cfg)
+                                                                                    and _plane_codes()))
     if batched_dtype(x) == torch.bfloat16:
         kind = "planes" if planes else "mixed" if cfg.format == "mixed" else "other"
         return (AMX_BATCHED_FROM if amx_available() else BF16_BATCHED_FROM)[kind]
@@ -567,6 +569,15 @@ def dequant_from(bits: int, out_features: int, in_features: int) -> int:
     SmolLM2-shape crossover (11008x4096, 3-bit, 128 rows: 142 ms lookups vs 215 batched), at the cost of 4096²,
     4-bit free α between 128 and 255 rows (82 vs 72 ms at 128)."""
     return DEQUANT_FROM[bits] * (2 if out_features * in_features >= LARGE_LAYER else 1)
+
+
+@functools.lru_cache(maxsize=1)
+def _plane_codes() -> bool:
+    """Whether uniform bit-plane layers run here as codes from 4 activation rows (the AVX-512 VBMI path of
+    ``kernels.cpp``): then their int8 GEMV stays faster than the float32 batched path at every batch, as uniform
+    4-bit's does, and they take the bfloat16 one where the other uniform layers do (RESULTS.md, "Uniform bit-plane
+    layers as codes", 2026-11-26)."""
+    return available() is None and torch.ops.qlinear.x86_best_path(1) == PATHS["avx512_vnni"]  # 1: kLutUniform
 
 
 @functools.lru_cache(maxsize=1)

@@ -74,7 +74,49 @@ __attribute__((target("amx-tile"))) void configure() {
 }
 
 __attribute__((target("amx-tile"))) void release() { _tile_release(); }
+
+// d[j][i] = s[i][j] for a 16x16 block of 32-bit values (rows of s past `in_rows` read as zero; `out_rows` rows of d
+// written, the columns of `keep`).  Unpacks of 32- and 64-bit pairs, then two rounds of 128-bit lane shuffles.
+__attribute__((target("avx512f"))) void transpose16(const uint32_t* s, int64_t ls, int in_rows, uint32_t* d,
+                                                    int64_t ld, int out_rows, __mmask16 keep) {
+  __m512i r[16], t[16];
+  for (int i = 0; i < 16; ++i) r[i] = i < in_rows ? _mm512_loadu_si512(s + i * ls) : _mm512_setzero_si512();
+  for (int i = 0; i < 8; ++i) {  // t[2i], t[2i+1]: lane L holds rows 2i, 2i+1 at columns 4L, 4L+1 / 4L+2, 4L+3
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {  // r[4i + j]: lane L holds column 4L + j of rows 4i .. 4i + 3
+    r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int j = 0; j < 4; ++j) {  // 0x88: lanes 0, 2 of each operand; 0xDD: lanes 1, 3
+    t[j] = _mm512_shuffle_i32x4(r[j], r[4 + j], 0x88);
+    t[4 + j] = _mm512_shuffle_i32x4(r[j], r[4 + j], 0xDD);
+    t[8 + j] = _mm512_shuffle_i32x4(r[8 + j], r[12 + j], 0x88);
+    t[12 + j] = _mm512_shuffle_i32x4(r[8 + j], r[12 + j], 0xDD);
+  }
+  for (int j = 0; j < 4; ++j) {  // column 4L + j: lane q from r[4q + j] lane L
+    r[j] = _mm512_shuffle_i32x4(t[j], t[8 + j], 0x88);
+    r[8 + j] = _mm512_shuffle_i32x4(t[j], t[8 + j], 0xDD);
+    r[4 + j] = _mm512_shuffle_i32x4(t[4 + j], t[12 + j], 0x88);
+    r[12 + j] = _mm512_shuffle_i32x4(t[4 + j], t[12 + j], 0xDD);
+  }
+  for (int i = 0; i < out_rows; ++i) _mm512_mask_storeu_epi32(d + i * ld, keep, r[i]);
+}
 }  // namespace
+
+void amx_pack(const uint16_t* x, int M, int K, uint16_t* xp, int g0, int g1) {
+  // a pair of bfloat16 inputs is one 32-bit value: per group, 16 rows x K/2 pairs transposed to K/2 x 16
+  const auto* x32 = reinterpret_cast<const uint32_t*>(x);
+  auto* p32 = reinterpret_cast<uint32_t*>(xp);
+  const int P = K / 2;
+  for (int g = g0; g < g1; ++g)
+    for (int p = 0; p < P; p += 16)
+      transpose16(x32 + static_cast<int64_t>(16) * g * P + p, P, std::min(16, M - 16 * g),
+                  p32 + (static_cast<int64_t>(g) * P + p) * 16, 16, 16, 0xFFFF);
+}
 
 bool amx_supported() {
   static const bool ok = [] {
@@ -118,9 +160,10 @@ void amx_gemm(int N, int K, int M, const uint16_t* xp, float* y, int b0, int b1,
     }
     for (int i = 0; i < nb; ++i) {  // block by block: its 16 rows of yᵀ stay in L1 while y is written
       const int n0 = kRows * (s + i), rows = std::min(kRows, N - n0);
-      const float* c = yt.data() + static_cast<size_t>(i) * kRows * ldy;
-      for (int m = 0; m < M; ++m)
-        for (int r = 0; r < rows; ++r) y[static_cast<int64_t>(m) * N + n0 + r] = c[static_cast<size_t>(r) * ldy + m];
+      const auto* c = reinterpret_cast<const uint32_t*>(yt.data() + static_cast<size_t>(i) * kRows * ldy);
+      for (int m = 0; m < M; m += 16)
+        transpose16(c + m, ldy, kRows, reinterpret_cast<uint32_t*>(y + static_cast<int64_t>(m) * N + n0), N,
+                    std::min(16, M - m), static_cast<__mmask16>((1u << rows) - 1));
     }
   }
   release();
@@ -129,6 +172,7 @@ void amx_gemm(int N, int K, int M, const uint16_t* xp, float* y, int b0, int b1,
 bool amx_supported() { return false; }
 
 void amx_gemm(int, int, int, const uint16_t*, float*, int, int, void (*)(const void*, int, uint16_t*), const void*) {}
+void amx_pack(const uint16_t*, int, int, uint16_t*, int, int) {}
 #endif
 
 }  // namespace qlinear_x86

@@ -261,9 +261,12 @@ at::Tensor amx_packed(const char* op, const at::Tensor& x) {  // [ceil(M/16), K/
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.size(1) % 32 == 0, op,
               ": x must be a bfloat16 CPU [M, K] tensor with K a multiple of 32");
   const int64_t M = x.size(0), K = x.size(1), G = (M + 15) / 16;
-  at::Tensor p = at::zeros({G * 16, K}, x.options());
-  p.narrow(0, 0, M).copy_(x);
-  return p.view({G, 16, K / 2, 2}).permute({0, 2, 1, 3}).contiguous();
+  const at::Tensor xc = x.contiguous();
+  at::Tensor p = at::empty({G, K / 2, 16, 2}, x.options());
+  const auto* xs = reinterpret_cast<const uint16_t*>(xc.data_ptr());
+  auto* xp = reinterpret_cast<uint16_t*>(p.data_ptr());
+  at::parallel_for(0, G, 1, [&](int64_t g0, int64_t g1) { qlinear_x86::amx_pack(xs, (int)M, (int)K, xp, (int)g0, (int)g1); });
+  return p;
 }
 
 at::Tensor amx_run(const at::Tensor& x, int64_t N, int64_t blocks, void (*dequant)(const void*, int, uint16_t*),
@@ -279,6 +282,9 @@ at::Tensor amx_run(const at::Tensor& x, int64_t N, int64_t blocks, void (*dequan
 
 // Whether amx.cpp runs here (Python: x86.amx_available).
 bool x86_amx_supported() { return qlinear_x86::amx_supported(); }
+
+// The path kAuto takes for a layout format here (cpuid; Python: x86's batch thresholds).
+int64_t x86_best_path(int64_t format) { return qlinear_x86::best_path((int)format); }
 
 at::Tensor x86_amx_gemm(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& qs, const at::Tensor& qz,
                         const std::optional<at::Tensor>& qb, int64_t N, int64_t group_size, int64_t bits,
@@ -329,5 +335,6 @@ TORCH_LIBRARY_IMPL(qlinear, CPU, m) {
 }
 TORCH_LIBRARY_IMPL(qlinear, CompositeExplicitAutograd, m) {  // no tensor arguments: no backend to dispatch on
   m.impl("x86_amx_supported", &x86_amx_supported);
+  m.impl("x86_best_path", &x86_best_path);
 }
 #endif

@@ -136,6 +136,23 @@ QLINEAR_TARGET("avx2,fma,f16c") inline void store_avx2(const Weights& w, const f
   }
 }
 
+// The end of group g of a uniform layer: yv[m] += s·(F[m] − z·xsum[m][g]) (qgemm.h), the block's 16 rows at once.
+template <int MT>
+QLINEAR_TARGET("avx512f,avx512bw,avx512vl,avx512vnni") inline void uniform_group_end(const Weights& w, const Acts& a,
+                                                                                       int b, int g, int m0,
+                                                                                       const __m512* F, __m512* yv) {
+  const int G = num_groups(w);
+  const int64_t at = (static_cast<int64_t>(b) * G + g) * kRows;
+  const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.qs + at)));
+  const __m512 z = _mm512_mul_ps(
+      _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.qz + at)))),
+      _mm512_set1_ps(0.5f));
+  for (int m = 0; m < MT; ++m) {
+    const __m512 t = _mm512_fnmadd_ps(z, _mm512_set1_ps(a.xsum[static_cast<int64_t>(m0 + m) * G + g]), F[m]);
+    yv[m] = _mm512_fmadd_ps(s, t, yv[m]);
+  }
+}
+
 // ---- AVX-512 VNNI: a block's 16 rows in one register, MT activation rows at a time -----------------------------
 template <int MT>
 QLINEAR_TARGET("avx512f,avx512bw,avx512vl,avx512vnni") void tile_avx512(const Weights& w, const Acts& a,
@@ -172,15 +189,7 @@ QLINEAR_TARGET("avx512f,avx512bw,avx512vl,avx512vnni") void tile_avx512(const We
                                   facc[m]);
       }
     }
-    const int64_t at = (static_cast<int64_t>(b) * G + g) * kRows;
-    const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.qs + at)));
-    const __m512 z = _mm512_mul_ps(
-        _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.qz + at)))),
-        _mm512_set1_ps(0.5f));
-    for (int m = 0; m < MT; ++m) {
-      const __m512 t = _mm512_fnmadd_ps(z, _mm512_set1_ps(a.xsum[static_cast<int64_t>(m0 + m) * G + g]), facc[m]);
-      yv[m] = _mm512_fmadd_ps(s, t, yv[m]);
-    }
+    uniform_group_end<MT>(w, a, b, g, m0, facc, yv);
   }
   store_avx512<MT>(w, bias, y, b, m0, yv);
 }
@@ -386,14 +395,9 @@ QLINEAR_AVX512_LUT void tile_avx512_lut(const Weights& w, const Acts& a, const f
     }
     const int64_t at = static_cast<int64_t>(b) * G + g;
     if (uniform) {
-      const __m512 s = half16(w.qs + at * kRows);
-      const __m512 z = _mm512_mul_ps(
-          _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.qz + at * kRows)))),
-          _mm512_set1_ps(0.5f));
-      for (int m = 0; m < MT; ++m) {
-        const __m512 t = _mm512_fnmadd_ps(z, _mm512_set1_ps(a.xsum[static_cast<int64_t>(m0 + m) * G + g]), F[m][0]);
-        yv[m] = _mm512_fmadd_ps(s, t, yv[m]);
-      }
+      __m512 F0[MT];
+      for (int m = 0; m < MT; ++m) F0[m] = F[m][0];
+      uniform_group_end<MT>(w, a, b, g, m0, F0, yv);
     } else {
       __m512 al[B], c = half16(w.qc + at * kRows);
       for (int i = 0; i < B; ++i) {
@@ -410,10 +414,69 @@ QLINEAR_AVX512_LUT void tile_avx512_lut(const Weights& w, const Acts& a, const f
   store_avx512<MT>(w, bias, y, b, m0, yv);
 }
 
+// Uniform bit-planes, several activation rows at a time: a block's B planes of 32 inputs become codes Σ 2^i·bit_i in
+// the uniform 4-bit kernel's VPDPBUSD order (per plane and 4 inputs of the 16 rows: one VPERMB spreads each row's
+// nibble pair over its lane, a VPTESTMB per half picks bit j for byte j, a masked add weighs it 2^i), shared by MT
+// rows.  I = Σ code·xq is the lookups' Σ 2^i·S_i, the same int32, so the same bits; per row it costs one VPDPBUSD per
+// 64 weights where the lookups take B·(2 VPERMB + 2 VPDPBUSD) per 256, and the decoding is paid once per MT rows.
+template <int MT, int B>
+QLINEAR_AVX512_LUT void tile_avx512_planes(const Weights& w, const Acts& a, const float* bias, float* y, int b, int m0) {
+  const int K = w.K, H = K / 32, G = num_groups(w);
+  const uint8_t* lp = w.qw + lut_block(w, b);
+  alignas(64) int8_t spread[4][64];  // spread[q]: byte 4r + j <- byte 16q + r
+  for (int q = 0; q < 4; ++q)
+    for (int e = 0; e < 64; ++e) spread[q][e] = static_cast<int8_t>(16 * q + e / 4);
+  const __m512i bit[2] = {_mm512_set1_epi32(0x08040201), _mm512_set1_epi32(static_cast<int>(0x80402010u))};
+  __m512 yv[MT];
+  for (int m = 0; m < MT; ++m) yv[m] = _mm512_setzero_ps();
+  for (int g = 0; g < G; ++g) {
+    __m512 facc[MT];
+    for (int m = 0; m < MT; ++m) facc[m] = _mm512_setzero_ps();
+    const int h1 = std::min((g + 1) * w.group_size, K) / 32;
+    for (int h = g * w.group_size / 32; h < h1; ++h) {
+      constexpr int A = chains<MT>();
+      __m512i iacc[MT][A];
+      for (int m = 0; m < MT; ++m)
+        for (int i = 0; i < A; ++i) iacc[m][i] = _mm512_setzero_si512();
+      const uint8_t* pl = lp + static_cast<int64_t>(h) * B * 64;
+      for (int q = 0; q < 4; ++q) {
+        const __m512i idx = _mm512_load_si512(spread[q]);
+        __m512i X[B];
+        for (int i = 0; i < B; ++i) X[i] = _mm512_permutexvar_epi8(idx, _mm512_loadu_si512(pl + i * 64));
+        for (int half = 0; half < 2; ++half) {
+          __m512i code = _mm512_maskz_mov_epi8(_mm512_test_epi8_mask(X[0], bit[half]), _mm512_set1_epi8(1));
+          for (int i = 1; i < B; ++i)
+            code = _mm512_mask_add_epi8(code, _mm512_test_epi8_mask(X[i], bit[half]), code, _mm512_set1_epi8(1 << i));
+          const int c = 2 * q + half, k = A == 1 ? 0 : c % A;
+          for (int m = 0; m < MT; ++m) {
+            const int8_t* xp = a.xq + static_cast<int64_t>(m0 + m) * K + 32 * h + 16 * half + 4 * q;
+            iacc[m][k] = _mm512_dpbusd_epi32(iacc[m][k], code, _mm512_set1_epi32(load4(xp)));
+          }
+        }
+      }
+      for (int m = 0; m < MT; ++m) {
+        __m512i sum = iacc[m][0];
+        for (int k = 1; k < A; ++k) sum = _mm512_add_epi32(sum, iacc[m][k]);
+        facc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(a.xs[static_cast<int64_t>(m0 + m) * H + h]),
+                                  facc[m]);
+      }
+    }
+    uniform_group_end<MT>(w, a, b, g, m0, facc, yv);
+  }
+  store_avx512<MT>(w, bias, y, b, m0, yv);
+}
+
 template <int B>
 QLINEAR_AVX512_LUT void block_avx512_lut_bits(const Weights& w, const Acts& a, const float* bias, float* y, int b) {
   constexpr int MT = B <= 2 ? 4 : 2;  // registers: MT·B int32 sums and MT·B fp32 group sums
   int m = 0;
+  if (w.format == kLutUniform) {
+    for (; m + 8 <= a.M; m += 8) tile_avx512_planes<8, B>(w, a, bias, y, b, m);
+    if (m + 4 <= a.M) {
+      tile_avx512_planes<4, B>(w, a, bias, y, b, m);
+      m += 4;
+    }
+  }
   for (; m + MT <= a.M; m += MT) tile_avx512_lut<MT, B>(w, a, bias, y, b, m);
   for (; m < a.M; ++m) tile_avx512_lut<1, B>(w, a, bias, y, b, m);
 }

@@ -17,7 +17,9 @@
 //   in −8..7), table 2·half + part holds at entry 16g + p the sum Σ_{t: bit t of p} part(x̂[32h + 16·half + 4g + t])
 //   (lo sums 0..60, hi sums −32..28: both fit int8).  A plane's nibble, with its group g in bits 4-5, indexes the
 //   64-byte table (VPERMB), and VPDPBUSD adds 4 lookups of one row times 1 (lo) or 16 (hi):
-//   S_i[m][n][h] = Σ_{k ∈ h} bit_i[n][k]·xq[m][k], exactly.
+//   S_i[m][n][h] = Σ_{k ∈ h} bit_i[n][k]·xq[m][k], exactly.  (AVX-512, uniform layers, 4 or 8 activation rows at a
+//   time: the planes are first turned into codes Σ_i 2^i·bit_i in kU4's VPDPBUSD order and multiplied as kU4 codes,
+//   giving the same I = Σ_i 2^i·S_i.)
 //
 // kCB4 / kCB2, group-wise codebooks (codebook format, 4 or 2 bits): each code, with its (row, group)'s book in the bits
 // above it, indexes the layer's table of int8 centroids (all books together: 16 bytes, VPSHUFB's table):
@@ -159,5 +161,7 @@ bool amx_supported();
 // rows padded with zeros).  Each y value: Σ over 32-input chunks of TDPBF16PS (bfloat16 products, float32 sums).
 void amx_gemm(int N, int K, int M, const uint16_t* xp, float* y, int b0, int b1,
               void (*dequant)(const void* weights, int b, uint16_t* buf), const void* weights);
+// xp's activation groups [g0, g1) from x bfloat16 [M, K] (row-major; K a multiple of 32).
+void amx_pack(const uint16_t* x, int M, int K, uint16_t* xp, int g0, int g1);
 
 }  // namespace qlinear_x86
