@@ -296,23 +296,24 @@ def _(q2, q4, sc, z, ss, sz, kinds, ov, oc, orp, N, K, group_size, scale_bits, s
 
 _lib.define("x86_amx_supported() -> bool")
 _lib.define("x86_best_path(int format) -> int")
-_lib.define("x86_amx_gemm(Tensor x, Tensor qw, Tensor qs, Tensor qz, Tensor? qb, int N, int group_size, int bits, "
-            "int format) -> Tensor")
+_lib.define("x86_amx_gemm(Tensor x, Tensor qw, Tensor qs, Tensor qz, Tensor? qb, Tensor? bias, int N, int group_size, "
+            "int bits, int format) -> Tensor")
 _lib.define("x86_mixed_amx_gemm(Tensor x, Tensor q2, Tensor q4, Tensor sc, Tensor z, Tensor ss, Tensor sz, "
-            "Tensor kinds, Tensor? ov, Tensor? oc, Tensor? orp, int N, int group_size, int scale_bits, "
+            "Tensor kinds, Tensor? ov, Tensor? oc, Tensor? orp, Tensor? bias, int N, int group_size, int scale_bits, "
             "int scale_group_size) -> Tensor")
 
 
 @torch.library.register_fake("qlinear::x86_amx_gemm")
-def _(x, qw, qs, qz, qb, N, group_size, bits, format):
-    """``y`` ``[M, N]`` float32: bfloat16 ``x`` ``[M, K]`` times Ŵ (layouts ``x86``/``x86_codebook``) on AMX tiles."""
-    return x.new_empty(x.shape[0], N, dtype=torch.float32)
+def _(x, qw, qs, qz, qb, bias, N, group_size, bits, format):
+    """``y`` ``[M, N]`` bfloat16: bfloat16 ``x`` ``[M, K]`` times Ŵ (layouts ``x86``/``x86_codebook``) on AMX tiles,
+    summed in float32, + ``bias``, rounded once."""
+    return x.new_empty(x.shape[0], N)
 
 
 @torch.library.register_fake("qlinear::x86_mixed_amx_gemm")
-def _(x, q2, q4, sc, z, ss, sz, kinds, ov, oc, orp, N, group_size, scale_bits, scale_group_size):
-    """``y`` ``[M, N]`` float32: bfloat16 ``x`` ``[M, K]`` times Ŵ (layout ``x86_mixed``) on AMX tiles."""
-    return x.new_empty(x.shape[0], N, dtype=torch.float32)
+def _(x, q2, q4, sc, z, ss, sz, kinds, ov, oc, orp, bias, N, group_size, scale_bits, scale_group_size):
+    """``y`` ``[M, N]`` bfloat16: bfloat16 ``x`` ``[M, K]`` times Ŵ (layout ``x86_mixed``) on AMX tiles, + ``bias``."""
+    return x.new_empty(x.shape[0], N)
 
 
 _lib.define("quick_gemm(Tensor x, Tensor qweight, Tensor scales, Tensor? zeros, Tensor? perm, Tensor? bias, "

@@ -191,21 +191,28 @@ def test_bfloat16_activations_take_a_bfloat16_gemm_from_the_threshold(name, gemm
     assert calls == [1]
 
 
-def test_amx_gemm_is_the_bfloat16_product_and_rejects_bad_input():
-    """The AMX op equals x·Ŵ_bf16ᵀ summed in float64 to float32 rounding (a wrong row order or a dropped 32-input chunk
-    would be far outside), and refuses float32 x with a reason."""
+@pytest.mark.parametrize("name", ["g128", "g64 ragged N tail"])
+def test_amx_gemm_is_the_bfloat16_product_and_rejects_bad_input(name):
+    """The AMX op equals x·Ŵ_bf16ᵀ + bias summed in float64, to float32 summation and one bfloat16 rounding (a wrong
+    row order, a dropped 32-input chunk or a misplaced bias would be far outside; 37 rows: a ragged activation group),
+    and refuses float32 x and a bias of the wrong length with a reason."""
     if x86.available() is not None or not x86.amx_available():
         pytest.skip("no AMX")
-    cfg, bufs, N, K = _case("g128")
+    cfg, bufs, N, K = _case(name)
     held = _repack(cfg, bufs, N, K)
     qw, qs, qz, qb, gs, bits, fmt = x86._weights(held, cfg, K)
-    x = torch.randn(37, K).bfloat16()
-    y = torch.ops.qlinear.x86_amx_gemm(x, qw, qs, qz, qb, N, gs, bits, fmt)
+    x, b = torch.randn(37, K).bfloat16(), torch.randn(N).bfloat16()
     wb = x86.dequantize(held, cfg, N, K, torch.bfloat16).double()
-    want = x.double() @ wb.T
-    assert ((y.double() - want).abs() <= 2 * K * 2.0 ** -24 * (x.double().abs() @ wb.abs().T) + 1e-30).all()
+    for bias in (None, b):
+        y = torch.ops.qlinear.x86_amx_gemm(x, qw, qs, qz, qb, bias, N, gs, bits, fmt)
+        assert y.dtype == torch.bfloat16 and y.shape == (37, N)
+        want = x.double() @ wb.T + (0 if bias is None else b.double())
+        sums = 2 * K * 2.0 ** -24 * (x.double().abs() @ wb.abs().T + b.double().abs())
+        assert ((y.double() - want).abs() <= sums + 2.0 ** -8 * (want.abs() + sums) + 1e-30).all()
     with pytest.raises(RuntimeError, match="x must be a bfloat16"):
-        torch.ops.qlinear.x86_amx_gemm(x.float(), qw, qs, qz, qb, N, gs, bits, fmt)
+        torch.ops.qlinear.x86_amx_gemm(x.float(), qw, qs, qz, qb, None, N, gs, bits, fmt)
+    with pytest.raises(RuntimeError, match="bias must be a CPU"):
+        torch.ops.qlinear.x86_amx_gemm(x, qw, qs, qz, qb, b[:-1], N, gs, bits, fmt)
 
 
 @pytest.mark.parametrize("name", list(CASES))

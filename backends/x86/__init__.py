@@ -425,7 +425,8 @@ def linear_mixed(x: torch.Tensor, buffers: dict, bias, cfg, out_features: int, i
         held, opts = _mixed_args(buffers), (cfg.group_size, cfg.scale_bits, cfg.scale_group_size)
         return _batched(x, lambda b0, b1, dtype: torch.ops.qlinear.x86_mixed_dequantize(*held, N, K, *opts, 0, b0, b1,
                                                                                         dtype),
-                        bias, N, K, rotation, amx=lambda xs: torch.ops.qlinear.x86_mixed_amx_gemm(xs, *held, N, *opts))
+                        bias, N, K, rotation,
+                        amx=lambda xs, b: torch.ops.qlinear.x86_mixed_amx_gemm(xs, *held, b, N, *opts))
     op = torch.ops.qlinear_x86_simde.x86_mixed_gemm if simde else torch.ops.qlinear.x86_mixed_gemm
     y = op(x2.float().contiguous(), *_mixed_args(buffers), bias, N, cfg.group_size, cfg.scale_bits,
            cfg.scale_group_size, PATHS[path], *rotation_args(rotation, K))
@@ -538,7 +539,7 @@ def linear(x: torch.Tensor, buffers: dict, bias, cfg, out_features: int, in_feat
         return _batched(x, lambda b0, b1, dtype: dequantize({**buffers, **{n: t[b0:b1] for n, t in main.items()}},
                                                              cfg, min(N, b1 * ROWS) - b0 * ROWS, K, dtype), bias, N, K,
                         rotation, buffers.get("perm"),
-                        lambda xs: torch.ops.qlinear.x86_amx_gemm(xs, qw, qs, qz, qb, N, gs, bits, fmt))
+                        lambda xs, b: torch.ops.qlinear.x86_amx_gemm(xs, qw, qs, qz, qb, b, N, gs, bits, fmt))
     op = torch.ops.qlinear_x86_simde.x86_gemm if simde else torch.ops.qlinear.x86_gemm
     y = op(x2.float().contiguous(), qw, qs, qz, bias, N, gs, bits, fmt, PATHS[path], *rotation_args(rotation, K),
            buffers.get("perm"), qb)
@@ -601,20 +602,19 @@ def amx_available() -> bool:
 
 def _batched(x: torch.Tensor, rows, bias, N: int, K: int, rotation, perm=None, amx=None) -> torch.Tensor:
     """The batched path: the unquantized (rotated, gathered by ``perm``) x times Ŵ in :func:`batched_dtype`.  On AMX
-    with bfloat16 (:func:`amx_available`), ``amx(x)`` (the layout's op: each 16-row block of Ŵ dequantized to
-    bfloat16 in cache, then TDPBF16PS); else ``Ŵ`` a tile of rows at a time (``rows(b0, b1, dtype)``: the rows of
+    with bfloat16 (:func:`amx_available`), ``amx(x, bias)`` (the layout's op: each 16-row block of Ŵ dequantized to
+    bfloat16 in cache, then TDPBF16PS; y in bfloat16 with the bias added before its rounding); else ``Ŵ`` a tile of rows at a time (``rows(b0, b1, dtype)``: the rows of
     layout blocks ``[b0, b1)``, the format's float32 values, in bfloat16 rounded once) into a tile buffer (a whole Ŵ
     of a large layer would cost more in page faults than the GEMM), each tile times x by torch's GEMM."""
     cd = batched_dtype(x)
     xs = spec_input(x.reshape(-1, K), rotation, perm).to(cd)  # bfloat16 x unrotated: no copies
     if cd == torch.bfloat16 and amx is not None and amx_available():
-        y = amx(xs)
-    else:
-        yt = xs.new_empty(N, xs.shape[0])  # yᵀ: a tile is the GEMM's first operand (oneDNN packs only the second)
-        blocks = max(1, (_TILE_BYTES if cd == torch.float32 else _TILE_BYTES_BF16) // (xs.element_size() * K * ROWS))
-        for b0 in range(0, -(-N // ROWS), blocks):
-            torch.mm(rows(b0, b0 + blocks, cd), xs.T, out=yt[b0 * ROWS:(b0 + blocks) * ROWS])
-        y = yt.T.contiguous()
+        return amx(xs, bias).reshape(*x.shape[:-1], N)  # x's dtype, bfloat16
+    yt = xs.new_empty(N, xs.shape[0])  # yᵀ: a tile is the GEMM's first operand (oneDNN packs only the second)
+    blocks = max(1, (_TILE_BYTES if cd == torch.float32 else _TILE_BYTES_BF16) // (xs.element_size() * K * ROWS))
+    for b0 in range(0, -(-N // ROWS), blocks):
+        torch.mm(rows(b0, b0 + blocks, cd), xs.T, out=yt[b0 * ROWS:(b0 + blocks) * ROWS])
+    y = yt.T.contiguous()
     if bias is not None:
         y += bias.to(y.dtype)
     return y.to(x.dtype).reshape(*x.shape[:-1], N)

@@ -18,6 +18,8 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 #define QLINEAR_AMX 1
+#define QLINEAR_TARGET(features) __attribute__((target(features)))
+#include "bf16.h"
 #endif
 
 namespace qlinear_x86 {
@@ -75,11 +77,10 @@ __attribute__((target("amx-tile"))) void configure() {
 
 __attribute__((target("amx-tile"))) void release() { _tile_release(); }
 
-// d[j][i] = s[i][j] for a 16x16 block of 32-bit values (rows of s past `in_rows` read as zero; `out_rows` rows of d
-// written, the columns of `keep`).  Unpacks of 32- and 64-bit pairs, then two rounds of 128-bit lane shuffles.
-__attribute__((target("avx512f"))) void transpose16(const uint32_t* s, int64_t ls, int in_rows, uint32_t* d,
-                                                    int64_t ld, int out_rows, __mmask16 keep) {
-  __m512i r[16], t[16];
+// r[j] lane i = s[i][j] for a 16x16 block of 32-bit values (rows of s past `in_rows` read as zero).  Unpacks of 32-
+// and 64-bit pairs, then two rounds of 128-bit lane shuffles.
+__attribute__((target("avx512f"))) inline void transpose16(const uint32_t* s, int64_t ls, int in_rows, __m512i (&r)[16]) {
+  __m512i t[16];
   for (int i = 0; i < 16; ++i) r[i] = i < in_rows ? _mm512_loadu_si512(s + i * ls) : _mm512_setzero_si512();
   for (int i = 0; i < 8; ++i) {  // t[2i], t[2i+1]: lane L holds rows 2i, 2i+1 at columns 4L, 4L+1 / 4L+2, 4L+3
     t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
@@ -103,19 +104,36 @@ __attribute__((target("avx512f"))) void transpose16(const uint32_t* s, int64_t l
     r[4 + j] = _mm512_shuffle_i32x4(t[4 + j], t[12 + j], 0x88);
     r[12 + j] = _mm512_shuffle_i32x4(t[4 + j], t[12 + j], 0xDD);
   }
-  for (int i = 0; i < out_rows; ++i) _mm512_mask_storeu_epi32(d + i * ld, keep, r[i]);
+}
+
+// y[m][n0 + r] = c[r][m] + bias[n0 + r] for m < M, r < rows (c: a block's yᵀ, row stride ldc), rounded once to
+// bfloat16 bits.
+__attribute__((target("avx512f,avx512bw,avx512vl"))) void write_block(const float* c, int ldc, int M, const float* bias,
+                                                                      int n0, int rows, int N, uint16_t* y) {
+  const __mmask16 keep = static_cast<__mmask16>((1u << rows) - 1);
+  const __m512 bv = bias ? _mm512_maskz_loadu_ps(keep, bias + n0) : _mm512_setzero_ps();
+  for (int m0 = 0; m0 < M; m0 += 16) {
+    __m512i r[16];
+    transpose16(reinterpret_cast<const uint32_t*>(c + m0), ldc, kRows, r);
+    for (int i = 0; i < std::min(16, M - m0); ++i) {
+      const __m512 v = _mm512_add_ps(_mm512_castsi512_ps(r[i]), bv);
+      _mm256_mask_storeu_epi16(y + static_cast<int64_t>(m0 + i) * N + n0, keep, bf16x16(v));
+    }
+  }
 }
 }  // namespace
 
-void amx_pack(const uint16_t* x, int M, int K, uint16_t* xp, int g0, int g1) {
+__attribute__((target("avx512f"))) void amx_pack(const uint16_t* x, int M, int K, uint16_t* xp, int g0, int g1) {
   // a pair of bfloat16 inputs is one 32-bit value: per group, 16 rows x K/2 pairs transposed to K/2 x 16
   const auto* x32 = reinterpret_cast<const uint32_t*>(x);
   auto* p32 = reinterpret_cast<uint32_t*>(xp);
   const int P = K / 2;
   for (int g = g0; g < g1; ++g)
-    for (int p = 0; p < P; p += 16)
-      transpose16(x32 + static_cast<int64_t>(16) * g * P + p, P, std::min(16, M - 16 * g),
-                  p32 + (static_cast<int64_t>(g) * P + p) * 16, 16, 16, 0xFFFF);
+    for (int p = 0; p < P; p += 16) {
+      __m512i r[16];
+      transpose16(x32 + static_cast<int64_t>(16) * g * P + p, P, std::min(16, M - 16 * g), r);
+      for (int i = 0; i < 16; ++i) _mm512_storeu_si512(p32 + (static_cast<int64_t>(g) * P + p + i) * 16, r[i]);
+    }
 }
 
 bool amx_supported() {
@@ -127,7 +145,7 @@ bool amx_supported() {
   return ok;
 }
 
-void amx_gemm(int N, int K, int M, const uint16_t* xp, float* y, int b0, int b1,
+void amx_gemm(int N, int K, int M, const uint16_t* xp, const float* bias, uint16_t* y, int b0, int b1,
               void (*dequant)(const void*, int, uint16_t*), const void* weights) {
   // R blocks of Ŵ (≤ 1 MB of bfloat16) share each pass's activation groups, so a group's packed x is read from
   // memory once per R blocks, not once per block
@@ -159,11 +177,8 @@ void amx_gemm(int N, int K, int M, const uint16_t* xp, float* y, int b0, int b1,
       }
     }
     for (int i = 0; i < nb; ++i) {  // block by block: its 16 rows of yᵀ stay in L1 while y is written
-      const int n0 = kRows * (s + i), rows = std::min(kRows, N - n0);
-      const auto* c = reinterpret_cast<const uint32_t*>(yt.data() + static_cast<size_t>(i) * kRows * ldy);
-      for (int m = 0; m < M; m += 16)
-        transpose16(c + m, ldy, kRows, reinterpret_cast<uint32_t*>(y + static_cast<int64_t>(m) * N + n0), N,
-                    std::min(16, M - m), static_cast<__mmask16>((1u << rows) - 1));
+      const int n0 = kRows * (s + i);
+      write_block(yt.data() + static_cast<size_t>(i) * kRows * ldy, ldy, M, bias, n0, std::min(kRows, N - n0), N, y);
     }
   }
   release();
@@ -171,7 +186,8 @@ void amx_gemm(int N, int K, int M, const uint16_t* xp, float* y, int b0, int b1,
 #else
 bool amx_supported() { return false; }
 
-void amx_gemm(int, int, int, const uint16_t*, float*, int, int, void (*)(const void*, int, uint16_t*), const void*) {}
+void amx_gemm(int, int, int, const uint16_t*, const float*, uint16_t*, int, int, void (*)(const void*, int, uint16_t*),
+              const void*) {}
 void amx_pack(const uint16_t*, int, int, uint16_t*, int, int) {}
 #endif
 

@@ -255,7 +255,7 @@ at::Tensor x86_mixed_dequantize(const at::Tensor& q2, const at::Tensor& q4, cons
 }
 
 // The batched path on AMX (amx.cpp): x bfloat16 [M, K] (rotated and gathered already) times the layer's Ŵ rounded
-// to bfloat16, one 16-row block at a time -> y [M, N] float32.
+// to bfloat16, one 16-row block at a time, + bias -> y [M, N] bfloat16 (float32 sums, rounded once).
 at::Tensor amx_packed(const char* op, const at::Tensor& x) {  // [ceil(M/16), K/2, 16, 2]: TDPBF16PS's B operand
   TORCH_CHECK(qlinear_x86::amx_supported(), op, ": this CPU (or OS) does not run AMX bfloat16 tiles");
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.size(1) % 32 == 0, op,
@@ -269,13 +269,20 @@ at::Tensor amx_packed(const char* op, const at::Tensor& x) {  // [ceil(M/16), K/
   return p;
 }
 
-at::Tensor amx_run(const at::Tensor& x, int64_t N, int64_t blocks, void (*dequant)(const void*, int, uint16_t*),
-                   const void* weights, const at::Tensor& xp) {
+at::Tensor amx_run(const char* op, const at::Tensor& x, const std::optional<at::Tensor>& bias, int64_t N,
+                   int64_t blocks, void (*dequant)(const void*, int, uint16_t*), const void* weights,
+                   const at::Tensor& xp) {
   const int64_t M = x.size(0), K = x.size(1);
-  at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
+  at::Tensor b;
+  if (bias) {
+    TORCH_CHECK(bias->device().is_cpu() && bias->dim() == 1 && bias->size(0) == N, op, ": bias must be a CPU [N] tensor");
+    b = bias->to(at::kFloat).contiguous();
+  }
+  at::Tensor y = at::empty({M, N}, x.options());  // bfloat16, as x
   const auto* xb = reinterpret_cast<const uint16_t*>(xp.data_ptr());
   at::parallel_for(0, blocks, 8, [&](int64_t b0, int64_t b1) {
-    qlinear_x86::amx_gemm((int)N, (int)K, (int)M, xb, y.data_ptr<float>(), (int)b0, (int)b1, dequant, weights);
+    qlinear_x86::amx_gemm((int)N, (int)K, (int)M, xb, bias ? b.data_ptr<float>() : nullptr,
+                          reinterpret_cast<uint16_t*>(y.data_ptr()), (int)b0, (int)b1, dequant, weights);
   });
   return y;
 }
@@ -287,8 +294,8 @@ bool x86_amx_supported() { return qlinear_x86::amx_supported(); }
 int64_t x86_best_path(int64_t format) { return qlinear_x86::best_path((int)format); }
 
 at::Tensor x86_amx_gemm(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& qs, const at::Tensor& qz,
-                        const std::optional<at::Tensor>& qb, int64_t N, int64_t group_size, int64_t bits,
-                        int64_t format) {
+                        const std::optional<at::Tensor>& qb, const std::optional<at::Tensor>& bias, int64_t N,
+                        int64_t group_size, int64_t bits, int64_t format) {
   const at::Tensor xp = amx_packed("x86_amx_gemm", x);
   int8_t table[16] = {};
   const qlinear_x86::Weights w = weights_of("x86_amx_gemm", qw, qs, qz, qb, N, x.size(1), group_size, bits, format,
@@ -296,14 +303,14 @@ at::Tensor x86_amx_gemm(const at::Tensor& x, const at::Tensor& qw, const at::Ten
   const auto dequant = [](const void* w, int b, uint16_t* buf) {
     qlinear_x86::dequantize(*static_cast<const qlinear_x86::Weights*>(w), buf, b, b + 1, true, 16 * b);
   };
-  return amx_run(x, N, (N + 15) / 16, dequant, &w, xp);
+  return amx_run("x86_amx_gemm", x, bias, N, (N + 15) / 16, dequant, &w, xp);
 }
 
 at::Tensor x86_mixed_amx_gemm(const at::Tensor& x, const at::Tensor& q2, const at::Tensor& q4, const at::Tensor& sc,
                               const at::Tensor& z, const at::Tensor& ss, const at::Tensor& sz, const at::Tensor& kinds,
                               const std::optional<at::Tensor>& ov, const std::optional<at::Tensor>& oc,
-                              const std::optional<at::Tensor>& orp, int64_t N, int64_t group_size, int64_t scale_bits,
-                              int64_t scale_group_size) {
+                              const std::optional<at::Tensor>& orp, const std::optional<at::Tensor>& bias, int64_t N,
+                              int64_t group_size, int64_t scale_bits, int64_t scale_group_size) {
   const char* op = "x86_mixed_amx_gemm";
   const at::Tensor xp = amx_packed(op, x);
   const MixedBuffers mb = mixed_weights_of(op, q2, q4, sc, z, ss, sz, kinds, ov, oc, orp, N, x.size(1), group_size,
@@ -312,7 +319,7 @@ at::Tensor x86_mixed_amx_gemm(const at::Tensor& x, const at::Tensor& q2, const a
     qlinear_x86::mixed_dequantize(*static_cast<const qlinear_x86::MixedWeights*>(w), buf, b, b + 1,
                                   qlinear_x86::kAuto, 16 * b, true);
   };
-  return amx_run(x, N, mb.blocks, dequant, &mb.w, xp);
+  return amx_run(op, x, bias, N, mb.blocks, dequant, &mb.w, xp);
 }
 
 }  // namespace

@@ -41,6 +41,7 @@ inline simde__m512 simde_load_masked(simde__mmask16 k, const float* p) {  // SIM
 #include <cstring>
 #include <type_traits>
 
+#include "bf16.h"
 #include "qgemm.h"
 
 namespace qlinear_x86 {
@@ -1045,20 +1046,9 @@ void levels(const Weights& w, int b, int g, int r, float* lv) {
 }  // namespace
 
 namespace {
-inline uint16_t bf16_bits(float f) {  // round to nearest even, as torch's .to(torch.bfloat16) for finite values
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
-
 QLINEAR_TARGET("avx512f,avx512bw")
 inline void to_bf16_avx512(__m512 v, uint16_t* out) {  // bf16_bits of 16 floats
-  const __m512i u = _mm512_castps_si512(v);
-  const __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)),
-                                     _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1)));
-  const __m512i even = _mm512_set_epi16(62, 60, 58, 56, 54, 52, 50, 48, 46, 44, 42, 40, 38, 36, 34, 32, 31, 29, 27, 25,
-                                        23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);  // the high half of each dword
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm512_castsi512_si256(_mm512_permutexvar_epi16(even, r)));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), bf16x16(v));
 }
 
 QLINEAR_TARGET("avx512f")

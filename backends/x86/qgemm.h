@@ -156,10 +156,11 @@ void mixed_run(const MixedWeights& w, const MixedActs& a, const float* bias, flo
 
 // AMX (amx.cpp; Linux): whether this CPU has AMX-BF16 and the OS grants the tile state (asked once).
 bool amx_supported();
-// y [M, N] float32 (row-major) for the 16-row blocks [b0, b1): dequant(weights, b, buf) writes block b's rows of Ŵ as
-// bfloat16 [16, K] into buf (rows past N: anything); xp is x bfloat16 packed as [ceil(M/16)][K/2][16][2] (activation
-// rows padded with zeros).  Each y value: Σ over 32-input chunks of TDPBF16PS (bfloat16 products, float32 sums).
-void amx_gemm(int N, int K, int M, const uint16_t* xp, float* y, int b0, int b1,
+// y [M, N] bfloat16 bits (row-major) for the 16-row blocks [b0, b1): dequant(weights, b, buf) writes block b's rows of
+// Ŵ as bfloat16 [16, K] into buf (rows past N: anything); xp is x bfloat16 packed as [ceil(M/16)][K/2][16][2]
+// (activation rows padded with zeros).  Each y value: Σ over 32-input chunks of TDPBF16PS (bfloat16 products, float32
+// sums), + bias[n] (float32; null: none), rounded once (bf16_bits).
+void amx_gemm(int N, int K, int M, const uint16_t* xp, const float* bias, uint16_t* y, int b0, int b1,
               void (*dequant)(const void* weights, int b, uint16_t* buf), const void* weights);
 // xp's activation groups [g0, g1) from x bfloat16 [M, K] (row-major; K a multiple of 32).
 void amx_pack(const uint16_t* x, int M, int K, uint16_t* xp, int g0, int g1);
