@@ -22,6 +22,7 @@
 #include <cstring>
 #include <vector>
 
+#include "bf16.h"
 #include "qgemm.h"
 
 namespace qlinear_x86 {
@@ -35,10 +36,13 @@ inline int zero_words(const MixedWeights& w) { return w.G2 + 2 * w.G4; }
 
 // The first 16-input block of x that group i (layout order) reads.
 struct Groups {
-  std::vector<int> h0;  // [G]
-  explicit Groups(const MixedWeights& w) : h0(w.G2 + w.G4) {
-    for (int i = 0, c2 = 0, c4 = w.G2; i < w.G2 + w.G4; ++i)
-      h0[(w.kinds[i / 32] >> (i % 32)) & 1u ? c4++ : c2++] = i * w.group_size / 16;
+  std::vector<int> h0;      // [G]: by layout index, the group's first 16-input chunk of x
+  std::vector<int> layout;  // [G]: by group of x, its layout index
+  explicit Groups(const MixedWeights& w) : h0(w.G2 + w.G4), layout(w.G2 + w.G4) {
+    for (int i = 0, c2 = 0, c4 = w.G2; i < w.G2 + w.G4; ++i) {
+      layout[i] = (w.kinds[i / 32] >> (i % 32)) & 1u ? c4++ : c2++;
+      h0[layout[i]] = i * w.group_size / 16;
+    }
   }
 };
 
@@ -405,12 +409,19 @@ void mixed_prepare_acts(const float* x, int M, int K, void* work, MixedActs* a) 
 }
 
 namespace {
-// Block b's rows of Ŵ (rows[r]: row r's float32 output) with AVX-512: per group the 16 rows' ŝ and zero points at
-// once (as the GEMV's AVX-512 path), then per row and 16-input chunk the codes in 16 lanes; the same fp32 products as
-// the scalar path (ŝ·(q − z), one rounding).
+QLINEAR_TARGET(QLINEAR_AVX512) inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+QLINEAR_TARGET(QLINEAR_AVX512) inline void store16(uint16_t* p, __m512 v) {  // rounded once (bf16_bits)
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), bf16x16(v));
+}
+
+// Block b's rows of Ŵ (out[r]: row r, float32, or bfloat16 without the outliers: patch_outliers) with AVX-512: per
+// group the 16 rows' ŝ and zero points at once (as the GEMV's AVX-512 path), then per row and 16-input chunk the codes
+// in 16 lanes; the same fp32 products as the scalar path (ŝ·(q − z), one rounding).
+
+template <typename T>
 QLINEAR_TARGET(QLINEAR_AVX512)
 void block_weights_avx512(const MixedWeights& w, const Groups& gs, const BlockScales& bs, const BlockWords& bw,
-                          int rows, float* const* out) {
+                          int rows, T* const* out) {
   // lane k = 4t + j of a chunk reads bits 8j + 2t of its word (2 bits), or 8(k % 4) + 4((k / 4) % 2) of word k / 8
   const __m512i shift2 = _mm512_setr_epi32(0, 8, 16, 24, 2, 10, 18, 26, 4, 12, 20, 28, 6, 14, 22, 30);
   const __m512i shift4 = _mm512_setr_epi32(0, 8, 16, 24, 4, 12, 20, 28, 0, 8, 16, 24, 4, 12, 20, 28);
@@ -428,10 +439,27 @@ void block_weights_avx512(const MixedWeights& w, const Groups& gs, const BlockSc
                                                                              (int)chunk[kRows + r]), shift4),
                                     _mm512_set1_epi32(15))
                  : _mm512_and_si512(_mm512_srlv_epi32(_mm512_set1_epi32((int)chunk[r]), shift2), _mm512_set1_epi32(3));
-        _mm512_storeu_ps(out[r] + 16 * (gs.h0[i] + c),
-                         _mm512_mul_ps(_mm512_set1_ps(sv[r]), _mm512_cvtepi32_ps(_mm512_sub_epi32(q, _mm512_set1_epi32(zv[r])))));
+        store16(out[r] + 16 * (gs.h0[i] + c),
+                _mm512_mul_ps(_mm512_set1_ps(sv[r]), _mm512_cvtepi32_ps(_mm512_sub_epi32(q, _mm512_set1_epi32(zv[r])))));
       }
     }
+  }
+}
+
+// Row r of block b in bfloat16 at the outliers' columns: ŝ·(q − z) + o in float32 (the scalar path's operations, the
+// same values as every path), rounded once.
+void patch_outliers(const MixedWeights& w, const Groups& gs, const BlockScales& bs, const BlockWords& bw, int b, int r,
+                    uint16_t* row) {
+  const int g = w.group_size, n = kRows * b + r;
+  for (int o = w.orp[n]; o < w.orp[n + 1]; ++o) {
+    const int col = w.oc[o], i = gs.layout[col / g], p = col % g;
+    const bool four = i >= w.G2;
+    const float s = bs.scale(i, r, field(bw.sc, scale_bit(w, i, r), w.scale_bits));
+    const int zp = (int)field(bw.z, zero_bit(w, i, r), four ? 4 : 2);
+    const uint32_t e = expand(bw.chunk(w, i, p / 16), four, r, (p % 16) / 4);
+    float v = s * (float)((int)((e >> (8 * (p % 4))) & 0xFFu) - zp);
+    v += w.ov[o];
+    row[col] = bf16_bits(v);
   }
 }
 }  // namespace
@@ -442,14 +470,23 @@ void mixed_dequantize(const MixedWeights& w, void* out, int b0, int b1, int path
   const int g = w.group_size, K = (w.G2 + w.G4) * g;
   const Groups gs(w);
   BlockScales bs;
-  // bfloat16 rows are written as float32 first; kept between calls (the AMX GEMM asks for one block at a time)
+  // bfloat16 rows on the other paths are written as float32 first; kept between calls (the AMX GEMM asks for one block
+  // at a time)
   thread_local std::vector<float> scratch;
-  if (bf16) scratch.resize((size_t)kRows * K);
+  if (bf16 && path != kAVX512VNNI) scratch.resize((size_t)kRows * K);
   float* rows[kRows];
   for (int b = b0; b < b1; ++b) {
     bs.load(w, b);
     const BlockWords bw(w, b);
     const int n0 = kRows * b, nr = std::min(kRows, w.N - n0);
+    if (bf16 && path == kAVX512VNNI) {
+      uint16_t* dst[kRows];
+      for (int r = 0; r < nr; ++r) dst[r] = static_cast<uint16_t*>(out) + (int64_t)(n0 + r - row0) * K;
+      block_weights_avx512(w, gs, bs, bw, nr, dst);  // bfloat16 straight from the float32 values, outliers after
+      if (w.ov != nullptr)
+        for (int r = 0; r < nr; ++r) patch_outliers(w, gs, bs, bw, b, r, dst[r]);
+      continue;
+    }
     for (int r = 0; r < nr; ++r)
       rows[r] = bf16 ? scratch.data() + (size_t)r * K : static_cast<float*>(out) + (int64_t)(n0 + r - row0) * K;
     if (path == kAVX512VNNI) {
