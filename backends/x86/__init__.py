@@ -90,13 +90,14 @@ from .._cpu import pad_groups, quantize_activations, rotation_args, spec_input, 
 from .._native import OPENMP, build
 
 __all__ = ["LAYOUT", "CODEBOOK_LAYOUT", "PATHS", "DEQUANT_FROM", "LARGE_LAYER", "BF16_BATCHED_FROM", "AMX_BATCHED_FROM",
-           "dequant_from", "batched_from", "batched_dtype", "amx_available", "repack", "unrepack",
+           "FORMATS", "dequant_from", "batched_from", "batched_dtype", "amx_available", "repack", "unrepack",
            "repack_codebook", "unrepack_codebook", "MIXED_LAYOUT", "repack_mixed", "unrepack_mixed", "linear_mixed",
            "dequantize_mixed", "spec_mixed", "supports_mixed", "spec", "linear", "dequantize", "available",
            "simde_available", "supports"]
 
 _HERE = Path(__file__).parent
 PATHS = {"auto": 0, "scalar": 1, "avx2": 2, "avx2_vnni": 3, "avx512_vnni": 4}
+FORMATS = {"u4": 0, "planes_uniform": 1, "planes_free": 2, "cb4": 3, "cb2": 4}  # qgemm.h's Format (kU4 ... kCB2)
 ROWS = 16  # rows per block (one 32-bit lane each of a 512-bit register)
 # From this many rows (by bits) the bit-plane layers (all but uniform 4-bit and uniform 2-bit with zero points, and
 # uniform ones where the AVX-512 path turns planes into codes: _plane_codes) dequantize Ŵ and run a float32 GEMM
@@ -235,11 +236,11 @@ def _weights(buffers: dict, cfg, K: int) -> tuple:
     """``(qw, qs, qz, qb, group_size, bits, format)``: the op arguments (qgemm.h's ``Weights``) of a layer's buffers."""
     if cfg.format == "codebook":  # qgemm.h's Format kCB4 / kCB2; qz: the codebooks
         return (buffers["x86_qw"], buffers["x86_qs"], buffers["codebooks"], buffers.get("x86_qb"), cfg.group_size,
-                cfg.bits, 3 if cfg.bits == 4 else 4)
+                cfg.bits, FORMATS["cb4" if cfg.bits == 4 else "cb2"])
     gs = K if cfg.group_size == -1 else cfg.group_size
     if _uniform_crumbs(cfg):  # kCB2 with the zero points' books
-        return buffers["x86_qw"], buffers["x86_qs"], UNIFORM2_BOOKS, buffers["x86_qb"], gs, 2, 4
-    fmt = 0 if _nibbles(cfg) else 1 if bcq.is_uniform(cfg) else 2  # kU4, kLutUniform, kLutFree
+        return buffers["x86_qw"], buffers["x86_qs"], UNIFORM2_BOOKS, buffers["x86_qb"], gs, 2, FORMATS["cb2"]
+    fmt = FORMATS["u4" if _nibbles(cfg) else "planes_uniform" if bcq.is_uniform(cfg) else "planes_free"]
     return (*(buffers[n] for n in _names(cfg)), None, gs, cfg.bits, fmt)
 
 
@@ -548,8 +549,9 @@ def linear(x: torch.Tensor, buffers: dict, bias, cfg, out_features: int, in_feat
 
 def batched_from(cfg, out_features: int, in_features: int, x: torch.Tensor) -> float:
     """Rows from which a layer takes the batched path (path "auto").  Float32 GEMMs: bit-plane layers from
-    :func:`dequant_from` rows, mixed layers above :data:`MIXED_GEMV_ROWS` (twice that for layers of
-    :data:`LARGE_LAYER` weights or more), the others never (their int8 GEMVs stay faster).  Bfloat16 GEMMs
+    :func:`dequant_from` rows (uniform ones only where :func:`_plane_codes` is false), mixed layers above
+    :data:`MIXED_GEMV_ROWS` (twice that for layers of :data:`LARGE_LAYER` weights or more), the others never (their
+    int8 GEMVs stay faster).  Bfloat16 GEMMs
     (:func:`batched_dtype`): :data:`AMX_BATCHED_FROM` on AMX, else :data:`BF16_BATCHED_FROM`, by "planes" (bit-plane
     layers), "mixed" or "other"."""
     N, K = out_features, in_features
@@ -578,7 +580,7 @@ def _plane_codes() -> bool:
     ``kernels.cpp``): then their int8 GEMV stays faster than the float32 batched path at every batch, as uniform
     4-bit's does, and they take the bfloat16 one where the other uniform layers do (RESULTS.md, "Uniform bit-plane
     layers as codes", 2026-11-26)."""
-    return available() is None and torch.ops.qlinear.x86_best_path(1) == PATHS["avx512_vnni"]  # 1: kLutUniform
+    return available() is None and torch.ops.qlinear.x86_best_path(FORMATS["planes_uniform"]) == PATHS["avx512_vnni"]
 
 
 @functools.lru_cache(maxsize=1)
@@ -603,9 +605,10 @@ def amx_available() -> bool:
 def _batched(x: torch.Tensor, rows, bias, N: int, K: int, rotation, perm=None, amx=None) -> torch.Tensor:
     """The batched path: the unquantized (rotated, gathered by ``perm``) x times Ŵ in :func:`batched_dtype`.  On AMX
     with bfloat16 (:func:`amx_available`), ``amx(x, bias)`` (the layout's op: each 16-row block of Ŵ dequantized to
-    bfloat16 in cache, then TDPBF16PS; y in bfloat16 with the bias added before its rounding); else ``Ŵ`` a tile of rows at a time (``rows(b0, b1, dtype)``: the rows of
-    layout blocks ``[b0, b1)``, the format's float32 values, in bfloat16 rounded once) into a tile buffer (a whole Ŵ
-    of a large layer would cost more in page faults than the GEMM), each tile times x by torch's GEMM."""
+    bfloat16 in cache, then TDPBF16PS; y in bfloat16 with the bias added before its rounding); else ``Ŵ`` a tile of
+    rows at a time (``rows(b0, b1, dtype)``: the rows of layout blocks ``[b0, b1)``, the format's float32 values, in
+    bfloat16 rounded once) into a tile buffer (a whole Ŵ of a large layer would cost more in page faults than the
+    GEMM), each tile times x by torch's GEMM."""
     cd = batched_dtype(x)
     xs = spec_input(x.reshape(-1, K), rotation, perm).to(cd)  # bfloat16 x unrotated: no copies
     if cd == torch.bfloat16 and amx is not None and amx_available():

@@ -421,13 +421,21 @@ QLINEAR_AVX512_LUT void tile_avx512_lut(const Weights& w, const Acts& a, const f
 // nibble pair over its lane, a VPTESTMB per half picks bit j for byte j, a masked add weighs it 2^i), shared by MT
 // rows.  I = Σ code·xq is the lookups' Σ 2^i·S_i, the same int32, so the same bits; per row it costs one VPDPBUSD per
 // 64 weights where the lookups take B·(2 VPERMB + 2 VPDPBUSD) per 256, and the decoding is paid once per MT rows.
+struct PlaneSpread {
+  alignas(64) uint8_t idx[4][64];  // idx[q]: byte 4r + j <- byte 16q + r
+};
+constexpr PlaneSpread plane_spread() {
+  PlaneSpread t{};
+  for (int q = 0; q < 4; ++q)
+    for (int e = 0; e < 64; ++e) t.idx[q][e] = static_cast<uint8_t>(16 * q + e / 4);
+  return t;
+}
+constexpr PlaneSpread kPlaneSpread = plane_spread();
+
 template <int MT, int B>
 QLINEAR_AVX512_LUT void tile_avx512_planes(const Weights& w, const Acts& a, const float* bias, float* y, int b, int m0) {
   const int K = w.K, H = K / 32, G = num_groups(w);
   const uint8_t* lp = w.qw + lut_block(w, b);
-  alignas(64) int8_t spread[4][64];  // spread[q]: byte 4r + j <- byte 16q + r
-  for (int q = 0; q < 4; ++q)
-    for (int e = 0; e < 64; ++e) spread[q][e] = static_cast<int8_t>(16 * q + e / 4);
   const __m512i bit[2] = {_mm512_set1_epi32(0x08040201), _mm512_set1_epi32(static_cast<int>(0x80402010u))};
   constexpr int A = chains<MT>();
   __m512 yv[MT] = {};
@@ -437,7 +445,7 @@ QLINEAR_AVX512_LUT void tile_avx512_planes(const Weights& w, const Acts& a, cons
       __m512i iacc[MT][A] = {};
       const uint8_t* pl = lp + static_cast<int64_t>(h) * B * 64;
       for (int q = 0; q < 4; ++q) {
-        const __m512i idx = _mm512_load_si512(spread[q]);
+        const __m512i idx = _mm512_load_si512(kPlaneSpread.idx[q]);
         __m512i X[B];
         for (int i = 0; i < B; ++i) X[i] = _mm512_permutexvar_epi8(idx, _mm512_loadu_si512(pl + i * 64));
         __m512i code[2];

@@ -135,6 +135,9 @@ inline uint32_t expand(const uint32_t* chunk, bool four, int r, int t) {
   return four ? (chunk[(t / 2) * kRows + r] >> (4 * (t % 2))) & 0x0F0F0F0Fu : (chunk[r] >> (2 * t)) & 0x03030303u;
 }
 
+// The weight s·(q − z) of byte j of an expanded word e (one fp32 rounding: the format's value).
+inline float weight(uint32_t e, int j, float s, int zp) { return s * (float)((int)((e >> (8 * j)) & 0xFFu) - zp); }
+
 template <int MC>
 void block_scalar(const MixedWeights& w, const Groups& gs, const BlockScales& bs, const MixedActs& a, int m0, int b,
                   const float* bias, float* y) {
@@ -417,7 +420,6 @@ QLINEAR_TARGET(QLINEAR_AVX512) inline void store16(uint16_t* p, __m512 v) {  // 
 // Block b's rows of Ŵ (out[r]: row r, float32, or bfloat16 without the outliers: patch_outliers) with AVX-512: per
 // group the 16 rows' ŝ and zero points at once (as the GEMV's AVX-512 path), then per row and 16-input chunk the codes
 // in 16 lanes; the same fp32 products as the scalar path (ŝ·(q − z), one rounding).
-
 template <typename T>
 QLINEAR_TARGET(QLINEAR_AVX512)
 void block_weights_avx512(const MixedWeights& w, const Groups& gs, const BlockScales& bs, const BlockWords& bw,
@@ -456,10 +458,7 @@ void patch_outliers(const MixedWeights& w, const Groups& gs, const BlockScales& 
     const bool four = i >= w.G2;
     const float s = bs.scale(i, r, field(bw.sc, scale_bit(w, i, r), w.scale_bits));
     const int zp = (int)field(bw.z, zero_bit(w, i, r), four ? 4 : 2);
-    const uint32_t e = expand(bw.chunk(w, i, p / 16), four, r, (p % 16) / 4);
-    float v = s * (float)((int)((e >> (8 * (p % 4))) & 0xFFu) - zp);
-    v += w.ov[o];
-    row[col] = bf16_bits(v);
+    row[col] = bf16_bits(weight(expand(bw.chunk(w, i, p / 16), four, r, (p % 16) / 4), p % 4, s, zp) + w.ov[o]);
   }
 }
 }  // namespace
@@ -505,7 +504,7 @@ void mixed_dequantize(const MixedWeights& w, void* out, int b0, int b1, int path
             }
             for (int k = 0; k < 4; ++k) {
               const uint32_t e = expand(bw.chunk(w, i, c), four, r, k);
-              for (int j = 0; j < 4; ++j) dst[4 * k + j] = s * (float)((int)((e >> (8 * j)) & 0xFFu) - zp);
+              for (int j = 0; j < 4; ++j) dst[4 * k + j] = weight(e, j, s, zp);
             }
           }
         }
