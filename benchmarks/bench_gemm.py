@@ -81,7 +81,7 @@ def main() -> None:
                                      nbytes))
                     fcfg, fsets = free_bcq_sets(N, K, q, g, "quick", n)  # q fp16 α and an fp16 offset per row, group
                     rows.append(base("quick", f"bcq free α q{q} g{g}", gpu_time_us(
-                        op_calls(x, fcfg, fsets, N, K, "quick", "quick")), nbytes + (2 * q - 4) * N * math.ceil(K / g)))
+                        op_calls(x, fcfg, fsets, N, K, "quick_free", "quick")), nbytes + (2 * q - 4) * N * math.ceil(K / g)))
                     del fsets
                 held = backends.layout_for("bcq", cfg, x.device, (N, K))
                 held = "" if held is None else held.name

@@ -9,11 +9,13 @@
 #   bash benchmarks/gpu_checks.sh e2e [fp16|bcq4|bcq3]  # bench_e2e.py, all variants or one per call (compiles are slow)
 #   bash benchmarks/gpu_checks.sh tp         # bench_tp.py --single cuda: act_order reordered vs the g_idx path
 #   bash benchmarks/gpu_checks.sh sweep      # sweep_plans.py: every launch around plan() of the LUT GEMV and QUICK
-#   bash benchmarks/gpu_checks.sh ncu [NxK] [bits] [M]  # ncu --set full on one LUT GEMV call (profile_one.py)
+#   bash benchmarks/gpu_checks.sh ncu [NxK] [bits] [M] [cuda_lut|quick]  # ncu --set full on one kernel call (profile_one.py)
 #   bash benchmarks/gpu_checks.sh quick      # build + tests + the --quick benchmarks, one short call
 #   bash benchmarks/gpu_checks.sh session    # one ~9-minute call for a 15-minute lease: build; every gpu-marked test
 #                                            # with memcheck + racecheck of the LUT GEMV beside it; bench_gemv's issue-23
 #                                            # rows; bench_gemm --quick (GemLite too); ncu of the LUT GEMV, 8192² q4 M1
+#   bash benchmarks/gpu_checks.sh lease      # one ~8-minute call: build; gpu tests + memcheck of quick/mixed/codebook
+#                                            # (+ $EXTRA); bench_gemm --quick, bench_gemv's 8192²/28672x8192/576² rows, bench_dequant
 #   bash benchmarks/gpu_checks.sh test compile  # the torch.compile tests alone (cuda_lut's two failed on 2026-11-26)
 # Outputs land in $OUT (or ./gpu-out) for benchmarks/RESULTS.md.  GemLite is installed from wheels/ if present
 # (there is no internet on the GPU machine: build it here with
@@ -23,6 +25,8 @@
 # test_compile_fullgraph_matches_eager cases take 67 s each), so run it as `test kernels` then `test rest`.
 # Seen on an H200 (2026-11-26): the build takes ~60 s; `test gpu` (the 288 gpu-marked tests) 98 % done after 185 s
 # with -n 12; `session` took 389 s of a 418 s lease call; GemLite's first calls at 8192² take over 40 s (autotuning).
+# H200 (2026-11-27): `lease` took 307 s (316 gpu tests: 313 done in its 210 s slot); a second call of 265 s (build,
+# 33 tests, bench_gemm --quick, ncu of one QUICK call) left 234 s of the 900: too little to start a third machine.
 set -u
 STAGE=${1:-quick}
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
@@ -81,10 +85,12 @@ case "$STAGE" in
   tune) python3 benchmarks/tune_dispatch.py 2>&1 | tail -5; cp backends/dispatch/*.json "$OUT/" ;;
   e2e) python3 benchmarks/bench_e2e.py --variants "${2:-fp16,bcq4,bcq3}" --markdown "$OUT/bench_e2e_${2:-all}.md" 2>&1 | tail -15 ;;
   tp) python3 benchmarks/bench_tp.py --single cuda 2>&1 | tee "$OUT/bench_tp_single.md" | tail -25 ;;
-  ncu)
-    ncu --set full --clock-control none -k regex:lut_gemv_kernel --launch-skip 5 --launch-count 1 python3 benchmarks/profile_one.py \
-      --shape "${2:-8192x8192}" --bits "${3:-4}" --M "${4:-1}" >"$OUT/ncu_lut_${2:-8192x8192}_q${3:-4}_m${4:-1}.txt" 2>&1
-    tail -60 "$OUT/ncu_lut_${2:-8192x8192}_q${3:-4}_m${4:-1}.txt" ;;
+  ncu)  # ncu [NxK] [bits] [M] [cuda_lut|quick]
+    KER=${5:-cuda_lut}; [ "$KER" = quick ] && RX=quick_gemm_kernel || RX=lut_gemv_kernel
+    F="$OUT/ncu_${KER}_${2:-8192x8192}_q${3:-4}_m${4:-1}.txt"
+    ncu --set full --clock-control none -k regex:$RX --launch-skip 5 --launch-count 1 python3 benchmarks/profile_one.py \
+      --shape "${2:-8192x8192}" --bits "${3:-4}" --M "${4:-1}" --kernel "$KER" >"$F" 2>&1
+    tail -60 "$F" ;;
   sweep) timeout 560 python3 benchmarks/sweep_plans.py --markdown "$OUT/sweep_plans.md" 2>&1 | tail -60 ;;
   quick)
     build; tests
@@ -107,9 +113,35 @@ case "$STAGE" in
       >"$OUT/bench_dequant.log" 2>&1
     timeout 60 bash "$0" ncu 8192x8192 4 1 >/dev/null 2>&1
     grep -E "Duration|DRAM Throughput|Achieved Occupancy|Registers Per|Shared Memory Configuration Size" \
-      "$OUT"/ncu_lut_*.txt | head -8
+      "$OUT"/ncu_*.txt | head -8
     snap
     cat "$OUT/bench_gemv.md" "$OUT/bench_gemm.md" "$OUT/bench_dequant.md" 2>/dev/null | grep -v "^|---" | cut -c1-110
     tail -3 "$OUT/bench_gemv.log" "$OUT/bench_gemm.log" ;;
+  lease)  # one ~8-minute call: build; gpu tests beside memcheck of the kernels not yet sanitized on a GPU (and $EXTRA,
+           # a script of the session's own); then the issue-23/24 benchmarks alone on the GPU
+    FINAL=$OUT; export OUT=/tmp/gpu-lease; mkdir -p "$OUT"
+    snap() { tar czf "$FINAL/lease.tgz" -C "$OUT" .; }
+    build || { snap; exit 1; }
+    (WORKERS=12 TEST_TIMEOUT=120 timeout 210 bash "$0" test gpu >/dev/null 2>&1) &
+    (for k in "quick:kernel_matches and dtype0-128-4-576-576 or free_alpha and 1536-576-64-dtype0" \
+              "async_dequant:kernel_matches and dtype0-0.005-576-576" "cuda_codebook:dequantize_op"; do
+       timeout 100 compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -q -x -p no:cacheprovider \
+         "tests/test_${k%%:*}.py" -k "${k#*:}" >"$OUT/memcheck_${k%%:*}.txt" 2>&1
+       echo "memcheck ${k%%:*}: rc $? $(grep -E 'passed|failed|ERROR SUMMARY' "$OUT/memcheck_${k%%:*}.txt" | tr '\n' ' ')"
+     done) >"$OUT/sanitize.txt" 2>&1 &
+    [ -n "${EXTRA:-}" ] && (timeout 150 python3 "$EXTRA" >"$OUT/extra.txt" 2>&1) &
+    wait; snap; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest_gpu_gpu.txt" | tail -15; cat "$OUT/sanitize.txt"
+    [ -n "${EXTRA:-}" ] && cat "$OUT/extra.txt"
+    timeout 110 python3 benchmarks/bench_gemm.py --quick --markdown "$OUT/bench_gemm.md" >"$OUT/bench_gemm.log" 2>&1
+    snap
+    timeout 90 python3 benchmarks/bench_gemv.py --shapes 8192x8192,28672x8192,576x576 --batches 1,8 --groups 128 \
+      --mixed-shapes 8192x8192 --outliers 0,0.002 --mixed-large-batches "" --gemlite-bits "" \
+      --markdown "$OUT/bench_gemv.md" >"$OUT/bench_gemv.log" 2>&1
+    snap
+    timeout 30 python3 benchmarks/bench_dequant.py --shapes 8192x8192 --markdown "$OUT/bench_dequant.md" \
+      >"$OUT/bench_dequant.log" 2>&1
+    snap
+    cat "$OUT/bench_gemm.md" "$OUT/bench_gemv.md" "$OUT/bench_dequant.md" 2>/dev/null | grep -v "^|---" | cut -c1-100
+    tail -n 2 "$OUT/bench_gemm.log" "$OUT/bench_gemv.log" "$OUT/bench_dequant.log" ;;
   *) echo "unknown stage $STAGE (build|test|sanitize|bench|tune|e2e|tp|sweep|ncu|quick|session)"; exit 2 ;;
 esac

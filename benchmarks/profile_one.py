@@ -1,9 +1,11 @@
-"""One LUT GEMV call on random weights, after warm-up, for a profiler (ncu) to capture.
+"""Six calls of one GPU kernel on random weights, for a profiler (ncu) to capture the last.
 
     ncu --set full -k regex:lut_gemv_kernel --launch-skip 5 --launch-count 1 \\
-        python benchmarks/profile_one.py --shape 8192x8192 --bits 4 --M 1
+        python benchmarks/profile_one.py --shape 8192x8192 --bits 4 --M 1 [--kernel cuda_lut|quick]
 
-Random plane words, α and offsets (values do not change the work), fp16 x, group 128, the heuristic launch plan.
+Random weights (values do not change the work), fp16 x, group 128, the kernel's heuristic launch plan: the LUT GEMV
+(``lut_gemv_kernel``) on random plane words, α and offsets, or the QUICK GEMM (``quick_gemm_kernel``) through
+``qlinear::linear`` on random uniform codes, scales and zero points.
 """
 
 from __future__ import annotations
@@ -21,8 +23,18 @@ def main() -> None:
     ap.add_argument("--bits", type=int, default=4)
     ap.add_argument("--M", type=int, default=1)
     ap.add_argument("--group", type=int, default=128)
+    ap.add_argument("--kernel", default="cuda_lut", choices=("cuda_lut", "quick"))
     args = ap.parse_args()
     N, K = map(int, args.shape.split("x"))
+    if args.kernel == "quick":
+        from common import op_calls, uniform_bcq_sets
+
+        cfg, sets = uniform_bcq_sets(N, K, args.bits, args.group, "quick", 1)
+        call = op_calls(torch.randn(args.M, K, device="cuda", dtype=torch.float16), cfg, sets, N, K, "quick", "quick")[0]
+        for _ in range(6):
+            call()
+        torch.cuda.synchronize()
+        return
     if cuda_lut.available() is not None:
         raise SystemExit(f"cuda_lut unavailable: {cuda_lut.available()}")
     q, G = args.bits, K // args.group

@@ -69,6 +69,7 @@ def _layer(cls, N, K, opts, calibrated=False):
 
 GPTQ4_ACT_ORDER = dict(bits=4, group_size=64, method="gptq", act_order=True)
 RTN4 = dict(bits=4, group_size=64, init="uniform", iters=0)
+FREE4_ACT_ORDER = dict(bits=4, group_size=64, iters=1, error_feedback=True, act_order=True)  # free α
 
 
 def _int8_bound(twin, x):
@@ -86,9 +87,10 @@ SUBJECTS = {s.backend + ("" if s.device == "cuda" else f"/{s.format}"): s for s 
     Subject("quick", "bcq", "cuda", {"RTN 3-bit g64": _layer(BCQLinear, 96, 192, dict(RTN4, bits=3)),
                                      "GPTQ 4-bit act_order": _layer(BCQLinear, 64, 256, GPTQ4_ACT_ORDER, True)},
             test_quick.spec_bound, "quick_gemm", quick.plan, 0, QLinearConfig("bcq", **RTN4)),
-    Subject("quick_free", "bcq", "cuda", {"free α 4-bit error feedback act_order": _layer(BCQLinear, 64, 256, dict(
-        bits=4, group_size=64, iters=1, error_feedback=True, act_order=True), True)},
-            test_quick.spec_bound, "quick_gemm", quick.plan, 0, QLinearConfig("bcq", bits=4, group_size=64, iters=1)),
+    Subject("quick_free", "bcq", "cuda", {"free α 4-bit error feedback act_order": _layer(BCQLinear, 64, 256,
+                                                                                          FREE4_ACT_ORDER, True)},
+            test_quick.spec_bound, "quick_gemm", quick.plan, 0,
+            QLinearConfig("bcq", bits=4, group_size=64, iters=1, backend="quick_free")),  # the LUT GEMV outranks it
     Subject("async_dequant", "mixed", "cuda", {"mixed": lambda: _mixed_layer(96, 320)},
             lambda m, x: test_async_dequant._bound(m.canonical(), m.config, m.out_features, m.in_features, x),
             "mixed_gemv", async_dequant.plan, 1, QLinearConfig("mixed")),
@@ -268,6 +270,22 @@ def test_module_holds_the_kernel_layout_and_saves_canonical(subject, name, reque
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("subject,name", [c for c in CASES if SUBJECTS[c.values[0]].device == "cpu"])
+def test_cpu_layout_converts_on_the_gpu(subject, name):
+    """A layer quantized on the CPU holds a CPU kernel's layout; ``.cuda()`` converts it back on the GPU (the buffers
+    move first): the layout's repack and unrepack run on the buffers' device, bit for bit as on the CPU."""
+    canon = _canonical(subject, name)
+    layout, (kcfg, side) = SUBJECTS[subject].kernel().layout, ops.kernel_view(canon.config)
+    N, K = canon.out_features, canon.in_features
+    bufs = {k: v for k, v in canon.canonical().items() if k not in side}
+    held = layout.repack(bufs, kcfg, N, K)
+    on_gpu = layout.repack({k: v.cuda() for k, v in bufs.items()}, kcfg, N, K)
+    assert all(on_gpu[k].is_cuda and torch.equal(on_gpu[k].cpu(), held[k]) for k in held)
+    back = layout.unrepack({k: v.cuda() for k, v in held.items()}, kcfg, N, K)
+    assert all(back[k].is_cuda and torch.equal(back[k].cpu(), bufs[k]) for k in bufs)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("backend", GPU_SUBJECTS)
 def test_kernel_under_cuda_graph_and_compile(backend):
     """compile(fullgraph, reduce-overhead: CUDA graphs) of a layer served by the kernel gives the eager output."""
@@ -275,9 +293,10 @@ def test_kernel_under_cuda_graph_and_compile(backend):
     s = SUBJECTS[backend]
     mod = (_mixed_layer(1536, 576) if s.format == "mixed" else
            BCQLinear.from_linear(torch.nn.Linear(576, 1536), s.model_config))
-    mod.backend = None
+    mod.backend = s.model_config.backend
     mod.cuda()
-    for M in (1, min(s.kernel().max_batch, 100)):
+    max_batch = s.kernel().max_batch
+    for M in (1, 100 if max_batch is backends.ANY else min(max_batch, 100)):
         x = torch.randn(M, 576, device="cuda", dtype=torch.float16)
         assert mod.kernel(x).backend == backend
         eager = mod(x)
@@ -290,9 +309,9 @@ def test_kernel_under_cuda_graph_and_compile(backend):
 @pytest.mark.parametrize("backend", GPU_SUBJECTS)
 def test_smollm2_shaped_model_compiled_matches_eager(backend):
     """A SmolLM2-135M-shaped Llama (4 of its 30 layers, random weights: the real checkpoint cannot reach the GPU
-    machine) quantized with the kernel's config: compile(fullgraph, reduce-overhead) decodes the same tokens as
-    eager, through the kernel."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    machine) quantized with the kernel's config: generate's own compile of the decode step (static cache, fullgraph,
+    reduce-overhead: CUDA graphs) decodes the same tokens as eager, through the kernel."""
+    from transformers import CompileConfig, LlamaConfig, LlamaForCausalLM
 
     import qlinear
 
@@ -303,29 +322,32 @@ def test_smollm2_shaped_model_compiled_matches_eager(backend):
     qlinear.replace_linear(model, SUBJECTS[backend].model_config, progress=False)
     model = model.to("cuda", torch.float16)
     assert model.model.layers[0].mlp.down_proj.layout == SUBJECTS[backend].kernel().layout.name
-    model.generation_config.cache_implementation = "static"
     ids = torch.randint(0, 49152, (1, 8), device="cuda")
-    kw = dict(max_new_tokens=12, do_sample=False, pad_token_id=0)
+    # transformers compiles the decode step itself (marking each CUDA-graph step); compiling model.forward by hand
+    # fails in its static cache (an output of one graph replay overwritten by the next)
+    kw = dict(max_new_tokens=12, do_sample=False, pad_token_id=0, cache_implementation="static")
+    torch._dynamo.reset()
     with torch.no_grad():
-        eager = model.generate(ids, **kw)
-        model.forward = torch.compile(model.forward, fullgraph=True, mode="reduce-overhead")
-        assert torch.equal(model.generate(ids, **kw), eager)
+        eager = model.generate(ids, disable_compile=True, **kw)
+        compiled = model.generate(ids, compile_config=CompileConfig(fullgraph=True, mode="reduce-overhead"), **kw)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1  # the compiled run did compile
+    assert torch.equal(compiled, eager)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", [b for b in GPU_SUBJECTS if SUBJECTS[b].format == "bcq"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_act_order_layer_gathers_x_inside_the_kernel(backend, dtype):
-    """A GPTQ act_order layer held in the kernel's layout: the kernel reads ``x[:, perm]`` as it loads x, bitwise
-    equal to the same weights without perm given ``x[:, perm]``."""
+    """An act_order layer (GPTQ; the BCQ fit for the free-α kernel) held in the kernel's layout: the kernel reads
+    ``x[:, perm]`` as it loads x, bitwise equal to the same weights without perm given ``x[:, perm]``."""
     torch.manual_seed(0)
     X = torch.randn(1024, 576) * torch.linspace(0.1, 2.0, 576)
-    mod = BCQLinear.from_linear(torch.nn.Linear(576, 1536), QLinearConfig("bcq", **GPTQ4_ACT_ORDER), X.T @ X,
-                                backend=backend)
+    opts = FREE4_ACT_ORDER if backend == "quick_free" else GPTQ4_ACT_ORDER
+    mod = BCQLinear.from_linear(torch.nn.Linear(576, 1536), QLinearConfig("bcq", **opts), X.T @ X, backend=backend)
     twin, perm = _twin(mod)
     mod.cuda(), twin.cuda()
     max_batch = SUBJECTS[backend].kernel().max_batch
-    for M in [M for M in (1, 8, 37, 300) if M <= max_batch]:
+    for M in [M for M in (1, 8, 37, 300) if max_batch is backends.ANY or M <= max_batch]:
         x = torch.randn(M, 576, device="cuda", dtype=dtype)
         assert mod.kernel(x).backend == backend and twin.kernel(x).backend == backend
         assert torch.equal(mod(x), twin(x[:, perm.cuda()]))

@@ -151,7 +151,7 @@ def _planes(codes: torch.Tensor, N: int, K: int, bits: int) -> torch.Tensor:
     padded = _row_blocks(codes, N)
     Nb = padded.shape[0]
     bit = torch.stack([(padded >> i) & 1 for i in range(bits)])  # [bits, Nb, 16, K]
-    nib = (bit.view(bits, Nb, ROWS, K // 32, 2, 4, 4) << torch.arange(4)).sum(-1)  # (i, b, r, h, half, q)
+    nib = (bit.view(bits, Nb, ROWS, K // 32, 2, 4, 4) << torch.arange(4, device=bit.device)).sum(-1)  # (i, b, r, h, half, q)
     byte = nib[..., 0, :] | (nib[..., 1, :] << 4)  # (i, b, r, h, q)
     return byte.permute(1, 3, 0, 4, 2).to(torch.uint8).reshape(Nb, K // 32, bits, 64)
 
@@ -161,7 +161,7 @@ def _unplanes(lp: torch.Tensor, K: int) -> torch.Tensor:
     Nb, H, bits, _ = lp.shape
     v = lp.view(Nb, H, bits, 4, ROWS).transpose(3, 4).to(torch.int64)  # (b, h, i, r, q)
     nib = torch.stack([v & 15, v >> 4], -1)  # (b, h, i, r, q, half)
-    bit = (nib[..., None] >> torch.arange(4)) & 1  # (b, h, i, r, q, half, t)
+    bit = (nib[..., None] >> torch.arange(4, device=nib.device)) & 1  # (b, h, i, r, q, half, t)
     bit = bit.permute(2, 0, 3, 1, 5, 4, 6).reshape(bits, Nb * ROWS, K)
     return sum(bit[i] << i for i in range(bits))
 
@@ -263,13 +263,13 @@ def _crumbs(codes: torch.Tensor, N: int, K: int) -> torch.Tensor:
     padded = _row_blocks(codes, N)
     Nb = padded.shape[0]
     v = padded.view(Nb, ROWS, K // 16, 4, 4).permute(0, 2, 1, 4, 3)  # (b, chunk c, row r, j, t)
-    return (v << (2 * torch.arange(4))).sum(-1).to(torch.uint8).reshape(Nb, K // 16, 64)
+    return (v << (2 * torch.arange(4, device=v.device))).sum(-1).to(torch.uint8).reshape(Nb, K // 16, 64)
 
 
 def _uncrumbs(qw: torch.Tensor, K: int) -> torch.Tensor:
     """Inverse of :func:`_crumbs`: ``[Nb, K/16, 64]`` -> codes ``[Nb·16, K]`` int64."""
     Nb = qw.shape[0]
-    v = (qw.view(Nb, K // 16, ROWS, 4).to(torch.int64)[..., None] >> (2 * torch.arange(4))) & 3  # (b, c, r, j, t)
+    v = (qw.view(Nb, K // 16, ROWS, 4).to(torch.int64)[..., None] >> (2 * torch.arange(4, device=qw.device))) & 3  # (b, c, r, j, t)
     return v.permute(0, 2, 1, 4, 3).reshape(Nb * ROWS, K)
 
 
@@ -297,13 +297,13 @@ def repack_codebook(buffers: dict, cfg, N: int, K: int) -> dict:
 
 def _book_words(books: torch.Tensor, N: int) -> torch.Tensor:
     """Books (0..3) ``[N, G]`` -> ``x86_qb`` int32 ``[Nb, G]``: bits ``2r..2r+1`` the book of row ``16b + r``."""
-    word = (pad_groups(books.to(torch.int64), N, ROWS) << (2 * torch.arange(ROWS))).sum(-1)
+    word = (pad_groups(books.to(torch.int64), N, ROWS) << (2 * torch.arange(ROWS, device=books.device))).sum(-1)
     return torch.where(word >= 2 ** 31, word - 2 ** 32, word).to(torch.int32)
 
 
 def _books(qb: torch.Tensor) -> torch.Tensor:
     """``x86_qb`` ``[Nb, G]`` -> the book of each row and group ``[Nb, G, 16]`` int64."""
-    return ((qb.to(torch.int64) & 0xFFFFFFFF)[..., None] >> (2 * torch.arange(ROWS))) & 3
+    return ((qb.to(torch.int64) & 0xFFFFFFFF)[..., None] >> (2 * torch.arange(ROWS, device=qb.device))) & 3
 
 
 def unrepack_codebook(buffers: dict, cfg, N: int, K: int) -> dict:
