@@ -40,7 +40,10 @@ measurements: RESULTS.md marks them so.
 The QUICK GEMM's model (:func:`quick_predict`) has the same shape: per 64-input K tile every resident warp converts
 its codes and issues its MMAs (``c_cvt``, ``c_mma`` per m16 tile), and waits ``L`` for the tile's codes and scales
 unless the register ring keeps ``depth`` tiles in flight; fitted on the 2-bit rows of the H100 dispatch table
-(``backends/dispatch/nvidia-h100-80gb-hbm3.json``: 4 shapes, M = 1..512), checked on its 4-bit rows.
+(``backends/dispatch/nvidia-h100-80gb-hbm3.json``: 4 shapes, M = 1..512), checked on its 4-bit rows.  For the
+register-ring kernel it also reads the main loop's instructions per K tile from the SASS and bounds the time by the
+SM's instruction issue and by its HMMA rate (one constant each, read off one row of the kernel's first H200 run), and
+is checked on the other rows of that run.
 """
 
 from __future__ import annotations
@@ -202,13 +205,13 @@ def lut_sass(source_root: Path, work: Path, build: Callable[[Path], tuple[Path, 
     return out
 
 
-def checkout(commit: str, dst: Path) -> Path:
-    """The backends/ tree of ``commit`` extracted under ``dst`` (git archive), returned as the source root."""
+def checkout(commit: str, dst: Path, kernel_dir: str = "backends/cuda_lut") -> Path:
+    """``kernel_dir`` and backends/_cuda of ``commit`` extracted under ``dst`` (git archive), returned as the source
+    root."""
     dst.mkdir(parents=True, exist_ok=True)
     tar = dst / "src.tar"
     with tar.open("wb") as f:
-        subprocess.run(["git", "-C", str(ROOT), "archive", commit, "backends/cuda_lut", "backends/_cuda"], stdout=f,
-                       check=True)
+        subprocess.run(["git", "-C", str(ROOT), "archive", commit, kernel_dir, "backends/_cuda"], stdout=f, check=True)
     with tarfile.open(tar) as t:
         t.extractall(dst, filter="data")
     return dst
@@ -309,7 +312,10 @@ def predict(f: dict, c: dict) -> float:
         return f["tiles"] * tab + f["iterations"] * (c["L"] + step)
 
     work = f["waves"] * chain(f["warps_sm"]) + chain(f["tail_warps_sm"])
-    return c["t0"] + (c["t_red"] if f["splits"] > 1 else 0.0) + max(work, f["bytes"] / c["BW"] / 1e6)
+    warp_tiles = (f["waves"] * f["warps_sm"] + f["tail_warps_sm"]) * f["tiles"]  # per SM, in the order they run
+    issue = warp_tiles * f.get("ins", 0.0) / QUICK_ISSUE_PER_NS / 1e3
+    mma = warp_tiles * f["mt"] * 16 / 4 * QUICK_HMMA_CYCLES / CLOCK_GHZ / 1e3 if f.get("ins") else 0.0
+    return c["t0"] + (c["t_red"] if f["splits"] > 1 else 0.0) + max(work, issue, mma, f["bytes"] / c["BW"] / 1e6)
 
 
 def read_rows(path: Path = RESULTS) -> list[tuple[int, int, int, int, int, float]]:
@@ -396,10 +402,11 @@ def quick_plan_2026_11_23(M: int, N: int, K: int, sms: int) -> tuple[int, int, i
 
 
 def quick_features(M: int, N: int, K: int, q: int, g: int, plan=quick_plan_2026_11_23, regs=None,
-                   depth=lambda tile_m: 1) -> dict:
+                   depth=lambda tile_m: 1, ins: float = 0.0) -> dict:
     """Everything :func:`quick_predict` needs for one shape, M and bits at ``plan``: blocks of 4·WM warps (32 rows of
     Ŵ each along N, WM = 2 at tile_m 128) walking ``tiles`` 64-input K tiles with ``depth(tile_m)`` tiles of codes and
-    scales in flight per warp (1 in the measured kernel), x staged in 3 shared-memory stages."""
+    scales in flight per warp (1 in the measured kernel), x staged in 3 shared-memory stages; ``ins`` instructions per
+    warp and tile (0: no issue term, as for the 2026-11-23 kernel, whose SASS the fit does not read)."""
     tile_m, per_split, splits = plan(M, N, K, SMS)
     wm = 2 if tile_m == 128 else 1
     threads = 128 * wm
@@ -410,7 +417,7 @@ def quick_features(M: int, N: int, K: int, q: int, g: int, plan=quick_plan_2026_
     nbytes = q * N * K // 8 + 2 * N * G + q * N * G // 8 + 2 * M * K + 2 * M * N + (8 * splits * M * N if splits > 1
                                                                                    else 0)
     return dict(tiles=per_split, mt=tile_m // 16 // wm, splits=splits, waves=waves, warps_sm=bps * threads // 32,
-                tail_warps_sm=math.ceil(tail / SMS) * threads // 32, bytes=nbytes, depth=depth(tile_m))
+                tail_warps_sm=math.ceil(tail / SMS) * threads // 32, bytes=nbytes, depth=depth(tile_m), ins=ins)
 
 
 def quick_predict(f: dict, c: dict) -> float:
@@ -421,7 +428,11 @@ def quick_predict(f: dict, c: dict) -> float:
         chain = tiles · (L + step)                 depth 1
         chain = L + tiles · max(L / D, step)       depth D > 1
 
-    ``t = t0 + t_red·[splits > 1] + max(waves · chain + chain_tail, bytes / BW)``, as the LUT GEMV's."""
+    ``t = t0 + t_red·[splits > 1] + max(waves · chain + chain_tail, issue, bytes / BW)``, as the LUT GEMV's, with
+    ``issue = (waves · warps/SM + tail warps/SM) · tiles · ins / QUICK_ISSUE_PER_NS``: the SM's instruction issue,
+    which bounds the register-ring kernel at small M (ncu, 2026-11-27), and ``mma``, the same warp tiles' 16·MT
+    HMMAs shared by 4 sub-partitions at :data:`QUICK_HMMA_CYCLES` each, which bounds it from M = 64; the latency
+    terms, fitted on a kernel that waited on every tile, see neither (both are 0 without ``ins``)."""
     def chain(warps_sm: int) -> float:
         if not warps_sm:
             return 0.0
@@ -431,7 +442,10 @@ def quick_predict(f: dict, c: dict) -> float:
         return c["L"] + f["tiles"] * max(c["L"] / f["depth"], step)
 
     work = f["waves"] * chain(f["warps_sm"]) + chain(f["tail_warps_sm"])
-    return c["t0"] + (c["t_red"] if f["splits"] > 1 else 0.0) + max(work, f["bytes"] / c["BW"] / 1e6)
+    warp_tiles = (f["waves"] * f["warps_sm"] + f["tail_warps_sm"]) * f["tiles"]  # per SM, in the order they run
+    issue = warp_tiles * f.get("ins", 0.0) / QUICK_ISSUE_PER_NS / 1e3
+    mma = warp_tiles * f["mt"] * 16 / 4 * QUICK_HMMA_CYCLES / CLOCK_GHZ / 1e3 if f.get("ins") else 0.0
+    return c["t0"] + (c["t_red"] if f["splits"] > 1 else 0.0) + max(work, issue, mma, f["bytes"] / c["BW"] / 1e6)
 
 
 def quick_rows(path: Path = QUICK_TABLE) -> list[tuple[int, int, int, int, int, float]]:
@@ -444,29 +458,86 @@ def quick_rows(path: Path = QUICK_TABLE) -> list[tuple[int, int, int, int, int, 
 
 
 QUICK_SOURCE = "backends/quick/quick_gemm.cu"
+# Warp instructions an SM issues per ns while the QUICK GEMM is bound by issue: 4 schedulers × 0.61 issued per cycle
+# (ncu, H200, 2026-11-27: 8192², 4-bit, M = 1, the register-ring kernel) × 1.98 GHz (the H100's and H200's boost clock)
+QUICK_ISSUE_PER_NS = 4 * 0.61 * 1.98
+# Cycles of an SM sub-partition per HMMA.16816.F32 (mma.sync m16n8k16, fp32 accumulate) while the GEMM is bound by
+# its MMAs: read off one row, the same run's 8192², 4-bit, M = 256 (191 µs: 128 blocks of 8 warps, 1 per SM, each warp
+# 128 K tiles × 4 m16 tiles × 16 MMAs), the other rows are predictions
+QUICK_HMMA_CYCLES = 22.8
+CLOCK_GHZ = 1.98
 
 
-def quick_regs(source_root: Path, work: Path, build: Callable[[Path], tuple[Path, str]] = None
-               ) -> dict[tuple[int, int, bool], int]:
-    """ptxas registers of every fp16 ``quick_gemm_kernel`` instantiation built from ``source_root``, keyed by (bits,
-    tile_m, free α); needs nvcc."""
-    _, log = (build or (lambda cu: compile_cubin(cu, work)))(source_root / QUICK_SOURCE)
-    regs = {}
-    for name, r in ptxas_registers(log).items():
+def quick_depth(tile_m: int, free: bool) -> int:
+    """K tiles in the register ring (``kDepth`` in quick_gemm.cu): 4 at tile_m 16/32, 2 at 64/128 and for free α."""
+    return 2 if free or tile_m >= 64 else 4
+
+
+def main_loop_instructions(instrs: list[tuple[int, str]]) -> int:
+    """Instructions of a kernel's main loop (the loop with MMAs and the most instructions of its own), nested loops
+    (QUICK: the act_order gathers of x, not taken without perm) excluded."""
+    loops = [(int(m.group(1), 16), a) for a, i in instrs
+             if (m := re.search(r"\bBRA\s+(?:`\(\.L_x_\d+\)\s*)?0x([0-9a-f]+)", i)) and int(m.group(1), 16) < a]
+
+    def own(lo, hi):
+        nested = [lp for lp in loops if lo <= lp[0] and lp[1] <= hi and lp != (lo, hi)]
+        return [i for a, i in instrs if lo <= a <= hi and not any(n0 <= a <= n1 for n0, n1 in nested)]
+
+    return max((len(ops) for ops in (own(lo, hi) for lo, hi in loops) if any("HMMA" in i for i in ops)), default=0)
+
+
+def quick_sass(source_root: Path, work: Path, build: Callable[[Path], tuple[Path, str]] = None
+               ) -> dict[tuple[int, int, bool], tuple[int, float]]:
+    """``(registers, instructions per K tile)`` of every fp16 ``quick_gemm_kernel`` instantiation built from
+    ``source_root``, keyed by (bits, tile_m, free α): ptxas's registers and the main loop's instructions (one
+    iteration walks the ring's tiles) per tile; needs nvcc and cuobjdump."""
+    cubin, log = (build or (lambda cu: compile_cubin(cu, work)))(source_root / QUICK_SOURCE)
+    regs = ptxas_registers(log)
+    sass = subprocess.run([cuobjdump(), "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
+    out = {}
+    for name, instrs in parse_sass(sass).items():
         k = re.search(r"quick_gemm_kernelI6__halfLi(\d)ELi(\d)ELi(\d)ELb(\d)E", name)
         if k:
             q, mt, wm, free = map(int, k.groups())
-            regs[q, 16 * mt * wm, bool(free)] = r
-    return regs
+            tile_m = 16 * mt * wm
+            out[q, tile_m, bool(free)] = (regs[name], main_loop_instructions(instrs) / quick_depth(tile_m, bool(free)))
+    return out
 
 
-def quick_current(M: int, N: int, K: int, q: int, g: int, regs: dict, free: bool = False) -> dict:
-    """:func:`quick_features` of this checkout's GEMM: its plan (``quick.plan``), registers and register ring (4 K
-    tiles in flight at tile_m 16/32, 2 at 64/128 and for free α: ``kDepth`` in quick_gemm.cu)."""
+def quick_current(M: int, N: int, K: int, q: int, g: int, sass: dict, free: bool = False) -> dict:
+    """:func:`quick_features` of a register-ring GEMM (this checkout's, or another commit's :func:`quick_sass`): its plan
+    (``quick.plan``), registers, ring depth and instructions per tile."""
     from qlinear.backends import quick
 
-    return quick_features(M, N, K, q, g, quick.plan, {t: regs[q, t, free] for t in (16, 32, 64, 128)},
-                          lambda tile_m: 2 if free or tile_m >= 64 else 4)
+    tile_m = quick.plan(M, N, K, SMS)[0]
+    return quick_features(M, N, K, q, g, quick.plan, {t: sass[q, t, free][0] for t in (16, 32, 64, 128)},
+                          lambda tm: quick_depth(tm, free), sass[q, tile_m, free][1])
+
+
+# The register-ring kernel's first GPU rows: bench_gemm --quick on an H200 at commit QUICK_RING_COMMIT
+QUICK_RING_ROWS = ROOT / "benchmarks" / "results" / "h200-2026-11-27-bench_gemm-quick.md"
+QUICK_RING_COMMIT = "588ebaf"
+H200_BW = 4.15  # TB/s, the copy bandwidth measured in that run
+
+
+def quick_bench_rows(path: Path = QUICK_RING_ROWS) -> list[tuple[int, int, int, int, int, float]]:
+    """``(N, K, M, q, group, µs)`` of the uniform ``quick`` rows of a bench_gemm markdown table."""
+    rows = []
+    for line in path.read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        m = re.match(r"bcq int(\d) g(\d+)$", cells[1]) if len(cells) > 4 and cells[0] == "quick" else None
+        if m:
+            N, K = map(int, cells[2].split("x"))
+            rows.append((N, K, int(cells[3]), int(m.group(1)), int(m.group(2)), float(cells[4])))
+    return sorted(set(rows))
+
+
+def quick_ring_check(constants: dict, sass: dict, rows=None) -> Check:
+    """The fitted constants (H100 latencies, :data:`H200_BW`) with the ``QUICK_RING_COMMIT`` kernel's SASS against its
+    H200 rows: nothing here is fitted on them but the issue rate, which ncu read off one of them."""
+    c = {**constants, "BW": H200_BW}
+    return Check(c, [(N, K, M, q, g, t, quick_predict(quick_current(M, N, K, q, g, sass), c))
+                     for N, K, M, q, g, t in rows or quick_bench_rows()])
 
 
 def quick_check(rows=None) -> Check:
@@ -531,29 +602,41 @@ def main() -> None:
 
 
 def quick_main(args) -> None:
-    """``--quick``: the QUICK model's held-out check and its predictions for this checkout's GEMM (markdown)."""
-    if nvcc() is None:
-        sys.exit("needs nvcc (the registers of this checkout's QUICK GEMM)")
+    """``--quick``: the QUICK model's held-out check, its check against the register-ring kernel's H200 rows, and its
+    predictions for this checkout's GEMM (markdown)."""
+    if nvcc() is None or cuobjdump() is None:
+        sys.exit("needs nvcc and cuobjdump (the registers and instructions of the QUICK GEMM)")
     sys.path.insert(0, str(ROOT))
     res = quick_check()
     print(f"QUICK GEMM, fitted on {len(res.held_out)} of the H100 dispatch table's rows (2-bit), held out the other "
           f"{len(res.held_out)} (4-bit): median |error| {100 * res.median_error:.1f} %, worst {res.worst_factor:.2f}x")
     print("constants: " + ", ".join(f"{k} = {v:.4g}" for k, v in res.constants.items()))
     with tempfile.TemporaryDirectory() as tmp:
-        regs = quick_regs(ROOT, Path(tmp))
-    meas = {(N, K, M, q): t for N, K, M, q, g, t in quick_rows()}
-    print("\nPredictions for this checkout's GEMM, uniform α, group 128 (the 2026-11-23 kernel's measured time beside):"
-          "\n\n| N x K | bits | M | plan (tile_m, tiles/split, splits) | regs | predicted µs | measured 2026-11-23 µs |"
-          "\n|---|---|---|---|---|---|---|")
+        sass = quick_sass(ROOT, Path(tmp))
+        src = checkout(QUICK_RING_COMMIT, Path(tmp) / "ring", "backends/quick")
+        ring = quick_sass(src, src)
+    chk = quick_ring_check(res.constants, ring)
+    print(f"\nAgainst the {len(chk.held_out)} H200 rows of {QUICK_RING_ROWS.name} ({QUICK_RING_COMMIT}'s kernel, "
+          f"BW = {H200_BW} TB/s): median |error| {100 * chk.median_error:.1f} %, worst {chk.worst_factor:.2f}x\n"
+          "\n| N x K | bits | M | instructions per tile | measured µs | predicted µs |\n|---|---|---|---|---|---|")
     from qlinear.backends import quick
 
+    for N, K, M, q, g, t, p in chk.held_out:
+        print(f"| {N}x{K} | {q} | {M} | {ring[q, quick.plan(M, N, K, SMS)[0], False][1]:.0f} | {t:.3g} | {p:.3g} |")
+    meas = {(N, K, M, q): t for N, K, M, q, g, t in quick_bench_rows()}
+    card = f"H100 latencies, BW = {args.bw} TB/s" if args.bw else "H100"
+    c = {**res.constants, **({"BW": args.bw} if args.bw else {})}
+    print(f"\nPredictions for this checkout's GEMM, uniform α, group 128, {card} (the H200 rows of "
+          f"{QUICK_RING_COMMIT}'s kernel beside):\n\n| N x K | bits | M | plan (tile_m, tiles/split, splits) | regs | "
+          "instructions per tile | predicted µs | measured H200 µs |\n|---|---|---|---|---|---|---|---|")
     for shape in args.shapes.split(","):
         N, K = map(int, shape.split("x"))
         for q in (2, 3, 4):
             for M in map(int, args.batches.split(",")):
                 plan = quick.plan(M, N, K, SMS)
-                print(f"| {N}x{K} | {q} | {M} | {plan} | {regs[q, plan[0], False]} | "
-                      f"{quick_predict(quick_current(M, N, K, q, 128, regs), res.constants):.3g} | "
+                regs, ins = sass[q, plan[0], False]
+                print(f"| {N}x{K} | {q} | {M} | {plan} | {regs} | {ins:.0f} | "
+                      f"{quick_predict(quick_current(M, N, K, q, 128, sass), c):.3g} | "
                       f"{meas.get((N, K, M, q), float('nan')):.3g} |")
 
 

@@ -61,6 +61,7 @@ inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {  // byte n of 
   for (int n = 0; n < 4; ++n) r |= (unsigned)((v >> (8 * ((s >> (4 * n)) & 7))) & 255) << (8 * n);
   return r;
 }
+inline unsigned __umulhi(unsigned a, unsigned b) { return (unsigned)(((unsigned long long)a * b) >> 32); }
 inline float __fadd_rn(float a, float b) { return a + b; }  // ISO C++ (-std=c++20): no contraction into an FMA
 inline float __fmul_rn(float a, float b) { return a * b; }
 inline float __uint_as_float(unsigned u) { float f; std::memcpy(&f, &u, 4); return f; }

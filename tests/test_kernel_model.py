@@ -154,3 +154,50 @@ def test_quick_fit_predicts_held_out_h100_rows_within_bounds():
     assert res.median_error <= 0.30 and res.worst_factor <= 2.0, (res.median_error, res.worst_factor)
     c = res.constants
     assert 0.5 < c["t0"] < 8 and 0.2 < c["L"] < 3 and 1.5 < c["BW"] < 3.5, c
+
+
+def test_quick_predict_takes_issue_and_mma_bounds_from_the_sass_count():
+    c = dict(t0=3.0, t_red=2.0, L=1.0, c_cvt=0.0, c_mma=0.0, BW=2.0)
+    f = dict(tiles=10, mt=1, splits=1, waves=1, warps_sm=16, tail_warps_sm=0, bytes=0, depth=4, ins=400.0)
+    issue = 16 * 10 * 400 / km.QUICK_ISSUE_PER_NS / 1e3
+    assert km.quick_predict(f, c) == pytest.approx(3 + max(1 + 10 * 0.25, issue))
+    mma = 16 * 10 * 4 * 16 / 4 * km.QUICK_HMMA_CYCLES / km.CLOCK_GHZ / 1e3
+    assert km.quick_predict({**f, "mt": 4}, c) == pytest.approx(3 + max(issue, mma))
+    assert km.quick_predict({**f, "ins": 0.0}, c) == pytest.approx(3 + 1 + 10 * 0.25)  # no SASS count: latency only
+
+
+def test_main_loop_instructions_count_the_mma_loop_without_its_nested_loops():
+    instrs = km.parse_sass("""
+        Function : _Z1k
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+        /*0010*/                   LDG.E R4, desc[UR4][R2.64] ;
+        /*0020*/                   IADD3 R5, R5, 0x1, RZ ;
+        /*0030*/               @P0 BRA 0x20 ;
+        /*0040*/                   HMMA.16816.F32 R8, R12, R16, R8 ;
+        /*0050*/              @!P1 BRA 0x10 ;
+        /*0060*/                   FADD R8, R8, R9 ;
+        /*0070*/              @!P2 BRA 0x60 ;
+        /*0080*/                   EXIT ;
+""")["_Z1k"]
+    assert km.main_loop_instructions(instrs) == 3  # 0x10, 0x40, 0x50; the nested 0x20-0x30 and the MMA-free loop out
+
+
+@pytest.mark.slow
+def test_quick_model_predicts_the_register_ring_kernels_h200_rows():
+    """The fitted constants with the SASS of the kernel the 2026-11-27 H200 rows ran (its instructions per tile and
+    registers) predict those rows within the issue's bounds; the issue rate and the MMA rate come from one row each."""
+    pytest.importorskip("scipy")
+    if km.nvcc() is None or km.cuobjdump() is None:
+        pytest.skip("needs nvcc and cuobjdump")
+    try:
+        subprocess.run(["git", "-C", str(km.ROOT), "cat-file", "-e", km.QUICK_RING_COMMIT], check=True,
+                       capture_output=True)
+    except (subprocess.CalledProcessError, FileNotFoundError):
+        pytest.skip(f"git history with {km.QUICK_RING_COMMIT} is not here")
+    with tempfile.TemporaryDirectory() as tmp:
+        src = km.checkout(km.QUICK_RING_COMMIT, Path(tmp), "backends/quick")
+        sass = km.quick_sass(src, src)
+    rows = km.quick_bench_rows()
+    assert len(rows) == 12 and {M for _, _, M, *_ in rows} == {1, 16, 64, 256}
+    res = km.quick_ring_check(km.quick_check().constants, sass, rows)
+    assert res.median_error <= 0.30 and res.worst_factor <= 2.0, res.held_out

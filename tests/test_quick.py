@@ -435,15 +435,19 @@ def _emulate(exe, x, bufs, bias, cfg, N, K, launch, dequant=False, perm=None):
 
 @pytest.mark.parametrize("bits,imported,dtype", [(4, True, torch.float16), (3, False, torch.bfloat16),
                                                     (2, True, torch.bfloat16), (4, False, torch.float16),
+                                                    (2, True, torch.float16), (3, True, torch.float16),
+                                                    (4, "symmetric", torch.float16),
                                                     (4, "free", torch.bfloat16), (3, "free", torch.float16)])
 def test_kernel_source_under_host_emulation(emulator, bits, imported, dtype):
     """quick_gemm.cu itself (its tiles, cp.async stages, swizzle, ldmatrix/mma fragment use, split-K and output
     mapping) on the CPU: within the error bound of the float64 reference for every tile_m, one split and several,
-    M not a multiple of the tile; its dequantize kernel equals the spec bit for bit.  Uniform layers (round-to-nearest
-    or imported) and free-α ones (``imported="free"``)."""
+    M not a multiple of the tile; its dequantize kernel equals the spec bit for bit.  Uniform layers (round-to-nearest,
+    ``"symmetric"``: without zero points, or imported; fp16 and bf16 decode codes differently) and free-α ones
+    (``imported="free"``)."""
     N, K = 160, 192
     make = (lambda N, K, bits, g, seed: _free(N, K, bits, g, seed=seed)) if imported == "free" else (
-        lambda N, K, bits, g, seed: _uniform(N, K, bits, g, imported, seed=seed))
+        lambda N, K, bits, g, seed: _uniform(N, K, bits, g, imported is True, offset=imported != "symmetric",
+                                             seed=seed))
     cfg, canon = make(N, K, bits, 64, bits)
     bufs = quick.repack(canon, cfg, N, K)
     w64 = bcq.dequantize(canon, cfg, N, K).double()

@@ -16,6 +16,17 @@ template <> __device__ __forceinline__ __half from_float<__half>(float v) { retu
 template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
 template <> __device__ __forceinline__ float from_float<float>(float v) { return v; }  // dequantize kernels' fp32 output
 
+// (a & b) | c in one LOP3 (nvcc splits the expression into two when b and c are both immediates).
+__device__ __forceinline__ unsigned and_or(unsigned a, unsigned b, unsigned c) {
+#ifdef __CUDA_ARCH__
+  unsigned d;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+  return d;
+#else
+  return (a & b) | c;
+#endif
+}
+
 // y[i] = Σ_p partial[p, i] (in slice order: deterministic) + bias[i % N], for split-K kernels.
 template <typename T>
 __global__ void reduce_splits_kernel(const float* __restrict__ partial, const float* __restrict__ bias, T* __restrict__ y,

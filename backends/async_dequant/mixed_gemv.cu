@@ -54,17 +54,6 @@ __device__ __forceinline__ int entry_kstart(int e, int gs) {
   return entry_group(e) * gs + ((e >> 20) & 0x7FF) * (entry_is4(e) ? 8 : 16);
 }
 
-// (a & b) | c in one LOP3 (nvcc splits the expression into two when b and c are both immediates).
-__device__ __forceinline__ unsigned and_or(unsigned a, unsigned b, unsigned c) {
-#ifdef __CUDA_ARCH__
-  unsigned d;
-  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
-  return d;
-#else
-  return (a & b) | c;
-#endif
-}
-
 // 2^(23 − p) as float bits: its mantissa LSB weighs 2^−p, so a code at bits p.. of the mantissa reads as its value.
 __host__ __device__ constexpr unsigned magic_bits(int p) { return (unsigned)(150 - p) << 23; }
 

@@ -277,6 +277,8 @@ def holds(cfg, out_features: int, in_features: int) -> Optional[str]:
         return "fp32 offsets (fp32_offset=True) are not supported; the quick layout holds fp16 offsets"
     if out_features % TILE_N or in_features % TILE_K:
         return f"needs out_features % {TILE_N} == 0 and in_features % {TILE_K} == 0, got {out_features}x{in_features}"
+    if in_features >= 1 << 20:  # quick_gemm.cu's GroupOf
+        return f"in_features={in_features} is not below 2^20"
     return None
 
 

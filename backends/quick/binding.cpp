@@ -19,6 +19,7 @@ qlinear::QuickArgs weight_args(const at::Tensor& qweight, const at::Tensor& scal
   TORCH_CHECK(N % 32 == 0 && K % 64 == 0 && qweight.size(0) * 32 == N && qweight.size(1) * 64 == K && Q >= 2 && Q <= 4 &&
                   qweight.size(2) == 64 * Q, "quick: qweight ", qweight.sizes(), " does not fit N=", N, ", K=", K);
   TORCH_CHECK(group_size % 32 == 0 && group_size > 0, "quick: group_size must be a positive multiple of 32");
+  TORCH_CHECK(K < (1 << 20), "quick: K=", K, " must be below 2^20 (the kernel's group index arithmetic)");
   const int64_t G = (K + group_size - 1) / group_size;
   // uniform: s [G, N] and packed zero points; free α: α [G, Q, N] and fp16 offsets [G, N]
   const bool free_alpha = scales.dim() == 3;

@@ -4,7 +4,8 @@
 // Why: above M ≈ 8 CUDA-core kernels (the LUT GEMV) become compute bound, and dequantize-then-cuBLAS
 // re-expands the whole weight every call.  Here each warp's B fragments of `mma.m16n8k16` come straight
 // from DRAM into registers (the weights were interleaved offline in fragment order, QUICK §3.1-3.2), are
-// converted with one lop3 + one sub + one fma per register pair (free α: one of each per bit-plane), and go into the
+// converted with one lop3 + one sub (or fma) + one fma per register pair (fp16: most pairs without a shift, see
+// pair_values; free α: one of each per bit-plane), and go into the
 // tensor cores: no shared memory write-back of dequantized weights and no ldmatrix for B.  Only x goes through shared memory, in a
 // STAGES-deep cp.async pipeline (XOR-swizzled so ldmatrix is conflict-free), which the public QUICK kernel
 // lacks.  The codes and scales of the next D K tiles (D = 2..4) are in flight in a register ring while the current
@@ -73,6 +74,56 @@ __device__ __forceinline__ unsigned pair_codes(const unsigned (&w)[Words<Q>::n],
   return ((w[p / 8] >> (2 * (p % 8))) & 0x00030003u) | (((w[Words<Q>::n0 + p / 16] >> (p % 16)) & 0x00010001u) << 2);
 }
 
+template <typename T2> __device__ __forceinline__ T2 as_pair(unsigned u) { return *reinterpret_cast<const T2*>(&u); }
+
+// The codes of pair p as exact integers of T (q in both halves).  fp16 holds a code at any bit b <= 10 - Q of the
+// magic 1024's mantissa, and (1024 + 2^b·q)·2^-b − 2^(10-b) = q exactly, so a word's lower codes need no shift and
+// its upper ones share one (4 bits: one shift per word instead of three); 3-bit codes add their two parts with the
+// same FMAs.  bf16 (7 mantissa bits) shifts each pair, and assembles 3-bit codes first.
+// fp16 bits of ±(2^a + 2^b), a >= b (exact in fp16 for a - b <= 10)
+__device__ __forceinline__ unsigned f16_pow2_sum(bool negative, int a, int b) {
+  const unsigned sign = negative ? 0x8000u : 0u;
+  if (a == b) return sign | (unsigned)(a + 16) << 10;
+  return sign | (unsigned)(a + 15) << 10 | 1u << (10 - (a - b));
+}
+
+// The fp16 pair (1024 + 2^b·c) of the Q-bit field of pair j (of `per` in a word) in w: fields at bits 0 .. 10 - Q are
+// taken in place, the rest after one shift of the word (shared by the pairs of a word after inlining).
+template <int Q, int per>
+__device__ __forceinline__ unsigned f16_field(unsigned w, int j, int& b) {
+  constexpr int fit = (10 - Q) / Q + 1;
+  constexpr unsigned mask = ((1u << Q) - 1) * 0x00010001u;
+  b = Q * (j < fit ? j : j - fit);
+  return and_or(j < fit ? w : w >> (Q * fit), mask << b, Num<__half>::kMagic);
+}
+
+template <typename T, int Q>
+__device__ __forceinline__ typename Num<T>::T2 pair_values(const unsigned (&w)[Words<Q>::n], int p) {
+  using T2 = typename Num<T>::T2;
+  if constexpr (std::is_same_v<T, __half>) {
+    const auto pair = [](unsigned bits) { return as_pair<T2>(bits * 0x00010001u); };
+    if constexpr (Q == 3) {  // q = lo + 4·hi: (1024 + 2^b2·lo)·2^-b2 + ((1024 + 2^b1·hi)·2^(2-b1) − 2^(12-b1) − 2^(10-b2))
+      int b2, b1;
+      const unsigned lo = f16_field<2, 8>(w[p / 8], p % 8, b2);
+      const unsigned hi = f16_field<1, 16>(w[Words<Q>::n0 + p / 16], p % 16, b1);
+      const T2 t = __hfma2(as_pair<T2>(hi), pair((17u - b1) << 10),
+                           pair(f16_pow2_sum(true, max(12 - b1, 10 - b2), min(12 - b1, 10 - b2))));
+      return __hfma2(as_pair<T2>(lo), pair((15u - b2) << 10), t);
+    } else {
+      int b;
+      const unsigned h = f16_field<Q, 16 / Q>(w[p / (16 / Q)], p % (16 / Q), b);
+      if (b == 0) return __hsub2(as_pair<T2>(h), Num<T>::base());
+      return __hfma2(as_pair<T2>(h), pair((15u - b) << 10), pair(0x8000u | (25u - b) << 10));  // 2^-b, -2^(10-b)
+    }
+  } else if constexpr (Q == 3) {
+    return __hsub2(as_pair<T2>(pair_codes<Q>(w, p) | Num<T>::kMagic), Num<T>::base());
+  } else {
+    constexpr unsigned mask = ((1u << Q) - 1) * 0x00010001u;
+    const int per = 16 / Q;
+    return __hsub2(as_pair<T2>(and_or(w[p / per] >> (Q * (p % per)), mask, Num<T>::kMagic)), Num<T>::base());
+  }
+}
+
 // One group's raw per-row values of the lane's 4 rows, stored contiguously from pos (a multiple of 4): loaded with
 // the codes that use them, converted when they are used.  Uniform: s (4 fp16) and the zero points (4 nibbles); free
 // α: α of each plane (4 fp16 each) and the offset c (4 fp16, 0 without one).
@@ -116,19 +167,33 @@ template <typename T, int Q, bool FREE> struct GroupDeq {
   using T2 = typename Num<T>::T2;
   T2 s[4], c[4];
   __device__ __forceinline__ void set(const GroupRaw<Q, false>& r, bool has_zeros) {
-    float sf[4];
-    halves4(sf, r.s);
+    if constexpr (std::is_same_v<T, __half>) {
+      // fp16 s times z (an integer < 16, or the half-integer (2^Q − 1)/2) is exact in fp32, so one HMUL2 rounds it
+      // as the float path below does; s is already fp16
+      const __half2 s01 = as_pair<__half2>(r.s.x), s23 = as_pair<__half2>(r.s.y);
+      __half2 z01 = __float2half2_rn(((1 << Q) - 1) * 0.5f), z23 = z01;
+      if (has_zeros) {  // the 4 rows' nibbles as (z0, z1) and (z2, z3): z1 moves to bits 16..19, z3 to 24..27
+        const unsigned zz = r.z | r.z << 12;
+        z01 = __hsub2(as_pair<__half2>(and_or(zz, 0x000f000fu, Num<T>::kMagic)), Num<T>::base());
+        z23 = __hsub2(as_pair<__half2>(and_or(zz >> 8, 0x000f000fu, Num<T>::kMagic)), Num<T>::base());
+      }
+      const __half2 c01 = __hneg2(__hmul2_rn(s01, z01)), c23 = __hneg2(__hmul2_rn(s23, z23));
+      s[0] = __low2half2(s01); s[1] = __high2half2(s01); s[2] = __low2half2(s23); s[3] = __high2half2(s23);
+      c[0] = __low2half2(c01); c[1] = __high2half2(c01); c[2] = __low2half2(c23); c[3] = __high2half2(c23);
+    } else {
+      float sf[4];
+      halves4(sf, r.s);
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const float z = has_zeros ? (float)((r.z >> (4 * i)) & 15u) : ((1 << Q) - 1) * 0.5f;
-      s[i] = Num<T>::pair(sf[i]);
-      c[i] = Num<T>::pair(-sf[i] * z);
+      for (int i = 0; i < 4; ++i) {
+        const float z = has_zeros ? (float)((r.z >> (4 * i)) & 15u) : ((1 << Q) - 1) * 0.5f;
+        s[i] = Num<T>::pair(sf[i]);
+        c[i] = Num<T>::pair(-sf[i] * z);
+      }
     }
   }
-  __device__ __forceinline__ unsigned operator()(unsigned codes, int row) const {
-    const unsigned h = codes | Num<T>::kMagic;
-    const T2 v = __hsub2(*reinterpret_cast<const T2*>(&h), Num<T>::base());  // exact: the integer code
-    const T2 r = __hfma2(v, s[row], c[row]);
+  // ŵ of pair p of the lane's codes w, row `row` of its 4
+  __device__ __forceinline__ unsigned weights(const unsigned (&w)[Words<Q>::n], int p, int row) const {
+    const T2 r = __hfma2(pair_values<T, Q>(w, p), s[row], c[row]);
     return *reinterpret_cast<const unsigned*>(&r);
   }
 };
@@ -151,7 +216,8 @@ template <typename T, int Q> struct GroupDeq<T, Q, true> {
       c[row] = Num<T>::pair(cf[row]);
     }
   }
-  __device__ __forceinline__ unsigned operator()(unsigned codes, int row) const {
+  __device__ __forceinline__ unsigned weights(const unsigned (&words)[Words<Q>::n], int p, int row) const {
+    const unsigned codes = pair_codes<Q>(words, p);
     T2 w = c[row];
 #pragma unroll
     for (int i = 0; i < Q; ++i) {
@@ -171,12 +237,21 @@ struct TileRegs {
   GroupRaw<Q, FREE> g[2];
 };
 
+// k / group_size for k a multiple of 32 without a division per tile: floor(2n·m / 2^32) with n = k / 32 and
+// m = ceil(2^31 / d), d = group_size / 32, is exact while n·d < 2^31 (run() requires K < 2^20).
+struct GroupOf {
+  unsigned m;
+  __device__ __forceinline__ explicit GroupOf(int group_size)
+      : m((0x80000000u + group_size / 32 - 1) / (group_size / 32)) {}
+  __device__ __forceinline__ int operator()(int k) const { return (int)__umulhi((unsigned)k >> 4, m); }
+};
+
 template <int Q, bool FREE>
-__device__ __forceinline__ void load_tile_regs(TileRegs<Q, FREE>& r, const QuickArgs& a, const unsigned* tile, int k0,
-                                               int pos, int lane) {
+__device__ __forceinline__ void load_tile_regs(TileRegs<Q, FREE>& r, const QuickArgs& a, const GroupOf& group,
+                                               const unsigned* tile, int k0, int pos, int lane) {
   load_tile<Q>(r.w, tile, lane);
-  r.g[0] = load_group<Q, FREE>(a, k0 / a.group_size, pos);
-  r.g[1] = load_group<Q, FREE>(a, (k0 + 32) / a.group_size, pos);
+  r.g[0] = load_group<Q, FREE>(a, group(k0), pos);
+  r.g[1] = load_group<Q, FREE>(a, group(k0 + 32), pos);
 }
 
 // K tiles a lane keeps in flight (codes and scales in registers, loaded D tiles before their MMAs): deeper where
@@ -282,10 +357,12 @@ __global__ void __launch_bounds__(32 * kWarpsN * WM) quick_gemm_kernel(const Qui
   // over slots is unrolled (register arrays need compile-time indices); nt_count is uniform in a block, so every
   // thread leaves it at the same tile and the barriers stay matched.
   constexpr int D = kDepth<MT, FREE>;
+  const GroupOf group(a.group_size);
   TileRegs<Q, FREE> ring[D];
 #pragma unroll
   for (int j = 0; j < D; ++j)
-    if (active && j < nt_count) load_tile_regs(ring[j], a, wtile + (size_t)j * 64 * Q, (t0 + j) * kTileK, pos, lane);
+    if (active && j < nt_count)
+      load_tile_regs(ring[j], a, group, wtile + (size_t)j * 64 * Q, (t0 + j) * kTileK, pos, lane);
 
   for (int base = 0; base < nt_count; base += D) {
 #pragma unroll
@@ -317,14 +394,14 @@ __global__ void __launch_bounds__(32 * kWarpsN * WM) quick_gemm_kernel(const Qui
 #pragma unroll
         for (int nt = 0; nt < 4; ++nt) {
           const int p = (ks * 4 + nt) * 2;
-          const unsigned b0 = deq[ks >> 1](pair_codes<Q>(ring[j].w, p), nt);
-          const unsigned b1 = deq[ks >> 1](pair_codes<Q>(ring[j].w, p + 1), nt);
+          const unsigned b0 = deq[ks >> 1].weights(ring[j].w, p, nt);
+          const unsigned b1 = deq[ks >> 1].weights(ring[j].w, p + 1, nt);
 #pragma unroll
           for (int mt = 0; mt < MT; ++mt) mma<T>(acc[mt][nt], af[mt], b0, b1);
         }
       }
       if (it + D < nt_count)
-        load_tile_regs(ring[j], a, wtile + (size_t)(it + D) * 64 * Q, (t0 + it + D) * kTileK, pos, lane);
+        load_tile_regs(ring[j], a, group, wtile + (size_t)(it + D) * 64 * Q, (t0 + it + D) * kTileK, pos, lane);
     }
   }
   cp_async_wait<0>();
@@ -365,7 +442,8 @@ __global__ void __launch_bounds__(128) quick_dequantize_kernel(const QuickArgs a
   if (tile >= (a.N / kTileN) * k_tiles) return;
   const int n_tile = tile / k_tiles, k0 = (tile % k_tiles) * kTileK;
   TileRegs<Q, FREE> r;
-  load_tile_regs(r, a, a.qweight + (size_t)tile * 64 * Q, k0, n_tile * kTileN + (lane >> 2) * 4, lane);
+  load_tile_regs(r, a, GroupOf(a.group_size), a.qweight + (size_t)tile * 64 * Q, k0, n_tile * kTileN + (lane >> 2) * 4,
+                 lane);
   GroupDeq<T, Q, FREE> deq;
   T* out = static_cast<T*>(a.y);
 #pragma unroll
@@ -375,7 +453,7 @@ __global__ void __launch_bounds__(128) quick_dequantize_kernel(const QuickArgs a
     for (int nt = 0; nt < 4; ++nt) {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        const unsigned v = deq(pair_codes<Q>(r.w, (ks * 4 + nt) * 2 + h), nt);
+        const unsigned v = deq.weights(r.w, (ks * 4 + nt) * 2 + h, nt);
         const int n = n_tile * kTileN + nt * 8 + (lane >> 2), k = k0 + ks * 16 + 2 * (lane & 3) + 8 * h;
         *reinterpret_cast<unsigned*>(out + (size_t)n * a.K + k) = v;
       }
@@ -431,7 +509,8 @@ cudaError_t dispatch_q(const QuickArgs& a, cudaStream_t s, bool dequant) {
 }
 
 cudaError_t run(const QuickArgs& a, cudaStream_t stream, bool dequant) {
-  if (a.N % kTileN || a.K % kTileK || a.group_size % 32 || a.splits < 1 || a.tiles_per_split < 1) return cudaErrorInvalidValue;
+  if (a.N % kTileN || a.K % kTileK || a.K >= (1 << 20) || a.group_size % 32 || a.splits < 1 || a.tiles_per_split < 1)
+    return cudaErrorInvalidValue;
   if (a.x_dtype == DType::kHalf) return dispatch_q<__half>(a, stream, dequant);
   if (a.x_dtype == DType::kBFloat16) return dispatch_q<__nv_bfloat16>(a, stream, dequant);
   return cudaErrorInvalidValue;
