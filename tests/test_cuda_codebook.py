@@ -11,7 +11,8 @@ from qlinear import CodebookLinear, QLinearConfig
 from qlinear.backends import cuda_codebook
 from qlinear.formats import codebook
 
-CASES = [(1, 4, 32), (2, 4, 64), (2, 2, 32), (2, 1, 128), (4, 1, 32), (4, 1, 16)]  # bits, books, group_size
+# bits, books, group_size; group sizes not a multiple of 16 take the kernel's per-input group path
+CASES = [(1, 4, 32), (2, 4, 64), (2, 2, 32), (2, 1, 128), (4, 1, 32), (4, 1, 16), (2, 4, 8), (4, 1, 128)]
 
 _DRIVER = r'''
 // Driver: reads one call from argv[1] (header, codes, book_idx, scales, codebooks), writes Ŵ (fp32) to argv[2].
@@ -29,10 +30,15 @@ int main(int argc, char** argv) {
   CodebookArgs a{codes.data(), book_words ? book_idx.data() : nullptr, scales.data(), books_i8.data(), w.data(),
                  N, K, bits, gs, books, code_words, book_words};
   const unsigned blocks = (unsigned)(((long long)N * (K / 32) + 255) / 256);
-  switch (bits) {
-    case 1: run_grid(dim3(blocks, 1, 1), 256, [&a] { codebook_dequantize_kernel<float, 1>(a); }); break;
-    case 2: run_grid(dim3(blocks, 1, 1), 256, [&a] { codebook_dequantize_kernel<float, 2>(a); }); break;
-    default: run_grid(dim3(blocks, 1, 1), 256, [&a] { codebook_dequantize_kernel<float, 4>(a); });
+  auto grid = [&](auto kernel) { run_grid(dim3(blocks, 1, 1), 256, kernel); };
+  const bool per16 = gs % 16 == 0;
+  switch (bits * 2 + per16) {
+    case 2: grid([&a] { codebook_dequantize_kernel<float, 1, false>(a); }); break;
+    case 3: grid([&a] { codebook_dequantize_kernel<float, 1, true>(a); }); break;
+    case 4: grid([&a] { codebook_dequantize_kernel<float, 2, false>(a); }); break;
+    case 5: grid([&a] { codebook_dequantize_kernel<float, 2, true>(a); }); break;
+    case 8: grid([&a] { codebook_dequantize_kernel<float, 4, false>(a); }); break;
+    default: grid([&a] { codebook_dequantize_kernel<float, 4, true>(a); });
   }
   FILE* o = fopen(argv[2], "wb"); fwrite(w.data(), 4, w.size(), o); fclose(o);
   return 0;

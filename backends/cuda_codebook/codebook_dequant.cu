@@ -3,7 +3,10 @@
 // A thread owns one row's 32 consecutive inputs: it reads `bits` code words (consecutive threads read consecutive
 // words of a row, so the loads coalesce), looks each input's centroid up in its group's codebook and multiplies by the
 // group's scale in fp32 (fp16 scale × int8 centroid: exact), rounds once to the output type and writes the 32 values
-// as one contiguous 64-128 B run.  The codebooks (at most 16 bytes) are read through the read-only cache.
+// as one contiguous 64-128 B run.  All codebooks of a layer fit 16 bytes (the format's rule), so a thread holds them
+// in 4 registers and a centroid is two byte permutes and a select; the scale and the book come once per 16 inputs
+// (group sizes are multiples of 16) instead of once per input.
+
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -14,7 +17,27 @@
 namespace qlinear {
 namespace {
 
-template <typename OutT, int BITS>
+// Byte e (0..15) of the 16-byte table t, sign-extended: the int8 centroid at index book·2^bits + code.
+__device__ __forceinline__ int table_byte(const unsigned (&t)[4], unsigned e) {
+  const unsigned lo = __byte_perm(t[0], t[1], e & 7u), hi = __byte_perm(t[2], t[3], e & 7u);
+  return (int)(signed char)(e & 8u ? hi : lo);
+}
+
+// A group's scale (fp32) and book · 2^bits (the centroid index's high part), for row n.
+template <int BITS>
+__device__ __forceinline__ void group_of(const CodebookArgs& a, const __half* scales, int n, int g, float& scale,
+                                         unsigned& book) {
+  scale = __half2float(__ldg(scales + g));
+  book = 0;
+  if (a.books > 1) {
+    const int book_bits = a.books == 4 ? 2 : 1;
+    const unsigned bw = __ldg(a.book_idx + (size_t)n * a.book_words + g * book_bits / 32);
+    book = ((bw >> (g * book_bits % 32)) & (a.books - 1u)) << BITS;
+  }
+}
+
+// PER16: group_size is a multiple of 16, so the scale and book are read once per 16 inputs, else once per input.
+template <typename OutT, int BITS, bool PER16>
 __global__ void __launch_bounds__(256) codebook_dequantize_kernel(const CodebookArgs a) {
   const int chunks = a.K / 32;
   const long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x;
@@ -23,20 +46,24 @@ __global__ void __launch_bounds__(256) codebook_dequantize_kernel(const Codebook
   unsigned words[BITS];
 #pragma unroll
   for (int i = 0; i < BITS; ++i) words[i] = __ldg(a.codes + (size_t)n * a.code_words + c * BITS + i);
-  const int book_bits = a.books == 4 ? 2 : a.books == 2 ? 1 : 0;
+  unsigned table[4] = {0u, 0u, 0u, 0u};  // the codebooks, [book][code] int8, zero past their books·2^bits bytes
+  const int entries = a.books << BITS;
+#pragma unroll
+  for (int e = 0; e < 16; ++e)  // unrolled: table stays in registers
+    if (e < entries) table[e / 4] |= (unsigned)(unsigned char)__ldg(a.codebooks + e) << (8 * (e % 4));
   const __half* scales = static_cast<const __half*>(a.scales) + (size_t)n * (a.K / a.group_size);
+  float scale[2];
+  unsigned book[2];
+  if (PER16) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) group_of<BITS>(a, scales, n, (c * 32 + 16 * h) / a.group_size, scale[h], book[h]);
+  }
   union { OutT v[32]; uint4 u[32 * sizeof(OutT) / 16]; } out;
 #pragma unroll
   for (int j = 0; j < 32; ++j) {
     const unsigned code = (words[j * BITS / 32] >> (j * BITS % 32)) & ((1u << BITS) - 1u);
-    const int k = c * 32 + j, g = k / a.group_size;
-    unsigned book = 0;
-    if (book_bits) {
-      const unsigned bw = __ldg(a.book_idx + (size_t)n * a.book_words + g * book_bits / 32);
-      book = (bw >> (g * book_bits % 32)) & (a.books - 1u);
-    }
-    const float centroid = (float)__ldg(a.codebooks + (book << BITS) + code);
-    out.v[j] = from_float<OutT>(__half2float(__ldg(scales + g)) * centroid);
+    if (!PER16) group_of<BITS>(a, scales, n, (c * 32 + j) / a.group_size, scale[j / 16], book[j / 16]);
+    out.v[j] = from_float<OutT>(scale[j / 16] * (float)table_byte(table, book[j / 16] | code));
   }
   uint4* dst = reinterpret_cast<uint4*>(static_cast<OutT*>(a.w) + (size_t)n * a.K + c * 32);
 #pragma unroll
@@ -47,10 +74,14 @@ template <typename OutT>
 cudaError_t dispatch_bits(const CodebookArgs& a, cudaStream_t s) {
   const long long threads = (long long)a.N * (a.K / 32);
   const unsigned blocks = (unsigned)((threads + 255) / 256);
-  switch (a.bits) {
-    case 1: codebook_dequantize_kernel<OutT, 1><<<blocks, 256, 0, s>>>(a); break;
-    case 2: codebook_dequantize_kernel<OutT, 2><<<blocks, 256, 0, s>>>(a); break;
-    case 4: codebook_dequantize_kernel<OutT, 4><<<blocks, 256, 0, s>>>(a); break;
+  const bool per16 = a.group_size % 16 == 0;
+  switch (a.bits * 2 + per16) {
+    case 2: codebook_dequantize_kernel<OutT, 1, false><<<blocks, 256, 0, s>>>(a); break;
+    case 3: codebook_dequantize_kernel<OutT, 1, true><<<blocks, 256, 0, s>>>(a); break;
+    case 4: codebook_dequantize_kernel<OutT, 2, false><<<blocks, 256, 0, s>>>(a); break;
+    case 5: codebook_dequantize_kernel<OutT, 2, true><<<blocks, 256, 0, s>>>(a); break;
+    case 8: codebook_dequantize_kernel<OutT, 4, false><<<blocks, 256, 0, s>>>(a); break;
+    case 9: codebook_dequantize_kernel<OutT, 4, true><<<blocks, 256, 0, s>>>(a); break;
     default: return cudaErrorInvalidValue;
   }
   return cudaGetLastError();

@@ -255,7 +255,8 @@ __global__ void __launch_bounds__(256) lut_dequantize_kernel(const LutGemvArgs a
       float w = 0.f;
 #pragma unroll
       for (int q = 0; q < Q; ++q) {
-        const float t = (word_of(wd.bits[q], r) >> k) & 1u ? al[q][r] : -al[q][r];
+        // ±α: the sign bit flipped where bit k is 0 (one shift and one LOP3, no compare and select)
+        const float t = __uint_as_float(__float_as_uint(al[q][r]) ^ (~word_of(wd.bits[q], r) << (31 - k) & 0x80000000u));
         w = q == 0 ? t + 0.f : w + t;  // + 0: an all-zero sum is +0, as in the reference's sum from 0
       }
       out.v[k] = from_float<OutT>(a.offset_dtype == DType::kNone ? w : w + off[r]);
