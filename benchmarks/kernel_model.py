@@ -227,6 +227,7 @@ class Version:
     smem: Callable[[int, int], int]
     words_per_iteration: Callable[[int, int], int]  # of (M, Q), given kt
     sass: dict
+    reduce_kernel: bool = True  # split launches end with a second kernel (until 2026-11-27)
 
 
 def plan_2026_11_23(M: int, N: int, K: int, sms: int, bits: int) -> tuple[int, int, int, int]:
@@ -266,7 +267,7 @@ def current_version(work: Path, build: Callable[[Path], tuple[Path, str]] = None
     from qlinear.backends import cuda_lut
 
     return Version("current", cuda_lut.plan, lambda M, kt: 2 * 4 * M * (kt // 8) * 256, lambda M, kt: kt // 32,
-                   lut_sass(ROOT, work / "current", build))
+                   lut_sass(ROOT, work / "current", build), reduce_kernel=False)
 
 
 # --- the model ----------------------------------------------------------------------------------------------------
@@ -296,7 +297,7 @@ def features(v: Version, M: int, N: int, K: int, q: int, g: int) -> dict:
                 splits=splits, waves=waves, warps_sm=bps * threads // 32,
                 tail_warps_sm=math.ceil(tail / SMS) * threads // 32, lookups=16 * q * M,
                 bytes=lut_bytes(M, N, K, q, g, splits), pipelined=s.pipelined,
-                iterations=per_split * kt // 32 // v.words_per_iteration(M, kt))
+                iterations=per_split * kt // 32 // v.words_per_iteration(M, kt), reduce_kernel=v.reduce_kernel)
 
 
 def predict(f: dict, c: dict) -> float:
@@ -312,10 +313,14 @@ def predict(f: dict, c: dict) -> float:
         return f["tiles"] * tab + f["iterations"] * (c["L"] + step)
 
     work = f["waves"] * chain(f["warps_sm"]) + chain(f["tail_warps_sm"])
-    warp_tiles = (f["waves"] * f["warps_sm"] + f["tail_warps_sm"]) * f["tiles"]  # per SM, in the order they run
-    issue = warp_tiles * f.get("ins", 0.0) / QUICK_ISSUE_PER_NS / 1e3
-    mma = warp_tiles * f["mt"] * 16 / 4 * QUICK_HMMA_CYCLES / CLOCK_GHZ / 1e3 if f.get("ins") else 0.0
-    return c["t0"] + (c["t_red"] if f["splits"] > 1 else 0.0) + max(work, issue, mma, f["bytes"] / c["BW"] / 1e6)
+    return c["t0"] + reduction(f, c) + max(work, f["bytes"] / c["BW"] / 1e6)
+
+
+def reduction(f: dict, c: dict) -> float:
+    """``t_red`` where a split launch ends with the separate reduction kernel (the kernels measured so far), 0 where
+    the tile's last block reduces in the same launch (``f["reduce_kernel"]`` False: this checkout's LUT GEMV and QUICK
+    GEMM since 2026-11-27, not yet measured)."""
+    return c["t_red"] if f["splits"] > 1 and f.get("reduce_kernel", True) else 0.0
 
 
 def read_rows(path: Path = RESULTS) -> list[tuple[int, int, int, int, int, float]]:
@@ -402,7 +407,7 @@ def quick_plan_2026_11_23(M: int, N: int, K: int, sms: int) -> tuple[int, int, i
 
 
 def quick_features(M: int, N: int, K: int, q: int, g: int, plan=quick_plan_2026_11_23, regs=None,
-                   depth=lambda tile_m: 1, ins: float = 0.0) -> dict:
+                   depth=lambda tile_m: 1, ins: float = 0.0, reduce_kernel: bool = True) -> dict:
     """Everything :func:`quick_predict` needs for one shape, M and bits at ``plan``: blocks of 4·WM warps (32 rows of
     Ŵ each along N, WM = 2 at tile_m 128) walking ``tiles`` 64-input K tiles with ``depth(tile_m)`` tiles of codes and
     scales in flight per warp (1 in the measured kernel), x staged in 3 shared-memory stages; ``ins`` instructions per
@@ -417,7 +422,8 @@ def quick_features(M: int, N: int, K: int, q: int, g: int, plan=quick_plan_2026_
     nbytes = q * N * K // 8 + 2 * N * G + q * N * G // 8 + 2 * M * K + 2 * M * N + (8 * splits * M * N if splits > 1
                                                                                    else 0)
     return dict(tiles=per_split, mt=tile_m // 16 // wm, splits=splits, waves=waves, warps_sm=bps * threads // 32,
-                tail_warps_sm=math.ceil(tail / SMS) * threads // 32, bytes=nbytes, depth=depth(tile_m), ins=ins)
+                tail_warps_sm=math.ceil(tail / SMS) * threads // 32, bytes=nbytes, depth=depth(tile_m), ins=ins,
+                reduce_kernel=reduce_kernel)
 
 
 def quick_predict(f: dict, c: dict) -> float:
@@ -445,7 +451,7 @@ def quick_predict(f: dict, c: dict) -> float:
     warp_tiles = (f["waves"] * f["warps_sm"] + f["tail_warps_sm"]) * f["tiles"]  # per SM, in the order they run
     issue = warp_tiles * f.get("ins", 0.0) / QUICK_ISSUE_PER_NS / 1e3
     mma = warp_tiles * f["mt"] * 16 / 4 * QUICK_HMMA_CYCLES / CLOCK_GHZ / 1e3 if f.get("ins") else 0.0
-    return c["t0"] + (c["t_red"] if f["splits"] > 1 else 0.0) + max(work, issue, mma, f["bytes"] / c["BW"] / 1e6)
+    return c["t0"] + reduction(f, c) + max(work, issue, mma, f["bytes"] / c["BW"] / 1e6)
 
 
 def quick_rows(path: Path = QUICK_TABLE) -> list[tuple[int, int, int, int, int, float]]:
@@ -504,14 +510,16 @@ def quick_sass(source_root: Path, work: Path, build: Callable[[Path], tuple[Path
     return out
 
 
-def quick_current(M: int, N: int, K: int, q: int, g: int, sass: dict, free: bool = False) -> dict:
+def quick_current(M: int, N: int, K: int, q: int, g: int, sass: dict, free: bool = False,
+                  reduce_kernel: bool = False) -> dict:
     """:func:`quick_features` of a register-ring GEMM (this checkout's, or another commit's :func:`quick_sass`): its plan
-    (``quick.plan``), registers, ring depth and instructions per tile."""
+    (``quick.plan``), registers, ring depth and instructions per tile; ``reduce_kernel``: its split launches end with
+    the separate reduction kernel (before 2026-11-27)."""
     from qlinear.backends import quick
 
     tile_m = quick.plan(M, N, K, SMS)[0]
     return quick_features(M, N, K, q, g, quick.plan, {t: sass[q, t, free][0] for t in (16, 32, 64, 128)},
-                          lambda tm: quick_depth(tm, free), sass[q, tile_m, free][1])
+                          lambda tm: quick_depth(tm, free), sass[q, tile_m, free][1], reduce_kernel)
 
 
 # The register-ring kernel's first GPU rows: bench_gemm --quick on an H200 at commit QUICK_RING_COMMIT
@@ -536,7 +544,7 @@ def quick_ring_check(constants: dict, sass: dict, rows=None) -> Check:
     """The fitted constants (H100 latencies, :data:`H200_BW`) with the ``QUICK_RING_COMMIT`` kernel's SASS against its
     H200 rows: nothing here is fitted on them but the issue rate, which ncu read off one of them."""
     c = {**constants, "BW": H200_BW}
-    return Check(c, [(N, K, M, q, g, t, quick_predict(quick_current(M, N, K, q, g, sass), c))
+    return Check(c, [(N, K, M, q, g, t, quick_predict(quick_current(M, N, K, q, g, sass, reduce_kernel=True), c))
                      for N, K, M, q, g, t in rows or quick_bench_rows()])
 
 

@@ -31,6 +31,7 @@ SHIM = r'''// Host emulation of a CUDA kernel source (tests/cuda_emulation.py).
 #include <cstdio>
 #include <cstring>
 #include <algorithm>
+#include <atomic>
 #include <memory>
 #include <thread>
 #include <vector>
@@ -45,12 +46,26 @@ SHIM = r'''// Host emulation of a CUDA kernel source (tests/cuda_emulation.py).
 #define __launch_bounds__(...)
 #define __shared__
 thread_local uint3 tl_threadIdx;
-dim3 g_blockIdx, g_blockDim;
+dim3 g_blockIdx, g_blockDim, g_gridDim;
 #define threadIdx tl_threadIdx
 #define blockIdx g_blockIdx
 #define blockDim g_blockDim
+#define gridDim g_gridDim
 std::unique_ptr<std::barrier<>> g_barrier;
 inline void __syncthreads() { g_barrier->arrive_and_wait(); }
+std::atomic<int> g_sync_or{0};
+inline int __syncthreads_or(int pred) {  // every thread past earlier reads, then the OR, then reset for the next call
+  g_barrier->arrive_and_wait();
+  if (pred) g_sync_or.store(1);
+  g_barrier->arrive_and_wait();
+  const int r = g_sync_or.load();
+  g_barrier->arrive_and_wait();
+  if (tl_threadIdx.x == 0) g_sync_or.store(0);
+  return r;
+}
+inline void __threadfence() {}  // blocks run one after another
+inline unsigned atomicAdd(unsigned* p, unsigned v) { return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST); }
+template <class T> inline T __ldcg(const T* p) { return *p; }
 template <class T> inline T __ldg(const T* p) { return *p; }
 inline unsigned __funnelshift_r(unsigned lo, unsigned hi, unsigned s) {
   return (unsigned)((((unsigned long long)hi << 32) | lo) >> (s & 31));
@@ -88,6 +103,7 @@ inline void emu_write(const char* path, const std::vector<uint16_t>& y, bool bf1
 
 // Runs `kernel` (a callable taking no arguments, run by every thread) for every block of `grid`, `threads` threads each.
 template <class K> void run_grid(dim3 grid, int threads, K&& kernel) {
+  g_gridDim = grid;
   for (unsigned z = 0; z < grid.z; ++z)
     for (unsigned y = 0; y < grid.y; ++y)
       for (unsigned x = 0; x < grid.x; ++x) {

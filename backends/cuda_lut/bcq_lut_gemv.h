@@ -21,6 +21,7 @@ struct LutGemvArgs {
   const float* bias;        // [N] fp32, or nullptr
   void* y;                  // [M, N], x_dtype
   float* partial;           // [splits, M, N] fp32 workspace when splits > 1
+  unsigned* counters;       // [gridDim.x] zero split-K tile counters when splits > 1 (binding.h's split_counters)
   int M, N, K, Q, group_size;
   int kt;                   // inputs per K tile: must be 32 * lut_gemv_words(M, Q)
   int tiles_per_split;      // consecutive K tiles summed by one block
@@ -40,7 +41,7 @@ constexpr int lut_gemv_words(int M, int Q) {
 // Shared memory (bytes) one block needs for (M, kt): two buffers of M·kt/8 tables of 256 floats.
 size_t lut_gemv_smem_bytes(int M, int kt);
 
-// Launches the GEMV (and the split-K reduction when splits > 1) on `stream`.
+// Launches the GEMV on `stream` (with splits > 1 the last block of each output tile sums its partials).
 // Returns cudaErrorInvalidValue for an unsupported M (1..8), Q (1..4) or dtype.
 cudaError_t lut_gemv(const LutGemvArgs& args, cudaStream_t stream);
 

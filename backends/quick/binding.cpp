@@ -67,6 +67,7 @@ at::Tensor quick_gemm(const at::Tensor& x, const at::Tensor& qweight, const at::
   at::Tensor bias32, partial;
   a.bias = qlinear::bias_f32(bias, N, x, bias32, "quick_gemm");
   a.partial = qlinear::split_workspace(splits, M, N, x, partial);
+  if (splits > 1) a.counters = qlinear::split_counters((N + 127) / 128 * ((M + tile_m - 1) / tile_m), x, "quick_gemm");
   at::Tensor y = at::empty({M, N}, x.options());
   a.x = x.data_ptr();
   a.y = y.data_ptr();

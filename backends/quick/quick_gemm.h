@@ -27,6 +27,7 @@ struct QuickArgs {
   const float* bias;          // [N] fp32, or nullptr
   void* y;                    // [M, N] x_dtype; quick_dequantize: Ŵ [N, K] x_dtype
   float* partial;             // [splits, M, N] fp32 workspace when splits > 1
+  unsigned* counters;         // [gridDim.x · gridDim.y] zero split-K tile counters when splits > 1
   int M, N, K, Q, group_size;
   int tile_m;                 // rows of x per block: 16, 32, 64 or 128
   int tiles_per_split;        // consecutive 64-input K tiles per block
@@ -34,7 +35,7 @@ struct QuickArgs {
   DType x_dtype;
 };
 
-// Launches the GEMM (and the split-K reduction when splits > 1) on `stream`.  Returns
+// Launches the GEMM on `stream` (with splits > 1 the last block of each output tile sums its partials).  Returns
 // cudaErrorInvalidValue for an unsupported Q (2..4), tile_m, dtype or a shape that is not whole tiles.
 cudaError_t quick_gemm(const QuickArgs& args, cudaStream_t stream);
 
