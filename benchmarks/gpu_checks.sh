@@ -124,6 +124,7 @@ case "$STAGE" in
     build || { snap; exit 1; }
     (WORKERS=12 TEST_TIMEOUT=120 timeout 210 bash "$0" test gpu >/dev/null 2>&1) &
     (for k in "quick:kernel_matches and dtype0-128-4-576-576 or free_alpha and 1536-576-64-dtype0" \
+              "cuda_lut:kernel_matches and dtype0-128 and (576-576 or 1024-8192)" \
               "async_dequant:kernel_matches and dtype0-0.005-576-576" "cuda_codebook:dequantize_op"; do
        timeout 100 compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -q -x -p no:cacheprovider \
          "tests/test_${k%%:*}.py" -k "${k#*:}" >"$OUT/memcheck_${k%%:*}.txt" 2>&1
@@ -134,7 +135,7 @@ case "$STAGE" in
     [ -n "${EXTRA:-}" ] && cat "$OUT/extra.txt"
     timeout 110 python3 benchmarks/bench_gemm.py --quick --markdown "$OUT/bench_gemm.md" >"$OUT/bench_gemm.log" 2>&1
     snap
-    timeout 90 python3 benchmarks/bench_gemv.py --shapes 8192x8192,28672x8192,576x576 --batches 1,8 --groups 128 \
+    timeout 90 python3 benchmarks/bench_gemv.py --shapes 8192x8192,28672x8192,576x576,1536x576 --batches 1,8 --groups 128 \
       --mixed-shapes 8192x8192 --outliers 0,0.002 --mixed-large-batches "" --gemlite-bits "" \
       --markdown "$OUT/bench_gemv.md" >"$OUT/bench_gemv.log" 2>&1
     snap

@@ -13,8 +13,8 @@ The model reads four things and fits a few machine constants:
     software-pipelined (a global load issued after the loop's first lookup, i.e. for a later iteration);
 (c) residency per SM from the registers, the shared memory of the launch plan and the block size (H100 limits);
 (d) machine constants fitted on half of the committed H100 rows: ``t0`` (launch and tail, µs), ``t_red`` (the
-    split-K reduction kernel), ``L`` (loaded DRAM round trip), ``L_tab`` (a K tile's table phase: x from L2, the
-    barriers) and ``c_tab`` (per table a warp builds), ``c_lds`` (µs per warp-wide table lookup on one SM, bank
+    split-K reduction kernel of the kernels measured so far; this checkout's reduce in their last block instead),
+    ``L`` (loaded DRAM round trip), ``L_tab`` (a K tile's table phase: x from L2, the barriers) and ``c_tab`` (per table a warp builds), ``c_lds`` (µs per warp-wide table lookup on one SM, bank
     conflicts included) and ``BW`` (TB/s), each with a weak log-space prior around its physical value.
 
 Per block the kernel walks ``tiles_per_split`` K tiles of ``W`` words; per word each resident warp issues

@@ -272,9 +272,10 @@ using namespace qlinear::mixed;
 
 template <typename T, int M, bool ASYNC>
 void run_blocks(const MixedGemvArgs& a) {
-  run_grid(dim3((a.N + 2 * a.threads - 1) / (2 * a.threads), a.splits, 1), a.threads,
-           [&a] { mixed_gemv_kernel<T, M, ASYNC>(a); });
-  if (a.splits > 1) emulate_reduce_splits<T>(a.partial, a.bias, a.y, a.splits, a.M, a.N);
+  const int tiles = (a.N + 2 * a.threads - 1) / (2 * a.threads);
+  run_grid(dim3(tiles, a.splits, 1), a.threads, [&a] { mixed_gemv_kernel<T, M, ASYNC>(a); });
+  for (int t = 0; a.splits > 1 && t < tiles; ++t)
+    if (a.counters[t]) { fprintf(stderr, "split-K counter %d left at %u\n", t, a.counters[t]); exit(3); }
 }
 
 template <typename T, int M>
@@ -310,7 +311,8 @@ int main(int argc, char** argv) {
   a.bias = h[18] ? bias.data() : nullptr;
   std::vector<uint16_t> y((size_t)M * N, 0x7E00);  // NaN-poisoned output
   std::vector<float> partial((size_t)h[11] * M * N, NAN);
-  a.y = y.data(); a.partial = partial.data();
+  std::vector<unsigned> counters(N, 0u);  // zero between launches, as split_counters keeps them
+  a.y = y.data(); a.partial = partial.data(); a.counters = counters.data();
   a.M = M; a.N = N; a.K = K; a.W = W; a.G = G; a.MW = MW;
   a.group_size = h[6]; a.scale_bits = h[7]; a.scale_group_size = h[8];
   a.threads = h[9]; a.tiles_per_split = h[10]; a.splits = h[11]; a.async_dequant = h[12];

@@ -27,23 +27,12 @@ __device__ __forceinline__ unsigned and_or(unsigned a, unsigned b, unsigned c) {
 #endif
 }
 
-// y[i] = Σ_p partial[p, i] (in slice order: deterministic) + bias[i % N], for split-K kernels.
-template <typename T>
-__global__ void reduce_splits_kernel(const float* __restrict__ partial, const float* __restrict__ bias, T* __restrict__ y,
-                                     int splits, int M, int N) {
-  const int i = blockIdx.x * blockDim.x + threadIdx.x;
-  if (i >= M * N) return;
-  float s = 0.f;
-  for (int p = 0; p < splits; ++p) s += partial[(size_t)p * M * N + i];
-  if (bias) s += bias[i % N];
-  y[i] = from_float<T>(s);
-}
-
 // Split-K without a second kernel (called by every thread of a block of a split launch, after the block has written
 // its fp32 partials [splits, M, N] for its output tile [m0, m1) × [n0, n1)): the last block of the tile to arrive, as
-// counted by `counter` (zero between launches), sums the tile's partials in slice order, adds the bias and writes y,
-// as reduce_splits_kernel does, so the result does not depend on which block arrives last; it then resets the counter.
-// Saves that kernel's launch and tail (~1.7-1.9 µs fitted on the H100, kernel_model.py).
+// counted by `counter` (zero between launches), sums the tile's partials in slice order, adds the bias and writes y
+// (the sum the separate reduction kernel of the 2026-11-23..26 runs did, so the result does not depend on which block
+// arrives last), then resets the counter.  Saves that kernel's launch and tail (1.7-2.1 µs fitted on the H100 rows,
+// kernel_model.py).
 template <typename T>
 __device__ __forceinline__ void reduce_splits_if_last(const float* partial, const float* bias, T* y, int splits, int M,
                                                       int N, int m0, int m1, int n0, int n1, unsigned* counter) {
@@ -60,12 +49,6 @@ __device__ __forceinline__ void reduce_splits_if_last(const float* partial, cons
     y[(size_t)m * N + n] = from_float<T>(s);
   }
   if (threadIdx.x == 0) *counter = 0u;
-}
-
-template <typename T>
-inline void reduce_splits(const float* partial, const float* bias, void* y, int splits, int M, int N, cudaStream_t stream) {
-  const int total = M * N;
-  reduce_splits_kernel<T><<<(total + 255) / 256, 256, 0, stream>>>(partial, bias, static_cast<T*>(y), splits, M, N);
 }
 
 }  // namespace qlinear

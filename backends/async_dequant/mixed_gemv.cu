@@ -28,7 +28,7 @@
 //
 // Outliers (CSR; 2-bit groups by default, any column works) are fused: after its main loop each block adds, in CSR order, the
 // outliers of its rows whose column lies in its K span, reading x from shared memory.  Split partials are
-// summed by a second kernel in slice order: deterministic, fp32 accumulation throughout.
+// summed in slice order by the last block of each row tile to finish: deterministic, fp32 accumulation throughout.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -236,7 +236,8 @@ __global__ void __launch_bounds__(256, M <= 2 ? 3 : 2) mixed_gemv_kernel(const M
 
   const int row0 = blockIdx.x * (2 * blockDim.x) + warp * 64 + lane;
   const bool active[2] = {row0 < N, row0 + 32 < N};
-  if (!active[0]) return;  // no further barriers
+  // no barriers until the split reduction, which every thread of a split launch reaches (rows clamped to N - 1)
+  if (!active[0] && a.splits == 1) return;
   Rows rows;
   MetaWindow win[2] = {{-2, 0u, 0u}, {-2, 0u, 0u}};
 #pragma unroll
@@ -320,6 +321,11 @@ __global__ void __launch_bounds__(256, M <= 2 ? 3 : 2) mixed_gemv_kernel(const M
       for (int m = 0; m < M; ++m) a.partial[((size_t)blockIdx.y * M + m) * N + n] = acc[r][m];
     }
   }
+  if (a.splits > 1) {
+    const int tile_n0 = blockIdx.x * (2 * blockDim.x);
+    reduce_splits_if_last<T>(a.partial, a.bias, static_cast<T*>(a.y), a.splits, M, N, 0, M, tile_n0,
+                             min(N, tile_n0 + 2 * (int)blockDim.x), a.counters + blockIdx.x);
+  }
 }
 
 template <typename T, int M, bool ASYNC>
@@ -331,8 +337,8 @@ cudaError_t launch(const MixedGemvArgs& a, cudaStream_t stream) {
     if (e != cudaSuccess) return e;
   }
   const dim3 grid((a.N + 2 * a.threads - 1) / (2 * a.threads), a.splits);
+  if (a.splits > 1 && (a.partial == nullptr || a.counters == nullptr)) return cudaErrorInvalidValue;
   kernel<<<grid, a.threads, smem, stream>>>(a);
-  if (a.splits > 1) reduce_splits<T>(a.partial, a.bias, a.y, a.splits, a.M, a.N, stream);
   return cudaGetLastError();
 }
 

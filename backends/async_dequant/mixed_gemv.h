@@ -31,6 +31,7 @@ struct MixedGemvArgs {
   const float* bias;           // [N] fp32, or nullptr
   void* y;                     // [M, N], x_dtype
   float* partial;              // [splits, M, N] fp32 workspace when splits > 1
+  unsigned* counters;          // [gridDim.x] zero split-K tile counters when splits > 1
   int M, N, K, W, G, MW;          // W = code words per row
   int group_size, scale_bits, scale_group_size;
   int threads;                 // threads per block (multiple of 32, <= 256); a thread owns 2 rows
@@ -44,7 +45,7 @@ struct MixedGemvArgs {
 // Shared memory (bytes) one block needs.
 size_t mixed_gemv_smem_bytes(int M, int K, int tiles_per_split);
 
-// Launches the GEMV (and the split-K reduction when splits > 1) on `stream`.
+// Launches the GEMV on `stream` (with splits > 1 the last block of each row tile sums its partials).
 // Returns cudaErrorInvalidValue for an unsupported M (1..8), dtype or launch shape.
 cudaError_t mixed_gemv(const MixedGemvArgs& args, cudaStream_t stream);
 
