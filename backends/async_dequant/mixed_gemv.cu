@@ -89,10 +89,10 @@ __device__ __forceinline__ unsigned meta_record(const MixedGemvArgs& a, int n, i
 }
 
 // Second-order dequantization of the first-order scale of each word of tile t, for both rows: s = ŝ, z = the zero
-// point as float, plus `zbase` (kZeroBase).
+// point as float.
 __device__ __forceinline__ void tile_scales(const MixedGemvArgs& a, const int* wt, int w_begin, int w_end, int t,
                                             const Rows& rows, MetaWindow (&win)[2], float (&s)[4][2],
-                                            float (&z)[4][2], float zbase) {
+                                            float (&z)[4][2]) {
   const unsigned smask = (1u << a.scale_bits) - 1u;
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
@@ -110,16 +110,15 @@ __device__ __forceinline__ void tile_scales(const MixedGemvArgs& a, const int* w
       const unsigned pair = __ldg(a.sq + (size_t)rows.chunk[r] * a.G + g);
       const float2 sz = __half22float2(*reinterpret_cast<const __half2*>(&pair));
       s[j][r] = fmaf(sz.x, (float)((rec >> zb) & smask), sz.y);
-      z[j][r] = zbase + (float)(rec & ((1u << zb) - 1u));
+      z[j][r] = (float)(rec & ((1u << zb) - 1u));
     }
   }
 }
 
 // dot[r][m] = Σ_i (q_i − z_r)·x[m][i] over the 32/BITS codes of word wd[r] (code i at bits BITS·i).  Order: per run of
 // 4 positions of a half-word, the low half's 4 codes, then the high half's.
-// Up to M = 4 a code at bit p of its half-word is OR-ed in place into the mantissa of 2^(23 − p) and c = 2^(23 − p) + z
-// is subtracted; above, where registers are short and the FMAs dominate, the codes are shifted down to bit 0 and share
-// 2^23, with z = 2^23 + z from tile_scales (kZeroBase).  Both give q − z exactly.
+// A code at bit p of its half-word is OR-ed in place into the mantissa of 2^(23 − p) (one LOP3, no shift) and
+// c = 2^(23 − p) + z is subtracted: q − z exactly.
 template <int BITS, int M>
 __device__ __forceinline__ void word_dot(const unsigned (&wd)[2], const float (&z)[2], const float* xw, int span,
                                          float (&dot)[2][M]) {
@@ -131,7 +130,7 @@ __device__ __forceinline__ void word_dot(const unsigned (&wd)[2], const float (&
 #pragma unroll
     for (int ii = 0; ii < 4; ++ii)
 #pragma unroll
-      for (int r = 0; r < 2; ++r) c[r][ii] = M <= 4 ? __uint_as_float(magic_bits(BITS * (4 * i4 + ii))) + z[r] : z[r];
+      for (int r = 0; r < 2; ++r) c[r][ii] = __uint_as_float(magic_bits(BITS * (4 * i4 + ii))) + z[r];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       float f[2][4];
@@ -140,8 +139,7 @@ __device__ __forceinline__ void word_dot(const unsigned (&wd)[2], const float (&
         const int p = BITS * (4 * i4 + ii);
 #pragma unroll
         for (int r = 0; r < 2; ++r)
-          f[r][ii] = __uint_as_float(M <= 4 ? and_or(wd[r] >> (16 * h), kMask << p, magic_bits(p))
-                                            : magic_bits(0) | ((wd[r] >> (16 * h + p)) & kMask)) - c[r][ii];
+          f[r][ii] = __uint_as_float(and_or(wd[r] >> (16 * h), kMask << p, magic_bits(p))) - c[r][ii];
       }
 #pragma unroll
       for (int m = 0; m < M; ++m) {
@@ -184,9 +182,6 @@ __device__ __forceinline__ void tile_fma(const int* wt, int w_begin, int w_end, 
   }
 }
 
-// What tile_scales adds to z: 0 where word_dot subtracts 2^(23 − p) + z per position, 2^23 where it shifts every code
-// to bit 0 (M > 4) and subtracts the zero as is.
-template <int M> constexpr float kZeroBase = M <= 4 ? 0.f : 8388608.f;
 
 __device__ __forceinline__ int span_of(int M, int K, int tiles_per_split) {
   return min(K, 64 * tiles_per_split);  // a tile covers at most 4 words × 16 inputs
@@ -256,7 +251,7 @@ __global__ void __launch_bounds__(256, M <= 2 ? 3 : 2) mixed_gemv_kernel(const M
     float s[4][2], z[4][2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) nxt[r] = load_tile(a, t_begin, rows.n[r], full_tiles, tail);
-    tile_scales(a, wt, w_begin, w_end, t_begin, rows, win, s, z, kZeroBase<M>);
+    tile_scales(a, wt, w_begin, w_end, t_begin, rows, win, s, z);
     for (int t = t_begin; t < t_end; ++t) {
       const uint4 cur[2] = {nxt[0], nxt[1]};
       const bool more = t + 1 < t_end;
@@ -266,12 +261,12 @@ __global__ void __launch_bounds__(256, M <= 2 ? 3 : 2) mixed_gemv_kernel(const M
       }
       tile_fma<M>(wt, w_begin, w_end, t, gs, k_lo, span, xs, cur, s, z, acc);
       // second-order dequantization of tile t+1's scales while its codes are still loading
-      if (more) tile_scales(a, wt, w_begin, w_end, t + 1, rows, win, s, z, kZeroBase<M>);
+      if (more) tile_scales(a, wt, w_begin, w_end, t + 1, rows, win, s, z);
     }
   } else {
     for (int t = t_begin; t < t_end; ++t) {
       float s[4][2], z[4][2];
-      tile_scales(a, wt, w_begin, w_end, t, rows, win, s, z, kZeroBase<M>);
+      tile_scales(a, wt, w_begin, w_end, t, rows, win, s, z);
       // Data dependency on the dequantized scale: the code load cannot start before the scales are done
       // (ŝ never has this NaN bit pattern, so tt == t).
       const int tt = t + (__float_as_uint(s[0][0]) == 0xFFFFFFFFu ? 1 : 0);
