@@ -9,7 +9,7 @@
 #   bash benchmarks/gpu_checks.sh e2e [fp16|bcq4|bcq3]  # bench_e2e.py, all variants or one per call (compiles are slow)
 #   bash benchmarks/gpu_checks.sh tp         # bench_tp.py --single cuda: act_order reordered vs the g_idx path
 #   bash benchmarks/gpu_checks.sh sweep      # sweep_plans.py: every launch around plan() of the LUT GEMV and QUICK
-#   bash benchmarks/gpu_checks.sh ncu [NxK] [bits] [M] [cuda_lut|quick]  # ncu --set full on one kernel call (profile_one.py)
+#   bash benchmarks/gpu_checks.sh ncu [NxK] [bits] [M] [cuda_lut|quick|lut_dequant]  # ncu --set full, one call (profile_one.py)
 #   bash benchmarks/gpu_checks.sh quick      # build + tests + the --quick benchmarks, one short call
 #   bash benchmarks/gpu_checks.sh session    # one ~9-minute call for a 15-minute lease: build; every gpu-marked test
 #                                            # with memcheck + racecheck of the LUT GEMV beside it; bench_gemv's issue-23
@@ -85,8 +85,9 @@ case "$STAGE" in
   tune) python3 benchmarks/tune_dispatch.py 2>&1 | tail -5; cp backends/dispatch/*.json "$OUT/" ;;
   e2e) python3 benchmarks/bench_e2e.py --variants "${2:-fp16,bcq4,bcq3}" --markdown "$OUT/bench_e2e_${2:-all}.md" 2>&1 | tail -15 ;;
   tp) python3 benchmarks/bench_tp.py --single cuda 2>&1 | tee "$OUT/bench_tp_single.md" | tail -25 ;;
-  ncu)  # ncu [NxK] [bits] [M] [cuda_lut|quick]
-    KER=${5:-cuda_lut}; [ "$KER" = quick ] && RX=quick_gemm_kernel || RX=lut_gemv_kernel
+  ncu)  # ncu [NxK] [bits] [M] [cuda_lut|quick|lut_dequant]
+    KER=${5:-cuda_lut}
+    case "$KER" in quick) RX=quick_gemm_kernel ;; lut_dequant) RX=lut_dequantize_kernel ;; *) RX=lut_gemv_kernel ;; esac
     F="$OUT/ncu_${KER}_${2:-8192x8192}_q${3:-4}_m${4:-1}.txt"
     ncu --set full --clock-control none -k regex:$RX --launch-skip 5 --launch-count 1 python3 benchmarks/profile_one.py \
       --shape "${2:-8192x8192}" --bits "${3:-4}" --M "${4:-1}" --kernel "$KER" >"$F" 2>&1

@@ -4,8 +4,9 @@
         python benchmarks/profile_one.py --shape 8192x8192 --bits 4 --M 1 [--kernel cuda_lut|quick]
 
 Random weights (values do not change the work), fp16 x, group 128, the kernel's heuristic launch plan: the LUT GEMV
-(``lut_gemv_kernel``) on random plane words, α and offsets, or the QUICK GEMM (``quick_gemm_kernel``) through
-``qlinear::linear`` on random uniform codes, scales and zero points.
+(``lut_gemv_kernel``) or its dequantize kernel (``lut_dequantize_kernel``, ``--kernel lut_dequant``) on random plane
+words, α and offsets, or the QUICK GEMM (``quick_gemm_kernel``) through ``qlinear::linear`` on random uniform codes,
+scales and zero points.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ def main() -> None:
     ap.add_argument("--bits", type=int, default=4)
     ap.add_argument("--M", type=int, default=1)
     ap.add_argument("--group", type=int, default=128)
-    ap.add_argument("--kernel", default="cuda_lut", choices=("cuda_lut", "quick"))
+    ap.add_argument("--kernel", default="cuda_lut", choices=("cuda_lut", "quick", "lut_dequant"))
     args = ap.parse_args()
     N, K = map(int, args.shape.split("x"))
     if args.kernel == "quick":
@@ -45,7 +46,10 @@ def main() -> None:
     launch = cuda_lut.plan(args.M, N, K, torch.cuda.get_device_properties(0).multi_processor_count, q)
     print("launch (kt, threads, tiles_per_split, splits):", launch)
     for _ in range(6):
-        torch.ops.qlinear.bcq_lut_gemv(x, planes, alpha, offset, None, None, args.group, *launch)
+        if args.kernel == "lut_dequant":  # Ŵ in fp16, as the free-α path above batch 8 writes it for cuBLAS
+            torch.ops.qlinear.bcq_lut_dequantize(planes, alpha, offset, args.group, torch.float16)
+        else:
+            torch.ops.qlinear.bcq_lut_gemv(x, planes, alpha, offset, None, None, args.group, *launch)
     torch.cuda.synchronize()
 
 

@@ -437,31 +437,45 @@ __global__ void __launch_bounds__(32 * kWarpsN * WM) quick_gemm_kernel(const Qui
                            min(a.N, n_lo + kWarpsN * kTileN), a.counters + blockIdx.x + gridDim.x * blockIdx.y);
 }
 
-// One warp per 32×64 tile: the lane's fragments, dequantized exactly as in the GEMM, written to Ŵ[n][k].
+// One warp per 32×64 tile: the lane's fragments, dequantized exactly as in the GEMM, staged in shared memory and
+// written to Ŵ[n][k] in 16-byte pieces, each warp store covering 4 whole 128-byte rows (a lane's fragments alone
+// would be 4-byte pieces of 8 rows per store).  Staged rows are padded by 16 bytes: the fragment writes hit 32 banks.
+constexpr int kStagedRow = kTileK / 2 + 4;  // 32-bit words per staged row of 64 fp16/bf16 values
+constexpr size_t kDequantSmem = 4 * kTileN * kStagedRow * sizeof(unsigned);
+
 template <typename T, int Q, bool FREE>
 __global__ void __launch_bounds__(128) quick_dequantize_kernel(const QuickArgs a) {
-  const int lane = threadIdx.x & 31;
-  const int tile = blockIdx.x * 4 + (threadIdx.x >> 5);
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int tile = blockIdx.x * 4 + warp;
   const int k_tiles = a.K / kTileK;
-  if (tile >= (a.N / kTileN) * k_tiles) return;
+  const bool valid = tile < (a.N / kTileN) * k_tiles;  // no early exit: every thread reaches the barrier
   const int n_tile = tile / k_tiles, k0 = (tile % k_tiles) * kTileK;
-  TileRegs<Q, FREE> r;
-  load_tile_regs(r, a, GroupOf(a.group_size), a.qweight + (size_t)tile * 64 * Q, k0, n_tile * kTileN + (lane >> 2) * 4,
-                 lane);
-  GroupDeq<T, Q, FREE> deq;
-  T* out = static_cast<T*>(a.y);
+  unsigned* staged = reinterpret_cast<unsigned*>(smem_raw) + warp * kTileN * kStagedRow;
+  if (valid) {
+    TileRegs<Q, FREE> r;
+    load_tile_regs(r, a, GroupOf(a.group_size), a.qweight + (size_t)tile * 64 * Q, k0,
+                   n_tile * kTileN + (lane >> 2) * 4, lane);
+    GroupDeq<T, Q, FREE> deq;
 #pragma unroll
-  for (int ks = 0; ks < 4; ++ks) {
-    if (ks % 2 == 0) deq.set(r.g[ks / 2], a.zeros != nullptr);
+    for (int ks = 0; ks < 4; ++ks) {
+      if (ks % 2 == 0) deq.set(r.g[ks / 2], a.zeros != nullptr);
 #pragma unroll
-    for (int nt = 0; nt < 4; ++nt) {
+      for (int nt = 0; nt < 4; ++nt)
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const unsigned v = deq.weights(r.w, (ks * 4 + nt) * 2 + h, nt);
-        const int n = n_tile * kTileN + nt * 8 + (lane >> 2), k = k0 + ks * 16 + 2 * (lane & 3) + 8 * h;
-        *reinterpret_cast<unsigned*>(out + (size_t)n * a.K + k) = v;
-      }
+        for (int h = 0; h < 2; ++h)  // row nt·8 + lane/4, inputs ks·16 + 2·(lane % 4) + 8h and the next
+          staged[(nt * 8 + (lane >> 2)) * kStagedRow + ks * 8 + (lane & 3) + 4 * h] =
+              deq.weights(r.w, (ks * 4 + nt) * 2 + h, nt);
     }
+  }
+  __syncthreads();
+  if (!valid) return;
+  T* out = static_cast<T*>(a.y) + (size_t)n_tile * kTileN * a.K + k0;
+#pragma unroll
+  for (int i = 0; i < kTileN / 4; ++i) {  // piece c of the tile: row c / 8, 16-byte piece c % 8
+    const int c = i * 32 + lane, row = c >> 3, piece = c & 7;
+    *reinterpret_cast<uint4*>(out + (size_t)row * a.K + piece * 8) =
+        *reinterpret_cast<const uint4*>(staged + row * kStagedRow + piece * 4);
   }
 }
 
@@ -494,12 +508,12 @@ cudaError_t dispatch_q(const QuickArgs& a, cudaStream_t s, bool dequant) {
   if (dequant) {
     const int blocks = ((a.N / kTileN) * (a.K / kTileK) + 3) / 4;
     switch (a.Q * 2 + a.free_alpha) {
-      case 4: quick_dequantize_kernel<T, 2, false><<<blocks, 128, 0, s>>>(a); break;
-      case 5: quick_dequantize_kernel<T, 2, true><<<blocks, 128, 0, s>>>(a); break;
-      case 6: quick_dequantize_kernel<T, 3, false><<<blocks, 128, 0, s>>>(a); break;
-      case 7: quick_dequantize_kernel<T, 3, true><<<blocks, 128, 0, s>>>(a); break;
-      case 8: quick_dequantize_kernel<T, 4, false><<<blocks, 128, 0, s>>>(a); break;
-      case 9: quick_dequantize_kernel<T, 4, true><<<blocks, 128, 0, s>>>(a); break;
+      case 4: quick_dequantize_kernel<T, 2, false><<<blocks, 128, kDequantSmem, s>>>(a); break;
+      case 5: quick_dequantize_kernel<T, 2, true><<<blocks, 128, kDequantSmem, s>>>(a); break;
+      case 6: quick_dequantize_kernel<T, 3, false><<<blocks, 128, kDequantSmem, s>>>(a); break;
+      case 7: quick_dequantize_kernel<T, 3, true><<<blocks, 128, kDequantSmem, s>>>(a); break;
+      case 8: quick_dequantize_kernel<T, 4, false><<<blocks, 128, kDequantSmem, s>>>(a); break;
+      case 9: quick_dequantize_kernel<T, 4, true><<<blocks, 128, kDequantSmem, s>>>(a); break;
       default: return cudaErrorInvalidValue;
     }
     return cudaGetLastError();
