@@ -46,6 +46,12 @@ inline float* split_workspace(int64_t splits, int64_t M, int64_t N, const at::Te
   return holder.data_ptr<float>();
 }
 
+// A launch plan's threads per block: whole warps, at most the kernels' 256 (checked before any arithmetic uses it).
+inline void check_threads(int64_t threads, const char* op) {
+  TORCH_CHECK(threads >= 32 && threads <= 256 && threads % 32 == 0, op, ": threads must be a multiple of 32 in 32..256, got ",
+              threads);
+}
+
 // `tiles` split-K tile counters on x's device for common.cuh's reduce_splits_if_last: zero between launches (the last
 // block of a tile resets its own), so one buffer per device serves every launch ordered on a stream; two streams
 // running split launches at once on one device would share them.  Created zeroed on first use (not inside a CUDA graph

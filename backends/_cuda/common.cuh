@@ -36,7 +36,8 @@ __device__ __forceinline__ unsigned and_or(unsigned a, unsigned b, unsigned c) {
 template <typename T>
 __device__ __forceinline__ void reduce_splits_if_last(const float* partial, const float* bias, T* y, int splits, int M,
                                                       int N, int m0, int m1, int n0, int n1, unsigned* counter) {
-  __threadfence();  // this thread's partials, before the block's arrival is counted
+  __threadfence();  // this thread's partials, visible device-wide before the block's arrival is counted
+  __syncthreads();  // every thread's partials and fence done before thread 0 counts the block
   const bool last = __syncthreads_or(threadIdx.x == 0 && atomicAdd(counter, 1u) == (unsigned)splits - 1);
   if (!last) return;
   __threadfence();

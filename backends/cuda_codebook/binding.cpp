@@ -26,6 +26,7 @@ at::Tensor codebook_dequantize(const at::Tensor& codes, const std::optional<at::
                   codebooks.size(1) == (1 << bits), op, ": codebooks must be contiguous int8 [C, 2^bits]");
   const int64_t C = codebooks.size(0);
   TORCH_CHECK(C == 1 || C == 2 || C == 4, op, ": 1, 2 or 4 codebooks, got ", C);
+  TORCH_CHECK((C << bits) <= 16, op, ": ", C, " codebooks of 2^", bits, " int8 centroids exceed the format's 16 bytes");
   TORCH_CHECK(C == 1 || book_idx.has_value(), op, ": book_idx is needed with ", C, " codebooks");
   TORCH_CHECK(scales.device() == codes.device() && codebooks.device() == codes.device() &&
                   (!book_idx.has_value() || book_idx->device() == codes.device()), op,

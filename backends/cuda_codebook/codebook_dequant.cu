@@ -90,7 +90,8 @@ cudaError_t dispatch_bits(const CodebookArgs& a, cudaStream_t s) {
 }  // namespace
 
 cudaError_t codebook_dequantize(const CodebookArgs& a, DType out, cudaStream_t stream) {
-  if (a.K % 32 || a.group_size <= 0 || a.K % a.group_size || (a.books != 1 && a.books != 2 && a.books != 4)) {
+  if (a.K % 32 || a.group_size <= 0 || a.K % a.group_size || (a.books != 1 && a.books != 2 && a.books != 4) ||
+      (a.books << a.bits) > 16) {  // the kernel holds every codebook in 16 bytes of registers
     return cudaErrorInvalidValue;
   }
   if (out == DType::kFloat) return dispatch_bits<float>(a, stream);

@@ -23,8 +23,8 @@ struct CodebookArgs {
 };
 
 // Writes Ŵ[n, k] = scale[n, g] · codebooks[book(n, g)][code(n, k)] (fp32, exact, then one rounding) as `out` (fp32,
-// fp16 or bf16).  cudaErrorInvalidValue for K % 32 != 0, bits not in {1, 2, 4}, books not in {1, 2, 4} or a dtype
-// it cannot write.
+// fp16 or bf16).  cudaErrorInvalidValue for K % 32 != 0, bits not in {1, 2, 4}, books not in {1, 2, 4}, books · 2^bits
+// > 16 (the format's limit) or a dtype it cannot write.
 cudaError_t codebook_dequantize(const CodebookArgs& args, DType out, cudaStream_t stream);
 
 }  // namespace qlinear
