@@ -82,7 +82,7 @@ at::Tensor mixed_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Te
   a.x_dtype = x.scalar_type() == at::kHalf ? qlinear::DType::kHalf : qlinear::DType::kBFloat16;
   a.partial = splits > 1 ? partial.data_ptr<float>() : nullptr;
   qlinear::check_threads(threads, "mixed_gemv");
-  if (splits > 1) a.counters = qlinear::split_counters((N + 2 * threads - 1) / (2 * threads), x, "mixed_gemv");
+  if (splits > 1) a.counters = qlinear::split_counters(qlinear::mixed::mixed_gemv_tiles((int)N, (int)threads), x, "mixed_gemv");
   const auto stream = c10::cuda::getCurrentCUDAStream();
   const size_t row_bytes = x.element_size();
   for (int64_t m0 = 0; m0 < M; m0 += 8) {  // M > 8: the same kernel over chunks of 8 rows

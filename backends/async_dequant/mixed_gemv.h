@@ -42,6 +42,9 @@ struct MixedGemvArgs {
   DType x_dtype;               // kHalf or kBFloat16
 };
 
+// Blocks along N (gridDim.x), one split-K counter each: a block owns 2·threads rows.
+inline int mixed_gemv_tiles(int N, int threads) { return (N + 2 * threads - 1) / (2 * threads); }
+
 // Shared memory (bytes) one block needs.
 size_t mixed_gemv_smem_bytes(int M, int K, int tiles_per_split);
 

@@ -282,7 +282,7 @@ cudaError_t launch(const LutGemvArgs& a, cudaStream_t stream) {
     const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
     if (e != cudaSuccess) return e;
   }
-  const dim3 grid((a.N + 4 * a.threads - 1) / (4 * a.threads), a.splits);
+  const dim3 grid(lut_gemv_tiles(a.N, a.threads), a.splits);
   if (a.splits > 1 && (a.partial == nullptr || a.counters == nullptr)) return cudaErrorInvalidValue;
   kernel<<<grid, a.threads, smem, stream>>>(a);
   return cudaGetLastError();

@@ -30,6 +30,9 @@ struct LutGemvArgs {
   DType x_dtype, offset_dtype;
 };
 
+// Blocks along N (gridDim.x), one split-K counter each: a block owns 4·threads rows.
+inline int lut_gemv_tiles(int N, int threads) { return (N + 4 * threads - 1) / (4 * threads); }
+
 // K words (32 inputs) per tile for batch M and Q planes: the largest power of two up to 4 with W·Q <= 8 (16-byte
 // plane loads held in registers per thread) and W·M <= 8 (M·W·4 KiB of tables per buffer).
 constexpr int lut_gemv_words(int M, int Q) {

@@ -66,20 +66,17 @@ __device__ __forceinline__ void load_tile(unsigned (&w)[Words<Q>::n], const unsi
   }
 }
 
-// Codes of pair p (both halves of a 32-bit register), Q-bit, before the magic exponent is OR-ed in.
+// Codes of pair p (both halves of a 32-bit register), Q-bit, OR-ed with `magic` (an exponent, or 0) in the same LOP3.
 template <int Q>
-__device__ __forceinline__ unsigned pair_codes(const unsigned (&w)[Words<Q>::n], int p) {
-  if constexpr (Q == 4) return (w[p / 4] >> (4 * (p % 4))) & 0x000f000fu;
-  if constexpr (Q == 2) return (w[p / 8] >> (2 * (p % 8))) & 0x00030003u;
-  return ((w[p / 8] >> (2 * (p % 8))) & 0x00030003u) | (((w[Words<Q>::n0 + p / 16] >> (p % 16)) & 0x00010001u) << 2);
+__device__ __forceinline__ unsigned pair_codes(const unsigned (&w)[Words<Q>::n], int p, unsigned magic = 0u) {
+  if constexpr (Q == 4) return and_or(w[p / 4] >> (4 * (p % 4)), 0x000f000fu, magic);
+  if constexpr (Q == 2) return and_or(w[p / 8] >> (2 * (p % 8)), 0x00030003u, magic);
+  return and_or(w[p / 8] >> (2 * (p % 8)), 0x00030003u, magic) |
+         (((w[Words<Q>::n0 + p / 16] >> (p % 16)) & 0x00010001u) << 2);
 }
 
 template <typename T2> __device__ __forceinline__ T2 as_pair(unsigned u) { return *reinterpret_cast<const T2*>(&u); }
 
-// The codes of pair p as exact integers of T (q in both halves).  fp16 holds a code at any bit b <= 10 - Q of the
-// magic 1024's mantissa, and (1024 + 2^b·q)·2^-b − 2^(10-b) = q exactly, so a word's lower codes need no shift and
-// its upper ones share one (4 bits: one shift per word instead of three); 3-bit codes add their two parts with the
-// same FMAs.  bf16 (7 mantissa bits) shifts each pair, and assembles 3-bit codes first.
 // fp16 bits of ±(2^a + 2^b), a >= b (exact in fp16 for a - b <= 10)
 __device__ __forceinline__ unsigned f16_pow2_sum(bool negative, int a, int b) {
   const unsigned sign = negative ? 0x8000u : 0u;
@@ -97,6 +94,10 @@ __device__ __forceinline__ unsigned f16_field(unsigned w, int j, int& b) {
   return and_or(j < fit ? w : w >> (Q * fit), mask << b, Num<__half>::kMagic);
 }
 
+// The codes of pair p as exact integers of T (q in both halves).  fp16 holds a code at any bit b <= 10 - Q of the
+// magic 1024's mantissa, and (1024 + 2^b·q)·2^-b − 2^(10-b) = q exactly, so a word's lower codes need no shift and
+// its upper ones share one (4 bits: one shift per word instead of three); 3-bit codes add their two parts with the
+// same FMAs.  bf16 (7 mantissa bits) shifts each pair, and assembles 3-bit codes first.
 template <typename T, int Q>
 __device__ __forceinline__ typename Num<T>::T2 pair_values(const unsigned (&w)[Words<Q>::n], int p) {
   using T2 = typename Num<T>::T2;
@@ -115,12 +116,8 @@ __device__ __forceinline__ typename Num<T>::T2 pair_values(const unsigned (&w)[W
       if (b == 0) return __hsub2(as_pair<T2>(h), Num<T>::base());
       return __hfma2(as_pair<T2>(h), pair((15u - b) << 10), pair(0x8000u | (25u - b) << 10));  // 2^-b, -2^(10-b)
     }
-  } else if constexpr (Q == 3) {
-    return __hsub2(as_pair<T2>(pair_codes<Q>(w, p) | Num<T>::kMagic), Num<T>::base());
   } else {
-    constexpr unsigned mask = ((1u << Q) - 1) * 0x00010001u;
-    const int per = 16 / Q;
-    return __hsub2(as_pair<T2>(and_or(w[p / per] >> (Q * (p % per)), mask, Num<T>::kMagic)), Num<T>::base());
+    return __hsub2(as_pair<T2>(pair_codes<Q>(w, p, Num<T>::kMagic)), Num<T>::base());
   }
 }
 

@@ -35,6 +35,9 @@ struct QuickArgs {
   DType x_dtype;
 };
 
+// Output tiles of a launch (gridDim.x · gridDim.y), one split-K counter each: 128 rows of Ŵ × tile_m rows of x.
+inline int quick_gemm_tiles(int M, int N, int tile_m) { return (N + 127) / 128 * ((M + tile_m - 1) / tile_m); }
+
 // Launches the GEMM on `stream` (with splits > 1 the last block of each output tile sums its partials).  Returns
 // cudaErrorInvalidValue for an unsupported Q (2..4), tile_m, dtype or a shape that is not whole tiles.
 cudaError_t quick_gemm(const QuickArgs& args, cudaStream_t stream);
