@@ -69,10 +69,11 @@ __device__ __forceinline__ void load_tile(unsigned (&w)[Words<Q>::n], const unsi
 // Codes of pair p (both halves of a 32-bit register), Q-bit, OR-ed with `magic` (an exponent, or 0) in the same LOP3.
 template <int Q>
 __device__ __forceinline__ unsigned pair_codes(const unsigned (&w)[Words<Q>::n], int p, unsigned magic = 0u) {
-  if constexpr (Q == 4) return and_or(w[p / 4] >> (4 * (p % 4)), 0x000f000fu, magic);
-  if constexpr (Q == 2) return and_or(w[p / 8] >> (2 * (p % 8)), 0x00030003u, magic);
-  return and_or(w[p / 8] >> (2 * (p % 8)), 0x00030003u, magic) |
-         (((w[Words<Q>::n0 + p / 16] >> (p % 16)) & 0x00010001u) << 2);
+  // without a magic the plain AND, which the compiler can merge with what the caller does next
+  const auto field = [magic](unsigned x, unsigned mask) { return magic ? and_or(x, mask, magic) : x & mask; };
+  if constexpr (Q == 4) return field(w[p / 4] >> (4 * (p % 4)), 0x000f000fu);
+  if constexpr (Q == 2) return field(w[p / 8] >> (2 * (p % 8)), 0x00030003u);
+  return field(w[p / 8] >> (2 * (p % 8)), 0x00030003u) | (((w[Words<Q>::n0 + p / 16] >> (p % 16)) & 0x00010001u) << 2);
 }
 
 template <typename T2> __device__ __forceinline__ T2 as_pair(unsigned u) { return *reinterpret_cast<const T2*>(&u); }
