@@ -138,8 +138,9 @@ def parse_sass(text: str) -> dict[str, list[tuple[int, str]]]:
 
 
 def lookup_loop(instrs: list[tuple[int, str]]) -> tuple[int, bool]:
-    """``(loop_bytes, pipelined)`` of the lookup loop (see :class:`Sass`): the innermost loop whose own instructions
-    (nested loops excluded) hold both global loads and shared-memory loads; (0, False) if there is none."""
+    """``(loop_bytes, pipelined)`` of the lookup loop (see :class:`Sass`): among the loops whose own instructions
+    (nested loops excluded) hold both global and shared-memory loads, the one with the most shared-memory loads (a
+    rotated layer's input transform has small loops of both kinds); (0, False) if there is none."""
     loops = []
     for addr, ins in instrs:
         m = re.search(r"\bBRA\s+(?:`\(\.L_x_\d+\)\s*)?0x([0-9a-f]+)", ins)
@@ -151,12 +152,11 @@ def lookup_loop(instrs: list[tuple[int, str]]) -> tuple[int, bool]:
         return [(a, (i.split()[1] if i.startswith("@") else i.split()[0])) for a, i in instrs
                 if lo <= a <= hi and not any(n0 <= a <= n1 for n0, n1 in nested)]
 
-    found = [(hi - lo, own_ops(lo, hi)) for lo, hi in loops]
-    found = [ops for _, ops in sorted(found, key=lambda f: f[0])
+    found = [ops for ops in (own_ops(lo, hi) for lo, hi in loops)
              if any(op.startswith("LDG") for _, op in ops) and any(op.startswith("LDS") for _, op in ops)]
     if not found:
         return 0, False
-    ops = found[0]
+    ops = max(found, key=lambda ops: sum(op.startswith("LDS") for _, op in ops))
     loads = [(a, op) for a, op in ops if op.startswith("LDG")]
     first_lds = min(a for a, op in ops if op.startswith("LDS"))
     return sum(_load_bytes(op) for _, op in loads), any(a > first_lds for a, _ in loads)

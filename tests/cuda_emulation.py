@@ -83,7 +83,7 @@ inline float __uint_as_float(unsigned u) { float f; std::memcpy(&f, &u, 4); retu
 inline unsigned __float_as_uint(float f) { unsigned u; std::memcpy(&u, &f, 4); return u; }
 using std::min;
 using std::max;
-alignas(16) float4 g_smem4[64 * 1024 / 16];
+alignas(16) float4 g_smem4[228 * 1024 / 16];  // an H100/H200 SM's
 template <class F> cudaError_t cudaFuncSetAttribute(F* f, cudaFuncAttribute attr, int value) { return cudaSuccess; }
 
 // Driver I/O: n values of T from f; y (fp16 or bf16 bits) written to path as fp32.
@@ -231,6 +231,29 @@ def dtype_kind(t) -> int:
     import torch
 
     return 0 if t is None else 2 if t.dtype == torch.float32 else 1
+
+
+def rotation_header(rotation) -> tuple[list[int], object]:
+    """An emulated call's rotation: header fields ``[seed, block, p]`` (``[0, 0, 1]`` for None: not rotated) and the
+    int8 Paley factor ``[p, p]`` to append to its tensors (None for ``p = 1``)."""
+    import torch
+
+    from qlinear.formats import rotation as rot
+
+    if rotation is None:
+        return [0, 0, 1], None
+    seed, block = rotation
+    p = rot._split(block)[0]
+    return [seed, block, p], (rot._paley(p).to(torch.int8) if p > 1 else None)
+
+
+def rotated_reference(x, rotation):
+    """``R·x`` in float64 (the exact transform a kernel's staged values approximate) and rounded once to ``x``'s dtype
+    (what the op hands an unfused kernel), for the kernels' rotation tests."""
+    from qlinear.formats import rotation as rot
+
+    x64 = rot.rotate(x.double(), *rotation)
+    return x64, x64.to(x.dtype)
 
 
 def run(exe: Path, header: list[int], tensors: list, out_shape: tuple[int, ...]):

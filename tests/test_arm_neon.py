@@ -289,3 +289,22 @@ def test_harness_under_qemu(harness, cpu, path):
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
     assert f"dispatch: {path}" in r.stdout and " 0 failures" in r.stdout
 
+
+@pytest.mark.skipif(CROSS is None or QEMU is None, reason="needs g++-aarch64-linux-gnu and qemu-user")
+@pytest.mark.parametrize("K,block,seed", [(576, 576, 0), (1536, 1536, 7), (96, 48, 5), (512, 256, 2 ** 31 - 1)])
+def test_harness_rotation_matches_python(harness, tmp_path, K, block, seed):
+    """The harness's rotate_rows (what bench_arm.py --rotation counts; D computed in C++, the Paley factor read from
+    Python) is qlinear.formats.rotation.rotate within float32 rounding."""
+    from qlinear.formats import rotation
+
+    p = rotation._split(block)[0]
+    args = [QEMU, "-cpu", "max", str(harness), "rotate", str(K), str(block), str(seed)]
+    if p > 1:
+        (tmp_path / "paley").write_bytes(rotation._paley(p).float().numpy().tobytes())
+        args.append(str(tmp_path / "paley"))
+    x = torch.randn(3, K)
+    r = subprocess.run(args, input=x.numpy().tobytes(), capture_output=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    y = torch.frombuffer(bytearray(r.stdout), dtype=torch.float32).reshape(3, K)
+    want = rotation.rotate(x, seed, block)
+    assert (y - want).abs().max() <= 1e-5 * want.abs().max()

@@ -270,10 +270,14 @@ namespace emu {
 using namespace qlinear;
 using namespace qlinear::mixed;
 
+Rotation g_rot{};
 template <typename T, int M, bool ASYNC>
 void run_blocks(const MixedGemvArgs& a) {
   const int tiles = (a.N + 2 * a.threads - 1) / (2 * a.threads);
-  run_grid(dim3(tiles, a.splits, 1), a.threads, [&a] { mixed_gemv_kernel<T, M, ASYNC>(a); });
+  if (g_rot.block)
+    run_grid(dim3(tiles, a.splits, 1), a.threads, [&a] { mixed_gemv_kernel<T, M, ASYNC, true>(a, g_rot); });
+  else
+    run_grid(dim3(tiles, a.splits, 1), a.threads, [&a] { mixed_gemv_kernel<T, M, ASYNC, false>(a, g_rot); });
   for (int t = 0; a.splits > 1 && t < tiles; ++t)
     if (a.counters[t]) { fprintf(stderr, "split-K counter %d left at %u\n", t, a.counters[t]); exit(3); }
 }
@@ -294,7 +298,7 @@ void run(const MixedGemvArgs& a) {
 int main(int argc, char** argv) {
   using namespace emu;
   FILE* f = fopen(argv[1], "rb");
-  auto h = emu_read<int>(f, 19);
+  auto h = emu_read<int>(f, 22);
   const int M = h[0], N = h[1], K = h[2], W = h[3], G = h[4], MW = h[5], S2 = h[16], nnz = h[15];
   auto x = emu_read<uint16_t>(f, (size_t)M * K);
   auto codes = emu_read<unsigned>(f, (size_t)N * W);
@@ -304,7 +308,9 @@ int main(int argc, char** argv) {
   std::vector<uint16_t> vals; std::vector<char> cols; std::vector<int> rp; std::vector<float> bias;
   if (h[13]) { vals = emu_read<uint16_t>(f, nnz); cols = emu_read<char>(f, (size_t)nnz * (h[14] ? 4 : 2)); rp = emu_read<int>(f, N + 1); }
   if (h[18]) bias = emu_read<float>(f, N);
+  std::vector<signed char> paley = emu_read<signed char>(f, h[21] > 1 ? h[21] * h[21] : 0);
   fclose(f);
+  g_rot = Rotation{h[20], h[21], (unsigned)h[19], paley.data()};
   qlinear::mixed::MixedGemvArgs a{};
   a.x = x.data(); a.codes = codes.data(); a.meta = meta.data(); a.sq = sq.data(); a.gtab = gtab.data();
   if (h[13]) { a.outlier_values = vals.data(); a.outlier_cols = cols.data(); a.outlier_row_ptr = rp.data(); a.cols_int32 = h[14]; }
@@ -333,18 +339,19 @@ def emulator(tmp_path_factory):
         ("extern __shared__ float4 smem4[];", "float4* smem4 = ::g_smem4;"), "", _EMU_DRIVER)
 
 
-def _emulate(exe, x, bufs, bias, cfg, N, K, launch, async_dequant=True):
-    from cuda_emulation import run
+def _emulate(exe, x, bufs, bias, cfg, N, K, launch, async_dequant=True, rotation=None):
+    from cuda_emulation import rotation_header, run
 
     threads, per, splits = launch
+    rot, paley = rotation_header(rotation)
     has_out = bufs["ad_outlier_values"].numel() > 0
     hdr = [x.shape[0], N, K, _W(bufs, cfg), bufs["ad_gtab"].numel(), bufs["ad_meta"].shape[0], cfg.group_size,
            cfg.scale_bits, cfg.scale_group_size, threads, per, splits, int(async_dequant), int(has_out),
            int(bufs["ad_outlier_cols"].dtype == torch.int32), bufs["ad_outlier_values"].numel(), bufs["ad_sq"].shape[0],
-           int(x.dtype == torch.bfloat16), int(bias is not None)]
+           int(x.dtype == torch.bfloat16), int(bias is not None), *rot]
     outliers = [bufs[k] for k in ("ad_outlier_values", "ad_outlier_cols", "ad_outlier_row_ptr")] if has_out else []
     tensors = [x, *(bufs[k] for k in ("ad_codes", "ad_meta", "ad_sq", "ad_gtab")), *outliers,
-               None if bias is None else bias.float()]
+               None if bias is None else bias.float(), paley]
     return run(exe, hdr, tensors, (x.shape[0], N))
 
 
@@ -367,6 +374,29 @@ def test_kernel_source_under_host_emulation(emulator, name, N, K):
             err = (y.double() - y64).abs()
             assert (err <= bound).all(), (launch, err.max().item())
             assert torch.equal(_emulate(emulator, x, bufs, bias, cfg, N, K, launch, async_dequant=False), y)
+
+
+def test_kernel_source_stages_a_rotated_input(emulator):
+    """A rotated layer: each block of mixed_gemv.cu stages ``R·x`` of its span itself (rotation.cuh, widened to fp32 from
+    x's dtype) under the host emulation: the float64 product with the exact ``R·x`` within the emulation test's bound
+    plus one rounding of ``R·x`` to x's dtype, for Paley and power-of-two blocks and spans that cut through blocks."""
+    from cuda_emulation import rotated_reference
+
+    cfg = CONFIGS["outliers_0.005"]
+    N, K = 200, 400
+    canon = ad.random_buffers(N, K, cfg, seed=5)
+    bufs = ad.repack(canon, cfg, N, K)
+    bias = torch.randn(N)
+    T = math.ceil(_W(bufs, cfg) / 4)
+    for block, M, dtype, launch in ((400, 1, torch.float16, (256, T, 1)), (16, 5, torch.bfloat16, (32, 3, -(-T // 3))),
+                                    (80, 6, torch.float16, (64, 2, -(-T // 2))), (200, 3, torch.bfloat16, (32, 1, T))):
+        eps = {torch.float16: 2.0 ** -11, torch.bfloat16: 2.0 ** -8}[dtype]
+        x = torch.randn(M, K).to(dtype)
+        x64, _ = rotated_reference(x, (9, block))
+        y64 = _ref(canon, cfg, N, K, x64, bias)
+        bound = _bound(canon, cfg, N, K, x64, eps, y64) + 2 * eps * _mag(canon, cfg, N, K, x64)
+        y = _emulate(emulator, x, bufs, bias, cfg, N, K, launch, rotation=(9, block))
+        assert ((y.double() - y64).abs() <= bound).all(), (block, M, launch)
 
 
 def test_kernel_source_under_host_emulation_int32_columns(emulator):

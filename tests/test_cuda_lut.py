@@ -209,9 +209,10 @@ _LUT_DRIVER = r'''
 // Driver: reads one call from argv[1] (header, x, planes, alpha, offset, bias), writes y (fp32) to argv[2].
 namespace emu {
 using namespace qlinear;
+Rotation g_rot{};
 template <typename T, int M, int Q> void run(const LutGemvArgs& a) {
   const int tiles = (a.N + 4 * a.threads - 1) / (4 * a.threads);
-  run_grid(dim3(tiles, a.splits, 1), a.threads, [&a] { lut_gemv_kernel<T, M, Q, lut_gemv_words(M, Q)>(a); });
+  run_grid(dim3(tiles, a.splits, 1), a.threads, [&a] { lut_gemv_kernel<T, M, Q, lut_gemv_words(M, Q)>(a, g_rot); });
   for (int t = 0; a.splits > 1 && t < tiles; ++t)
     if (a.counters[t]) { fprintf(stderr, "split-K counter %d left at %u\n", t, a.counters[t]); exit(3); }
 }
@@ -230,7 +231,7 @@ template <int Q> void dequantize(const LutGemvArgs& a) {
 int main(int argc, char** argv) {
   using namespace emu;
   FILE* f = fopen(argv[1], "rb");
-  auto h = emu_read<int>(f, 14);
+  auto h = emu_read<int>(f, 17);
   const int M = h[0], N = h[1], K = h[2], Q = h[3], gs = h[4], bf16 = h[9], off_kind = h[10], has_bias = h[11];
   const int G = (K + gs - 1) / gs;
   auto x = emu_read<uint16_t>(f, (size_t)M * K);
@@ -239,6 +240,7 @@ int main(int argc, char** argv) {
   std::vector<char> offset = emu_read<char>(f, (size_t)G * N * (off_kind == 2 ? 4 : off_kind == 1 ? 2 : 0));
   std::vector<float> bias = emu_read<float>(f, has_bias ? N : 0);
   std::vector<int> perm = emu_read<int>(f, h[12] ? K : 0);
+  std::vector<signed char> paley = emu_read<signed char>(f, h[16] > 1 ? h[16] * h[16] : 0);
   fclose(f);
   LutGemvArgs a{};
   a.perm = h[12] ? perm.data() : nullptr;
@@ -253,6 +255,7 @@ int main(int argc, char** argv) {
   a.M = M; a.N = N; a.K = K; a.Q = Q; a.group_size = gs;
   a.kt = h[5]; a.threads = h[6]; a.tiles_per_split = h[7]; a.splits = h[8];
   a.x_dtype = bf16 ? DType::kBFloat16 : DType::kHalf;
+  g_rot = Rotation{h[15], h[16], (unsigned)h[14], paley.data()};
   if (h[13]) {  // the dequantize kernel: Ŵ [N, K] float32
     std::vector<float> w((size_t)N * K, NAN);
     a.y = w.data();
@@ -277,15 +280,16 @@ def emulator(tmp_path_factory):
         ("extern __shared__ float smem[];", "float* smem = reinterpret_cast<float*>(::g_smem4);"), "", _LUT_DRIVER)
 
 
-def _emulate(exe, x, bufs, bias, cfg, N, K, launch, perm=None, dequant=False):
+def _emulate(exe, x, bufs, bias, cfg, N, K, launch, perm=None, dequant=False, rotation=None):
     """The GEMV (float32 ``[M, N]``) or, with ``dequant``, the dequantize kernel (float32 ``Ŵ`` ``[N, K]``; ``x`` only
-    sizes the call) run by the emulator."""
-    from cuda_emulation import dtype_kind, run
+    sizes the call) run by the emulator; ``rotation = (seed, block)`` has the kernel stage ``R·x`` itself."""
+    from cuda_emulation import dtype_kind, rotation_header, run
 
     off = bufs.get("lut_offset")
+    rot, paley = rotation_header(rotation)
     hdr = [x.shape[0], N, K, cfg.bits, cfg.group(K), *launch, int(x.dtype == torch.bfloat16), dtype_kind(off),
-           int(bias is not None), int(perm is not None), int(dequant)]
-    tensors = [x, bufs["lut_planes"], bufs["lut_alpha"], off, None if bias is None else bias.float(), perm]
+           int(bias is not None), int(perm is not None), int(dequant), *rot]
+    tensors = [x, bufs["lut_planes"], bufs["lut_alpha"], off, None if bias is None else bias.float(), perm, paley]
     return run(exe, hdr, tensors, (N, K) if dequant else (x.shape[0], N))
 
 
@@ -327,3 +331,32 @@ def test_kernel_source_under_host_emulation(emulator, bits, group_size, offset, 
     assert torch.equal(_emulate(emulator, x, bufs, mod.bias, cfg, N, K, launch, perm=perm),
                        _emulate(emulator, x[:, perm.long()], bufs, mod.bias, cfg, N, K, launch))
 
+
+
+@pytest.mark.parametrize("bits,dtype", [(2, torch.float16), (4, torch.bfloat16)])
+def test_kernel_source_stages_a_rotated_input(emulator, bits, dtype):
+    """A rotated layer's ``R·x`` staged by bcq_lut_gemv.cu itself (rotation.cuh: signs, butterflies, Paley factor,
+    in the tables' shared memory) under the host emulation: the float64 product with the exact ``R·x`` within the
+    module docstring's bound plus one rounding of ``R·x`` to x's dtype, for power-of-two and Paley blocks, K slices
+    that cut through blocks (split-K) and an act_order ``perm`` read from the staged values."""
+    from cuda_emulation import rotated_reference
+
+    N, K = 96, 384
+    mod, _ = _layer(N, K, bits, 64, seed=bits)
+    cfg = mod.config
+    bufs = cuda_lut.repack(mod.canonical(), cfg, N, K)
+    w64 = bcq.dequantize(mod.canonical(), cfg, N, K).double()
+    eps = {torch.float16: 2.0 ** -11, torch.bfloat16: 2.0 ** -8}[dtype]
+    perm = torch.randperm(K, generator=torch.Generator().manual_seed(2)).to(torch.int32)
+    for block, M, sms, gather in ((384, 1, 132, False), (128, 3, 1, False), (24, 1, 132, False), (12, 3, 132, True)):
+        x = torch.randn(M, K).to(dtype)
+        x64, _ = rotated_reference(x, (7, block))
+        if gather:
+            x64 = x64[:, perm.long()]
+        y64 = x64 @ w64.T + mod.bias.double()
+        launch = cuda_lut.plan(M, N, K, sms, bits)
+        y = _emulate(emulator, x, bufs, mod.bias, cfg, N, K, launch, perm=perm if gather else None,
+                     rotation=(7, block))
+        mag = _bound(mod, x64) / ((K / 8 + 64) * U32)  # Σ_k (Σ_q|α_q| + |c|)·|(R·x)_k|
+        bound = _bound(mod, x64, eps, y64) + 2 * eps * mag
+        assert ((y.double() - y64).abs() <= bound).all(), (block, M, launch, gather)

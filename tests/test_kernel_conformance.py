@@ -41,7 +41,7 @@ class Subject:
     bound: Callable[[QuantLinear, torch.Tensor], torch.Tensor]
     op: Optional[str] = None  # a GPU kernel's torch.ops.qlinear op
     plan: Optional[Callable] = None  # its launch planner
-    plan_tail: int = 0  # schema arguments after the plan's fields
+    plan_tail: int = 0  # schema arguments after the plan's fields (trailing flags, then the rotation's three)
     model_config: Optional[QLinearConfig] = None  # a GPU kernel's config for the compiled-model check
     layout_slack: float = 0.1  # bits per weight the layout may take more or less than the canonical buffers
 
@@ -82,18 +82,18 @@ SUBJECTS = {s.backend + ("" if s.device == "cuda" else f"/{s.format}"): s for s 
                                         "free α 3-bit error feedback act_order": _layer(BCQLinear, 64, 256, dict(
                                             bits=3, group_size=64, iters=1, error_feedback=True, act_order=True),
                                             True)},
-            test_cuda_lut._bound, "bcq_lut_gemv", cuda_lut.plan, 0,
+            test_cuda_lut._bound, "bcq_lut_gemv", cuda_lut.plan, 3,
             QLinearConfig("bcq", bits=4, group_size=64, init="best", iters=1)),
     Subject("quick", "bcq", "cuda", {"RTN 3-bit g64": _layer(BCQLinear, 96, 192, dict(RTN4, bits=3)),
                                      "GPTQ 4-bit act_order": _layer(BCQLinear, 64, 256, GPTQ4_ACT_ORDER, True)},
-            test_quick.spec_bound, "quick_gemm", quick.plan, 0, QLinearConfig("bcq", **RTN4)),
+            test_quick.spec_bound, "quick_gemm", quick.plan, 3, QLinearConfig("bcq", **RTN4)),
     Subject("quick_free", "bcq", "cuda", {"free α 4-bit error feedback act_order": _layer(BCQLinear, 64, 256,
                                                                                           FREE4_ACT_ORDER, True)},
-            test_quick.spec_bound, "quick_gemm", quick.plan, 0,
+            test_quick.spec_bound, "quick_gemm", quick.plan, 3,
             QLinearConfig("bcq", bits=4, group_size=64, iters=1, backend="quick_free")),  # the LUT GEMV outranks it
     Subject("async_dequant", "mixed", "cuda", {"mixed": lambda: _mixed_layer(96, 320)},
             lambda m, x: test_async_dequant._bound(m.canonical(), m.config, m.out_features, m.in_features, x),
-            "mixed_gemv", async_dequant.plan, 1, QLinearConfig("mixed")),
+            "mixed_gemv", async_dequant.plan, 4, QLinearConfig("mixed")),
     Subject("x86", "bcq", "cpu", {
         "RTN 4-bit g64": _layer(BCQLinear, 48, 320, RTN4),
         "GPTQ 4-bit act_order": _layer(BCQLinear, 48, 320, dict(GPTQ4_ACT_ORDER, group_size=128), True),

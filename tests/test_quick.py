@@ -348,11 +348,19 @@ _QUICK_DRIVER = r'''
 // (fp32) to argv[2].
 namespace emu {
 using namespace qlinear;
+Rotation g_rot{};
 template <typename T, int Q, int MT, int WM, bool F> void gemm(const QuickArgs& a) {
   constexpr int BM = 16 * MT * WM, THREADS = 32 * 4 * WM;
   emu_warp::reset(THREADS);
   const int tiles = (a.N + 127) / 128 * ((a.M + BM - 1) / BM);
-  run_grid(dim3((a.N + 127) / 128, (a.M + BM - 1) / BM, a.splits), THREADS, [&a] { quick_gemm_kernel<T, Q, MT, WM, F>(a); });
+  const dim3 grid((a.N + 127) / 128, (a.M + BM - 1) / BM, a.splits);
+  if constexpr (MT == 1 && WM == 1) {  // the launcher's choice: 16-row tiles of a rotated layer stage R·x
+    if (g_rot.block) {
+      run_grid(grid, THREADS, [&a] { quick_gemm_kernel<T, Q, 1, 1, F, true>(a, g_rot); });
+      return;
+    }
+  }
+  run_grid(grid, THREADS, [&a] { quick_gemm_kernel<T, Q, MT, WM, F, false>(a, g_rot); });
   for (int t = 0; a.splits > 1 && t < tiles; ++t)
     if (a.counters[t]) { fprintf(stderr, "split-K counter %d left at %u\n", t, a.counters[t]); exit(3); }
 }
@@ -381,7 +389,7 @@ template <typename T> void run_q(const QuickArgs& a, bool dequant) {
 int main(int argc, char** argv) {
   using namespace emu;
   FILE* f = fopen(argv[1], "rb");
-  auto h = emu_read<int>(f, 14);
+  auto h = emu_read<int>(f, 17);
   const int M = h[0], N = h[1], K = h[2], Q = h[3], gs = h[4], bf16 = h[8], has_zeros = h[9], has_bias = h[10];
   const int dequant = h[11], free_alpha = h[13], G = (K + gs - 1) / gs;
   auto x = emu_read<uint16_t>(f, (size_t)M * K);
@@ -390,7 +398,9 @@ int main(int argc, char** argv) {
   std::vector<unsigned short> zeros = emu_read<unsigned short>(f, has_zeros ? (size_t)G * N / (free_alpha ? 1 : 4) : 0);
   std::vector<float> bias = emu_read<float>(f, has_bias ? N : 0);
   std::vector<int> perm = emu_read<int>(f, h[12] ? K : 0);
+  std::vector<signed char> paley = emu_read<signed char>(f, h[16] > 1 ? h[16] * h[16] : 0);
   fclose(f);
+  g_rot = Rotation{h[15], h[16], (unsigned)h[14], paley.data()};
   QuickArgs a{};
   a.perm = h[12] ? perm.data() : nullptr;
   a.x = x.data(); a.qweight = qweight.data(); a.scales = scales.data();
@@ -422,17 +432,18 @@ def emulator(tmp_path_factory):
          "unsigned char* smem_raw = reinterpret_cast<unsigned char*>(::g_smem4);"), cuda_emulation.WARP_PTX, _QUICK_DRIVER)
 
 
-def _emulate(exe, x, bufs, bias, cfg, N, K, launch, dequant=False, perm=None):
+def _emulate(exe, x, bufs, bias, cfg, N, K, launch, dequant=False, perm=None, rotation=None):
     """The kernel (or, with ``dequant``, the dequantize kernel) run by the emulator: float32 ``[M, N]`` (``[N, K]``);
-    with ``perm`` the kernel reads ``x[:, perm]``."""
-    from cuda_emulation import run
+    with ``perm`` the kernel reads ``x[:, perm]``; with ``rotation = (seed, block)`` (16-row tiles) it stages ``R·x``."""
+    from cuda_emulation import rotation_header, run
 
     free = "quick_alpha" in bufs
     zeros = bufs.get("quick_offset" if free else "quick_zeros")
+    rot, paley = rotation_header(rotation)
     hdr = [x.shape[0], N, K, cfg.bits, cfg.group(K), *launch, int(x.dtype == torch.bfloat16), int(zeros is not None),
-           int(bias is not None), int(dequant), int(perm is not None), int(free)]
+           int(bias is not None), int(dequant), int(perm is not None), int(free), *rot]
     tensors = [x, bufs["quick_qweight"], bufs["quick_alpha" if free else "quick_scales"], zeros,
-               None if bias is None else bias.float(), perm]
+               None if bias is None else bias.float(), perm, paley]
     return run(exe, hdr, tensors, (N, K) if dequant else (x.shape[0], N))
 
 
@@ -484,3 +495,29 @@ def test_kernel_source_under_host_emulation(emulator, bits, imported, dtype):
         y = _emulate(emulator, x, bufs, bias, cfg, N, K, launch, perm=perm)
         assert torch.equal(y, _emulate(emulator, x[:, perm.long()], bufs, bias, cfg, N, K, launch))
 
+
+
+@pytest.mark.parametrize("bits,imported,dtype", [(4, True, torch.float16), (2, False, torch.bfloat16),
+                                                    (3, "free", torch.float16)])
+def test_kernel_source_stages_a_rotated_input(emulator, bits, imported, dtype):
+    """A rotated layer on 16-row tiles: each block of quick_gemm.cu stages ``R·x`` of its rows and K slice itself
+    (rotation.cuh) and reads its A fragments from it (rows past M from a zero chunk), under the host emulation: the
+    float64 product with the exact ``R·x`` within the emulation test's bound plus one rounding of ``R·x`` to x's dtype,
+    for Paley and power-of-two blocks, K slices cutting through blocks, M = 1..16, one split or several."""
+    from cuda_emulation import rotated_reference
+
+    N, K = 160, 640
+    cfg, canon = (_free(N, K, bits, 128, seed=3) if imported == "free" else
+                  _uniform(N, K, bits, 128, imported is True, seed=3))
+    bufs = quick.repack(canon, cfg, N, K)
+    w64 = bcq.dequantize(canon, cfg, N, K).double()
+    werr = _weight_error_bound(canon, cfg, N, K, dtype)
+    bias = torch.randn(N)
+    for block, M, per_split, splits in ((640, 1, 10, 1), (128, 5, 3, 4), (40, 16, 4, 3), (80, 2, 10, 1)):
+        x = torch.randn(M, K).to(dtype)
+        x64, _ = rotated_reference(x, (5, block))
+        xa, y64 = x64.abs(), x64 @ w64.T + bias.double()
+        mag = xa @ (w64.abs() + werr).T
+        bound = xa @ werr.T + K * 2.0 ** -24 * mag + U[dtype] * y64.abs() + 2 * U[dtype] * mag
+        y = _emulate(emulator, x, bufs, bias, cfg, N, K, (16, per_split, splits), rotation=(5, block))
+        assert ((y.double() - y64).abs() <= bound).all(), (block, M, per_split, splits)

@@ -228,3 +228,51 @@ def test_mixed_selects_groups_on_the_rotated_weights():
                                                   (R @ h.double() @ R.T).float())
     assert torch.equal(direct["idx4"], m.canonical()["idx4"])
     assert torch.equal(direct["outlier_cols"], m.canonical()["outlier_cols"])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,backend", [("rtn", "quick"), ("rtn", "cuda_lut"), ("bcq", "cuda_lut"),
+                                          ("bcq", "quick_free"), ("mixed", "async_dequant")])
+@pytest.mark.parametrize("K", [576, 1536, 4096])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_cuda_decode_kernels_stage_the_rotated_input(monkeypatch, name, backend, K, dtype):
+    """On a GPU the decode kernels of a rotated layer apply ``R`` to x themselves (backends/_cuda/rotation.cuh; at
+    batch 1 always, above it where a kernel's shared-memory budget still holds ``R·x``, else the op's PyTorch
+    transform runs first): every output is the float64 product with the exact ``R·x`` within twice x's rounding (the
+    kernel rounds ``R·x`` to x's dtype once, as the op's transform does), for every decode batch, and the fused and
+    PyTorch-rotated calls agree within that rounding."""
+    import sys
+
+    opts = dict(CONFIGS[name])
+    fmt = opts.pop("format")
+    torch.manual_seed(K)
+    N = 256
+    mod = module_class(fmt).from_linear(nn.Linear(K, N), QLinearConfig(fmt, **opts, rotation="hadamard"),
+                                        backend=backend).to("cuda", dtype)
+    calls = []
+    real = rotation.rotate_input
+    monkeypatch.setattr(rotation, "rotate_input", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    eps = {torch.float16: 2.0 ** -11, torch.bfloat16: 2.0 ** -8}[dtype]
+    rot = rotation.params(mod.config, K)
+    w = mod.dequantize(torch.float64).cpu()  # Ŵ'·R: the weight in the layer's input basis
+    wq = rotation.rotate(w, *rot).abs()  # |Ŵ'|, the stored weight's magnitudes
+
+    def bound(x, y64):  # Σ_k |(R·x)_k|·|Ŵ'_nk| times 2·eps, plus the output's rounding
+        return 2 * eps * (rotation.rotate(x.double().cpu(), *rot).abs() @ wq.T) + eps * y64.abs() + 1e-3
+
+    for M in range(1, 9):
+        x = torch.randn(M, K, device="cuda").to(dtype)
+        assert mod.kernel(x).backend == backend and mod.kernel(x).fuses_rotation
+        y = mod(x).double().cpu()
+        y64 = x.double().cpu() @ w.T + mod.bias.double().cpu()
+        assert ((y - y64).abs() <= bound(x, y64)).all(), (M, calls, (y - y64).abs().max().item())
+        assert M > 1 or not calls, "batch 1 must rotate inside the kernel"
+    # the transform forced into PyTorch (what a kernel over its budget does): the same outputs within that rounding
+    x = torch.randn(1, K, device="cuda").to(dtype)
+    fused = mod(x).double().cpu()
+    kernel_module = sys.modules[mod.kernel(x).fn.__module__]
+    monkeypatch.setattr(kernel_module, "staged_rotation", lambda x, r, smem, budget: (real(x, *r), (0, 0, None)))
+    n = len(calls)
+    separate = mod(x).double().cpu()
+    assert len(calls) == n + 1
+    assert ((fused - separate).abs() <= bound(x, separate)).all()

@@ -39,6 +39,30 @@ inline const int* perm_ptr(const std::optional<at::Tensor>& perm, int64_t K, con
   return perm->data_ptr<int>();
 }
 
+// A rotated layer's input transform for the kernels that stage x (qlinear.formats.rotation; block 0: not rotated):
+// `seed`, the block size dividing K and, for a block p·2^a with p > 1, its ±1 Paley factor int8 [p, p] on x's device.
+inline Rotation rotation_of(int64_t seed, int64_t block, const std::optional<at::Tensor>& paley, int64_t K,
+                            const at::Tensor& x, const char* op) {
+  Rotation r{0, 1, 0u, nullptr};
+  if (block == 0) return r;
+  TORCH_CHECK(block > 0 && K % block == 0 && seed >= 0 && seed < (int64_t(1) << 32), op, ": rotation block ", block,
+              " must divide K = ", K, " (seed ", seed, ")");
+  int64_t p = 1;
+  if (paley.has_value()) {
+    p = paley->size(0);
+    TORCH_CHECK(paley->scalar_type() == at::kChar && paley->dim() == 2 && paley->size(1) == p && paley->is_contiguous() &&
+                    paley->device() == x.device() && block % p == 0, op,
+                ": the Paley factor must be contiguous int8 [p, p] on x's device with p dividing the block ", block);
+    r.paley_matrix = paley->data_ptr<signed char>();
+  }
+  const int64_t n = block / p;
+  TORCH_CHECK((n & (n - 1)) == 0, op, ": rotation block ", block, " / Paley order ", p, " is not a power of two");
+  r.block = (int)block;
+  r.paley = (int)p;
+  r.seed = (unsigned)seed;
+  return r;
+}
+
 // fp32 [splits, M, N] workspace for split-K partial sums (kept alive in `holder`), or nullptr for one split.
 inline float* split_workspace(int64_t splits, int64_t M, int64_t N, const at::Tensor& x, at::Tensor& holder) {
   if (splits <= 1) return nullptr;

@@ -27,6 +27,13 @@ __device__ __forceinline__ unsigned and_or(unsigned a, unsigned b, unsigned c) {
 #endif
 }
 
+// Starts moving the line holding `p` (global memory) into L2; holds no register.
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+#ifdef __CUDA_ARCH__
+  asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+#endif
+}
+
 // Split-K without a second kernel (called by every thread of a block of a split launch, after the block has written
 // its fp32 partials [splits, M, N] for its output tile [m0, m1) × [n0, n1)): the last block of the tile to arrive, as
 // counted by `counter` (zero between launches), sums the tile's partials in slice order, adds the bias and writes y

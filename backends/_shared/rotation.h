@@ -47,35 +47,41 @@ QLINEAR_ROTATION_CLONES inline void sylvester(float* u, int64_t n) {
 
 // Rotate the M rows of x [M, K] (row stride K) in place.  d: D's diagonal times 1/√b [K] (computed once per layer by
 // the caller); paley: the ±1 Paley factor as float [p, p] row-major (unused when p == 1).  The Paley
-// factor runs on up to 32 rows at once, their [p, n] blocks gathered as [p, rows·n]: one long inner loop per (i, j).
+// factor runs on up to 32 rows at once, their [p, n] blocks gathered as [p, rows·n] (padded to a multiple of 16
+// columns, whose results go unused): two output rows at a time, 16 columns at a time, summed in registers over j.
 QLINEAR_ROTATION_CLONES inline void rotate_rows(float* x, int64_t M, int64_t K, const float* d, int64_t block,
                                                 const float* paley, int64_t p) {
-  const int64_t n = block / p, chunk = 32;
+  const int64_t n = block / p, chunk = std::min<int64_t>(32, M), w = 16;
   for (int64_t m = 0; m < M; ++m) {
     float* row = x + m * K;
     for (int64_t k = 0; k < K; ++k) row[k] *= d[k];
     for (int64_t v = 0; v < K; v += n) sylvester(row + v, n);  // H_n on each row of every block's [p, n]
   }
   if (p == 1) return;
-  std::vector<float> in(p * chunk * n), out(p * chunk * n);
+  const int64_t stride = (chunk * n + w - 1) / w * w;
+  std::vector<float> in(p * stride), out(p * stride);
   for (int64_t m0 = 0; m0 < M; m0 += chunk) {
-    const int64_t rows = std::min(chunk, M - m0), len = rows * n;
+    const int64_t rows = std::min(chunk, M - m0), len = (rows * n + w - 1) / w * w;
     for (int64_t b0 = 0; b0 < K; b0 += block) {
       for (int64_t j = 0; j < p; ++j)  // in[j][m][c] = x[m0 + m][b0 + j·n + c]
         for (int64_t m = 0; m < rows; ++m)
-          std::copy_n(x + (m0 + m) * K + b0 + j * n, n, in.data() + (j * rows + m) * n);
-      for (int64_t i = 0; i < p; ++i) {  // H_p on each column: out[i] = Σ_j P[i][j]·in[j]
-        float* t = out.data() + i * len;
-        std::fill_n(t, len, 0.0f);
-        for (int64_t j = 0; j < p; ++j) {
-          const float s = paley[i * p + j];
-          const float* src = in.data() + j * len;
-          for (int64_t e = 0; e < len; ++e) t[e] += s * src[e];
+          std::copy_n(x + (m0 + m) * K + b0 + j * n, n, in.data() + j * stride + m * n);
+      for (int64_t i = 0; i < p; i += 2)  // H_p on each column: out[i] = Σ_j P[i][j]·in[j] (p > 1 is even)
+        for (int64_t e0 = 0; e0 < len; e0 += w) {
+          float a0[w] = {}, a1[w] = {};
+          for (int64_t j = 0; j < p; ++j) {
+            const float s0 = paley[i * p + j], s1 = paley[(i + 1) * p + j], *src = in.data() + j * stride + e0;
+            // vectorized along e (4 vectors at most), then unrolled: unrolled first, GCC's x86 clones would vectorize
+            // across j instead (5x slower)
+#pragma GCC unroll 4
+            for (int64_t e = 0; e < w; ++e) a0[e] += s0 * src[e], a1[e] += s1 * src[e];
+          }
+          std::copy_n(a0, w, out.data() + i * stride + e0);
+          std::copy_n(a1, w, out.data() + (i + 1) * stride + e0);
         }
-      }
       for (int64_t i = 0; i < p; ++i)
         for (int64_t m = 0; m < rows; ++m)
-          std::copy_n(out.data() + (i * rows + m) * n, n, x + (m0 + m) * K + b0 + i * n);
+          std::copy_n(out.data() + i * stride + m * n, n, x + (m0 + m) * K + b0 + i * n);
     }
   }
 }

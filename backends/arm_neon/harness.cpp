@@ -4,17 +4,23 @@
 //                                     random weights in both layouts (mmla, sdot): all formats, 1/2/4
 //                                     codebooks, group 32/64/96/128 (also a partial last group),
 //                                     N not a multiple of 8, M = 1..9; prints the dispatched path
-//   harness bench FORMAT M N K REPS [GROUP [BOOKS [LAYOUT]]]
-//                                     REPS calls of the auto-dispatched kernel (for the qemu plugin
-//                                     that counts executed instructions per symbol); FORMAT bcq4|cb4|cb2,
-//                                     GROUP 128 (bcq4) / 32, BOOKS 4 (cb2) / 1, LAYOUT sdot (the default
-//                                     repack's) / mmla
+//   harness bench FORMAT M N K REPS [GROUP [BOOKS [LAYOUT [BLOCK [PALEY]]]]]
+//                                     REPS calls of activation quantization and the auto-dispatched kernel
+//                                     (for the qemu plugin that counts executed instructions per symbol);
+//                                     FORMAT bcq4|cb4|cb2, GROUP 128 (bcq4) / 32, BOOKS 4 (cb2) / 1, LAYOUT
+//                                     sdot (the default repack's) / mmla; BLOCK > 0: a rotated layer, each
+//                                     call first transforms x in rotate_input_counted (seed 1; PALEY: a file of
+//                                     the float32 [p, p] Paley factor when the block has one)
+//   harness rotate K BLOCK SEED [PALEY] < x > y
+//                                     the same transform of float32 rows [*, K] (stdin to stdout)
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include <vector>
 
+#include "../_shared/rotation.h"
 #include "qgemm.h"
 
 using namespace qlinear_arm;
@@ -137,24 +143,77 @@ static int test() {
   return failures ? 1 : 0;
 }
 
-static int bench(const char* fmt, int M, int N, int K, int reps, int group, int books, int layout) {
+struct Rotation {
+  int64_t block = 0, p = 1;
+  std::vector<float> d, paley;  // D/√b [K] (backends/_cpu.py's rot_signs), the Paley factor [p, p] or none
+};
+
+// D: qlinear.formats.rotation.signs, lowbias32 of (k + seed·0x9E3779B9) mod 2^32, computed here; the Paley factor
+// (qlinear.formats.rotation._paley) is read from the file the caller wrote.  False (and a message) if they do not fit.
+static bool make_rotation(Rotation& r, int K, int block, uint32_t seed, const char* paley_file) {
+  FILE* f = paley_file ? fopen(paley_file, "rb") : nullptr;
+  for (float v; f && fread(&v, 4, 1, f) == 1;) r.paley.push_back(v);
+  if (f) fclose(f);
+  if (paley_file) r.p = (int64_t)sqrtf((float)r.paley.size());
+  const int64_t n = block > 0 && r.p > 0 ? block / r.p : 0;  // the Sylvester order: a power of two
+  if (K <= 0 || n == 0 || K % block || block % r.p || (n & (n - 1)) ||
+      (paley_file && r.p * r.p != (int64_t)r.paley.size())) {
+    fprintf(stderr, "bad rotation: K=%d block=%d paley=%s\n", K, block, paley_file ? paley_file : "none");
+    return false;
+  }
+  r.block = block;
+  r.d.resize(K);
+  for (int k = 0; k < K; ++k) {
+    uint32_t h = (uint32_t)k + seed * 0x9E3779B9u;
+    h ^= h >> 16, h *= 0x7FEB352Du, h ^= h >> 15, h *= 0x846CA68Bu, h ^= h >> 16;
+    r.d[k] = (h >> 31 ? -1.f : 1.f) / sqrtf((float)block);
+  }
+  return true;
+}
+
+// What the binding does to x of a rotated layer before quantizing it (_shared/rotation_aten.h staged_input: a copy,
+// rotated); its own symbol, so that the plugin counts it apart from the kernel and the activation quantization.
+__attribute__((noinline)) static void rotate_input_counted(const float* x, float* out, int M, int K,
+                                                           const Rotation& r) {
+  std::copy_n(x, (size_t)M * K, out);
+  qlinear_rotation::rotate_rows(out, M, K, r.d.data(), r.block, r.p > 1 ? r.paley.data() : nullptr, r.p);
+}
+
+static int rotate(int K, int block, uint32_t seed, const char* paley_file) {
+  Rotation r;
+  if (!make_rotation(r, K, block, seed, paley_file)) return 2;
+  std::vector<float> x(K), y(K);
+  while (fread(x.data(), 4, K, stdin) == (size_t)K) {
+    rotate_input_counted(x.data(), y.data(), 1, K, r);
+    fwrite(y.data(), 4, K, stdout);
+  }
+  return 0;
+}
+
+static int bench(const char* fmt, int M, int N, int K, int reps, int group, int books, int layout, int block,
+                 const char* paley_file) {
   if (layout < 0) {
     fprintf(stderr, "LAYOUT must be sdot or mmla\n");
     return 2;
   }
+  Rotation rot;
+  if (block && !make_rotation(rot, K, block, 1, paley_file)) return 2;
   const int f = !strcmp(fmt, "bcq4") ? kBCQ4 : !strcmp(fmt, "cb4") ? kCB4 : kCB2;
   Layer L;
   make_layer(L, f, books, N, K, group, f == kBCQ4 ? 1 : 0, layout);
-  std::vector<float> x((size_t)M * K), y((size_t)M * N);
+  std::vector<float> x((size_t)M * K), xr(block ? (size_t)M * K : 0), y((size_t)M * N);
   for (auto& v : x) v = ((int)(rnd() % 2001) - 1000) / 100.f;
   std::vector<char> ws(acts_bytes(M, K, group) + 16, kJunk);
   void* aligned = (void*)(((uintptr_t)ws.data() + 15) & ~(uintptr_t)15);
   Acts a;
-  prepare_acts(x.data(), M, K, group, f, layout, aligned, &a);
-  for (int i = 0; i < reps; ++i) run(L.w, a, nullptr, y.data(), 0, (N + 7) / 8, kAuto);
-  printf("%s M=%d N=%d K=%d reps=%d path=%s layout=%s weights=%lld y0=%g\n", fmt, M, N, K, reps,
+  for (int i = 0; i < reps; ++i) {
+    if (block) rotate_input_counted(x.data(), xr.data(), M, K, rot);
+    prepare_acts(block ? xr.data() : x.data(), M, K, group, f, layout, aligned, &a);
+    run(L.w, a, nullptr, y.data(), 0, (N + 7) / 8, kAuto);
+  }
+  printf("%s M=%d N=%d K=%d reps=%d path=%s layout=%s block=%d weights=%lld y0=%g\n", fmt, M, N, K, reps,
          path_name(M >= 4 ? cpu_path() : (cpu_path() == kMMLA ? kDot : cpu_path())),
-         layout == kLayoutSDOT ? "sdot" : "mmla", (long long)N * K * reps, y[0]);
+         layout == kLayoutSDOT ? "sdot" : "mmla", block, (long long)N * K * reps, y[0]);
   return 0;
 }
 
@@ -164,8 +223,12 @@ int main(int argc, char** argv) {
     const bool bcq = !strcmp(argv[2], "bcq4"), cb2 = !strcmp(argv[2], "cb2");
     return bench(argv[2], atoi(argv[3]), atoi(argv[4]), atoi(argv[5]), atoi(argv[6]),
                  argc >= 8 ? atoi(argv[7]) : bcq ? 128 : 32, argc >= 9 ? atoi(argv[8]) : cb2 ? 4 : 1,
-                 argc < 10 || !strcmp(argv[9], "sdot") ? kLayoutSDOT : !strcmp(argv[9], "mmla") ? kLayoutMMLA : -1);
+                 argc < 10 || !strcmp(argv[9], "sdot") ? kLayoutSDOT : !strcmp(argv[9], "mmla") ? kLayoutMMLA : -1,
+                 argc >= 11 ? atoi(argv[10]) : 0, argc >= 12 ? argv[11] : nullptr);
   }
-  fprintf(stderr, "usage: harness test | harness bench bcq4|cb4|cb2 M N K REPS [GROUP [BOOKS [sdot|mmla]]]\n");
+  if (argc >= 5 && !strcmp(argv[1], "rotate"))
+    return rotate(atoi(argv[2]), atoi(argv[3]), (uint32_t)strtoul(argv[4], nullptr, 10), argc >= 6 ? argv[5] : nullptr);
+  fprintf(stderr, "usage: harness test | harness bench bcq4|cb4|cb2 M N K REPS [GROUP [BOOKS [sdot|mmla [BLOCK [PALEY]]]]]"
+                  " | harness rotate K BLOCK SEED [PALEY]\n");
   return 2;
 }

@@ -60,6 +60,7 @@ both.
 from __future__ import annotations
 
 import functools
+import math
 import warnings
 from pathlib import Path
 from typing import Optional
@@ -71,6 +72,7 @@ from qlinear.formats.base import spec_bits
 from qlinear.formats.packing import pack, unpack
 
 from .. import ANY, Kernel, Layout, register
+from .._gpu import staged_rotation
 from .._native import build_cuda_backend, dense_linear
 from .._native import sm_count as _sms  # module attribute: tests replace it without a GPU
 
@@ -79,6 +81,7 @@ __all__ = ["LAYOUT", "MAX_BATCH", "NAMES", "plan", "spec", "repack", "unrepack",
 
 MAX_BATCH = 64      # kernel M <= 8 per launch; 9..64 loops over chunks of 8 (to be confirmed by the benchmark)
 KERNEL_M = 8
+ROTATED_MAX_M = 6  # rows up to which the kernel stages a rotated layer's R·x (kRotatedMaxM in mixed_gemv.h)
 SMEM_CAP = 48 * 1024
 _HERE = Path(__file__).parent
 _MASK32 = 0xFFFFFFFF
@@ -218,6 +221,16 @@ def layout_bits(cfg, out_features: int, in_features: int) -> tuple[float, float]
     return spec_bits(canon) / (N * K), rep / (N * K)
 
 
+def _resident(M: int) -> int:
+    """Threads per SM the kernel's register budget allows at ``M`` rows per launch (``__launch_bounds__``)."""
+    return 768 if M <= 2 else 512
+
+
+def _block_smem_cap(M: int, threads: int) -> int:
+    """Shared memory a block of ``threads`` may take at the occupancy :func:`plan` aims at."""
+    return min(SMEM_CAP, 224 * 1024 * threads // _resident(M))
+
+
 def plan(M: int, N: int, K: int, W: int, sms: int) -> tuple[int, int, int]:
     """Launch shape ``(threads, tiles_per_split, splits)`` for ``x`` ``[M, K]`` (M > 8 runs chunks of 8),
     ``N`` rows and ``W`` code words per row.
@@ -229,11 +242,11 @@ def plan(M: int, N: int, K: int, W: int, sms: int) -> tuple[int, int, int]:
     (``M·min(K, 64·tiles)·4`` bytes) must fit the shared memory a block may take at that occupancy (≤ 48 KiB)."""
     M = min(M, KERNEL_M)
     T = -(-W // 4)
-    resident = 768 if M <= 2 else 512
+    resident = _resident(M)
     best = None
     for threads in (256, 128, 64, 32):
         blocks_n = -(-N // (2 * threads))
-        cap = min(SMEM_CAP, 224 * 1024 * threads // resident)
+        cap = _block_smem_cap(M, threads)
         tps_max = T if M * K * 4 + 16 * T <= cap else max(1, (cap - 16) // (M * 64 * 4 + 16))
         want = max(1, -(-sms * resident // threads // blocks_n))
         splits = max(-(-T // tps_max), min(want, T))
@@ -355,23 +368,37 @@ def _sparse(buffers: dict, N: int, K: int, dtype) -> torch.Tensor:
                                        buffers["ad_outlier_values"].to(dtype), (N, K), check_invariants=False)
 
 
+def rotation_smem_bytes(M: int, K: int, tiles_per_split: int, block: int) -> int:
+    """Shared memory of a block staging a rotated layer's ``R·x``: x of its span in fp32, its word table, then the
+    transform's fp32 work area of one ``block`` (``mixed_gemv_smem_bytes`` in ``mixed_gemv.h``)."""
+    own = 4 * min(M, KERNEL_M) * min(K, 64 * tiles_per_split) + 16 * tiles_per_split
+    return -(-own // 16) * 16 + 4 * block
+
+
 def linear(x: torch.Tensor, buffers: dict, bias, cfg, out_features: int, in_features: int,
-           async_dequant: bool = True, outliers: str = "fused") -> torch.Tensor:
+           async_dequant: bool = True, outliers: str = "fused", rotation: Optional[tuple[int, int]] = None
+           ) -> torch.Tensor:
     """Registry entry: ``x`` ``[..., K]`` fp16/bf16 on CUDA, at most ``MAX_BATCH`` rows -> ``[..., N]``.
 
     ``async_dequant=False`` runs the same kernel synchronously (scales dequantized, then codes loaded), for
     the benchmark.  ``outliers="separate"`` leaves them out of the kernel and adds a torch.sparse CSR SpMV
-    (fp32) instead, for the benchmark's comparison; ``"fused"`` (default) adds them inside the kernel.
+    (fp32) instead, for the benchmark's comparison; ``"fused"`` (default) adds them inside the kernel.  A rotated
+    layer's ``rotation = (seed, block)``: up to :data:`ROTATED_MAX_M` rows each block stages ``R·x`` of its span
+    itself where the transform's work area still fits its share of shared memory (:func:`rotation_smem_bytes`), else
+    x is rotated first (:func:`qlinear.backends._gpu.staged_rotation`).
     """
     N, K = out_features, in_features
+    M = x.numel() // K
+    threads, per_split, _ = launch = plan(M, N, K, buffers["ad_codes"].numel() // N, _sms(x.device.index or 0))
+    smem = rotation_smem_bytes(M, K, per_split, rotation[1]) if rotation and M <= ROTATED_MAX_M else math.inf
+    x, rot = staged_rotation(x, rotation, smem, _block_smem_cap(min(M, KERNEL_M), threads))
     x2 = x.reshape(-1, K).contiguous()
-    launch = plan(x2.shape[0], N, K, buffers["ad_codes"].numel() // N, _sms(x.device.index or 0))
     fused = outliers == "fused"
     has = buffers["ad_outlier_values"].numel() > 0
     ov = [buffers[k] for _, k in _OUTLIERS] if fused and has else [None, None, None]
     y = torch.ops.qlinear.mixed_gemv(x2, buffers["ad_codes"], buffers["ad_meta"], buffers["ad_sq"],
                                      buffers["ad_gtab"], *ov, bias if fused or not has else None, N, cfg.group_size,
-                                     cfg.scale_bits, cfg.scale_group_size, *launch, async_dequant)
+                                     cfg.scale_bits, cfg.scale_group_size, *launch, async_dequant, *rot)
     if not fused and has:
         yo = (_sparse(buffers, N, K, torch.float32) @ x2.float().T).T
         y = (y.float() + yo + (0 if bias is None else bias.float())).to(x.dtype)
@@ -445,6 +472,6 @@ def random_buffers(out_features: int, in_features: int, cfg, seed: int = 0, devi
 
 _COMMON = dict(format="mixed", devices=frozenset({"cuda"}), dtypes=frozenset({torch.float16, torch.bfloat16}), bits=ANY,
                group_sizes=ANY, min_capability=(8, 0), supports=supports, available=available, layout=LAYOUT)
-register(Kernel(backend="async_dequant", fn=linear, priority=10, max_batch=MAX_BATCH, **_COMMON))
+register(Kernel(backend="async_dequant", fn=linear, priority=10, max_batch=MAX_BATCH, fuses_rotation=True, **_COMMON))
 # every batch beyond: dequantize + cuBLAS, so that no mixed layer falls back to the reference on a GPU
 register(Kernel(backend="mixed_dequant", fn=linear_dequantized, priority=5, max_batch=ANY, **_COMMON))

@@ -34,6 +34,7 @@
 #include <cuda_runtime.h>
 
 #include "../_cuda/common.cuh"
+#include "../_cuda/rotation.cuh"
 #include "mixed_gemv.h"
 
 namespace qlinear {
@@ -187,8 +188,10 @@ __device__ __forceinline__ int span_of(int M, int K, int tiles_per_split) {
   return min(K, 64 * tiles_per_split);  // a tile covers at most 4 words × 16 inputs
 }
 
-template <typename T, int M, bool ASYNC>
-__global__ void __launch_bounds__(256, M <= 2 ? 3 : 2) mixed_gemv_kernel(const MixedGemvArgs a) {
+// ROT: a rotated layer, whose blocks stage R·x themselves (an instantiation of its own, M <= 6: with the transform's
+// registers the M = 7, 8 kernels spill, and an unrotated one with a runtime branch spills in its main loop).
+template <typename T, int M, bool ASYNC, bool ROT>
+__global__ void __launch_bounds__(256, M <= 2 ? 3 : 2) mixed_gemv_kernel(const MixedGemvArgs a, const Rotation rot) {
   extern __shared__ float4 smem4[];
   const int span = span_of(M, a.K, a.tiles_per_split);
   float* xs = reinterpret_cast<float*>(smem4);            // [M][span]
@@ -223,11 +226,17 @@ __global__ void __launch_bounds__(256, M <= 2 ? 3 : 2) mixed_gemv_kernel(const M
   const int k_lo = entry_kstart(wt[0], gs);
   const int k_hi = entry_kstart(e_last, gs) + (entry_is4(e_last) ? 8 : 16);
   const T* x = static_cast<const T*>(a.x);
-  for (int i = tid; i < M * (k_hi - k_lo); i += blockDim.x) {
-    const int m = i / (k_hi - k_lo), k = i - m * (k_hi - k_lo);
-    xs[m * span + k] = to_float<T>(x[(size_t)m * a.K + k_lo + k]);
+  if constexpr (ROT) {  // R·x of the span, rounded to T as the op's separate transform would, in a work area after wt
+    float* work = reinterpret_cast<float*>(smem4) +
+                  (mixed_gemv_smem_bytes(M, a.K, a.tiles_per_split, rot.block) / 4 - rot.block);
+    stage_rotated<T, float>(x, a.K, M, k_lo, k_hi, rot, work, rot.block, xs, span);
+  } else {
+    for (int i = tid; i < M * (k_hi - k_lo); i += blockDim.x) {
+      const int m = i / (k_hi - k_lo), k = i - m * (k_hi - k_lo);
+      xs[m * span + k] = to_float<T>(x[(size_t)m * a.K + k_lo + k]);
+    }
+    __syncthreads();
   }
-  __syncthreads();
 
   const int row0 = blockIdx.x * (2 * blockDim.x) + warp * 64 + lane;
   const bool active[2] = {row0 < N, row0 + 32 < N};
@@ -324,55 +333,57 @@ __global__ void __launch_bounds__(256, M <= 2 ? 3 : 2) mixed_gemv_kernel(const M
 }
 
 template <typename T, int M, bool ASYNC>
-cudaError_t launch(const MixedGemvArgs& a, cudaStream_t stream) {
-  const size_t smem = mixed_gemv_smem_bytes(M, a.K, a.tiles_per_split);
-  auto kernel = mixed_gemv_kernel<T, M, ASYNC>;
+cudaError_t launch(const MixedGemvArgs& a, const Rotation& rot, cudaStream_t stream) {
+  const size_t smem = mixed_gemv_smem_bytes(M, a.K, a.tiles_per_split, rot.block);
+  auto kernel = mixed_gemv_kernel<T, M, ASYNC, false>;
+  if constexpr (M <= kRotatedMaxM) {
+    if (rot.block) kernel = mixed_gemv_kernel<T, M, ASYNC, true>;
+  } else {
+    if (rot.block) return cudaErrorInvalidValue;
+  }
   if (smem > 48 * 1024) {
     const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
     if (e != cudaSuccess) return e;
   }
   const dim3 grid(mixed_gemv_tiles(a.N, a.threads), a.splits);
   if (a.splits > 1 && (a.partial == nullptr || a.counters == nullptr)) return cudaErrorInvalidValue;
-  kernel<<<grid, a.threads, smem, stream>>>(a);
+  kernel<<<grid, a.threads, smem, stream>>>(a, rot);
   return cudaGetLastError();
 }
 
 template <typename T, int M>
-cudaError_t dispatch_async(const MixedGemvArgs& a, cudaStream_t s) {
-  return a.async_dequant ? launch<T, M, true>(a, s) : launch<T, M, false>(a, s);
+cudaError_t dispatch_async(const MixedGemvArgs& a, const Rotation& r, cudaStream_t s) {
+  return a.async_dequant ? launch<T, M, true>(a, r, s) : launch<T, M, false>(a, r, s);
 }
 
 template <typename T>
-cudaError_t dispatch_m(const MixedGemvArgs& a, cudaStream_t s) {
+cudaError_t dispatch_m(const MixedGemvArgs& a, const Rotation& r, cudaStream_t s) {
   switch (a.M) {
-    case 1: return dispatch_async<T, 1>(a, s);
-    case 2: return dispatch_async<T, 2>(a, s);
-    case 3: return dispatch_async<T, 3>(a, s);
-    case 4: return dispatch_async<T, 4>(a, s);
-    case 5: return dispatch_async<T, 5>(a, s);
-    case 6: return dispatch_async<T, 6>(a, s);
-    case 7: return dispatch_async<T, 7>(a, s);
-    case 8: return dispatch_async<T, 8>(a, s);
+    case 1: return dispatch_async<T, 1>(a, r, s);
+    case 2: return dispatch_async<T, 2>(a, r, s);
+    case 3: return dispatch_async<T, 3>(a, r, s);
+    case 4: return dispatch_async<T, 4>(a, r, s);
+    case 5: return dispatch_async<T, 5>(a, r, s);
+    case 6: return dispatch_async<T, 6>(a, r, s);
+    case 7: return dispatch_async<T, 7>(a, r, s);
+    case 8: return dispatch_async<T, 8>(a, r, s);
     default: return cudaErrorInvalidValue;
   }
 }
 
 }  // namespace
 
-size_t mixed_gemv_smem_bytes(int M, int K, int tiles_per_split) {
-  const int span = K < 64 * tiles_per_split ? K : 64 * tiles_per_split;
-  return sizeof(float) * (size_t)M * span + sizeof(int) * 4 * (size_t)tiles_per_split;
-}
-
-cudaError_t mixed_gemv(const MixedGemvArgs& a, cudaStream_t stream) {
+cudaError_t mixed_gemv(const MixedGemvArgs& a, const Rotation& rot, cudaStream_t stream) {
   const int tiles = (a.W + 3) / 4;
   if (a.K % 16 || a.group_size % 16 || a.threads % 32 || a.threads < 32 || a.threads > 256 || a.W < 1 ||
       a.tiles_per_split < 1 || a.splits < 1 || (a.splits - 1) * a.tiles_per_split >= tiles ||
-      a.splits * a.tiles_per_split < tiles || a.scale_bits < 1 || a.scale_bits > 8 || a.scale_group_size < 1) {
+      a.splits * a.tiles_per_split < tiles || a.scale_bits < 1 || a.scale_bits > 8 || a.scale_group_size < 1 ||
+      (rot.block && (rot.block < 0 || rot.paley < 1 || rot.block % rot.paley ||
+                     (rot.paley > 1 && rot.paley_matrix == nullptr)))) {
     return cudaErrorInvalidValue;
   }
-  if (a.x_dtype == DType::kHalf) return dispatch_m<__half>(a, stream);
-  if (a.x_dtype == DType::kBFloat16) return dispatch_m<__nv_bfloat16>(a, stream);
+  if (a.x_dtype == DType::kHalf) return dispatch_m<__half>(a, rot, stream);
+  if (a.x_dtype == DType::kBFloat16) return dispatch_m<__nv_bfloat16>(a, rot, stream);
   return cudaErrorInvalidValue;
 }
 

@@ -45,12 +45,21 @@ struct MixedGemvArgs {
 // Blocks along N (gridDim.x), one split-K counter each: a block owns 2·threads rows.
 inline int mixed_gemv_tiles(int N, int threads) { return (N + 2 * threads - 1) / (2 * threads); }
 
-// Shared memory (bytes) one block needs.
-size_t mixed_gemv_smem_bytes(int M, int K, int tiles_per_split);
+// Shared memory (bytes) one block needs: x of its K span in fp32 [M][span], its word table [4·tiles_per_split], and for a
+// rotated layer (rotation_block > 0) the transform's fp32 work area of one block, from the next 16-byte boundary.
+__host__ __device__ inline size_t mixed_gemv_smem_bytes(int M, int K, int tiles_per_split, int rotation_block) {
+  const int span = K < 64 * tiles_per_split ? K : 64 * tiles_per_split;
+  const size_t own = sizeof(float) * (size_t)M * span + sizeof(int) * 4 * (size_t)tiles_per_split;
+  return rotation_block ? (own + 15) / 16 * 16 + sizeof(float) * (size_t)rotation_block : own;
+}
 
-// Launches the GEMV on `stream` (with splits > 1 the last block of each row tile sums its partials).
-// Returns cudaErrorInvalidValue for an unsupported M (1..8), dtype or launch shape.
-cudaError_t mixed_gemv(const MixedGemvArgs& args, cudaStream_t stream);
+// Rows of x per launch up to which a rotated layer's blocks stage R·x themselves.
+constexpr int kRotatedMaxM = 6;
+
+// Launches the GEMV on `stream` (with splits > 1 the last block of each row tile sums its partials); with rot.block > 0
+// each block stages R·x of its K span itself (a kernel argument of its own, as for lut_gemv; M <= kRotatedMaxM).
+// Returns cudaErrorInvalidValue for an unsupported M (1..8), dtype, rotation or launch shape.
+cudaError_t mixed_gemv(const MixedGemvArgs& args, const Rotation& rot, cudaStream_t stream);
 
 // Writes Ŵ [N, K] of dtype `out` (fp32, fp16 or bf16) to args.y from the layout and the outliers (x, bias, the launch
 // fields unused): qlinear.formats.mixed.dequantize's float32 values (ŝ = zero + scale·code, ŝ·(q − z), + the outlier,

@@ -36,6 +36,7 @@ import torch
 from qlinear.formats import bcq
 
 from .. import ANY, Kernel, Layout, register
+from .._gpu import rotation_smem_bytes, staged_rotation
 from .._native import build_cuda_backend, dense_linear
 from .._native import sm_count as _sms  # module attribute: tests replace it without a GPU
 
@@ -155,13 +156,30 @@ def spec(x: torch.Tensor, buffers: dict, bias: Optional[torch.Tensor], cfg, out_
     return y if bias is None else y + bias.float()
 
 
-def linear(x: torch.Tensor, buffers: dict, bias, cfg, out_features: int, in_features: int) -> torch.Tensor:
+SMEM_BUDGET = 100 * 1024  # shared memory per block that keeps two blocks per SM (228 KB on an H100/H200)
+
+
+def rotated_span(M: int, K: int, launch: tuple[int, int, int, int], perm: bool) -> int:
+    """Inputs per row of x a block stages for a rotated layer: its K slice, or the whole K with act_order's ``perm``
+    (``lut_gemv_rotated_span`` in ``bcq_lut_gemv.h``)."""
+    kt, _, per_split, _ = launch
+    return K if perm or K < kt * per_split else kt * per_split
+
+
+def linear(x: torch.Tensor, buffers: dict, bias, cfg, out_features: int, in_features: int,
+           rotation: Optional[tuple[int, int]] = None) -> torch.Tensor:
     """Registry entry: ``x`` ``[..., K]`` fp16/bf16 on CUDA, at most 8 rows -> ``[..., N]``.  An act_order layer's
-    ``perm`` (in ``buffers``) is applied as the kernel loads x into shared memory (no separate gather)."""
-    x2 = x.reshape(-1, in_features).contiguous()
-    launch = plan(x2.shape[0], out_features, in_features, _sms(x.device.index or 0), cfg.bits)
-    y = torch.ops.qlinear.bcq_lut_gemv(x2, buffers["lut_planes"], buffers["lut_alpha"], buffers.get("lut_offset"),
-                                       buffers.get("perm"), bias, cfg.group(in_features), *launch)
+    ``perm`` (in ``buffers``) is applied as the kernel loads x into shared memory (no separate gather); a rotated
+    layer's ``rotation = (seed, block)`` too, where its block's ``R·x`` fits :data:`SMEM_BUDGET`
+    (:func:`qlinear.backends._gpu.staged_rotation`)."""
+    M, K = x.numel() // in_features, in_features
+    launch = plan(M, out_features, K, _sms(x.device.index or 0), cfg.bits)
+    perm = buffers.get("perm")
+    smem = rotation_smem_bytes(8 * M * launch[0] * 32, rotation[1] if rotation else 0,
+                               M * rotated_span(M, K, launch, perm is not None), x.element_size())
+    x, rot = staged_rotation(x, rotation, smem, SMEM_BUDGET)
+    y = torch.ops.qlinear.bcq_lut_gemv(x.reshape(-1, K).contiguous(), buffers["lut_planes"], buffers["lut_alpha"],
+                                       buffers.get("lut_offset"), perm, bias, cfg.group(K), *launch, *rot)
     return y.reshape(*x.shape[:-1], out_features)
 
 
@@ -200,7 +218,8 @@ def available() -> Optional[str]:
 _COMMON = dict(format="bcq", devices=frozenset({"cuda"}), dtypes=frozenset({torch.float16, torch.bfloat16}),
                bits=frozenset({1, 2, 3, 4}), group_sizes=ANY, min_capability=(8, 0), supports=supports,
                available=available, layout=LAYOUT)
-register(Kernel(backend="cuda_lut", fn=linear, priority=10, max_batch=MAX_BATCH, gathers_perm=True, **_COMMON))
+register(Kernel(backend="cuda_lut", fn=linear, priority=10, max_batch=MAX_BATCH, gathers_perm=True,
+                fuses_rotation=True, **_COMMON))
 # every batch: free-α BCQ layers (which QUICK cannot take) never fall back to the reference on a GPU; below
 # quick_dequant, so that uniform layers (held in the quick layout) keep theirs
 register(Kernel(backend="cuda_lut_dequant", fn=linear_dequantized, priority=4, max_batch=ANY, **_COMMON))

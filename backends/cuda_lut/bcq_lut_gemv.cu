@@ -27,6 +27,7 @@
 #include <cuda_runtime.h>
 
 #include "../_cuda/common.cuh"
+#include "../_cuda/rotation.cuh"
 #include "bcq_lut_gemv.h"
 
 namespace qlinear {
@@ -49,10 +50,11 @@ __device__ __forceinline__ float lookup(const float* L, unsigned w, int j) {
   return *reinterpret_cast<const float*>(base + 4 * __byte_perm(w, 0u, 0x4440u + j));
 }
 
-// The 8 inputs x[m, k .. k+7] (x[m, perm[k .. k+7]] for act_order layers), raw: 8 fp16/bf16 values in 16 bytes.
+// The 8 inputs x[m, k .. k+7] (x[m, perm[k .. k+7]] for act_order layers), raw: 8 fp16/bf16 values in 16 bytes, from
+// global memory or (`staged`: a rotated layer's R·x) shared memory.
 template <typename T>
-__device__ __forceinline__ uint4 load_x8(const T* x, const int* perm, bool vec, int k) {
-  if (vec) return __ldg(reinterpret_cast<const uint4*>(x + k));
+__device__ __forceinline__ uint4 load_x8(const T* x, const int* perm, bool vec, bool staged, int k) {
+  if (vec) return staged ? *reinterpret_cast<const uint4*>(x + k) : __ldg(reinterpret_cast<const uint4*>(x + k));
   const unsigned short* xs = reinterpret_cast<const unsigned short*>(x);
   unsigned u[4];
 #pragma unroll
@@ -108,6 +110,19 @@ __device__ __forceinline__ void load_word(Word<Q>& wd, const LutGemvArgs& a, int
   }
 }
 
+// load_word's addresses into L2 (no registers held).
+template <int Q>
+__device__ __forceinline__ void prefetch_word(const LutGemvArgs& a, int kword, int n0) {
+  const int N = a.N, g = kword * 32 / a.group_size;
+#pragma unroll
+  for (int q = 0; q < Q; ++q) {
+    prefetch_l2(a.planes + ((size_t)kword * Q + q) * N + n0);
+    prefetch_l2(static_cast<const unsigned short*>(a.alpha) + ((size_t)g * Q + q) * N + n0);
+  }
+  if (a.offset_dtype != DType::kNone)
+    prefetch_l2(static_cast<const char*>(a.offset) + ((size_t)g * N + n0) * (a.offset_dtype == DType::kFloat ? 4 : 2));
+}
+
 // The 4 rows' offsets of a word as float (0 without offsets).
 template <int Q>
 __device__ __forceinline__ void word_offsets(const Word<Q>& wd, DType offset_dtype, float (&off)[4]) {
@@ -121,7 +136,7 @@ __device__ __forceinline__ void word_offsets(const Word<Q>& wd, DType offset_dty
 }
 
 template <typename T, int M, int Q, int W>
-__global__ void __launch_bounds__(256, 2) lut_gemv_kernel(const LutGemvArgs a) {
+__global__ void __launch_bounds__(256, 2) lut_gemv_kernel(const LutGemvArgs a, const Rotation rot) {
   constexpr int kt = 32 * W, kTables = M * (kt / 8);  // tables per tile, [M][kt/8][256] floats per buffer
   // tables a warp loads the inputs of at once (plan() gives most warps at most two per tile; one where registers are short)
   constexpr int kXBatch = M * Q >= 16 ? 1 : 2;
@@ -131,17 +146,31 @@ __global__ void __launch_bounds__(256, 2) lut_gemv_kernel(const LutGemvArgs a) {
   const int N = a.N, K = a.K, tid = threadIdx.x, lane = tid & 31;
   const int n0 = (blockIdx.x * blockDim.x + tid) * 4;
   const bool active = n0 < N;
-  const bool vec = a.perm == nullptr && (reinterpret_cast<size_t>(a.x) & 15) == 0;
   const int tiles = (K + kt - 1) / kt;
   const int t_begin = blockIdx.y * a.tiles_per_split;
   const int t_end = min(t_begin + a.tiles_per_split, tiles);
+  // a rotated layer reads R·x of its K slice [k_lo, k_lo + span) from shared memory, after the tables
+  const int span = lut_gemv_rotated_span(K, kt, a.tiles_per_split, a.perm != nullptr);
+  const int k_lo = a.perm ? 0 : t_begin * kt;
+  T* xr = rot.block ? reinterpret_cast<T*>(reinterpret_cast<char*>(smem) +
+                                             rotation_staged_offset(lut_gemv_smem_bytes(M, kt), rot.block))
+                      : nullptr;
+  const bool vec = a.perm == nullptr && (xr || (reinterpret_cast<size_t>(a.x) & 15) == 0);
 
+  const int first_words = min(kt, K - t_begin * kt) / 32;
+  if (xr) {  // R·x staged while the first tile's weights come into L2 (held in registers, they would spill)
+    if (active)
+      for (int w = 0; w < first_words; ++w) prefetch_word<Q>(a, t_begin * W + w, n0);
+    stage_rotated<T, T>(x, K, M, k_lo, a.perm ? K : min(K, t_end * kt), rot, smem,
+                        (int)(rotation_staged_offset(lut_gemv_smem_bytes(M, kt), rot.block) / 4), xr, span);
+  }
+  const T* xsrc = xr ? xr - k_lo : x;  // row m of (R·)x at xsrc + m·ldx, input k at [k]
+  const int ldx = xr ? span : K;
   Word<Q> wd[W];
   if (active) {
-    const int words = min(kt, K - t_begin * kt) / 32;
 #pragma unroll
     for (int w = 0; w < W; ++w)
-      if (w < words) load_word<Q>(wd[w], a, t_begin * W + w, n0);
+      if (w < first_words) load_word<Q>(wd[w], a, t_begin * W + w, n0);
   }
 
   float acc[M][4];
@@ -158,7 +187,7 @@ __global__ void __launch_bounds__(256, 2) lut_gemv_kernel(const LutGemvArgs a) {
 #pragma unroll
     for (int u = 0; u < kXBatch; ++u) {
       const int tb = warp + (u0 + u) * warps, m = tb / (words * 4), c = tb - m * (words * 4);
-      if (tb < M * words * 4) xv[u] = load_x8<T>(x + (size_t)m * K, a.perm, vec, t * kt + 8 * c);
+      if (tb < M * words * 4) xv[u] = load_x8<T>(xsrc + (size_t)m * ldx, a.perm, vec, xr, t * kt + 8 * c);
     }
   };
   auto build_tables = [&](int t, int u0, const uint4 (&xv)[kXBatch], float* lut) {
@@ -273,10 +302,13 @@ __global__ void __launch_bounds__(256) lut_dequantize_kernel(const LutGemvArgs a
 }
 
 template <typename T, int M, int Q>
-cudaError_t launch(const LutGemvArgs& a, cudaStream_t stream) {
+cudaError_t launch(const LutGemvArgs& a, const Rotation& rot, cudaStream_t stream) {
   constexpr int W = lut_gemv_words(M, Q);
   if (a.kt != 32 * W) return cudaErrorInvalidValue;
-  const size_t smem = lut_gemv_smem_bytes(M, a.kt);
+  const size_t smem = rot.block ? rotation_smem_bytes(lut_gemv_smem_bytes(M, a.kt), rot.block,
+                                                        (size_t)M * lut_gemv_rotated_span(a.K, a.kt, a.tiles_per_split,
+                                                                                          a.perm != nullptr), sizeof(T))
+                                  : lut_gemv_smem_bytes(M, a.kt);
   auto kernel = lut_gemv_kernel<T, M, Q, W>;
   if (smem > 48 * 1024) {
     const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
@@ -284,32 +316,32 @@ cudaError_t launch(const LutGemvArgs& a, cudaStream_t stream) {
   }
   const dim3 grid(lut_gemv_tiles(a.N, a.threads), a.splits);
   if (a.splits > 1 && (a.partial == nullptr || a.counters == nullptr)) return cudaErrorInvalidValue;
-  kernel<<<grid, a.threads, smem, stream>>>(a);
+  kernel<<<grid, a.threads, smem, stream>>>(a, rot);
   return cudaGetLastError();
 }
 
 template <typename T, int M>
-cudaError_t dispatch_q(const LutGemvArgs& a, cudaStream_t s) {
+cudaError_t dispatch_q(const LutGemvArgs& a, const Rotation& r, cudaStream_t s) {
   switch (a.Q) {
-    case 1: return launch<T, M, 1>(a, s);
-    case 2: return launch<T, M, 2>(a, s);
-    case 3: return launch<T, M, 3>(a, s);
-    case 4: return launch<T, M, 4>(a, s);
+    case 1: return launch<T, M, 1>(a, r, s);
+    case 2: return launch<T, M, 2>(a, r, s);
+    case 3: return launch<T, M, 3>(a, r, s);
+    case 4: return launch<T, M, 4>(a, r, s);
     default: return cudaErrorInvalidValue;
   }
 }
 
 template <typename T>
-cudaError_t dispatch_m(const LutGemvArgs& a, cudaStream_t s) {
+cudaError_t dispatch_m(const LutGemvArgs& a, const Rotation& r, cudaStream_t s) {
   switch (a.M) {
-    case 1: return dispatch_q<T, 1>(a, s);
-    case 2: return dispatch_q<T, 2>(a, s);
-    case 3: return dispatch_q<T, 3>(a, s);
-    case 4: return dispatch_q<T, 4>(a, s);
-    case 5: return dispatch_q<T, 5>(a, s);
-    case 6: return dispatch_q<T, 6>(a, s);
-    case 7: return dispatch_q<T, 7>(a, s);
-    case 8: return dispatch_q<T, 8>(a, s);
+    case 1: return dispatch_q<T, 1>(a, r, s);
+    case 2: return dispatch_q<T, 2>(a, r, s);
+    case 3: return dispatch_q<T, 3>(a, r, s);
+    case 4: return dispatch_q<T, 4>(a, r, s);
+    case 5: return dispatch_q<T, 5>(a, r, s);
+    case 6: return dispatch_q<T, 6>(a, r, s);
+    case 7: return dispatch_q<T, 7>(a, r, s);
+    case 8: return dispatch_q<T, 8>(a, r, s);
     default: return cudaErrorInvalidValue;
   }
 }
@@ -329,16 +361,14 @@ cudaError_t dequantize_q(const LutGemvArgs& a, cudaStream_t s) {
 
 }  // namespace
 
-size_t lut_gemv_smem_bytes(int M, int kt) {
-  return 2 * sizeof(float) * (size_t)M * (kt / 8) * 256;
-}
-
-cudaError_t lut_gemv(const LutGemvArgs& a, cudaStream_t stream) {
-  if (a.kt % 32 || a.group_size % 32 || a.K % 32 || a.N % 4 || a.threads % 32 || a.threads > 256) {
+cudaError_t lut_gemv(const LutGemvArgs& a, const Rotation& rot, cudaStream_t stream) {
+  if (a.kt % 32 || a.group_size % 32 || a.K % 32 || a.N % 4 || a.threads % 32 || a.threads > 256 ||
+      (rot.block && (rot.block < 0 || rot.paley < 1 || rot.block % rot.paley ||
+                       (rot.paley > 1 && rot.paley_matrix == nullptr)))) {
     return cudaErrorInvalidValue;
   }
-  if (a.x_dtype == DType::kHalf) return dispatch_m<__half>(a, stream);
-  if (a.x_dtype == DType::kBFloat16) return dispatch_m<__nv_bfloat16>(a, stream);
+  if (a.x_dtype == DType::kHalf) return dispatch_m<__half>(a, rot, stream);
+  if (a.x_dtype == DType::kBFloat16) return dispatch_m<__nv_bfloat16>(a, rot, stream);
   return cudaErrorInvalidValue;
 }
 

@@ -42,11 +42,19 @@ constexpr int lut_gemv_words(int M, int Q) {
 }
 
 // Shared memory (bytes) one block needs for (M, kt): two buffers of M·kt/8 tables of 256 floats.
-size_t lut_gemv_smem_bytes(int M, int kt);
+__host__ __device__ inline size_t lut_gemv_smem_bytes(int M, int kt) { return 2 * sizeof(float) * (size_t)M * (kt / 8) * 256; }
 
-// Launches the GEMV on `stream` (with splits > 1 the last block of each output tile sums its partials).
-// Returns cudaErrorInvalidValue for an unsupported M (1..8), Q (1..4) or dtype.
-cudaError_t lut_gemv(const LutGemvArgs& args, cudaStream_t stream);
+// Inputs per row of x a block stages when the layer is rotated: its K slice (the whole K for act_order layers, whose
+// perm reads anywhere), R·x rounded to x's dtype, after the tables (rotation.cuh).
+__host__ __device__ inline int lut_gemv_rotated_span(int K, int kt, int tiles_per_split, bool perm) {
+  return perm || K < kt * tiles_per_split ? K : kt * tiles_per_split;
+}
+
+// Launches the GEMV on `stream` (with splits > 1 the last block of each output tile sums its partials); with rot.block
+// > 0 each block stages R·x of its K slice itself.  Returns cudaErrorInvalidValue for an unsupported M (1..8), Q (1..4),
+// dtype or rotation.  (The rotation is a kernel argument of its own: in LutGemvArgs, whose size then passes 128 bytes,
+// nvcc 13 spills registers in the main loop of the Q >= 3 kernels.)
+cudaError_t lut_gemv(const LutGemvArgs& args, const Rotation& rot, cudaStream_t stream);
 
 // Writes Ŵ [N, K] of dtype `out` (fp32, fp16 or bf16) to args.y from planes, alpha and offset (the other fields
 // unused): bcq.dequantize's float32 values, rounded once.  cudaErrorInvalidValue for a shape or dtype it cannot take.

@@ -68,6 +68,7 @@ from qlinear.formats.packing import pack_planes, unpack_planes
 
 from .. import ANY, Kernel, Layout, register
 from .._native import build_cuda_backend, dense_linear
+from .._gpu import rotation_smem_bytes, staged_rotation
 from .._native import sm_count as _sms  # module attribute: tests replace it without a GPU
 
 __all__ = ["LAYOUT", "TILE_N", "TILE_K", "MAX_BATCH", "repack", "unrepack", "fragments", "ptx_fragments",
@@ -322,13 +323,26 @@ def _weights(buffers: dict, cfg, in_features: int):
     return buffers[names[0]], buffers[names[1]], buffers[names[2]] if len(names) > 2 else None, cfg.group(in_features)
 
 
-def linear(x: torch.Tensor, buffers: dict, bias, cfg, out_features: int, in_features: int) -> torch.Tensor:
+SMEM_BUDGET = 48 * 1024  # shared memory per block that keeps the four blocks per SM plan() counts on
+
+
+def linear(x: torch.Tensor, buffers: dict, bias, cfg, out_features: int, in_features: int,
+           rotation: Optional[tuple[int, int]] = None) -> torch.Tensor:
     """Registry entry of the GEMM: ``x`` ``[..., K]`` fp16/bf16 on CUDA, at most 512 rows -> ``[..., N]``.  An act_order
-    layer's ``perm`` (in ``buffers``) is applied as the kernel loads x into shared memory (no separate gather)."""
-    x2 = x.reshape(-1, in_features).contiguous()
-    launch = plan(x2.shape[0], out_features, in_features, _sms(x.device.index or 0))
-    qweight, scales, zeros, gs = _weights(buffers, cfg, in_features)
-    y = torch.ops.qlinear.quick_gemm(x2, qweight, scales, zeros, buffers.get("perm"), bias, gs, *launch)
+    layer's ``perm`` (in ``buffers``) is applied as the kernel loads x into shared memory (no separate gather).  A
+    rotated layer's ``rotation = (seed, block)``: on 16-row tiles without ``perm``, where its blocks' ``R·x`` (their K
+    slice, rows padded by 8 inputs) fits :data:`SMEM_BUDGET`, each block stages ``R·x`` itself and
+    reads its A fragments from it; otherwise x is rotated first (:func:`qlinear.backends._gpu.staged_rotation`)."""
+    M, K = x.numel() // in_features, in_features
+    tile_m, per_split, splits = launch = plan(M, out_features, K, _sms(x.device.index or 0))
+    perm = buffers.get("perm")
+    smem = math.inf
+    if rotation is not None and tile_m == 16 and perm is None:
+        smem = rotation_smem_bytes(0, rotation[1], min(16, M) * (min(K, TILE_K * per_split) + 8), x.element_size())
+    x, rot = staged_rotation(x, rotation, smem, SMEM_BUDGET)
+    qweight, scales, zeros, gs = _weights(buffers, cfg, K)
+    y = torch.ops.qlinear.quick_gemm(x.reshape(-1, K).contiguous(), qweight, scales, zeros, perm, bias, gs, *launch,
+                                     *rot)
     return y.reshape(*x.shape[:-1], out_features)
 
 
@@ -338,12 +352,15 @@ def dequantize(buffers: dict, cfg, out_features: int, in_features: int, dtype: t
     return torch.ops.qlinear.quick_dequantize(qweight, scales, zeros, gs, in_features, dtype)
 
 
-def linear_free(x: torch.Tensor, buffers: dict, bias, cfg, out_features: int, in_features: int) -> torch.Tensor:
+def linear_free(x: torch.Tensor, buffers: dict, bias, cfg, out_features: int, in_features: int,
+                rotation: Optional[tuple[int, int]] = None) -> torch.Tensor:
     """Registry entry for free-α layers, every batch: the GEMM up to :data:`MAX_BATCH` rows, dequantize + cuBLAS
     above (a layer held in the ``quick`` layout converts nothing at any batch).  Both read an act_order layer's x
-    through ``perm`` (the kernel ``gathers_perm``)."""
+    through ``perm`` (the kernel ``gathers_perm``) and a rotated layer's ``R·x`` (as :func:`linear`; rotated first
+    for cuBLAS)."""
     if x.numel() // in_features <= MAX_BATCH:
-        return linear(x, buffers, bias, cfg, out_features, in_features)
+        return linear(x, buffers, bias, cfg, out_features, in_features, rotation)
+    x, _ = staged_rotation(x, rotation, math.inf, 0)
     perm = buffers.get("perm")
     x = x if perm is None else x.index_select(-1, perm)
     return linear_dequantized(x, buffers, bias, cfg, out_features, in_features)
@@ -362,11 +379,11 @@ def available() -> Optional[str]:
 
 _COMMON = dict(format="bcq", devices=frozenset({"cuda"}), dtypes=frozenset({torch.float16, torch.bfloat16}),
                bits=frozenset(BITS), group_sizes=ANY, min_capability=(8, 0), available=available, layout=LAYOUT)
-register(Kernel(backend="quick", fn=linear, priority=20, max_batch=MAX_BATCH, gathers_perm=True, supports=supports,
-                **_COMMON))
+register(Kernel(backend="quick", fn=linear, priority=20, max_batch=MAX_BATCH, gathers_perm=True, fuses_rotation=True,
+                supports=supports, **_COMMON))
 register(Kernel(backend="quick_dequant", fn=linear_dequantized, priority=5, max_batch=ANY, supports=supports, **_COMMON))
 # Free α: below the LUT GEMV and its dequantize path (priorities 10 and 4), so taken where a GPU's measured dispatch
 # table (benchmarks/tune_dispatch.py) prefers it or by backend="quick_free": on an H200 (2026-11-27) it took 52.7 µs
 # at 8192², 4 bits, batch 1, the LUT GEMV 26.2
 register(Kernel(backend="quick_free", fn=linear_free, priority=3, max_batch=ANY, gathers_perm=True,
-                supports=supports_free, **_COMMON))
+                fuses_rotation=True, supports=supports_free, **_COMMON))

@@ -22,6 +22,7 @@
 #include <type_traits>
 
 #include "../_cuda/common.cuh"
+#include "../_cuda/rotation.cuh"
 #include "quick_gemm.h"
 
 namespace qlinear {
@@ -318,8 +319,10 @@ __device__ __forceinline__ void load_a_stage(T* stage, const T* __restrict__ x, 
   }
 }
 
-template <typename T, int Q, int MT, int WM, bool FREE>
-__global__ void __launch_bounds__(32 * kWarpsN * WM) quick_gemm_kernel(const QuickArgs a) {
+// ROT: a rotated layer, whose block stages R·x itself (instantiated for 16-row tiles without perm: the decode batches,
+// where R·x of a K slice fits shared memory).
+template <typename T, int Q, int MT, int WM, bool FREE, bool ROT>
+__global__ void __launch_bounds__(32 * kWarpsN * WM) quick_gemm_kernel(const QuickArgs a, const Rotation rot) {
   using T2 = typename Num<T>::T2;
   constexpr int BM = 16 * MT * WM, THREADS = 32 * kWarpsN * WM;
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -336,6 +339,23 @@ __global__ void __launch_bounds__(32 * kWarpsN * WM) quick_gemm_kernel(const Qui
   const T* x = static_cast<const T*>(a.x);
   const unsigned* wtile = a.qweight + ((size_t)(active ? n_tile : 0) * k_tiles + t0) * (64 * Q);
   const int pos = n_tile * kTileN + (lane >> 2) * 4;
+  constexpr int D = kDepth<MT, FREE>;
+
+  // A rotated layer (ROT): R·x of the block's rows and K slice staged once, row r at xr + r·ldr (padded by 8 inputs, so
+  // that ldmatrix's 8 rows fall in distinct banks), while the first D tiles' codes come into L2.  The MMAs read their A
+  // fragments straight from it (rows past M read the last row: their outputs are never stored): no stage pipeline, no
+  // barrier in the loop.
+  const T* xr = nullptr;
+  const int ldr = quick_rotated_ld(a.K, a.tiles_per_split), last_row = min(BM, a.M - m0) - 1;
+  if constexpr (ROT) {
+    const size_t at = rotation_staged_offset(0, rot.block);
+    T* staged = reinterpret_cast<T*>(smem_raw + at);
+    if (active && lane < 2 * Q)
+      for (int j = 0; j < D && j < nt_count; ++j) prefetch_l2(wtile + (size_t)j * 64 * Q + lane * 32);
+    stage_rotated<T, T>(x + (size_t)m0 * a.K, a.K, last_row + 1, t0 * kTileK, (t0 + nt_count) * kTileK, rot,
+                        reinterpret_cast<float*>(smem_raw), (int)(at / 4), staged, ldr);
+    xr = staged - t0 * kTileK;
+  }
 
   float acc[MT][4][4];
 #pragma unroll
@@ -346,7 +366,7 @@ __global__ void __launch_bounds__(32 * kWarpsN * WM) quick_gemm_kernel(const Qui
       for (int r = 0; r < 4; ++r) acc[i][j][r] = 0.f;
 
 #pragma unroll
-  for (int s = 0; s < kStages - 1; ++s) {
+  for (int s = 0; s < kStages - 1 && !ROT; ++s) {
     if (s < nt_count) load_a_stage<T, BM, THREADS>(smem + s * BM * kTileK, x, a.perm, a.M, a.K, m0, (t0 + s) * kTileK, tid);
     cp_async_commit();
   }
@@ -354,7 +374,6 @@ __global__ void __launch_bounds__(32 * kWarpsN * WM) quick_gemm_kernel(const Qui
   // base + j + D right after its MMAs, so D tiles of loads stay in flight while tiles are multiplied.  The loop
   // over slots is unrolled (register arrays need compile-time indices); nt_count is uniform in a block, so every
   // thread leaves it at the same tile and the barriers stay matched.
-  constexpr int D = kDepth<MT, FREE>;
   const GroupOf group(a.group_size);
   TileRegs<Q, FREE> ring[D];
 #pragma unroll
@@ -367,9 +386,9 @@ __global__ void __launch_bounds__(32 * kWarpsN * WM) quick_gemm_kernel(const Qui
     for (int j = 0; j < D; ++j) {
       const int it = base + j;
       if (it >= nt_count) break;
-      cp_async_wait<kStages - 2>();
-      __syncthreads();
-      {
+      if constexpr (!ROT) {
+        cp_async_wait<kStages - 2>();
+        __syncthreads();
         const int nxt_stage = it + kStages - 1;
         if (nxt_stage < nt_count)
           load_a_stage<T, BM, THREADS>(smem + (nxt_stage % kStages) * BM * kTileK, x, a.perm, a.M, a.K, m0,
@@ -386,8 +405,11 @@ __global__ void __launch_bounds__(32 * kWarpsN * WM) quick_gemm_kernel(const Qui
         unsigned af[MT][4];
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
-          const int row = (warp_m * MT + mt) * 16 + (lane & 15);
-          ldmatrix_x4(af[mt], a_chunk(stage, row, ks * 2 + (lane >> 4)));
+          const int row = (warp_m * MT + mt) * 16 + (lane & 15), chunk = ks * 2 + (lane >> 4);
+          if constexpr (ROT)
+            ldmatrix_x4(af[mt], xr + min(row, last_row) * ldr + (t0 + it) * kTileK + chunk * 8);
+          else
+            ldmatrix_x4(af[mt], a_chunk(stage, row, chunk));
         }
 #pragma unroll
         for (int nt = 0; nt < 4; ++nt) {
@@ -478,31 +500,41 @@ __global__ void __launch_bounds__(128) quick_dequantize_kernel(const QuickArgs a
 }
 
 template <typename T, int Q, int MT, int WM>
-cudaError_t launch(const QuickArgs& a, cudaStream_t stream) {
+cudaError_t launch(const QuickArgs& a, const Rotation& rot, cudaStream_t stream) {
   constexpr int BM = 16 * MT * WM;
-  const size_t smem = (size_t)kStages * BM * kTileK * sizeof(T);
+  const size_t smem = rot.block ? rotation_smem_bytes(0, rot.block, (size_t)min(BM, a.M) *
+                                                      quick_rotated_ld(a.K, a.tiles_per_split), sizeof(T))
+                                : (size_t)kStages * BM * kTileK * sizeof(T);
+  auto kernel = a.free_alpha ? quick_gemm_kernel<T, Q, MT, WM, true, false> : quick_gemm_kernel<T, Q, MT, WM, false, false>;
+  if constexpr (MT == 1 && WM == 1) {
+    if (rot.block && a.perm) return cudaErrorInvalidValue;
+    if (rot.block) kernel = a.free_alpha ? quick_gemm_kernel<T, Q, 1, 1, true, true> : quick_gemm_kernel<T, Q, 1, 1, false, true>;
+  } else {
+    if (rot.block) return cudaErrorInvalidValue;
+  }
+  if (smem > 48 * 1024) {
+    const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+    if (e != cudaSuccess) return e;
+  }
   const dim3 grid((a.N + kTileN * kWarpsN - 1) / (kTileN * kWarpsN), (a.M + BM - 1) / BM, a.splits);
   if (a.splits > 1 && (a.partial == nullptr || a.counters == nullptr)) return cudaErrorInvalidValue;
-  if (a.free_alpha)
-    quick_gemm_kernel<T, Q, MT, WM, true><<<grid, 32 * kWarpsN * WM, smem, stream>>>(a);
-  else
-    quick_gemm_kernel<T, Q, MT, WM, false><<<grid, 32 * kWarpsN * WM, smem, stream>>>(a);
+  kernel<<<grid, 32 * kWarpsN * WM, smem, stream>>>(a, rot);
   return cudaGetLastError();
 }
 
 template <typename T, int Q>
-cudaError_t dispatch_tile(const QuickArgs& a, cudaStream_t s) {
+cudaError_t dispatch_tile(const QuickArgs& a, const Rotation& r, cudaStream_t s) {
   switch (a.tile_m) {
-    case 16: return launch<T, Q, 1, 1>(a, s);
-    case 32: return launch<T, Q, 2, 1>(a, s);
-    case 64: return launch<T, Q, 4, 1>(a, s);
-    case 128: return launch<T, Q, 4, 2>(a, s);
+    case 16: return launch<T, Q, 1, 1>(a, r, s);
+    case 32: return launch<T, Q, 2, 1>(a, r, s);
+    case 64: return launch<T, Q, 4, 1>(a, r, s);
+    case 128: return launch<T, Q, 4, 2>(a, r, s);
     default: return cudaErrorInvalidValue;
   }
 }
 
 template <typename T>
-cudaError_t dispatch_q(const QuickArgs& a, cudaStream_t s, bool dequant) {
+cudaError_t dispatch_q(const QuickArgs& a, const Rotation& r, cudaStream_t s, bool dequant) {
   if (dequant) {
     const int blocks = ((a.N / kTileN) * (a.K / kTileK) + 3) / 4;
     switch (a.Q * 2 + a.free_alpha) {
@@ -517,24 +549,26 @@ cudaError_t dispatch_q(const QuickArgs& a, cudaStream_t s, bool dequant) {
     return cudaGetLastError();
   }
   switch (a.Q) {
-    case 2: return dispatch_tile<T, 2>(a, s);
-    case 3: return dispatch_tile<T, 3>(a, s);
-    case 4: return dispatch_tile<T, 4>(a, s);
+    case 2: return dispatch_tile<T, 2>(a, r, s);
+    case 3: return dispatch_tile<T, 3>(a, r, s);
+    case 4: return dispatch_tile<T, 4>(a, r, s);
     default: return cudaErrorInvalidValue;
   }
 }
 
-cudaError_t run(const QuickArgs& a, cudaStream_t stream, bool dequant) {
-  if (a.N % kTileN || a.K % kTileK || a.K >= (1 << 20) || a.group_size % 32 || a.splits < 1 || a.tiles_per_split < 1)
+cudaError_t run(const QuickArgs& a, const Rotation& rot, cudaStream_t stream, bool dequant) {
+  if (a.N % kTileN || a.K % kTileK || a.K >= (1 << 20) || a.group_size % 32 || a.splits < 1 || a.tiles_per_split < 1 ||
+      (rot.block && (rot.block < 0 || rot.paley < 1 || rot.block % rot.paley ||
+                     (rot.paley > 1 && rot.paley_matrix == nullptr))))
     return cudaErrorInvalidValue;
-  if (a.x_dtype == DType::kHalf) return dispatch_q<__half>(a, stream, dequant);
-  if (a.x_dtype == DType::kBFloat16) return dispatch_q<__nv_bfloat16>(a, stream, dequant);
+  if (a.x_dtype == DType::kHalf) return dispatch_q<__half>(a, rot, stream, dequant);
+  if (a.x_dtype == DType::kBFloat16) return dispatch_q<__nv_bfloat16>(a, rot, stream, dequant);
   return cudaErrorInvalidValue;
 }
 
 }  // namespace
 
-cudaError_t quick_gemm(const QuickArgs& a, cudaStream_t stream) { return run(a, stream, false); }
-cudaError_t quick_dequantize(const QuickArgs& a, cudaStream_t stream) { return run(a, stream, true); }
+cudaError_t quick_gemm(const QuickArgs& a, const Rotation& rot, cudaStream_t stream) { return run(a, rot, stream, false); }
+cudaError_t quick_dequantize(const QuickArgs& a, cudaStream_t stream) { return run(a, Rotation{}, stream, true); }
 
 }  // namespace qlinear

@@ -1,0 +1,43 @@
+"""Helpers shared by the CUDA backends: where a rotated layer's input transform runs (inside the kernel, which stages
+``R·x`` in shared memory, ``backends/_cuda/rotation.cuh``; or before it, in PyTorch) and the ops' arguments for it."""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import torch
+
+from qlinear.formats import rotation as _rotation
+
+__all__ = ["NO_ROTATION", "rotation_smem_bytes", "staged_rotation"]
+
+NO_ROTATION = (0, 0, None)  # the ops' (rot_seed, rot_block, rot_paley) of a layer the kernel does not rotate
+
+
+def rotation_smem_bytes(own: int, block: int, values: int, elem: int) -> int:
+    """Shared memory (bytes) of a kernel that stages ``values`` rotated inputs of ``elem`` bytes after its own ``own``
+    bytes, which the transform's float32 work area of at least one block aliases (``rotation_smem_bytes`` of
+    ``backends/_cuda/dtype.h``)."""
+    return -(-max(own, 4 * block) // 16) * 16 + values * elem
+
+
+@functools.lru_cache(maxsize=16)
+def _paley(p: int, device: torch.device) -> torch.Tensor:
+    return _rotation._paley(p).to(device=device, dtype=torch.int8)
+
+
+def staged_rotation(x: torch.Tensor, rotation: Optional[tuple[int, int]], smem: int, budget: int
+                    ) -> tuple[torch.Tensor, tuple]:
+    """``(x, (rot_seed, rot_block, rot_paley))`` for a kernel call on a layer rotated by ``rotation = (seed, block)``
+    (None: not rotated): the kernel applies ``R`` itself when staging it takes ``smem`` bytes of shared memory per
+    block, at most ``budget`` (what keeps the kernel's blocks per SM); otherwise ``x`` is rotated here
+    (:func:`qlinear.formats.rotation.rotate_input`, shared by layers reading the same tensor) and the kernel is told
+    :data:`NO_ROTATION`."""
+    if rotation is None:
+        return x, NO_ROTATION
+    if smem > budget:
+        return _rotation.rotate_input(x, *rotation), NO_ROTATION
+    seed, block = rotation
+    p = _rotation._split(block)[0]
+    return x, (seed, block, _paley(p, x.device) if p > 1 else None)
