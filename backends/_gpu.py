@@ -17,9 +17,9 @@ NO_ROTATION = (0, 0, None)  # the ops' (rot_seed, rot_block, rot_paley) of a lay
 
 def rotation_smem_bytes(own: int, block: int, values: int, elem: int) -> int:
     """Shared memory (bytes) of a kernel that stages ``values`` rotated inputs of ``elem`` bytes after its own ``own``
-    bytes, which the transform's float32 work area of at least one block aliases (``rotation_smem_bytes`` of
+    bytes, which the transform's float32 work area of ``max(block, 256)`` floats aliases (``rotation_smem_bytes`` of
     ``backends/_cuda/dtype.h``)."""
-    return -(-max(own, 4 * block) // 16) * 16 + values * elem
+    return -(-max(own, 4 * max(block, 256)) // 16) * 16 + values * elem
 
 
 @functools.lru_cache(maxsize=16)

@@ -492,21 +492,32 @@ def main_loop_instructions(instrs: list[tuple[int, str]]) -> int:
     return max((len(ops) for ops in (own(lo, hi) for lo, hi in loops) if any("HMMA" in i for i in ops)), default=0)
 
 
+QUICK_STAGED_MAX = 32 * 1024  # kQuickStagedMax in quick_gemm.h
+
+
+def quick_staged(M: int, K: int, plan: tuple[int, int, int]) -> bool:
+    """Whether the launcher stages x whole (``x_source`` in quick_gemm.cu, an unrotated layer without perm): 16-row
+    tiles whose rows of the K slice, padded by 8 inputs, take at most :data:`QUICK_STAGED_MAX` bytes of fp16."""
+    tile_m, per_split, _ = plan
+    return tile_m == 16 and min(16, M) * (min(K, 64 * per_split) + 8) * 2 <= QUICK_STAGED_MAX
+
+
 def quick_sass(source_root: Path, work: Path, build: Callable[[Path], tuple[Path, str]] = None
-               ) -> dict[tuple[int, int, bool], tuple[int, float]]:
+               ) -> dict[tuple[int, int, bool, bool], tuple[int, float]]:
     """``(registers, instructions per K tile)`` of every fp16 ``quick_gemm_kernel`` instantiation built from
-    ``source_root``, keyed by (bits, tile_m, free α): ptxas's registers and the main loop's instructions (one
-    iteration walks the ring's tiles) per tile; needs nvcc and cuobjdump."""
+    ``source_root`` for unrotated layers, keyed by (bits, tile_m, free α, x staged whole): ptxas's registers and the
+    main loop's instructions (one iteration walks the ring's tiles) per tile; needs nvcc and cuobjdump."""
     cubin, log = (build or (lambda cu: compile_cubin(cu, work)))(source_root / QUICK_SOURCE)
     regs = ptxas_registers(log)
     sass = subprocess.run([cuobjdump(), "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
     out = {}
     for name, instrs in parse_sass(sass).items():
-        k = re.search(r"quick_gemm_kernelI6__halfLi(\d)ELi(\d)ELi(\d)ELb(\d)E", name)
-        if k:
-            q, mt, wm, free = map(int, k.groups())
+        k = re.search(r"quick_gemm_kernelI6__halfLi(\d)ELi(\d)ELi(\d)ELb(\d)E(?:Li(\d)E)?", name)
+        if k and k.group(5) != "2":  # kernels before 2026-11-27 have no XSource argument; kStagedRotated is left out
+            q, mt, wm, free = map(int, k.groups()[:4])
             tile_m = 16 * mt * wm
-            out[q, tile_m, bool(free)] = (regs[name], main_loop_instructions(instrs) / quick_depth(tile_m, bool(free)))
+            out[q, tile_m, bool(free), k.group(5) == "1"] = (
+                regs[name], main_loop_instructions(instrs) / quick_depth(tile_m, bool(free)))
     return out
 
 
@@ -517,9 +528,11 @@ def quick_current(M: int, N: int, K: int, q: int, g: int, sass: dict, free: bool
     the separate reduction kernel (before 2026-11-27)."""
     from qlinear.backends import quick
 
-    tile_m = quick.plan(M, N, K, SMS)[0]
-    return quick_features(M, N, K, q, g, quick.plan, {t: sass[q, t, free][0] for t in (16, 32, 64, 128)},
-                          lambda tm: quick_depth(tm, free), sass[q, tile_m, free][1], reduce_kernel)
+    plan = quick.plan(M, N, K, SMS)
+    staged = quick_staged(M, K, plan) and (q, 16, free, True) in sass
+    regs = {t: sass[q, t, free, staged and t == 16][0] for t in (16, 32, 64, 128)}
+    return quick_features(M, N, K, q, g, quick.plan, regs, lambda tm: quick_depth(tm, free),
+                          sass[q, plan[0], free, staged][1], reduce_kernel)
 
 
 # The register-ring kernel's first GPU rows: bench_gemm --quick on an H200 at commit QUICK_RING_COMMIT
@@ -630,7 +643,8 @@ def quick_main(args) -> None:
     from qlinear.backends import quick
 
     for N, K, M, q, g, t, p in chk.held_out:
-        print(f"| {N}x{K} | {q} | {M} | {ring[q, quick.plan(M, N, K, SMS)[0], False][1]:.0f} | {t:.3g} | {p:.3g} |")
+        print(f"| {N}x{K} | {q} | {M} | {ring[q, quick.plan(M, N, K, SMS)[0], False, False][1]:.0f} | {t:.3g} | "
+              f"{p:.3g} |")
     meas = {(N, K, M, q): t for N, K, M, q, g, t in quick_bench_rows()}
     card = f"H100 latencies, BW = {args.bw} TB/s" if args.bw else "H100"
     c = {**res.constants, **({"BW": args.bw} if args.bw else {})}
@@ -642,7 +656,7 @@ def quick_main(args) -> None:
         for q in (2, 3, 4):
             for M in map(int, args.batches.split(",")):
                 plan = quick.plan(M, N, K, SMS)
-                regs, ins = sass[q, plan[0], False]
+                regs, ins = sass[q, plan[0], False, quick_staged(M, K, plan)]
                 print(f"| {N}x{K} | {q} | {M} | {plan} | {regs} | {ins:.0f} | "
                       f"{quick_predict(quick_current(M, N, K, q, 128, sass), c):.3g} | "
                       f"{meas.get((N, K, M, q), float('nan')):.3g} |")

@@ -45,6 +45,8 @@ SHIM = r'''// Host emulation of a CUDA kernel source (tests/cuda_emulation.py).
 #define __forceinline__ inline
 #define __launch_bounds__(...)
 #define __shared__
+#undef __noinline__
+#define __noinline__
 thread_local uint3 tl_threadIdx;
 dim3 g_blockIdx, g_blockDim, g_gridDim;
 #define threadIdx tl_threadIdx
@@ -76,6 +78,8 @@ inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {  // byte n of 
   for (int n = 0; n < 4; ++n) r |= (unsigned)((v >> (8 * ((s >> (4 * n)) & 7))) & 255) << (8 * n);
   return r;
 }
+inline int __popc(unsigned x) { return __builtin_popcount(x); }
+inline int __clz(int x) { return x ? __builtin_clz((unsigned)x) : 32; }
 inline unsigned __umulhi(unsigned a, unsigned b) { return (unsigned)(((unsigned long long)a * b) >> 32); }
 inline float __fadd_rn(float a, float b) { return a + b; }  // ISO C++ (-std=c++20): no contraction into an FMA
 inline float __fmul_rn(float a, float b) { return a * b; }

@@ -354,13 +354,12 @@ template <typename T, int Q, int MT, int WM, bool F> void gemm(const QuickArgs& 
   emu_warp::reset(THREADS);
   const int tiles = (a.N + 127) / 128 * ((a.M + BM - 1) / BM);
   const dim3 grid((a.N + 127) / 128, (a.M + BM - 1) / BM, a.splits);
-  if constexpr (MT == 1 && WM == 1) {  // the launcher's choice: 16-row tiles of a rotated layer stage R·x
-    if (g_rot.block) {
-      run_grid(grid, THREADS, [&a] { quick_gemm_kernel<T, Q, 1, 1, F, true>(a, g_rot); });
-      return;
-    }
+  const int xs = x_source(a, g_rot, BM, sizeof(T));  // the launcher's choice
+  if constexpr (MT == 1 && WM == 1) {
+    if (xs == kStaged) run_grid(grid, THREADS, [&a] { quick_gemm_kernel<T, Q, 1, 1, F, kStaged>(a, g_rot); });
+    if (xs == kStagedRotated) run_grid(grid, THREADS, [&a] { quick_gemm_kernel<T, Q, 1, 1, F, kStagedRotated>(a, g_rot); });
   }
-  run_grid(grid, THREADS, [&a] { quick_gemm_kernel<T, Q, MT, WM, F, false>(a, g_rot); });
+  if (xs == kPipelined) run_grid(grid, THREADS, [&a] { quick_gemm_kernel<T, Q, MT, WM, F, kPipelined>(a, g_rot); });
   for (int t = 0; a.splits > 1 && t < tiles; ++t)
     if (a.counters[t]) { fprintf(stderr, "split-K counter %d left at %u\n", t, a.counters[t]); exit(3); }
 }
@@ -453,8 +452,8 @@ def _emulate(exe, x, bufs, bias, cfg, N, K, launch, dequant=False, perm=None, ro
                                                     (4, "symmetric", torch.float16),
                                                     (4, "free", torch.bfloat16), (3, "free", torch.float16)])
 def test_kernel_source_under_host_emulation(emulator, bits, imported, dtype):
-    """quick_gemm.cu itself (its tiles, cp.async stages, swizzle, ldmatrix/mma fragment use, split-K and output
-    mapping) on the CPU: within the error bound of the float64 reference for every tile_m, one split and several,
+    """quick_gemm.cu itself (its tiles, cp.async stages or x staged whole at 16-row tiles, swizzle, ldmatrix/mma
+    fragment use, split-K and output mapping) on the CPU: within the error bound of the float64 reference for every tile_m, one split and several,
     M not a multiple of the tile; its dequantize kernel equals the spec bit for bit.  Uniform layers (round-to-nearest,
     ``"symmetric"``: without zero points, or imported; fp16 and bf16 decode codes differently) and free-α ones
     (``imported="free"``)."""
@@ -497,10 +496,10 @@ def test_kernel_source_under_host_emulation(emulator, bits, imported, dtype):
 
 
 
-@pytest.mark.parametrize("bits,imported,dtype", [(4, True, torch.float16), (2, False, torch.bfloat16),
-                                                    (3, "free", torch.float16)])
+@pytest.mark.parametrize("bits,imported,dtype", [(4, True, torch.float16), (4, False, torch.bfloat16),
+                                                    (3, False, torch.float16)])
 def test_kernel_source_stages_a_rotated_input(emulator, bits, imported, dtype):
-    """A rotated layer on 16-row tiles: each block of quick_gemm.cu stages ``R·x`` of its rows and K slice itself
+    """A rotated uniform 3/4-bit layer on 16-row tiles: each block of quick_gemm.cu stages ``R·x`` of its rows and K slice itself
     (rotation.cuh) and reads its A fragments from it (rows past M from a zero chunk), under the host emulation: the
     float64 product with the exact ``R·x`` within the emulation test's bound plus one rounding of ``R·x`` to x's dtype,
     for Paley and power-of-two blocks, K slices cutting through blocks, M = 1..16, one split or several."""

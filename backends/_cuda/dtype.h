@@ -16,10 +16,11 @@ struct Rotation {
   const signed char* paley_matrix;  // [p, p] ±1, row-major, on the device (p > 1)
 };
 
-// Shared memory of a kernel that stages rotated x: its own area (aliased by the transform's fp32 work area, at least one
-// block, while the transform runs), then `values` staged inputs of `elem` bytes from rotation_staged_offset on.
+// Shared memory of a kernel that stages rotated x: its own area (aliased by the transform's fp32 work area of
+// max(block, 256) floats while the transform runs), then `values` staged inputs of `elem` bytes from
+// rotation_staged_offset on.
 __host__ __device__ inline size_t rotation_staged_offset(size_t own_bytes, int block) {
-  const size_t work = 4 * (size_t)block;
+  const size_t work = 4 * (size_t)(block > 256 ? block : 256);
   return ((own_bytes > work ? own_bytes : work) + 15) / 16 * 16;
 }
 __host__ __device__ inline size_t rotation_smem_bytes(size_t own_bytes, int block, size_t values, size_t elem) {

@@ -370,9 +370,9 @@ def _sparse(buffers: dict, N: int, K: int, dtype) -> torch.Tensor:
 
 def rotation_smem_bytes(M: int, K: int, tiles_per_split: int, block: int) -> int:
     """Shared memory of a block staging a rotated layer's ``R·x``: x of its span in fp32, its word table, then the
-    transform's fp32 work area of one ``block`` (``mixed_gemv_smem_bytes`` in ``mixed_gemv.h``)."""
+    transform's fp32 work area of ``max(block, 256)`` floats (``mixed_gemv_smem_bytes`` in ``mixed_gemv.h``)."""
     own = 4 * min(M, KERNEL_M) * min(K, 64 * tiles_per_split) + 16 * tiles_per_split
-    return -(-own // 16) * 16 + 4 * block
+    return -(-own // 16) * 16 + 4 * max(block, 256)
 
 
 def linear(x: torch.Tensor, buffers: dict, bias, cfg, out_features: int, in_features: int,

@@ -227,9 +227,8 @@ __global__ void __launch_bounds__(256, M <= 2 ? 3 : 2) mixed_gemv_kernel(const M
   const int k_hi = entry_kstart(e_last, gs) + (entry_is4(e_last) ? 8 : 16);
   const T* x = static_cast<const T*>(a.x);
   if constexpr (ROT) {  // R·x of the span, rounded to T as the op's separate transform would, in a work area after wt
-    float* work = reinterpret_cast<float*>(smem4) +
-                  (mixed_gemv_smem_bytes(M, a.K, a.tiles_per_split, rot.block) / 4 - rot.block);
-    stage_rotated<T, float>(x, a.K, M, k_lo, k_hi, rot, work, rot.block, xs, span);
+    float* work = reinterpret_cast<float*>(smem4) + mixed_gemv_smem_bytes(M, a.K, a.tiles_per_split, 0) / 4;
+    stage_rotated<T, float>(x, a.K, M, k_lo, k_hi, rot, work, xs, span);
   } else {
     for (int i = tid; i < M * (k_hi - k_lo); i += blockDim.x) {
       const int m = i / (k_hi - k_lo), k = i - m * (k_hi - k_lo);

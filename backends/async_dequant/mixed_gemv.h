@@ -46,11 +46,12 @@ struct MixedGemvArgs {
 inline int mixed_gemv_tiles(int N, int threads) { return (N + 2 * threads - 1) / (2 * threads); }
 
 // Shared memory (bytes) one block needs: x of its K span in fp32 [M][span], its word table [4·tiles_per_split], and for a
-// rotated layer (rotation_block > 0) the transform's fp32 work area of one block, from the next 16-byte boundary.
+// rotated layer (rotation_block > 0) the transform's fp32 work area of max(block, 256) floats, from the next 16-byte
+// boundary (without a rotation: where that area starts).
 __host__ __device__ inline size_t mixed_gemv_smem_bytes(int M, int K, int tiles_per_split, int rotation_block) {
   const int span = K < 64 * tiles_per_split ? K : 64 * tiles_per_split;
   const size_t own = sizeof(float) * (size_t)M * span + sizeof(int) * 4 * (size_t)tiles_per_split;
-  return rotation_block ? (own + 15) / 16 * 16 + sizeof(float) * (size_t)rotation_block : own;
+  return (own + 15) / 16 * 16 + sizeof(float) * (size_t)(rotation_block > 256 ? rotation_block : rotation_block ? 256 : 0);
 }
 
 // Rows of x per launch up to which a rotated layer's blocks stage R·x themselves.

@@ -161,8 +161,7 @@ __global__ void __launch_bounds__(256, 2) lut_gemv_kernel(const LutGemvArgs a, c
   if (xr) {  // R·x staged while the first tile's weights come into L2 (held in registers, they would spill)
     if (active)
       for (int w = 0; w < first_words; ++w) prefetch_word<Q>(a, t_begin * W + w, n0);
-    stage_rotated<T, T>(x, K, M, k_lo, a.perm ? K : min(K, t_end * kt), rot, smem,
-                        (int)(rotation_staged_offset(lut_gemv_smem_bytes(M, kt), rot.block) / 4), xr, span);
+    stage_rotated<T, T>(x, K, M, k_lo, a.perm ? K : min(K, t_end * kt), rot, smem, xr, span);
   }
   const T* xsrc = xr ? xr - k_lo : x;  // row m of (R·)x at xsrc + m·ldx, input k at [k]
   const int ldx = xr ? span : K;

@@ -319,43 +319,59 @@ __device__ __forceinline__ void load_a_stage(T* stage, const T* __restrict__ x, 
   }
 }
 
-// ROT: a rotated layer, whose block stages R·x itself (instantiated for 16-row tiles without perm: the decode batches,
-// where R·x of a K slice fits shared memory).
-template <typename T, int Q, int MT, int WM, bool FREE, bool ROT>
+// How a block reads x: through the cp.async stage pipeline (kPipelined), or staged once, its rows and K slice whole in
+// shared memory, as they are (kStaged) or a rotated layer's R·x (kStagedRotated); staged x is instantiated for 16-row
+// tiles without perm (decode batches, where a K slice of x fits), rotated x for uniform 3/4-bit layers (with free α or
+// 2 bits the kernels spill; the LUT GEMV stages R·x for those).
+enum XSource : int { kPipelined = 0, kStaged = 1, kStagedRotated = 2 };
+
+template <typename T, int Q, int MT, int WM, bool FREE, int XS>
 __global__ void __launch_bounds__(32 * kWarpsN * WM) quick_gemm_kernel(const QuickArgs a, const Rotation rot) {
   using T2 = typename Num<T>::T2;
   constexpr int BM = 16 * MT * WM, THREADS = 32 * kWarpsN * WM;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* smem = reinterpret_cast<T*>(smem_raw);
+  const int m0 = blockIdx.y * BM, t0 = blockIdx.z * a.tiles_per_split;
+  const int nt_count = min(a.tiles_per_split, a.K / kTileK - t0);
+
+  // Staged x: the block's rows and K slice once, row r at xr + r·ldr (padded by 8 inputs, so that ldmatrix's 8 rows
+  // fall in distinct banks), R·x for a rotated layer, while the first D tiles' codes come into L2.  The MMAs read their
+  // A fragments straight from it (rows past M read the last row: their outputs are never stored): no stage pipeline,
+  // no barrier in the loop (a third fewer instructions per tile than the pipeline).
+  constexpr bool kStagedX = XS != kPipelined;
+  const T* xr = nullptr;
+  const int ldr = quick_staged_ld(a.K, a.tiles_per_split), last_row = min(BM, a.M - m0) - 1;
+  if constexpr (kStagedX) {
+    const size_t at = XS == kStagedRotated ? rotation_staged_offset(0, rot.block) : 0;
+    T* staged = reinterpret_cast<T*>(smem_raw + at);
+    const int n_tile = blockIdx.x * kWarpsN + (threadIdx.x >> 5) % kWarpsN, lane = threadIdx.x & 31;
+    if (n_tile * kTileN < a.N && lane < 2 * Q)
+      for (int j = 0; j < kDepth<MT, FREE> && j < nt_count; ++j)
+        prefetch_l2(a.qweight + ((size_t)n_tile * (a.K / kTileK) + t0 + j) * (64 * Q) + lane * 32);
+    const int k_lo = t0 * kTileK, chunks = nt_count * kTileK / 8;
+    if constexpr (XS == kStagedRotated) {
+      stage_rotated<T, T>(static_cast<const T*>(a.x) + (size_t)m0 * a.K, a.K, last_row + 1, k_lo,
+                          k_lo + nt_count * kTileK, rot, reinterpret_cast<float*>(smem_raw), staged, ldr);
+    } else {
+      for (int i = threadIdx.x; i < (last_row + 1) * chunks; i += THREADS) {
+        const int r = i / chunks, c = i - r * chunks;
+        *reinterpret_cast<uint4*>(staged + r * ldr + 8 * c) =
+            __ldg(reinterpret_cast<const uint4*>(static_cast<const T*>(a.x) + (size_t)(m0 + r) * a.K + k_lo + 8 * c));
+      }
+      __syncthreads();
+    }
+    xr = staged - k_lo;
+  }
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int warp_n = warp % kWarpsN, warp_m = warp / kWarpsN;
   const int n_tile = blockIdx.x * kWarpsN + warp_n;
   const bool active = n_tile * kTileN < a.N;
-  const int m0 = blockIdx.y * BM;
   const int k_tiles = a.K / kTileK;
-  const int t0 = blockIdx.z * a.tiles_per_split;
-  const int nt_count = min(a.tiles_per_split, k_tiles - t0);
   const T* x = static_cast<const T*>(a.x);
   const unsigned* wtile = a.qweight + ((size_t)(active ? n_tile : 0) * k_tiles + t0) * (64 * Q);
   const int pos = n_tile * kTileN + (lane >> 2) * 4;
   constexpr int D = kDepth<MT, FREE>;
-
-  // A rotated layer (ROT): R·x of the block's rows and K slice staged once, row r at xr + r·ldr (padded by 8 inputs, so
-  // that ldmatrix's 8 rows fall in distinct banks), while the first D tiles' codes come into L2.  The MMAs read their A
-  // fragments straight from it (rows past M read the last row: their outputs are never stored): no stage pipeline, no
-  // barrier in the loop.
-  const T* xr = nullptr;
-  const int ldr = quick_rotated_ld(a.K, a.tiles_per_split), last_row = min(BM, a.M - m0) - 1;
-  if constexpr (ROT) {
-    const size_t at = rotation_staged_offset(0, rot.block);
-    T* staged = reinterpret_cast<T*>(smem_raw + at);
-    if (active && lane < 2 * Q)
-      for (int j = 0; j < D && j < nt_count; ++j) prefetch_l2(wtile + (size_t)j * 64 * Q + lane * 32);
-    stage_rotated<T, T>(x + (size_t)m0 * a.K, a.K, last_row + 1, t0 * kTileK, (t0 + nt_count) * kTileK, rot,
-                        reinterpret_cast<float*>(smem_raw), (int)(at / 4), staged, ldr);
-    xr = staged - t0 * kTileK;
-  }
 
   float acc[MT][4][4];
 #pragma unroll
@@ -366,7 +382,7 @@ __global__ void __launch_bounds__(32 * kWarpsN * WM) quick_gemm_kernel(const Qui
       for (int r = 0; r < 4; ++r) acc[i][j][r] = 0.f;
 
 #pragma unroll
-  for (int s = 0; s < kStages - 1 && !ROT; ++s) {
+  for (int s = 0; s < kStages - 1 && !kStagedX; ++s) {
     if (s < nt_count) load_a_stage<T, BM, THREADS>(smem + s * BM * kTileK, x, a.perm, a.M, a.K, m0, (t0 + s) * kTileK, tid);
     cp_async_commit();
   }
@@ -386,7 +402,7 @@ __global__ void __launch_bounds__(32 * kWarpsN * WM) quick_gemm_kernel(const Qui
     for (int j = 0; j < D; ++j) {
       const int it = base + j;
       if (it >= nt_count) break;
-      if constexpr (!ROT) {
+      if constexpr (!kStagedX) {
         cp_async_wait<kStages - 2>();
         __syncthreads();
         const int nxt_stage = it + kStages - 1;
@@ -406,7 +422,7 @@ __global__ void __launch_bounds__(32 * kWarpsN * WM) quick_gemm_kernel(const Qui
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
           const int row = (warp_m * MT + mt) * 16 + (lane & 15), chunk = ks * 2 + (lane >> 4);
-          if constexpr (ROT)
+          if constexpr (kStagedX)
             ldmatrix_x4(af[mt], xr + min(row, last_row) * ldr + (t0 + it) * kTileK + chunk * 8);
           else
             ldmatrix_x4(af[mt], a_chunk(stage, row, chunk));
@@ -499,18 +515,32 @@ __global__ void __launch_bounds__(128) quick_dequantize_kernel(const QuickArgs a
   }
 }
 
+// The launcher's choice of XSource for a launch with BM-row tiles of elem-byte x.
+int x_source(const QuickArgs& a, const Rotation& rot, int BM, size_t elem) {
+  if (rot.block) return kStagedRotated;
+  const size_t staged = (size_t)min(BM, a.M) * quick_staged_ld(a.K, a.tiles_per_split) * elem;
+  return BM == 16 && !a.perm && staged <= kQuickStagedMax ? kStaged : kPipelined;
+}
+
 template <typename T, int Q, int MT, int WM>
 cudaError_t launch(const QuickArgs& a, const Rotation& rot, cudaStream_t stream) {
   constexpr int BM = 16 * MT * WM;
-  const size_t smem = rot.block ? rotation_smem_bytes(0, rot.block, (size_t)min(BM, a.M) *
-                                                      quick_rotated_ld(a.K, a.tiles_per_split), sizeof(T))
-                                : (size_t)kStages * BM * kTileK * sizeof(T);
-  auto kernel = a.free_alpha ? quick_gemm_kernel<T, Q, MT, WM, true, false> : quick_gemm_kernel<T, Q, MT, WM, false, false>;
+  const size_t staged = (size_t)min(BM, a.M) * quick_staged_ld(a.K, a.tiles_per_split) * sizeof(T);
+  const int xs = x_source(a, rot, BM, sizeof(T));
+  const size_t smem = xs == kStagedRotated ? rotation_staged_offset(0, rot.block) + staged
+                      : xs == kStaged      ? staged
+                                           : (size_t)kStages * BM * kTileK * sizeof(T);
+  auto kernel = a.free_alpha ? quick_gemm_kernel<T, Q, MT, WM, true, kPipelined>
+                             : quick_gemm_kernel<T, Q, MT, WM, false, kPipelined>;
   if constexpr (MT == 1 && WM == 1) {
-    if (rot.block && a.perm) return cudaErrorInvalidValue;
-    if (rot.block) kernel = a.free_alpha ? quick_gemm_kernel<T, Q, 1, 1, true, true> : quick_gemm_kernel<T, Q, 1, 1, false, true>;
+    if (xs != kPipelined && a.perm) return cudaErrorInvalidValue;
+    if (xs == kStagedRotated && (a.free_alpha || Q == 2)) return cudaErrorInvalidValue;
+    if (xs == kStaged)
+      kernel = a.free_alpha ? quick_gemm_kernel<T, Q, 1, 1, true, kStaged> : quick_gemm_kernel<T, Q, 1, 1, false, kStaged>;
+    if constexpr (Q > 2)
+      if (xs == kStagedRotated) kernel = quick_gemm_kernel<T, Q, 1, 1, false, kStagedRotated>;
   } else {
-    if (rot.block) return cudaErrorInvalidValue;
+    if (xs != kPipelined) return cudaErrorInvalidValue;
   }
   if (smem > 48 * 1024) {
     const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);

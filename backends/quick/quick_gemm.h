@@ -38,16 +38,17 @@ struct QuickArgs {
 // Output tiles of a launch (gridDim.x · gridDim.y), one split-K counter each: 128 rows of Ŵ × tile_m rows of x.
 inline int quick_gemm_tiles(int M, int N, int tile_m) { return (N + 127) / 128 * ((M + tile_m - 1) / tile_m); }
 
-// Row stride (inputs) of the R·x a block stages for a rotated layer: its K slice plus 8 (ldmatrix without bank
-// conflicts).  It stages its tile's rows of x (at most M), R·x rounded to x's dtype (rotation.cuh; 16-row tiles, no
-// perm).
-__host__ __device__ inline int quick_rotated_ld(int K, int tiles_per_split) {
+// Row stride (inputs) of x as a block of 16-row tiles without perm stages it whole: its K slice plus 8 (ldmatrix
+// without bank conflicts).  It stages its tile's rows of x (at most M): always for a rotated layer (R·x rounded to x's
+// dtype, after the transform's work area: rotation.cuh), else where they take at most kQuickStagedMax bytes.
+__host__ __device__ inline int quick_staged_ld(int K, int tiles_per_split) {
   return (K < 64 * tiles_per_split ? K : 64 * tiles_per_split) + 8;
 }
+constexpr size_t kQuickStagedMax = 32 * 1024;
 
 // Launches the GEMM on `stream` (with splits > 1 the last block of each output tile sums its partials); with rot.block
-// > 0 each block stages R·x of its rows and K slice itself (a kernel argument of its own, as for lut_gemv; tile_m 16
-// without perm).  Returns cudaErrorInvalidValue for an unsupported Q (2..4), tile_m, dtype, rotation or a shape that is
+// > 0 each block stages R·x of its rows and K slice itself (a kernel argument of its own, as for lut_gemv; tile_m 16,
+// uniform 3/4-bit layers, without perm).  Returns cudaErrorInvalidValue for an unsupported Q (2..4), tile_m, dtype, rotation or a shape that is
 // not whole tiles.
 cudaError_t quick_gemm(const QuickArgs& args, const Rotation& rot, cudaStream_t stream);
 
