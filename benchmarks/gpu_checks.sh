@@ -17,6 +17,8 @@
 #   bash benchmarks/gpu_checks.sh lease      # one ~8-minute call: build; gpu tests + memcheck of quick/mixed/codebook
 #                                            # (+ $EXTRA); bench_gemm --quick, bench_gemv's 8192²/28672x8192/576² rows, bench_dequant
 #   bash benchmarks/gpu_checks.sh test compile  # the torch.compile tests alone (cuda_lut's two failed on 2026-11-26)
+#   bash benchmarks/gpu_checks.sh rotation   # build; rotation GPU tests; bench_rotation.py on the three fusing kernels
+#                                            # (fused R·x against the op's transform, issue 27; never run on a GPU yet)
 # Outputs land in $OUT (or ./gpu-out) for benchmarks/RESULTS.md.  GemLite is installed from wheels/ if present
 # (there is no internet on the GPU machine: build it here with
 #  `pip wheel --no-deps --no-build-isolation gemlite==0.6.0.post2 -w wheels/` and carry wheels/).
@@ -92,6 +94,13 @@ case "$STAGE" in
     ncu --set full --clock-control none -k regex:$RX --launch-skip 5 --launch-count 1 python3 benchmarks/profile_one.py \
       --shape "${2:-8192x8192}" --bits "${3:-4}" --M "${4:-1}" --kernel "$KER" >"$F" 2>&1
     tail -60 "$F" ;;
+  rotation)
+    build
+    python3 -m pytest -q -x tests/test_rotation.py -k stage_the_rotated 2>&1 | tail -3
+    for B in cuda_lut quick async_dequant; do
+      timeout 120 python3 benchmarks/bench_rotation.py --device cuda --backend $B --batches 1,4,8 --rounds 3 \
+        --shapes 576x576,1536x576,4096x4096,8192x8192 2>&1 | tee "$OUT/bench_rotation_$B.md" | tail -14
+    done ;;
   sweep) timeout 560 python3 benchmarks/sweep_plans.py --markdown "$OUT/sweep_plans.md" 2>&1 | tail -60 ;;
   quick)
     build; tests
