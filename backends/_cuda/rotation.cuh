@@ -13,14 +13,37 @@
 
 namespace qlinear {
 
-__device__ __forceinline__ float rotation_sign(unsigned seed, int k) {
-  unsigned h = (unsigned)k + seed * 0x9E3779B9u;  // lowbias32 (C. Wellons), as rotation.signs
+// D[k]'s sign bit (0x80000000 for −1): bit 31 of lowbias32 (C. Wellons) of k + seed·0x9E3779B9, as rotation.signs.
+__device__ __forceinline__ unsigned rotation_sign_bit(unsigned seed, int k) {
+  unsigned h = (unsigned)k + seed * 0x9E3779B9u;
   h ^= h >> 16;
   h *= 0x7FEB352Du;
   h ^= h >> 15;
   h *= 0x846CA68Bu;
-  h ^= h >> 16;
-  return (h >> 31) ? -1.f : 1.f;
+  return (h ^ (h >> 16)) & 0x80000000u;
+}
+
+// Partial sums of y[d0 .. d0 + V) (see stage_rotated_inline) over the terms j = g, g + groups, ... into out: per term one
+// V-input load (16 bytes for V = 8), its D signs and one sign for the whole term (Paley entry, Sylvester parity).
+template <int V, typename T>
+__device__ __forceinline__ void fold_terms(const T* xm, const Rotation& r, int b0, int n, int i, int a, int L, int lg,
+                                           int d0, int g, int groups, float* out) {
+  float acc[V];
+#pragma unroll
+  for (int q = 0; q < V; ++q) acc[q] = 0.f;
+  for (int j = g; j < (r.paley << lg); j += groups) {
+    const int ii = j >> lg, c = j & ((1 << lg) - 1), k = b0 + ii * n + c * L + d0;
+    unsigned neg = (unsigned)(__popc(a & c) & 1) << 31;
+    if (r.paley > 1 && __ldg(r.paley_matrix + i * r.paley + ii) < 0) neg ^= 0x80000000u;
+    T v[V];
+    if constexpr (V == 8) *reinterpret_cast<uint4*>(v) = __ldg(reinterpret_cast<const uint4*>(xm + k));
+    else v[0] = xm[k];
+#pragma unroll
+    for (int q = 0; q < V; ++q)
+      acc[q] += __uint_as_float(__float_as_uint(to_float<T>(v[q])) ^ neg ^ rotation_sign_bit(r.seed, k + q));
+  }
+#pragma unroll
+  for (int q = 0; q < V; ++q) out[q] = acc[q];
 }
 
 // Radix-2 stages at distances h, 2h, .., (R/2)·h over `total` floats of u (a multiple of h·R): one group of R values
@@ -57,13 +80,14 @@ __device__ __forceinline__ Out rounded_to(float v) {
 // (Sylvester in natural order, H[c][d] = (−1)^popc(c & d)), the outputs of Paley row i and L-aligned segment a of a
 // block are H_L·y, y[d] = Σ_{i', c'} P[i][i']·(−1)^popc(a & c')·(D·x)[i'·n + c'·L + d], with L the smallest power of two
 // whose aligned segment holds the slice's part of that row: b terms and L·log2 L butterflies per segment, where the
-// whole block would take b·(p + log2 n) (a split-K block's slice is a fraction of a Llama block of 4096-8192).
-// `work` (fp32) holds max(n, blockDim.x) floats.  Called by every thread of the block; ends with a barrier, after which
-// dst is complete and `work` free.
+// whole block would take b·(p + log2 n) (a split-K block's slice is a fraction of a Llama block of 4096-8192).  A
+// thread sums 8 consecutive bins per term where it can (L >= 8, x 16-byte aligned), one otherwise.  `work` (fp32)
+// holds max(n, 256) floats.  Called by every thread of the block; ends with a barrier, after which dst is complete and
+// `work` free.
 template <typename T, typename Out>
 __device__ __forceinline__ void stage_rotated_inline(const T* x, int ldx, int rows, int k_lo, int k_hi, const Rotation& r,
                                                      float* work, Out* dst, int ld) {
-  const int b = r.block, p = r.paley, n = b / p, threads = blockDim.x, t = threadIdx.x;
+  const int b = r.block, n = b / r.paley, threads = blockDim.x, t = threadIdx.x;
   const float scale = 1.f / sqrtf((float)b);
   for (int m = 0; m < rows; ++m) {
     const T* xm = x + (size_t)m * ldx;
@@ -71,31 +95,23 @@ __device__ __forceinline__ void stage_rotated_inline(const T* x, int ldx, int ro
       const int b0 = e / b * b, i = (e - b0) / n, row0 = b0 + i * n, end = min(k_hi, row0 + n);
       int L = 1;
       while ((e - row0) / L != (end - 1 - row0) / L) L *= 2;
-      const int a = (e - row0) / L, lg = 31 - __clz(n / L), terms = p << lg;
-      auto term = [&](int d, int j) {  // term j of y[d]: input row i' = j >> lg, segment c' = j & (n/L − 1)
-        const int ii = j >> lg, c = j & ((n / L) - 1), k = b0 + ii * n + c * L + d;
-        const float v = to_float<T>(xm[k]) * rotation_sign(r.seed, k);
-        const float s = (__popc(a & c) & 1) ? -v : v;
-        return p == 1 ? s : s * (float)__ldg(r.paley_matrix + i * p + ii);
-      };
-      const int groups = L >= threads ? 1 : threads / L;  // threads sharing a bin, their partials summed in order
-      if (groups == 1) {
-        for (int d = t; d < L; d += threads) {
-          float s = 0.f;
-          for (int j = 0; j < terms; ++j) s += term(d, j);
-          work[d] = s;
-        }
-      } else if (t < groups * L) {
-        float s = 0.f;
-        for (int j = t / L; j < terms; j += groups) s += term(t % L, j);
-        work[t] = s;
+      const int a = (e - row0) / L, lg = 31 - __clz(n / L);
+      const bool wide = L >= 8 && (reinterpret_cast<size_t>(xm) & 15) == 0;
+      const int V = wide ? 8 : 1, units = L / V;
+      // threads sharing a unit of V bins (their partials, at work[g·L + bin], summed in order), within 256 floats
+      const int groups = max(1, min(threads / units, 256 / L));
+      for (int u = t; u < units * groups; u += threads) {
+        const int d0 = (u % units) * V, g = u / units;
+        if (wide) fold_terms<8, T>(xm, r, b0, n, i, a, L, lg, d0, g, groups, work + g * L + d0);
+        else fold_terms<1, T>(xm, r, b0, n, i, a, L, lg, d0, g, groups, work + g * L + d0);
       }
       __syncthreads();
-      if (groups > 1) {
-        float s = 0.f;
-        for (int g = 0; g < groups && t < L; ++g) s += work[g * L + t];
-        __syncthreads();
-        if (t < L) work[t] = s;
+      if (groups > 1) {  // each bin summed by one thread: no thread reads another's bin
+        for (int d = t; d < L; d += threads) {
+          float s = work[d];
+          for (int g = 1; g < groups; ++g) s += work[g * L + d];
+          work[d] = s;
+        }
         __syncthreads();
       }
       for (int h = 1; h < L; h *= 8) {
