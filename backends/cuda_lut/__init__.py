@@ -159,7 +159,7 @@ def spec(x: torch.Tensor, buffers: dict, bias: Optional[torch.Tensor], cfg, out_
 SMEM_BUDGET = 100 * 1024  # shared memory per block that keeps two blocks per SM (228 KB on an H100/H200)
 
 
-def rotated_span(M: int, K: int, launch: tuple[int, int, int, int], perm: bool) -> int:
+def rotated_span(K: int, launch: tuple[int, int, int, int], perm: bool) -> int:
     """Inputs per row of x a block stages for a rotated layer: its K slice, or the whole K with act_order's ``perm``
     (``lut_gemv_rotated_span`` in ``bcq_lut_gemv.h``)."""
     kt, _, per_split, _ = launch
@@ -176,7 +176,7 @@ def linear(x: torch.Tensor, buffers: dict, bias, cfg, out_features: int, in_feat
     launch = plan(M, out_features, K, _sms(x.device.index or 0), cfg.bits)
     perm = buffers.get("perm")
     smem = rotation_smem_bytes(8 * M * launch[0] * 32, rotation[1] if rotation else 0,
-                               M * rotated_span(M, K, launch, perm is not None), x.element_size())
+                               M * rotated_span(K, launch, perm is not None), x.element_size())
     x, rot = staged_rotation(x, rotation, smem, SMEM_BUDGET)
     y = torch.ops.qlinear.bcq_lut_gemv(x.reshape(-1, K).contiguous(), buffers["lut_planes"], buffers["lut_alpha"],
                                        buffers.get("lut_offset"), perm, bias, cfg.group(K), *launch, *rot)

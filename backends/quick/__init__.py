@@ -330,10 +330,10 @@ def linear(x: torch.Tensor, buffers: dict, bias, cfg, out_features: int, in_feat
            rotation: Optional[tuple[int, int]] = None) -> torch.Tensor:
     """Registry entry of the GEMM: ``x`` ``[..., K]`` fp16/bf16 on CUDA, at most 512 rows -> ``[..., N]``.  An act_order
     layer's ``perm`` (in ``buffers``) is applied as the kernel loads x into shared memory (no separate gather).  A
-    rotated layer's ``rotation = (seed, block)``: uniform 3/4-bit layers on 16-row tiles without ``perm``, where its
-    blocks' ``R·x`` (their K
-    slice, rows padded by 8 inputs) fits :data:`SMEM_BUDGET`, each block stages ``R·x`` itself and
-    reads its A fragments from it; otherwise x is rotated first (:func:`qlinear.backends._gpu.staged_rotation`)."""
+    rotated layer's ``rotation = (seed, block)``: for uniform 3/4-bit layers on 16-row tiles without ``perm``, where
+    its blocks' ``R·x`` (their K slice, rows padded by 8 inputs) fits :data:`SMEM_BUDGET`, each block stages ``R·x``
+    itself and reads its A fragments from it; otherwise x is rotated first
+    (:func:`qlinear.backends._gpu.staged_rotation`)."""
     M, K = x.numel() // in_features, in_features
     tile_m, per_split, splits = launch = plan(M, out_features, K, _sms(x.device.index or 0))
     perm = buffers.get("perm")
