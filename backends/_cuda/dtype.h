@@ -16,6 +16,11 @@ struct Rotation {
   const signed char* paley_matrix;  // [p, p] ±1, row-major, on the device (p > 1)
 };
 
+// A rotation a launcher cannot take (the bindings check the same with messages, rotation_of in binding.h).
+inline bool rotation_invalid(const Rotation& r) {
+  return r.block && (r.block < 0 || r.paley < 1 || r.block % r.paley || (r.paley > 1 && r.paley_matrix == nullptr));
+}
+
 // Shared memory of a kernel that stages rotated x: its own area (aliased by the transform's fp32 work area of
 // max(block, 256) floats while the transform runs), then `values` staged inputs of `elem` bytes from
 // rotation_staged_offset on.

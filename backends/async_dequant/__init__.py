@@ -368,7 +368,7 @@ def _sparse(buffers: dict, N: int, K: int, dtype) -> torch.Tensor:
                                        buffers["ad_outlier_values"].to(dtype), (N, K), check_invariants=False)
 
 
-def rotation_smem_bytes(M: int, K: int, tiles_per_split: int, block: int) -> int:
+def staged_smem_bytes(M: int, K: int, tiles_per_split: int, block: int) -> int:
     """Shared memory of a block staging a rotated layer's ``R·x``: x of its span in fp32, its word table, then the
     transform's fp32 work area of ``max(block, 256)`` floats (``mixed_gemv_smem_bytes`` in ``mixed_gemv.h``)."""
     own = 4 * min(M, KERNEL_M) * min(K, 64 * tiles_per_split) + 16 * tiles_per_split
@@ -384,13 +384,13 @@ def linear(x: torch.Tensor, buffers: dict, bias, cfg, out_features: int, in_feat
     the benchmark.  ``outliers="separate"`` leaves them out of the kernel and adds a torch.sparse CSR SpMV
     (fp32) instead, for the benchmark's comparison; ``"fused"`` (default) adds them inside the kernel.  A rotated
     layer's ``rotation = (seed, block)``: up to :data:`ROTATED_MAX_M` rows each block stages ``R·x`` of its span
-    itself where the transform's work area still fits its share of shared memory (:func:`rotation_smem_bytes`), else
+    itself where the transform's work area still fits its share of shared memory (:func:`staged_smem_bytes`), else
     x is rotated first (:func:`qlinear.backends._gpu.staged_rotation`).
     """
     N, K = out_features, in_features
     M = x.numel() // K
     threads, per_split, _ = launch = plan(M, N, K, buffers["ad_codes"].numel() // N, _sms(x.device.index or 0))
-    smem = rotation_smem_bytes(M, K, per_split, rotation[1]) if rotation and M <= ROTATED_MAX_M else math.inf
+    smem = staged_smem_bytes(M, K, per_split, rotation[1]) if rotation and M <= ROTATED_MAX_M else math.inf
     x, rot = staged_rotation(x, rotation, smem, _block_smem_cap(min(M, KERNEL_M), threads))
     x2 = x.reshape(-1, K).contiguous()
     fused = outliers == "fused"

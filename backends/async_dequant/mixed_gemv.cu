@@ -377,8 +377,7 @@ cudaError_t mixed_gemv(const MixedGemvArgs& a, const Rotation& rot, cudaStream_t
   if (a.K % 16 || a.group_size % 16 || a.threads % 32 || a.threads < 32 || a.threads > 256 || a.W < 1 ||
       a.tiles_per_split < 1 || a.splits < 1 || (a.splits - 1) * a.tiles_per_split >= tiles ||
       a.splits * a.tiles_per_split < tiles || a.scale_bits < 1 || a.scale_bits > 8 || a.scale_group_size < 1 ||
-      (rot.block && (rot.block < 0 || rot.paley < 1 || rot.block % rot.paley ||
-                     (rot.paley > 1 && rot.paley_matrix == nullptr)))) {
+      rotation_invalid(rot)) {
     return cudaErrorInvalidValue;
   }
   if (a.x_dtype == DType::kHalf) return dispatch_m<__half>(a, rot, stream);

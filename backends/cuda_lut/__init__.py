@@ -36,7 +36,7 @@ import torch
 from qlinear.formats import bcq
 
 from .. import ANY, Kernel, Layout, register
-from .._gpu import rotation_smem_bytes, staged_rotation
+from .._gpu import NO_ROTATION, rotation_smem_bytes, staged_rotation
 from .._native import build_cuda_backend, dense_linear
 from .._native import sm_count as _sms  # module attribute: tests replace it without a GPU
 
@@ -175,9 +175,11 @@ def linear(x: torch.Tensor, buffers: dict, bias, cfg, out_features: int, in_feat
     M, K = x.numel() // in_features, in_features
     launch = plan(M, out_features, K, _sms(x.device.index or 0), cfg.bits)
     perm = buffers.get("perm")
-    smem = rotation_smem_bytes(8 * M * launch[0] * 32, rotation[1] if rotation else 0,
-                               M * rotated_span(K, launch, perm is not None), x.element_size())
-    x, rot = staged_rotation(x, rotation, smem, SMEM_BUDGET)
+    rot = NO_ROTATION
+    if rotation is not None:
+        smem = rotation_smem_bytes(8 * M * launch[0] * 32, rotation[1], M * rotated_span(K, launch, perm is not None),
+                                   x.element_size())
+        x, rot = staged_rotation(x, rotation, smem, SMEM_BUDGET)
     y = torch.ops.qlinear.bcq_lut_gemv(x.reshape(-1, K).contiguous(), buffers["lut_planes"], buffers["lut_alpha"],
                                        buffers.get("lut_offset"), perm, bias, cfg.group(K), *launch, *rot)
     return y.reshape(*x.shape[:-1], out_features)

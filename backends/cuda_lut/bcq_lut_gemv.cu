@@ -362,8 +362,7 @@ cudaError_t dequantize_q(const LutGemvArgs& a, cudaStream_t s) {
 
 cudaError_t lut_gemv(const LutGemvArgs& a, const Rotation& rot, cudaStream_t stream) {
   if (a.kt % 32 || a.group_size % 32 || a.K % 32 || a.N % 4 || a.threads % 32 || a.threads > 256 ||
-      (rot.block && (rot.block < 0 || rot.paley < 1 || rot.block % rot.paley ||
-                       (rot.paley > 1 && rot.paley_matrix == nullptr)))) {
+      rotation_invalid(rot)) {
     return cudaErrorInvalidValue;
   }
   if (a.x_dtype == DType::kHalf) return dispatch_m<__half>(a, rot, stream);

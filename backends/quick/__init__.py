@@ -64,6 +64,7 @@ from typing import Optional
 import torch
 
 from qlinear.formats import bcq
+from qlinear.formats import rotation as _rotation
 from qlinear.formats.packing import pack_planes, unpack_planes
 
 from .. import ANY, Kernel, Layout, register
@@ -361,7 +362,7 @@ def linear_free(x: torch.Tensor, buffers: dict, bias, cfg, out_features: int, in
     for cuBLAS)."""
     if x.numel() // in_features <= MAX_BATCH:
         return linear(x, buffers, bias, cfg, out_features, in_features, rotation)
-    x, _ = staged_rotation(x, rotation, math.inf, 0)
+    x = x if rotation is None else _rotation.rotate_input(x, *rotation)
     perm = buffers.get("perm")
     x = x if perm is None else x.index_select(-1, perm)
     return linear_dequantized(x, buffers, bias, cfg, out_features, in_features)

@@ -588,8 +588,7 @@ cudaError_t dispatch_q(const QuickArgs& a, const Rotation& r, cudaStream_t s, bo
 
 cudaError_t run(const QuickArgs& a, const Rotation& rot, cudaStream_t stream, bool dequant) {
   if (a.N % kTileN || a.K % kTileK || a.K >= (1 << 20) || a.group_size % 32 || a.splits < 1 || a.tiles_per_split < 1 ||
-      (rot.block && (rot.block < 0 || rot.paley < 1 || rot.block % rot.paley ||
-                     (rot.paley > 1 && rot.paley_matrix == nullptr))))
+      rotation_invalid(rot))
     return cudaErrorInvalidValue;
   if (a.x_dtype == DType::kHalf) return dispatch_q<__half>(a, rot, stream, dequant);
   if (a.x_dtype == DType::kBFloat16) return dispatch_q<__nv_bfloat16>(a, rot, stream, dequant);
