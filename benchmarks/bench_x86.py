@@ -76,6 +76,8 @@ def _quantize(w, cfg):
 
 def _format_code(cfg) -> int:
     """qgemm.h's Format of a layer (the callgrind harness's FORMAT)."""
+    if cfg.format == "mixed":  # the harness's mixed layer at the format's defaults
+        return 5
     if cfg.format == "codebook" or x86._uniform_crumbs(cfg):  # uniform 2-bit: the 2-bit codebook kernel, 4 books
         return 3 if cfg.bits == 4 else 4
     return 0 if bcq.is_uniform(cfg) and cfg.bits == 4 else 1 if bcq.is_uniform(cfg) else 2
@@ -126,20 +128,18 @@ def callgrind(shapes, formats):
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         exe = Path(tmp) / "harness"
-        subprocess.run(["g++", "-O3", "-std=c++17", "-ffp-contract=off", str(here / "kernels.cpp"),
-                        str(here / "harness.cpp"), "-o", str(exe)], check=True)
+        subprocess.run(["g++", "-O3", "-std=c++17", "-ffp-contract=off", *(str(here / f) for f in
+                        ("kernels.cpp", "mixed.cpp", "harness.cpp")), "-o", str(exe)], check=True)
         for N, K in shapes:
             gs = 128 if K % 128 == 0 else 64
             for name in formats:
                 cfg = FORMATS[name](gs)
-                if cfg.format == "mixed":  # the harness drives qlinear_x86::run only
-                    rows.append([f"{N}x{K}", gs, name, *["not run"] * len(PATHS)])
-                    continue
                 fmt = _format_code(cfg)
-                row = [f"{N}x{K}", gs, name]
+                row = [f"{N}x{K}", cfg.group_size, name]
                 for p in PATHS:
                     r = subprocess.run(["valgrind", "--tool=callgrind", f"--callgrind-out-file={tmp}/cg.out",
-                                        "--toggle-collect=qlinear_x86::run*", str(exe), str(x86.PATHS[p]), "1",
+                                        "--toggle-collect=qlinear_x86::run*", "--toggle-collect=qlinear_x86::mixed_run*",
+                                        str(exe), str(x86.PATHS[p]), "1",
                                         str(N), str(K), str(gs), "1", str(fmt), str(cfg.bits)],
                                        capture_output=True, text=True)
                     m = re.search(r"Collected : (\d+)", r.stderr)

@@ -112,6 +112,9 @@ _ROTATED["codebook2-g96"] = None
 ROWS["codebook4-g96"] = ("Codebook 4-bit g96, activation-aware + error feedback", "codebook",
                          ("qlinear", _q("codebook", bits=4, group_size=96, error_feedback=True), True))
 _ROTATED["codebook4-g96"] = None
+ROWS["codebook4-g96-nocal"] = ("Codebook 4-bit g96, no calibration", "codebook",
+                               ("qlinear", _q("codebook", bits=4, group_size=96), False))
+_ROTATED["codebook4-g96-nocal"] = None
 for _n, _spec in _ROTATED.items():
     _label, _cfg, _cal = _spec or (ROWS[_n][0], *ROWS[_n][2][1:])
     _opts = {**_cfg.format_options, "bits": _cfg.bits, "group_size": _cfg.group_size, "rotation": "hadamard"}
@@ -134,7 +137,7 @@ for _b, _g in ((2, 32), (2, 64), (2, 128), (3, 128), (4, 128)):  # without act_o
                                            ("qlinear", _q("bcq", bits=_b, group_size=_g, method="gptq", mse=True,
                                                           rotation="hadamard"), True))
 ROTATION_ROWS = [n for n in ROWS if n.endswith("-rot") or "-rot-s" in n] + ["bcq4-nocal", "gptq2-g128-noao", "gptq3-g128-noao",
-                                                            "gptq4-g128-noao", "codebook2-g96", "codebook4-g96", "gptq3-g128-mse",
+                                                            "gptq4-g128-noao", "codebook2-g96", "codebook4-g96", "codebook4-g96-nocal", "gptq3-g128-mse",
                                                             "gptq4-g128-mse"]
 
 # Rows that decide the three claims first, so that a cut-short run still answers them.

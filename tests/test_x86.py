@@ -539,6 +539,19 @@ def test_registry_reasons():
     assert "multiple of 32" in cb.reject(codebook.Config(bits=2, group_size=48), cpu, torch.float32, 1, (64, 192))
 
 
+@pytest.mark.parametrize("name", ["g128", "uniform 3-bit g64 imported", "uniform 2-bit g128 ragged last group",
+                                  "free α 2-bit g64", "codebook 4-bit g32", "codebook 2-bit 4 books g64"])
+def test_default_registry_runs_every_format_on_x86(name):
+    """With no backend named, a CPU layer of each format runs on x86 (above the reference and, off aarch64, the Arm
+    kernels' SIMDe build) at decode and prefill batches, held in x86's layout."""
+    cfg, bufs, N, K = _case(name)
+    cls = CodebookLinear if cfg.format == "codebook" else BCQLinear
+    mod = cls.from_packed(bufs, K, N, cfg, None)
+    for batch in (1, 8, 512):
+        assert mod.kernel(torch.randn(batch, K)).backend == "x86", (name, batch)
+    assert mod.layout.startswith("x86")
+
+
 @pytest.mark.parametrize("cls,opts", [(BCQLinear, dict(bits=4, group_size=64, init="uniform", iters=0)),
                                       (BCQLinear, dict(bits=3, group_size=32)),
                                       (BCQLinear, dict(bits=3, group_size=64, method="gptq", act_order=True)),
