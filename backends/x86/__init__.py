@@ -232,16 +232,25 @@ def unrepack(buffers: dict, cfg, N: int, K: int) -> dict:
     return bcq.uniform_buffers(codes, unpad_groups(buffers["x86_qs"], N), zeros, cfg.bits)
 
 
+@functools.lru_cache(maxsize=None)
+def _op_names(cfg) -> tuple:
+    """:func:`_weights` of a config with buffer names for the tensors (qz may be :data:`UNIFORM2_BOOKS`, qb None), the
+    group size left as configured: worked out once per config (configs are frozen), as it runs on every call."""
+    if cfg.format == "codebook":  # qgemm.h's Format kCB4 / kCB2; qz: the codebooks
+        return ("x86_qw", "x86_qs", "codebooks", "x86_qb" if cfg.books > 1 else None, cfg.bits,
+                FORMATS["cb4" if cfg.bits == 4 else "cb2"])
+    if _uniform_crumbs(cfg):  # kCB2 with the zero points' books
+        return "x86_qw", "x86_qs", UNIFORM2_BOOKS, "x86_qb", 2, FORMATS["cb2"]
+    fmt = FORMATS["u4" if _nibbles(cfg) else "planes_uniform" if bcq.is_uniform(cfg) else "planes_free"]
+    return (*_names(cfg), None, cfg.bits, fmt)
+
+
 def _weights(buffers: dict, cfg, K: int) -> tuple:
     """``(qw, qs, qz, qb, group_size, bits, format)``: the op arguments (qgemm.h's ``Weights``) of a layer's buffers."""
-    if cfg.format == "codebook":  # qgemm.h's Format kCB4 / kCB2; qz: the codebooks
-        return (buffers["x86_qw"], buffers["x86_qs"], buffers["codebooks"], buffers.get("x86_qb"), cfg.group_size,
-                cfg.bits, FORMATS["cb4" if cfg.bits == 4 else "cb2"])
-    gs = K if cfg.group_size == -1 else cfg.group_size
-    if _uniform_crumbs(cfg):  # kCB2 with the zero points' books
-        return buffers["x86_qw"], buffers["x86_qs"], UNIFORM2_BOOKS, buffers["x86_qb"], gs, 2, FORMATS["cb2"]
-    fmt = FORMATS["u4" if _nibbles(cfg) else "planes_uniform" if bcq.is_uniform(cfg) else "planes_free"]
-    return (*(buffers[n] for n in _names(cfg)), None, gs, cfg.bits, fmt)
+    qw, qs, qz, qb, bits, fmt = _op_names(cfg)
+    gs = K if cfg.group_size == -1 and cfg.format != "codebook" else cfg.group_size
+    return (buffers[qw], buffers[qs], buffers[qz] if isinstance(qz, str) else qz, None if qb is None else buffers[qb],
+            gs, bits, fmt)
 
 
 def dequantize(buffers: dict, cfg, out_features: int, in_features: int,
@@ -412,6 +421,19 @@ MIXED_LAYOUT = Layout(name="x86_mixed", names=lambda cfg: MIXED_NAMES, repack=re
                       dequantize=dequantize_mixed, dequantize_devices=frozenset({"cpu"}))
 
 
+def _rows(x: torch.Tensor, K: int) -> torch.Tensor:
+    """``x`` ``[..., K]`` as the ops' contiguous float32 ``[M, K]``: ``x`` itself where it already is one (these
+    wrappers run on every call: each skipped no-op conversion saves about a microsecond)."""
+    x2 = x if x.dim() == 2 else x.reshape(-1, K)
+    return x2 if x2.dtype == torch.float32 and x2.is_contiguous() else x2.float().contiguous()
+
+
+def _like(y: torch.Tensor, x: torch.Tensor, N: int) -> torch.Tensor:
+    """An op's float32 ``[M, N]`` result in ``x``'s dtype and leading dimensions."""
+    y = y if x.dtype == torch.float32 else y.to(x.dtype)
+    return y if x.dim() == 2 else y.reshape(*x.shape[:-1], N)
+
+
 def linear_mixed(x: torch.Tensor, buffers: dict, bias, cfg, out_features: int, in_features: int, path: str = "auto",
                  simde: bool = False, rotation=None) -> torch.Tensor:
     """Registry entry for the mixed format: ``x`` ``[..., K]`` on CPU -> ``[..., N]`` of ``x.dtype`` over layout
@@ -421,17 +443,16 @@ def linear_mixed(x: torch.Tensor, buffers: dict, bias, cfg, out_features: int, i
     ``simde`` runs the SIMDe build; ``rotation`` (seed, block): the layer's randomized Hadamard, applied to x inside
     the op."""
     N, K = out_features, in_features
-    x2 = x.reshape(-1, K)
-    if path == "auto" and not simde and x2.shape[0] >= batched_from(cfg, N, K, x):
+    if path == "auto" and not simde and x.numel() // K >= batched_from(cfg, N, K, x):
         held, opts = _mixed_args(buffers), (cfg.group_size, cfg.scale_bits, cfg.scale_group_size)
         return _batched(x, lambda b0, b1, dtype: torch.ops.qlinear.x86_mixed_dequantize(*held, N, K, *opts, 0, b0, b1,
                                                                                         dtype),
                         bias, N, K, rotation,
                         amx=lambda xs, b: torch.ops.qlinear.x86_mixed_amx_gemm(xs, *held, b, N, *opts))
     op = torch.ops.qlinear_x86_simde.x86_mixed_gemm if simde else torch.ops.qlinear.x86_mixed_gemm
-    y = op(x2.float().contiguous(), *_mixed_args(buffers), bias, N, cfg.group_size, cfg.scale_bits,
-           cfg.scale_group_size, PATHS[path], *rotation_args(rotation, K))
-    return y.to(x.dtype).reshape(*x.shape[:-1], N)
+    y = op(_rows(x, K), *_mixed_args(buffers), bias, N, cfg.group_size, cfg.scale_bits, cfg.scale_group_size,
+           PATHS[path], *rotation_args(rotation, K))
+    return _like(y, x, N)
 
 
 def spec_mixed(x: torch.Tensor, buffers: dict, bias, cfg, N: int, K: int, rotation=None) -> torch.Tensor:
@@ -532,9 +553,8 @@ def linear(x: torch.Tensor, buffers: dict, bias, cfg, out_features: int, in_feat
     Hadamard, applied to x inside the op before its int8 quantization (the kernel ``fuses_rotation``); an act_order
     layer's ``perm`` in ``buffers`` is gathered there too, after it (``gathers_perm``)."""
     N, K = out_features, in_features
-    x2 = x.reshape(-1, K)
     qw, qs, qz, qb, gs, bits, fmt = _weights(buffers, cfg, K)
-    if path == "auto" and not simde and x2.shape[0] >= batched_from(cfg, N, K, x):
+    if path == "auto" and not simde and x.numel() // K >= batched_from(cfg, N, K, x):
         names = _codebook_names(cfg) if cfg.format == "codebook" else _names(cfg)
         main = {n: buffers[n] for n in names if n != "codebooks"}
         return _batched(x, lambda b0, b1, dtype: dequantize({**buffers, **{n: t[b0:b1] for n, t in main.items()}},
@@ -542,9 +562,9 @@ def linear(x: torch.Tensor, buffers: dict, bias, cfg, out_features: int, in_feat
                         rotation, buffers.get("perm"),
                         lambda xs, b: torch.ops.qlinear.x86_amx_gemm(xs, qw, qs, qz, qb, b, N, gs, bits, fmt))
     op = torch.ops.qlinear_x86_simde.x86_gemm if simde else torch.ops.qlinear.x86_gemm
-    y = op(x2.float().contiguous(), qw, qs, qz, bias, N, gs, bits, fmt, PATHS[path], *rotation_args(rotation, K),
+    y = op(_rows(x, K), qw, qs, qz, bias, N, gs, bits, fmt, PATHS[path], *rotation_args(rotation, K),
            buffers.get("perm"), qb)
-    return y.to(x.dtype).reshape(*x.shape[:-1], N)
+    return _like(y, x, N)
 
 
 def batched_from(cfg, out_features: int, in_features: int, x: torch.Tensor) -> float:
