@@ -92,13 +92,17 @@ def count(plugin: str, work: Path) -> list[list[object]]:
     return rows
 
 
-def rotation(plugin: str, work: Path) -> list[list[object]]:
+def rotation(plugin: str, work: Path, chosen: int = 0) -> list[list[object]]:
+    """Per shape of ROTATION_SHAPES: the transform's instructions per call against the kernel's, with the layers'
+    default block (``block_size(K)``) or, given ``chosen``, that one (``rotation_block=``) where it divides K."""
     from qlinear.formats.rotation import _paley, _split, block_size
 
     exe = build(work)
     rows = []
     for N, K, group in ROTATION_SHAPES:
-        block = block_size(K)
+        if chosen and K % chosen:
+            continue
+        block = chosen or block_size(K)
         p = _split(block)[0]
         paley = []
         if p > 1:
@@ -153,6 +157,8 @@ def main() -> None:
     ap.add_argument("--skip-count", action="store_true")
     ap.add_argument("--skip-time", action="store_true")
     ap.add_argument("--rotation", action="store_true", help="only the rotated layers' transform count (issue 27)")
+    ap.add_argument("--rotation-block", type=int, default=0,
+                    help="with --rotation: this block (rotation_block=) instead of each layer's default")
     args = ap.parse_args()
     print(f"{datetime.date.today()}, {platform.machine()}, torch {torch.__version__}, {torch.get_num_threads()} threads")
     if (args.rotation or not args.skip_count) and not (
@@ -161,7 +167,7 @@ def main() -> None:
     if args.rotation:
         with tempfile.TemporaryDirectory() as d:
             print(table(["N x K", "group", "block", "kernel", "activation quantization", "transform",
-                         "transform / (kernel + quantization)"], rotation(args.plugin, Path(d))))
+                         "transform / (kernel + quantization)"], rotation(args.plugin, Path(d), args.rotation_block)))
         return
     if not args.skip_count:
         with tempfile.TemporaryDirectory() as d:

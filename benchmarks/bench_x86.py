@@ -193,7 +193,8 @@ def main() -> None:
     assert x86.available() is None, x86.available()
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     if args.callgrind:
-        print(f"{time.strftime('%Y-%m-%d')}: instructions per weight inside qlinear_x86::run, M=1 (callgrind)")
+        print(f"{time.strftime('%Y-%m-%d')}: instructions per weight inside qlinear_x86::run (mixed: mixed_run), M=1 "
+              "(callgrind)")
         print(table(["N x K", "group", "format", *[f"x86 {p}" for p in PATHS]],
                     callgrind(shapes, args.formats.split(","))))
         return

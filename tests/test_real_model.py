@@ -194,7 +194,7 @@ def test_cpu_backend_perplexity_matches_reference(setup, backend, config, subset
     assert all(m.layout.startswith(backend) for m in layers)
     got = ppl(model, setup, tokens)
     print(f"perplexity reference {ref:.3f}, {backend} {got:.3f} ({100 * (got - ref) / ref:+.2f}%)")
-    # measured 2026-11-27 on an Intel Xeon: 2-bit cases -0.75 % (RTN), -0.43 % (codebook), -0.01 % (BCQ with error
-    # feedback), mixed -0.13 %.  (On 2026-11-25, with that day's kernels and test setup, a BCQ 2-bit case on a model of
-    # perplexity ~480 measured -1.41 %, and 2 bits had a 2 % bound.)
+    # measured 2026-11-27 on an Intel Xeon, 2-bit cases: x86 -0.75 % (RTN), -0.43 % (codebook), -0.01 % (BCQ with
+    # error feedback), mixed -0.13 %; Arm codebook -0.65 %.  (On 2026-11-25 the Arm codebook 2-bit case measured
+    # -1.41 % on a model of perplexity ~480 (now ~35 with this setup), and 2 bits had a 2 % bound.)
     assert abs(got - ref) <= 0.01 * ref, (got, ref)

@@ -540,16 +540,22 @@ def test_registry_reasons():
 
 
 @pytest.mark.parametrize("name", ["g128", "uniform 3-bit g64 imported", "uniform 2-bit g128 ragged last group",
-                                  "free α 2-bit g64", "codebook 4-bit g32", "codebook 2-bit 4 books g64"])
-def test_default_registry_runs_every_format_on_x86(name):
-    """With no backend named, a CPU layer of each format runs on x86 (above the reference and, off aarch64, the Arm
-    kernels' SIMDe build) at decode and prefill batches, held in x86's layout."""
+                                  "free α g64 ragged N tail", "free α 2-bit g64", "codebook 4-bit g32",
+                                  "codebook 2-bit 1 book", "codebook 2-bit 2 books ragged N tail",
+                                  "codebook 2-bit 4 books g64"])
+def test_default_registry_selects_x86_for_every_format(name):
+    """With no backend named, the registry picks x86 for a CPU layer of each format (above the reference and, off
+    aarch64, the Arm kernels' SIMDe build) at decode and prefill batches, and the layer then holds x86's layout and
+    computes what the x86 op computes (the mixed format: test_mixed_registry)."""
     cfg, bufs, N, K = _case(name)
     cls = CodebookLinear if cfg.format == "codebook" else BCQLinear
     mod = cls.from_packed(bufs, K, N, cfg, None)
     for batch in (1, 8, 512):
         assert mod.kernel(torch.randn(batch, K)).backend == "x86", (name, batch)
     assert mod.layout.startswith("x86")
+    x = torch.randn(3, K)
+    op = x86.linear(x, dict(zip(mod._packed_names, mod.packed())), None, cfg, N, K, path="scalar")
+    assert torch.equal(mod(x), op)
 
 
 @pytest.mark.parametrize("cls,opts", [(BCQLinear, dict(bits=4, group_size=64, init="uniform", iters=0)),

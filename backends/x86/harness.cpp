@@ -3,8 +3,9 @@
 //   harness PATH M N K GROUP REPS [FORMAT BITS]
 //       REPS calls of qlinear_x86::run on path PATH (1 scalar, 2 avx2, 3 avx2_vnni, 4 avx512_vnni) over all row
 //       blocks of random weights, one thread; FORMAT 0 uniform 4-bit nibbles (default), 1 uniform LUT, 2 free-α LUT,
-//       3 4-bit codebook, 4 2-bit codebook with 4 books (qgemm.h), BITS 1-4; 5 the mixed format at its defaults
-//       (qlinear_x86::mixed_run: group 16, every fourth group 4-bit, 4-bit scale codes per 16 rows, 0.2 % outliers;
+//       3 4-bit codebook, 4 2-bit codebook with 4 books (qgemm.h), BITS 1-4; 5 the mixed format near its defaults
+//       (qlinear_x86::mixed_run: group 16, every fourth group 4-bit (floor(G/4) of them, where the format rounds
+//       G/4), 4-bit scale codes per 16 rows, round(0.002·N·K) outliers spread over the rows; K a multiple of 16;
 //       GROUP and BITS ignored)
 // Exits 2 when this CPU (or valgrind's emulated one) lacks the path.
 #include <stdio.h>
@@ -16,7 +17,12 @@
 
 template <typename Rnd>
 int mixed(int path, int M, int N, int K, int reps, Rnd& rnd) {
-  const int Nb = (N + 15) / 16, G = K / 16, G4 = G / 4, G2 = G - G4, S2 = (N + 15) / 16, per_row = K / 500;
+  if (K % 16) {
+    fprintf(stderr, "the mixed format needs K a multiple of 16\n");
+    return 1;
+  }
+  const int Nb = (N + 15) / 16, G = K / 16, G4 = G / 4, G2 = G - G4, S2 = (N + 15) / 16;
+  const int64_t nnz = (int64_t)(0.002 * N * K + 0.5);
   std::vector<uint32_t> q2((size_t)Nb * G2 * 16), q4((size_t)Nb * G4 * 2 * 16), sc((size_t)Nb * G * 2),
       z((size_t)Nb * (G2 + 2 * G4)), kinds((G + 31) / 32);
   for (auto* v : {&q2, &q4, &sc, &z})
@@ -25,9 +31,9 @@ int mixed(int path, int M, int N, int K, int reps, Rnd& rnd) {
   std::vector<uint16_t> ss((size_t)S2 * G), sz((size_t)S2 * G);
   for (auto& v : ss) v = (uint16_t)(0x1c00 | ((rnd() >> 20) & 1023));
   for (auto& v : sz) v = (uint16_t)(0x1c00 | ((rnd() >> 20) & 1023));
-  std::vector<int32_t> orp(N + 1), oc((size_t)N * per_row);
-  std::vector<float> ov((size_t)N * per_row, 0.01f), x((size_t)M * K), y((size_t)M * N);
-  for (int n = 0; n <= N; ++n) orp[n] = n * per_row;
+  std::vector<int32_t> orp(N + 1), oc(nnz);
+  std::vector<float> ov(nnz, 0.01f), x((size_t)M * K), y((size_t)M * N);
+  for (int n = 0; n <= N; ++n) orp[n] = (int32_t)(nnz * n / N);
   for (auto& c : oc) c = (int32_t)(rnd() % K);
   for (auto& v : x) v = (float)((int)(rnd() >> 16) - 32768) / 32768.0f;
   std::vector<char> work(qlinear_x86::mixed_acts_bytes(M, K) + 64);
