@@ -804,6 +804,42 @@ void build_tables(const int8_t* xq, int K, int8_t* T) {
     }
   }
 }
+
+// The same tables with AVX-512 VBMI, per 32 inputs: lo = x̂ & 15 and hi = x̂ >> 4 (arithmetic: ((x̂ ^ 0x80) >> 4) − 8),
+// then per table entry 16g + p the sum over bits t of p of part[16·half + 4g + t] as four VPERMB gathers, each added
+// where bit t of p is set (the same int8 sums: entries ≤ 60 or ≥ −32 in magnitude, no wrap).
+struct TableGather {
+  alignas(64) uint8_t idx[2][4][64];  // [half][t]: byte 16g + p <- input 16·half + 4g + t
+};
+constexpr TableGather table_gather() {
+  TableGather t{};
+  for (int half = 0; half < 2; ++half)
+    for (int b = 0; b < 4; ++b)
+      for (int e = 0; e < 64; ++e) t.idx[half][b][e] = static_cast<uint8_t>(16 * half + 4 * (e / 16) + b);
+  return t;
+}
+constexpr TableGather kTableGather = table_gather();
+
+QLINEAR_AVX512_LUT void build_tables_avx512(const int8_t* xq, int K, int8_t* T) {
+  constexpr uint64_t kHas[4] = {0xAAAAAAAAAAAAAAAAull, 0xCCCCCCCCCCCCCCCCull, 0xF0F0F0F0F0F0F0F0ull,
+                                0xFF00FF00FF00FF00ull};  // entries p (mod 16) with bit t set
+  const __m512i low = _mm512_set1_epi8(15);
+  for (int h = 0; h < K / 32; ++h) {
+    const __m512i v = _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 32 * h)));
+    const __m512i part[2] = {
+        _mm512_and_si512(v, low),
+        _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16(_mm512_xor_si512(v, _mm512_set1_epi8(-128)), 4), low),
+                        _mm512_set1_epi8(8))};
+    for (int half = 0; half < 2; ++half)
+      for (int pt = 0; pt < 2; ++pt) {
+        __m512i out = _mm512_setzero_si512();
+        for (int b = 0; b < 4; ++b)
+          out = _mm512_mask_add_epi8(out, kHas[b], out,
+                                     _mm512_permutexvar_epi8(_mm512_load_si512(kTableGather.idx[half][b]), part[pt]));
+        _mm512_storeu_si512(T + (static_cast<int64_t>(h) * 4 + 2 * half + pt) * 64, out);
+      }
+  }
+}
 }  // namespace
 
 int quantize_block(const float* x, int n, int8_t* q, float* scale) {
@@ -855,7 +891,9 @@ void prepare_acts(const float* x, int M, int K, int group_size, bool tables, voi
   if (tables) {
     const uintptr_t end = reinterpret_cast<uintptr_t>(work) + quant_bytes(M, K, group_size);
     int8_t* T = reinterpret_cast<int8_t*>((end + 63) & ~uintptr_t(63));
-    for (int m = 0; m < M; ++m) build_tables(xq + static_cast<int64_t>(m) * K, K, T + static_cast<int64_t>(m) * (K / 32) * 256);
+    const bool vbmi = QLINEAR_HAS("avx512bw") && QLINEAR_HAS("avx512vbmi");
+    for (int m = 0; m < M; ++m)
+      (vbmi ? build_tables_avx512 : build_tables)(xq + static_cast<int64_t>(m) * K, K, T + static_cast<int64_t>(m) * (K / 32) * 256);
     a->tables = T;
   }
 }
