@@ -864,8 +864,9 @@ QLINEAR_TARGET("avx512f,avx512bw,avx512vl") int quantize_block_avx512(const floa
 }  // namespace
 
 int quantize_block(const float* x, int n, int8_t* q, float* scale) {
-  if ((n == 16 || n == 32) && QLINEAR_HAS("avx512f") && QLINEAR_HAS("avx512bw") && QLINEAR_HAS("avx512vl"))
-    return quantize_block_avx512(x, n, q, scale);
+  // once per process, not per block: this runs for every 16 or 32 activations
+  static const bool avx512 = QLINEAR_HAS("avx512f") && QLINEAR_HAS("avx512bw") && QLINEAR_HAS("avx512vl");
+  if ((n == 16 || n == 32) && avx512) return quantize_block_avx512(x, n, q, scale);
   float amax = 0.0f;
   for (int k = 0; k < n; ++k) amax = std::max(amax, std::fabs(x[k]));
   const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
