@@ -223,8 +223,12 @@ template <typename T, int M> void run_q(const LutGemvArgs& a) {
 template <typename T> void run_m(const LutGemvArgs& a) {
   switch (a.M) { case 1: return run_q<T, 1>(a); case 3: return run_q<T, 3>(a); default: return run_q<T, 8>(a); }
 }
-template <int Q> void dequantize(const LutGemvArgs& a) {
-  run_grid(dim3((a.N / 4 + 255) / 256, a.K / 32, 1), 256, [&a] { lut_dequantize_kernel<float, Q>(a); });
+template <typename OutT, int Q> void dequantize(const LutGemvArgs& a) {
+  run_grid(lut_dequantize_grid(a.N, a.K), 256, [&a] { lut_dequantize_kernel<OutT, Q>(a); });
+}
+template <typename OutT> void dequantize_q(const LutGemvArgs& a) {
+  switch (a.Q) { case 1: return dequantize<OutT, 1>(a); case 2: return dequantize<OutT, 2>(a);
+                 case 3: return dequantize<OutT, 3>(a); default: return dequantize<OutT, 4>(a); }
 }
 }  // namespace emu
 
@@ -256,12 +260,18 @@ int main(int argc, char** argv) {
   a.kt = h[5]; a.threads = h[6]; a.tiles_per_split = h[7]; a.splits = h[8];
   a.x_dtype = bf16 ? DType::kBFloat16 : DType::kHalf;
   g_rot = Rotation{h[15], h[16], (unsigned)h[14], paley.data()};
-  if (h[13]) {  // the dequantize kernel: Ŵ [N, K] float32
+  if (h[13] == 1) {  // the dequantize kernel: Ŵ [N, K] float32
     std::vector<float> w((size_t)N * K, NAN);
     a.y = w.data();
-    switch (Q) { case 1: dequantize<1>(a); break; case 2: dequantize<2>(a); break; case 3: dequantize<3>(a); break;
-                 default: dequantize<4>(a); }
+    dequantize_q<float>(a);
     FILE* o = fopen(argv[2], "wb"); fwrite(w.data(), 4, w.size(), o); fclose(o);
+    return 0;
+  }
+  if (h[13]) {  // Ŵ in x's dtype (fp16 or bf16), written as float32
+    std::vector<uint16_t> w((size_t)N * K, 0x7E00);
+    a.y = w.data();
+    if (bf16) dequantize_q<__nv_bfloat16>(a); else dequantize_q<__half>(a);
+    emu_write(argv[2], w, bf16);
     return 0;
   }
   if (bf16) run_m<__nv_bfloat16>(a); else run_m<__half>(a);
@@ -280,17 +290,17 @@ def emulator(tmp_path_factory):
         ("extern __shared__ float smem[];", "float* smem = reinterpret_cast<float*>(::g_smem4);"), "", _LUT_DRIVER)
 
 
-def _emulate(exe, x, bufs, bias, cfg, N, K, launch, perm=None, dequant=False, rotation=None):
-    """The GEMV (float32 ``[M, N]``) or, with ``dequant``, the dequantize kernel (float32 ``Ŵ`` ``[N, K]``; ``x`` only
-    sizes the call) run by the emulator; ``rotation = (seed, block)`` has the kernel stage ``R·x`` itself."""
+def _emulate(exe, x, bufs, bias, cfg, N, K, launch, perm=None, dequant=None, rotation=None):
+    """The GEMV (float32 ``[M, N]``) or, with ``dequant`` (torch.float32 or ``x``'s dtype), the dequantize kernel
+    writing ``Ŵ`` ``[N, K]`` in that dtype (returned as float32; ``x`` only gives the dtype) run by the emulator; ``rotation = (seed, block)`` has the kernel stage ``R·x`` itself."""
     from cuda_emulation import dtype_kind, rotation_header, run
 
     off = bufs.get("lut_offset")
     rot, paley = rotation_header(rotation)
     hdr = [x.shape[0], N, K, cfg.bits, cfg.group(K), *launch, int(x.dtype == torch.bfloat16), dtype_kind(off),
-           int(bias is not None), int(perm is not None), int(dequant), *rot]
+           int(bias is not None), int(perm is not None), {None: 0, torch.float32: 1}.get(dequant, 2), *rot]
     tensors = [x, bufs["lut_planes"], bufs["lut_alpha"], off, None if bias is None else bias.float(), perm, paley]
-    return run(exe, hdr, tensors, (N, K) if dequant else (x.shape[0], N))
+    return run(exe, hdr, tensors, (x.shape[0], N) if dequant is None else (N, K))
 
 
 @pytest.mark.parametrize("bits,group_size,offset,fp32_offset,dtype", [
@@ -313,17 +323,21 @@ def test_kernel_source_under_host_emulation(emulator, bits, group_size, offset, 
             y = _emulate(emulator, x, bufs, mod.bias, cfg, N, K, launch)
             err = (y.double() - y64).abs()
             assert (err <= _bound(mod, x, eps, y64)).all(), (M, launch, err.max().item())
-    # the dequantize kernel: the format's float32 Ŵ bit for bit (fp16/bf16 outputs are its one rounding), also for a
-    # round-to-nearest layer, whose s·(q − z) storage the layout holds as uniform α and an offset
-    w = _emulate(emulator, torch.zeros(1, K).to(dtype), bufs, None, cfg, N, K, (32, 32, 1, 1), dequant=True)
-    assert torch.equal(w, bcq.dequantize(mod.canonical(), cfg, N, K))
+    # the dequantize kernel (row and K tiles cut by N = 96 and K = 320): the format's float32 Ŵ bit for bit, and its one
+    # rounding to x's dtype, also for a round-to-nearest layer, whose s·(q − z) storage the layout holds as uniform α
+    # and an offset
+    layers = [(mod, bufs)]
     if offset and bits > 1:
         ucfg = bcq.Config(bits=bits, group_size=group_size, init="uniform", iters=0, fp32_offset=fp32_offset)
         umod = BCQLinear.from_linear(torch.nn.Linear(K, N), ucfg, backend="reference")
         assert "qweight" in umod.canonical()
-        ubufs = cuda_lut.repack(umod.canonical(), umod.config, N, K)
-        w = _emulate(emulator, torch.zeros(1, K).to(dtype), ubufs, None, umod.config, N, K, (32, 32, 1, 1), dequant=True)
-        assert torch.equal(w, bcq.dequantize(umod.canonical(), umod.config, N, K))
+        layers.append((umod, cuda_lut.repack(umod.canonical(), umod.config, N, K)))
+    for m, b in layers:
+        want = bcq.dequantize(m.canonical(), m.config, N, K)
+        for out in (torch.float32, dtype):
+            w = _emulate(emulator, torch.zeros(1, K).to(dtype), b, None, m.config, N, K, (32, 32, 1, 1), dequant=out)
+            assert torch.equal(w.to(out).view(torch.int16 if out != torch.float32 else torch.int32),
+                               want.to(out).view(torch.int16 if out != torch.float32 else torch.int32)), out
     # act_order: the kernel reads x[:, perm] as it loads x (bitwise the same as gathering first)
     perm = torch.randperm(K, generator=torch.Generator().manual_seed(1)).to(torch.int32)
     x = torch.randn(3, K).to(dtype)

@@ -6,8 +6,9 @@ The kernel (``bcq_lut_gemv.cu``) builds, per K tile, the 256 partial sums ``±x_
 in shared memory and turns every weight byte into one table lookup; each thread keeps the plane words, α and
 offsets of a whole K tile (``words(M, bits)`` words) in flight while the tables are built and looked up.
 Above ``M = 8`` the second kernel of this backend, ``cuda_lut_dequant``, writes ``Ŵ`` in fp16/bf16 from the same
-layout (:func:`dequantize`, one thread per 4 rows × 32 inputs) for one cuBLAS GEMM; it is also the layout's
-``dequantize`` for the backward pass.
+layout (:func:`dequantize`: per row and 32-input word a table of the 2^Q possible outputs, one lookup per weight,
+rows written whole through shared memory) for one cuBLAS GEMM; it is also the layout's ``dequantize`` for the
+backward pass.
 
 Layout ``cuda_lut`` (repacked once when a module lands on a GPU; a permutation of the canonical
 buffers, so it costs no extra memory and :func:`unrepack` restores them exactly):

@@ -265,38 +265,100 @@ __global__ void __launch_bounds__(256, 2) lut_gemv_kernel(const LutGemvArgs a, c
 }
 
 // Ŵ [N, K] of OutT (float, fp16 or bf16) from the layout, for dequantize + cuBLAS above the GEMV's batches and for the
-// backward pass.  Per weight, in fp32 and in bcq.dequantize's order (so the same float32 values): the planes' ±α summed
-// from +0 in plane order, then the offset; one rounding to OutT.  A thread owns 4 rows × one 32-input word:
-// consecutive threads take consecutive row quads, so the plane, α and offset loads coalesce as in the GEMV, and each
-// row's 32 outputs are one contiguous 64-128 B run (16-byte stores).
+// backward pass: bcq.dequantize's float32 values (the planes' ±α summed from +0 in plane order, then the offset), rounded
+// once to OutT.  A weight's value depends only on its row, group and Q-bit sign code, so per (row, 32-input word) a
+// thread first writes the 2^Q possible outputs, each computed in exactly that order, to a table of its own in shared
+// memory ([slot][lane] words: lookups never conflict), and then every weight is one lookup: ~8 instructions per weight
+// at Q = 4 where computing each weight took ~27.  The codes come from the plane words by a bit transpose (nibble i of
+// nib[s] is the code of input 4i + s).
+// Block: 256 threads over 128 rows × 256 inputs; lane = row quad (the plane, α and offset loads coalesce as in the
+// GEMV), warp = word.  Per row of its quad the block stages its 32 rows' outputs in shared memory and writes each
+// 512-byte (fp16/bf16) or 1 KB (fp32) row run with whole-warp 16-byte stores: the lanes' own runs are 64-128 B of 32
+// different rows, half-sector pieces per store.
+constexpr int kDqWarps = lut_dequantize_tile_k / 32;  // words per block, one per warp
+
+template <typename OutT>
+__device__ __forceinline__ unsigned table_entry(float v) {
+  if constexpr (sizeof(OutT) == 4) {
+    return __float_as_uint(v);
+  } else {
+    const OutT h = from_float<OutT>(v);
+    return *reinterpret_cast<const unsigned short*>(&h);
+  }
+}
+
 template <typename OutT, int Q>
 __global__ void __launch_bounds__(256) lut_dequantize_kernel(const LutGemvArgs a) {
-  const int n0 = (blockIdx.x * blockDim.x + threadIdx.x) * 4, kword = blockIdx.y;
-  if (n0 >= a.N) return;
+  extern __shared__ float smem[];
+  constexpr int kSlots = 1 << Q, kRun = kDqWarps * 32 * sizeof(OutT), kPieces = kRun / 16;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int n_tile = blockIdx.x * lut_dequantize_tile_n, kw0 = blockIdx.y * kDqWarps;
+  const int n0 = n_tile + 4 * lane, kword = kw0 + warp;
+  const bool valid = n0 < a.N && kword < a.K / 32;  // no early exit: every thread reaches the barriers
+  unsigned* table = reinterpret_cast<unsigned*>(smem) + warp * kSlots * 32 + lane;
+  char* staged = reinterpret_cast<char*>(smem) + kDqWarps * kSlots * 128;
   Word<Q> wd;
-  load_word<Q>(wd, a, kword, n0);
   float al[Q][4], off[4];
+  if (valid) {
+    load_word<Q>(wd, a, kword, n0);
 #pragma unroll
-  for (int q = 0; q < Q; ++q) half4_to_float(wd.alpha[q], al[q]);
-  word_offsets<Q>(wd, a.offset_dtype, off);
-  constexpr int kChunks = 32 * sizeof(OutT) / 16;
+    for (int q = 0; q < Q; ++q) half4_to_float(wd.alpha[q], al[q]);
+    word_offsets<Q>(wd, a.offset_dtype, off);
+  }
+  // The block writes a phase's staged rows in passes of kPass rows: thread t writes 16-byte piece t % kPieces of staged
+  // row t / kPieces + i·kPass (Ŵ row n_tile + 4·that + r).
+  constexpr int kPer16 = 16 / sizeof(OutT), kPass = 256 / kPieces;  // weights per piece, rows per pass
+  const int row0 = threadIdx.x / kPieces, piece = threadIdx.x % kPieces;
+  const bool k_in = kw0 * 32 + piece * kPer16 < a.K;
+  OutT* yr = static_cast<OutT*>(a.y) + (size_t)(n_tile + 4 * row0) * a.K + kw0 * 32 + piece * kPer16;  // row r's
+  const size_t pass_stride = (size_t)4 * kPass * a.K;
+  const char* const from0 = staged + row0 * (kRun + 16) + piece * 16;
 #pragma unroll
   for (int r = 0; r < 4; ++r) {
-    union { OutT v[32]; uint4 u[kChunks]; } out;
+    if (valid) {
+      float s[kSlots];  // s[c]: the sum for sign code c (bit q: plane q, 1 = +α), built plane by plane
+      s[0] = 0.f + -al[0][r];
+      s[1] = 0.f + al[0][r];
 #pragma unroll
-    for (int k = 0; k < 32; ++k) {
-      float w = 0.f;
+      for (int q = 1; q < Q; ++q)
+#pragma unroll
+        for (int c = 0; c < (1 << q); ++c) {
+          s[c + (1 << q)] = s[c] + al[q][r];
+          s[c] = s[c] + -al[q][r];
+        }
+#pragma unroll
+      for (int c = 0; c < kSlots; ++c)
+        table[32 * c] = table_entry<OutT>(a.offset_dtype == DType::kNone ? s[c] : s[c] + off[r]);
+      unsigned nib[4] = {0u, 0u, 0u, 0u};
 #pragma unroll
       for (int q = 0; q < Q; ++q) {
-        // ±α: the sign bit flipped where bit k is 0 (one shift and one LOP3, no compare and select)
-        const float t = __uint_as_float(__float_as_uint(al[q][r]) ^ (~word_of(wd.bits[q], r) << (31 - k) & 0x80000000u));
-        w = q == 0 ? t + 0.f : w + t;  // + 0: an all-zero sum is +0, as in the reference's sum from 0
-      }
-      out.v[k] = from_float<OutT>(a.offset_dtype == DType::kNone ? w : w + off[r]);
-    }
-    uint4* dst = reinterpret_cast<uint4*>(static_cast<OutT*>(a.y) + (size_t)(n0 + r) * a.K + kword * 32);
+        const unsigned p = word_of(wd.bits[q], r);
 #pragma unroll
-    for (int c = 0; c < kChunks; ++c) dst[c] = out.u[c];
+        for (int t = 0; t < 4; ++t) nib[t] = and_or(t >= q ? p >> (t - q) : p << (q - t), 0x11111111u << q, nib[t]);
+      }
+      // staged row `lane`, padded by 16 bytes: a quarter warp's 16-byte writes cover the 32 banks
+      uint4* dst = reinterpret_cast<uint4*>(staged + lane * (kRun + 16) + warp * (kRun / kDqWarps));
+#pragma unroll
+      for (int c = 0; c < 32 / kPer16; ++c) {
+        unsigned e[kPer16], u[4];
+#pragma unroll
+        for (int j = 0; j < kPer16; ++j) {  // input k: nibble k / 4 of nib[k % 4], as a byte offset 128·code
+          const int k = c * kPer16 + j, i = k / 4, t = k % 4;
+          const unsigned byte = (4 * i <= 7 ? nib[t] << (7 - 4 * i) : nib[t] >> (4 * i - 7)) & 0x780u;
+          e[j] = *reinterpret_cast<const unsigned*>(reinterpret_cast<const char*>(table) + byte);
+        }
+#pragma unroll
+        for (int j = 0; j < 4; ++j) u[j] = kPer16 == 4 ? e[j] : __byte_perm(e[2 * j], e[(2 * j + 1) % kPer16], 0x5410);
+        dst[c] = make_uint4(u[0], u[1], u[2], u[3]);
+      }
+    }
+    __syncthreads();
+#pragma unroll
+    for (int i = 0; i < 32 / kPass; ++i)
+      if (k_in && n_tile + 4 * (row0 + i * kPass) < a.N)
+        *reinterpret_cast<uint4*>(yr + i * pass_stride) = *reinterpret_cast<const uint4*>(from0 + i * kPass * (kRun + 16));
+    yr += a.K;
+    __syncthreads();
   }
 }
 
@@ -345,17 +407,28 @@ cudaError_t dispatch_m(const LutGemvArgs& a, const Rotation& r, cudaStream_t s) 
   }
 }
 
+template <typename OutT, int Q>
+cudaError_t dequantize_launch(const LutGemvArgs& a, cudaStream_t s) {
+  const size_t smem = lut_dequantize_smem_bytes(Q, sizeof(OutT));
+  if (smem > 48 * 1024) {
+    const cudaError_t e =
+        cudaFuncSetAttribute(lut_dequantize_kernel<OutT, Q>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+    if (e != cudaSuccess) return e;
+  }
+  const dim3 grid = lut_dequantize_grid(a.N, a.K);
+  lut_dequantize_kernel<OutT, Q><<<grid, 256, smem, s>>>(a);
+  return cudaGetLastError();
+}
+
 template <typename OutT>
 cudaError_t dequantize_q(const LutGemvArgs& a, cudaStream_t s) {
-  const dim3 grid((a.N / 4 + 255) / 256, a.K / 32);
   switch (a.Q) {
-    case 1: lut_dequantize_kernel<OutT, 1><<<grid, 256, 0, s>>>(a); break;
-    case 2: lut_dequantize_kernel<OutT, 2><<<grid, 256, 0, s>>>(a); break;
-    case 3: lut_dequantize_kernel<OutT, 3><<<grid, 256, 0, s>>>(a); break;
-    case 4: lut_dequantize_kernel<OutT, 4><<<grid, 256, 0, s>>>(a); break;
+    case 1: return dequantize_launch<OutT, 1>(a, s);
+    case 2: return dequantize_launch<OutT, 2>(a, s);
+    case 3: return dequantize_launch<OutT, 3>(a, s);
+    case 4: return dequantize_launch<OutT, 4>(a, s);
     default: return cudaErrorInvalidValue;
   }
-  return cudaGetLastError();
 }
 
 }  // namespace
@@ -371,7 +444,7 @@ cudaError_t lut_gemv(const LutGemvArgs& a, const Rotation& rot, cudaStream_t str
 }
 
 cudaError_t lut_dequantize(const LutGemvArgs& a, DType out, cudaStream_t stream) {
-  if (a.group_size % 32 || a.K % 32 || a.N % 4 || a.K / 32 > 65535) return cudaErrorInvalidValue;
+  if (a.group_size % 32 || a.K % 32 || a.N % 4 || lut_dequantize_grid(a.N, a.K).y > 65535) return cudaErrorInvalidValue;
   if (out == DType::kFloat) return dequantize_q<float>(a, stream);
   if (out == DType::kHalf) return dequantize_q<__half>(a, stream);
   if (out == DType::kBFloat16) return dequantize_q<__nv_bfloat16>(a, stream);

@@ -56,6 +56,16 @@ __host__ __device__ inline int lut_gemv_rotated_span(int K, int kt, int tiles_pe
 // nvcc 13 spills registers in the main loop of the Q >= 3 kernels.)
 cudaError_t lut_gemv(const LutGemvArgs& args, const Rotation& rot, cudaStream_t stream);
 
+// The dequantize kernel's tile (rows × inputs per block of 256 threads), grid and shared memory: per warp a table of
+// 2^Q 32-bit slots per lane, and the staged outputs of 32 rows × tile_k, each row padded by 16 bytes.
+constexpr int lut_dequantize_tile_n = 128, lut_dequantize_tile_k = 256;
+inline dim3 lut_dequantize_grid(int N, int K) {
+  return dim3((N + lut_dequantize_tile_n - 1) / lut_dequantize_tile_n, (K + lut_dequantize_tile_k - 1) / lut_dequantize_tile_k);
+}
+inline size_t lut_dequantize_smem_bytes(int Q, size_t out_bytes) {
+  return (size_t)(lut_dequantize_tile_k / 32) * (128u << Q) + 32 * (lut_dequantize_tile_k * out_bytes + 16);
+}
+
 // Writes Ŵ [N, K] of dtype `out` (fp32, fp16 or bf16) to args.y from planes, alpha and offset (the other fields
 // unused): bcq.dequantize's float32 values, rounded once.  cudaErrorInvalidValue for a shape or dtype it cannot take.
 cudaError_t lut_dequantize(const LutGemvArgs& args, DType out, cudaStream_t stream);

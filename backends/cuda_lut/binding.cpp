@@ -75,7 +75,8 @@ at::Tensor bcq_lut_dequantize(const at::Tensor& planes, const at::Tensor& alpha,
   c10::cuda::CUDAGuard guard(planes.device());
   qlinear::LutGemvArgs a{};
   weights_of(planes, alpha, offset, group_size, a, "bcq_lut_dequantize");
-  TORCH_CHECK(a.K / 32 <= 65535, "bcq_lut_dequantize: K=", a.K, " is over 32 * 65535");
+  TORCH_CHECK(qlinear::lut_dequantize_grid(a.N, a.K).y <= 65535, "bcq_lut_dequantize: K=", a.K, " is over ",
+              qlinear::lut_dequantize_tile_k, " * 65535");
   at::Tensor w = at::empty({a.N, a.K}, planes.options().dtype(dtype));
   a.y = w.data_ptr();
   const cudaError_t err = qlinear::lut_dequantize(a, qlinear::dtype_of(dtype, "bcq_lut_dequantize"),
