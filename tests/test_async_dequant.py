@@ -528,17 +528,30 @@ int main(int argc, char** argv) {
   auto cols = emu_read<char>(f, (size_t)nnz * (h[10] ? 4 : 2));
   auto row_ptr = emu_read<int>(f, nnz ? N + 1 : 0);
   fclose(f);
-  std::vector<float> w((size_t)N * K, NAN);
   MixedGemvArgs a{};
   a.codes = codes.data(); a.meta = meta.data(); a.sq = sq.data(); a.gtab = gtab.data();
   if (nnz) { a.outlier_values = values.data(); a.outlier_cols = cols.data(); a.outlier_row_ptr = row_ptr.data(); }
   a.cols_int32 = h[10];
-  a.y = w.data();
   a.N = N; a.K = K; a.W = W; a.G = G; a.MW = MW;
   a.group_size = h[5]; a.scale_bits = h[6]; a.scale_group_size = h[7];
-  const unsigned blocks = (unsigned)(((long long)G * N + 255) / 256);
-  run_grid(dim3(blocks, 1, 1), 256, [&a] { mixed_dequantize_kernel<float>(a); });
-  FILE* o = fopen(argv[2], "wb"); fwrite(w.data(), 4, w.size(), o); fclose(o);
+  const dim3 grid = mixed_dequantize_grid(N, K, a.group_size);
+  if (h[11] == 0) {  // fp32 Ŵ
+    std::vector<float> w((size_t)N * K, NAN);
+    a.y = w.data();
+    run_grid(grid, kDequantThreads, [&a] { a.group_size % 64 ? mixed_dequantize_kernel<float, 16>(a)
+                                                             : mixed_dequantize_kernel<float, 64>(a); });
+    FILE* o = fopen(argv[2], "wb"); fwrite(w.data(), 4, w.size(), o); fclose(o);
+    return 0;
+  }
+  std::vector<uint16_t> w((size_t)N * K, 0x7E00);  // fp16 (h[11] = 1) or bf16 (2) Ŵ, written as fp32
+  a.y = w.data();
+  if (h[11] == 1)
+    run_grid(grid, kDequantThreads, [&a] { a.group_size % 64 ? mixed_dequantize_kernel<__half, 16>(a)
+                                                             : mixed_dequantize_kernel<__half, 64>(a); });
+  else
+    run_grid(grid, kDequantThreads, [&a] { a.group_size % 64 ? mixed_dequantize_kernel<__nv_bfloat16, 16>(a)
+                                                             : mixed_dequantize_kernel<__nv_bfloat16, 64>(a); });
+  emu_write(argv[2], w, h[11] == 2);
   return 0;
 }
 '''
@@ -548,7 +561,9 @@ int main(int argc, char** argv) {
 def dequant_emulator(tmp_path_factory):
     import cuda_emulation
 
-    return cuda_emulation.build(tmp_path_factory.mktemp("dequant_emu"), "async_dequant/mixed_dequant.cu", ("", ""), "",
+    return cuda_emulation.build(tmp_path_factory.mktemp("dequant_emu"), "async_dequant/mixed_dequant.cu",
+                                ("extern __shared__ __align__(16) unsigned char smem_raw[];",
+                                 "unsigned char* smem_raw = reinterpret_cast<unsigned char*>(::g_smem4);"), "",
                                 _DEQUANT_DRIVER)
 
 
@@ -557,7 +572,8 @@ def dequant_emulator(tmp_path_factory):
                                       ("sb2_no_outliers", 70, 144)])
 def test_dequantize_kernel_source_is_the_format_bit_for_bit(dequant_emulator, name, N, K):
     """mixed_dequant.cu under the host emulation: the format's float32 Ŵ (second-order scales, both group kinds,
-    outliers) exactly."""
+    outliers) exactly, and its one rounding to fp16 and bf16, bit for bit (group sizes that 64 divides and not; N not
+    a multiple of the block's 128 rows)."""
     from cuda_emulation import run
 
     cfg = CONFIGS[name]
@@ -565,8 +581,11 @@ def test_dequantize_kernel_source_is_the_format_bit_for_bit(dequant_emulator, na
     bufs = ad.repack(canon, cfg, N, K)
     nnz = bufs["ad_outlier_values"].numel()
     hdr = [N, K, _W(bufs, cfg), bufs["ad_gtab"].numel(), bufs["ad_meta"].shape[0], cfg.group_size, cfg.scale_bits,
-           cfg.scale_group_size, bufs["ad_sq"].shape[0], nnz, int(bufs["ad_outlier_cols"].dtype == torch.int32), 0]
+           cfg.scale_group_size, bufs["ad_sq"].shape[0], nnz, int(bufs["ad_outlier_cols"].dtype == torch.int32)]
     outliers = [bufs[k] for k in ("ad_outlier_values", "ad_outlier_cols", "ad_outlier_row_ptr")] if nnz else []
-    w = run(dequant_emulator, hdr, [*(bufs[k] for k in ("ad_codes", "ad_meta", "ad_sq", "ad_gtab")), *outliers],
-            (N, K))
-    assert torch.equal(w, mixed.dequantize(canon, cfg, N, K))
+    want = mixed.dequantize(canon, cfg, N, K)
+    for code, dtype, bits in ((0, torch.float32, torch.int32), (1, torch.float16, torch.int16),
+                              (2, torch.bfloat16, torch.int16)):
+        w = run(dequant_emulator, hdr + [code],
+                [*(bufs[k] for k in ("ad_codes", "ad_meta", "ad_sq", "ad_gtab")), *outliers], (N, K))
+        assert torch.equal(w.to(dtype).view(bits), want.to(dtype).view(bits)), dtype

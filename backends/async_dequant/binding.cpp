@@ -106,6 +106,8 @@ at::Tensor mixed_dequantize(const at::Tensor& codes, const at::Tensor& meta, con
   qlinear::mixed::MixedGemvArgs a{};
   weights_of(codes, meta, sq, gtab, outlier_values, outlier_cols, outlier_row_ptr, N, K, group_size, scale_bits,
              scale_group_size, codes.device(), a, "mixed_dequantize");
+  TORCH_CHECK(K / group_size <= 65535, "mixed_dequantize: ", K / group_size, " groups per row (K=", K, ", group_size=",
+              group_size, ") are more than its grid takes (65535): use a larger group size");
   at::Tensor w = at::empty({N, K}, codes.options().dtype(dtype));
   a.y = w.data_ptr();
   const cudaError_t err = qlinear::mixed::mixed_dequantize(a, qlinear::dtype_of(dtype, "mixed_dequantize"),

@@ -1,12 +1,14 @@
 // Dequantize kernel of the mixed 2/4/16 format (issue 24: no mixed layer falls back to the reference on a GPU): Ŵ from
 // layout "async_dequant" for one cuBLAS GEMM above the GEMV's batches, and for the backward pass.
 //
-// A thread owns one (group, row): consecutive threads take consecutive rows of one group, so the code words (tile-major,
-// 16 B per row and tile), the meta words (word-major) and the second-order pairs load coalesced, and each thread
-// writes its group's g outputs as one contiguous run.  The group's first code word follows from the group table alone
-// (its record offset counts the 4-bit groups before it), so no word table is needed.  Arithmetic follows
-// qlinear.formats.mixed.dequantize in fp32, operation by operation (no fused multiply-add): ŝ = zz + ss·code, then
-// ŝ·(q − z), then + the outlier; one rounding to the output type.
+// A thread owns one (group, row): a block takes 128 consecutive rows of one group (gridDim.y = groups), so the code words (tile-major,
+// 16 B per row and tile), the meta words (word-major) and the second-order pairs load coalesced.  The group's first code
+// word follows from the group table alone (its record offset counts the 4-bit groups before it), so no word table is
+// needed.  The block stages its rows' outputs in shared memory C at a time (C = 64, or 16 where the group size is not a
+// multiple of 64) and writes each row's C-output run with consecutive threads: whole 128-byte lines (fp16, C = 64),
+// where each thread writing its own run put 16-byte pieces of 32 rows in one store.  A row's outliers are walked with
+// the next column in a register.  Arithmetic follows qlinear.formats.mixed.dequantize in fp32, operation by operation
+// (no fused multiply-add): ŝ = zz + ss·code, then ŝ·(q − z), then + the outlier; one rounding to the output type.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -30,81 +32,119 @@ __device__ __forceinline__ int outlier_col(const MixedGemvArgs& a, int i) {
                       : (int)__ldg(static_cast<const short*>(a.outlier_cols) + i);
 }
 
-// The g outputs of one (row, group) of ZB-bit codes from word `first` on, 16 at a time (one 2-bit word, two 4-bit ones):
-// ŝ·(q − z), plus the outliers o.. of the row whose columns fall there, then one rounding.
+// Outliers of one row from index o on, the next one's column held in a register (INT_MAX past the row's last).
+struct OutlierCursor {
+  int o, end, col;
+  __device__ __forceinline__ void load(const MixedGemvArgs& a) { col = o < end ? outlier_col(a, o) : 0x7FFFFFFF; }
+  // v + the outlier at column k, where the row has one (columns below k, which the format never stores, are skipped).
+  __device__ __forceinline__ float add_at(const MixedGemvArgs& a, int k, float v) {
+    while (col < k) { ++o; load(a); }
+    if (col != k) return v;
+    v = __fadd_rn(v, __half2float(__ldg(static_cast<const __half*>(a.outlier_values) + o)));
+    ++o;
+    load(a);
+    return v;
+  }
+};
+
+// Outputs k_first .. k_first + 15 of one (row, group) of ZB-bit codes, whose code word for them is `wi` (and wi + 1):
+// ŝ·(q − z), plus the row's outlier where there is one, then one rounding; written as 16-byte pieces to dst.
 template <typename OutT, int ZB>
-__device__ __forceinline__ void write_group(const MixedGemvArgs& a, int n, int k_first, int g, int first, float s, float z,
-                                            int o, int o_end, OutT* dst) {
-  constexpr int kPerWord = 32 / ZB;
-  for (int k0 = 0; k0 < g; k0 += 16) {
-    const int wi = first + k0 / kPerWord;
-    unsigned long long codes16 = code_word(a, n, wi);
-    if (ZB == 4) codes16 |= (unsigned long long)code_word(a, n, wi + 1) << 32;
-    union { OutT v[16]; uint4 u[16 * sizeof(OutT) / 16]; } out;
+__device__ __forceinline__ void write16(const MixedGemvArgs& a, int n, int k_first, int wi, float s, float z,
+                                        OutlierCursor& cur, uint4* dst) {
+  unsigned long long codes16 = code_word(a, n, wi);
+  if (ZB == 4) codes16 |= (unsigned long long)code_word(a, n, wi + 1) << 32;
+  union { OutT v[16]; uint4 u[16 * sizeof(OutT) / 16]; } out;
 #pragma unroll
-    for (int e = 0; e < 16; ++e) {
-      const float q = (float)((unsigned)(codes16 >> (ZB * e)) & ((1u << ZB) - 1u));
-      float v = __fmul_rn(s, q - z);
-      const int k = k_first + k0 + e;
-      while (o < o_end && outlier_col(a, o) < k) ++o;  // (a repeated column would be skipped, as none is stored)
-      if (o < o_end && outlier_col(a, o) == k) {
-        v = __fadd_rn(v, __half2float(__ldg(static_cast<const __half*>(a.outlier_values) + o)));
-        ++o;
+  for (int e = 0; e < 16; ++e) {
+    const float q = (float)((unsigned)(codes16 >> (ZB * e)) & ((1u << ZB) - 1u));
+    float v = __fmul_rn(s, q - z);
+    if (cur.col <= k_first + e) v = cur.add_at(a, k_first + e, v);  // col: INT_MAX in a row without outliers
+    out.v[e] = from_float<OutT>(v);
+  }
+#pragma unroll
+  for (int c = 0; c < (int)(16 * sizeof(OutT) / 16); ++c) dst[c] = out.u[c];
+}
+
+template <typename OutT, int C>
+__global__ void __launch_bounds__(kDequantThreads, 4) mixed_dequantize_kernel(const MixedGemvArgs a) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  constexpr int kRow = C * sizeof(OutT) + 16, kPieces = C * sizeof(OutT) / 16;  // staged row bytes (padded), pieces
+  const int G = a.K / a.group_size, g = a.group_size, grp = blockIdx.y, n = blockIdx.x * kDequantThreads + threadIdx.x;
+  const bool valid = n < a.N;  // no early exit: every thread reaches the barriers
+  OutT** row_out = reinterpret_cast<OutT**>(smem_raw);  // [threads]: each staged row's Ŵ run (nullptr: none)
+  unsigned char* staged = smem_raw + kDequantThreads * sizeof(OutT*);
+  const unsigned entry = (unsigned)__ldg(a.gtab + grp), off = entry & 0x7FFFFFFFu;
+  const bool is4 = entry >> 31;  // the block's group: one kind for all its threads
+  const int zb = is4 ? 4 : 2, n4 = (int)(off - (unsigned)grp * (2 + a.scale_bits)) / 2;
+  const int first = (grp + n4) * (g / 16);  // the group's first code word
+  float s = 0.f, z = 0.f;
+  OutlierCursor cur{0, 0, 0x7FFFFFFF};
+  if (valid) {
+    // the record: a funnel shift of the meta words off / 32 and the next
+    const int mw = (int)(off >> 5);
+    const unsigned lo = __ldg(a.meta + (size_t)mw * a.N + n), hi = mw + 1 < a.MW ? __ldg(a.meta + (size_t)(mw + 1) * a.N + n) : 0u;
+    const unsigned rec = __funnelshift_r(lo, hi, off & 31);
+    z = (float)(rec & ((1u << zb) - 1u));
+    const float code = (float)((rec >> zb) & ((1u << a.scale_bits) - 1u));
+    const unsigned pair = __ldg(a.sq + (size_t)(n / a.scale_group_size) * G + grp);
+    const float ss = __half2float(__ushort_as_half((unsigned short)(pair & 0xFFFFu)));
+    const float zz = __half2float(__ushort_as_half((unsigned short)(pair >> 16)));
+    s = __fadd_rn(zz, __fmul_rn(ss, code));
+    if (a.outlier_values) {  // this row's outliers with columns in the group (ascending within the row: a binary search)
+      int lo_i = __ldg(a.outlier_row_ptr + n), hi_i = __ldg(a.outlier_row_ptr + n + 1);
+      cur.end = hi_i;
+      while (lo_i < hi_i) {
+        const int mid = (lo_i + hi_i) / 2;
+        if (outlier_col(a, mid) < grp * g) lo_i = mid + 1; else hi_i = mid;
       }
-      out.v[e] = from_float<OutT>(v);
+      cur.o = lo_i;
+      cur.load(a);
     }
-    uint4* d = reinterpret_cast<uint4*>(dst + k0);
+  }
+  row_out[threadIdx.x] = valid ? static_cast<OutT*>(a.y) + (size_t)n * a.K + (size_t)grp * g : nullptr;
+  for (int k0 = 0; k0 < g; k0 += C) {
+    if (valid) {
+      uint4* dst = reinterpret_cast<uint4*>(staged + threadIdx.x * kRow);
 #pragma unroll
-    for (int c = 0; c < (int)(16 * sizeof(OutT) / 16); ++c) d[c] = out.u[c];
+      for (int c = 0; c < C; c += 16) {
+        const int k = k0 + c;
+        if (is4) write16<OutT, 4>(a, n, grp * g + k, first + k / 8, s, z, cur, dst + c * sizeof(OutT) / 16);
+        else write16<OutT, 2>(a, n, grp * g + k, first + k / 16, s, z, cur, dst + c * sizeof(OutT) / 16);
+      }
+    }
+    __syncthreads();
+    // the block's chunk, each staged row's C outputs one contiguous run: piece p = i·threads + thread
+#pragma unroll
+    for (int i = 0; i < kPieces; ++i) {
+      const int p = i * kDequantThreads + threadIdx.x, row = p / kPieces, piece = p % kPieces;
+      OutT* out = row_out[row];
+      if (out)
+        *reinterpret_cast<uint4*>(out + k0 + piece * (16 / sizeof(OutT))) =
+            *reinterpret_cast<const uint4*>(staged + row * kRow + piece * 16);
+    }
+    __syncthreads();
   }
 }
 
 template <typename OutT>
-__global__ void __launch_bounds__(256) mixed_dequantize_kernel(const MixedGemvArgs a) {
-  const long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-  const int G = a.K / a.group_size;
-  if (t >= (long long)G * a.N) return;
-  const int grp = (int)(t / a.N), n = (int)(t % a.N), g = a.group_size;
-  const unsigned entry = (unsigned)__ldg(a.gtab + grp), off = entry & 0x7FFFFFFFu;
-  const bool is4 = entry >> 31;
-  const int zb = is4 ? 4 : 2, n4 = (int)(off - (unsigned)grp * (2 + a.scale_bits)) / 2;
-  // the record: a funnel shift of the meta words off / 32 and the next
-  const int mw = (int)(off >> 5);
-  const unsigned lo = __ldg(a.meta + (size_t)mw * a.N + n), hi = mw + 1 < a.MW ? __ldg(a.meta + (size_t)(mw + 1) * a.N + n) : 0u;
-  const unsigned rec = __funnelshift_r(lo, hi, off & 31);
-  const float z = (float)(rec & ((1u << zb) - 1u)), code = (float)((rec >> zb) & ((1u << a.scale_bits) - 1u));
-  const unsigned pair = __ldg(a.sq + (size_t)(n / a.scale_group_size) * G + grp);
-  const float ss = __half2float(__ushort_as_half((unsigned short)(pair & 0xFFFFu)));
-  const float zz = __half2float(__ushort_as_half((unsigned short)(pair >> 16)));
-  const float s = __fadd_rn(zz, __fmul_rn(ss, code));
-  // this row's outliers with columns in the group (ascending within the row: a binary search for the first)
-  int o = 0, o_end = 0;
-  if (a.outlier_values) {
-    int lo_i = __ldg(a.outlier_row_ptr + n), hi_i = __ldg(a.outlier_row_ptr + n + 1);
-    o_end = hi_i;
-    while (lo_i < hi_i) {
-      const int mid = (lo_i + hi_i) / 2;
-      if (outlier_col(a, mid) < grp * g) lo_i = mid + 1; else hi_i = mid;
-    }
-    o = lo_i;
-  }
-  OutT* dst = static_cast<OutT*>(a.y) + (size_t)n * a.K + (size_t)grp * g;
-  const int first = (grp + n4) * (g / 16);
-  if (is4) write_group<OutT, 4>(a, n, grp * g, g, first, s, z, o, o_end, dst);
-  else write_group<OutT, 2>(a, n, grp * g, g, first, s, z, o, o_end, dst);
+cudaError_t launch_dequantize(const MixedGemvArgs& a, dim3 grid, cudaStream_t stream) {
+  const size_t smem = mixed_dequantize_smem_bytes(a.group_size, sizeof(OutT));
+  if (a.group_size % 64) mixed_dequantize_kernel<OutT, 16><<<grid, kDequantThreads, smem, stream>>>(a);
+  else mixed_dequantize_kernel<OutT, 64><<<grid, kDequantThreads, smem, stream>>>(a);
+  return cudaGetLastError();
 }
 
 }  // namespace
 
 cudaError_t mixed_dequantize(const MixedGemvArgs& a, DType out, cudaStream_t stream) {
   if (a.group_size % 16 || a.K % a.group_size || a.W < 0) return cudaErrorInvalidValue;
-  const long long threads = (long long)(a.K / a.group_size) * a.N;
-  const unsigned blocks = (unsigned)((threads + 255) / 256);
-  if (out == DType::kFloat) mixed_dequantize_kernel<float><<<blocks, 256, 0, stream>>>(a);
-  else if (out == DType::kHalf) mixed_dequantize_kernel<__half><<<blocks, 256, 0, stream>>>(a);
-  else if (out == DType::kBFloat16) mixed_dequantize_kernel<__nv_bfloat16><<<blocks, 256, 0, stream>>>(a);
-  else return cudaErrorInvalidValue;
-  return cudaGetLastError();
+  const dim3 grid = mixed_dequantize_grid(a.N, a.K, a.group_size);
+  if (grid.y > 65535) return cudaErrorInvalidValue;
+  if (out == DType::kFloat) return launch_dequantize<float>(a, grid, stream);
+  if (out == DType::kHalf) return launch_dequantize<__half>(a, grid, stream);
+  if (out == DType::kBFloat16) return launch_dequantize<__nv_bfloat16>(a, grid, stream);
+  return cudaErrorInvalidValue;
 }
 
 }  // namespace mixed

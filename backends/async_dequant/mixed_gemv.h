@@ -62,10 +62,21 @@ constexpr int kRotatedMaxM = 6;
 // Returns cudaErrorInvalidValue for an unsupported M (1..8), dtype, rotation or launch shape.
 cudaError_t mixed_gemv(const MixedGemvArgs& args, const Rotation& rot, cudaStream_t stream);
 
+// The dequantize kernel's threads per block (one (group, row) each) and shared memory: each thread's Ŵ row pointer, and
+// its staged run of C outputs (C = 64 where 64 divides the group size, else 16), padded by 16 bytes.
+constexpr int kDequantThreads = 128;
+inline dim3 mixed_dequantize_grid(int N, int K, int group_size) {
+  return dim3((N + kDequantThreads - 1) / kDequantThreads, K / group_size);
+}
+inline size_t mixed_dequantize_smem_bytes(int group_size, size_t out_bytes) {
+  return kDequantThreads * (sizeof(void*) + (group_size % 64 ? 16 : 64) * out_bytes + 16);
+}
+
 // Writes Ŵ [N, K] of dtype `out` (fp32, fp16 or bf16) to args.y from the layout and the outliers (x, bias, the launch
 // fields unused): qlinear.formats.mixed.dequantize's float32 values (ŝ = zero + scale·code, ŝ·(q − z), + the outlier,
 // each rounded in fp32), rounded once.  Outlier columns must ascend within a row, as the format stores them.
-// Returns cudaErrorInvalidValue for a group size that is not a multiple of 16 or an unsupported dtype.
+// Returns cudaErrorInvalidValue for a group size that is not a multiple of 16, more than 65535 groups per row or an
+// unsupported dtype.
 cudaError_t mixed_dequantize(const MixedGemvArgs& args, DType out, cudaStream_t stream);
 
 }  // namespace mixed
