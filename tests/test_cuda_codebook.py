@@ -15,32 +15,44 @@ from qlinear.formats import codebook
 CASES = [(1, 4, 32), (2, 4, 64), (2, 2, 32), (2, 1, 128), (4, 1, 32), (4, 1, 16), (2, 4, 8), (4, 1, 128)]
 
 _DRIVER = r'''
-// Driver: reads one call from argv[1] (header, codes, book_idx, scales, codebooks), writes Ŵ (fp32) to argv[2].
+// Driver: reads one call from argv[1] (header, codes, book_idx, scales, codebooks), writes Ŵ (as fp32) to argv[2].
+template <typename OutT> void run(const qlinear::CodebookArgs& a) {
+  using namespace qlinear;
+  const unsigned blocks = (unsigned)(((long long)a.N * (a.K / 32) + 255) / 256);
+  auto grid = [&](auto kernel) { run_grid(dim3(blocks, 1, 1), 256, kernel); };
+  switch (a.bits * 2 + (a.group_size % 16 == 0)) {
+    case 2: grid([&a] { codebook_dequantize_kernel<OutT, 1, false>(a); }); break;
+    case 3: grid([&a] { codebook_dequantize_kernel<OutT, 1, true>(a); }); break;
+    case 4: grid([&a] { codebook_dequantize_kernel<OutT, 2, false>(a); }); break;
+    case 5: grid([&a] { codebook_dequantize_kernel<OutT, 2, true>(a); }); break;
+    case 8: grid([&a] { codebook_dequantize_kernel<OutT, 4, false>(a); }); break;
+    default: grid([&a] { codebook_dequantize_kernel<OutT, 4, true>(a); });
+  }
+}
+
 int main(int argc, char** argv) {
   using namespace qlinear;
   FILE* f = fopen(argv[1], "rb");
-  auto h = emu_read<int>(f, 7);
+  auto h = emu_read<int>(f, 8);
   const int N = h[0], K = h[1], bits = h[2], gs = h[3], books = h[4], code_words = h[5], book_words = h[6];
   auto codes = emu_read<unsigned>(f, (size_t)N * code_words);
   auto book_idx = emu_read<unsigned>(f, (size_t)N * book_words);
   auto scales = emu_read<uint16_t>(f, (size_t)N * (K / gs));
   auto books_i8 = emu_read<signed char>(f, (size_t)books << bits);
   fclose(f);
-  std::vector<float> w((size_t)N * K, NAN);
-  CodebookArgs a{codes.data(), book_words ? book_idx.data() : nullptr, scales.data(), books_i8.data(), w.data(),
+  CodebookArgs a{codes.data(), book_words ? book_idx.data() : nullptr, scales.data(), books_i8.data(), nullptr,
                  N, K, bits, gs, books, code_words, book_words};
-  const unsigned blocks = (unsigned)(((long long)N * (K / 32) + 255) / 256);
-  auto grid = [&](auto kernel) { run_grid(dim3(blocks, 1, 1), 256, kernel); };
-  const bool per16 = gs % 16 == 0;
-  switch (bits * 2 + per16) {
-    case 2: grid([&a] { codebook_dequantize_kernel<float, 1, false>(a); }); break;
-    case 3: grid([&a] { codebook_dequantize_kernel<float, 1, true>(a); }); break;
-    case 4: grid([&a] { codebook_dequantize_kernel<float, 2, false>(a); }); break;
-    case 5: grid([&a] { codebook_dequantize_kernel<float, 2, true>(a); }); break;
-    case 8: grid([&a] { codebook_dequantize_kernel<float, 4, false>(a); }); break;
-    default: grid([&a] { codebook_dequantize_kernel<float, 4, true>(a); });
+  if (h[7] == 0) {  // fp32 Ŵ
+    std::vector<float> w((size_t)N * K, NAN);
+    a.w = w.data();
+    run<float>(a);
+    FILE* o = fopen(argv[2], "wb"); fwrite(w.data(), 4, w.size(), o); fclose(o);
+    return 0;
   }
-  FILE* o = fopen(argv[2], "wb"); fwrite(w.data(), 4, w.size(), o); fclose(o);
+  std::vector<uint16_t> w((size_t)N * K, 0x7E00);  // fp16 (h[7] = 1) or bf16 (2) Ŵ, written as fp32
+  a.w = w.data();
+  if (h[7] == 1) run<__half>(a); else run<__nv_bfloat16>(a);
+  emu_write(argv[2], w, h[7] == 2);
   return 0;
 }
 '''
@@ -51,7 +63,8 @@ def emulator(tmp_path_factory):
     import cuda_emulation
 
     return cuda_emulation.build(tmp_path_factory.mktemp("codebook_emu"), "cuda_codebook/codebook_dequant.cu",
-                                ("", ""), "", _DRIVER)
+                                ("extern __shared__ __align__(16) unsigned char smem_raw[];",
+                                 "unsigned char* smem_raw = reinterpret_cast<unsigned char*>(::g_smem4);"), "", _DRIVER)
 
 
 def _layer(N, K, bits, books, group_size, seed=0):
@@ -62,16 +75,21 @@ def _layer(N, K, bits, books, group_size, seed=0):
 
 @pytest.mark.parametrize("bits,books,group_size", CASES)
 def test_kernel_source_under_host_emulation_is_the_format_bit_for_bit(emulator, bits, books, group_size):
+    """codebook_dequant.cu itself under the host emulation: the format's float32 Ŵ and its one rounding to fp16 and
+    bf16, compared as integers."""
     from cuda_emulation import run
 
-    N, K = 40, 256
+    N, K = 40, 256  # 320 chunks of 32 inputs: the second block of 256 is cut short
     mod = _layer(N, K, bits, books, group_size, seed=bits * 10 + books)
     bufs, cfg = mod.canonical(), mod.config
     assert cfg.books == books and ("book_idx" in bufs) == (books > 1)
     idx = bufs.get("book_idx")
     hdr = [N, K, bits, group_size, books, bufs["codes"].shape[1], 0 if idx is None else idx.shape[1]]
-    w = run(emulator, hdr, [bufs["codes"], idx, bufs["scales"], bufs["codebooks"]], (N, K))
-    assert torch.equal(w, codebook.dequantize(bufs, cfg, N, K))
+    want = codebook.dequantize(bufs, cfg, N, K)
+    for code, dtype, as_int in ((0, torch.float32, torch.int32), (1, torch.float16, torch.int16),
+                                (2, torch.bfloat16, torch.int16)):
+        w = run(emulator, hdr + [code], [bufs["codes"], idx, bufs["scales"], bufs["codebooks"]], (N, K))
+        assert torch.equal(w.to(dtype).view(as_int), want.to(dtype).view(as_int)), dtype
 
 
 def test_supports_and_errors():

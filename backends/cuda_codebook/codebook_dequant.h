@@ -22,6 +22,9 @@ struct CodebookArgs {
   int code_words, book_words;  // int32 words per row of codes and of book_idx
 };
 
+// Shared memory of the kernel's blocks of 256 threads: each thread's 32 outputs of `out_bytes`, padded by 16 bytes.
+inline size_t codebook_dequantize_smem_bytes(size_t out_bytes) { return 256 * (32 * out_bytes + 16); }
+
 // Writes Ŵ[n, k] = scale[n, g] · codebooks[book(n, g)][code(n, k)] (fp32, exact, then one rounding) as `out` (fp32,
 // fp16 or bf16).  cudaErrorInvalidValue for K % 32 != 0, bits not in {1, 2, 4}, books not in {1, 2, 4}, books · 2^bits
 // > 16 (the format's limit) or a dtype it cannot write.
