@@ -10,9 +10,9 @@ import torch
 
 from qlinear.formats import rotation as _rotation
 
-__all__ = ["NO_ROTATION", "rotation_smem_bytes", "staged_rotation"]
+__all__ = ["NO_ROTATION", "rotation_smem_bytes", "sign_bits", "staged_rotation"]
 
-NO_ROTATION = (0, 0, None)  # the ops' (rot_seed, rot_block, rot_paley) of a layer the kernel does not rotate
+NO_ROTATION = (None, 0, None)  # the ops' (rot_sign_bits, rot_block, rot_paley) of a layer the kernel does not rotate
 
 
 def rotation_smem_bytes(own: int, block: int, values: int, elem: int) -> int:
@@ -27,9 +27,20 @@ def _paley(p: int, device: torch.device) -> torch.Tensor:
     return _rotation._paley(p).to(device=device, dtype=torch.int8)
 
 
+@functools.lru_cache(maxsize=64)
+def sign_bits(seed: int, in_features: int, device: torch.device) -> torch.Tensor:
+    """``D``'s signs (:func:`qlinear.formats.rotation.signs`) as the CUDA kernels read them: int32
+    ``[ceil(in_features / 32)]`` on ``device``, bit ``k % 32`` of word ``k // 32`` set where ``D[k] = −1``.  Cached per
+    (seed, size, device): do not modify the result."""
+    neg = (_rotation.signs(seed, in_features, device) < 0).to(torch.int64)
+    neg = torch.nn.functional.pad(neg, (0, -in_features % 32)).view(-1, 32)
+    words = (neg << torch.arange(32, device=device)).sum(1)
+    return (words - (words >> 31 << 32)).to(torch.int32)  # two's complement: bit 31 is the sign
+
+
 def staged_rotation(x: torch.Tensor, rotation: Optional[tuple[int, int]], smem: int, budget: int
                     ) -> tuple[torch.Tensor, tuple]:
-    """``(x, (rot_seed, rot_block, rot_paley))`` for a kernel call on a layer rotated by ``rotation = (seed, block)``
+    """``(x, (rot_sign_bits, rot_block, rot_paley))`` for a kernel call on a layer rotated by ``rotation = (seed, block)``
     (None: not rotated): the kernel applies ``R`` itself when staging it takes ``smem`` bytes of shared memory per
     block, at most ``budget`` (what keeps the kernel's blocks per SM); otherwise ``x`` is rotated here
     (:func:`qlinear.formats.rotation.rotate_input`, shared by layers reading the same tensor) and the kernel is told
@@ -40,4 +51,4 @@ def staged_rotation(x: torch.Tensor, rotation: Optional[tuple[int, int]], smem: 
         return _rotation.rotate_input(x, *rotation), NO_ROTATION
     seed, block = rotation
     p = _rotation._split(block)[0]
-    return x, (seed, block, _paley(p, x.device) if p > 1 else None)
+    return x, (sign_bits(seed, x.shape[-1], x.device), block, _paley(p, x.device) if p > 1 else None)

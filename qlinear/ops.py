@@ -213,15 +213,15 @@ linear.register_autograd(_backward, setup_context=_setup_context)
 # Ops implemented by native backends (their bindings only register TORCH_LIBRARY_IMPL kernels) ---------
 _lib = torch.library.Library("qlinear", "FRAGMENT")
 _lib.define("bcq_lut_gemv(Tensor x, Tensor planes, Tensor alpha, Tensor? offset, Tensor? perm, Tensor? bias, "
-            "int group_size, int kt, int threads, int tiles_per_split, int splits, int rot_seed=0, int rot_block=0, "
-            "Tensor? rot_paley=None) -> Tensor")
+            "int group_size, int kt, int threads, int tiles_per_split, int splits, Tensor? rot_sign_bits=None, "
+            "int rot_block=0, Tensor? rot_paley=None) -> Tensor")
 
 
 @torch.library.register_fake("qlinear::bcq_lut_gemv")
-def _(x, planes, alpha, offset, perm, bias, group_size, kt, threads, tiles_per_split, splits, rot_seed=0, rot_block=0,
-      rot_paley=None):
+def _(x, planes, alpha, offset, perm, bias, group_size, kt, threads, tiles_per_split, splits, rot_sign_bits=None,
+      rot_block=0, rot_paley=None):
     """LUT GEMV of :mod:`qlinear.backends.cuda_lut`: ``x`` ``[M, K]`` fp16/bf16 (read as ``x[:, perm]`` if given; a
-    rotated layer's ``R·x`` with ``rot_block`` > 0, :func:`qlinear.backends._gpu.rotation_args`) -> ``[M, N]``."""
+    rotated layer's ``R·x`` with ``rot_block`` > 0, :func:`qlinear.backends._gpu.staged_rotation`) -> ``[M, N]``."""
     return x.new_empty(x.shape[0], planes.shape[2])
 _lib.define("bcq_lut_dequantize(Tensor planes, Tensor alpha, Tensor? offset, int group_size, ScalarType dtype) -> Tensor")
 
@@ -318,14 +318,14 @@ def _(x, q2, q4, sc, z, ss, sz, kinds, ov, oc, orp, bias, N, group_size, scale_b
 
 
 _lib.define("quick_gemm(Tensor x, Tensor qweight, Tensor scales, Tensor? zeros, Tensor? perm, Tensor? bias, "
-            "int group_size, int tile_m, int tiles_per_split, int splits, int rot_seed=0, int rot_block=0, "
+            "int group_size, int tile_m, int tiles_per_split, int splits, Tensor? rot_sign_bits=None, int rot_block=0, "
             "Tensor? rot_paley=None) -> Tensor")
 _lib.define("quick_dequantize(Tensor qweight, Tensor scales, Tensor? zeros, int group_size, int K, ScalarType dtype) "
             "-> Tensor")
 
 
 @torch.library.register_fake("qlinear::quick_gemm")
-def _(x, qweight, scales, zeros, perm, bias, group_size, tile_m, tiles_per_split, splits, rot_seed=0, rot_block=0,
+def _(x, qweight, scales, zeros, perm, bias, group_size, tile_m, tiles_per_split, splits, rot_sign_bits=None, rot_block=0,
       rot_paley=None):
     """QUICK GEMM of :mod:`qlinear.backends.quick`: ``x`` ``[M, K]`` fp16/bf16 (read as ``x[:, perm]`` if given; a
     rotated layer's ``R·x`` with ``rot_block`` > 0, :func:`qlinear.backends._gpu.staged_rotation`) -> ``[M, N]``.  Uniform layers: ``scales`` fp16 ``[G, N]``, ``zeros`` int16 ``[G, N/4]`` (packed zero points) or
@@ -353,13 +353,13 @@ def _(codes, meta, sq, gtab, outlier_values, outlier_cols, outlier_row_ptr, N, K
 
 _lib.define("mixed_gemv(Tensor x, Tensor codes, Tensor meta, Tensor sq, Tensor gtab, Tensor? outlier_values, "
             "Tensor? outlier_cols, Tensor? outlier_row_ptr, Tensor? bias, int N, int group_size, int scale_bits, "
-            "int scale_group_size, int threads, int tiles_per_split, int splits, bool async_dequant, int rot_seed=0, "
-            "int rot_block=0, Tensor? rot_paley=None) -> Tensor")
+            "int scale_group_size, int threads, int tiles_per_split, int splits, bool async_dequant, "
+            "Tensor? rot_sign_bits=None, int rot_block=0, Tensor? rot_paley=None) -> Tensor")
 
 
 @torch.library.register_fake("qlinear::mixed_gemv")
 def _(x, codes, meta, sq, gtab, outlier_values, outlier_cols, outlier_row_ptr, bias, N, group_size, scale_bits,
-      scale_group_size, threads, tiles_per_split, splits, async_dequant, rot_seed=0, rot_block=0, rot_paley=None):
+      scale_group_size, threads, tiles_per_split, splits, async_dequant, rot_sign_bits=None, rot_block=0, rot_paley=None):
     """Mixed 2/4/16 GEMV of :mod:`qlinear.backends.async_dequant`: ``x`` ``[M, K]`` fp16/bf16 (a rotated layer's
     ``R·x`` with ``rot_block`` > 0, :func:`qlinear.backends._gpu.staged_rotation`) -> ``[M, N]``."""
     return x.new_empty(x.shape[0], N)

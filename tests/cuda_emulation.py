@@ -237,18 +237,21 @@ def dtype_kind(t) -> int:
     return 0 if t is None else 2 if t.dtype == torch.float32 else 1
 
 
-def rotation_header(rotation) -> tuple[list[int], object]:
-    """An emulated call's rotation: header fields ``[seed, block, p]`` (``[0, 0, 1]`` for None: not rotated) and the
-    int8 Paley factor ``[p, p]`` to append to its tensors (None for ``p = 1``)."""
+def rotation_header(rotation, in_features: int) -> tuple[list[int], list]:
+    """An emulated call's rotation: header fields ``[sign words, block, p]`` (``[0, 0, 1]`` for None: not rotated) and
+    the tensors to append to its call: ``D``'s sign bits as the CUDA ops get them (:func:`qlinear.backends._gpu.sign_bits`,
+    int32 ``[ceil(K/32)]``) and the int8 Paley factor ``[p, p]`` (None for ``p = 1``)."""
     import torch
 
+    from qlinear.backends._gpu import sign_bits
     from qlinear.formats import rotation as rot
 
     if rotation is None:
-        return [0, 0, 1], None
+        return [0, 0, 1], [None, None]
     seed, block = rotation
     p = rot._split(block)[0]
-    return [seed, block, p], (rot._paley(p).to(torch.int8) if p > 1 else None)
+    bits = sign_bits(seed, in_features, torch.device("cpu"))
+    return [bits.numel(), block, p], [bits, rot._paley(p).to(torch.int8) if p > 1 else None]
 
 
 def rotated_reference(x, rotation):

@@ -308,9 +308,10 @@ int main(int argc, char** argv) {
   std::vector<uint16_t> vals; std::vector<char> cols; std::vector<int> rp; std::vector<float> bias;
   if (h[13]) { vals = emu_read<uint16_t>(f, nnz); cols = emu_read<char>(f, (size_t)nnz * (h[14] ? 4 : 2)); rp = emu_read<int>(f, N + 1); }
   if (h[18]) bias = emu_read<float>(f, N);
+  std::vector<unsigned> sign_bits = emu_read<unsigned>(f, h[19]);
   std::vector<signed char> paley = emu_read<signed char>(f, h[21] > 1 ? h[21] * h[21] : 0);
   fclose(f);
-  g_rot = Rotation{h[20], h[21], (unsigned)h[19], paley.data()};
+  g_rot = Rotation{h[20], h[21], sign_bits.data(), paley.data()};
   qlinear::mixed::MixedGemvArgs a{};
   a.x = x.data(); a.codes = codes.data(); a.meta = meta.data(); a.sq = sq.data(); a.gtab = gtab.data();
   if (h[13]) { a.outlier_values = vals.data(); a.outlier_cols = cols.data(); a.outlier_row_ptr = rp.data(); a.cols_int32 = h[14]; }
@@ -343,7 +344,7 @@ def _emulate(exe, x, bufs, bias, cfg, N, K, launch, async_dequant=True, rotation
     from cuda_emulation import rotation_header, run
 
     threads, per, splits = launch
-    rot, paley = rotation_header(rotation)
+    rot, rot_tensors = rotation_header(rotation, K)
     has_out = bufs["ad_outlier_values"].numel() > 0
     hdr = [x.shape[0], N, K, _W(bufs, cfg), bufs["ad_gtab"].numel(), bufs["ad_meta"].shape[0], cfg.group_size,
            cfg.scale_bits, cfg.scale_group_size, threads, per, splits, int(async_dequant), int(has_out),
@@ -351,7 +352,7 @@ def _emulate(exe, x, bufs, bias, cfg, N, K, launch, async_dequant=True, rotation
            int(x.dtype == torch.bfloat16), int(bias is not None), *rot]
     outliers = [bufs[k] for k in ("ad_outlier_values", "ad_outlier_cols", "ad_outlier_row_ptr")] if has_out else []
     tensors = [x, *(bufs[k] for k in ("ad_codes", "ad_meta", "ad_sq", "ad_gtab")), *outliers,
-               None if bias is None else bias.float(), paley]
+               None if bias is None else bias.float(), *rot_tensors]
     return run(exe, hdr, tensors, (x.shape[0], N))
 
 

@@ -244,6 +244,7 @@ int main(int argc, char** argv) {
   std::vector<char> offset = emu_read<char>(f, (size_t)G * N * (off_kind == 2 ? 4 : off_kind == 1 ? 2 : 0));
   std::vector<float> bias = emu_read<float>(f, has_bias ? N : 0);
   std::vector<int> perm = emu_read<int>(f, h[12] ? K : 0);
+  std::vector<unsigned> sign_bits = emu_read<unsigned>(f, h[14]);
   std::vector<signed char> paley = emu_read<signed char>(f, h[16] > 1 ? h[16] * h[16] : 0);
   fclose(f);
   LutGemvArgs a{};
@@ -259,7 +260,7 @@ int main(int argc, char** argv) {
   a.M = M; a.N = N; a.K = K; a.Q = Q; a.group_size = gs;
   a.kt = h[5]; a.threads = h[6]; a.tiles_per_split = h[7]; a.splits = h[8];
   a.x_dtype = bf16 ? DType::kBFloat16 : DType::kHalf;
-  g_rot = Rotation{h[15], h[16], (unsigned)h[14], paley.data()};
+  g_rot = Rotation{h[15], h[16], sign_bits.data(), paley.data()};
   if (h[13] == 1) {  // the dequantize kernel: Ŵ [N, K] float32
     std::vector<float> w((size_t)N * K, NAN);
     a.y = w.data();
@@ -296,10 +297,10 @@ def _emulate(exe, x, bufs, bias, cfg, N, K, launch, perm=None, dequant=None, rot
     from cuda_emulation import dtype_kind, rotation_header, run
 
     off = bufs.get("lut_offset")
-    rot, paley = rotation_header(rotation)
+    rot, rot_tensors = rotation_header(rotation, K)
     hdr = [x.shape[0], N, K, cfg.bits, cfg.group(K), *launch, int(x.dtype == torch.bfloat16), dtype_kind(off),
            int(bias is not None), int(perm is not None), {None: 0, torch.float32: 1}.get(dequant, 2), *rot]
-    tensors = [x, bufs["lut_planes"], bufs["lut_alpha"], off, None if bias is None else bias.float(), perm, paley]
+    tensors = [x, bufs["lut_planes"], bufs["lut_alpha"], off, None if bias is None else bias.float(), perm, *rot_tensors]
     return run(exe, hdr, tensors, (x.shape[0], N) if dequant is None else (N, K))
 
 
@@ -355,14 +356,17 @@ def test_kernel_source_stages_a_rotated_input(emulator, bits, dtype):
     that cut through blocks (split-K) and an act_order ``perm`` read from the staged values."""
     from cuda_emulation import rotated_reference
 
-    N, K = 96, 384
-    mod, _ = _layer(N, K, bits, 64, seed=bits)
-    cfg = mod.config
-    bufs = cuda_lut.repack(mod.canonical(), cfg, N, K)
-    w64 = bcq.dequantize(mod.canonical(), cfg, N, K).double()
     eps = {torch.float16: 2.0 ** -11, torch.bfloat16: 2.0 ** -8}[dtype]
-    perm = torch.randperm(K, generator=torch.Generator().manual_seed(2)).to(torch.int32)
-    for block, M, sms, gather in ((384, 1, 132, False), (128, 3, 1, False), (24, 1, 132, False), (12, 3, 132, True)):
+    # (N, K, block, M, SMs, act_order); the last: 128-thread blocks fold 64-128-input slices of 512-input rotation
+    # blocks with more threads per bin than 256 floats of partials would hold
+    for N, K, block, M, sms, gather in ((96, 384, 384, 1, 132, False), (96, 384, 128, 3, 1, False),
+                                        (96, 384, 24, 1, 132, False), (96, 384, 12, 3, 132, True),
+                                        (512, 1024, 512, 1, 132, False)):
+        mod, _ = _layer(N, K, bits, 64, seed=bits)
+        cfg = mod.config
+        bufs = cuda_lut.repack(mod.canonical(), cfg, N, K)
+        w64 = bcq.dequantize(mod.canonical(), cfg, N, K).double()
+        perm = torch.randperm(K, generator=torch.Generator().manual_seed(2)).to(torch.int32)
         x = torch.randn(M, K).to(dtype)
         x64, _ = rotated_reference(x, (7, block))
         if gather:

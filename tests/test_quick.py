@@ -397,9 +397,10 @@ int main(int argc, char** argv) {
   std::vector<unsigned short> zeros = emu_read<unsigned short>(f, has_zeros ? (size_t)G * N / (free_alpha ? 1 : 4) : 0);
   std::vector<float> bias = emu_read<float>(f, has_bias ? N : 0);
   std::vector<int> perm = emu_read<int>(f, h[12] ? K : 0);
+  std::vector<unsigned> sign_bits = emu_read<unsigned>(f, h[14]);
   std::vector<signed char> paley = emu_read<signed char>(f, h[16] > 1 ? h[16] * h[16] : 0);
   fclose(f);
-  g_rot = Rotation{h[15], h[16], (unsigned)h[14], paley.data()};
+  g_rot = Rotation{h[15], h[16], sign_bits.data(), paley.data()};
   QuickArgs a{};
   a.perm = h[12] ? perm.data() : nullptr;
   a.x = x.data(); a.qweight = qweight.data(); a.scales = scales.data();
@@ -438,11 +439,11 @@ def _emulate(exe, x, bufs, bias, cfg, N, K, launch, dequant=False, perm=None, ro
 
     free = "quick_alpha" in bufs
     zeros = bufs.get("quick_offset" if free else "quick_zeros")
-    rot, paley = rotation_header(rotation)
+    rot, rot_tensors = rotation_header(rotation, K)
     hdr = [x.shape[0], N, K, cfg.bits, cfg.group(K), *launch, int(x.dtype == torch.bfloat16), int(zeros is not None),
            int(bias is not None), int(dequant), int(perm is not None), int(free), *rot]
     tensors = [x, bufs["quick_qweight"], bufs["quick_alpha" if free else "quick_scales"], zeros,
-               None if bias is None else bias.float(), perm, paley]
+               None if bias is None else bias.float(), perm, *rot_tensors]
     return run(exe, hdr, tensors, (N, K) if dequant else (x.shape[0], N))
 
 

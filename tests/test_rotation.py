@@ -243,6 +243,8 @@ def test_cuda_decode_kernels_stage_the_rotated_input(monkeypatch, name, backend,
     PyTorch-rotated calls agree within that rounding."""
     import sys
 
+    from qlinear.backends._gpu import NO_ROTATION
+
     opts = dict(CONFIGS[name])
     fmt = opts.pop("format")
     torch.manual_seed(K)
@@ -271,7 +273,7 @@ def test_cuda_decode_kernels_stage_the_rotated_input(monkeypatch, name, backend,
     x = torch.randn(1, K, device="cuda").to(dtype)
     fused = mod(x).double().cpu()
     kernel_module = sys.modules[mod.kernel(x).fn.__module__]
-    monkeypatch.setattr(kernel_module, "staged_rotation", lambda x, r, smem, budget: (real(x, *r), (0, 0, None)))
+    monkeypatch.setattr(kernel_module, "staged_rotation", lambda x, r, smem, budget: (real(x, *r), NO_ROTATION))
     n = len(calls)
     separate = mod(x).double().cpu()
     assert len(calls) == n + 1

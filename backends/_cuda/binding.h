@@ -39,14 +39,18 @@ inline const int* perm_ptr(const std::optional<at::Tensor>& perm, int64_t K, con
   return perm->data_ptr<int>();
 }
 
-// A rotated layer's input transform for the kernels that stage x (qlinear.formats.rotation; block 0: not rotated):
-// `seed`, the block size dividing K and, for a block p·2^a with p > 1, its ±1 Paley factor int8 [p, p] on x's device.
-inline Rotation rotation_of(int64_t seed, int64_t block, const std::optional<at::Tensor>& paley, int64_t K,
-                            const at::Tensor& x, const char* op) {
-  Rotation r{0, 1, 0u, nullptr};
+// A rotated layer's input transform for the kernels that stage x (qlinear.formats.rotation; block 0: not rotated): D's
+// signs as int32 bits [ceil(K/32)] on x's device (backends/_gpu.py's sign_bits), the block size dividing K and, for a
+// block p·2^a with p > 1, its ±1 Paley factor int8 [p, p] on x's device.
+inline Rotation rotation_of(const std::optional<at::Tensor>& sign_bits, int64_t block,
+                            const std::optional<at::Tensor>& paley, int64_t K, const at::Tensor& x, const char* op) {
+  Rotation r{0, 1, nullptr, nullptr};
   if (block == 0) return r;
-  TORCH_CHECK(block > 0 && K % block == 0 && seed >= 0 && seed < (int64_t(1) << 32), op, ": rotation block ", block,
-              " must divide K = ", K, " (seed ", seed, ")");
+  TORCH_CHECK(block > 0 && K % block == 0, op, ": rotation block ", block, " must divide K = ", K);
+  TORCH_CHECK(sign_bits.has_value() && sign_bits->scalar_type() == at::kInt && sign_bits->dim() == 1 &&
+                  sign_bits->numel() == (K + 31) / 32 && sign_bits->is_contiguous() && sign_bits->device() == x.device(),
+              op, ": a rotated call needs D's signs as contiguous int32 [ceil(K/32)] on x's device ",
+              "(qlinear.backends._gpu.sign_bits)");
   int64_t p = 1;
   if (paley.has_value()) {
     p = paley->size(0);
@@ -59,7 +63,7 @@ inline Rotation rotation_of(int64_t seed, int64_t block, const std::optional<at:
   TORCH_CHECK((n & (n - 1)) == 0, op, ": rotation block ", block, " / Paley order ", p, " is not a power of two");
   r.block = (int)block;
   r.paley = (int)p;
-  r.seed = (unsigned)seed;
+  r.sign_bits = reinterpret_cast<const unsigned*>(sign_bits->data_ptr<int>());
   return r;
 }
 

@@ -12,13 +12,14 @@ enum class DType : int { kHalf = 0, kBFloat16 = 1, kFloat = 2, kNone = 3 };
 struct Rotation {
   int block;                        // b; 0: the layer is not rotated (no other field read)
   int paley;                        // p, with b = p·n and n a power of two (1: no Paley factor)
-  unsigned seed;
+  const unsigned* sign_bits;        // [ceil(K/32)] on the device: bit k % 32 of word k / 32 set where D[k] = −1
   const signed char* paley_matrix;  // [p, p] ±1, row-major, on the device (p > 1)
 };
 
 // A rotation a launcher cannot take (the bindings check the same with messages, rotation_of in binding.h).
 inline bool rotation_invalid(const Rotation& r) {
-  return r.block && (r.block < 0 || r.paley < 1 || r.block % r.paley || (r.paley > 1 && r.paley_matrix == nullptr));
+  return r.block && (r.block < 0 || r.paley < 1 || r.block % r.paley || r.sign_bits == nullptr ||
+                     (r.paley > 1 && r.paley_matrix == nullptr));
 }
 
 // Shared memory of a kernel that stages rotated x: its own area (aliased by the transform's fp32 work area of

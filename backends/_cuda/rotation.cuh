@@ -1,7 +1,8 @@
 // A rotated layer's input transform inside the CUDA kernels that stage x themselves (qlinear/formats/rotation.py is
 // its definition and PyTorch reference; backends/_shared/rotation.h the CPU kernels' version).  Torch-free.
 //
-//   R·v = blockdiag(H_b, ..., H_b)·D·v:  v[k] ·= D[k] (bit 31 of lowbias32(k + seed·0x9E3779B9) set: −1), then per
+//   R·v = blockdiag(H_b, ..., H_b)·D·v:  v[k] ·= D[k] (bit k of Rotation::sign_bits, set: −1; the host derives them from
+//   the seed, bit 31 of lowbias32(k + seed·0x9E3779B9), and a bit test costs a fraction of the hash), then per
 //   block of b = p·n inputs viewed as [p, n] (n a power of two): Sylvester H_n on each of the p rows, the ±1 Paley
 //   factor on each of the n columns, and 1/√b; a kernel forms only the outputs of its own K slice (stage_rotated).
 //
@@ -13,18 +14,9 @@
 
 namespace qlinear {
 
-// D[k]'s sign bit (0x80000000 for −1): bit 31 of lowbias32 (C. Wellons) of k + seed·0x9E3779B9, as rotation.signs.
-__device__ __forceinline__ unsigned rotation_sign_bit(unsigned seed, int k) {
-  unsigned h = (unsigned)k + seed * 0x9E3779B9u;
-  h ^= h >> 16;
-  h *= 0x7FEB352Du;
-  h ^= h >> 15;
-  h *= 0x846CA68Bu;
-  return (h ^ (h >> 16)) & 0x80000000u;
-}
-
 // Partial sums of y[d0 .. d0 + V) (see stage_rotated_inline) over the terms j = g, g + groups, ... into out: per term one
-// V-input load (16 bytes for V = 8), its D signs and one sign for the whole term (Paley entry, Sylvester parity).
+// V-input load (16 bytes for V = 8), its D signs (V bits of one sign word: the V inputs start at a multiple of V) and
+// one sign for the whole term (Paley entry, Sylvester parity), folded into those bits.
 template <int V, typename T>
 __device__ __forceinline__ void fold_terms(const T* xm, const Rotation& r, int b0, int n, int i, int a, int L, int lg,
                                            int d0, int g, int groups, float* out) {
@@ -33,14 +25,15 @@ __device__ __forceinline__ void fold_terms(const T* xm, const Rotation& r, int b
   for (int q = 0; q < V; ++q) acc[q] = 0.f;
   for (int j = g; j < (r.paley << lg); j += groups) {
     const int ii = j >> lg, c = j & ((1 << lg) - 1), k = b0 + ii * n + c * L + d0;
-    unsigned neg = (unsigned)(__popc(a & c) & 1) << 31;
-    if (r.paley > 1 && __ldg(r.paley_matrix + i * r.paley + ii) < 0) neg ^= 0x80000000u;
+    unsigned neg = __popc(a & c) & 1;
+    if (r.paley > 1 && __ldg(r.paley_matrix + i * r.paley + ii) < 0) neg ^= 1u;
+    const unsigned bits = (__ldg(r.sign_bits + (k >> 5)) >> (k & 31)) ^ (0u - neg);  // bit q: the sign of input k + q
     T v[V];
     if constexpr (V == 8) *reinterpret_cast<uint4*>(v) = __ldg(reinterpret_cast<const uint4*>(xm + k));
     else v[0] = xm[k];
 #pragma unroll
     for (int q = 0; q < V; ++q)
-      acc[q] += __uint_as_float(__float_as_uint(to_float<T>(v[q])) ^ neg ^ rotation_sign_bit(r.seed, k + q));
+      acc[q] += __uint_as_float(__float_as_uint(to_float<T>(v[q])) ^ (bits << (31 - q) & 0x80000000u));
   }
 #pragma unroll
   for (int q = 0; q < V; ++q) out[q] = acc[q];
@@ -98,8 +91,10 @@ __device__ __forceinline__ void stage_rotated_inline(const T* x, int ldx, int ro
       const int a = (e - row0) / L, lg = 31 - __clz(n / L);
       const bool wide = L >= 8 && (reinterpret_cast<size_t>(xm) & 15) == 0;
       const int V = wide ? 8 : 1, units = L / V;
-      // threads sharing a unit of V bins (their partials, at work[g·L + bin], summed in order), within 256 floats
-      const int groups = max(1, min(threads / units, 256 / L));
+      // threads sharing a unit of V bins (their partials, at work[g·L + bin], summed in order), within the work area:
+      // every thread of the block folds where it holds their partials (a 256-input slice of an 8192 block: 8 threads
+      // per unit, each 4 terms, where 256 floats left 1 thread per unit to walk all 32)
+      const int groups = max(1, min(threads / units, max(n, 256) / L));
       for (int u = t; u < units * groups; u += threads) {
         const int d0 = (u % units) * V, g = u / units;
         if (wide) fold_terms<8, T>(xm, r, b0, n, i, a, L, lg, d0, g, groups, work + g * L + d0);

@@ -60,7 +60,8 @@ at::Tensor mixed_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Te
                       const std::optional<at::Tensor>& outlier_cols, const std::optional<at::Tensor>& outlier_row_ptr,
                       const std::optional<at::Tensor>& bias, int64_t N, int64_t group_size, int64_t scale_bits,
                       int64_t scale_group_size, int64_t threads, int64_t tiles_per_split, int64_t splits,
-                      bool async_dequant, int64_t rot_seed, int64_t rot_block, const std::optional<at::Tensor>& rot_paley) {
+                      bool async_dequant, const std::optional<at::Tensor>& rot_sign_bits, int64_t rot_block,
+                      const std::optional<at::Tensor>& rot_paley) {
   TORCH_CHECK(x.is_cuda() && x.dim() == 2 && x.is_contiguous(), "mixed_gemv: x must be a contiguous CUDA [M, K] tensor");
   TORCH_CHECK_TYPE(x.scalar_type() == at::kHalf || x.scalar_type() == at::kBFloat16, "mixed_gemv: x must be fp16 or bf16");
   const int64_t M = x.size(0), K = x.size(1);
@@ -84,7 +85,7 @@ at::Tensor mixed_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Te
   qlinear::check_threads(threads, "mixed_gemv");
   if (splits > 1) a.counters = qlinear::split_counters(qlinear::mixed::mixed_gemv_tiles((int)N, (int)threads), x, "mixed_gemv");
   const auto stream = c10::cuda::getCurrentCUDAStream();
-  const qlinear::Rotation rot = qlinear::rotation_of(rot_seed, rot_block, rot_paley, K, x, "mixed_gemv");
+  const qlinear::Rotation rot = qlinear::rotation_of(rot_sign_bits, rot_block, rot_paley, K, x, "mixed_gemv");
   const size_t row_bytes = x.element_size();
   for (int64_t m0 = 0; m0 < M; m0 += 8) {  // M > 8: the same kernel over chunks of 8 rows
     a.M = (int)std::min<int64_t>(8, M - m0);

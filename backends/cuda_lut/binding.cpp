@@ -41,7 +41,8 @@ at::Tensor bcq_lut_gemv(const at::Tensor& x, const at::Tensor& planes, const at:
                         const std::optional<at::Tensor>& offset, const std::optional<at::Tensor>& perm,
                         const std::optional<at::Tensor>& bias,
                         int64_t group_size, int64_t kt, int64_t threads, int64_t tiles_per_split, int64_t splits,
-                        int64_t rot_seed, int64_t rot_block, const std::optional<at::Tensor>& rot_paley) {
+                        const std::optional<at::Tensor>& rot_sign_bits, int64_t rot_block,
+                        const std::optional<at::Tensor>& rot_paley) {
   TORCH_CHECK(x.is_cuda() && x.dim() == 2 && x.is_contiguous(), "bcq_lut_gemv: x must be a contiguous CUDA [M, K] tensor");
   TORCH_CHECK_TYPE(x.scalar_type() == at::kHalf || x.scalar_type() == at::kBFloat16, "bcq_lut_gemv: x must be fp16 or bf16");
   c10::cuda::CUDAGuard guard(x.device());
@@ -64,7 +65,7 @@ at::Tensor bcq_lut_gemv(const at::Tensor& x, const at::Tensor& planes, const at:
   a.M = (int)M;
   a.kt = (int)kt; a.tiles_per_split = (int)tiles_per_split; a.splits = (int)splits; a.threads = (int)threads;
   a.x_dtype = qlinear::dtype_of(x.scalar_type(), "bcq_lut_gemv");
-  const qlinear::Rotation rot = qlinear::rotation_of(rot_seed, rot_block, rot_paley, a.K, x, "bcq_lut_gemv");
+  const qlinear::Rotation rot = qlinear::rotation_of(rot_sign_bits, rot_block, rot_paley, a.K, x, "bcq_lut_gemv");
   const cudaError_t err = qlinear::lut_gemv(a, rot, c10::cuda::getCurrentCUDAStream());
   TORCH_CHECK(err == cudaSuccess, "bcq_lut_gemv launch failed: ", cudaGetErrorString(err));
   return y;

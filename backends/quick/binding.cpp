@@ -52,7 +52,8 @@ qlinear::QuickArgs weight_args(const at::Tensor& qweight, const at::Tensor& scal
 at::Tensor quick_gemm(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                       const std::optional<at::Tensor>& zeros, const std::optional<at::Tensor>& perm,
                       const std::optional<at::Tensor>& bias, int64_t group_size, int64_t tile_m, int64_t tiles_per_split,
-                      int64_t splits, int64_t rot_seed, int64_t rot_block, const std::optional<at::Tensor>& rot_paley) {
+                      int64_t splits, const std::optional<at::Tensor>& rot_sign_bits, int64_t rot_block,
+                      const std::optional<at::Tensor>& rot_paley) {
   TORCH_CHECK(x.is_cuda() && x.dim() == 2 && x.is_contiguous(), "quick_gemm: x must be a contiguous CUDA [M, K] tensor");
   TORCH_CHECK_TYPE(x.scalar_type() == at::kHalf || x.scalar_type() == at::kBFloat16, "quick_gemm: x must be fp16 or bf16");
   TORCH_CHECK(reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0, "quick_gemm: x must be 16-byte aligned");
@@ -75,7 +76,7 @@ at::Tensor quick_gemm(const at::Tensor& x, const at::Tensor& qweight, const at::
   a.y = y.data_ptr();
   a.M = (int)M; a.tile_m = (int)tile_m; a.tiles_per_split = (int)tiles_per_split; a.splits = (int)splits;
   a.x_dtype = qlinear::dtype_of(x.scalar_type(), "quick_gemm");
-  const qlinear::Rotation rot = qlinear::rotation_of(rot_seed, rot_block, rot_paley, K, x, "quick_gemm");
+  const qlinear::Rotation rot = qlinear::rotation_of(rot_sign_bits, rot_block, rot_paley, K, x, "quick_gemm");
   const cudaError_t err = qlinear::quick_gemm(a, rot, c10::cuda::getCurrentCUDAStream());
   TORCH_CHECK(err == cudaSuccess, "quick_gemm launch failed: ", cudaGetErrorString(err));
   return y;
