@@ -288,7 +288,7 @@ def emulator(tmp_path_factory):
 
     return cuda_emulation.build(
         tmp_path_factory.mktemp("lut_emu"), "cuda_lut/bcq_lut_gemv.cu",
-        ("extern __shared__ float smem[];", "float* smem = reinterpret_cast<float*>(::g_smem4);"), "", _LUT_DRIVER)
+        ("extern __shared__ __align__(16) float smem[];", "float* smem = reinterpret_cast<float*>(::g_smem4);"), "", _LUT_DRIVER)
 
 
 def _emulate(exe, x, bufs, bias, cfg, N, K, launch, perm=None, dequant=None, rotation=None):
@@ -324,7 +324,7 @@ def test_kernel_source_under_host_emulation(emulator, bits, group_size, offset, 
             y = _emulate(emulator, x, bufs, mod.bias, cfg, N, K, launch)
             err = (y.double() - y64).abs()
             assert (err <= _bound(mod, x, eps, y64)).all(), (M, launch, err.max().item())
-    # the dequantize kernel (row and K tiles cut by N = 96 and K = 320): the format's float32 Ŵ bit for bit, and its one
+    # the dequantize kernel (row and K tiles cut by N = 96 or 288 and K = 320): the format's float32 Ŵ bit for bit, and its one
     # rounding to x's dtype, also for a round-to-nearest layer, whose s·(q − z) storage the layout holds as uniform α
     # and an offset
     layers = [(mod, bufs)]
@@ -333,10 +333,13 @@ def test_kernel_source_under_host_emulation(emulator, bits, group_size, offset, 
         umod = BCQLinear.from_linear(torch.nn.Linear(K, N), ucfg, backend="reference")
         assert "qweight" in umod.canonical()
         layers.append((umod, cuda_lut.repack(umod.canonical(), umod.config, N, K)))
+    wide = BCQLinear.from_linear(torch.nn.Linear(K, 288), cfg, backend="reference")  # 3 row tiles, the last cut short
+    layers.append((wide, cuda_lut.repack(wide.canonical(), cfg, 288, K)))
     for m, b in layers:
-        want = bcq.dequantize(m.canonical(), m.config, N, K)
+        n = m.out_features
+        want = bcq.dequantize(m.canonical(), m.config, n, K)
         for out in (torch.float32, dtype):
-            w = _emulate(emulator, torch.zeros(1, K).to(dtype), b, None, m.config, N, K, (32, 32, 1, 1), dequant=out)
+            w = _emulate(emulator, torch.zeros(1, K).to(dtype), b, None, m.config, n, K, (32, 32, 1, 1), dequant=out)
             assert torch.equal(w.to(out).view(torch.int16 if out != torch.float32 else torch.int32),
                                want.to(out).view(torch.int16 if out != torch.float32 else torch.int32)), out
     # act_order: the kernel reads x[:, perm] as it loads x (bitwise the same as gathering first)
@@ -357,11 +360,14 @@ def test_kernel_source_stages_a_rotated_input(emulator, bits, dtype):
     from cuda_emulation import rotated_reference
 
     eps = {torch.float16: 2.0 ** -11, torch.bfloat16: 2.0 ** -8}[dtype]
-    # (N, K, block, M, SMs, act_order); the last: 128-thread blocks fold 64-128-input slices of 512-input rotation
-    # blocks with more threads per bin than 256 floats of partials would hold
+    # (N, K, block, M, SMs or a launch, act_order).  512 x 1024: 128-thread blocks fold 64-128-input slices of
+    # 512-input rotation blocks with more threads per bin than 256 floats of partials would hold.  K = 2048 in splits of
+    # 3 tiles: the slice that straddles input 1024 is cut there (rotation.cuh), its pieces transformed one by one.
+    kt = 32 * cuda_lut.words(1, bits)
     for N, K, block, M, sms, gather in ((96, 384, 384, 1, 132, False), (96, 384, 128, 3, 1, False),
                                         (96, 384, 24, 1, 132, False), (96, 384, 12, 3, 132, True),
-                                        (512, 1024, 512, 1, 132, False)):
+                                        (512, 1024, 512, 1, 132, False),
+                                        (96, 2048, 2048, 1, (kt, 64, 3, -(-2048 // (3 * kt))), False)):
         mod, _ = _layer(N, K, bits, 64, seed=bits)
         cfg = mod.config
         bufs = cuda_lut.repack(mod.canonical(), cfg, N, K)
@@ -372,7 +378,7 @@ def test_kernel_source_stages_a_rotated_input(emulator, bits, dtype):
         if gather:
             x64 = x64[:, perm.long()]
         y64 = x64 @ w64.T + mod.bias.double()
-        launch = cuda_lut.plan(M, N, K, sms, bits)
+        launch = sms if isinstance(sms, tuple) else cuda_lut.plan(M, N, K, sms, bits)
         y = _emulate(emulator, x, bufs, mod.bias, cfg, N, K, launch, perm=perm if gather else None,
                      rotation=(7, block))
         mag = _bound(mod, x64) / ((K / 8 + 64) * U32)  # Σ_k (Σ_q|α_q| + |c|)·|(R·x)_k|

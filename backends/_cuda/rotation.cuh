@@ -68,15 +68,22 @@ __device__ __forceinline__ Out rounded_to(float v) {
   else return from_float<T>(v);
 }
 
+// The smallest power of two L whose aligned segment holds offsets [lo, hi) of a Paley row.
+__device__ __forceinline__ int segment_length(int lo, int hi) {
+  int L = 1;
+  while (lo / L != (hi - 1) / L) L *= 2;
+  return L;
+}
+
 // dst[m·ld + k − k_lo] = T((R·x[m])[k]) for rows m < rows of x (row stride ldx, global memory) and inputs k in
 // [k_lo, k_hi); Out is T or float (a T value widened).  Only those outputs are formed: with H_b = P ⊗ H_{n/L} ⊗ H_L
 // (Sylvester in natural order, H[c][d] = (−1)^popc(c & d)), the outputs of Paley row i and L-aligned segment a of a
 // block are H_L·y, y[d] = Σ_{i', c'} P[i][i']·(−1)^popc(a & c')·(D·x)[i'·n + c'·L + d], with L the smallest power of two
-// whose aligned segment holds the slice's part of that row: b terms and L·log2 L butterflies per segment, where the
-// whole block would take b·(p + log2 n) (a split-K block's slice is a fraction of a Llama block of 4096-8192).  A
-// thread sums 8 consecutive bins per term where it can (L >= 8, x 16-byte aligned), one otherwise.  `work` (fp32)
-// holds max(n, 256) floats.  Called by every thread of the block; ends with a barrier, after which dst is complete and
-// `work` free.
+// whose aligned segment holds the slice's part of that row (or of its first piece, cut below): b terms and L·log2 L
+// butterflies per segment, where the whole block would take b·(p + log2 n) (a split-K block's slice is a fraction of a
+// Llama block of 4096-8192).  A thread sums 8 consecutive bins per term where it can (L >= 8, x 16-byte aligned), one
+// otherwise.  `work` (fp32) holds max(n, 256) floats.  Called by every thread of the block; ends with a barrier, after
+// which dst is complete and `work` free.
 template <typename T, typename Out>
 __device__ __forceinline__ void stage_rotated_inline(const T* x, int ldx, int rows, int k_lo, int k_hi, const Rotation& r,
                                                      float* work, Out* dst, int ld) {
@@ -85,9 +92,19 @@ __device__ __forceinline__ void stage_rotated_inline(const T* x, int ldx, int ro
   for (int m = 0; m < rows; ++m) {
     const T* xm = x + (size_t)m * ldx;
     for (int e = k_lo; e < k_hi;) {
-      const int b0 = e / b * b, i = (e - b0) / n, row0 = b0 + i * n, end = min(k_hi, row0 + n);
-      int L = 1;
-      while ((e - row0) / L != (end - 1 - row0) / L) L *= 2;
+      const int b0 = e / b * b, i = (e - b0) / n, row0 = b0 + i * n;
+      int end = min(k_hi, row0 + n);
+      int L = segment_length(e - row0, end - row0);
+      // A slice that straddles a large aligned boundary (splits of 15 or 3 tiles) would take butterflies over a segment
+      // many times its length; cut it at the boundary of its own length L0 where a second pass over the b terms costs
+      // less (term loop ~7 instructions per input, a butterfly level ~3 per value: cut when 5b < 2(L·log2 L − 2·L0·log2 L0)).
+      int L0 = 1;
+      while (L0 < end - e) L0 *= 2;
+      const long long lgL = 31 - __clz(L), lgL0 = 31 - __clz(L0);
+      if (L > 2 * L0 && 5LL * b < 2 * ((long long)L * lgL - 2LL * L0 * lgL0)) {
+        end = row0 + ((e - row0) / L0 + 1) * L0;
+        L = segment_length(e - row0, end - row0);
+      }
       const int a = (e - row0) / L, lg = 31 - __clz(n / L);
       const bool wide = L >= 8 && (reinterpret_cast<size_t>(xm) & 15) == 0;
       const int V = wide ? 8 : 1, units = L / V;

@@ -24,8 +24,8 @@ void weights_of(const at::Tensor& codes, const at::Tensor& meta, const at::Tenso
   }
   TORCH_CHECK(N >= 1 && codes.numel() % N == 0, op, ": codes hold ", codes.numel(), " words, not N·W");
   const int64_t W = codes.numel() / N;  // code words per row
-  TORCH_CHECK(K % 16 == 0 && group_size % 16 == 0 && G * group_size == K, op, ": K=", K, " group_size=",
-              group_size, " and ", G, " groups do not fit");
+  TORCH_CHECK(K > 0 && group_size > 0 && K % 16 == 0 && group_size % 16 == 0 && G * group_size == K, op, ": K=", K,
+              " group_size=", group_size, " and ", G, " groups do not fit");
   TORCH_CHECK(W >= G * group_size / 16 && W <= G * group_size / 8, op, ": ", W, " words per row do not fit K=", K);
   TORCH_CHECK(meta.dim() == 2 && meta.size(1) == N, op, ": meta must be [MW, N]");
   const int64_t S2 = (N + scale_group_size - 1) / scale_group_size;

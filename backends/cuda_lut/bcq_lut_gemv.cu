@@ -140,7 +140,7 @@ __global__ void __launch_bounds__(256, 2) lut_gemv_kernel(const LutGemvArgs a, c
   constexpr int kt = 32 * W, kTables = M * (kt / 8);  // tables per tile, [M][kt/8][256] floats per buffer
   // tables a warp loads the inputs of at once (plan() gives most warps at most two per tile; one where registers are short)
   constexpr int kXBatch = M * Q >= 16 ? 1 : 2;
-  extern __shared__ float smem[];
+  extern __shared__ __align__(16) float smem[];
 
   const T* x = static_cast<const T*>(a.x);
   const int N = a.N, K = a.K, tid = threadIdx.x, lane = tid & 31;
@@ -289,7 +289,7 @@ __device__ __forceinline__ unsigned table_entry(float v) {
 
 template <typename OutT, int Q>
 __global__ void __launch_bounds__(256) lut_dequantize_kernel(const LutGemvArgs a) {
-  extern __shared__ float smem[];
+  extern __shared__ __align__(16) float smem[];
   constexpr int kSlots = 1 << Q, kRun = kDqWarps * 32 * sizeof(OutT), kPieces = kRun / 16;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int n_tile = blockIdx.x * lut_dequantize_tile_n, kw0 = blockIdx.y * kDqWarps;
