@@ -105,32 +105,38 @@ __device__ __forceinline__ void stage_rotated_inline(const T* x, int ldx, int ro
         end = row0 + ((e - row0) / L0 + 1) * L0;
         L = segment_length(e - row0, end - row0);
       }
+      // Whole Paley rows from e on are transformed together, as many as the work area holds: one set of barriers for
+      // all (a 64-input slice of SmolLM2's 576 = 36·16 block is 4 rows of 16)
+      int span = L;
+      if (e == row0 && end == row0 + n)
+        while (end + n <= k_hi && span + L <= max(n, 256)) end += n, span += L;
       const int a = (e - row0) / L, lg = 31 - __clz(n / L);
       const bool wide = L >= 8 && (reinterpret_cast<size_t>(xm) & 15) == 0;
-      const int V = wide ? 8 : 1, units = L / V;
-      // threads sharing a unit of V bins (their partials, at work[g·L + bin], summed in order), within the work area:
+      const int V = wide ? 8 : 1, units = span / V;
+      // threads sharing a unit of V bins (their partials, at work[g·span + bin], summed in order), within the work area:
       // every thread of the block folds where it holds their partials (a 256-input slice of an 8192 block: 8 threads
       // per unit, each 4 terms, where 256 floats left 1 thread per unit to walk all 32)
-      const int groups = max(1, min(threads / units, max(n, 256) / L));
+      const int groups = max(1, min(threads / units, max(n, 256) / span));
       for (int u = t; u < units * groups; u += threads) {
-        const int d0 = (u % units) * V, g = u / units;
-        if (wide) fold_terms<8, T>(xm, r, b0, n, i, a, L, lg, d0, g, groups, work + g * L + d0);
-        else fold_terms<1, T>(xm, r, b0, n, i, a, L, lg, d0, g, groups, work + g * L + d0);
+        const int d = (u % units) * V, g = u / units, er = e + d / L * L;  // er: the start of the unit's row (span > L)
+        const int b0r = er / b * b, ir = (er - b0r) / n;
+        if (wide) fold_terms<8, T>(xm, r, b0r, n, ir, a, L, lg, d % L, g, groups, work + g * span + d);
+        else fold_terms<1, T>(xm, r, b0r, n, ir, a, L, lg, d % L, g, groups, work + g * span + d);
       }
       __syncthreads();
       if (groups > 1) {  // each bin summed by one thread: no thread reads another's bin
-        for (int d = t; d < L; d += threads) {
+        for (int d = t; d < span; d += threads) {
           float s = work[d];
-          for (int g = 1; g < groups; ++g) s += work[g * L + d];
+          for (int g = 1; g < groups; ++g) s += work[g * span + d];
           work[d] = s;
         }
         __syncthreads();
       }
-      for (int h = 1; h < L; h *= 8) {
+      for (int h = 1; h < L; h *= 8) {  // within each L-segment of the span
         const int radix = min(8, L / h);
-        if (radix == 8) butterflies<8>(work, L, h);
-        else if (radix == 4) butterflies<4>(work, L, h);
-        else butterflies<2>(work, L, h);
+        if (radix == 8) butterflies<8>(work, span, h);
+        else if (radix == 4) butterflies<4>(work, span, h);
+        else butterflies<2>(work, span, h);
         __syncthreads();
       }
       for (int k = e + t; k < end; k += threads) dst[(size_t)m * ld + (k - k_lo)] = rounded_to<T, Out>(work[k - row0 - a * L] * scale);
