@@ -106,7 +106,8 @@ inline void emu_write(const char* path, const std::vector<uint16_t>& y, bool bf1
 }
 
 // Runs `kernel` (a callable taking no arguments, run by every thread) for every block of `grid`, `threads` threads each.
-template <class K> void run_grid(dim3 grid, int threads, K&& kernel) {
+// With `smem_bytes` (the dynamic shared memory its launcher requests), a block that wrote past it fails the run.
+template <class K> void run_grid(dim3 grid, int threads, K&& kernel, size_t smem_bytes = sizeof(g_smem4)) {
   g_gridDim = grid;
   for (unsigned z = 0; z < grid.z; ++z)
     for (unsigned y = 0; y < grid.y; ++y)
@@ -118,6 +119,9 @@ template <class K> void run_grid(dim3 grid, int threads, K&& kernel) {
         std::vector<std::thread> ts;
         for (int t = 0; t < threads; ++t) ts.emplace_back([&kernel, t] { tl_threadIdx = make_uint3(t, 0, 0); kernel(); });
         for (auto& th : ts) th.join();
+        const unsigned char* raw = reinterpret_cast<const unsigned char*>(g_smem4);
+        for (size_t i = smem_bytes; i < sizeof(g_smem4); ++i)
+          if (raw[i] != 0xFF) { fprintf(stderr, "shared memory written at byte %zu, past the %zu requested\n", i, smem_bytes); exit(4); }
       }
 }
 '''

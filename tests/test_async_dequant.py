@@ -540,7 +540,8 @@ int main(int argc, char** argv) {
     std::vector<float> w((size_t)N * K, NAN);
     a.y = w.data();
     run_grid(grid, kDequantThreads, [&a] { a.group_size % 64 ? mixed_dequantize_kernel<float, 16>(a)
-                                                             : mixed_dequantize_kernel<float, 64>(a); });
+                                                             : mixed_dequantize_kernel<float, 64>(a); },
+             mixed_dequantize_smem_bytes(a.group_size, sizeof(float)));
     FILE* o = fopen(argv[2], "wb"); fwrite(w.data(), 4, w.size(), o); fclose(o);
     return 0;
   }
@@ -548,10 +549,12 @@ int main(int argc, char** argv) {
   a.y = w.data();
   if (h[11] == 1)
     run_grid(grid, kDequantThreads, [&a] { a.group_size % 64 ? mixed_dequantize_kernel<__half, 16>(a)
-                                                             : mixed_dequantize_kernel<__half, 64>(a); });
+                                                             : mixed_dequantize_kernel<__half, 64>(a); },
+             mixed_dequantize_smem_bytes(a.group_size, sizeof(__half)));
   else
     run_grid(grid, kDequantThreads, [&a] { a.group_size % 64 ? mixed_dequantize_kernel<__nv_bfloat16, 16>(a)
-                                                             : mixed_dequantize_kernel<__nv_bfloat16, 64>(a); });
+                                                             : mixed_dequantize_kernel<__nv_bfloat16, 64>(a); },
+             mixed_dequantize_smem_bytes(a.group_size, sizeof(__nv_bfloat16)));
   emu_write(argv[2], w, h[11] == 2);
   return 0;
 }

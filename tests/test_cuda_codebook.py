@@ -19,7 +19,8 @@ _DRIVER = r'''
 template <typename OutT> void run(const qlinear::CodebookArgs& a) {
   using namespace qlinear;
   const unsigned blocks = (unsigned)(((long long)a.N * (a.K / 32) + 255) / 256);
-  auto grid = [&](auto kernel) { run_grid(dim3(blocks, 1, 1), 256, kernel); };
+  const size_t smem = codebook_dequantize_smem_bytes(sizeof(OutT));
+  auto grid = [&](auto kernel) { run_grid(dim3(blocks, 1, 1), 256, kernel, smem); };
   switch (a.bits * 2 + (a.group_size % 16 == 0)) {
     case 2: grid([&a] { codebook_dequantize_kernel<OutT, 1, false>(a); }); break;
     case 3: grid([&a] { codebook_dequantize_kernel<OutT, 1, true>(a); }); break;

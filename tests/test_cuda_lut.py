@@ -224,7 +224,8 @@ template <typename T> void run_m(const LutGemvArgs& a) {
   switch (a.M) { case 1: return run_q<T, 1>(a); case 3: return run_q<T, 3>(a); default: return run_q<T, 8>(a); }
 }
 template <typename OutT, int Q> void dequantize(const LutGemvArgs& a) {
-  run_grid(lut_dequantize_grid(a.N, a.K), 256, [&a] { lut_dequantize_kernel<OutT, Q>(a); });
+  run_grid(lut_dequantize_grid(a.N, a.K), 256, [&a] { lut_dequantize_kernel<OutT, Q>(a); },
+           lut_dequantize_smem_bytes(Q, sizeof(OutT)));
 }
 template <typename OutT> void dequantize_q(const LutGemvArgs& a) {
   switch (a.Q) { case 1: return dequantize<OutT, 1>(a); case 2: return dequantize<OutT, 2>(a);

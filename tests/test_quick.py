@@ -367,7 +367,7 @@ template <typename T, int Q, bool F> void run(const QuickArgs& a, bool dequant) 
   if (dequant) {
     const int tiles = (a.N / 32) * (a.K / 64);
     emu_warp::reset(128);
-    run_grid(dim3((tiles + 3) / 4, 1, 1), 128, [&a] { quick_dequantize_kernel<T, Q, F>(a); });
+    run_grid(dim3((tiles + 3) / 4, 1, 1), 128, [&a] { quick_dequantize_kernel<T, Q, F>(a); }, kDequantSmem);
     return;
   }
   switch (a.tile_m) {
