@@ -53,7 +53,7 @@ template <typename OutT, int ZB>
 __device__ __forceinline__ void write16(const MixedGemvArgs& a, int n, int k_first, int wi, float s, float z,
                                         OutlierCursor& cur, uint4* dst) {
   unsigned long long codes16 = code_word(a, n, wi);
-  if (ZB == 4) codes16 |= (unsigned long long)code_word(a, n, wi + 1) << 32;
+  if constexpr (ZB == 4) codes16 |= (unsigned long long)code_word(a, n, wi + 1) << 32;
   union { OutT v[16]; uint4 u[16 * sizeof(OutT) / 16]; } out;
 #pragma unroll
   for (int e = 0; e < 16; ++e) {
@@ -72,10 +72,7 @@ __global__ void __launch_bounds__(kDequantThreads, 4) mixed_dequantize_kernel(co
   constexpr int kRow = C * sizeof(OutT) + 16, kPieces = C * sizeof(OutT) / 16;  // staged row bytes (padded), pieces
   const int G = a.K / a.group_size, g = a.group_size, grp = blockIdx.y, n = blockIdx.x * kDequantThreads + threadIdx.x;
   const bool valid = n < a.N;  // no early exit: every thread reaches the barriers
-  // [threads]: each staged row's Ŵ run as an element offset (-1: none); an offset, not a pointer, so the stores stay
-  // global stores (a pointer read from shared memory makes them generic)
-  long long* row_at = reinterpret_cast<long long*>(smem_raw);
-  unsigned char* staged = smem_raw + kDequantThreads * sizeof(long long);
+  unsigned char* staged = smem_raw;
   const unsigned entry = (unsigned)__ldg(a.gtab + grp), off = entry & 0x7FFFFFFFu;
   const bool is4 = entry >> 31;  // the block's group: one kind for all its threads
   const int zb = is4 ? 4 : 2, n4 = (int)(off - (unsigned)grp * (2 + a.scale_bits)) / 2;
@@ -104,7 +101,6 @@ __global__ void __launch_bounds__(kDequantThreads, 4) mixed_dequantize_kernel(co
       cur.load(a);
     }
   }
-  row_at[threadIdx.x] = valid ? (long long)n * a.K + (long long)grp * g : -1;
   for (int k0 = 0; k0 < g; k0 += C) {
     if (valid) {
       uint4* dst = reinterpret_cast<uint4*>(staged + threadIdx.x * kRow);
@@ -120,9 +116,10 @@ __global__ void __launch_bounds__(kDequantThreads, 4) mixed_dequantize_kernel(co
 #pragma unroll
     for (int i = 0; i < kPieces; ++i) {
       const int p = i * kDequantThreads + threadIdx.x, row = p / kPieces, piece = p % kPieces;
-      const long long at = row_at[row];
-      if (at >= 0)
-        *reinterpret_cast<uint4*>(static_cast<OutT*>(a.y) + at + k0 + piece * (16 / sizeof(OutT))) =
+      const int nr = blockIdx.x * kDequantThreads + row;
+      if (nr < a.N)
+        *reinterpret_cast<uint4*>(static_cast<OutT*>(a.y) + (size_t)nr * a.K + (size_t)grp * g + k0 +
+                                  piece * (16 / sizeof(OutT))) =
             *reinterpret_cast<const uint4*>(staged + row * kRow + piece * 16);
     }
     __syncthreads();

@@ -62,14 +62,14 @@ constexpr int kRotatedMaxM = 6;
 // Returns cudaErrorInvalidValue for an unsupported M (1..8), dtype, rotation or launch shape.
 cudaError_t mixed_gemv(const MixedGemvArgs& args, const Rotation& rot, cudaStream_t stream);
 
-// The dequantize kernel's threads per block (one (group, row) each) and shared memory: each thread's Ŵ row offset, and
-// its staged run of C outputs (C = 64 where 64 divides the group size, else 16), padded by 16 bytes.
+// The dequantize kernel's threads per block (one (group, row) each) and shared memory: each thread's staged run of C
+// outputs (C = 64 where 64 divides the group size, else 16), padded by 16 bytes.
 constexpr int kDequantThreads = 128;
 inline dim3 mixed_dequantize_grid(int N, int K, int group_size) {
   return dim3((N + kDequantThreads - 1) / kDequantThreads, K / group_size);
 }
 inline size_t mixed_dequantize_smem_bytes(int group_size, size_t out_bytes) {
-  return kDequantThreads * (sizeof(long long) + (group_size % 64 ? 16 : 64) * out_bytes + 16);
+  return kDequantThreads * ((group_size % 64 ? 16 : 64) * out_bytes + 16);
 }
 
 // Writes Ŵ [N, K] of dtype `out` (fp32, fp16 or bf16) to args.y from the layout and the outliers (x, bias, the launch

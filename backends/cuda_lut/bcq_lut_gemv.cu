@@ -268,8 +268,8 @@ __global__ void __launch_bounds__(256, 2) lut_gemv_kernel(const LutGemvArgs a, c
 // backward pass: bcq.dequantize's float32 values (the planes' ±α summed from +0 in plane order, then the offset), rounded
 // once to OutT.  A weight's value depends only on its row, group and Q-bit sign code, so per (row, 32-input word) a
 // thread first writes the 2^Q possible outputs, each computed in exactly that order, to a table of its own in shared
-// memory ([slot][lane] words: lookups never conflict), and then every weight is one lookup: ~8 instructions per weight
-// at Q = 4 where computing each weight took ~27.  The codes come from the plane words by a bit transpose (nibble i of
+// memory ([slot][lane] words: lookups never conflict), and then every weight is one lookup: ~13 instructions per
+// weight at Q = 4 (SASS) where computing each weight took ~27.  The codes come from the plane words by a bit transpose (nibble i of
 // nib[s] is the code of input 4i + s).
 // Block: 256 threads over 128 rows × 256 inputs; lane = row quad (the plane, α and offset loads coalesce as in the
 // GEMV), warp = word.  Per row of its quad the block stages its 32 rows' outputs in shared memory and writes each
@@ -340,16 +340,21 @@ __global__ void __launch_bounds__(256) lut_dequantize_kernel(const LutGemvArgs a
       uint4* dst = reinterpret_cast<uint4*>(staged + lane * (kRun + 16) + warp * (kRun / kDqWarps));
 #pragma unroll
       for (int c = 0; c < 32 / kPer16; ++c) {
-        unsigned e[kPer16], u[4];
+        unsigned e[kPer16];
 #pragma unroll
         for (int j = 0; j < kPer16; ++j) {  // input k: nibble k / 4 of nib[k % 4], as a byte offset 128·code
           const int k = c * kPer16 + j, i = k / 4, t = k % 4;
           const unsigned byte = (4 * i <= 7 ? nib[t] << (7 - 4 * i) : nib[t] >> (4 * i - 7)) & 0x780u;
           e[j] = *reinterpret_cast<const unsigned*>(reinterpret_cast<const char*>(table) + byte);
         }
+        if constexpr (kPer16 == 4) {
+          dst[c] = make_uint4(e[0], e[1], e[2], e[3]);
+        } else {
+          unsigned u[4];
 #pragma unroll
-        for (int j = 0; j < 4; ++j) u[j] = kPer16 == 4 ? e[j] : __byte_perm(e[2 * j], e[(2 * j + 1) % kPer16], 0x5410);
-        dst[c] = make_uint4(u[0], u[1], u[2], u[3]);
+          for (int j = 0; j < 4; ++j) u[j] = __byte_perm(e[2 * j], e[2 * j + 1], 0x5410);  // two 16-bit entries
+          dst[c] = make_uint4(u[0], u[1], u[2], u[3]);
+        }
       }
     }
     __syncthreads();
