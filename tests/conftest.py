@@ -116,35 +116,39 @@ def int8_activation_bound(w: torch.Tensor, x: torch.Tensor, block: int = 32) -> 
     return (amax / 254) @ wabs.T + 1e-5 * (x.double().abs() @ w.double().abs().T) + 1e-6
 
 
-def assert_fused_rotation(backend: str, cls, opts: dict, spec: Callable, K: int = 192, N: int = 40) -> None:
+def assert_fused_rotation(backend: str, cls, opts: dict, spec: Callable, K: int = 192, N: int = 40, block: int = 0
+                          ) -> None:
     """A rotated layer on a CPU kernel that ``fuses_rotation`` (issue 27): the kernel, not the op, transforms x (and
     gathers an act_order layer's ``perm`` after that); its
     output is its spec's on the transformed input, and within the int8-activation bound of ``(R·x)·Ŵ'ᵀ`` where
     ``Ŵ'`` is the stored (rotated) weight by :func:`dense64` and ``R`` the dense :func:`rotation64`.  ``spec(x,
-    layer)`` runs the backend's spec on the layer's held buffers."""
+    layer)`` runs the backend's spec on the layer's held buffers; ``block``: the layer's ``rotation_block`` (0: the
+    default for ``K``)."""
     from qlinear.formats import get_format, rotation
 
     torch.manual_seed(0)
     lin = torch.nn.Linear(K, N)
     hessian = random_hessian(K) if opts.get("act_order") else None  # a real act_order permutation
-    layer = cls.from_linear(lin, {**opts, "rotation": "hadamard", "rotation_seed": 9}, hessian, backend=backend)
+    layer = cls.from_linear(lin, {**opts, "rotation": "hadamard", "rotation_seed": 9, "rotation_block": block}, hessian,
+                            backend=backend)
+    block = rotation.block_size(K, block)
     x = torch.randn(37, K)  # more rows than the native transform takes at once (32)
     x[0, :32] *= 20  # a large block: what the rotation spreads before int8 quantization
     call = layer._call(x.device, x.dtype, 37)
-    assert call.kernel.backend == backend and call.fused == {"rotation": (9, rotation.block_size(K))}
+    assert call.kernel.backend == backend and call.fused == {"rotation": (9, block)}
     assert not call.gather  # an act_order layer's perm too is applied inside the op, after the rotation
     y = layer(x)
     want = spec(x, layer)
     assert torch.allclose(y.double(), want.double(), rtol=1e-5, atol=1e-5 * float(want.abs().max()))
     canon = {k: v for k, v in layer.canonical().items() if k != "rotation"}
     w = dense64(cls.format, canon, rotation.unrotated(layer.config), N, K)
-    xr = x.double() @ rotation64(9, rotation.block_size(K), K).T
+    xr = x.double() @ rotation64(9, block, K).T
     err = y.double() - (xr @ w.T + lin.bias.double())
     assert (err.abs() <= int8_activation_bound(w, xr.float()) + 1e-5 * y.double().abs()).all()
     # Ŵ in the layer's input basis (the backward's weight, from the held layout where it has a dequantize), bit for
     # bit the format's, and Ŵ'·R by float64
     assert torch.equal(layer.dequantize(), get_format(cls.format).dequantize(layer.canonical(), layer.config, N, K))
-    assert torch.allclose(layer.dequantize().double(), w @ rotation64(9, rotation.block_size(K), K), atol=1e-6)
+    assert torch.allclose(layer.dequantize().double(), w @ rotation64(9, block, K), atol=1e-6)
 
 
 def random_hessian(K: int, n: int = 4096, seed: int = 0) -> torch.Tensor:

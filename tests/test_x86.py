@@ -491,6 +491,17 @@ def test_op_rejects_inconsistent_buffers():
         op(x.double(), qw, qs, qz, None, N, 128, 4, 0, 0)
     with pytest.raises(RuntimeError, match="unknown path"):
         op(x, qw, qs, qz, None, N, 128, 4, 0, 9)
+    perm = torch.arange(K, dtype=torch.int32).flip(0)
+    with pytest.raises(RuntimeError, match=r"perm must lie in \[0, K\)"):  # never read out of bounds
+        op(x, qw, qs, qz, None, N, 128, 4, 0, 0, perm=perm + 1)
+    with pytest.raises(RuntimeError, match="perm must be contiguous int32"):
+        op(x, qw, qs, qz, None, N, 128, 4, 0, 0, perm=perm.long())
+    with pytest.raises(RuntimeError, match="rot_signs be contiguous float32"):
+        op(x, qw, qs, qz, None, N, 128, 4, 0, 0, rot_signs=torch.ones(K - 1), rot_block=K)
+    with pytest.raises(RuntimeError, match="must divide K"):
+        op(x, qw, qs, qz, None, N, 128, 4, 0, 0, rot_signs=torch.ones(K), rot_block=K - 1)
+    with pytest.raises(RuntimeError, match="Paley factor must be"):
+        op(x, qw, qs, qz, None, N, 128, 4, 0, 0, rot_signs=torch.ones(K), rot_paley=torch.ones(12, 12), rot_block=K)
     with pytest.raises(RuntimeError, match="unknown format"):
         op(x, qw, qs, qz, None, N, 128, 4, 5, 0)
     with pytest.raises(RuntimeError, match="bits 5 not in 1..4"):
@@ -563,13 +574,14 @@ def test_default_registry_selects_x86_for_every_format(name):
                                       (BCQLinear, dict(bits=3, group_size=64, method="gptq", act_order=True)),
                                       (CodebookLinear, dict(bits=2))],
                          ids=["uniform 4-bit", "free α 3-bit", "GPTQ 3-bit act_order", "codebook 2-bit"])
-@pytest.mark.parametrize("K", [192, 256])  # a Paley block (12·16) and a power of two
-def test_rotated_layers_transform_x_inside_the_op(cls, opts, K):
+# a Paley block (12·16) and a power of two, on rotation.h's vector path; blocks of 48 = 12·4 on its scalar path
+@pytest.mark.parametrize("K,block", [(192, 0), (256, 0), (192, 48)], ids=["192", "256", "192 block 48"])
+def test_rotated_layers_transform_x_inside_the_op(cls, opts, K, block):
     from conftest import assert_fused_rotation
 
     assert_fused_rotation("x86", cls, opts, lambda x, m: x86.spec(
         x, dict(zip(m._packed_names, m.packed())), m.bias, m._call(x.device, x.dtype, 37).cfg, m.out_features, K,
-        rotation=m._call(x.device, x.dtype, 37).rotation), K=K)
+        rotation=m._call(x.device, x.dtype, 37).rotation), K=K, block=block)
 
 
 # --- the mixed 2/4/16 format (mixed.cpp): int8 activations per 16 inputs, layout x86_mixed ----------------------------

@@ -3,34 +3,65 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <optional>
+#include <vector>
 
 #include "rotation.h"
 
 namespace qlinear_rotation {
 
-// x (contiguous float32 [M, K]) rotated when block > 0 (signs: D/√b float32 [K]; paley: float32 [p, p] or none), then
-// read in act_order's stored order x[:, perm] when perm is given (int32 [K]); x itself when neither applies (x is
-// never written).
-inline at::Tensor staged_input(const at::Tensor& x, const std::optional<at::Tensor>& perm,
-                               const std::optional<at::Tensor>& signs, const std::optional<at::Tensor>& paley,
-                               int64_t block) {
-  const int64_t K = x.size(1);
-  if (perm.has_value())
-    TORCH_CHECK(perm->scalar_type() == at::kInt && perm->dim() == 1 && perm->size(0) == K, "perm must be int32 [K = ",
-                K, "]");
-  if (block == 0) return perm.has_value() ? x.index_select(1, *perm) : x;
+// An op's scratch: its kernel's activation buffer, and the rows of x that the kernel reads.
+struct Staged {
+  at::Tensor work;    // owns both
+  const float* x;     // x itself, or its staged copy in work
+  void* acts;         // acts_bytes, aligned to the op's alignment
+};
+
+// One allocation for acts_bytes of activations (aligned to align, a power of two) and, where the layer rotates x
+// (block > 0: signs D/√b float32 [K], Paley factor float32 [p, p] or none) or reads it in act_order's stored order
+// x[:, perm] (int32 [K], after the rotation), x's staged copy [M, K]; x (contiguous float32 [M, K]) is never written.
+inline Staged stage(const at::Tensor& x, const std::optional<at::Tensor>& perm,
+                    const std::optional<at::Tensor>& signs, const std::optional<at::Tensor>& paley, int64_t block,
+                    int64_t acts_bytes, int64_t align) {
+  const int64_t M = x.size(0), K = x.size(1);
+  if (perm.has_value()) {
+    TORCH_CHECK(perm->scalar_type() == at::kInt && perm->is_contiguous() && perm->dim() == 1 && perm->size(0) == K,
+                "perm must be contiguous int32 [K = ", K, "]");
+    const int32_t* idx = perm->data_ptr<int32_t>();
+    TORCH_CHECK(std::all_of(idx, idx + K, [K](int32_t k) { return k >= 0 && k < K; }), "perm must lie in [0, K)");
+  }
   const int64_t p = paley.has_value() ? paley->size(0) : 1;
-  TORCH_CHECK(block > 0 && K % block == 0 && signs.has_value() && signs->scalar_type() == at::kFloat &&
-                  signs->is_contiguous() && signs->numel() == K,
-              "rotation: block ", block, " must divide K = ", K, " and rot_signs be contiguous float32 [K]");
-  TORCH_CHECK(!paley.has_value() || (paley->scalar_type() == at::kFloat && paley->is_contiguous() && paley->dim() == 2 &&
-                                     paley->size(1) == p && block % p == 0),
-              "rotation: the Paley factor must be a contiguous float32 [p, p] with p dividing the block");
-  at::Tensor out = x.clone();
-  rotate_rows(out.data_ptr<float>(), x.size(0), K, signs->data_ptr<float>(), block,
-              paley.has_value() ? paley->data_ptr<float>() : nullptr, p);
-  return perm.has_value() ? out.index_select(1, *perm) : out;
+  if (block != 0) {
+    TORCH_CHECK(block > 0 && K % block == 0 && signs.has_value() && signs->scalar_type() == at::kFloat &&
+                    signs->is_contiguous() && signs->numel() == K,
+                "rotation: block ", block, " must divide K = ", K, " and rot_signs be contiguous float32 [K]");
+    TORCH_CHECK(!paley.has_value() || (paley->scalar_type() == at::kFloat && paley->is_contiguous() &&
+                                       paley->dim() == 2 && paley->size(1) == p && block % p == 0),
+                "rotation: the Paley factor must be a contiguous float32 [p, p] with p dividing the block");
+  }
+  const bool copy = block != 0 || perm.has_value();
+  const int64_t staged = copy ? (M * K * (int64_t)sizeof(float) + align - 1) / align * align : 0;
+  Staged s{at::empty({staged + acts_bytes + align}, x.options().dtype(at::kByte)), x.data_ptr<float>(), nullptr};
+  char* base = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(s.work.data_ptr()) + align - 1) &
+                                       ~uintptr_t(align - 1));
+  s.acts = base + staged;
+  if (!copy) return s;
+  float* out = reinterpret_cast<float*>(base);
+  if (block != 0) {
+    std::copy_n(s.x, M * K, out);
+    rotate_rows(out, M, K, signs->data_ptr<float>(), block, paley.has_value() ? paley->data_ptr<float>() : nullptr, p);
+  }
+  if (perm.has_value()) {
+    const int32_t* idx = perm->data_ptr<int32_t>();
+    std::vector<float> row(block != 0 ? K : 0);
+    for (int64_t m = 0; m < M; ++m) {
+      const float* src = block != 0 ? std::copy_n(out + m * K, K, row.data()) - K : s.x + m * K;
+      for (int64_t k = 0; k < K; ++k) out[m * K + k] = src[idx[k]];
+    }
+  }
+  s.x = out;
+  return s;
 }
 
 }  // namespace qlinear_rotation

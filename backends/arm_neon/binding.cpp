@@ -67,12 +67,10 @@ at::Tensor arm_gemm(const at::Tensor& x, const at::Tensor& qw, const at::Tensor&
     TORCH_CHECK(bias->numel() == N, "arm_gemm: bias must have N elements");
     bias32 = bias->to(at::kFloat).contiguous();
   }
-  const int64_t work_bytes = (int64_t)qlinear_arm::acts_bytes((int)M, (int)K, (int)group_size) + 16;
-  at::Tensor work = at::empty({work_bytes}, x.options().dtype(at::kByte));
-  void* aligned = reinterpret_cast<void*>((reinterpret_cast<uintptr_t>(work.data_ptr()) + 15) & ~uintptr_t(15));
+  const qlinear_rotation::Staged s = qlinear_rotation::stage(
+      x, perm, rot_signs, rot_paley, rot_block, (int64_t)qlinear_arm::acts_bytes((int)M, (int)K, (int)group_size), 16);
   qlinear_arm::Acts a{};
-  const at::Tensor xr = qlinear_rotation::staged_input(x, perm, rot_signs, rot_paley, rot_block);
-  qlinear_arm::prepare_acts(xr.data_ptr<float>(), (int)M, (int)K, (int)group_size, (int)format, w.layout, aligned, &a);
+  qlinear_arm::prepare_acts(s.x, (int)M, (int)K, (int)group_size, (int)format, w.layout, s.acts, &a);
   at::Tensor y = at::empty({M, N}, x.options());
   const float* b = bias.has_value() ? bias32.data_ptr<float>() : nullptr;
   float* out = y.data_ptr<float>();

@@ -94,12 +94,10 @@ at::Tensor x86_gemm(const at::Tensor& x, const at::Tensor& qw, const at::Tensor&
     TORCH_CHECK(bias->numel() == N, "x86_gemm: bias must have N elements");
     bias32 = bias->to(at::kFloat).contiguous();
   }
-  at::Tensor work = at::empty({qlinear_x86::acts_bytes((int)M, (int)K, (int)group_size, lut) + 64},
-                              x.options().dtype(at::kByte));
-  void* aligned = reinterpret_cast<void*>((reinterpret_cast<uintptr_t>(work.data_ptr()) + 63) & ~uintptr_t(63));
+  const qlinear_rotation::Staged s = qlinear_rotation::stage(
+      x, perm, rot_signs, rot_paley, rot_block, qlinear_x86::acts_bytes((int)M, (int)K, (int)group_size, lut), 64);
   qlinear_x86::Acts a{};
-  const at::Tensor xr = qlinear_rotation::staged_input(x, perm, rot_signs, rot_paley, rot_block);
-  qlinear_x86::prepare_acts(xr.data_ptr<float>(), (int)M, (int)K, (int)group_size, lut, aligned, &a);
+  qlinear_x86::prepare_acts(s.x, (int)M, (int)K, (int)group_size, lut, s.acts, &a);
   at::Tensor y = at::empty({M, N}, x.options());
   const float* b = bias.has_value() ? bias32.data_ptr<float>() : nullptr;
   float* out = y.data_ptr<float>();
@@ -215,11 +213,10 @@ at::Tensor x86_mixed_gemm(const at::Tensor& x, const at::Tensor& q2, const at::T
     TORCH_CHECK(bias->numel() == N, op, ": bias must have N elements");
     bias32 = bias->to(at::kFloat).contiguous();
   }
-  const at::Tensor xr = qlinear_rotation::staged_input(x, std::nullopt, rot_signs, rot_paley, rot_block);
-  at::Tensor work = at::empty({qlinear_x86::mixed_acts_bytes((int)M, (int)K) + 64}, x.options().dtype(at::kByte));
-  void* base = reinterpret_cast<void*>((reinterpret_cast<uintptr_t>(work.data_ptr()) + 63) & ~uintptr_t(63));
+  const qlinear_rotation::Staged s = qlinear_rotation::stage(x, std::nullopt, rot_signs, rot_paley, rot_block,
+                                                             qlinear_x86::mixed_acts_bytes((int)M, (int)K), 64);
   qlinear_x86::MixedActs acts;
-  qlinear_x86::mixed_prepare_acts(xr.data_ptr<float>(), (int)M, (int)K, base, &acts);
+  qlinear_x86::mixed_prepare_acts(s.x, (int)M, (int)K, s.acts, &acts);
   at::Tensor y = at::empty({M, N}, x.options());
   const float* b = bias.has_value() ? bias32.data_ptr<float>() : nullptr;
   at::parallel_for(0, mb.blocks, 2, [&](int64_t b0, int64_t b1) {
