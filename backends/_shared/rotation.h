@@ -41,14 +41,31 @@ template <> struct Vec<8> { typedef float type __attribute__((vector_size(32), a
 template <> struct Vec<16> { typedef float type __attribute__((vector_size(64), aligned(4), may_alias)); };
 
 // The radix-2 stage of distance H < W inside a vector: lane j becomes v[j ^ H] ± v[j] (+ where bit H of j is clear).
-template <int H, typename V, size_t... I>
-QLINEAR_ROTATION_INLINE void lane_stage(V& v, std::index_sequence<I...>) {
+// (Vectors are named by W, never deduced: a deduced type drops the typedef's alignment of 4.)
+template <int H, int W, size_t... I>
+QLINEAR_ROTATION_INLINE void lane_stage(typename Vec<W>::type& v, std::index_sequence<I...>) {
+  using V = typename Vec<W>::type;
   const V sign = {((I & H) ? -1.f : 1.f)...};
   v = __builtin_shufflevector(v, v, (I ^ H)...) + v * sign;
 }
 
+// The radix-2 stages of distance H, 2H, ... < C across the C vectors r (a compile-time H: the loops unroll whole).
+template <int H, int C, int W>
+QLINEAR_ROTATION_INLINE void vector_stages(typename Vec<W>::type* r) {
+  using V = typename Vec<W>::type;
+  if constexpr (H < C) {
+#pragma GCC unroll 8
+    for (int i = 0; i < C; i += 2 * H)
+#pragma GCC unroll 8
+      for (int j = i; j < i + H; ++j) {
+        const V a = r[j], b = r[j + H];
+        r[j] = a + b, r[j + H] = a - b;
+      }
+    vector_stages<2 * H, C, W>(r);
+  }
+}
+
 // out[0, C) = H_{W·C}·(D·x) for C vectors of x and of D, in registers.
-// (V is spelled out, not a template parameter: those drop the typedef's alignment.)
 template <int W, int C>
 QLINEAR_ROTATION_INLINE void signed_sylvester(const typename Vec<W>::type* x, const typename Vec<W>::type* d,
                                               typename Vec<W>::type* out) {
@@ -58,42 +75,43 @@ QLINEAR_ROTATION_INLINE void signed_sylvester(const typename Vec<W>::type* x, co
 #pragma GCC unroll 8
   for (int c = 0; c < C; ++c) {
     r[c] = x[c] * d[c];
-    lane_stage<1>(r[c], lanes);
-    lane_stage<2>(r[c], lanes);
-    if constexpr (W >= 8) lane_stage<4>(r[c], lanes);
-    if constexpr (W >= 16) lane_stage<8>(r[c], lanes);
+    lane_stage<1, W>(r[c], lanes);
+    lane_stage<2, W>(r[c], lanes);
+    if constexpr (W >= 8) lane_stage<4, W>(r[c], lanes);
+    if constexpr (W >= 16) lane_stage<8, W>(r[c], lanes);
   }
-#pragma GCC unroll 3
-  for (int h = 1; h < C; h *= 2)
-#pragma GCC unroll 4
-    for (int i = 0; i < C; i += 2 * h)
-#pragma GCC unroll 4
-      for (int j = i; j < i + h; ++j) {
-        const V a = r[j], b = r[j + h];
-        r[j] = a + b, r[j + h] = a - b;
-      }
+  vector_stages<1, C, W>(r);
 #pragma GCC unroll 8
   for (int c = 0; c < C; ++c) out[c] = r[c];
 }
 
-// out[r·cols] = Σ_j P[r][j]·t[j·cols] for R rows of P [·, p] (row stride p): R independent multiply-add chains, enough
-// to cover the FMA latency, each summed over j in order.
-template <int W, int R>
-QLINEAR_ROTATION_INLINE void paley_rows(const typename Vec<W>::type* t, const float* P, int64_t p, int64_t cols,
+// out[r·cols + c] = Σ_j P[r][j]·t[j·cols + c] for R rows of P [·, p] (row stride p) and C column vectors: R·C
+// independent multiply-add chains (enough to cover the FMA latency), each summed over j in order, each P[r][j]
+// loaded once for the C columns.
+template <int W, int R, int C>
+QLINEAR_ROTATION_INLINE void paley_tile(const typename Vec<W>::type* t, const float* P, int64_t p, int64_t cols,
                                         typename Vec<W>::type* out) {
   using V = typename Vec<W>::type;
-  V a[R] = {};
+  V a[R][C] = {};
   for (int64_t j = 0; j < p; ++j) {
-    const V v = t[j * cols];
+    V v[C];
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c) v[c] = t[j * cols + c];
 #pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) a[r] += P[r * p + j] * v;
+    for (int r = 0; r < R; ++r) {
+      const float s = P[r * p + j];
+#pragma GCC unroll 4
+      for (int c = 0; c < C; ++c) a[r][c] += s * v[c];
+    }
   }
 #pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) out[r * cols] = a[r];
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c) out[r * cols + c] = a[r][c];
 }
 
 // rotate_rows where W divides n: per row and block, D and H_n into t (the row itself when p == 1, else a scratch
-// block), then row[i] = Σ_j P[i][j]·t[j], eight output rows at a time, then four (p > 2 is a multiple of 4).
+// block), then row[i] = Σ_j P[i][j]·t[j] in tiles of R rows by 16 floats (p > 2 is a multiple of 4).
 template <int W>
 QLINEAR_ROTATION_INLINE void rotate_rows_vec(float* x, int64_t M, int64_t K, const float* d, int64_t block,
                                              const float* paley, int64_t p) {
@@ -118,10 +136,11 @@ QLINEAR_ROTATION_INLINE void rotate_rows_vec(float* x, int64_t M, int64_t K, con
             t[j] = a + b, t[j + h] = a - b;
           }
       if (p == 1) continue;
-      for (int64_t c = 0; c < cols; ++c) {
+      constexpr int C = 16 / W, R = W == 16 ? 8 : 4;  // tiles of 16 floats' width (16 divides n), 8-16 chains
+      for (int64_t c = 0; c < cols; c += C) {
         int64_t i = 0;
-        for (; i + 8 <= p; i += 8) paley_rows<W, 8>(t + c, paley + i * p, p, cols, row + i * cols + c);
-        if (i < p) paley_rows<W, 4>(t + c, paley + i * p, p, cols, row + i * cols + c);
+        for (; i + R <= p; i += R) paley_tile<W, R, C>(t + c, paley + i * p, p, cols, row + i * cols + c);
+        if (i < p) paley_tile<W, 4, C>(t + c, paley + i * p, p, cols, row + i * cols + c);
       }
     }
 }
