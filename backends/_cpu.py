@@ -12,20 +12,29 @@ import torch
 
 from qlinear.formats import rotation as _rotation
 
-__all__ = ["quantize_activations", "pad_groups", "unpad_groups", "rotation_args", "spec_input", "supports_codebook"]
+__all__ = ["quantize_activations", "pad_groups", "unpad_groups", "rotation_args", "paley_argument", "spec_input",
+           "supports_codebook"]
 
 
 @functools.lru_cache(maxsize=64)
 def rotation_args(rotation: Optional[tuple[int, int]], K: int) -> tuple:
     """The ops' ``(rot_signs, rot_paley, rot_block)`` for a layer's ``(seed, block)`` with ``K`` inputs (None: not
-    rotated, block 0): ``D``'s signs times 1/√b as float32 ``[K]`` and the ±1 Paley factor as float32 ``[p, p]`` (None
-    for a power-of-two block), computed once per layer shape."""
+    rotated, block 0): ``D``'s signs times 1/√b as float32 ``[K]`` and :func:`paley_argument` (None for a
+    power-of-two block), computed once per layer shape."""
     if rotation is None:
         return None, None, 0
     seed, block = rotation
     p = _rotation._split(block)[0]
     signs = _rotation.signs(seed, K, "cpu") / math.sqrt(block)
-    return signs, (_rotation._paley(p).float() if p > 1 else None), block
+    return signs, (paley_argument(p) if p > 1 else None), block
+
+
+def paley_argument(p: int) -> torch.Tensor:
+    """The Paley factor of order ``p`` as the CPU kernels take it (``rot_paley``; ``backends/_shared/rotation.h``):
+    float32 ``[p, p]`` ±1 for Paley I, or for Paley II its symmetric conference matrix ``[p/2, p/2]`` (an order ≡ 2
+    mod 4, which no Hadamard matrix has), which the kernels apply in half the multiply-adds."""
+    c, kind = _rotation._conference(p)
+    return (c if kind == 2 else _rotation._paley(p)).float()
 
 
 def spec_input(x: torch.Tensor, rotation: Optional[tuple[int, int]], perm: Optional[torch.Tensor] = None

@@ -95,7 +95,8 @@ def count(plugin: str, work: Path) -> list[list[object]]:
 def rotation(plugin: str, work: Path, chosen: int = 0) -> list[list[object]]:
     """Per shape of ROTATION_SHAPES: the transform's instructions per call against the kernel's, with the layers'
     default block (``block_size(K)``) or, given ``chosen``, that one (``rotation_block=``) where it divides K."""
-    from qlinear.formats.rotation import _paley, _split, block_size
+    from qlinear.backends._cpu import paley_argument
+    from qlinear.formats.rotation import _split, block_size
 
     exe = build(work)
     rows = []
@@ -106,7 +107,7 @@ def rotation(plugin: str, work: Path, chosen: int = 0) -> list[list[object]]:
         p = _split(block)[0]
         paley = []
         if p > 1:
-            (work / "paley").write_bytes(_paley(p).float().numpy().tobytes())
+            (work / "paley").write_bytes(paley_argument(p).numpy().tobytes())
             paley = [str(work / "paley")]
 
         def per_call(b: int) -> dict[str, float]:

@@ -120,7 +120,8 @@ def assert_fused_rotation(backend: str, cls, opts: dict, spec: Callable, K: int 
                           ) -> None:
     """A rotated layer on a CPU kernel that ``fuses_rotation`` (issue 27): the kernel, not the op, transforms x (and
     gathers an act_order layer's ``perm`` after that); its
-    output is its spec's on the transformed input, and within the int8-activation bound of ``(R·x)·Ŵ'ᵀ`` where
+    output is its spec's on the transformed input (up to two int8 steps per row, where the two transforms' rounding
+    moves a code), and within the int8-activation bound of ``(R·x)·Ŵ'ᵀ`` where
     ``Ŵ'`` is the stored (rotated) weight by :func:`dense64` and ``R`` the dense :func:`rotation64`.  ``spec(x,
     layer)`` runs the backend's spec on the layer's held buffers; ``block``: the layer's ``rotation_block`` (0: the
     default for ``K``)."""
@@ -139,10 +140,14 @@ def assert_fused_rotation(backend: str, cls, opts: dict, spec: Callable, K: int 
     assert not call.gather  # an act_order layer's perm too is applied inside the op, after the rotation
     y = layer(x)
     want = spec(x, layer)
-    assert torch.allclose(y.double(), want.double(), rtol=1e-5, atol=1e-5 * float(want.abs().max()))
     canon = {k: v for k, v in layer.canonical().items() if k != "rotation"}
     w = dense64(cls.format, canon, rotation.unrotated(layer.config), N, K)
     xr = x.double() @ rotation64(9, block, K).T
+    # the kernel's R·x and the spec's (PyTorch's) round apart by an ulp, which moves an int8 code by one step where a
+    # value sits on a rounding boundary: the spec's output within two such steps (of the row's largest block)
+    step = xr.abs().view(x.shape[0], K // 32, 32).amax(-1).amax(-1) / 127
+    flips = 2 * step[:, None] * w.abs().amax(1)[None, :]
+    assert ((y.double() - want.double()).abs() <= 1e-5 * float(want.abs().max()) + flips).all()
     err = y.double() - (xr @ w.T + lin.bias.double())
     assert (err.abs() <= int8_activation_bound(w, xr.float()) + 1e-5 * y.double().abs()).all()
     # Ŵ in the layer's input basis (the backward's weight, from the held layout where it has a dequantize), bit for

@@ -291,16 +291,18 @@ def test_harness_under_qemu(harness, cpu, path):
 
 
 @pytest.mark.skipif(CROSS is None or QEMU is None, reason="needs g++-aarch64-linux-gnu and qemu-user")
-@pytest.mark.parametrize("K,block,seed", [(576, 576, 0), (1536, 1536, 7), (96, 48, 5), (512, 256, 2 ** 31 - 1)])
+@pytest.mark.parametrize("K,block,seed", [(576, 576, 0), (1536, 1536, 7), (96, 48, 5), (224, 224, 3),  # 36, 12, 12, 28
+                                          (512, 256, 2 ** 31 - 1)])
 def test_harness_rotation_matches_python(harness, tmp_path, K, block, seed):
     """The harness's rotate_rows (what bench_arm.py --rotation counts; D computed in C++, the Paley factor read from
     Python) is qlinear.formats.rotation.rotate within float32 rounding."""
+    from qlinear.backends._cpu import paley_argument
     from qlinear.formats import rotation
 
     p = rotation._split(block)[0]
     args = [QEMU, "-cpu", "max", str(harness), "rotate", str(K), str(block), str(seed)]
     if p > 1:
-        (tmp_path / "paley").write_bytes(rotation._paley(p).float().numpy().tobytes())
+        (tmp_path / "paley").write_bytes(paley_argument(p).numpy().tobytes())
         args.append(str(tmp_path / "paley"))
     x = torch.randn(3, K)
     r = subprocess.run(args, input=x.numpy().tobytes(), capture_output=True, timeout=120)

@@ -574,8 +574,9 @@ def test_default_registry_selects_x86_for_every_format(name):
                                       (BCQLinear, dict(bits=3, group_size=64, method="gptq", act_order=True)),
                                       (CodebookLinear, dict(bits=2))],
                          ids=["uniform 4-bit", "free α 3-bit", "GPTQ 3-bit act_order", "codebook 2-bit"])
-# a Paley block (12·16) and a power of two, on rotation.h's vector path; blocks of 48 = 12·4 on its scalar path
-@pytest.mark.parametrize("K,block", [(192, 0), (256, 0), (192, 48)], ids=["192", "256", "192 block 48"])
+# Paley I (12·16) and II (36·16) blocks and a power of two on rotation.h's vector path; 12·4 and 36·2 on its scalar one
+@pytest.mark.parametrize("K,block", [(192, 0), (256, 0), (576, 0), (192, 48), (576, 72)],
+                         ids=["192", "256", "576", "192 block 48", "576 block 72"])
 def test_rotated_layers_transform_x_inside_the_op(cls, opts, K, block):
     from conftest import assert_fused_rotation
 

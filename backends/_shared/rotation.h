@@ -5,27 +5,27 @@
 //   row v [K] -> R·v, R = blockdiag(H_b, ..., H_b)·D:  v[k] *= D[k] (lowbias32 sign of (seed, k); the CPU bindings
 //   get D/√b precomputed from the Python side, qlinear.formats.rotation.signs), then per block of b
 //   inputs viewed as [p, n] (b = p·n, n a power of two): a Sylvester H_n (radix-2 butterflies) on each of the p rows,
-//   the Paley factor (±1 [p, p], from the Python side) on each of the n columns, and 1/√b.
+//   the Paley factor H_p (from the Python side, backends/_cpu.py paley_argument) on each of the n columns, and 1/√b.
 //
-// Where 16 divides n (the blocks of every model we know) a row goes through GCC/Clang vectors of the machine's width
-// W (16 floats with AVX-512, 8 with AVX2, else 4): H_W inside each vector by lane swaps, the next stages across up to
-// 8 vectors in registers, the Paley factor as multiply-adds of whole vectors.  Other blocks take the scalar path.
-// Both paths and every W add in the same order and multiply only by ±1 (exact; a fused multiply-add rounds as the
-// pair does), so they give the same bits.
+// Rows go through GCC/Clang vectors of the machine's width W (16 floats with AVX-512, 8 with AVX2, else 4).  Where 16
+// divides n (the blocks of every model we know): D and H_W inside each vector by lane swaps, the next stages across
+// up to 8 vectors in registers.  Else (n <= 8) D and H_n by scalars.  H_p in tiles of 16 floats' width, as
+// multiply-adds of whole vectors over the [p, n] view (or, n <= 8, over up to 32 rows' blocks gathered as
+// [p, rows·n]); a Paley II factor from its conference matrix C in half the multiply-adds (paley_apply).  Every W and
+// both paths add in the same order and multiply only by ±1 or 0 (exact; a fused multiply-add rounds as the pair
+// does), so they give the same bits.
 #pragma once
 
 #include <cstdint>
 #include <algorithm>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
 namespace qlinear_rotation {
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define QLINEAR_ROTATION_CLONES __attribute__((target_clones("avx2", "default")))  // 8-wide where the CPU has it
 #define QLINEAR_ROTATION_X86 1
-#else
-#define QLINEAR_ROTATION_CLONES
 #endif
 #if defined(__GNUC__) && !defined(__clang__)
 // multiply-adds contracted (the kernels' -ffp-contract=off keeps their specs bit-exact; here products are by ±1)
@@ -85,82 +85,10 @@ QLINEAR_ROTATION_INLINE void signed_sylvester(const typename Vec<W>::type* x, co
   for (int c = 0; c < C; ++c) out[c] = r[c];
 }
 
-// out[r·cols + c] = Σ_j P[r][j]·t[j·cols + c] for R rows of P [·, p] (row stride p) and C column vectors: R·C
-// independent multiply-add chains (enough to cover the FMA latency), each summed over j in order, each P[r][j]
-// loaded once for the C columns.
-template <int W, int R, int C>
-QLINEAR_ROTATION_INLINE void paley_tile(const typename Vec<W>::type* t, const float* P, int64_t p, int64_t cols,
-                                        typename Vec<W>::type* out) {
-  using V = typename Vec<W>::type;
-  V a[R][C] = {};
-  for (int64_t j = 0; j < p; ++j) {
-    V v[C];
-#pragma GCC unroll 4
-    for (int c = 0; c < C; ++c) v[c] = t[j * cols + c];
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) {
-      const float s = P[r * p + j];
-#pragma GCC unroll 4
-      for (int c = 0; c < C; ++c) a[r][c] += s * v[c];
-    }
-  }
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 4
-    for (int c = 0; c < C; ++c) out[r * cols + c] = a[r][c];
-}
-
-// rotate_rows where W divides n: per row and block, D and H_n into t (the row itself when p == 1, else a scratch
-// block), then row[i] = Σ_j P[i][j]·t[j] in tiles of R rows by 16 floats (p > 2 is a multiple of 4).
-template <int W>
-QLINEAR_ROTATION_INLINE void rotate_rows_vec(float* x, int64_t M, int64_t K, const float* d, int64_t block,
-                                             const float* paley, int64_t p) {
-  using V = typename Vec<W>::type;
-  const int64_t vectors = block / W, cols = vectors / p, reg = std::min<int64_t>(cols, 8);
-  std::vector<float> scratch(p > 1 ? block : 0);
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t b0 = 0; b0 < K; b0 += block) {
-      V* row = reinterpret_cast<V*>(x + m * K + b0);
-      const V* dv = reinterpret_cast<const V*>(d + b0);
-      V* t = p > 1 ? reinterpret_cast<V*>(scratch.data()) : row;
-      for (int64_t c = 0; c < vectors; c += reg) switch (reg) {  // the stages within 8 vectors
-          case 1: signed_sylvester<W, 1>(row + c, dv + c, t + c); break;
-          case 2: signed_sylvester<W, 2>(row + c, dv + c, t + c); break;
-          case 4: signed_sylvester<W, 4>(row + c, dv + c, t + c); break;
-          default: signed_sylvester<W, 8>(row + c, dv + c, t + c);
-        }
-      for (int64_t h = 8; h < cols; h *= 2)  // the later ones, within each of the p rows of n
-        for (int64_t i = 0; i < vectors; i += 2 * h)
-          for (int64_t j = i; j < i + h; ++j) {
-            const V a = t[j], b = t[j + h];
-            t[j] = a + b, t[j + h] = a - b;
-          }
-      if (p == 1) continue;
-      constexpr int C = 16 / W, R = W == 16 ? 8 : 4;  // tiles of 16 floats' width (16 divides n), 8-16 chains
-      for (int64_t c = 0; c < cols; c += C) {
-        int64_t i = 0;
-        for (; i + R <= p; i += R) paley_tile<W, R, C>(t + c, paley + i * p, p, cols, row + i * cols + c);
-        if (i < p) paley_tile<W, 4, C>(t + c, paley + i * p, p, cols, row + i * cols + c);
-      }
-    }
-}
-
-#ifdef QLINEAR_ROTATION_X86
-// (features added to the translation unit's, not an arch=, which would drop some of a -march=native build's and so
-// refuse to inline rotate_rows_vec)
-__attribute__((target("avx512f,avx2,fma"))) QLINEAR_ROTATION_FMA inline void rotate_rows_avx512(
-    float* x, int64_t M, int64_t K, const float* d, int64_t block, const float* paley, int64_t p) {
-  rotate_rows_vec<16>(x, M, K, d, block, paley, p);
-}
-__attribute__((target("avx2,fma"))) QLINEAR_ROTATION_FMA inline void rotate_rows_avx2(
-    float* x, int64_t M, int64_t K, const float* d, int64_t block, const float* paley, int64_t p) {
-  rotate_rows_vec<8>(x, M, K, d, block, paley, p);
-}
-#endif
-
-// Sylvester H_n (natural order, unscaled) on u[0, n), n a power of two: the first three radix-2 stages as one 8-point
-// butterfly per 8 inputs (no short inner loops), the later ones over runs of h >= 8 contiguous inputs.
-QLINEAR_ROTATION_CLONES inline void sylvester(float* u, int64_t n) {
+// Sylvester H_n (natural order, unscaled) on u[0, n) by scalars (the blocks whose n, a power of two, is below 16;
+// the same stages as the vector path): the first three as one 8-point butterfly per 8 inputs, the later ones
+// radix-2.
+QLINEAR_ROTATION_INLINE void scalar_sylvester(float* u, int64_t n) {
   int64_t h = 1;
   if (n >= 8) {
     for (int64_t i = 0; i < n; i += 8) {
@@ -183,56 +111,153 @@ QLINEAR_ROTATION_CLONES inline void sylvester(float* u, int64_t n) {
       }
 }
 
-// Rotate the M rows of x [M, K] (row stride K) in place.  d: D's diagonal times 1/√b [K] (computed once per layer by
-// the caller); paley: the ±1 Paley factor as float [p, p] row-major (unused when p == 1).  Where 16 divides n, the
-// vector path above; else the scalar one, whose Paley factor runs on up to 32 rows at once, their [p, n] blocks
-// gathered as [p, rows·n] (padded to a multiple of 16 columns, whose results go unused): two output rows at a time,
-// 16 columns at a time, summed in registers over j.
-QLINEAR_ROTATION_CLONES inline void rotate_rows(float* x, int64_t M, int64_t K, const float* d, int64_t block,
-                                                const float* paley, int64_t p) {
-  const int64_t n = block / p, chunk = std::min<int64_t>(32, M), w = 16;
-  if (n % 16 == 0) {
-#ifdef QLINEAR_ROTATION_X86
-    static const int width = !__builtin_cpu_supports("fma") || !__builtin_cpu_supports("avx2") ? 4
-                             : __builtin_cpu_supports("avx512f")                               ? 16
-                                                                                                : 8;
-    if (width == 16) return rotate_rows_avx512(x, M, K, d, block, paley, p);
-    if (width == 8) return rotate_rows_avx2(x, M, K, d, block, paley, p);
-#endif
-    return rotate_rows_vec<4>(x, M, K, d, block, paley, p);
+// out[r·stride + c] = init + Σ_j P[r][j]·t[j·stride + c] for R rows of P [·, f] (row stride f) and C vectors of
+// columns: R·C independent multiply-add chains (enough to cover the FMA latency), each summed over j in order, each
+// P[r][j] loaded once for the C columns.  init: 0, or (kInit) sign·init[r·stride + c].
+template <int W, int R, int C, bool kInit>
+QLINEAR_ROTATION_INLINE void paley_tile(const typename Vec<W>::type* t, const float* P, int64_t f, int64_t stride,
+                                        typename Vec<W>::type* out, const typename Vec<W>::type* init, float sign) {
+  using V = typename Vec<W>::type;
+  V a[R][C] = {};
+  if constexpr (kInit)
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+      for (int c = 0; c < C; ++c) a[r][c] = sign * init[r * stride + c];
+  for (int64_t j = 0; j < f; ++j) {
+    V v[C];
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c) v[c] = t[j * stride + c];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const float s = P[r * f + j];
+#pragma GCC unroll 4
+      for (int c = 0; c < C; ++c) a[r][c] += s * v[c];
+    }
   }
-  for (int64_t m = 0; m < M; ++m) {
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c) out[r * stride + c] = a[r][c];
+}
+
+// The Paley factor's order p for a factor argument of f rows (backends/_cpu.py paley_argument): f itself (Paley I,
+// ±1 [p, p]), or 2f for a Paley II conference matrix C [f, f] (f ≡ 2 mod 4, which no Hadamard order is).
+inline int64_t paley_order(int64_t f) { return f % 4 == 2 ? 2 * f : f; }
+
+// out = H_p·t over p rows of cols vectors each (row stride cols), out apart from t, in tiles of 16 floats' width
+// (16/W divides cols).  Paley I: the dense ±1 factor.  Paley II, H_p = C ⊗ H_2 + I ⊗ B with B = [[1, −1], [−1, −1]]:
+// t's rows taken in pairs u_j = H_2·(t_2j, t_2j+1) (in place: t is overwritten), then pair i of out is
+// Σ_j C[i][j]·u_j + (u_i1, −u_i0) (that is B·(t_2i, t_2i+1)): C [f, f] over pairs of rows, 2·cols vectors wide.
+template <int W>
+QLINEAR_ROTATION_INLINE void paley_apply(typename Vec<W>::type* t, typename Vec<W>::type* out, int64_t cols,
+                                         const float* factor, int64_t f) {
+  using V = typename Vec<W>::type;
+  constexpr int C = 16 / W, R = W == 16 ? 8 : 4;  // 8-16 chains; the last rows of f (even) by 4 and 2
+  const bool pairs = f % 4 == 2;
+  const int64_t stride = pairs ? 2 * cols : cols;
+  if (pairs)
+    for (int64_t j = 0; j < f; ++j)
+      for (int64_t c = 0; c < cols; ++c) {
+        V& a = t[2 * j * cols + c];
+        V& b = t[(2 * j + 1) * cols + c];
+        const V u0 = a + b, u1 = a - b;
+        a = u0, b = u1;
+      }
+  for (int64_t c = 0; c < stride; c += C) {
+    const int64_t other = c < cols ? c + cols : c - cols;  // Paley II: the pair's other half, first half positive
+    const float sign = c < cols ? 1.f : -1.f;
+    int64_t i = 0;
+    auto tiles = [&](auto rows) {  // tiles of rows.value rows while they fit
+      for (constexpr int r = decltype(rows)::value; i + r <= f; i += r)
+        pairs ? paley_tile<W, r, C, true>(t + c, factor + i * f, f, stride, out + i * stride + c,
+                                          t + i * stride + other, sign)
+              : paley_tile<W, r, C, false>(t + c, factor + i * f, f, stride, out + i * stride + c, nullptr, 0.f);
+    };
+    tiles(std::integral_constant<int, R>());
+    tiles(std::integral_constant<int, 4>());
+    tiles(std::integral_constant<int, 2>());
+  }
+}
+
+// rotate_rows for vectors of W floats.
+template <int W>
+QLINEAR_ROTATION_INLINE void rotate_rows_w(float* x, int64_t M, int64_t K, const float* d, int64_t block,
+                                           const float* factor, int64_t f) {
+  using V = typename Vec<W>::type;
+  const int64_t p = paley_order(f), n = block / p;
+  if (n % 16 == 0) {  // per row and block: D and H_n into t (the row itself when p == 1), then H_p back into the row
+    const int64_t vectors = block / W, cols = vectors / p, reg = std::min<int64_t>(cols, 8);
+    std::vector<float> scratch(p > 1 ? block : 0);
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t b0 = 0; b0 < K; b0 += block) {
+        V* row = reinterpret_cast<V*>(x + m * K + b0);
+        const V* dv = reinterpret_cast<const V*>(d + b0);
+        V* t = p > 1 ? reinterpret_cast<V*>(scratch.data()) : row;
+        for (int64_t c = 0; c < vectors; c += reg) switch (reg) {  // the stages within 8 vectors
+            case 1: signed_sylvester<W, 1>(row + c, dv + c, t + c); break;
+            case 2: signed_sylvester<W, 2>(row + c, dv + c, t + c); break;
+            case 4: signed_sylvester<W, 4>(row + c, dv + c, t + c); break;
+            default: signed_sylvester<W, 8>(row + c, dv + c, t + c);
+          }
+        for (int64_t h = 8; h < cols; h *= 2)  // the later ones, within each of the p rows of n
+          for (int64_t i = 0; i < vectors; i += 2 * h)
+            for (int64_t j = i; j < i + h; ++j) {
+              const V a = t[j], b = t[j + h];
+              t[j] = a + b, t[j + h] = a - b;
+            }
+        if (p > 1) paley_apply<W>(t, row, cols, factor, f);
+      }
+    return;
+  }
+  for (int64_t m = 0; m < M; ++m) {  // n <= 8: D and H_n in place by scalars, then H_p on up to 32 rows at once
     float* row = x + m * K;
     for (int64_t k = 0; k < K; ++k) row[k] *= d[k];
-    for (int64_t v = 0; v < K; v += n) sylvester(row + v, n);  // H_n on each row of every block's [p, n]
+    for (int64_t v = 0; v < K; v += n) scalar_sylvester(row + v, n);
   }
   if (p == 1) return;
-  const int64_t stride = (chunk * n + w - 1) / w * w;
+  const int64_t chunk = std::min<int64_t>(32, M), stride = (chunk * n + 15) / 16 * 16;  // padding's results unused
   std::vector<float> in(p * stride), out(p * stride);
   for (int64_t m0 = 0; m0 < M; m0 += chunk) {
-    const int64_t rows = std::min(chunk, M - m0), len = (rows * n + w - 1) / w * w;
+    const int64_t rows = std::min(chunk, M - m0);
     for (int64_t b0 = 0; b0 < K; b0 += block) {
       for (int64_t j = 0; j < p; ++j)  // in[j][m][c] = x[m0 + m][b0 + j·n + c]
         for (int64_t m = 0; m < rows; ++m)
           std::copy_n(x + (m0 + m) * K + b0 + j * n, n, in.data() + j * stride + m * n);
-      for (int64_t i = 0; i < p; i += 2)  // H_p on each column: out[i] = Σ_j P[i][j]·in[j] (p > 1 is even)
-        for (int64_t e0 = 0; e0 < len; e0 += w) {
-          float a0[w] = {}, a1[w] = {};
-          for (int64_t j = 0; j < p; ++j) {
-            const float s0 = paley[i * p + j], s1 = paley[(i + 1) * p + j], *src = in.data() + j * stride + e0;
-            // vectorized along e (4 vectors at most), then unrolled: unrolled first, GCC's x86 clones would vectorize
-            // across j instead (5x slower)
-#pragma GCC unroll 4
-            for (int64_t e = 0; e < w; ++e) a0[e] += s0 * src[e], a1[e] += s1 * src[e];
-          }
-          std::copy_n(a0, w, out.data() + i * stride + e0);
-          std::copy_n(a1, w, out.data() + (i + 1) * stride + e0);
-        }
+      paley_apply<W>(reinterpret_cast<V*>(in.data()), reinterpret_cast<V*>(out.data()), stride / W, factor, f);
       for (int64_t i = 0; i < p; ++i)
         for (int64_t m = 0; m < rows; ++m)
           std::copy_n(out.data() + i * stride + m * n, n, x + (m0 + m) * K + b0 + i * n);
     }
   }
+}
+
+#ifdef QLINEAR_ROTATION_X86
+// (features added to the translation unit's, not an arch=, which would drop some of a -march=native build's and so
+// refuse to inline rotate_rows_w)
+__attribute__((target("avx512f,avx2,fma"))) QLINEAR_ROTATION_FMA inline void rotate_rows_avx512(
+    float* x, int64_t M, int64_t K, const float* d, int64_t block, const float* factor, int64_t f) {
+  rotate_rows_w<16>(x, M, K, d, block, factor, f);
+}
+__attribute__((target("avx2,fma"))) QLINEAR_ROTATION_FMA inline void rotate_rows_avx2(
+    float* x, int64_t M, int64_t K, const float* d, int64_t block, const float* factor, int64_t f) {
+  rotate_rows_w<8>(x, M, K, d, block, factor, f);
+}
+#endif
+
+// Rotate the M rows of x [M, K] (row stride K) in place.  d: D's diagonal times 1/√b [K] (computed once per layer by
+// the caller); factor: the Paley factor as backends/_cpu.py paley_argument gives it, float [f, f] row-major (f = 1
+// and unused for a power-of-two block).
+QLINEAR_ROTATION_FMA inline void rotate_rows(float* x, int64_t M, int64_t K, const float* d, int64_t block,
+                                             const float* factor, int64_t f) {
+#ifdef QLINEAR_ROTATION_X86
+  static const int width = !__builtin_cpu_supports("fma") || !__builtin_cpu_supports("avx2") ? 4
+                           : __builtin_cpu_supports("avx512f")                               ? 16
+                                                                                              : 8;
+  if (width == 16) return rotate_rows_avx512(x, M, K, d, block, factor, f);
+  if (width == 8) return rotate_rows_avx2(x, M, K, d, block, factor, f);
+#endif
+  rotate_rows_w<4>(x, M, K, d, block, factor, f);
 }
 
 }  // namespace qlinear_rotation

@@ -19,8 +19,9 @@ struct Staged {
 };
 
 // One allocation for acts_bytes of activations (aligned to align, a power of two) and, where the layer rotates x
-// (block > 0: signs D/√b float32 [K], Paley factor float32 [p, p] or none) or reads it in act_order's stored order
-// x[:, perm] (int32 [K], after the rotation), x's staged copy [M, K]; x (contiguous float32 [M, K]) is never written.
+// (block > 0: signs D/√b float32 [K], the Paley factor float32 [f, f] as backends/_cpu.py paley_argument gives it,
+// or none) or reads it in act_order's stored order x[:, perm] (int32 [K], after the rotation), x's staged copy
+// [M, K]; x (contiguous float32 [M, K]) is never written.
 inline Staged stage(const at::Tensor& x, const std::optional<at::Tensor>& perm,
                     const std::optional<at::Tensor>& signs, const std::optional<at::Tensor>& paley, int64_t block,
                     int64_t acts_bytes, int64_t align) {
@@ -31,14 +32,16 @@ inline Staged stage(const at::Tensor& x, const std::optional<at::Tensor>& perm,
     const int32_t* idx = perm->data_ptr<int32_t>();
     TORCH_CHECK(std::all_of(idx, idx + K, [K](int32_t k) { return k >= 0 && k < K; }), "perm must lie in [0, K)");
   }
-  const int64_t p = paley.has_value() ? paley->size(0) : 1;
+  const int64_t f = paley.has_value() ? paley->size(0) : 1;
   if (block != 0) {
     TORCH_CHECK(block > 0 && K % block == 0 && signs.has_value() && signs->scalar_type() == at::kFloat &&
                     signs->is_contiguous() && signs->numel() == K,
                 "rotation: block ", block, " must divide K = ", K, " and rot_signs be contiguous float32 [K]");
     TORCH_CHECK(!paley.has_value() || (paley->scalar_type() == at::kFloat && paley->is_contiguous() &&
-                                       paley->dim() == 2 && paley->size(1) == p && block % p == 0),
-                "rotation: the Paley factor must be a contiguous float32 [p, p] with p dividing the block");
+                                       paley->dim() == 2 && paley->size(1) == f && f % 2 == 0 &&
+                                       block % paley_order(f) == 0),
+                "rotation: the Paley factor must be a contiguous float32 [f, f] (backends/_cpu.py paley_argument) "
+                "whose order divides the block");
   }
   const bool copy = block != 0 || perm.has_value();
   const int64_t staged = copy ? (M * K * (int64_t)sizeof(float) + align - 1) / align * align : 0;
@@ -50,7 +53,7 @@ inline Staged stage(const at::Tensor& x, const std::optional<at::Tensor>& perm,
   float* out = reinterpret_cast<float*>(base);
   if (block != 0) {
     std::copy_n(s.x, M * K, out);
-    rotate_rows(out, M, K, signs->data_ptr<float>(), block, paley.has_value() ? paley->data_ptr<float>() : nullptr, p);
+    rotate_rows(out, M, K, signs->data_ptr<float>(), block, paley.has_value() ? paley->data_ptr<float>() : nullptr, f);
   }
   if (perm.has_value()) {
     const int32_t* idx = perm->data_ptr<int32_t>();

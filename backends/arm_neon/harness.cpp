@@ -144,20 +144,21 @@ static int test() {
 }
 
 struct Rotation {
-  int64_t block = 0, p = 1;
-  std::vector<float> d, paley;  // D/√b [K] (backends/_cpu.py's rot_signs), the Paley factor [p, p] or none
+  int64_t block = 0, f = 1;
+  std::vector<float> d, paley;  // D/√b [K] (backends/_cpu.py's rot_signs), the Paley factor [f, f] or none
 };
 
 // D: qlinear.formats.rotation.signs, lowbias32 of (k + seed·0x9E3779B9) mod 2^32, computed here; the Paley factor
-// (qlinear.formats.rotation._paley) is read from the file the caller wrote.  False (and a message) if they do not fit.
+// (backends/_cpu.py paley_argument) is read from the file the caller wrote.  False (and a message) if they do not fit.
 static bool make_rotation(Rotation& r, int K, int block, uint32_t seed, const char* paley_file) {
   FILE* f = paley_file ? fopen(paley_file, "rb") : nullptr;
   for (float v; f && fread(&v, 4, 1, f) == 1;) r.paley.push_back(v);
   if (f) fclose(f);
-  if (paley_file) r.p = (int64_t)sqrtf((float)r.paley.size());
-  const int64_t n = block > 0 && r.p > 0 ? block / r.p : 0;  // the Sylvester order: a power of two
-  if (K <= 0 || n == 0 || K % block || block % r.p || (n & (n - 1)) ||
-      (paley_file && r.p * r.p != (int64_t)r.paley.size())) {
+  if (paley_file) r.f = (int64_t)sqrtf((float)r.paley.size());
+  const int64_t p = qlinear_rotation::paley_order(r.f);
+  const int64_t n = block > 0 && p > 0 ? block / p : 0;  // the Sylvester order: a power of two
+  if (K <= 0 || n == 0 || K % block || block % p || (n & (n - 1)) || (paley_file && r.f % 2) ||
+      (paley_file && r.f * r.f != (int64_t)r.paley.size())) {
     fprintf(stderr, "bad rotation: K=%d block=%d paley=%s\n", K, block, paley_file ? paley_file : "none");
     return false;
   }
@@ -176,7 +177,7 @@ static bool make_rotation(Rotation& r, int K, int block, uint32_t seed, const ch
 __attribute__((noinline)) static void rotate_input_counted(const float* x, float* out, int M, int K,
                                                            const Rotation& r) {
   std::copy_n(x, (size_t)M * K, out);
-  qlinear_rotation::rotate_rows(out, M, K, r.d.data(), r.block, r.p > 1 ? r.paley.data() : nullptr, r.p);
+  qlinear_rotation::rotate_rows(out, M, K, r.d.data(), r.block, r.f > 1 ? r.paley.data() : nullptr, r.f);
 }
 
 static int rotate(int K, int block, uint32_t seed, const char* paley_file) {

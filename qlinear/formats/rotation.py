@@ -39,9 +39,11 @@ def _is_prime(n: int) -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def _paley(p: int) -> Optional[torch.Tensor]:
-    """The ±1 Hadamard matrix ``[p, p]`` int64 of Paley's construction of order ``p``, or None if it has none.
-    Paley I (``q = p − 1`` prime, ``≡ 3 mod 4``) is preferred when both apply (e.g. ``p = 12``)."""
+def _conference(p: int) -> Optional[tuple[torch.Tensor, int]]:
+    """``(C, kind)``: Paley's conference matrix ``C`` ``[q + 1, q + 1]`` int64 (zero diagonal, ±1 elsewhere) behind
+    the Hadamard matrix of order ``p`` (:func:`_paley`), and its construction: 1 (``q = p − 1`` prime ``≡ 3 mod 4``,
+    ``C`` skew) or 2 (``q = p/2 − 1`` prime ``≡ 1 mod 4``, ``C`` symmetric); None if neither applies.  Paley I is
+    preferred when both do (e.g. ``p = 12``)."""
     for q, kind in ((p - 1, 1), (p // 2 - 1, 2)):
         if kind == 2 and p % 2:
             continue
@@ -50,17 +52,27 @@ def _paley(p: int) -> Optional[torch.Tensor]:
         squares = {(i * i) % q for i in range(1, q)}
         chi = torch.tensor([0] + [1 if a in squares else -1 for a in range(1, q)], dtype=torch.int64)
         idx = torch.arange(q)
-        jac = chi[(idx[None, :] - idx[:, None]) % q]  # Jacobsthal matrix Q[i, j] = χ(j − i)
         c = torch.zeros(q + 1, q + 1, dtype=torch.int64)
         c[0, 1:] = 1
         c[1:, 0] = -1 if kind == 1 else 1
-        c[1:, 1:] = jac
-        if kind == 1:  # skew conference matrix C: H = I + C
-            return torch.eye(q + 1, dtype=torch.int64) + c
-        # symmetric conference matrix C: H = C ⊗ [[1, 1], [1, −1]] + I ⊗ [[1, −1], [−1, −1]]
-        return (torch.kron(c, torch.tensor([[1, 1], [1, -1]])) +
-                torch.kron(torch.eye(q + 1, dtype=torch.int64), torch.tensor([[1, -1], [-1, -1]])))
+        c[1:, 1:] = chi[(idx[None, :] - idx[:, None]) % q]  # Jacobsthal matrix Q[i, j] = χ(j − i)
+        return c, kind
     return None
+
+
+@functools.lru_cache(maxsize=None)
+def _paley(p: int) -> Optional[torch.Tensor]:
+    """The ±1 Hadamard matrix ``[p, p]`` int64 of Paley's construction of order ``p`` from :func:`_conference`'s
+    ``C``: ``I + C`` (Paley I) or ``C ⊗ [[1, 1], [1, −1]] + I ⊗ [[1, −1], [−1, −1]]`` (Paley II); None if it has
+    none."""
+    cc = _conference(p)
+    if cc is None:
+        return None
+    c, kind = cc
+    eye = torch.eye(c.shape[0], dtype=torch.int64)
+    if kind == 1:
+        return eye + c
+    return torch.kron(c, torch.tensor([[1, 1], [1, -1]])) + torch.kron(eye, torch.tensor([[1, -1], [-1, -1]]))
 
 
 def _split(block: int) -> Optional[tuple[int, int]]:
