@@ -502,6 +502,13 @@ def test_op_rejects_inconsistent_buffers():
         op(x, qw, qs, qz, None, N, 128, 4, 0, 0, rot_signs=torch.ones(K), rot_block=K - 1)
     with pytest.raises(RuntimeError, match="Paley factor must be"):
         op(x, qw, qs, qz, None, N, 128, 4, 0, 0, rot_signs=torch.ones(K), rot_paley=torch.ones(12, 12), rot_block=K)
+    with pytest.raises(RuntimeError, match="Paley factor must be"):  # an empty factor: no division by zero
+        op(x, qw, qs, qz, None, N, 128, 4, 0, 0, rot_signs=torch.ones(K), rot_paley=torch.ones(0, 0), rot_block=K)
+    cfg96, bufs96, N96, K96 = _case("g32 no offset")  # K = 96 = 4·24: a block the transform's loops cannot take
+    p96 = x86.repack(bufs96, cfg96, N96, K96)
+    with pytest.raises(RuntimeError, match="must be a power of two"):
+        op(torch.randn(1, K96), p96["x86_qw"], p96["x86_qs"], p96["x86_qz"], None, N96, 32, 4, 0, 0,
+           rot_signs=torch.ones(K96), rot_paley=torch.ones(4, 4), rot_block=K96)
     with pytest.raises(RuntimeError, match="unknown format"):
         op(x, qw, qs, qz, None, N, 128, 4, 5, 0)
     with pytest.raises(RuntimeError, match="bits 5 not in 1..4"):

@@ -38,10 +38,13 @@ inline Staged stage(const at::Tensor& x, const std::optional<at::Tensor>& perm,
                     signs->is_contiguous() && signs->numel() == K,
                 "rotation: block ", block, " must divide K = ", K, " and rot_signs be contiguous float32 [K]");
     TORCH_CHECK(!paley.has_value() || (paley->scalar_type() == at::kFloat && paley->is_contiguous() &&
-                                       paley->dim() == 2 && paley->size(1) == f && f % 2 == 0 &&
+                                       paley->dim() == 2 && paley->size(1) == f && f >= 2 && f % 2 == 0 &&
                                        block % paley_order(f) == 0),
                 "rotation: the Paley factor must be a contiguous float32 [f, f] (backends/_cpu.py paley_argument) "
                 "whose order divides the block");
+    const int64_t n = block / paley_order(f);  // the Sylvester order: the transform's loops take a power of two
+    TORCH_CHECK((n & (n - 1)) == 0, "rotation: block ", block, " over the Paley order ", paley_order(f),
+                " must be a power of two");
   }
   const bool copy = block != 0 || perm.has_value();
   const int64_t staged = copy ? (M * K * (int64_t)sizeof(float) + align - 1) / align * align : 0;
