@@ -3,13 +3,15 @@
     python benchmarks/bench_rotation.py                      # SmolLM2 and Llama-7B input widths, M = 1, 8, 128
     python benchmarks/bench_rotation.py --shapes 576x576 --batches 1 --threads 1
     python benchmarks/bench_rotation.py --device cuda --batches 1,4,8 --backend cuda_lut   # or quick, async_dequant
+    python benchmarks/bench_rotation.py --shapes 576x576 --batches 32 --dtype bfloat16 --bits 3 --free-alpha
 
-Per (N x K layer, M rows), µs with torch's threads as set (the best of ``--rounds`` interleaved medians): the layer unrotated (RTN 4-bit g64, the kernel the
-registry picks here: x86 on x86 machines), the same weights rotated (``rotation="hadamard"``, the op's unfused
-transform ``x·Rᵀ`` before the kernel), and the transform alone (``qlinear.formats.rotation.rotate`` on a fresh
-``x``: what one group of layers reading the same input, q/k/v or gate/up, pays once).  ``overhead`` is rotated over
-unrotated minus one.  The issue's target (≤ 5% at M = 1) is for the transform fused into the kernels; this measures
-the unfused path every kernel runs today.
+Per (N x K layer, M rows), µs with torch's threads as set (the best of ``--rounds`` interleaved medians, each round
+starting with the next function): the layer unrotated (RTN 4-bit g64 unless ``--bits``/``--free-alpha``, the kernel
+the registry picks here: x86 on x86 machines), the same weights rotated (``rotation="hadamard"``: the CPU kernels
+transform x themselves, backends/_shared/rotation.h, and the x86 batched path through ``qlinear::x86_rotate``), and
+the transform alone (``qlinear.formats.rotation.rotate``, the PyTorch reference, on a fresh ``x``: what the
+reference backend pays once per group of layers reading the same input, q/k/v or gate/up).  ``overhead`` is rotated
+over unrotated minus one; the issue's target is ≤ 5% at M = 1.
 
 ``--device cuda``: fp16 layers on the GPU (``--backend`` picks the kernel; mixed layers for ``async_dequant``), each
 call timed end to end with a synchronisation, as eager decoding sees it; ``op transform µs`` is the rotated layer with
@@ -40,10 +42,17 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds; the best median of each counts")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--backend", help="the kernel to run (default: the registry's choice)")
+    ap.add_argument("--dtype", help="activations (default: float16 on CUDA, else float32; bfloat16 on x86 takes "
+                                    "the batched path from a few rows)")
+    ap.add_argument("--bits", type=int, default=4, help="BCQ bits (RTN layers unless --free-alpha)")
+    ap.add_argument("--free-alpha", action="store_true", help="BCQ's own fit (non-uniform, bit-plane layouts: the "
+                                                                "x86 batched path from DEQUANT_FROM rows)")
     args = ap.parse_args()
-    dev, dtype = torch.device(args.device), torch.float16 if args.device.startswith("cuda") else torch.float32
+    dev = torch.device(args.device)
+    dtype = getattr(torch, args.dtype) if args.dtype else torch.float16 if dev.type == "cuda" else torch.float32
     fmt = "mixed" if args.backend == "async_dequant" else "bcq"
-    opts = {} if fmt == "mixed" else dict(bits=4, group_size=64, init="uniform", iters=0)
+    opts = {} if fmt == "mixed" else dict(bits=args.bits, group_size=64) if args.free_alpha else dict(
+        bits=args.bits, group_size=64, init="uniform", iters=0)
     if args.threads:
         torch.set_num_threads(args.threads)
     shapes = [tuple(map(int, s.split("x"))) for s in args.shapes.split(",")] if args.shapes else SHAPES

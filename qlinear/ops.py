@@ -315,6 +315,14 @@ def _(x, qw, qs, qz, qb, bias, N, group_size, bits, format):
 def _(x, q2, q4, sc, z, ss, sz, kinds, ov, oc, orp, bias, N, group_size, scale_bits, scale_group_size):
     """``y`` ``[M, N]`` bfloat16: bfloat16 ``x`` ``[M, K]`` times Ŵ (layout ``x86_mixed``) on AMX tiles, + ``bias``."""
     return x.new_empty(x.shape[0], N)
+_lib.define("x86_rotate(Tensor x, Tensor? rot_signs, Tensor? rot_paley, int rot_block, Tensor? perm=None) -> Tensor")
+
+
+@torch.library.register_fake("qlinear::x86_rotate")
+def _(x, rot_signs, rot_paley, rot_block, perm=None):
+    """``x`` ``[M, K]`` float32 or bfloat16 transformed as ``x86_gemm`` transforms it (a rotated layer's ``R·x`` in
+    float32, rounded once to x's dtype, then act_order's gather): the batched path's input."""
+    return torch.empty_like(x)
 
 
 _lib.define("quick_gemm(Tensor x, Tensor qweight, Tensor scales, Tensor? zeros, Tensor? perm, Tensor? bias, "

@@ -24,6 +24,80 @@ def test_paley_matrices_are_hadamard(p):
     assert torch.equal(h @ h.T, p * torch.eye(p, dtype=torch.int64))
 
 
+@pytest.mark.parametrize("p", [12, 20, 28, 36, 44, 60, 76, 108, 196])
+def test_conference_matrices_behind_the_paley_factors(p):
+    """Paley's C: zero diagonal, ±1 elsewhere, C·Cᵀ = (q)·I, skew for Paley I (H = I + C, p = q + 1) and symmetric
+    for Paley II (p = 2(q + 1)); the CPU kernels take C itself for Paley II (``paley_argument``)."""
+    from qlinear.backends._cpu import paley_argument
+
+    c, kind = rotation._conference(p)
+    n = c.shape[0]
+    assert n == (p if kind == 1 else p // 2) and bool((c.diagonal() == 0).all())
+    assert bool((c.abs() + torch.eye(n, dtype=torch.int64) == 1).all())
+    assert torch.equal(c @ c.T, (n - 1) * torch.eye(n, dtype=torch.int64))
+    assert torch.equal(c.T, -c if kind == 1 else c)
+    assert torch.equal(paley_argument(p), (c if kind == 2 else rotation._paley(p)).float())
+
+
+_WIDTHS_DRIVER = r"""
+#include "rotation.h"
+#include <cstdio>
+#include <vector>
+using namespace qlinear_rotation;
+int main(int argc, char** argv) {  // W M K BLOCK F < d [K], factor [F, F], x [M, K] > rotated x
+  const int w = atoi(argv[1]);
+  const long M = atol(argv[2]), K = atol(argv[3]), block = atol(argv[4]), f = atol(argv[5]);
+  std::vector<float> d(K), factor(f > 1 ? f * f : 0), x(M * K);
+  if (fread(d.data(), 4, K, stdin) != (size_t)K || fread(factor.data(), 4, factor.size(), stdin) != factor.size() ||
+      fread(x.data(), 4, x.size(), stdin) != x.size()) return 2;
+  const float* pf = f > 1 ? factor.data() : nullptr;
+#ifdef QLINEAR_ROTATION_X86
+  if (w == 16) rotate_rows_avx512(x.data(), M, K, d.data(), block, pf, f);
+  if (w == 8) rotate_rows_avx2(x.data(), M, K, d.data(), block, pf, f);
+#endif
+  if (w == 4) rotate_rows_w<4>(x.data(), M, K, d.data(), block, pf, f);
+  if (w == 0) rotate_rows(x.data(), M, K, d.data(), block, pf, f);
+  fwrite(x.data(), 4, x.size(), stdout);
+}
+"""
+
+
+def test_native_transform_gives_the_same_bits_at_every_vector_width(tmp_path):
+    """backends/_shared/rotation.h on this machine's vector widths (AVX-512 16, AVX2 8, 4; the dispatcher's choice):
+    the same bits for each, within float32 rounding of the float64 definition, on Paley I and II, power-of-two and
+    scalar-path (n <= 8) blocks, M across the 32-row chunks (test_arm_neon runs the aarch64 build)."""
+    import platform
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    from qlinear.backends._cpu import rotation_args
+
+    cxx = shutil.which("g++")
+    if cxx is None:
+        pytest.skip("needs g++")
+    header = Path(rotation.__file__).parents[2] / "backends" / "_shared"
+    (tmp_path / "driver.cpp").write_text(_WIDTHS_DRIVER)
+    exe = tmp_path / "driver"
+    subprocess.run([cxx, "-O2", "-std=c++17", f"-I{header}", str(tmp_path / "driver.cpp"), "-o", str(exe)], check=True)
+    flags = set(open("/proc/cpuinfo").read().split()) if Path("/proc/cpuinfo").exists() else set()
+    widths = [0, 4] + ([8] if platform.machine() == "x86_64" and {"avx2", "fma"} <= flags else []) + (
+        [16] if platform.machine() == "x86_64" and "avx512f" in flags else [])
+    for K, block, M in [(576, 576, 1), (576, 576, 33), (1536, 1536, 3), (448, 448, 2), (256, 256, 5), (96, 48, 37),
+                        (288, 72, 70), (224, 224, 33)]:  # Paley II / I, 2^a, n <= 8 (I and II)
+        signs, factor, _ = rotation_args((3, block), K)
+        f = 1 if factor is None else factor.shape[0]
+        x = torch.randn(M, K)
+        data = signs.numpy().tobytes() + (b"" if factor is None else factor.numpy().tobytes()) + x.numpy().tobytes()
+        outs = [torch.frombuffer(bytearray(subprocess.run([str(exe), str(w), str(M), str(K), str(block), str(f)],
+                                                           input=data, capture_output=True, check=True).stdout),
+                                 dtype=torch.float32).reshape(M, K) for w in widths]
+        for y in outs[1:]:
+            assert torch.equal(y, outs[0]), (K, block, M)
+        want = x.double() @ rotation64(3, block, K).T
+        assert ((outs[0].double() - want).abs() <= 1e-6 * want.abs().amax(1, keepdim=True)).all(), (K, block, M)
+
+
 def test_orders_without_a_paley_construction():
     assert rotation._paley(172) is None and rotation._paley(16) is None  # 171, 85 and 15, 7 are not such primes
 

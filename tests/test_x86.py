@@ -22,7 +22,7 @@ from conftest import dense64, int8_activation_bound
 import qlinear.backends as backends
 from qlinear import BCQLinear, CodebookLinear, MixedPrecisionLinear
 from qlinear.backends import x86
-from qlinear.backends._cpu import quantize_activations
+from qlinear.backends._cpu import quantize_activations, rotation_args
 from qlinear.formats import bcq, codebook, mixed
 from qlinear.formats.packing import unpack, unpack_planes
 
@@ -440,6 +440,34 @@ def test_large_batches_of_bit_plane_layers_take_the_float_gemm(name, tile, monke
         err = (y - (x.double() @ w64.T + b.double())).abs()
         gemm = 2 * K * 2.0 ** -24 * (x.double().abs() @ w64.abs().T + b.double().abs())
         assert (err <= gemm).all() == (M >= first), M
+
+
+@pytest.mark.parametrize("K,block", [(576, 576), (192, 192), (256, 256), (96, 48)])  # Paley II, I, 2^a, scalar path
+def test_rotate_op_is_the_dense_rotation_then_the_gather(K, block):
+    """``x86_rotate`` (the batched path's input) is ``R·x`` of the float64 definition, then ``x[:, perm]``; bfloat16
+    rows are rotated in float32 and rounded once."""
+    from conftest import rotation64
+
+    if x86.available() is not None:
+        pytest.skip(x86.available())
+    torch.manual_seed(K)
+    x, perm = torch.randn(70, K), torch.randperm(K).int()  # three chunks of 32 rows
+    args = rotation_args((11, block), K)
+    want = x.double() @ rotation64(11, block, K).T
+    for p, w in ((None, want), (perm, want[:, perm.long()])):
+        y = torch.ops.qlinear.x86_rotate(x, *args, p)
+        assert y.dtype == torch.float32 and y.shape == x.shape
+        assert ((y.double() - w).abs() <= 1e-6 * w.abs().amax(1, keepdim=True)).all()
+    assert torch.equal(torch.ops.qlinear.x86_rotate(x, None, None, 0, perm), x[:, perm.long()])
+    xb = x.bfloat16()  # rotated in float32 from the bfloat16 values, rounded once
+    yb = torch.ops.qlinear.x86_rotate(xb, *args, perm)
+    assert yb.dtype == torch.bfloat16
+    assert torch.equal(yb, torch.ops.qlinear.x86_rotate(xb.float(), *args, perm).bfloat16())
+    xb[1, 3] = float("nan")  # a NaN input spreads over its block as NaN (never rounded to inf)
+    yb = torch.ops.qlinear.x86_rotate(xb, *args)
+    assert yb[1, :block].isnan().all() and not yb.isinf().any() and not yb[0].isnan().any()
+    with pytest.raises(RuntimeError, match="x86_rotate: x must be a contiguous float32 or bfloat16"):
+        torch.ops.qlinear.x86_rotate(x.double(), *args)
 
 
 def test_large_batches_of_rotated_act_order_layers_take_the_float_gemm(monkeypatch):

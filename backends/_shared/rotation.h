@@ -16,9 +16,8 @@
 // does), so they give the same bits.
 #pragma once
 
-#include <cstdint>
 #include <algorithm>
-#include <type_traits>
+#include <cstdint>
 #include <utility>
 #include <vector>
 
@@ -46,7 +45,12 @@ template <int H, int W, size_t... I>
 QLINEAR_ROTATION_INLINE void lane_stage(typename Vec<W>::type& v, std::index_sequence<I...>) {
   using V = typename Vec<W>::type;
   const V sign = {((I & H) ? -1.f : 1.f)...};
+#if defined(__clang__) || __GNUC__ >= 12
   v = __builtin_shufflevector(v, v, (I ^ H)...) + v * sign;
+#else  // GCC before 12 has only the mask form
+  typedef int32_t Mask __attribute__((vector_size(sizeof(V))));
+  v = __builtin_shuffle(v, Mask{int32_t(I ^ H)...}) + v * sign;
+#endif
 }
 
 // The radix-2 stages of distance H, 2H, ... < C across the C vectors r (a compile-time H: the loops unroll whole).
@@ -141,6 +145,20 @@ QLINEAR_ROTATION_INLINE void paley_tile(const typename Vec<W>::type* t, const fl
     for (int c = 0; c < C; ++c) out[r * stride + c] = a[r][c];
 }
 
+// paley_tile from row i on while R rows fit (with init for a Paley II factor: the pair's other half, times sign), at
+// column c; returns the first row left.
+template <int W, int R, int C>
+QLINEAR_ROTATION_INLINE int64_t paley_tiles(const typename Vec<W>::type* t, typename Vec<W>::type* out, int64_t stride,
+                                            int64_t c, const float* factor, int64_t f, int64_t i, bool pairs,
+                                            int64_t other, float sign) {
+  for (; i + R <= f; i += R)
+    if (pairs)
+      paley_tile<W, R, C, true>(t + c, factor + i * f, f, stride, out + i * stride + c, t + i * stride + other, sign);
+    else
+      paley_tile<W, R, C, false>(t + c, factor + i * f, f, stride, out + i * stride + c, nullptr, 0.f);
+  return i;
+}
+
 // The Paley factor's order p for a factor argument of f rows (backends/_cpu.py paley_argument): f itself (Paley I,
 // ±1 [p, p]), or 2f for a Paley II conference matrix C [f, f] (f ≡ 2 mod 4, which no Hadamard order is).
 inline int64_t paley_order(int64_t f) { return f % 4 == 2 ? 2 * f : f; }
@@ -167,16 +185,9 @@ QLINEAR_ROTATION_INLINE void paley_apply(typename Vec<W>::type* t, typename Vec<
   for (int64_t c = 0; c < stride; c += C) {
     const int64_t other = c < cols ? c + cols : c - cols;  // Paley II: the pair's other half, first half positive
     const float sign = c < cols ? 1.f : -1.f;
-    int64_t i = 0;
-    auto tiles = [&](auto rows) {  // tiles of rows.value rows while they fit
-      for (constexpr int r = decltype(rows)::value; i + r <= f; i += r)
-        pairs ? paley_tile<W, r, C, true>(t + c, factor + i * f, f, stride, out + i * stride + c,
-                                          t + i * stride + other, sign)
-              : paley_tile<W, r, C, false>(t + c, factor + i * f, f, stride, out + i * stride + c, nullptr, 0.f);
-    };
-    tiles(std::integral_constant<int, R>());
-    tiles(std::integral_constant<int, 4>());
-    tiles(std::integral_constant<int, 2>());
+    int64_t i = paley_tiles<W, R, C>(t, out, stride, c, factor, f, 0, pairs, other, sign);
+    i = paley_tiles<W, 4, C>(t, out, stride, c, factor, f, i, pairs, other, sign);
+    paley_tiles<W, 2, C>(t, out, stride, c, factor, f, i, pairs, other, sign);
   }
 }
 
@@ -221,9 +232,11 @@ QLINEAR_ROTATION_INLINE void rotate_rows_w(float* x, int64_t M, int64_t K, const
   for (int64_t m0 = 0; m0 < M; m0 += chunk) {
     const int64_t rows = std::min(chunk, M - m0);
     for (int64_t b0 = 0; b0 < K; b0 += block) {
-      for (int64_t j = 0; j < p; ++j)  // in[j][m][c] = x[m0 + m][b0 + j·n + c]
-        for (int64_t m = 0; m < rows; ++m)
+      for (int64_t j = 0; j < p; ++j) {  // in[j][m][c] = x[m0 + m][b0 + j·n + c], the padding 0 (Paley II's pair
+        for (int64_t m = 0; m < rows; ++m)  // butterfly runs in place: left alone, its values would grow to inf)
           std::copy_n(x + (m0 + m) * K + b0 + j * n, n, in.data() + j * stride + m * n);
+        std::fill(in.data() + j * stride + rows * n, in.data() + (j + 1) * stride, 0.f);
+      }
       paley_apply<W>(reinterpret_cast<V*>(in.data()), reinterpret_cast<V*>(out.data()), stride / W, factor, f);
       for (int64_t i = 0; i < p; ++i)
         for (int64_t m = 0; m < rows; ++m)

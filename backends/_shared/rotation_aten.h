@@ -4,6 +4,7 @@
 #include <ATen/ATen.h>
 
 #include <algorithm>
+#include <cstring>
 #include <optional>
 #include <vector>
 
@@ -18,14 +19,12 @@ struct Staged {
   void* acts;         // acts_bytes, aligned to the op's alignment
 };
 
-// One allocation for acts_bytes of activations (aligned to align, a power of two) and, where the layer rotates x
-// (block > 0: signs D/√b float32 [K], the Paley factor float32 [f, f] as backends/_cpu.py paley_argument gives it,
-// or none) or reads it in act_order's stored order x[:, perm] (int32 [K], after the rotation), x's staged copy
-// [M, K]; x (contiguous float32 [M, K]) is never written.
-inline Staged stage(const at::Tensor& x, const std::optional<at::Tensor>& perm,
-                    const std::optional<at::Tensor>& signs, const std::optional<at::Tensor>& paley, int64_t block,
-                    int64_t acts_bytes, int64_t align) {
-  const int64_t M = x.size(0), K = x.size(1);
+// The checks (TORCH_CHECK) of a rotated or act_order layer's transform arguments for x [M, K] (see
+// stage()); the factor's row count f (1: none).
+inline int64_t check_transform(const at::Tensor& x, const std::optional<at::Tensor>& perm,
+                               const std::optional<at::Tensor>& signs, const std::optional<at::Tensor>& paley,
+                               int64_t block) {
+  const int64_t K = x.size(1);
   if (perm.has_value()) {
     TORCH_CHECK(perm->scalar_type() == at::kInt && perm->is_contiguous() && perm->dim() == 1 && perm->size(0) == K,
                 "perm must be contiguous int32 [K = ", K, "]");
@@ -46,6 +45,17 @@ inline Staged stage(const at::Tensor& x, const std::optional<at::Tensor>& perm,
     TORCH_CHECK((n & (n - 1)) == 0, "rotation: block ", block, " over the Paley order ", paley_order(f),
                 " must be a power of two");
   }
+  return f;
+}
+
+// One allocation for acts_bytes of activations (aligned to align, a power of two) and, where the layer rotates x
+// (block > 0: signs D/√b float32 [K], the Paley factor float32 [f, f] as backends/_cpu.py paley_argument gives it,
+// or none) or reads it in act_order's stored order x[:, perm] (int32 [K], after the rotation), x's staged copy
+// [M, K]; x (contiguous float32 [M, K]) is never written.
+inline Staged stage(const at::Tensor& x, const std::optional<at::Tensor>& perm,
+                    const std::optional<at::Tensor>& signs, const std::optional<at::Tensor>& paley, int64_t block,
+                    int64_t acts_bytes, int64_t align) {
+  const int64_t M = x.size(0), K = x.size(1), f = check_transform(x, perm, signs, paley, block);
   const bool copy = block != 0 || perm.has_value();
   const int64_t staged = copy ? (M * K * (int64_t)sizeof(float) + align - 1) / align * align : 0;
   Staged s{at::empty({staged + acts_bytes + align}, x.options().dtype(at::kByte)), x.data_ptr<float>(), nullptr};
@@ -68,6 +78,57 @@ inline Staged stage(const at::Tensor& x, const std::optional<at::Tensor>& perm,
   }
   s.x = out;
   return s;
+}
+
+// bfloat16 bits <-> float32 as torch converts them (to nearest even; a NaN stays a NaN), in loops the compiler
+// vectorizes.
+inline void bf16_to_float(const uint16_t* src, float* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t u = uint32_t(src[i]) << 16;
+    std::memcpy(dst + i, &u, 4);
+  }
+}
+inline void float_to_bf16(const float* src, uint16_t* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    uint32_t u;
+    std::memcpy(&u, src + i, 4);
+    const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    dst[i] = (u & 0x7fffffffu) > 0x7f800000u ? uint16_t(0x7fc0) : uint16_t(rounded);
+  }
+}
+
+// x (contiguous float32 or bfloat16 [M, K]) as stage() stages it (rotated in float32, then read in act_order's
+// order), as a tensor of x's dtype (rounded once; x itself where neither applies): the batched paths' input.  Rows go
+// through a float32 buffer 32 at a time, so that a bfloat16 x takes no float32 copy of itself.
+inline at::Tensor staged_tensor(const at::Tensor& x, const std::optional<at::Tensor>& perm,
+                                const std::optional<at::Tensor>& signs, const std::optional<at::Tensor>& paley,
+                                int64_t block) {
+  const int64_t f = check_transform(x, perm, signs, paley, block), M = x.size(0), K = x.size(1);
+  if (block == 0) return perm.has_value() ? x.index_select(1, *perm) : x;
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  at::Tensor out = at::empty_like(x);
+  const int32_t* idx = perm.has_value() ? perm->data_ptr<int32_t>() : nullptr;
+  std::vector<float> buf(std::min<int64_t>(M, 32) * K), row(idx ? K : 0);
+  char* dst = static_cast<char*>(out.data_ptr());
+  const char* src = static_cast<const char*>(x.data_ptr());
+  const int64_t size = bf16 ? 2 : 4;
+  for (int64_t m0 = 0; m0 < M; m0 += 32) {
+    const int64_t rows = std::min<int64_t>(32, M - m0);
+    if (bf16) bf16_to_float(reinterpret_cast<const uint16_t*>(src + m0 * K * size), buf.data(), rows * K);
+    else std::memcpy(buf.data(), src + m0 * K * size, rows * K * size);
+    rotate_rows(buf.data(), rows, K, signs->data_ptr<float>(), block,
+                paley.has_value() ? paley->data_ptr<float>() : nullptr, f);
+    for (int64_t m = 0; m < rows; ++m) {
+      const float* r = buf.data() + m * K;
+      if (idx) {
+        for (int64_t k = 0; k < K; ++k) row[k] = r[idx[k]];
+        r = row.data();
+      }
+      if (bf16) float_to_bf16(r, reinterpret_cast<uint16_t*>(dst + (m0 + m) * K * size), K);
+      else std::memcpy(dst + (m0 + m) * K * size, r, K * size);
+    }
+  }
+  return out;
 }
 
 }  // namespace qlinear_rotation

@@ -10,7 +10,7 @@
 //                                     FORMAT bcq4|cb4|cb2, GROUP 128 (bcq4) / 32, BOOKS 4 (cb2) / 1, LAYOUT
 //                                     sdot (the default repack's) / mmla; BLOCK > 0: a rotated layer, each
 //                                     call first transforms x in rotate_input_counted (seed 1; PALEY: a file of
-//                                     the float32 [p, p] Paley factor when the block has one)
+//                                     backends/_cpu.py paley_argument's float32 factor when the block has one)
 //   harness rotate K BLOCK SEED [PALEY] < x > y
 //                                     the same transform of float32 rows [*, K] (stdin to stdout)
 #include <math.h>
@@ -172,7 +172,7 @@ static bool make_rotation(Rotation& r, int K, int block, uint32_t seed, const ch
   return true;
 }
 
-// What the binding does to x of a rotated layer before quantizing it (_shared/rotation_aten.h staged_input: a copy,
+// What the binding does to x of a rotated layer before quantizing it (_shared/rotation_aten.h stage: a copy,
 // rotated); its own symbol, so that the plugin counts it apart from the kernel and the activation quantization.
 __attribute__((noinline)) static void rotate_input_counted(const float* x, float* out, int M, int K,
                                                            const Rotation& r) {

@@ -16,8 +16,8 @@ namespace {
 // format kU4: qw = nibble codes uint8 [Nb, K/8, 64]; kLutUniform / kLutFree: qw = bit-planes uint8 [Nb, K/32, bits,
 // 64]; uniform: qs = scales fp16 [Nb, G, 16], qz = 2·zero uint8 [Nb, G, 16]; kLutFree: qs = α fp16 [Nb, G, bits, 16],
 // qz = offsets fp16 [Nb, G, 16] (qgemm.h).  rot_block > 0: a rotated layer, x is first transformed by its randomized
-// Hadamard (rot_signs = D/√b float32 [K], blocks of rot_block, Paley factor rot_paley float32 [p, p] or none;
-// _shared/rotation.h).
+// Hadamard (rot_signs = D/√b float32 [K], blocks of rot_block, Paley factor rot_paley float32 [f, f] as
+// backends/_cpu.py paley_argument gives it, or none; _shared/rotation.h).
 // perm (int32 [K]): an act_order layer, x is read as x[:, perm] (after the rotation).
 // kCB4 / kCB2: qw = codes (kCB4 as kU4; kCB2 crumbs uint8 [Nb, K/16, 64]), qs = scales fp16 [Nb, G, 16], qz = the
 // codebooks int8 [C, 2^bits] (C·2^bits <= 16), qb = book words int32 [Nb, G] when C > 1.
@@ -284,6 +284,17 @@ at::Tensor amx_run(const char* op, const at::Tensor& x, const std::optional<at::
   return y;
 }
 
+// The batched path's input: x (contiguous float32 or bfloat16 CPU [M, K]) transformed as x86_gemm transforms it
+// before its int8 quantization (rotated in float32, then gathered by perm), [M, K] of x's dtype.
+at::Tensor x86_rotate(const at::Tensor& x, const std::optional<at::Tensor>& rot_signs,
+                      const std::optional<at::Tensor>& rot_paley, int64_t rot_block,
+                      const std::optional<at::Tensor>& perm) {
+  TORCH_CHECK(x.device().is_cpu() && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) &&
+                  x.dim() == 2 && x.is_contiguous(),
+              "x86_rotate: x must be a contiguous float32 or bfloat16 CPU [M, K] tensor");
+  return qlinear_rotation::staged_tensor(x, perm, rot_signs, rot_paley, rot_block);
+}
+
 // Whether amx.cpp runs here (Python: x86.amx_available).
 bool x86_amx_supported() { return qlinear_x86::amx_supported(); }
 
@@ -336,6 +347,7 @@ TORCH_LIBRARY_IMPL(qlinear, CPU, m) {
   m.impl("x86_mixed_dequantize", &x86_mixed_dequantize);
   m.impl("x86_amx_gemm", &x86_amx_gemm);
   m.impl("x86_mixed_amx_gemm", &x86_mixed_amx_gemm);
+  m.impl("x86_rotate", &x86_rotate);
 }
 TORCH_LIBRARY_IMPL(qlinear, CompositeExplicitAutograd, m) {  // no tensor arguments: no backend to dispatch on
   m.impl("x86_amx_supported", &x86_amx_supported);
