@@ -256,7 +256,8 @@ def test_op_rejects_inconsistent_codebook_buffers():
                                       (BCQLinear, dict(bits=4, group_size=64, init="uniform", iters=0)),
                                       (BCQLinear, dict(bits=4, group_size=64, method="gptq", act_order=True))],
                          ids=["cb2", "cb4", "bcq", "gptq act_order"])
-def test_rotated_layers_transform_x_inside_the_op(cls, opts):
+@pytest.mark.parametrize("K,block", [(192, 0), (576, 0), (576, 72)], ids=["192", "576", "576 block 72"])
+def test_rotated_layers_transform_x_inside_the_op(cls, opts, K, block):
     from conftest import assert_fused_rotation
 
     def spec(x, m):
@@ -264,7 +265,7 @@ def test_rotated_layers_transform_x_inside_the_op(cls, opts):
         return arm_neon.spec(x, dict(zip(m._packed_names, m.packed())), m.bias, call.cfg, arm_neon._format(call.cfg),
                              m.out_features, m.in_features, rotation=call.rotation)
 
-    assert_fused_rotation("arm_neon", cls, opts, spec)
+    assert_fused_rotation("arm_neon", cls, opts, spec, K=K, block=block)
 
 
 # --- the standalone harness on aarch64 under qemu ----------------------------------------------------------------

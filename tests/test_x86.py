@@ -853,10 +853,11 @@ def test_mixed_registry():
     assert mod.kernel(torch.randn(3, 320)).backend == "x86" and mod.layout == "x86_mixed"
 
 
-def test_rotated_mixed_layer_transforms_x_inside_the_op(monkeypatch):
+@pytest.mark.parametrize("K,block", [(192, 0), (576, 0), (576, 72)], ids=["192", "576", "576 block 72"])
+def test_rotated_mixed_layer_transforms_x_inside_the_op(monkeypatch, K, block):
     from conftest import assert_fused_rotation
 
     monkeypatch.setattr(x86, "MIXED_GEMV_ROWS", 64)  # its 37 rows through the GEMV, whose arithmetic spec_mixed is
     assert_fused_rotation("x86", MixedPrecisionLinear, {}, lambda x, m: x86.spec_mixed(
-        x, dict(zip(m._packed_names, m.packed())), m.bias, m._call(x.device, x.dtype, 37).cfg, m.out_features, 192,
-        rotation=m._call(x.device, x.dtype, 37).rotation), K=192)
+        x, dict(zip(m._packed_names, m.packed())), m.bias, m._call(x.device, x.dtype, 37).cfg, m.out_features, K,
+        rotation=m._call(x.device, x.dtype, 37).rotation), K=K, block=block)
