@@ -12,8 +12,8 @@
 // up to 8 vectors in registers.  Else (n <= 8) D and H_n by scalars.  H_p in tiles of 16 floats' width, as
 // multiply-adds of whole vectors over the [p, n] view (or, n <= 8, over up to 32 rows' blocks gathered as
 // [p, rows·n]); a Paley II factor from its conference matrix C in half the multiply-adds (paley_apply).  Every W and
-// both paths add in the same order and multiply only by ±1 or 0 (exact; a fused multiply-add rounds as the pair
-// does), so they give the same bits.
+// both paths multiply each input by D/√b once, then add in the same order and multiply only by ±1 or 0 (exact; a
+// fused multiply-add rounds as the pair does), so they give the same bits.
 #pragma once
 
 #include <algorithm>
