@@ -48,6 +48,21 @@ inline int64_t check_transform(const at::Tensor& x, const std::optional<at::Tens
   return f;
 }
 
+// rows [M, K] (float32) in place: rotated where block > 0 (check_transform's arguments), then read in act_order's
+// order where idx (perm) is given.
+inline void transform_rows(float* rows, int64_t M, int64_t K, const int32_t* idx,
+                           const std::optional<at::Tensor>& signs, const std::optional<at::Tensor>& paley,
+                           int64_t block, int64_t f) {
+  if (block != 0)
+    rotate_rows(rows, M, K, signs->data_ptr<float>(), block, paley.has_value() ? paley->data_ptr<float>() : nullptr, f);
+  if (idx == nullptr) return;
+  std::vector<float> row(K);
+  for (int64_t m = 0; m < M; ++m) {
+    std::copy_n(rows + m * K, K, row.data());
+    for (int64_t k = 0; k < K; ++k) rows[m * K + k] = row[idx[k]];
+  }
+}
+
 // One allocation for acts_bytes of activations (aligned to align, a power of two) and, where the layer rotates x
 // (block > 0: signs D/√b float32 [K], the Paley factor float32 [f, f] as backends/_cpu.py paley_argument gives it,
 // or none) or reads it in act_order's stored order x[:, perm] (int32 [K], after the rotation), x's staged copy
@@ -64,18 +79,8 @@ inline Staged stage(const at::Tensor& x, const std::optional<at::Tensor>& perm,
   s.acts = base + staged;
   if (!copy) return s;
   float* out = reinterpret_cast<float*>(base);
-  if (block != 0) {
-    std::copy_n(s.x, M * K, out);
-    rotate_rows(out, M, K, signs->data_ptr<float>(), block, paley.has_value() ? paley->data_ptr<float>() : nullptr, f);
-  }
-  if (perm.has_value()) {
-    const int32_t* idx = perm->data_ptr<int32_t>();
-    std::vector<float> row(block != 0 ? K : 0);
-    for (int64_t m = 0; m < M; ++m) {
-      const float* src = block != 0 ? std::copy_n(out + m * K, K, row.data()) - K : s.x + m * K;
-      for (int64_t k = 0; k < K; ++k) out[m * K + k] = src[idx[k]];
-    }
-  }
+  std::copy_n(s.x, M * K, out);
+  transform_rows(out, M, K, perm.has_value() ? perm->data_ptr<int32_t>() : nullptr, signs, paley, block, f);
   s.x = out;
   return s;
 }
@@ -108,25 +113,17 @@ inline at::Tensor staged_tensor(const at::Tensor& x, const std::optional<at::Ten
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   at::Tensor out = at::empty_like(x);
   const int32_t* idx = perm.has_value() ? perm->data_ptr<int32_t>() : nullptr;
-  std::vector<float> buf(std::min<int64_t>(M, 32) * K), row(idx ? K : 0);
+  std::vector<float> buf(std::min<int64_t>(M, 32) * K);
   char* dst = static_cast<char*>(out.data_ptr());
   const char* src = static_cast<const char*>(x.data_ptr());
   const int64_t size = bf16 ? 2 : 4;
   for (int64_t m0 = 0; m0 < M; m0 += 32) {
-    const int64_t rows = std::min<int64_t>(32, M - m0);
-    if (bf16) bf16_to_float(reinterpret_cast<const uint16_t*>(src + m0 * K * size), buf.data(), rows * K);
-    else std::memcpy(buf.data(), src + m0 * K * size, rows * K * size);
-    rotate_rows(buf.data(), rows, K, signs->data_ptr<float>(), block,
-                paley.has_value() ? paley->data_ptr<float>() : nullptr, f);
-    for (int64_t m = 0; m < rows; ++m) {
-      const float* r = buf.data() + m * K;
-      if (idx) {
-        for (int64_t k = 0; k < K; ++k) row[k] = r[idx[k]];
-        r = row.data();
-      }
-      if (bf16) float_to_bf16(r, reinterpret_cast<uint16_t*>(dst + (m0 + m) * K * size), K);
-      else std::memcpy(dst + (m0 + m) * K * size, r, K * size);
-    }
+    const int64_t rows = std::min<int64_t>(32, M - m0), n = rows * K, at = m0 * K * size;
+    if (bf16) bf16_to_float(reinterpret_cast<const uint16_t*>(src + at), buf.data(), n);
+    else std::memcpy(buf.data(), src + at, n * size);
+    transform_rows(buf.data(), rows, K, idx, signs, paley, block, f);
+    if (bf16) float_to_bf16(buf.data(), reinterpret_cast<uint16_t*>(dst + at), n);
+    else std::memcpy(dst + at, buf.data(), n * size);
   }
   return out;
 }

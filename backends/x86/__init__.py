@@ -631,10 +631,8 @@ def _batched(x: torch.Tensor, rows, bias, N: int, K: int, rotation, perm=None, a
     GEMM), each tile times x by torch's GEMM."""
     cd = batched_dtype(x)
     xs = x.reshape(-1, K).to(cd)  # bfloat16 x: no copy
-    if rotation is not None:  # the native transform in float32 (faster than PyTorch's at any batch), rounded to cd
+    if rotation is not None or perm is not None:  # the lookups' transform, rotated in float32 and rounded to cd
         xs = torch.ops.qlinear.x86_rotate(xs.contiguous(), *rotation_args(rotation, K), perm)
-    elif perm is not None:
-        xs = xs.index_select(-1, perm.long())
     if cd == torch.bfloat16 and amx is not None and amx_available():
         return amx(xs, bias).reshape(*x.shape[:-1], N)  # x's dtype, bfloat16
     yt = xs.new_empty(N, xs.shape[0])  # yᵀ: a tile is the GEMM's first operand (oneDNN packs only the second)
