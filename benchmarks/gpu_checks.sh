@@ -16,6 +16,8 @@
 #                                            # rows; bench_gemm --quick (GemLite too); ncu of the LUT GEMV, 8192² q4 M1
 #   bash benchmarks/gpu_checks.sh lease      # one ~8-minute call: build; gpu tests + memcheck of quick/mixed/codebook
 #                                            # (+ $EXTRA); bench_gemm --quick, bench_gemv's 8192²/28672x8192/576² rows, bench_dequant
+#                                            # (+ bench_rotation on each backend of $ROTATION; $WORKERS, $TEST_SLOT, $SAN_TIMEOUT
+#                                            # and $MEMCHECK, "file:-k expression;..." of tests/test_<file>.py, size the first part)
 #   bash benchmarks/gpu_checks.sh test compile  # the torch.compile tests alone (cuda_lut's two failed on 2026-11-26)
 #   bash benchmarks/gpu_checks.sh rotation   # build; rotation GPU tests; bench_rotation.py on the three fusing kernels
 #                                            # (fused R·x against the op's transform, issue 27; never run on a GPU yet)
@@ -51,7 +53,7 @@ tests() {
   case "${1:-all}" in
     kernels) files="tests/test_cuda_lut.py tests/test_quick.py tests/test_async_dequant.py" ;;
     rest) files="tests/test_dispatch.py tests/test_modules.py" ;;
-    gpu) files="$TESTS tests/test_kernel_conformance.py tests/test_quantize_device.py -m gpu" ;;
+    gpu) files="$TESTS tests/test_kernel_conformance.py tests/test_quantize_device.py tests/test_rotation.py -m gpu" ;;
     compile) files="tests/test_kernel_conformance.py -m gpu -k compile" ;;  # the slow ones (~60 s each)
     *) files=$TESTS ;;
   esac
@@ -132,11 +134,12 @@ case "$STAGE" in
     FINAL=$OUT; export OUT=/tmp/gpu-lease; mkdir -p "$OUT"
     snap() { tar czf "$FINAL/lease.tgz" -C "$OUT" .; }
     build || { snap; exit 1; }
-    (WORKERS=12 TEST_TIMEOUT=120 timeout 210 bash "$0" test gpu >/dev/null 2>&1) &
-    (for k in "quick:kernel_matches and dtype0-128-4-576-576 or free_alpha and 1536-576-64-dtype0" \
-              "cuda_lut:kernel_matches and dtype0-128 and (576-576 or 1024-8192)" \
-              "async_dequant:kernel_matches and dtype0-0.005-576-576" "cuda_codebook:dequantize_op"; do
-       timeout 100 compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -q -x -p no:cacheprovider \
+    (WORKERS=${WORKERS:-12} TEST_TIMEOUT=120 timeout ${TEST_SLOT:-210} bash "$0" test gpu >/dev/null 2>&1) &
+    MC=${MEMCHECK:-"quick:kernel_matches and dtype0-128-4-576-576 or free_alpha and 1536-576-64-dtype0;\
+cuda_lut:kernel_matches and dtype0-128 and (576-576 or 1024-8192);async_dequant:kernel_matches and dtype0-0.005-576-576;\
+cuda_codebook:dequantize_op"}
+    (IFS=';'; for k in $MC; do
+       timeout ${SAN_TIMEOUT:-100} compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -q -x -p no:cacheprovider \
          "tests/test_${k%%:*}.py" -k "${k#*:}" >"$OUT/memcheck_${k%%:*}.txt" 2>&1
        echo "memcheck ${k%%:*}: rc $? $(grep -E 'passed|failed|ERROR SUMMARY' "$OUT/memcheck_${k%%:*}.txt" | tr '\n' ' ')"
      done) >"$OUT/sanitize.txt" 2>&1 &
@@ -152,7 +155,13 @@ case "$STAGE" in
     timeout 30 python3 benchmarks/bench_dequant.py --shapes 8192x8192 --markdown "$OUT/bench_dequant.md" \
       >"$OUT/bench_dequant.log" 2>&1
     snap
+    for B in ${ROTATION:-}; do  # issue 27: the fused R·x against the op's transform, on the decode kernels
+      timeout 40 python3 benchmarks/bench_rotation.py --device cuda --backend $B --batches 1,8 --rounds 3 \
+        --shapes 576x576,1536x576,4096x4096 >"$OUT/bench_rotation_$B.md" 2>&1
+      snap
+    done
     cat "$OUT/bench_gemm.md" "$OUT/bench_gemv.md" "$OUT/bench_dequant.md" 2>/dev/null | grep -v "^|---" | cut -c1-100
+    for B in ${ROTATION:-}; do grep -v "^|---" "$OUT/bench_rotation_$B.md" | cut -c1-110 | tail -8; done
     tail -n 2 "$OUT/bench_gemm.log" "$OUT/bench_gemv.log" "$OUT/bench_dequant.log" ;;
   *) echo "unknown stage $STAGE (build|test|sanitize|bench|tune|e2e|tp|sweep|ncu|quick|session)"; exit 2 ;;
 esac
