@@ -13,7 +13,7 @@ The model reads four things and fits a few machine constants:
     software-pipelined (a global load issued after the loop's first lookup, i.e. for a later iteration);
 (c) residency per SM from the registers, the shared memory of the launch plan and the block size (H100 limits);
 (d) machine constants fitted on half of the committed H100 rows: ``t0`` (launch and tail, µs), ``t_red`` (the
-    split-K reduction kernel of the kernels measured so far; this checkout's reduce in their last block instead),
+    split-K reduction kernel),
     ``L`` (loaded DRAM round trip), ``L_tab`` (a K tile's table phase: x from L2, the barriers) and ``c_tab`` (per table a warp builds), ``c_lds`` (µs per warp-wide table lookup on one SM, bank
     conflicts included) and ``BW`` (TB/s), each with a weak log-space prior around its physical value.
 
@@ -227,7 +227,6 @@ class Version:
     smem: Callable[[int, int], int]
     words_per_iteration: Callable[[int, int], int]  # of (M, Q), given kt
     sass: dict
-    reduce_kernel: bool = True  # split launches end with a second kernel (until 2026-11-27)
 
 
 def plan_2026_11_23(M: int, N: int, K: int, sms: int, bits: int) -> tuple[int, int, int, int]:
@@ -267,7 +266,7 @@ def current_version(work: Path, build: Callable[[Path], tuple[Path, str]] = None
     from qlinear.backends import cuda_lut
 
     return Version("current", cuda_lut.plan, lambda M, kt: 2 * 4 * M * (kt // 8) * 256, lambda M, kt: kt // 32,
-                   lut_sass(ROOT, work / "current", build), reduce_kernel=False)
+                   lut_sass(ROOT, work / "current", build))
 
 
 # --- the model ----------------------------------------------------------------------------------------------------
@@ -297,7 +296,7 @@ def features(v: Version, M: int, N: int, K: int, q: int, g: int) -> dict:
                 splits=splits, waves=waves, warps_sm=bps * threads // 32,
                 tail_warps_sm=math.ceil(tail / SMS) * threads // 32, lookups=16 * q * M,
                 bytes=lut_bytes(M, N, K, q, g, splits), pipelined=s.pipelined,
-                iterations=per_split * kt // 32 // v.words_per_iteration(M, kt), reduce_kernel=v.reduce_kernel)
+                iterations=per_split * kt // 32 // v.words_per_iteration(M, kt))
 
 
 def predict(f: dict, c: dict) -> float:
@@ -317,10 +316,8 @@ def predict(f: dict, c: dict) -> float:
 
 
 def reduction(f: dict, c: dict) -> float:
-    """``t_red`` where a split launch ends with the separate reduction kernel (the kernels measured so far), 0 where
-    the tile's last block reduces in the same launch (``f["reduce_kernel"]`` False: this checkout's LUT GEMV and QUICK
-    GEMM since 2026-11-27, not yet measured)."""
-    return c["t_red"] if f["splits"] > 1 and f.get("reduce_kernel", True) else 0.0
+    """``t_red`` where a split launch ends with the separate reduction kernel."""
+    return c["t_red"] if f["splits"] > 1 else 0.0
 
 
 def read_rows(path: Path = RESULTS) -> list[tuple[int, int, int, int, int, float]]:
@@ -407,7 +404,7 @@ def quick_plan_2026_11_23(M: int, N: int, K: int, sms: int) -> tuple[int, int, i
 
 
 def quick_features(M: int, N: int, K: int, q: int, g: int, plan=quick_plan_2026_11_23, regs=None,
-                   depth=lambda tile_m: 1, ins: float = 0.0, reduce_kernel: bool = True) -> dict:
+                   depth=lambda tile_m: 1, ins: float = 0.0) -> dict:
     """Everything :func:`quick_predict` needs for one shape, M and bits at ``plan``: blocks of 4·WM warps (32 rows of
     Ŵ each along N, WM = 2 at tile_m 128) walking ``tiles`` 64-input K tiles with ``depth(tile_m)`` tiles of codes and
     scales in flight per warp (1 in the measured kernel), x staged in 3 shared-memory stages; ``ins`` instructions per
@@ -422,8 +419,7 @@ def quick_features(M: int, N: int, K: int, q: int, g: int, plan=quick_plan_2026_
     nbytes = q * N * K // 8 + 2 * N * G + q * N * G // 8 + 2 * M * K + 2 * M * N + (8 * splits * M * N if splits > 1
                                                                                    else 0)
     return dict(tiles=per_split, mt=tile_m // 16 // wm, splits=splits, waves=waves, warps_sm=bps * threads // 32,
-                tail_warps_sm=math.ceil(tail / SMS) * threads // 32, bytes=nbytes, depth=depth(tile_m), ins=ins,
-                reduce_kernel=reduce_kernel)
+                tail_warps_sm=math.ceil(tail / SMS) * threads // 32, bytes=nbytes, depth=depth(tile_m), ins=ins)
 
 
 def quick_predict(f: dict, c: dict) -> float:
@@ -521,18 +517,16 @@ def quick_sass(source_root: Path, work: Path, build: Callable[[Path], tuple[Path
     return out
 
 
-def quick_current(M: int, N: int, K: int, q: int, g: int, sass: dict, free: bool = False,
-                  reduce_kernel: bool = False) -> dict:
+def quick_current(M: int, N: int, K: int, q: int, g: int, sass: dict, free: bool = False) -> dict:
     """:func:`quick_features` of a register-ring GEMM (this checkout's, or another commit's :func:`quick_sass`): its plan
-    (``quick.plan``), registers, ring depth and instructions per tile; ``reduce_kernel``: its split launches end with
-    the separate reduction kernel (before 2026-11-27)."""
+    (``quick.plan``), registers, ring depth and instructions per tile."""
     from qlinear.backends import quick
 
     plan = quick.plan(M, N, K, SMS)
     staged = quick_staged(M, K, plan) and (q, 16, free, True) in sass
     regs = {t: sass[q, t, free, staged and t == 16][0] for t in (16, 32, 64, 128)}
     return quick_features(M, N, K, q, g, quick.plan, regs, lambda tm: quick_depth(tm, free),
-                          sass[q, plan[0], free, staged][1], reduce_kernel)
+                          sass[q, plan[0], free, staged][1])
 
 
 # The register-ring kernel's first GPU rows: bench_gemm --quick on an H200 at commit QUICK_RING_COMMIT
@@ -557,7 +551,7 @@ def quick_ring_check(constants: dict, sass: dict, rows=None) -> Check:
     """The fitted constants (H100 latencies, :data:`H200_BW`) with the ``QUICK_RING_COMMIT`` kernel's SASS against its
     H200 rows: nothing here is fitted on them but the issue rate, which ncu read off one of them."""
     c = {**constants, "BW": H200_BW}
-    return Check(c, [(N, K, M, q, g, t, quick_predict(quick_current(M, N, K, q, g, sass, reduce_kernel=True), c))
+    return Check(c, [(N, K, M, q, g, t, quick_predict(quick_current(M, N, K, q, g, sass), c))
                      for N, K, M, q, g, t in rows or quick_bench_rows()])
 
 

@@ -194,8 +194,18 @@ template <typename T> inline void mma(float (&d)[4], const unsigned (&a)[4], uns
 } }  // namespace qlinear::(anonymous)
 '''
 
-
-
+# After the kernel source: the split-K reduction of backends/_cuda/common.cuh, one emulated thread at a time.
+AFTER = r'''
+template <typename T> void emulate_reduce_splits(const float* partial, const float* bias, void* y, int splits, int M,
+                                                 int N) {
+  g_blockDim = dim3(256, 1, 1);
+  for (int i = 0; i < M * N; ++i) {
+    g_blockIdx = dim3(i / 256, 0, 0);
+    tl_threadIdx = make_uint3(i % 256, 0, 0);
+    qlinear::reduce_splits_kernel<T>(partial, bias, static_cast<T*>(y), splits, M, N);
+  }
+}
+'''
 
 
 def cuda_home() -> Path | None:
@@ -207,7 +217,7 @@ def cuda_home() -> Path | None:
 
 
 def build(dst: Path, kernel: str, shared_memory: tuple[str, str], prelude: str, driver: str) -> Path:
-    """Compile ``SHIM + prelude + #include kernel + driver`` with g++.  ``kernel`` (a ``.cu`` path under
+    """Compile ``SHIM + prelude + #include kernel + AFTER + driver`` with g++.  ``kernel`` (a ``.cu`` path under
     backends/), the headers beside it and backends/_cuda are copied to ``dst`` with the launches cut out and the
     ``extern __shared__`` declaration ``shared_memory[0]`` replaced by ``shared_memory[1]`` (a pointer into the
     emulated shared memory).  Skips the test when g++, the CUDA headers or C++20 ``<barrier>`` are missing."""
@@ -222,7 +232,7 @@ def build(dst: Path, kernel: str, shared_memory: tuple[str, str], prelude: str, 
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(text)
     main = dst / "emu.cpp"
-    main.write_text(SHIM + prelude + f'\n#include "{kernel}"\n' + driver)
+    main.write_text(SHIM + prelude + f'\n#include "{kernel}"\n' + AFTER + driver)
     exe = dst / "emu"
     base = ["g++", "-std=c++20", "-O1", "-pthread", "-w", f"-I{home / 'include'}", "-x", "c++", str(main), "-o", str(exe)]
     r = subprocess.run(base + [f"-L{home / 'lib64'}", "-lcudart"], capture_output=True, text=True)

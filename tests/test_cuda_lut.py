@@ -211,10 +211,9 @@ namespace emu {
 using namespace qlinear;
 Rotation g_rot{};
 template <typename T, int M, int Q> void run(const LutGemvArgs& a) {
-  const int tiles = (a.N + 4 * a.threads - 1) / (4 * a.threads);
-  run_grid(dim3(tiles, a.splits, 1), a.threads, [&a] { lut_gemv_kernel<T, M, Q, lut_gemv_words(M, Q)>(a, g_rot); });
-  for (int t = 0; a.splits > 1 && t < tiles; ++t)
-    if (a.counters[t]) { fprintf(stderr, "split-K counter %d left at %u\n", t, a.counters[t]); exit(3); }
+  run_grid(dim3(lut_gemv_tiles(a.N, a.threads), a.splits, 1), a.threads,
+           [&a] { lut_gemv_kernel<T, M, Q, lut_gemv_words(M, Q)>(a, g_rot); });
+  if (a.splits > 1) emulate_reduce_splits<T>(a.partial, a.bias, a.y, a.splits, a.M, a.N);
 }
 template <typename T, int M> void run_q(const LutGemvArgs& a) {
   switch (a.Q) { case 1: return run<T, M, 1>(a); case 2: return run<T, M, 2>(a); case 3: return run<T, M, 3>(a);
@@ -256,8 +255,7 @@ int main(int argc, char** argv) {
   a.bias = has_bias ? bias.data() : nullptr;
   std::vector<uint16_t> y((size_t)M * N, 0x7E00);  // NaN-poisoned output
   std::vector<float> partial((size_t)h[8] * M * N, NAN);
-  std::vector<unsigned> counters(N, 0u);  // zero between launches, as split_counters keeps them
-  a.y = y.data(); a.partial = partial.data(); a.counters = counters.data();
+  a.y = y.data(); a.partial = partial.data();
   a.M = M; a.N = N; a.K = K; a.Q = Q; a.group_size = gs;
   a.kt = h[5]; a.threads = h[6]; a.tiles_per_split = h[7]; a.splits = h[8];
   a.x_dtype = bf16 ? DType::kBFloat16 : DType::kHalf;

@@ -34,12 +34,34 @@ __device__ __forceinline__ void prefetch_l2(const void* p) {
 #endif
 }
 
-// Split-K without a second kernel (called by every thread of a block of a split launch, after the block has written
-// its fp32 partials [splits, M, N] for its output tile [m0, m1) × [n0, n1)): the last block of the tile to arrive, as
-// counted by `counter` (zero between launches), sums the tile's partials in slice order, adds the bias and writes y
-// (the sum the separate reduction kernel of the 2026-11-23..26 runs did, so the result does not depend on which block
-// arrives last), then resets the counter.  Saves that kernel's launch and tail (1.7-2.1 µs fitted on the H100 rows,
-// kernel_model.py).
+// y[i] = Σ_p partial[p, i] (in slice order: deterministic) + bias[i % N], the split-K reduction of the LUT GEMV and the
+// QUICK GEMM: a second launch, one thread per output.  (Their reduction in each tile's last block to finish, as
+// reduce_splits_if_last below, was slower on the H200 at every split launch measured: +2.5 µs at 576² M = 1, +26-28 µs
+// at M = 8, since one block then sums a whole tile's partials; RESULTS.md, 2026-11-27.)
+template <typename T>
+__global__ void reduce_splits_kernel(const float* __restrict__ partial, const float* __restrict__ bias, T* __restrict__ y,
+                                     int splits, int M, int N) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= M * N) return;
+  float s = 0.f;
+  for (int p = 0; p < splits; ++p) s += partial[(size_t)p * M * N + i];
+  if (bias) s += bias[i % N];
+  y[i] = from_float<T>(s);
+}
+
+template <typename T>
+inline void reduce_splits(const float* partial, const float* bias, void* y, int splits, int M, int N, cudaStream_t stream) {
+  const int total = M * N;
+  reduce_splits_kernel<T><<<(total + 255) / 256, 256, 0, stream>>>(partial, bias, static_cast<T*>(y), splits, M, N);
+}
+
+// Split-K without a second kernel, for the mixed GEMV (called by every thread of a block of a split launch, after the
+// block has written its fp32 partials [splits, M, N] for its output tile [m0, m1) × [n0, n1)): the last block of the
+// tile to arrive, as counted by `counter` (zero between launches), sums the tile's partials in slice order, adds the
+// bias and writes y (reduce_splits_kernel's sum, so the result does not depend on which block arrives last), then
+// resets the counter.  The mixed GEMV got slower with it too (H200, 8192², M = 1 / 8: 30.9 / 63.7 -> 33.7 / 70.1 µs,
+// other changes included), but with reduce_splits instead its M = 8 and rotated M = 2 kernels spill registers (nvcc
+// 13.0): left for the mixed kernel's next rework.
 template <typename T>
 __device__ __forceinline__ void reduce_splits_if_last(const float* partial, const float* bias, T* y, int splits, int M,
                                                       int N, int m0, int m1, int n0, int n1, unsigned* counter) {

@@ -19,8 +19,8 @@
 //
 // Work split: block = `threads` threads × 4 rows, K tiles of kt = 32·W inputs (W·Q ≤ 8 and W·M ≤ 8 bound
 // the registers and the tables), gridDim.y = split-K slices of `tiles_per_split` tiles so small layers
-// still fill the GPU.  With splits > 1 each slice writes fp32 partial sums and the last block of a column tile to
-// finish adds them in slice order (common.cuh's reduce_splits_if_last), so the result is deterministic.  Accumulation is fp32 throughout; α and
+// still fill the GPU.  With splits > 1 each slice writes fp32 partial sums and a second kernel adds them
+// in slice order (common.cuh's reduce_splits), so the result is deterministic.  Accumulation is fp32 throughout; α and
 // the offset are applied per 32-input word (group_size is a multiple of 32, so a word has one group).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -243,25 +243,20 @@ __global__ void __launch_bounds__(256, 2) lut_gemv_kernel(const LutGemvArgs a, c
       if (w < next_words) load_word<Q>(wd[w], a, (t + 1) * W + w, n0);  // word w of the next tile, in flight now
     }
   }
-  T* y = static_cast<T*>(a.y);
+  if (!active) return;
   if (a.splits == 1) {
-    if (!active) return;
+    T* y = static_cast<T*>(a.y);
 #pragma unroll
     for (int m = 0; m < M; ++m)
 #pragma unroll
       for (int r = 0; r < 4; ++r)
         y[(size_t)m * N + n0 + r] = from_float<T>(acc[m][r] + (a.bias ? a.bias[n0 + r] : 0.f));
-    return;
-  }
-  if (active) {
+  } else {
 #pragma unroll
     for (int m = 0; m < M; ++m)
       *reinterpret_cast<float4*>(a.partial + ((size_t)blockIdx.y * M + m) * N + n0) =
           make_float4(acc[m][0], acc[m][1], acc[m][2], acc[m][3]);
   }
-  const int tile_n0 = blockIdx.x * blockDim.x * 4;
-  reduce_splits_if_last<T>(a.partial, a.bias, y, a.splits, M, N, 0, M, tile_n0, min(N, tile_n0 + (int)blockDim.x * 4),
-                           a.counters + blockIdx.x);
 }
 
 // Ŵ [N, K] of OutT (float, fp16 or bf16) from the layout, for dequantize + cuBLAS above the GEMV's batches and for the
@@ -381,8 +376,9 @@ cudaError_t launch(const LutGemvArgs& a, const Rotation& rot, cudaStream_t strea
     if (e != cudaSuccess) return e;
   }
   const dim3 grid(lut_gemv_tiles(a.N, a.threads), a.splits);
-  if (a.splits > 1 && (a.partial == nullptr || a.counters == nullptr)) return cudaErrorInvalidValue;
+  if (a.splits > 1 && a.partial == nullptr) return cudaErrorInvalidValue;
   kernel<<<grid, a.threads, smem, stream>>>(a, rot);
+  if (a.splits > 1) reduce_splits<T>(a.partial, a.bias, a.y, a.splits, a.M, a.N, stream);
   return cudaGetLastError();
 }
 

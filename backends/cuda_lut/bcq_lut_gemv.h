@@ -21,7 +21,6 @@ struct LutGemvArgs {
   const float* bias;        // [N] fp32, or nullptr
   void* y;                  // [M, N], x_dtype
   float* partial;           // [splits, M, N] fp32 workspace when splits > 1
-  unsigned* counters;       // [gridDim.x] zero split-K tile counters when splits > 1 (binding.h's split_counters)
   int M, N, K, Q, group_size;
   int kt;                   // inputs per K tile: must be 32 * lut_gemv_words(M, Q)
   int tiles_per_split;      // consecutive K tiles summed by one block
@@ -30,7 +29,7 @@ struct LutGemvArgs {
   DType x_dtype, offset_dtype;
 };
 
-// Blocks along N (gridDim.x), one split-K counter each: a block owns 4·threads rows.
+// Blocks along N (gridDim.x): a block owns 4·threads rows.
 inline int lut_gemv_tiles(int N, int threads) { return (N + 4 * threads - 1) / (4 * threads); }
 
 // K words (32 inputs) per tile for batch M and Q planes: the largest power of two up to 4 with W·Q <= 8 (16-byte
@@ -50,7 +49,7 @@ __host__ __device__ inline int lut_gemv_rotated_span(int K, int kt, int tiles_pe
   return perm || K < kt * tiles_per_split ? K : kt * tiles_per_split;
 }
 
-// Launches the GEMV on `stream` (with splits > 1 the last block of each output tile sums its partials); with rot.block
+// Launches the GEMV (and the split-K reduction when splits > 1) on `stream`; with rot.block
 // > 0 each block stages R·x of its K slice itself.  Returns cudaErrorInvalidValue for an unsupported M (1..8), Q (1..4),
 // dtype or rotation.  (The rotation is a kernel argument of its own: in LutGemvArgs, whose size then passes 128 bytes,
 // nvcc 13 spills registers in the main loop of the Q >= 3 kernels.)

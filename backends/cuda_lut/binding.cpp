@@ -59,7 +59,6 @@ at::Tensor bcq_lut_gemv(const at::Tensor& x, const at::Tensor& planes, const at:
   a.bias = qlinear::bias_f32(bias, N, x, bias32, "bcq_lut_gemv");
   a.partial = qlinear::split_workspace(splits, M, N, x, partial);
   qlinear::check_threads(threads, "bcq_lut_gemv");
-  if (splits > 1) a.counters = qlinear::split_counters(qlinear::lut_gemv_tiles((int)N, (int)threads), x, "bcq_lut_gemv");
   at::Tensor y = at::empty({M, N}, x.options());
   a.y = y.data_ptr();
   a.M = (int)M;

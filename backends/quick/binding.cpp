@@ -70,7 +70,6 @@ at::Tensor quick_gemm(const at::Tensor& x, const at::Tensor& qweight, const at::
   a.partial = qlinear::split_workspace(splits, M, N, x, partial);
   TORCH_CHECK(tile_m == 16 || tile_m == 32 || tile_m == 64 || tile_m == 128, "quick_gemm: tile_m must be 16, 32, 64 or 128, got ",
               tile_m);
-  if (splits > 1) a.counters = qlinear::split_counters(qlinear::quick_gemm_tiles((int)M, (int)N, (int)tile_m), x, "quick_gemm");
   at::Tensor y = at::empty({M, N}, x.options());
   a.x = x.data_ptr();
   a.y = y.data_ptr();

@@ -12,8 +12,8 @@
 // one is multiplied.
 //
 // Work split: warp = 32 output rows (4 n8 blocks) × (16·MT) rows of x; block = 4 warps along N × WM warps
-// along M; K is walked in 64-input tiles; gridDim.z = split-K slices (fp32 partials summed in slice order by the
-// tile's last block to finish: deterministic).  Accumulation is fp32.
+// along M; K is walked in 64-input tiles; gridDim.z = split-K slices (fp32 partials summed in slice order by a
+// second kernel: deterministic).  Accumulation is fp32.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -441,12 +441,12 @@ __global__ void __launch_bounds__(32 * kWarpsN * WM) quick_gemm_kernel(const Qui
     }
   }
   cp_async_wait<0>();
+  if (!active) return;
   const bool direct = a.splits == 1;
-  if (direct && !active) return;
 
   float* part = direct ? nullptr : a.partial + (size_t)blockIdx.z * a.M * a.N;
 #pragma unroll
-  for (int mt = 0; mt < MT && active; ++mt) {
+  for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int m = m0 + (warp_m * MT + mt) * 16 + (lane >> 2) + 8 * half;
@@ -467,10 +467,6 @@ __global__ void __launch_bounds__(32 * kWarpsN * WM) quick_gemm_kernel(const Qui
       }
     }
   }
-  if (direct) return;
-  const int n_lo = blockIdx.x * kWarpsN * kTileN;
-  reduce_splits_if_last<T>(a.partial, a.bias, static_cast<T*>(a.y), a.splits, a.M, a.N, m0, min(a.M, m0 + BM), n_lo,
-                           min(a.N, n_lo + kWarpsN * kTileN), a.counters + blockIdx.x + gridDim.x * blockIdx.y);
 }
 
 // One warp per 32×64 tile: the lane's fragments, dequantized exactly as in the GEMM, staged in shared memory and
@@ -547,8 +543,9 @@ cudaError_t launch(const QuickArgs& a, const Rotation& rot, cudaStream_t stream)
     if (e != cudaSuccess) return e;
   }
   const dim3 grid((a.N + kTileN * kWarpsN - 1) / (kTileN * kWarpsN), (a.M + BM - 1) / BM, a.splits);
-  if (a.splits > 1 && (a.partial == nullptr || a.counters == nullptr)) return cudaErrorInvalidValue;
+  if (a.splits > 1 && a.partial == nullptr) return cudaErrorInvalidValue;
   kernel<<<grid, 32 * kWarpsN * WM, smem, stream>>>(a, rot);
+  if (a.splits > 1) reduce_splits<T>(a.partial, a.bias, a.y, a.splits, a.M, a.N, stream);
   return cudaGetLastError();
 }
 

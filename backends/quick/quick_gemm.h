@@ -27,16 +27,12 @@ struct QuickArgs {
   const float* bias;          // [N] fp32, or nullptr
   void* y;                    // [M, N] x_dtype; quick_dequantize: Ŵ [N, K] x_dtype
   float* partial;             // [splits, M, N] fp32 workspace when splits > 1
-  unsigned* counters;         // [gridDim.x · gridDim.y] zero split-K tile counters when splits > 1
   int M, N, K, Q, group_size;
   int tile_m;                 // rows of x per block: 16, 32, 64 or 128
   int tiles_per_split;        // consecutive 64-input K tiles per block
   int splits;                 // gridDim.z; partials summed in slice order (deterministic)
   DType x_dtype;
 };
-
-// Output tiles of a launch (gridDim.x · gridDim.y), one split-K counter each: 128 rows of Ŵ × tile_m rows of x.
-inline int quick_gemm_tiles(int M, int N, int tile_m) { return (N + 127) / 128 * ((M + tile_m - 1) / tile_m); }
 
 // Row stride (inputs) of x as a block of 16-row tiles without perm stages it whole: its K slice plus 8 (ldmatrix
 // without bank conflicts).  It stages its tile's rows of x (at most M): always for a rotated layer (R·x rounded to x's
@@ -46,7 +42,7 @@ __host__ __device__ inline int quick_staged_ld(int K, int tiles_per_split) {
 }
 constexpr size_t kQuickStagedMax = 32 * 1024;
 
-// Launches the GEMM on `stream` (with splits > 1 the last block of each output tile sums its partials); with rot.block
+// Launches the GEMM (and the split-K reduction when splits > 1) on `stream`; with rot.block
 // > 0 each block stages R·x of its rows and K slice itself (a kernel argument of its own, as for lut_gemv; tile_m 16,
 // uniform 3/4-bit layers, without perm).  Returns cudaErrorInvalidValue for an unsupported Q (2..4), tile_m, dtype, rotation or a shape that is
 // not whole tiles.
