@@ -29,12 +29,16 @@
 # test_compile_fullgraph_matches_eager cases take 67 s each), so run it as `test kernels` then `test rest`.
 # Seen on an H200 (2026-11-26): the build takes ~60 s; `test gpu` (the 288 gpu-marked tests) 98 % done after 185 s
 # with -n 12; `session` took 389 s of a 418 s lease call; GemLite's first calls at 8192² take over 40 s (autotuning).
+# H200 (2026-11-27, second run): `lease` with ROTATION="cuda_lut quick async_dequant" took 394 s (the 361 gpu tests
+# at -n 15: 354 done in a 205 s slot); a fresh machine's `build` then two benchmarks in 45 s slots printed nothing
+# (output was block-buffered, now unbuffered; give a benchmark after a fresh build at least 90 s).
 # H200 (2026-11-27): `lease` took 307 s (316 gpu tests: 313 done in its 210 s slot); a second call of 265 s (build,
 # 33 tests, bench_gemm --quick, ncu of one QUICK call) left 234 s of the 900: too little to start a third machine.
 set -u
 STAGE=${1:-quick}
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
 export QLINEAR_CACHE=${QLINEAR_CACHE:-$PWD/.qlinear-cache}
+export PYTHONUNBUFFERED=1  # a run cut at its time limit still leaves what it printed
 python3 -m pip install -q --no-deps --no-build-isolation -e . || exit 1
 ls wheels/*.whl >/dev/null 2>&1 && python3 -m pip install -q --no-deps wheels/*.whl
 BACKENDS="cuda_lut quick async_dequant cuda_codebook"
