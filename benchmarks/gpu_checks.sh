@@ -16,7 +16,8 @@
 #                                            # rows; bench_gemm --quick (GemLite too); ncu of the LUT GEMV, 8192² q4 M1
 #   bash benchmarks/gpu_checks.sh lease      # one ~8-minute call: build; gpu tests + memcheck of quick/mixed/codebook
 #                                            # (+ $EXTRA); bench_gemm --quick, bench_gemv's 8192²/28672x8192/576² rows, bench_dequant
-#                                            # (+ bench_rotation on each backend of $ROTATION; $WORKERS, $TEST_SLOT, $SAN_TIMEOUT
+#                                            # (+ bench_rotation on each backend of $ROTATION, the plan sweeps with
+#                                            # SWEEP=1; $WORKERS, $TEST_SLOT, $SAN_TIMEOUT
 #                                            # and $MEMCHECK, "file:-k expression;..." of tests/test_<file>.py, size the first part)
 #   bash benchmarks/gpu_checks.sh test compile  # the torch.compile tests alone (cuda_lut's two failed on 2026-11-26)
 #   bash benchmarks/gpu_checks.sh rotation   # build; rotation GPU tests; bench_rotation.py on the three fusing kernels
@@ -164,7 +165,13 @@ cuda_codebook:dequantize_op"}
         --shapes 576x576,1536x576,4096x4096 >"$OUT/bench_rotation_$B.md" 2>&1
       snap
     done
+    if [ -n "${SWEEP:-}" ]; then  # the plan sweeps of the split launches (issue 23/24: the split-K reduction's cost)
+      timeout 90 python3 benchmarks/sweep_plans.py --shapes 576x576,4096x4096,8192x8192 --lut-batches 1,8 \
+        --quick-batches 1,16,64 --markdown "$OUT/sweep_plans.md" >"$OUT/sweep_plans.log" 2>&1
+      snap
+    fi
     cat "$OUT/bench_gemm.md" "$OUT/bench_gemv.md" "$OUT/bench_dequant.md" 2>/dev/null | grep -v "^|---" | cut -c1-100
+    [ -n "${SWEEP:-}" ] && grep -A14 "heuristic / best" "$OUT/sweep_plans.md" | cut -c1-110
     for B in ${ROTATION:-}; do grep -v "^|---" "$OUT/bench_rotation_$B.md" | cut -c1-110 | tail -8; done
     tail -n 2 "$OUT/bench_gemm.log" "$OUT/bench_gemv.log" "$OUT/bench_dequant.log" ;;
   *) echo "unknown stage $STAGE (build|test|sanitize|bench|tune|e2e|tp|sweep|ncu|quick|session)"; exit 2 ;;
