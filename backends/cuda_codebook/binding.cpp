@@ -26,6 +26,8 @@ at::Tensor codebook_dequantize(const at::Tensor& codes, const std::optional<at::
                   codebooks.size(1) == (1 << bits), op, ": codebooks must be contiguous int8 [C, 2^bits]");
   const int64_t C = codebooks.size(0);
   TORCH_CHECK(C == 1 || C == 2 || C == 4, op, ": 1, 2 or 4 codebooks, got ", C);
+  TORCH_CHECK(N * (K / 32) < (int64_t(1) << 31), op, ": N·K/32 must be below 2^31 (a thread per 32 outputs), got N = ",
+              N, ", K = ", K);
   TORCH_CHECK((C << bits) <= 16, op, ": ", C, " codebooks of 2^", bits, " int8 centroids exceed the format's 16 bytes");
   TORCH_CHECK(C == 1 || book_idx.has_value(), op, ": book_idx is needed with ", C, " codebooks");
   TORCH_CHECK(scales.device() == codes.device() && codebooks.device() == codes.device() &&

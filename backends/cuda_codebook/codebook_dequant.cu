@@ -43,8 +43,8 @@ template <typename OutT, int BITS, bool PER16>
 __global__ void __launch_bounds__(256, 2) codebook_dequantize_kernel(const CodebookArgs a) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   constexpr int kRun = 32 * sizeof(OutT), kStride = kRun + 16, kPieces = kRun / 16;  // staged runs padded by 16 bytes
-  const int chunks = a.K / 32;
-  const long long total = (long long)a.N * chunks, t0 = (long long)blockIdx.x * blockDim.x, t = t0 + threadIdx.x;
+  const unsigned chunks = a.K / 32, total = (unsigned)a.N * chunks;  // < 2^31: checked by the launcher
+  const unsigned t0 = blockIdx.x * blockDim.x, t = t0 + threadIdx.x;
   if (t < total) {  // no early exit: every thread reaches the barrier
     const int n = (int)(t / chunks), c = (int)(t % chunks);
     unsigned words[BITS];
@@ -52,9 +52,15 @@ __global__ void __launch_bounds__(256, 2) codebook_dequantize_kernel(const Codeb
     for (int i = 0; i < BITS; ++i) words[i] = __ldg(a.codes + (size_t)n * a.code_words + c * BITS + i);
     unsigned table[4] = {0u, 0u, 0u, 0u};  // the codebooks, [book][code] int8, zero past their books·2^bits bytes
     const int entries = a.books << BITS;
+    if (entries % 4 == 0 && (reinterpret_cast<size_t>(a.codebooks) & 3u) == 0) {  // whole words: 4 loads, not 16
 #pragma unroll
-    for (int e = 0; e < 16; ++e)  // unrolled: table stays in registers
-      if (e < entries) table[e / 4] |= (unsigned)(unsigned char)__ldg(a.codebooks + e) << (8 * (e % 4));
+      for (int i = 0; i < 4; ++i)  // unrolled: table stays in registers
+        if (4 * i < entries) table[i] = __ldg(reinterpret_cast<const unsigned*>(a.codebooks) + i);
+    } else {
+#pragma unroll
+      for (int e = 0; e < 16; ++e)
+        if (e < entries) table[e / 4] |= (unsigned)(unsigned char)__ldg(a.codebooks + e) << (8 * (e % 4));
+    }
     const __half* scales = static_cast<const __half*>(a.scales) + (size_t)n * (a.K / a.group_size);
     float scale[2];
     unsigned book[2];
@@ -74,7 +80,7 @@ __global__ void __launch_bounds__(256, 2) codebook_dequantize_kernel(const Codeb
     for (int i = 0; i < kPieces; ++i) staged[i] = out.u[i];
   }
   __syncthreads();
-  OutT* const run = static_cast<OutT*>(a.w) + 32 * t0;
+  OutT* const run = static_cast<OutT*>(a.w) + 32 * (size_t)t0;
 #pragma unroll
   for (int i = 0; i < kPieces; ++i) {  // piece p = i·threads + thread: 16 bytes number p % kPieces of chunk p / kPieces
     const int p = i * blockDim.x + threadIdx.x, chunk = p / kPieces, piece = p % kPieces;
@@ -106,7 +112,8 @@ cudaError_t dispatch_bits(const CodebookArgs& a, cudaStream_t s) {
 
 cudaError_t codebook_dequantize(const CodebookArgs& a, DType out, cudaStream_t stream) {
   if (a.K % 32 || a.group_size <= 0 || a.K % a.group_size || (a.books != 1 && a.books != 2 && a.books != 4) ||
-      (a.books << a.bits) > 16) {  // the kernel holds every codebook in 16 bytes of registers
+      (a.books << a.bits) > 16 ||  // the kernel holds every codebook in 16 bytes of registers
+      (long long)a.N * (a.K / 32) >= (1LL << 31)) {  // one thread per 32 outputs, indexed in 32 bits
     return cudaErrorInvalidValue;
   }
   if (out == DType::kFloat) return dispatch_bits<float>(a, stream);

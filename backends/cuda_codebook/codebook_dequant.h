@@ -27,7 +27,7 @@ inline size_t codebook_dequantize_smem_bytes(size_t out_bytes) { return 256 * (3
 
 // Writes Ŵ[n, k] = scale[n, g] · codebooks[book(n, g)][code(n, k)] (fp32, exact, then one rounding) as `out` (fp32,
 // fp16 or bf16).  cudaErrorInvalidValue for K % 32 != 0, bits not in {1, 2, 4}, books not in {1, 2, 4}, books · 2^bits
-// > 16 (the format's limit) or a dtype it cannot write.
+// > 16 (the format's limit), N · K / 32 >= 2^31 or a dtype it cannot write.
 cudaError_t codebook_dequantize(const CodebookArgs& args, DType out, cudaStream_t stream);
 
 }  // namespace qlinear
