@@ -315,6 +315,8 @@ def _(x, qw, qs, qz, qb, bias, N, group_size, bits, format):
 def _(x, q2, q4, sc, z, ss, sz, kinds, ov, oc, orp, bias, N, group_size, scale_bits, scale_group_size):
     """``y`` ``[M, N]`` bfloat16: bfloat16 ``x`` ``[M, K]`` times Ŵ (layout ``x86_mixed``) on AMX tiles, + ``bias``."""
     return x.new_empty(x.shape[0], N)
+
+
 _lib.define("x86_rotate(Tensor x, Tensor? rot_signs, Tensor? rot_paley, int rot_block, Tensor? perm=None) -> Tensor")
 
 

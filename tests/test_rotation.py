@@ -347,7 +347,8 @@ def test_cuda_decode_kernels_stage_the_rotated_input(monkeypatch, name, backend,
     x = torch.randn(1, K, device="cuda").to(dtype)
     fused = mod(x).double().cpu()
     kernel_module = sys.modules[mod.kernel(x).fn.__module__]
-    monkeypatch.setattr(kernel_module, "staged_rotation", lambda x, r, smem, budget: (rotation.rotate_input(x, *r), NO_ROTATION))
+    monkeypatch.setattr(kernel_module, "staged_rotation",
+                        lambda x, r, smem, budget: (rotation.rotate_input(x, *r), NO_ROTATION))
     n = len(calls)
     separate = mod(x).double().cpu()
     assert len(calls) == n + 1

@@ -4,8 +4,8 @@
 #include <ATen/ATen.h>
 
 #include <algorithm>
-#include <cstring>
 #include <optional>
+#include <type_traits>
 #include <vector>
 
 #include "rotation.h"
@@ -85,23 +85,6 @@ inline Staged stage(const at::Tensor& x, const std::optional<at::Tensor>& perm,
   return s;
 }
 
-// bfloat16 bits <-> float32 as torch converts them (to nearest even; a NaN stays a NaN), in loops the compiler
-// vectorizes.
-inline void bf16_to_float(const uint16_t* src, float* dst, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) {
-    const uint32_t u = uint32_t(src[i]) << 16;
-    std::memcpy(dst + i, &u, 4);
-  }
-}
-inline void float_to_bf16(const float* src, uint16_t* dst, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) {
-    uint32_t u;
-    std::memcpy(&u, src + i, 4);
-    const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-    dst[i] = (u & 0x7fffffffu) > 0x7f800000u ? uint16_t(0x7fc0) : uint16_t(rounded);
-  }
-}
-
 // x (contiguous float32 or bfloat16 [M, K]) as stage() stages it (rotated in float32, then read in act_order's
 // order), as a tensor of x's dtype (rounded once; x itself where neither applies): the batched paths' input.  Rows go
 // through a float32 buffer 32 at a time, so that a bfloat16 x takes no float32 copy of itself.
@@ -110,21 +93,20 @@ inline at::Tensor staged_tensor(const at::Tensor& x, const std::optional<at::Ten
                                 int64_t block) {
   const int64_t f = check_transform(x, perm, signs, paley, block), M = x.size(0), K = x.size(1);
   if (block == 0) return perm.has_value() ? x.index_select(1, *perm) : x;
-  const bool bf16 = x.scalar_type() == at::kBFloat16;
   at::Tensor out = at::empty_like(x);
   const int32_t* idx = perm.has_value() ? perm->data_ptr<int32_t>() : nullptr;
   std::vector<float> buf(std::min<int64_t>(M, 32) * K);
-  char* dst = static_cast<char*>(out.data_ptr());
-  const char* src = static_cast<const char*>(x.data_ptr());
-  const int64_t size = bf16 ? 2 : 4;
-  for (int64_t m0 = 0; m0 < M; m0 += 32) {
-    const int64_t rows = std::min<int64_t>(32, M - m0), n = rows * K, at = m0 * K * size;
-    if (bf16) bf16_to_float(reinterpret_cast<const uint16_t*>(src + at), buf.data(), n);
-    else std::memcpy(buf.data(), src + at, n * size);
-    transform_rows(buf.data(), rows, K, idx, signs, paley, block, f);
-    if (bf16) float_to_bf16(buf.data(), reinterpret_cast<uint16_t*>(dst + at), n);
-    else std::memcpy(dst + at, buf.data(), n * size);
-  }
+  auto run = [&](const auto* src, auto* dst) {  // float32 or bfloat16, through torch's own conversions
+    using T = std::remove_pointer_t<decltype(dst)>;
+    for (int64_t m0 = 0; m0 < M; m0 += 32) {
+      const int64_t n = std::min<int64_t>(32, M - m0) * K;
+      std::transform(src + m0 * K, src + m0 * K + n, buf.begin(), [](T v) { return static_cast<float>(v); });
+      transform_rows(buf.data(), n / K, K, idx, signs, paley, block, f);
+      std::transform(buf.begin(), buf.begin() + n, dst + m0 * K, [](float v) { return static_cast<T>(v); });
+    }
+  };
+  if (x.scalar_type() == at::kBFloat16) run(x.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>());
+  else run(x.data_ptr<float>(), out.data_ptr<float>());
   return out;
 }
 
