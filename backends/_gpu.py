@@ -1,16 +1,22 @@
 """Helpers shared by the CUDA backends: where a rotated layer's input transform runs (inside the kernel, which stages
-``R·x`` in shared memory, ``backends/_cuda/rotation.cuh``; or before it, in PyTorch) and the ops' arguments for it."""
+``R·x`` in shared memory, ``backends/_cuda/rotation.cuh``; or before it, by the one-launch ``qlinear::cuda_rotate``
+of ``backends/_cuda/rotate.cu``, registered here as :func:`qlinear.formats.rotation.rotate_input`'s CUDA transform)
+and the ops' arguments for it."""
 
 from __future__ import annotations
 
 import functools
+import logging
+from pathlib import Path
 from typing import Optional
 
 import torch
 
 from qlinear.formats import rotation as _rotation
 
-__all__ = ["NO_ROTATION", "rotation_smem_bytes", "sign_bits", "staged_rotation"]
+from ._native import build_cuda_backend
+
+__all__ = ["NO_ROTATION", "cuda_transform", "rotation_smem_bytes", "sign_bits", "staged_rotation"]
 
 NO_ROTATION = (None, 0, None)  # the ops' (rot_sign_bits, rot_block, rot_paley) of a layer the kernel does not rotate
 
@@ -43,7 +49,8 @@ def staged_rotation(x: torch.Tensor, rotation: Optional[tuple[int, int]], smem: 
     """``(x, (rot_sign_bits, rot_block, rot_paley))`` for a kernel call on a layer rotated by ``rotation = (seed, block)``
     (None: not rotated): the kernel applies ``R`` itself when staging it takes ``smem`` bytes of shared memory per
     block, at most ``budget`` (what keeps the kernel's blocks per SM); otherwise ``x`` is rotated here
-    (:func:`qlinear.formats.rotation.rotate_input`, shared by layers reading the same tensor) and the kernel is told
+    (:func:`qlinear.formats.rotation.rotate_input`: :func:`cuda_transform`'s one launch, shared by layers reading the
+    same tensor) and the kernel is told
     :data:`NO_ROTATION`."""
     if rotation is None:
         return x, NO_ROTATION
@@ -57,3 +64,25 @@ def _kernel_rotation(seed: int, block: int, in_features: int, device: torch.devi
     # one cache lookup per call instead of three (about 1.5 µs of a rotated layer's eager call on this CPU)
     p = _rotation._split(block)[0]
     return sign_bits(seed, in_features, device), block, _paley(p, device) if p > 1 else None
+
+
+@functools.lru_cache(maxsize=None)
+def _rotate_library() -> Optional[str]:
+    why = build_cuda_backend("qlinear_cuda_rotate", Path(__file__).parent / "_cuda")
+    if why is not None:
+        logging.getLogger("qlinear").warning("rotated layers' inputs on a GPU are transformed in PyTorch: %s", why)
+    return why
+
+
+def cuda_transform(x: torch.Tensor, seed: int, block: int) -> Optional[torch.Tensor]:
+    """``R·x`` (:func:`qlinear.formats.rotation.rotate_input`) of an fp16/bf16 CUDA ``x`` ``[..., K]`` by
+    ``qlinear::cuda_rotate`` (built on first use), or None where it does not apply: another dtype, an input that
+    needs its gradient (the op has no autograd formula), or a library that did not build (logged once)."""
+    if x.dtype not in (torch.float16, torch.bfloat16) or (x.requires_grad and torch.is_grad_enabled()):
+        return None
+    if _rotate_library() is not None:
+        return None
+    return torch.ops.qlinear.cuda_rotate(x, *_kernel_rotation(seed, block, x.shape[-1], x.device))
+
+
+_rotation.register_device_transform("cuda", cuda_transform)

@@ -50,6 +50,8 @@ build() {
   for b in $BACKENDS; do  # concurrently: each build is mostly one long nvcc process
     python3 -c "from qlinear.backends import $b; print('$b build:', $b.available() or 'ok')" >"$OUT/build_$b.txt" 2>&1 &
   done
+  python3 -c "from qlinear.backends import _gpu; print('cuda_rotate build:', _gpu._rotate_library() or 'ok')" \
+    >"$OUT/build_cuda_rotate.txt" 2>&1 &
   wait; cat "$OUT"/build_*.txt
   for f in "$OUT"/build_*.txt; do grep -q "build: ok" "$f" || return 1; done
 }
@@ -103,7 +105,7 @@ case "$STAGE" in
     tail -60 "$F" ;;
   rotation)
     build
-    python3 -m pytest -q -x tests/test_rotation.py -k stage_the_rotated 2>&1 | tail -3
+    python3 -m pytest -q -x tests/test_rotation.py -k "stage_the_rotated or cuda_rotate" 2>&1 | tail -3
     for B in cuda_lut quick async_dequant; do
       timeout 120 python3 benchmarks/bench_rotation.py --device cuda --backend $B --batches 1,4,8 --rounds 3 \
         --shapes 576x576,1536x576,4096x4096,8192x8192 2>&1 | tee "$OUT/bench_rotation_$B.md" | tail -14

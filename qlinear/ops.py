@@ -327,6 +327,16 @@ def _(x, rot_signs, rot_paley, rot_block, perm=None):
     return torch.empty_like(x)
 
 
+_lib.define("cuda_rotate(Tensor x, Tensor rot_sign_bits, int rot_block, Tensor? rot_paley) -> Tensor")
+
+
+@torch.library.register_fake("qlinear::cuda_rotate")
+def _(x, rot_sign_bits, rot_block, rot_paley):
+    """``R·x`` of a rotated layer's input ``x`` ``[..., K]`` fp16/bf16 on a GPU, the same dtype and shape (one kernel,
+    ``backends/_cuda/rotate.cu``; ``rot_*`` as the CUDA ops take them, :func:`qlinear.backends._gpu.staged_rotation`)."""
+    return torch.empty_like(x)
+
+
 _lib.define("quick_gemm(Tensor x, Tensor qweight, Tensor scales, Tensor? zeros, Tensor? perm, Tensor? bias, "
             "int group_size, int tile_m, int tiles_per_split, int splits, Tensor? rot_sign_bits=None, int rot_block=0, "
             "Tensor? rot_paley=None) -> Tensor")

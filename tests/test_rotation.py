@@ -353,3 +353,115 @@ def test_cuda_decode_kernels_stage_the_rotated_input(monkeypatch, name, backend,
     separate = mod(x).double().cpu()
     assert len(calls) == n + 1
     assert ((fused - separate).abs() <= bound(x, separate)).all()
+
+
+def test_device_transform_is_tried_first_and_shared(monkeypatch):
+    """A registered native transform (backends/_gpu.py registers ``qlinear::cuda_rotate`` for "cuda") serves
+    rotate_input on its device and its result is shared like the PyTorch one; where it declines (None) rotate runs."""
+    seen = []
+
+    def native(x, seed, block):
+        seen.append((x.shape, seed, block))
+        return None if x.dtype == torch.float64 else torch.full_like(x, 7.0)
+
+    monkeypatch.setitem(rotation._device_transforms, "cpu", native)
+    monkeypatch.setattr(rotation, "_last", ())
+    x = torch.randn(3, 48)
+    assert torch.equal(rotation.rotate_input(x, 5, 48), torch.full_like(x, 7.0))
+    assert rotation.rotate_input(x, 5, 48) is rotation.rotate_input(x, 5, 48) and len(seen) == 1
+    x64 = x.double()
+    assert torch.equal(rotation.rotate_input(x64, 5, 48), rotation.rotate(x64, 5, 48)) and len(seen) == 2
+
+
+_ROTATE_DRIVER = r'''
+// Driver: reads one call (header M, K, bf16, grid rows, slice (0: rotate_plan's), sign words, block, p; x; sign bits;
+// Paley factor), writes y.
+int main(int argc, char** argv) {
+  using namespace qlinear;
+  FILE* f = fopen(argv[1], "rb");
+  auto h = emu_read<int>(f, 8);
+  const int M = h[0], K = h[1], bf16 = h[2], grid_rows = h[3];
+  auto x = emu_read<uint16_t>(f, (size_t)M * K);
+  auto sign_bits = emu_read<unsigned>(f, h[5]);
+  auto paley = emu_read<signed char>(f, h[7] > 1 ? h[7] * h[7] : 0);
+  fclose(f);
+  const Rotation r{h[6], h[7], sign_bits.data(), paley.data()};
+  RotatePlan plan = rotate_plan(r, M, K);
+  if (h[4]) plan.slice = h[4];
+  std::vector<uint16_t> y((size_t)M * K, 0x7E00);  // NaN-poisoned output
+  auto run = [&](auto zero) {
+    using T = decltype(zero);
+    run_grid(dim3(K / plan.slice, grid_rows, 1), plan.threads,
+             [&] { rotate_kernel<T>(reinterpret_cast<const T*>(x.data()), reinterpret_cast<T*>(y.data()), M, K, r,
+                                    plan.slice); }, rotate_smem_bytes(r));
+  };
+  if (bf16) run(__nv_bfloat16{}); else run(__half{});
+  emu_write(argv[2], y, bf16);
+  return 0;
+}
+'''
+
+
+@pytest.mark.emulation
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_cuda_rotate_kernel_source_matches_float64(tmp_path, dtype):
+    """backends/_cuda/rotate.cu (the one-launch transform the CUDA backends fall back to when their kernel does not
+    stage ``R·x``) under the host emulation: each output within one rounding to x's dtype, plus float32 summation
+    error, of the float64 ``R·x``, for Paley I and II blocks, power-of-two blocks sliced across CUDA blocks (4096: 8
+    slices of 512), slices of one Paley row and of whole blocks (and two: 96 = 2·48), blocks of one and two inputs
+    per Paley row, rows not 16-byte aligned (K = 44), and more rows than the grid has (its rows loop)."""
+    import cuda_emulation
+    from cuda_emulation import rotated_reference, rotation_header, run
+
+    exe = cuda_emulation.build(
+        tmp_path, "_cuda/rotate.cu",
+        ("extern __shared__ __align__(16) float rotate_work[];",
+         "float* rotate_work = reinterpret_cast<float*>(::g_smem4);"), "", _ROTATE_DRIVER)
+    eps = {torch.float16: 2.0 ** -11, torch.bfloat16: 2.0 ** -8}[dtype]
+    torch.manual_seed(0)
+    # (M, K, block, grid rows, slice: 0 rotate_plan's, one Paley row or 512 inputs at these M; else a whole block, as
+    # rotate_plan gives from 256 blocks in a call on, or two)
+    for M, K, block, grid_rows, slice_ in ((3, 576, 576, 3, 0), (2, 576, 576, 1, 576), (2, 1536, 1536, 2, 0),
+                                           (1, 1536, 1536, 1, 1536), (1, 4096, 4096, 1, 0), (1, 4096, 4096, 1, 4096),
+                                           (5, 2048, 256, 2, 0), (3, 96, 48, 3, 0), (3, 96, 48, 3, 96),
+                                           (3, 44, 44, 2, 0), (2, 72, 24, 1, 0), (2, 72, 24, 1, 24)):
+        x = torch.randn(M, K).to(dtype)
+        x[0, 3] = 40.0  # an outlier to spread
+        rot, tensors = rotation_header((11, block), K)
+        y = run(exe, [M, K, int(dtype == torch.bfloat16), grid_rows, slice_, *rot], [x, *tensors], (M, K)).double()
+        x64, _ = rotated_reference(x, (11, block))
+        # fp32 sums of b terms of |x|/√b each (Paley rows, butterflies), then one rounding to dtype
+        mass = x.double().abs().view(M, K // block, block).sum(-1, keepdim=True) / block ** 0.5
+        bound = eps * x64.abs() + 2.0 ** -22 * block * mass.repeat_interleave(block, -1).view(M, K) + 1e-30
+        assert ((y - x64).abs() <= bound).all(), (K, block, (y - x64).abs().max().item())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_cuda_rotate_op_serves_rotate_input_on_a_gpu(monkeypatch, dtype):
+    """On a GPU, rotate_input of an fp16/bf16 input is one ``qlinear::cuda_rotate`` launch, within one rounding of the
+    float64 ``R·x`` for K = 576 / 1536 / 4096 / 11008 (blocks 576, 1536, 4096, 256) at M = 1 and 512, 3-d inputs
+    included; float32 inputs and inputs that need their gradient take the PyTorch transform."""
+    from qlinear.backends import _gpu
+
+    eps = {torch.float16: 2.0 ** -11, torch.bfloat16: 2.0 ** -8}[dtype]
+    calls = []
+    real = torch.ops.qlinear.cuda_rotate
+    monkeypatch.setattr(_gpu.torch.ops.qlinear, "cuda_rotate", lambda *a: calls.append(1) or real(*a), raising=False)
+    for K in (576, 1536, 4096, 11008):
+        block = rotation.block_size(K)
+        for shape in ((1, K), (512, K), (2, 3, K)):
+            monkeypatch.setattr(rotation, "_last", ())
+            x = torch.randn(*shape, device="cuda").to(dtype)
+            n = len(calls)
+            y = rotation.rotate_input(x, 3, block)
+            assert len(calls) == n + 1 and y.shape == x.shape and y.dtype == dtype
+            x64 = rotation.rotate(x.double(), 3, block)
+            mass = x.double().abs().reshape(-1, K // block, block).sum(-1, keepdim=True) / block ** 0.5
+            bound = eps * x64.abs() + 2.0 ** -22 * block * mass.expand(-1, -1, block).reshape(x.shape)
+            assert ((y.double() - x64).abs() <= bound).all(), (K, shape)
+    monkeypatch.setattr(rotation, "_last", ())
+    n = len(calls)
+    rotation.rotate_input(torch.randn(2, 576, device="cuda"), 3, 576)
+    rotation.rotate_input(torch.randn(2, 576, device="cuda", dtype=dtype, requires_grad=True), 3, 576)
+    assert len(calls) == n

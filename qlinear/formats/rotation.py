@@ -246,18 +246,30 @@ def rotate_hessian(hessian: torch.Tensor, seed: int, block: int) -> torch.Tensor
 
 
 _last: tuple = ()  # (x, its version counter, seed, block, R·x) of the latest online rotation
+_device_transforms: dict[str, Callable] = {}  # device type -> a native rotate_input (register_device_transform)
+
+
+def register_device_transform(device_type: str, transform: Callable) -> None:
+    """Have :func:`rotate_input` try ``transform(x, seed, block)`` first for inputs on ``device_type`` (a backend's
+    native kernel, e.g. ``"cuda"``: ``backends/_cuda/rotate.cu``): it returns ``R·x`` in ``x``'s dtype and shape, or
+    None where it does not take ``x`` (then :func:`rotate` runs).  A later registration replaces an earlier one."""
+    _device_transforms[device_type] = transform
 
 
 def rotate_input(x: torch.Tensor, seed: int, block: int) -> torch.Tensor:
-    """The run-time transform ``x·Rᵀ`` of a layer's input ``[..., K]`` (same dtype).  Layers that read the same
-    tensor one after the other (q/k/v, gate/up) share one transform: the latest result is reused while ``x`` is the
-    same tensor object, unmodified (its version counter unchanged) and the rotation the same.  Inference-mode
+    """The run-time transform ``x·Rᵀ`` of a layer's input ``[..., K]`` (same dtype): the device's registered native
+    transform where it takes ``x`` (:func:`register_device_transform`), else :func:`rotate`.  Layers that read the
+    same tensor one after the other (q/k/v, gate/up) share one transform: the latest result is reused while ``x`` is
+    the same tensor object, unmodified (its version counter unchanged) and the rotation the same.  Inference-mode
     tensors have no version counter: they are transformed per layer."""
     global _last
     key = None if x.is_inference() else x._version
     if key is not None and _last and _last[0] is x and _last[1] == key and _last[2:4] == (seed, block):
         return _last[4]
-    out = rotate(x, seed, block)
+    native = _device_transforms.get(x.device.type)
+    out = native(x, seed, block) if native is not None else None
+    if out is None:
+        out = rotate(x, seed, block)
     _last = (x, key, seed, block, out) if key is not None else ()
     return out
 
