@@ -66,6 +66,9 @@ def _kernel_rotation(seed: int, block: int, in_features: int, device: torch.devi
     return sign_bits(seed, in_features, device), block, _paley(p, device) if p > 1 else None
 
 
+MAX_SYLVESTER = 32768  # cuda_rotate's work area holds the block's n = block / p floats: 128 KB at most
+
+
 @functools.lru_cache(maxsize=None)
 def _rotate_library() -> Optional[str]:
     why = build_cuda_backend("qlinear_cuda_rotate", Path(__file__).parent / "_cuda")
@@ -77,10 +80,12 @@ def _rotate_library() -> Optional[str]:
 def cuda_transform(x: torch.Tensor, seed: int, block: int) -> Optional[torch.Tensor]:
     """``R·x`` (:func:`qlinear.formats.rotation.rotate_input`) of an fp16/bf16 CUDA ``x`` ``[..., K]`` by
     ``qlinear::cuda_rotate`` (built on first use), or None where it does not apply: another dtype, an input that
-    needs its gradient (the op has no autograd formula), or a library that did not build (logged once)."""
+    needs its gradient (the op has no autograd formula), a block whose power-of-two factor exceeds
+    :data:`MAX_SYLVESTER` (its fp32 work area would not fit a block's shared memory), or a library that did not build
+    (logged once)."""
     if x.dtype not in (torch.float16, torch.bfloat16) or (x.requires_grad and torch.is_grad_enabled()):
         return None
-    if _rotate_library() is not None:
+    if block // _rotation._split(block)[0] > MAX_SYLVESTER or _rotate_library() is not None:
         return None
     return torch.ops.qlinear.cuda_rotate(x, *_kernel_rotation(seed, block, x.shape[-1], x.device))
 

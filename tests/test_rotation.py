@@ -465,3 +465,14 @@ def test_cuda_rotate_op_serves_rotate_input_on_a_gpu(monkeypatch, dtype):
     rotation.rotate_input(torch.randn(2, 576, device="cuda"), 3, 576)
     rotation.rotate_input(torch.randn(2, 576, device="cuda", dtype=dtype, requires_grad=True), 3, 576)
     assert len(calls) == n
+
+
+def test_cuda_transform_declines_what_its_kernel_does_not_take(monkeypatch):
+    """backends/_gpu.py's cuda_transform hands rotate_input back to PyTorch (None) for float32 inputs, inputs that need
+    their gradient and blocks whose power-of-two factor overflows its work area, before building anything."""
+    from qlinear.backends import _gpu
+
+    monkeypatch.setattr(_gpu, "_rotate_library", lambda: pytest.fail("built for an input it declines"))
+    assert _gpu.cuda_transform(torch.randn(2, 576), 0, 576) is None
+    assert _gpu.cuda_transform(torch.randn(2, 576, dtype=torch.float16, requires_grad=True), 0, 576) is None
+    assert _gpu.cuda_transform(torch.randn(1, 65536, dtype=torch.float16), 0, 65536) is None
