@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import fnmatch
+import logging
 from typing import Any, Mapping, Optional, Sequence
 
 import torch
@@ -13,6 +14,8 @@ from tqdm.auto import tqdm
 from .formats import codebook
 from .formats.base import quantize_device
 from .modules import format_config, module_class
+
+logger = logging.getLogger("qlinear")
 
 __all__ = ["replace_linear", "matches", "is_quantizable_linear"]
 
@@ -88,7 +91,8 @@ def replace_linear(model: nn.Module, config: Any, *, modules_to_not_convert: Opt
             tensors, or texts with ``tokenizer``).  Enables Hessian-aware quantization.  With data, the
             decoder is calibrated and quantized block by block (:func:`qlinear.calibration.sequential`:
             one block's Hessians in memory, each block calibrated on the quantized blocks before it, as
-            GPTQ does); with ``{name: H}`` every layer uses the given matrix.
+            GPTQ does); with ``{name: H}`` every layer uses the given matrix.  A rotated config
+            (``rotation="hadamard"``) without it logs a warning: rotation pays only with error feedback.
         progress: show a tqdm bar.
 
     Raises:
@@ -111,6 +115,10 @@ def replace_linear(model: nn.Module, config: Any, *, modules_to_not_convert: Opt
         except (ValueError, TypeError) as e:
             raise type(e)(f"layer {name!r} ({mod.out_features}x{mod.in_features}): {e}") from e
 
+    if calibration_data is None and any(format_config(c.format, c)[0].rotation != "none" for _, _, c in targets):
+        logger.warning("rotation='hadamard' without calibration_data: on SmolLM2-135M a rotation lost quality at "
+                       "every width without error feedback (RTN 3-bit g128: 5.1x -> 59x the unquantized perplexity) "
+                       "and won with it (README, 'Rotation (issue 27)'); pass calibration_data")
     model_scope = any(format_config(c.format, c)[0].format == "codebook"
                       and format_config(c.format, c)[0].codebook_scope == "model" for _, _, c in targets)
     hessians: Mapping[str, torch.Tensor] = {}

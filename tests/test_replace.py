@@ -132,3 +132,19 @@ def test_replace_then_save_pretrained_reloads(tmp_path):
     assert isinstance(again.model.layers[0].mlp.up_proj, qlinear.BCQLinear)
     assert torch.equal(again(ids).logits, model(ids).logits)
     assert cfg.modules_to_not_convert == ["lm_head"]  # the user's config object is not modified
+
+
+def test_rotation_without_calibration_warns(caplog):
+    """A rotated config without calibration_data logs why (rotation pays only with error feedback); with it, or
+    unrotated, nothing is logged."""
+    import logging
+
+    data = [torch.randint(0, 128, (1, 16)) for _ in range(2)]
+    runs = [(QLinearConfig("bcq", bits=4, group_size=32, rotation="hadamard"), None, True),
+            (QLinearConfig("bcq", bits=4, group_size=32), None, False),
+            (QLinearConfig("bcq", bits=4, group_size=32, method="gptq", rotation="hadamard"), data, False)]
+    for cfg, calib, warns in runs:
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="qlinear"):
+            replace_linear(tiny_llama(), cfg, calibration_data=calib, progress=False)
+        assert any("without calibration_data" in r.message for r in caplog.records) == warns, cfg

@@ -299,6 +299,7 @@ def supports_free(cfg, out_features: int, in_features: int) -> Optional[str]:
     return holds(cfg, out_features, in_features)
 
 
+@functools.lru_cache(maxsize=4096)  # per call of every layer: a lookup instead of ~2 µs of arithmetic
 def plan(M: int, N: int, K: int, sms: int) -> tuple[int, int, int]:
     """Launch shape ``(tile_m, tiles_per_split, splits)`` for ``x`` ``[M, K]`` and ``N`` rows.
 
