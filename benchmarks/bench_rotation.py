@@ -4,6 +4,7 @@
     python benchmarks/bench_rotation.py --shapes 576x576 --batches 1 --threads 1
     python benchmarks/bench_rotation.py --device cuda --batches 1,4,8 --backend cuda_lut   # or quick, async_dequant
     python benchmarks/bench_rotation.py --shapes 576x576 --batches 32 --dtype bfloat16 --bits 3 --free-alpha
+    python benchmarks/bench_rotation.py --device cuda --slice-sweep           # qlinear::cuda_rotate's launch plans
 
 Per (N x K layer, M rows), µs with torch's threads as set (the best of ``--rounds`` interleaved medians, each round
 starting with the next function): the layer unrotated (RTN 4-bit g64 unless ``--bits``/``--free-alpha``, the kernel
@@ -21,6 +22,11 @@ the transform forced back into PyTorch (what a CUDA kernel does where its shared
 ``fused`` against it is what staging ``R·x`` in the kernel (backends/_cuda/rotation.cuh) saves or costs.  The ``graph``
 columns time both layers as 20 calls per CUDA-graph replay (weights in L2 at these sizes): the kernels' own cost,
 without eager Python and launch gaps, which is what the ≤ 5% target is about.
+
+``--slice-sweep``: the one-launch transform alone (``qlinear::cuda_rotate``, backends/_cuda/rotate.cu) at each
+``--inputs`` width and batch, with its plan (``slice`` 0) and every power-of-two slice from 16 to the block plus the
+block itself, as 20 calls per graph replay, next to the PyTorch transform; each slice's output is checked against the
+float64 transform (slices sum their terms in other orders: within fp16's rounding, not bit for bit).
 """
 
 from __future__ import annotations
@@ -51,7 +57,11 @@ def main() -> None:
     ap.add_argument("--bits", type=int, default=4, help="BCQ bits (RTN layers unless --free-alpha)")
     ap.add_argument("--free-alpha", action="store_true", help="BCQ's own fit (non-uniform, bit-plane layouts: the "
                                                                 "x86 batched path from DEQUANT_FROM rows)")
+    ap.add_argument("--slice-sweep", action="store_true", help="time qlinear::cuda_rotate's launch plans (GPU)")
+    ap.add_argument("--inputs", default="576,1536,4096,11008", help="--slice-sweep's input widths K")
     args = ap.parse_args()
+    if args.slice_sweep:
+        return slice_sweep(map(int, args.inputs.split(",")), map(int, args.batches.split(",")))
     dev = torch.device(args.device)
     dtype = getattr(torch, args.dtype) if args.dtype else torch.float16 if dev.type == "cuda" else torch.float32
     fmt = "mixed" if args.backend == "async_dequant" else "bcq"
@@ -95,6 +105,32 @@ def main() -> None:
                   if dev.type == "cuda" else [])
     print(table(["N x K", "block", "M", "kernel", "unrotated µs", "rotated µs", "op transform µs",
                  "transform alone µs", "overhead", *graph_cols], rows))
+
+
+def slice_sweep(widths, batches) -> None:
+    """``--slice-sweep`` (see the module docstring); fp16, seed 0."""
+    from qlinear.backends import _gpu
+
+    if not torch.cuda.is_available() or _gpu._rotate_library() is not None:
+        sys.exit(f"needs a CUDA GPU and the cuda_rotate library: {_gpu._rotate_library()}")
+    batches, rows = list(batches), []
+    for K in widths:
+        block = rotation.block_size(K)
+        args = _gpu._kernel_rotation(0, block, K, torch.device("cuda"))
+        n = block // rotation._split(block)[0]
+        slices = [0, *(s for s in (16 << i for i in range(12)) if s <= block and K % s == 0), block]
+        for M in batches:
+            x = torch.randn(M, K, device="cuda", dtype=torch.float16)
+            want = rotation.rotate(x.double(), 0, block)
+            torch_us = gpu_time_us([lambda: rotation.rotate(x, 0, block)] * 20)
+            for s in dict.fromkeys(slices):
+                err = ((torch.ops.qlinear.cuda_rotate(x, *args, s).double() - want).abs().max() / want.abs().max()).item()
+                us = gpu_time_us([lambda s=s: torch.ops.qlinear.cuda_rotate(x, *args, s)] * 20)
+                rows.append([K, f"{block} (n = {n})", M, s or "plan", us, torch_us,
+                             f"{err:.1e}" + (" WRONG" if err > 2.0 ** -9 else "")])
+            print(rows[-1], flush=True)
+    print(table(["K", "block", "M", "slice", "cuda_rotate µs", "PyTorch transform µs", "max rel error vs float64"],
+                rows))
 
 
 def _unfused(kernel, call):

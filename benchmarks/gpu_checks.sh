@@ -16,7 +16,7 @@
 #                                            # rows; bench_gemm --quick (GemLite too); ncu of the LUT GEMV, 8192² q4 M1
 #   bash benchmarks/gpu_checks.sh lease      # one ~8-minute call: build; gpu tests + memcheck of quick/mixed/codebook
 #                                            # (+ $EXTRA); bench_gemm --quick, bench_gemv's 8192²/28672x8192/576² rows, bench_dequant
-#                                            # (+ bench_rotation on each backend of $ROTATION, the plan sweeps with
+#                                            # (+ bench_rotation on each backend of $ROTATION and cuda_rotate's slice sweep; the plan sweeps with
 #                                            # SWEEP=1; $WORKERS, $TEST_SLOT, $SAN_TIMEOUT
 #                                            # and $MEMCHECK, "file:-k expression;..." of tests/test_<file>.py, size the first part)
 #   bash benchmarks/gpu_checks.sh test compile  # the torch.compile tests alone (cuda_lut's two failed on 2026-11-26)
@@ -167,6 +167,11 @@ cuda_codebook:dequantize_op"}
         --shapes 576x576,1536x576,4096x4096 >"$OUT/bench_rotation_$B.md" 2>&1
       snap
     done
+    if [ -n "${ROTATION:-}" ]; then  # qlinear::cuda_rotate's launch plans, and the PyTorch transform it replaces
+      timeout 40 python3 benchmarks/bench_rotation.py --device cuda --slice-sweep --batches 1,8,64,512 \
+        >"$OUT/bench_rotate_slices.md" 2>&1
+      snap
+    fi
     if [ -n "${SWEEP:-}" ]; then  # the plan sweeps of the split launches (issue 23/24: the split-K reduction's cost)
       timeout 90 python3 benchmarks/sweep_plans.py --shapes 576x576,4096x4096,8192x8192 --lut-batches 1,8 \
         --quick-batches 1,16,64 --markdown "$OUT/sweep_plans.md" >"$OUT/sweep_plans.log" 2>&1
@@ -175,6 +180,7 @@ cuda_codebook:dequantize_op"}
     cat "$OUT/bench_gemm.md" "$OUT/bench_gemv.md" "$OUT/bench_dequant.md" 2>/dev/null | grep -v "^|---" | cut -c1-100
     [ -n "${SWEEP:-}" ] && grep -A14 "heuristic / best" "$OUT/sweep_plans.md" | cut -c1-110
     for B in ${ROTATION:-}; do grep -v "^|---" "$OUT/bench_rotation_$B.md" | cut -c1-110 | tail -8; done
+    [ -n "${ROTATION:-}" ] && grep "plan" "$OUT/bench_rotate_slices.md" | cut -c1-110
     tail -n 2 "$OUT/bench_gemm.log" "$OUT/bench_gemv.log" "$OUT/bench_dequant.log" ;;
   *) echo "unknown stage $STAGE (build|test|sanitize|bench|tune|e2e|tp|sweep|ncu|quick|session)"; exit 2 ;;
 esac

@@ -327,13 +327,14 @@ def _(x, rot_signs, rot_paley, rot_block, perm=None):
     return torch.empty_like(x)
 
 
-_lib.define("cuda_rotate(Tensor x, Tensor rot_sign_bits, int rot_block, Tensor? rot_paley) -> Tensor")
+_lib.define("cuda_rotate(Tensor x, Tensor rot_sign_bits, int rot_block, Tensor? rot_paley, int slice=0) -> Tensor")
 
 
 @torch.library.register_fake("qlinear::cuda_rotate")
-def _(x, rot_sign_bits, rot_block, rot_paley):
+def _(x, rot_sign_bits, rot_block, rot_paley, slice=0):
     """``R·x`` of a rotated layer's input ``x`` ``[..., K]`` fp16/bf16 on a GPU, the same dtype and shape (one kernel,
-    ``backends/_cuda/rotate.cu``; ``rot_*`` as the CUDA ops take them, :func:`qlinear.backends._gpu.staged_rotation`)."""
+    ``backends/_cuda/rotate.cu``; ``rot_*`` as the CUDA ops take them, :func:`qlinear.backends._gpu.staged_rotation`;
+    ``slice``: outputs per CUDA block, a divisor of K, 0 for the kernel's plan)."""
     return torch.empty_like(x)
 
 

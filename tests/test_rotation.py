@@ -420,11 +420,14 @@ def test_cuda_rotate_kernel_source_matches_float64(tmp_path, dtype):
     eps = {torch.float16: 2.0 ** -11, torch.bfloat16: 2.0 ** -8}[dtype]
     torch.manual_seed(0)
     # (M, K, block, grid rows, slice: 0 rotate_plan's, one Paley row or 512 inputs at these M; else a whole block, as
-    # rotate_plan gives from 256 blocks in a call on, or two)
+    # rotate_plan gives from 256 blocks in a call on, two, or any divisor of K as bench_rotation.py sweeps: half a
+    # Paley row, slices that cross Paley rows, a quarter of a power-of-two block)
     for M, K, block, grid_rows, slice_ in ((3, 576, 576, 3, 0), (2, 576, 576, 1, 576), (2, 1536, 1536, 2, 0),
                                            (1, 1536, 1536, 1, 1536), (1, 4096, 4096, 1, 0), (1, 4096, 4096, 1, 4096),
                                            (5, 2048, 256, 2, 0), (3, 96, 48, 3, 0), (3, 96, 48, 3, 96),
-                                           (3, 44, 44, 2, 0), (2, 72, 24, 1, 0), (2, 72, 24, 1, 24)):
+                                           (3, 44, 44, 2, 0), (2, 72, 24, 1, 0), (2, 72, 24, 1, 24),
+                                           (1, 576, 576, 1, 8), (1, 576, 576, 1, 96), (1, 1536, 1536, 1, 96),
+                                           (1, 4096, 4096, 1, 1024)):
         x = torch.randn(M, K).to(dtype)
         x[0, 3] = 40.0  # an outlier to spread
         rot, tensors = rotation_header((11, block), K)

@@ -17,8 +17,9 @@ __global__ void __launch_bounds__(128) rotate_kernel(const T* __restrict__ x, T*
 }
 
 template <typename T>
-cudaError_t launch(const void* x, void* y, int M, int K, const Rotation& r, cudaStream_t stream) {
-  const RotatePlan plan = rotate_plan(r, M, K);
+cudaError_t launch(const void* x, void* y, int M, int K, const Rotation& r, cudaStream_t stream, int slice) {
+  RotatePlan plan = rotate_plan(r, M, K);
+  if (slice) plan.slice = slice;
   const size_t smem = rotate_smem_bytes(r);
   if (smem > 48 * 1024) {
     const cudaError_t err = cudaFuncSetAttribute(rotate_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
@@ -32,10 +33,12 @@ cudaError_t launch(const void* x, void* y, int M, int K, const Rotation& r, cuda
 
 }  // namespace
 
-cudaError_t rotate(const void* x, void* y, int M, int K, const Rotation& r, DType dtype, cudaStream_t stream) {
-  if (M <= 0 || K <= 0 || r.block <= 0 || rotation_invalid(r) || K % r.block) return cudaErrorInvalidValue;
-  if (dtype == DType::kHalf) return launch<__half>(x, y, M, K, r, stream);
-  if (dtype == DType::kBFloat16) return launch<__nv_bfloat16>(x, y, M, K, r, stream);
+cudaError_t rotate(const void* x, void* y, int M, int K, const Rotation& r, DType dtype, cudaStream_t stream,
+                   int slice) {
+  if (M <= 0 || K <= 0 || r.block <= 0 || rotation_invalid(r) || K % r.block || slice < 0 || (slice && K % slice))
+    return cudaErrorInvalidValue;
+  if (dtype == DType::kHalf) return launch<__half>(x, y, M, K, r, stream, slice);
+  if (dtype == DType::kBFloat16) return launch<__nv_bfloat16>(x, y, M, K, r, stream, slice);
   return cudaErrorInvalidValue;
 }
 

@@ -35,9 +35,11 @@ inline size_t rotate_smem_bytes(const Rotation& r) {
 }
 
 // y[m, :] = R·x[m, :] for the M rows of x [M, K] (fp16 or bf16, row-major, contiguous; y apart from x, the same dtype),
-// R the rotation r (r.block > 0 dividing K): the float32 transform of rotation.cuh, rounded once to the dtype.
-// cudaErrorInvalidValue for an invalid rotation (rotation_invalid), a block not dividing K, M or K not positive, or a
-// dtype other than fp16/bf16.
-cudaError_t rotate(const void* x, void* y, int M, int K, const Rotation& r, DType dtype, cudaStream_t stream);
+// R the rotation r (r.block > 0 dividing K): the float32 transform of rotation.cuh, rounded once to the dtype.  slice:
+// outputs per CUDA block, 0 for rotate_plan's (any divisor of K is exact: benchmarks/bench_rotation.py sweeps them).
+// cudaErrorInvalidValue for an invalid rotation (rotation_invalid), a block or slice not dividing K, M or K not
+// positive, or a dtype other than fp16/bf16.
+cudaError_t rotate(const void* x, void* y, int M, int K, const Rotation& r, DType dtype, cudaStream_t stream,
+                   int slice = 0);
 
 }  // namespace qlinear
