@@ -16,24 +16,36 @@ namespace qlinear {
 
 // Partial sums of y[d0 .. d0 + V) (see stage_rotated_inline) over the terms j = g, g + groups, ... into out: per term one
 // V-input load (16 bytes for V = 8), its D signs (V bits of one sign word: the V inputs start at a multiple of V) and
-// one sign for the whole term (Paley entry, Sylvester parity), folded into those bits.
+// one sign for the whole term (Paley entry, Sylvester parity), folded into those bits.  The loads of kBatch terms are
+// issued before any of them is added (in term order, as one at a time would): one L2 round trip per kBatch terms,
+// where ptxas, left to itself, waited for each term's loads (a 576 = 36·16 block: 36 round trips per output).
 template <int V, typename T>
 __device__ __forceinline__ void fold_terms(const T* xm, const Rotation& r, int b0, int n, int i, int a, int L, int lg,
                                            int d0, int g, int groups, float* out) {
+  constexpr int kBatch = 4;
+  const int terms = r.paley << lg;
   float acc[V];
 #pragma unroll
   for (int q = 0; q < V; ++q) acc[q] = 0.f;
-  for (int j = g; j < (r.paley << lg); j += groups) {
-    const int ii = j >> lg, c = j & ((1 << lg) - 1), k = b0 + ii * n + c * L + d0;
-    unsigned neg = __popc(a & c) & 1;
-    if (r.paley > 1 && __ldg(r.paley_matrix + i * r.paley + ii) < 0) neg ^= 1u;
-    const unsigned bits = (__ldg(r.sign_bits + (k >> 5)) >> (k & 31)) ^ (0u - neg);  // bit q: the sign of input k + q
-    T v[V];
-    if constexpr (V == 8) *reinterpret_cast<uint4*>(v) = __ldg(reinterpret_cast<const uint4*>(xm + k));
-    else v[0] = xm[k];
+  for (int j0 = g; j0 < terms; j0 += kBatch * groups) {
+    T v[kBatch][V];
+    unsigned bits[kBatch];
 #pragma unroll
-    for (int q = 0; q < V; ++q)
-      acc[q] += __uint_as_float(__float_as_uint(to_float<T>(v[q])) ^ (bits << (31 - q) & 0x80000000u));
+    for (int u = 0; u < kBatch; ++u) {
+      const int j = min(j0 + u * groups, terms - 1);  // past the end: a valid term, loaded but not added
+      const int ii = j >> lg, c = j & ((1 << lg) - 1), k = b0 + ii * n + c * L + d0;
+      unsigned neg = __popc(a & c) & 1;
+      if (r.paley > 1 && __ldg(r.paley_matrix + i * r.paley + ii) < 0) neg ^= 1u;
+      bits[u] = (__ldg(r.sign_bits + (k >> 5)) >> (k & 31)) ^ (0u - neg);  // bit q: the sign of input k + q
+      if constexpr (V == 8) *reinterpret_cast<uint4*>(v[u]) = __ldg(reinterpret_cast<const uint4*>(xm + k));
+      else v[u][0] = xm[k];
+    }
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u)
+      if (j0 + u * groups < terms)
+#pragma unroll
+        for (int q = 0; q < V; ++q)
+          acc[q] += __uint_as_float(__float_as_uint(to_float<T>(v[u][q])) ^ (bits[u] << (31 - q) & 0x80000000u));
   }
 #pragma unroll
   for (int q = 0; q < V; ++q) out[q] = acc[q];
