@@ -66,7 +66,13 @@ def _kernel_rotation(seed: int, block: int, in_features: int, device: torch.devi
     return sign_bits(seed, in_features, device), block, _paley(p, device) if p > 1 else None
 
 
-MAX_SYLVESTER = 32768  # cuda_rotate's work area holds the block's n = block / p floats: 128 KB at most
+@functools.lru_cache(maxsize=16)
+def _smem_optin(device: torch.device) -> int:
+    """Bytes of shared memory one CUDA block of ``device`` may opt in to (48 KiB where torch does not say)."""
+    if device.type != "cuda":
+        return 0
+    props = torch.cuda.get_device_properties(device)
+    return getattr(props, "shared_memory_per_block_optin", 48 * 1024)
 
 
 @functools.lru_cache(maxsize=None)
@@ -80,12 +86,12 @@ def _rotate_library() -> Optional[str]:
 def cuda_transform(x: torch.Tensor, seed: int, block: int) -> Optional[torch.Tensor]:
     """``R·x`` (:func:`qlinear.formats.rotation.rotate_input`) of an fp16/bf16 CUDA ``x`` ``[..., K]`` by
     ``qlinear::cuda_rotate`` (built on first use), or None where it does not apply: another dtype, an input that
-    needs its gradient (the op has no autograd formula), a block whose power-of-two factor exceeds
-    :data:`MAX_SYLVESTER` (its fp32 work area would not fit a block's shared memory), or a library that did not build
-    (logged once)."""
+    needs its gradient (the op has no autograd formula), a block whose fp32 work area (4·max(block, 256) bytes) exceeds
+    the device's shared memory per block (a 28672 = 28·1024 block: 112 KiB, beyond a consumer GPU's 99), or a library
+    that did not build (logged once)."""
     if x.dtype not in (torch.float16, torch.bfloat16) or (x.requires_grad and torch.is_grad_enabled()):
         return None
-    if block // _rotation._split(block)[0] > MAX_SYLVESTER or _rotate_library() is not None:
+    if 4 * max(block, 256) > _smem_optin(x.device) or _rotate_library() is not None:
         return None
     return torch.ops.qlinear.cuda_rotate(x, *_kernel_rotation(seed, block, x.shape[-1], x.device))
 

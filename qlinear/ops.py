@@ -334,8 +334,8 @@ _lib.define("cuda_rotate(Tensor x, Tensor rot_sign_bits, int rot_block, Tensor? 
 def _(x, rot_sign_bits, rot_block, rot_paley, slice=0):
     """``R·x`` of a rotated layer's input ``x`` ``[..., K]`` fp16/bf16 on a GPU, the same dtype and shape (one kernel,
     ``backends/_cuda/rotate.cu``; ``rot_*`` as the CUDA ops take them, :func:`qlinear.backends._gpu.staged_rotation`;
-    ``slice``: outputs per CUDA block, a divisor of K, 0 for the kernel's plan)."""
-    return torch.empty_like(x)
+    ``slice``: outputs per CUDA block, a divisor of K, 0 for the kernel's plan).  Contiguous, as the kernel writes it."""
+    return x.new_empty(x.shape)
 
 
 _lib.define("quick_gemm(Tensor x, Tensor qweight, Tensor scales, Tensor? zeros, Tensor? perm, Tensor? bias, "

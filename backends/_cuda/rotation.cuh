@@ -94,12 +94,12 @@ __device__ __forceinline__ int segment_length(int lo, int hi) {
 // whose aligned segment holds the slice's part of that row (or of its first piece, cut below): b terms and L·log2 L
 // butterflies per segment, where the whole block would take b·(p + log2 n) (a split-K block's slice is a fraction of a
 // Llama block of 4096-8192).  A thread sums 8 consecutive bins per term where it can (L >= 8, x 16-byte aligned), one
-// otherwise.  `work` (fp32) holds max(n, 256) floats.  Called by every thread of the block; ends with a barrier, after
+// otherwise.  `work` (fp32) holds max(b, 256) floats.  Called by every thread of the block; ends with a barrier, after
 // which dst is complete and `work` free.
 template <typename T, typename Out>
 __device__ __forceinline__ void stage_rotated_inline(const T* x, int ldx, int rows, int k_lo, int k_hi, const Rotation& r,
                                                      float* work, Out* dst, int ld) {
-  const int b = r.block, n = b / r.paley, threads = blockDim.x, t = threadIdx.x;
+  const int b = r.block, n = b / r.paley, threads = blockDim.x, t = threadIdx.x, W = max(b, 256);  // W: work's floats
   const float scale = 1.f / sqrtf((float)b);
   for (int m = 0; m < rows; ++m) {
     const T* xm = x + (size_t)m * ldx;
@@ -121,14 +121,14 @@ __device__ __forceinline__ void stage_rotated_inline(const T* x, int ldx, int ro
       // all (a 64-input slice of SmolLM2's 576 = 36·16 block is 4 rows of 16)
       int span = L;
       if (e == row0 && end == row0 + n)
-        while (end + n <= k_hi && span + L <= max(n, 256)) end += n, span += L;
+        while (end + n <= k_hi && span + L <= W) end += n, span += L;
       const int a = (e - row0) / L, lg = 31 - __clz(n / L);
       const bool wide = L >= 8 && (reinterpret_cast<size_t>(xm) & 15) == 0;
       const int V = wide ? 8 : 1, units = span / V;
       // threads sharing a unit of V bins (their partials, at work[g·span + bin], summed in order), within the work area:
       // every thread of the block folds where it holds their partials (a 256-input slice of an 8192 block: 8 threads
       // per unit, each 4 terms, where 256 floats left 1 thread per unit to walk all 32)
-      const int groups = max(1, min(threads / units, max(n, 256) / span));
+      const int groups = max(1, min(threads / units, W / span));
       for (int u = t; u < units * groups; u += threads) {
         const int d = (u % units) * V, g = u / units, er = e + d / L * L;  // er: the start of the unit's row (span > L)
         const int b0r = er / b * b, ir = (er - b0r) / n;
