@@ -495,9 +495,10 @@ def test_kernel_source_under_host_emulation(emulator, bits, imported, dtype):
 
 
 @pytest.mark.parametrize("bits,imported,dtype", [(4, True, torch.float16), (4, False, torch.bfloat16),
-                                                    (3, False, torch.float16)])
+                                                    (3, False, torch.float16), (2, False, torch.float16),
+                                                    (3, "free", torch.bfloat16), (4, "free", torch.float16)])
 def test_kernel_source_stages_a_rotated_input(emulator, bits, imported, dtype):
-    """A rotated uniform 3/4-bit layer on 16-row tiles: each block of quick_gemm.cu stages ``R·x`` of its rows and K slice itself
+    """A rotated layer on 16-row tiles (uniform 2/3/4-bit, free α 3/4-bit): each block of quick_gemm.cu stages ``R·x`` of its rows and K slice itself
     (rotation.cuh) and reads its A fragments from it (rows past M from a zero chunk), under the host emulation: the
     float64 product with the exact ``R·x`` within the emulation test's bound plus one rounding of ``R·x`` to x's dtype,
     for Paley and power-of-two blocks, K slices cutting through blocks, M = 1..16, one split or several."""
@@ -518,3 +519,23 @@ def test_kernel_source_stages_a_rotated_input(emulator, bits, imported, dtype):
         bound = xa @ werr.T + K * 2.0 ** -24 * mag + U[dtype] * y64.abs() + 2 * U[dtype] * mag
         y = _emulate(emulator, x, bufs, bias, cfg, N, K, (16, per_split, splits), rotation=(5, block))
         assert ((y.double() - y64).abs() <= bound).all(), (block, M, per_split, splits)
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+@pytest.mark.parametrize("free", [False, True])
+def test_rotated_decode_asks_the_kernel_only_for_what_it_stages(monkeypatch, bits, free):
+    """quick.linear hands a rotated layer's transform to the kernel (16-row tiles, no perm) for every layer the
+    launcher instantiates staged R·x for (quick_gemm.cu: all but free α at 2 bits, which spilled), and rotates x first
+    otherwise; the op's rot_block says which (CPU: the op and the SM count stubbed)."""
+    from qlinear.backends import _gpu
+
+    N, K = 128, 576
+    cfg, canon = _free(N, K, bits, 64) if free else _uniform(N, K, bits, 64)
+    bufs = quick.repack(canon, cfg, N, K)
+    seen = []
+    monkeypatch.setattr(quick, "_sms", lambda index: 132)
+    monkeypatch.setattr(torch.ops.qlinear, "quick_gemm", lambda x, *a: seen.append(a[-2]) or x.new_zeros(x.shape[0], N),
+                        raising=False)
+    monkeypatch.setattr(_gpu, "_kernel_rotation", lambda *a: ("bits", a[1], None))
+    quick.linear(torch.randn(1, K, dtype=torch.float16), bufs, None, cfg, N, K, rotation=(3, 576))
+    assert seen == [0 if free and bits == 2 else 576]

@@ -311,7 +311,7 @@ def test_mixed_selects_groups_on_the_rotated_weights():
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_cuda_decode_kernels_stage_the_rotated_input(monkeypatch, name, backend, K, dtype):
     """On a GPU the decode kernels of a rotated layer apply ``R`` to x themselves (backends/_cuda/rotation.cuh; at
-    batch 1 always but for free α and 2 bits on QUICK, above it where a kernel's shared-memory budget still holds ``R·x``, else
+    batch 1 always but for free α at 2 bits on QUICK, above it where a kernel's shared-memory budget still holds ``R·x``, else
     the op's PyTorch transform runs first): every output is the float64 product with the exact ``R·x`` within twice x's rounding (the
     kernel rounds ``R·x`` to x's dtype once, as the op's transform does), for every decode batch, and the fused and
     PyTorch-rotated calls agree within that rounding."""

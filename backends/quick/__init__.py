@@ -332,7 +332,8 @@ def linear(x: torch.Tensor, buffers: dict, bias, cfg, out_features: int, in_feat
            rotation: Optional[tuple[int, int]] = None) -> torch.Tensor:
     """Registry entry of the GEMM: ``x`` ``[..., K]`` fp16/bf16 on CUDA, at most 512 rows -> ``[..., N]``.  An act_order
     layer's ``perm`` (in ``buffers``) is applied as the kernel loads x into shared memory (no separate gather).  A
-    rotated layer's ``rotation = (seed, block)``: for uniform 3/4-bit layers on 16-row tiles without ``perm``, where
+    rotated layer's ``rotation = (seed, block)``: on 16-row tiles without ``perm`` (but for free α at 2 bits, whose
+    kernel spilled with it: nvcc 13, sm_80), where
     its blocks' ``R·x`` (their K slice, rows padded by 8 inputs) fits :data:`SMEM_BUDGET`, each block stages ``R·x``
     itself and reads its A fragments from it; otherwise x is rotated first
     (:func:`qlinear.backends._gpu.staged_rotation`)."""
@@ -340,7 +341,7 @@ def linear(x: torch.Tensor, buffers: dict, bias, cfg, out_features: int, in_feat
     tile_m, per_split, splits = launch = plan(M, out_features, K, _sms(x.device.index or 0))
     perm = buffers.get("perm")
     smem = math.inf
-    if rotation is not None and tile_m == 16 and perm is None and bcq.is_uniform(cfg) and cfg.bits > 2:
+    if rotation is not None and tile_m == 16 and perm is None and (bcq.is_uniform(cfg) or cfg.bits > 2):
         smem = rotation_smem_bytes(0, rotation[1], min(16, M) * (min(K, TILE_K * per_split) + 8), x.element_size())
     x, rot = staged_rotation(x, rotation, smem, SMEM_BUDGET)
     qweight, scales, zeros, gs = _weights(buffers, cfg, K)

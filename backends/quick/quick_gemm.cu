@@ -321,8 +321,8 @@ __device__ __forceinline__ void load_a_stage(T* stage, const T* __restrict__ x, 
 
 // How a block reads x: through the cp.async stage pipeline (kPipelined), or staged once, its rows and K slice whole in
 // shared memory, as they are (kStaged) or a rotated layer's R·x (kStagedRotated); staged x is instantiated for 16-row
-// tiles without perm (decode batches, where a K slice of x fits), rotated x for uniform 3/4-bit layers (with free α or
-// 2 bits the kernels spill; the LUT GEMV stages R·x for those).
+// tiles without perm (decode batches, where a K slice of x fits), rotated x for every layer but free α at 2 bits (whose
+// kernel spills 12 bytes with it: nvcc 13, sm_80, fp16; the LUT GEMV stages R·x for those).
 enum XSource : int { kPipelined = 0, kStaged = 1, kStagedRotated = 2 };
 
 template <typename T, int Q, int MT, int WM, bool FREE, int XS>
@@ -530,11 +530,12 @@ cudaError_t launch(const QuickArgs& a, const Rotation& rot, cudaStream_t stream)
                              : quick_gemm_kernel<T, Q, MT, WM, false, kPipelined>;
   if constexpr (MT == 1 && WM == 1) {
     if (xs != kPipelined && a.perm) return cudaErrorInvalidValue;
-    if (xs == kStagedRotated && (a.free_alpha || Q == 2)) return cudaErrorInvalidValue;
     if (xs == kStaged)
       kernel = a.free_alpha ? quick_gemm_kernel<T, Q, 1, 1, true, kStaged> : quick_gemm_kernel<T, Q, 1, 1, false, kStaged>;
+    if (xs == kStagedRotated && a.free_alpha && Q == 2) return cudaErrorInvalidValue;  // it spills (nvcc 13, sm_80)
     if constexpr (Q > 2)
-      if (xs == kStagedRotated) kernel = quick_gemm_kernel<T, Q, 1, 1, false, kStagedRotated>;
+      if (xs == kStagedRotated && a.free_alpha) kernel = quick_gemm_kernel<T, Q, 1, 1, true, kStagedRotated>;
+    if (xs == kStagedRotated && !a.free_alpha) kernel = quick_gemm_kernel<T, Q, 1, 1, false, kStagedRotated>;
   } else {
     if (xs != kPipelined) return cudaErrorInvalidValue;
   }
