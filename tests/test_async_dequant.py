@@ -390,7 +390,8 @@ def test_kernel_source_stages_a_rotated_input(emulator):
     bias = torch.randn(N)
     T = math.ceil(_W(bufs, cfg) / 4)
     for block, M, dtype, launch in ((400, 1, torch.float16, (256, T, 1)), (16, 5, torch.bfloat16, (32, 3, -(-T // 3))),
-                                    (80, 6, torch.float16, (64, 2, -(-T // 2))), (200, 3, torch.bfloat16, (32, 1, T))):
+                                    (80, 6, torch.float16, (64, 2, -(-T // 2))), (200, 3, torch.bfloat16, (32, 1, T)),
+                                    (400, 7, torch.float16, (128, 2, -(-T // 2)))):
         eps = {torch.float16: 2.0 ** -11, torch.bfloat16: 2.0 ** -8}[dtype]
         x = torch.randn(M, K).to(dtype)
         x64, _ = rotated_reference(x, (9, block))
@@ -593,3 +594,13 @@ def test_dequantize_kernel_source_is_the_format_bit_for_bit(dequant_emulator, na
         w = run(dequant_emulator, hdr + [code],
                 [*(bufs[k] for k in ("ad_codes", "ad_meta", "ad_sq", "ad_gtab")), *outliers], (N, K))
         assert torch.equal(w.to(dtype).view(bits), want.to(dtype).view(bits)), dtype
+
+
+def test_rotated_batches_match_the_kernels_instantiations():
+    """ROTATED_MAX_M (Python: up to which batch the op asks the kernel to stage R·x) is mixed_gemv.h's kRotatedMaxM
+    (the batches the launcher instantiates a rotated kernel for; a larger M would be refused on a GPU)."""
+    import re
+    from pathlib import Path
+
+    header = (Path(ad.__file__).parent / "mixed_gemv.h").read_text()
+    assert int(re.search(r"constexpr int kRotatedMaxM = (\d+);", header).group(1)) == ad.ROTATED_MAX_M

@@ -81,7 +81,7 @@ __all__ = ["LAYOUT", "MAX_BATCH", "NAMES", "plan", "spec", "repack", "unrepack",
 
 MAX_BATCH = 64      # kernel M <= 8 per launch; 9..64 loops over chunks of 8 (to be confirmed by the benchmark)
 KERNEL_M = 8
-ROTATED_MAX_M = 6  # rows up to which the kernel stages a rotated layer's R·x (kRotatedMaxM in mixed_gemv.h)
+ROTATED_MAX_M = 7  # rows up to which the kernel stages a rotated layer's R·x (kRotatedMaxM in mixed_gemv.h)
 SMEM_CAP = 48 * 1024
 _HERE = Path(__file__).parent
 _MASK32 = 0xFFFFFFFF

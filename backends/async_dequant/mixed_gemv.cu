@@ -188,8 +188,8 @@ __device__ __forceinline__ int span_of(int M, int K, int tiles_per_split) {
   return min(K, 64 * tiles_per_split);  // a tile covers at most 4 words × 16 inputs
 }
 
-// ROT: a rotated layer, whose blocks stage R·x themselves (an instantiation of its own, M <= 6: with the transform's
-// registers the M = 7, 8 kernels spill, and an unrotated one with a runtime branch spills in its main loop).
+// ROT: a rotated layer, whose blocks stage R·x themselves (an instantiation of its own, M <= 7: with the transform's
+// registers the M = 8 kernels spill on sm_90a, and an unrotated one with a runtime branch spills in its main loop).
 template <typename T, int M, bool ASYNC, bool ROT>
 __global__ void __launch_bounds__(256, M <= 2 ? 3 : 2) mixed_gemv_kernel(const MixedGemvArgs a, const Rotation rot) {
   extern __shared__ float4 smem4[];

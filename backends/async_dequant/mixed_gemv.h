@@ -55,7 +55,7 @@ __host__ __device__ inline size_t mixed_gemv_smem_bytes(int M, int K, int tiles_
 }
 
 // Rows of x per launch up to which a rotated layer's blocks stage R·x themselves.
-constexpr int kRotatedMaxM = 6;
+constexpr int kRotatedMaxM = 7;
 
 // Launches the GEMV on `stream` (with splits > 1 the last block of each row tile sums its partials); with rot.block > 0
 // each block stages R·x of its K span itself (a kernel argument of its own, as for lut_gemv; M <= kRotatedMaxM).
