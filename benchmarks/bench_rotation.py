@@ -21,7 +21,9 @@ call timed end to end with a synchronisation, as eager decoding sees it; ``op tr
 the transform forced back into PyTorch (what a CUDA kernel does where its shared memory cannot hold ``R·x``), so
 ``fused`` against it is what staging ``R·x`` in the kernel (backends/_cuda/rotation.cuh) saves or costs.  The ``graph``
 columns time both layers as 20 calls per CUDA-graph replay (weights in L2 at these sizes): the kernels' own cost,
-without eager Python and launch gaps, which is what the ≤ 5% target is about.
+without eager Python and launch gaps, which is what the ≤ 5% target is about; "graph op transform" is the rotated layer
+with its transform forced out of the kernel (one ``cuda_rotate`` launch per call, then the kernel on R·x): which of the
+two a decode under CUDA graphs should take.
 
 ``--slice-sweep``: the one-launch transform alone (``qlinear::cuda_rotate``, backends/_cuda/rotate.cu) at each
 ``--inputs`` width and batch, with its plan (``slice`` 0) and every power-of-two slice from 16 to the block plus the
@@ -99,9 +101,15 @@ def main() -> None:
                          f"{(rotated - plain) / (plain - copy):+.0%}"])
             if dev.type == "cuda":  # the kernels alone: 20 calls per CUDA-graph replay, no Python, no launch gaps
                 with torch.no_grad():
-                    graph = [gpu_time_us([lambda: layers[r](x)] * 20) for r in ("none", "hadamard")]
-                rows[-1] += [best["torch alone"] - copy, graph[0], graph[1], f"{graph[1] / graph[0] - 1:+.0%}"]
-    graph_cols = (["torch transform µs", "graph unrotated µs", "graph rotated µs", "graph overhead"]
+                    # (rotate_input's q/k/v sharing cache cleared before each call: where x is rotated outside the
+                    # kernel, every call pays its transform)
+                    graph = [gpu_time_us([lambda r=r: _fresh(lambda: layers[r](x))] * 20) for r in ("none", "hadamard")]
+                    separate = (gpu_time_us([lambda: _fresh(lambda: _unfused(kernel, lambda: layers["hadamard"](x)))]
+                                            * 20) if kernel.fuses_rotation else float("nan"))
+                rows[-1] += [best["torch alone"] - copy, graph[0], graph[1], f"{graph[1] / graph[0] - 1:+.0%}",
+                             separate]
+    graph_cols = (["torch transform µs", "graph unrotated µs", "graph rotated µs", "graph overhead",
+                   "graph op transform µs"]
                   if dev.type == "cuda" else [])
     print(table(["N x K", "block", "M", "kernel", "unrotated µs", "rotated µs", "op transform µs",
                  "transform alone µs", "overhead", *graph_cols], rows))
@@ -131,6 +139,12 @@ def slice_sweep(widths, batches) -> None:
                 print(rows[-1], flush=True)  # a run cut by its time limit keeps what it measured
     print(table(["K", "block", "M", "slice", "cuda_rotate µs", "PyTorch transform µs", "max rel error vs float64"],
                 rows))
+
+
+def _fresh(call):
+    """``call()`` with rotate_input's sharing cache cleared first, so that a transform outside the kernel runs."""
+    rotation._last = ()
+    return call()
 
 
 def _unfused(kernel, call):
