@@ -305,13 +305,13 @@ def test_mixed_selects_groups_on_the_rotated_weights():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name,backend", [("rtn", "quick"), ("rtn", "cuda_lut"), ("bcq", "cuda_lut"),
+@pytest.mark.parametrize("name,backend", [("rtn", "quick"), ("rtn2", "quick"), ("rtn", "cuda_lut"), ("bcq", "cuda_lut"),
                                           ("bcq", "quick_free"), ("mixed", "async_dequant")])
 @pytest.mark.parametrize("K", [576, 1536, 4096])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_cuda_decode_kernels_stage_the_rotated_input(monkeypatch, name, backend, K, dtype):
     """On a GPU the decode kernels of a rotated layer apply ``R`` to x themselves (backends/_cuda/rotation.cuh; at
-    batch 1 always but for free α at 2 bits on QUICK, above it where a kernel's shared-memory budget still holds ``R·x``, else
+    batch 1 always (QUICK: but for free α at 2 bits, not among these), above it where a kernel's shared-memory budget still holds ``R·x``, else
     the op's PyTorch transform runs first): every output is the float64 product with the exact ``R·x`` within twice x's rounding (the
     kernel rounds ``R·x`` to x's dtype once, as the op's transform does), for every decode batch, and the fused and
     PyTorch-rotated calls agree within that rounding."""
@@ -319,7 +319,7 @@ def test_cuda_decode_kernels_stage_the_rotated_input(monkeypatch, name, backend,
 
     from qlinear.backends._gpu import NO_ROTATION
 
-    opts = dict(CONFIGS[name])
+    opts = dict(CONFIGS[name]) if name in CONFIGS else dict(CONFIGS["rtn"], bits=2)  # rtn2: QUICK's 2-bit staging
     fmt = opts.pop("format")
     torch.manual_seed(K)
     N = 256
@@ -342,7 +342,7 @@ def test_cuda_decode_kernels_stage_the_rotated_input(monkeypatch, name, backend,
         y = mod(x).double().cpu()
         y64 = x.double().cpu() @ w.T + mod.bias.double().cpu()
         assert ((y - y64).abs() <= bound(x, y64)).all(), (M, calls, (y - y64).abs().max().item())
-        assert M > 1 or not calls or backend.startswith("quick"), "batch 1 must rotate inside the kernel"
+        assert M > 1 or not calls, "batch 1 must rotate inside the kernel"
     # the transform forced into PyTorch (what a kernel over its budget does): the same outputs within that rounding
     x = torch.randn(1, K, device="cuda").to(dtype)
     fused = mod(x).double().cpu()
