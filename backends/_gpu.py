@@ -50,8 +50,7 @@ def staged_rotation(x: torch.Tensor, rotation: Optional[tuple[int, int]], smem: 
     (None: not rotated): the kernel applies ``R`` itself when staging it takes ``smem`` bytes of shared memory per
     block, at most ``budget`` (what keeps the kernel's blocks per SM); otherwise ``x`` is rotated here
     (:func:`qlinear.formats.rotation.rotate_input`: :func:`cuda_transform`'s one launch, shared by layers reading the
-    same tensor) and the kernel is told
-    :data:`NO_ROTATION`."""
+    same tensor) and the kernel is told :data:`NO_ROTATION`."""
     if rotation is None:
         return x, NO_ROTATION
     if smem > budget:

@@ -115,12 +115,12 @@ def replace_linear(model: nn.Module, config: Any, *, modules_to_not_convert: Opt
         except (ValueError, TypeError) as e:
             raise type(e)(f"layer {name!r} ({mod.out_features}x{mod.in_features}): {e}") from e
 
-    if calibration_data is None and any(format_config(c.format, c)[0].rotation != "none" for _, _, c in targets):
+    formats = [format_config(c.format, c)[0] for _, _, c in targets]
+    if calibration_data is None and any(f.rotation != "none" for f in formats):
         logger.warning("rotation='hadamard' without calibration_data: on SmolLM2-135M a rotation lost quality at "
                        "every width without error feedback (RTN 3-bit g128: 5.1x -> 59x the unquantized perplexity) "
                        "and won with it (README, 'Rotation (issue 27)'); pass calibration_data")
-    model_scope = any(format_config(c.format, c)[0].format == "codebook"
-                      and format_config(c.format, c)[0].codebook_scope == "model" for _, _, c in targets)
+    model_scope = any(f.format == "codebook" and f.codebook_scope == "model" for f in formats)
     hessians: Mapping[str, torch.Tensor] = {}
     if calibration_data is not None:
         if isinstance(calibration_data, Mapping):

@@ -1,8 +1,8 @@
 // The standalone randomized Hadamard transform of a rotated layer's input on a GPU (rotation.cuh's stage_rotated in a
 // kernel of its own), for the calls whose kernel does not stage R·x itself (its shared memory would not hold it, an
 // act_order gather comes first, or dequantize + cuBLAS): one launch where the PyTorch transform
-// (qlinear.formats.rotation.rotate) takes about eight.  Torch-free launcher over raw pointers; binding.cpp is the only
-// file here that includes torch.
+// (qlinear.formats.rotation.rotate) takes about eight.  Torch-free launcher over raw pointers; only the bindings
+// (binding.h, binding.cpp) include torch.
 #pragma once
 #include <cuda_runtime.h>
 

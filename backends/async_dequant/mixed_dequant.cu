@@ -8,7 +8,8 @@
 // multiple of 64) and writes each row's C-output run with consecutive threads: whole 128-byte lines (fp16, C = 64),
 // where each thread writing its own run put 16-byte pieces of 32 rows in one store.  A row's outliers are walked with
 // the next column in a register and patched into its staged outputs after each chunk.  Arithmetic follows
-// qlinear.formats.mixed.dequantize in fp32, operation by operation (no fused multiply-add): ŝ = zz + ss·code, then ŝ·(q − z), then + the outlier; one rounding to the output type.
+// qlinear.formats.mixed.dequantize in fp32, operation by operation (no fused multiply-add): ŝ = zz + ss·code, then
+// ŝ·(q − z), then + the outlier; one rounding to the output type.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>

@@ -532,10 +532,11 @@ cudaError_t launch(const QuickArgs& a, const Rotation& rot, cudaStream_t stream)
     if (xs != kPipelined && a.perm) return cudaErrorInvalidValue;
     if (xs == kStaged)
       kernel = a.free_alpha ? quick_gemm_kernel<T, Q, 1, 1, true, kStaged> : quick_gemm_kernel<T, Q, 1, 1, false, kStaged>;
-    if (xs == kStagedRotated && a.free_alpha && Q == 2) return cudaErrorInvalidValue;  // it spills (nvcc 13, sm_80)
-    if constexpr (Q > 2)
-      if (xs == kStagedRotated && a.free_alpha) kernel = quick_gemm_kernel<T, Q, 1, 1, true, kStagedRotated>;
-    if (xs == kStagedRotated && !a.free_alpha) kernel = quick_gemm_kernel<T, Q, 1, 1, false, kStagedRotated>;
+    if (xs == kStagedRotated) {
+      if (!a.free_alpha) kernel = quick_gemm_kernel<T, Q, 1, 1, false, kStagedRotated>;
+      else if constexpr (Q > 2) kernel = quick_gemm_kernel<T, Q, 1, 1, true, kStagedRotated>;
+      else return cudaErrorInvalidValue;  // free α at 2 bits: not instantiated, it spills (nvcc 13, sm_80)
+    }
   } else {
     if (xs != kPipelined) return cudaErrorInvalidValue;
   }
