@@ -196,13 +196,13 @@ template <typename T> inline void mma(float (&d)[4], const unsigned (&a)[4], uns
 
 # After the kernel source: the split-K reduction of backends/_cuda/common.cuh, one emulated thread at a time.
 AFTER = r'''
-template <typename T> void emulate_reduce_splits(const float* partial, const float* bias, void* y, int splits, int M,
-                                                 int N) {
+template <typename T> void emulate_reduce_splits(const float* partial, const void* bias, qlinear::DType bias_dtype, void* y,
+                                                 int splits, int M, int N) {
   g_blockDim = dim3(256, 1, 1);
   for (int i = 0; i < M * N; ++i) {
     g_blockIdx = dim3(i / 256, 0, 0);
     tl_threadIdx = make_uint3(i % 256, 0, 0);
-    qlinear::reduce_splits_kernel<T>(partial, bias, static_cast<T*>(y), splits, M, N);
+    qlinear::reduce_splits_kernel<T>(partial, bias, bias_dtype, static_cast<T*>(y), splits, M, N);
   }
 }
 '''
@@ -245,7 +245,7 @@ def build(dst: Path, kernel: str, shared_memory: tuple[str, str], prelude: str, 
 
 
 def dtype_kind(t) -> int:
-    """Header code of an optional buffer's element type: 0 absent, 1 fp16 (or bf16), 2 fp32."""
+    """Header code of an optional buffer's element type (an offset, a bias): 0 absent, 1 fp16 (or bf16), 2 fp32."""
     import torch
 
     return 0 if t is None else 2 if t.dtype == torch.float32 else 1

@@ -213,7 +213,7 @@ Rotation g_rot{};
 template <typename T, int M, int Q> void run(const LutGemvArgs& a) {
   run_grid(dim3(lut_gemv_tiles(a.N, a.threads), a.splits, 1), a.threads,
            [&a] { lut_gemv_kernel<T, M, Q, lut_gemv_words(M, Q)>(a, g_rot); });
-  if (a.splits > 1) emulate_reduce_splits<T>(a.partial, a.bias, a.y, a.splits, a.M, a.N);
+  if (a.splits > 1) emulate_reduce_splits<T>(a.partial, a.bias, a.bias_dtype, a.y, a.splits, a.M, a.N);
 }
 template <typename T, int M> void run_q(const LutGemvArgs& a) {
   switch (a.Q) { case 1: return run<T, M, 1>(a); case 2: return run<T, M, 2>(a); case 3: return run<T, M, 3>(a);
@@ -236,13 +236,13 @@ int main(int argc, char** argv) {
   using namespace emu;
   FILE* f = fopen(argv[1], "rb");
   auto h = emu_read<int>(f, 17);
-  const int M = h[0], N = h[1], K = h[2], Q = h[3], gs = h[4], bf16 = h[9], off_kind = h[10], has_bias = h[11];
+  const int M = h[0], N = h[1], K = h[2], Q = h[3], gs = h[4], bf16 = h[9], off_kind = h[10], bias_kind = h[11];
   const int G = (K + gs - 1) / gs;
   auto x = emu_read<uint16_t>(f, (size_t)M * K);
   auto planes = emu_read<unsigned>(f, (size_t)K / 32 * Q * N);
   auto alpha = emu_read<uint16_t>(f, (size_t)G * Q * N);
   std::vector<char> offset = emu_read<char>(f, (size_t)G * N * (off_kind == 2 ? 4 : off_kind == 1 ? 2 : 0));
-  std::vector<float> bias = emu_read<float>(f, has_bias ? N : 0);
+  std::vector<char> bias = emu_read<char>(f, (size_t)N * (bias_kind == 2 ? 4 : bias_kind == 1 ? 2 : 0));
   std::vector<int> perm = emu_read<int>(f, h[12] ? K : 0);
   std::vector<unsigned> sign_bits = emu_read<unsigned>(f, h[14]);
   std::vector<signed char> paley = emu_read<signed char>(f, h[16] > 1 ? h[16] * h[16] : 0);
@@ -252,7 +252,8 @@ int main(int argc, char** argv) {
   a.x = x.data(); a.planes = planes.data(); a.alpha = alpha.data();
   a.offset = off_kind ? offset.data() : nullptr;
   a.offset_dtype = off_kind == 2 ? DType::kFloat : off_kind == 1 ? DType::kHalf : DType::kNone;
-  a.bias = has_bias ? bias.data() : nullptr;
+  a.bias = bias_kind ? bias.data() : nullptr;
+  a.bias_dtype = bias_kind == 2 ? DType::kFloat : bf16 ? DType::kBFloat16 : DType::kHalf;
   std::vector<uint16_t> y((size_t)M * N, 0x7E00);  // NaN-poisoned output
   std::vector<float> partial((size_t)h[8] * M * N, NAN);
   a.y = y.data(); a.partial = partial.data();
@@ -298,8 +299,8 @@ def _emulate(exe, x, bufs, bias, cfg, N, K, launch, perm=None, dequant=None, rot
     off = bufs.get("lut_offset")
     rot, rot_tensors = rotation_header(rotation, K)
     hdr = [x.shape[0], N, K, cfg.bits, cfg.group(K), *launch, int(x.dtype == torch.bfloat16), dtype_kind(off),
-           int(bias is not None), int(perm is not None), {None: 0, torch.float32: 1}.get(dequant, 2), *rot]
-    tensors = [x, bufs["lut_planes"], bufs["lut_alpha"], off, None if bias is None else bias.float(), perm, *rot_tensors]
+           dtype_kind(bias), int(perm is not None), {None: 0, torch.float32: 1}.get(dequant, 2), *rot]
+    tensors = [x, bufs["lut_planes"], bufs["lut_alpha"], off, bias, perm, *rot_tensors]
     return run(exe, hdr, tensors, (x.shape[0], N) if dequant is None else (N, K))
 
 
@@ -323,6 +324,10 @@ def test_kernel_source_under_host_emulation(emulator, bits, group_size, offset, 
             y = _emulate(emulator, x, bufs, mod.bias, cfg, N, K, launch)
             err = (y.double() - y64).abs()
             assert (err <= _bound(mod, x, eps, y64)).all(), (M, launch, err.max().item())
+            if M == 3:  # a bias in x's dtype is read as it is: the same sums as that bias widened to fp32
+                b = mod.bias.detach().to(dtype)
+                assert torch.equal(_emulate(emulator, x, bufs, b, cfg, N, K, launch),
+                                   _emulate(emulator, x, bufs, b.float(), cfg, N, K, launch)), launch
     # the dequantize kernel (row and K tiles cut by N = 96 or 288 and K = 320): the format's float32 Ŵ bit for bit, and its one
     # rounding to x's dtype, also for a round-to-nearest layer, whose s·(q − z) storage the layout holds as uniform α
     # and an offset

@@ -359,7 +359,7 @@ template <typename T, int Q, int MT, int WM, bool F> void gemm(const QuickArgs& 
     if (xs == kStagedRotated) run_grid(grid, THREADS, [&a] { quick_gemm_kernel<T, Q, 1, 1, F, kStagedRotated>(a, g_rot); });
   }
   if (xs == kPipelined) run_grid(grid, THREADS, [&a] { quick_gemm_kernel<T, Q, MT, WM, F, kPipelined>(a, g_rot); });
-  if (a.splits > 1) emulate_reduce_splits<T>(a.partial, a.bias, a.y, a.splits, a.M, a.N);
+  if (a.splits > 1) emulate_reduce_splits<T>(a.partial, a.bias, a.bias_dtype, a.y, a.splits, a.M, a.N);
 }
 template <typename T, int Q, bool F> void run(const QuickArgs& a, bool dequant) {
   if (dequant) {
@@ -387,13 +387,13 @@ int main(int argc, char** argv) {
   using namespace emu;
   FILE* f = fopen(argv[1], "rb");
   auto h = emu_read<int>(f, 17);
-  const int M = h[0], N = h[1], K = h[2], Q = h[3], gs = h[4], bf16 = h[8], has_zeros = h[9], has_bias = h[10];
+  const int M = h[0], N = h[1], K = h[2], Q = h[3], gs = h[4], bf16 = h[8], has_zeros = h[9], bias_kind = h[10];
   const int dequant = h[11], free_alpha = h[13], G = (K + gs - 1) / gs;
   auto x = emu_read<uint16_t>(f, (size_t)M * K);
   auto qweight = emu_read<unsigned>(f, (size_t)N * K * Q / 32);
   auto scales = emu_read<uint16_t>(f, (size_t)G * N * (free_alpha ? Q : 1));
   std::vector<unsigned short> zeros = emu_read<unsigned short>(f, has_zeros ? (size_t)G * N / (free_alpha ? 1 : 4) : 0);
-  std::vector<float> bias = emu_read<float>(f, has_bias ? N : 0);
+  std::vector<char> bias = emu_read<char>(f, (size_t)N * (bias_kind == 2 ? 4 : bias_kind == 1 ? 2 : 0));
   std::vector<int> perm = emu_read<int>(f, h[12] ? K : 0);
   std::vector<unsigned> sign_bits = emu_read<unsigned>(f, h[14]);
   std::vector<signed char> paley = emu_read<signed char>(f, h[16] > 1 ? h[16] * h[16] : 0);
@@ -405,7 +405,8 @@ int main(int argc, char** argv) {
   a.free_alpha = free_alpha;
   if (free_alpha) a.offsets = has_zeros ? zeros.data() : nullptr;
   else a.zeros = has_zeros ? zeros.data() : nullptr;
-  a.bias = has_bias ? bias.data() : nullptr;
+  a.bias = bias_kind ? bias.data() : nullptr;
+  a.bias_dtype = bias_kind == 2 ? DType::kFloat : bf16 ? DType::kBFloat16 : DType::kHalf;
   const size_t outs = dequant ? (size_t)N * K : (size_t)M * N;
   std::vector<uint16_t> y(outs, 0x7E00);  // NaN-poisoned output
   std::vector<float> partial((size_t)h[7] * M * N, NAN);
@@ -432,15 +433,15 @@ def emulator(tmp_path_factory):
 def _emulate(exe, x, bufs, bias, cfg, N, K, launch, dequant=False, perm=None, rotation=None):
     """The kernel (or, with ``dequant``, the dequantize kernel) run by the emulator: float32 ``[M, N]`` (``[N, K]``);
     with ``perm`` the kernel reads ``x[:, perm]``; with ``rotation = (seed, block)`` (16-row tiles) it stages ``R·x``."""
-    from cuda_emulation import rotation_header, run
+    from cuda_emulation import dtype_kind, rotation_header, run
 
     free = "quick_alpha" in bufs
     zeros = bufs.get("quick_offset" if free else "quick_zeros")
     rot, rot_tensors = rotation_header(rotation, K)
     hdr = [x.shape[0], N, K, cfg.bits, cfg.group(K), *launch, int(x.dtype == torch.bfloat16), int(zeros is not None),
-           int(bias is not None), int(dequant), int(perm is not None), int(free), *rot]
+           dtype_kind(bias), int(dequant), int(perm is not None), int(free), *rot]
     tensors = [x, bufs["quick_qweight"], bufs["quick_alpha" if free else "quick_scales"], zeros,
-               None if bias is None else bias.float(), perm, *rot_tensors]
+               bias, perm, *rot_tensors]
     return run(exe, hdr, tensors, (N, K) if dequant else (x.shape[0], N))
 
 
@@ -472,6 +473,10 @@ def test_kernel_source_under_host_emulation(emulator, bits, imported, dtype):
         y64 = x.double() @ w64.T + bias.double()
         bound = xa @ werr.T + K * 2.0 ** -24 * (xa @ (w64.abs() + werr).T) + U[dtype] * y64.abs()
         assert ((y.double() - y64).abs() <= bound).all(), (M, tile_m, splits)
+        if M in (5, 40):  # a bias in x's dtype (split and direct epilogues): the same sums as it widened to fp32
+            b = bias.to(dtype)
+            assert torch.equal(_emulate(emulator, x, bufs, b, cfg, N, K, (tile_m, per_split, splits)),
+                               _emulate(emulator, x, bufs, b.float(), cfg, N, K, (tile_m, per_split, splits)))
     w = _emulate(emulator, torch.zeros(1, K).to(dtype), bufs, None, cfg, N, K, (16, 3, 1), dequant=True)
     assert torch.equal(w, quick.dense_from_fragments(quick.fragments(bufs, cfg, N, K, dtype)))
     # a K walk longer than the register ring (4 tiles in flight at tile_m 16, 2 at 64): slots refilled and reused

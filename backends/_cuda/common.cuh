@@ -27,6 +27,13 @@ __device__ __forceinline__ unsigned and_or(unsigned a, unsigned b, unsigned c) {
 #endif
 }
 
+// Bias of output n: fp32, or the kernel's own T (the bindings pass a layer's fp16/bf16 bias as it is, rather than
+// converting it to fp32 in an extra launch per call); fp16/bf16 -> fp32 is exact, so either gives the same sum.
+template <typename T>
+__device__ __forceinline__ float bias_at(const void* bias, DType dtype, int n) {
+  return dtype == DType::kFloat ? static_cast<const float*>(bias)[n] : to_float<T>(static_cast<const T*>(bias)[n]);
+}
+
 // Starts moving the line holding `p` (global memory) into L2; holds no register.
 __device__ __forceinline__ void prefetch_l2(const void* p) {
 #ifdef __CUDA_ARCH__
@@ -34,25 +41,27 @@ __device__ __forceinline__ void prefetch_l2(const void* p) {
 #endif
 }
 
-// y[i] = Σ_p partial[p, i] (in slice order: deterministic) + bias[i % N], the split-K reduction of the LUT GEMV and the
+// y[i] = Σ_p partial[p, i] (in slice order: deterministic) + bias[i % N] (bias_at), the split-K reduction of the LUT GEMV and the
 // QUICK GEMM: a second launch, one thread per output.  (Their reduction in each tile's last block to finish, as
 // reduce_splits_if_last below, was slower on the H200 at every split launch measured: +2.5 µs at 576² M = 1, +26-28 µs
 // at M = 8, since one block then sums a whole tile's partials; RESULTS.md, 2026-11-27.)
 template <typename T>
-__global__ void reduce_splits_kernel(const float* __restrict__ partial, const float* __restrict__ bias, T* __restrict__ y,
-                                     int splits, int M, int N) {
+__global__ void reduce_splits_kernel(const float* __restrict__ partial, const void* __restrict__ bias, DType bias_dtype,
+                                     T* __restrict__ y, int splits, int M, int N) {
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= M * N) return;
   float s = 0.f;
   for (int p = 0; p < splits; ++p) s += partial[(size_t)p * M * N + i];
-  if (bias) s += bias[i % N];
+  if (bias) s += bias_at<T>(bias, bias_dtype, i % N);
   y[i] = from_float<T>(s);
 }
 
 template <typename T>
-inline void reduce_splits(const float* partial, const float* bias, void* y, int splits, int M, int N, cudaStream_t stream) {
+inline void reduce_splits(const float* partial, const void* bias, DType bias_dtype, void* y, int splits, int M, int N,
+                          cudaStream_t stream) {
   const int total = M * N;
-  reduce_splits_kernel<T><<<(total + 255) / 256, 256, 0, stream>>>(partial, bias, static_cast<T*>(y), splits, M, N);
+  reduce_splits_kernel<T><<<(total + 255) / 256, 256, 0, stream>>>(partial, bias, bias_dtype, static_cast<T*>(y), splits,
+                                                                    M, N);
 }
 
 // Split-K without a second kernel, for the mixed GEMV (called by every thread of a block of a split launch, after the

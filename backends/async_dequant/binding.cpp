@@ -69,12 +69,9 @@ at::Tensor mixed_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Te
   qlinear::mixed::MixedGemvArgs a{};
   weights_of(codes, meta, sq, gtab, outlier_values, outlier_cols, outlier_row_ptr, N, K, group_size, scale_bits,
              scale_group_size, x.device(), a, "mixed_gemv");
-  at::Tensor bias32;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->numel() == N && bias->device() == x.device(), "mixed_gemv: bias must have N elements on x's device");
-    bias32 = bias->to(at::kFloat).contiguous();
-    a.bias = bias32.data_ptr<float>();
-  }
+  at::Tensor bias_holder;
+  qlinear::DType bias_dtype;  // always fp32 here: a kernel reading x's dtype as well spills at M = 7 (nvcc 13.0)
+  a.bias = static_cast<const float*>(qlinear::bias_arg(bias, N, x, bias_holder, bias_dtype, "mixed_gemv", false));
   at::Tensor y = at::empty({M, N}, x.options());
   at::Tensor partial;
   if (splits > 1) partial = at::empty({splits, std::min<int64_t>(M, 8), N}, x.options().dtype(at::kFloat));

@@ -250,7 +250,7 @@ __global__ void __launch_bounds__(256, 2) lut_gemv_kernel(const LutGemvArgs a, c
     for (int m = 0; m < M; ++m)
 #pragma unroll
       for (int r = 0; r < 4; ++r)
-        y[(size_t)m * N + n0 + r] = from_float<T>(acc[m][r] + (a.bias ? a.bias[n0 + r] : 0.f));
+        y[(size_t)m * N + n0 + r] = from_float<T>(acc[m][r] + (a.bias ? bias_at<T>(a.bias, a.bias_dtype, n0 + r) : 0.f));
   } else {
 #pragma unroll
     for (int m = 0; m < M; ++m)
@@ -378,7 +378,7 @@ cudaError_t launch(const LutGemvArgs& a, const Rotation& rot, cudaStream_t strea
   const dim3 grid(lut_gemv_tiles(a.N, a.threads), a.splits);
   if (a.splits > 1 && a.partial == nullptr) return cudaErrorInvalidValue;
   kernel<<<grid, a.threads, smem, stream>>>(a, rot);
-  if (a.splits > 1) reduce_splits<T>(a.partial, a.bias, a.y, a.splits, a.M, a.N, stream);
+  if (a.splits > 1) reduce_splits<T>(a.partial, a.bias, a.bias_dtype, a.y, a.splits, a.M, a.N, stream);
   return cudaGetLastError();
 }
 

@@ -18,7 +18,7 @@ struct LutGemvArgs {
   const void* alpha;        // [G, Q, N] fp16
   const void* offset;       // [G, N] offset_dtype, or nullptr
   const int* perm;          // [K]: the kernel reads x[:, perm] (act_order layers), or nullptr
-  const float* bias;        // [N] fp32, or nullptr
+  const void* bias;         // [N] bias_dtype (fp32 or x_dtype), or nullptr
   void* y;                  // [M, N], x_dtype
   float* partial;           // [splits, M, N] fp32 workspace when splits > 1
   int M, N, K, Q, group_size;
@@ -26,7 +26,7 @@ struct LutGemvArgs {
   int tiles_per_split;      // consecutive K tiles summed by one block
   int splits;               // gridDim.y; partial sums reduced in a fixed order (deterministic)
   int threads;              // threads per block; each thread owns 4 consecutive output rows
-  DType x_dtype, offset_dtype;
+  DType x_dtype, offset_dtype, bias_dtype;
 };
 
 // Blocks along N (gridDim.x): a block owns 4·threads rows.

@@ -55,8 +55,8 @@ at::Tensor bcq_lut_gemv(const at::Tensor& x, const at::Tensor& planes, const at:
               "bcq_lut_gemv: x, weights and bias must be on the same device");
   a.x = x.data_ptr();
   a.perm = qlinear::perm_ptr(perm, a.K, x, "bcq_lut_gemv");
-  at::Tensor bias32, partial;
-  a.bias = qlinear::bias_f32(bias, N, x, bias32, "bcq_lut_gemv");
+  at::Tensor bias_holder, partial;
+  a.bias = qlinear::bias_arg(bias, N, x, bias_holder, a.bias_dtype, "bcq_lut_gemv");
   a.partial = qlinear::split_workspace(splits, M, N, x, partial);
   qlinear::check_threads(threads, "bcq_lut_gemv");
   at::Tensor y = at::empty({M, N}, x.options());

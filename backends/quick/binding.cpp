@@ -65,8 +65,8 @@ at::Tensor quick_gemm(const at::Tensor& x, const at::Tensor& qweight, const at::
   TORCH_CHECK(splits >= 1 && tiles_per_split >= 1 && (splits - 1) * tiles_per_split < K / 64 &&
                   splits * tiles_per_split >= K / 64, "quick_gemm: the split plan does not cover the K tiles once");
   a.perm = qlinear::perm_ptr(perm, K, x, "quick_gemm");
-  at::Tensor bias32, partial;
-  a.bias = qlinear::bias_f32(bias, N, x, bias32, "quick_gemm");
+  at::Tensor bias_holder, partial;
+  a.bias = qlinear::bias_arg(bias, N, x, bias_holder, a.bias_dtype, "quick_gemm");
   a.partial = qlinear::split_workspace(splits, M, N, x, partial);
   TORCH_CHECK(tile_m == 16 || tile_m == 32 || tile_m == 64 || tile_m == 128, "quick_gemm: tile_m must be 16, 32, 64 or 128, got ",
               tile_m);

@@ -456,7 +456,7 @@ __global__ void __launch_bounds__(32 * kWarpsN * WM) quick_gemm_kernel(const Qui
         const int n = n_tile * kTileN + nt * 8 + 2 * (lane & 3);
         float v0 = acc[mt][nt][2 * half], v1 = acc[mt][nt][2 * half + 1];
         if (direct) {
-          if (a.bias) { v0 += a.bias[n]; v1 += a.bias[n + 1]; }
+          if (a.bias) { v0 += bias_at<T>(a.bias, a.bias_dtype, n); v1 += bias_at<T>(a.bias, a.bias_dtype, n + 1); }
           T2 out;
           out.x = from_float<T>(v0);
           out.y = from_float<T>(v1);
@@ -547,7 +547,7 @@ cudaError_t launch(const QuickArgs& a, const Rotation& rot, cudaStream_t stream)
   const dim3 grid((a.N + kTileN * kWarpsN - 1) / (kTileN * kWarpsN), (a.M + BM - 1) / BM, a.splits);
   if (a.splits > 1 && a.partial == nullptr) return cudaErrorInvalidValue;
   kernel<<<grid, 32 * kWarpsN * WM, smem, stream>>>(a, rot);
-  if (a.splits > 1) reduce_splits<T>(a.partial, a.bias, a.y, a.splits, a.M, a.N, stream);
+  if (a.splits > 1) reduce_splits<T>(a.partial, a.bias, a.bias_dtype, a.y, a.splits, a.M, a.N, stream);
   return cudaGetLastError();
 }
 

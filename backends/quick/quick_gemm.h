@@ -24,14 +24,14 @@ struct QuickArgs {
   const void* offsets;        // free α only
   bool free_alpha;
   const int* perm;            // [K] int32: the kernel reads x[:, perm] (act_order layers), or nullptr
-  const float* bias;          // [N] fp32, or nullptr
+  const void* bias;           // [N] bias_dtype (fp32 or x_dtype), or nullptr
   void* y;                    // [M, N] x_dtype; quick_dequantize: Ŵ [N, K] x_dtype
   float* partial;             // [splits, M, N] fp32 workspace when splits > 1
   int M, N, K, Q, group_size;
   int tile_m;                 // rows of x per block: 16, 32, 64 or 128
   int tiles_per_split;        // consecutive 64-input K tiles per block
   int splits;                 // gridDim.z; partials summed in slice order (deterministic)
-  DType x_dtype;
+  DType x_dtype, bias_dtype;
 };
 
 // Row stride (inputs) of x as a block of 16-row tiles without perm stages it whole: its K slice plus 8 (ldmatrix
