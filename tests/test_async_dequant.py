@@ -278,8 +278,7 @@ void run_blocks(const MixedGemvArgs& a) {
     run_grid(dim3(tiles, a.splits, 1), a.threads, [&a] { mixed_gemv_kernel<T, M, ASYNC, true>(a, g_rot); });
   else
     run_grid(dim3(tiles, a.splits, 1), a.threads, [&a] { mixed_gemv_kernel<T, M, ASYNC, false>(a, g_rot); });
-  for (int t = 0; a.splits > 1 && t < tiles; ++t)
-    if (a.counters[t]) { fprintf(stderr, "split-K counter %d left at %u\n", t, a.counters[t]); exit(3); }
+  if (a.splits > 1) emulate_reduce_splits<T>(a.partial, a.bias, DType::kFloat, a.y, a.splits, a.M, a.N);
 }
 
 template <typename T, int M>
@@ -318,8 +317,7 @@ int main(int argc, char** argv) {
   a.bias = h[18] ? bias.data() : nullptr;
   std::vector<uint16_t> y((size_t)M * N, 0x7E00);  // NaN-poisoned output
   std::vector<float> partial((size_t)h[11] * M * N, NAN);
-  std::vector<unsigned> counters(N, 0u);  // zero between launches, as split_counters keeps them
-  a.y = y.data(); a.partial = partial.data(); a.counters = counters.data();
+  a.y = y.data(); a.partial = partial.data();
   a.M = M; a.N = N; a.K = K; a.W = W; a.G = G; a.MW = MW;
   a.group_size = h[6]; a.scale_bits = h[7]; a.scale_group_size = h[8];
   a.threads = h[9]; a.tiles_per_split = h[10]; a.splits = h[11]; a.async_dequant = h[12];
@@ -604,3 +602,21 @@ def test_rotated_batches_match_the_kernels_instantiations():
 
     header = (Path(ad.__file__).parent / "mixed_gemv.h").read_text()
     assert int(re.search(r"constexpr int kRotatedMaxM = (\d+);", header).group(1)) == ad.ROTATED_MAX_M
+
+
+def test_plan_keeps_the_8_row_kernels_launch_bounds():
+    """At 8 rows of x (and so for every chunk of a larger batch) a block may have at most mixed_gemv.h's
+    kMaxThreadsM8 threads (the kernel's ``__launch_bounds__``: a larger block fails to launch); plan keeps to it on
+    every shape, while smaller batches may still take 256-thread blocks."""
+    import re
+    from pathlib import Path
+
+    header = (Path(ad.__file__).parent / "mixed_gemv.h").read_text()
+    assert int(re.search(r"constexpr int kMaxThreadsM8 = (\d+);", header).group(1)) == ad.MAX_THREADS_M8
+    shapes = [(576, 576), (1536, 576), (576, 1536), (8192, 8192), (28672, 8192), (96, 256)]
+    for N, K in shapes:
+        W = K // 16 + K // 64  # a quarter of the groups 4-bit at group size 16
+        for sms in (1, 132):
+            assert ad.plan(8, N, K, W, sms)[0] <= ad.MAX_THREADS_M8
+            assert ad.plan(64, N, K, W, sms) == ad.plan(8, N, K, W, sms)  # larger batches run chunks of 8
+    assert max(ad.plan(1, N, K, K // 16 + K // 64, 132)[0] for N, K in shapes) == 256

@@ -1,13 +1,9 @@
 // Helpers shared by the torch bindings of the CUDA backends (binding.cpp files only: this header needs torch).
 #pragma once
 #include <ATen/ATen.h>
-#include <c10/cuda/CUDAGraphsC10Utils.h>
 
 #include <algorithm>
-#include <map>
-#include <mutex>
 #include <optional>
-#include <vector>
 
 #include "dtype.h"
 
@@ -83,25 +79,6 @@ inline float* split_workspace(int64_t splits, int64_t M, int64_t N, const at::Te
 inline void check_threads(int64_t threads, const char* op) {
   TORCH_CHECK(threads >= 32 && threads <= 256 && threads % 32 == 0, op, ": threads must be a multiple of 32 in 32..256, got ",
               threads);
-}
-
-// `tiles` split-K tile counters on x's device for common.cuh's reduce_splits_if_last: zero between launches (the last
-// block of a tile resets its own), so one buffer per device serves every launch ordered on a stream; two streams
-// running split launches at once on one device would share them.  Created zeroed on first use (not inside a CUDA graph
-// capture: run the layer once before capturing, as torch.compile's warm-up does), grown when a launch needs more,
-// never freed (an older buffer may still be in use by a launch in flight).
-inline unsigned* split_counters(int64_t tiles, const at::Tensor& x, const char* op) {
-  static std::mutex mu;
-  static auto* held = new std::map<int, std::vector<at::Tensor>>();  // leaked: no CUDA frees at process exit
-  std::lock_guard<std::mutex> lock(mu);
-  auto& bufs = (*held)[x.get_device()];
-  if (bufs.empty() || bufs.back().numel() < tiles) {
-    TORCH_CHECK(c10::cuda::currentStreamCaptureStatusMayInitCtx() == c10::cuda::CaptureStatus::None, op,
-                ": its split-K counters are created on the first call, which cannot happen inside a CUDA graph capture;"
-                " run the layer once before capturing");
-    bufs.push_back(at::zeros({std::max<int64_t>(tiles, 4096)}, x.options().dtype(at::kInt)));
-  }
-  return reinterpret_cast<unsigned*>(bufs.back().data_ptr<int>());
 }
 
 }  // namespace qlinear

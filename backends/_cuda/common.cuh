@@ -41,10 +41,10 @@ __device__ __forceinline__ void prefetch_l2(const void* p) {
 #endif
 }
 
-// y[i] = Σ_p partial[p, i] (in slice order: deterministic) + bias[i % N] (bias_at), the split-K reduction of the LUT GEMV and the
-// QUICK GEMM: a second launch, one thread per output.  (Their reduction in each tile's last block to finish, as
-// reduce_splits_if_last below, was slower on the H200 at every split launch measured: +2.5 µs at 576² M = 1, +26-28 µs
-// at M = 8, since one block then sums a whole tile's partials; RESULTS.md, 2026-11-27.)
+// y[i] = Σ_p partial[p, i] (in slice order: deterministic) + bias[i % N] (bias_at), the split-K reduction of the LUT GEMV,
+// the QUICK GEMM and the mixed GEMV: a second launch, one thread per output.  (Their reduction in each tile's last block
+// to finish was slower on the H200 at every split launch measured: +2.5 µs at 576² M = 1, +26-28 µs at M = 8, since one
+// block then sums a whole tile's partials; RESULTS.md, 2026-11-27.)
 template <typename T>
 __global__ void reduce_splits_kernel(const float* __restrict__ partial, const void* __restrict__ bias, DType bias_dtype,
                                      T* __restrict__ y, int splits, int M, int N) {
@@ -62,32 +62,6 @@ inline void reduce_splits(const float* partial, const void* bias, DType bias_dty
   const int total = M * N;
   reduce_splits_kernel<T><<<(total + 255) / 256, 256, 0, stream>>>(partial, bias, bias_dtype, static_cast<T*>(y), splits,
                                                                     M, N);
-}
-
-// Split-K without a second kernel, for the mixed GEMV (called by every thread of a block of a split launch, after the
-// block has written its fp32 partials [splits, M, N] for its output tile [m0, m1) × [n0, n1)): the last block of the
-// tile to arrive, as counted by `counter` (zero between launches), sums the tile's partials in slice order, adds the
-// bias and writes y (reduce_splits_kernel's sum, so the result does not depend on which block arrives last), then
-// resets the counter.  The mixed GEMV got slower with it too (H200, 8192², M = 1 / 8: 30.9 / 63.7 -> 33.7 / 70.1 µs,
-// other changes included), but with reduce_splits instead its M = 8 and rotated M = 2 kernels spill registers (nvcc
-// 13.0): left for the mixed kernel's next rework.
-template <typename T>
-__device__ __forceinline__ void reduce_splits_if_last(const float* partial, const float* bias, T* y, int splits, int M,
-                                                      int N, int m0, int m1, int n0, int n1, unsigned* counter) {
-  __threadfence();  // this thread's partials, visible device-wide before the block's arrival is counted
-  __syncthreads();  // every thread's partials and fence done before thread 0 counts the block
-  const bool last = __syncthreads_or(threadIdx.x == 0 && atomicAdd(counter, 1u) == (unsigned)splits - 1);
-  if (!last) return;
-  __threadfence();
-  const int cols = n1 - n0;
-  for (int i = threadIdx.x; i < (m1 - m0) * cols; i += blockDim.x) {
-    const int m = m0 + i / cols, n = n0 + i % cols;
-    float s = 0.f;
-    for (int p = 0; p < splits; ++p) s += __ldcg(partial + ((size_t)p * M + m) * N + n);
-    if (bias) s += bias[n];
-    y[(size_t)m * N + n] = from_float<T>(s);
-  }
-  if (threadIdx.x == 0) *counter = 0u;
 }
 
 }  // namespace qlinear

@@ -221,9 +221,13 @@ def layout_bits(cfg, out_features: int, in_features: int) -> tuple[float, float]
     return spec_bits(canon) / (N * K), rep / (N * K)
 
 
+MAX_THREADS_M8 = 128  # threads per block of the 8-row kernels (kMaxThreadsM8 in mixed_gemv.h)
+
+
 def _resident(M: int) -> int:
-    """Threads per SM the kernel's register budget allows at ``M`` rows per launch (``__launch_bounds__``)."""
-    return 768 if M <= 2 else 512
+    """Threads per SM the kernel's register budget allows at ``M`` rows per launch (``__launch_bounds__``; a rotated
+    layer's 2-row kernel has 512, which this does not distinguish)."""
+    return 768 if M <= 2 else 384 if M == KERNEL_M else 512
 
 
 def _block_smem_cap(M: int, threads: int) -> int:
@@ -237,8 +241,8 @@ def plan(M: int, N: int, K: int, W: int, sms: int) -> tuple[int, int, int]:
     ``N`` rows and ``W`` code words per row.
 
     A thread owns 2 rows and a block ``2·threads`` rows; we aim at the resident threads per SM the kernel's
-    register budget allows (768 at M <= 2, ≤ 80 registers; 512 above, ≤ 128 registers) and pick, among
-    256/128/64/32-thread blocks, the split that minimises the L2 traffic it adds: the x slices staged per block
+    register budget allows (768 at M <= 2, ≤ 80 registers; 512 above, ≤ 128 registers; 384 at M = 8, ≤ 168 registers,
+    blocks of at most 128 threads) and pick, among 256/128/64/32-thread blocks, the split that minimises the L2 traffic it adds: the x slices staged per block
     (``blocks_n·K·2`` bytes per row of x) plus the fp32 split partials (``splits·N·8``).  A slice's inputs
     (``M·min(K, 64·tiles)·4`` bytes) must fit the shared memory a block may take at that occupancy (≤ 48 KiB)."""
     M = min(M, KERNEL_M)
@@ -246,6 +250,8 @@ def plan(M: int, N: int, K: int, W: int, sms: int) -> tuple[int, int, int]:
     resident = _resident(M)
     best = None
     for threads in (256, 128, 64, 32):
+        if M == KERNEL_M and threads > MAX_THREADS_M8:
+            continue
         blocks_n = -(-N // (2 * threads))
         cap = _block_smem_cap(M, threads)
         tps_max = T if M * K * 4 + 16 * T <= cap else max(1, (cap - 16) // (M * 64 * 4 + 16))

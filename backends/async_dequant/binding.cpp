@@ -70,17 +70,17 @@ at::Tensor mixed_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Te
   weights_of(codes, meta, sq, gtab, outlier_values, outlier_cols, outlier_row_ptr, N, K, group_size, scale_bits,
              scale_group_size, x.device(), a, "mixed_gemv");
   at::Tensor bias_holder;
-  qlinear::DType bias_dtype;  // always fp32 here: a kernel reading x's dtype as well spills at M = 7 (nvcc 13.0)
+  qlinear::DType bias_dtype;  // fp32: the kernel takes no other (mixed_gemv.h)
   a.bias = static_cast<const float*>(qlinear::bias_arg(bias, N, x, bias_holder, bias_dtype, "mixed_gemv", false));
   at::Tensor y = at::empty({M, N}, x.options());
   at::Tensor partial;
-  if (splits > 1) partial = at::empty({splits, std::min<int64_t>(M, 8), N}, x.options().dtype(at::kFloat));
   a.threads = (int)threads; a.tiles_per_split = (int)tiles_per_split; a.splits = (int)splits;
   a.async_dequant = async_dequant ? 1 : 0;
   a.x_dtype = x.scalar_type() == at::kHalf ? qlinear::DType::kHalf : qlinear::DType::kBFloat16;
-  a.partial = splits > 1 ? partial.data_ptr<float>() : nullptr;
+  a.partial = qlinear::split_workspace(splits, std::min<int64_t>(M, 8), N, x, partial);
   qlinear::check_threads(threads, "mixed_gemv");
-  if (splits > 1) a.counters = qlinear::split_counters(qlinear::mixed::mixed_gemv_tiles((int)N, (int)threads), x, "mixed_gemv");
+  TORCH_CHECK(M < 8 || threads <= qlinear::mixed::kMaxThreadsM8, "mixed_gemv: blocks of 8 rows of x take at most ",
+              qlinear::mixed::kMaxThreadsM8, " threads, got ", threads, " (async_dequant.plan keeps to it)");
   const auto stream = c10::cuda::getCurrentCUDAStream();
   const qlinear::Rotation rot = qlinear::rotation_of(rot_sign_bits, rot_block, rot_paley, K, x, "mixed_gemv");
   const size_t row_bytes = x.element_size();

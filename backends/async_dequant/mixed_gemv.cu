@@ -1,8 +1,10 @@
 // GEMV for the mixed 2/4/16 format (2/4/16-bit paper: intra-matrix 2-bit/4-bit groups, second-order
 // quantized scales, fp16 outliers in 2-bit groups) with asynchronous dequantization (paper §5, Alg. 1).
 //
-// Registers: __launch_bounds__(256, 3) at M <= 2 (≤ 80 registers, 768 resident threads per SM), (256, 2) above
-// (≤ 128 registers, 512 threads); ptxas -v shows no spills for sm_80 and sm_90a (tests/test_native_build.py).
+// Registers: __launch_bounds__(256, 3) at M <= 2 (≤ 80 registers, 768 resident threads per SM; rotated: M = 1 only),
+// (256, 2) above (≤ 128 registers, 512 threads), (128, 3) at M = 8 (≤ 168 registers, 384 threads: at 128 its async
+// kernel spills 8 bytes, as the rotated M = 2 kernel does at 80 on sm_80; nvcc 13.0); ptxas -v shows no spills for
+// sm_80 and sm_90a (tests/test_native_build.py).
 //
 // Work split: a thread owns 2 rows (lane and lane + 32 of its warp's 64 rows); per tile of 4 code words it
 // issues one 16-byte load per row, so a warp reads two 512-byte contiguous segments (layout [Tf][N][4]).
@@ -28,7 +30,9 @@
 //
 // Outliers (CSR; 2-bit groups by default, any column works) are fused: after its main loop each block adds, in CSR order, the
 // outliers of its rows whose column lies in its K span, reading x from shared memory.  Split partials are
-// summed in slice order by the last block of each row tile to finish: deterministic, fp32 accumulation throughout.
+// summed in slice order by common.cuh's reduce_splits, a second launch: deterministic, fp32 accumulation throughout.
+// (Summing them in each row tile's last block instead, 2026-11-27, was slower on the H200: 30.9 -> 33.7 µs at 8192²,
+// M = 1, as it was for the LUT GEMV and the QUICK GEMM; one block then reads a whole tile's partials.)
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -191,7 +195,7 @@ __device__ __forceinline__ int span_of(int M, int K, int tiles_per_split) {
 // ROT: a rotated layer, whose blocks stage R·x themselves (an instantiation of its own, M <= 7: with the transform's
 // registers the M = 8 kernels spill on sm_90a, and an unrotated one with a runtime branch spills in its main loop).
 template <typename T, int M, bool ASYNC, bool ROT>
-__global__ void __launch_bounds__(256, M <= 2 ? 3 : 2) mixed_gemv_kernel(const MixedGemvArgs a, const Rotation rot) {
+__global__ void __launch_bounds__(M == 8 ? 128 : 256, M == 8 ? 3 : M <= (ROT ? 1 : 2) ? 3 : 2) mixed_gemv_kernel(const MixedGemvArgs a, const Rotation rot) {
   extern __shared__ float4 smem4[];
   const int span = span_of(M, a.K, a.tiles_per_split);
   float* xs = reinterpret_cast<float*>(smem4);            // [M][span]
@@ -239,8 +243,7 @@ __global__ void __launch_bounds__(256, M <= 2 ? 3 : 2) mixed_gemv_kernel(const M
 
   const int row0 = blockIdx.x * (2 * blockDim.x) + warp * 64 + lane;
   const bool active[2] = {row0 < N, row0 + 32 < N};
-  // no barriers until the split reduction, which every thread of a split launch reaches (rows clamped to N - 1)
-  if (!active[0] && a.splits == 1) return;
+  if (!active[0]) return;  // no barrier below
   Rows rows;
   MetaWindow win[2] = {{-2, 0u, 0u}, {-2, 0u, 0u}};
 #pragma unroll
@@ -324,11 +327,6 @@ __global__ void __launch_bounds__(256, M <= 2 ? 3 : 2) mixed_gemv_kernel(const M
       for (int m = 0; m < M; ++m) a.partial[((size_t)blockIdx.y * M + m) * N + n] = acc[r][m];
     }
   }
-  if (a.splits > 1) {
-    const int tile_n0 = blockIdx.x * (2 * blockDim.x);
-    reduce_splits_if_last<T>(a.partial, a.bias, static_cast<T*>(a.y), a.splits, M, N, 0, M, tile_n0,
-                             min(N, tile_n0 + 2 * (int)blockDim.x), a.counters + blockIdx.x);
-  }
 }
 
 template <typename T, int M, bool ASYNC>
@@ -345,8 +343,9 @@ cudaError_t launch(const MixedGemvArgs& a, const Rotation& rot, cudaStream_t str
     if (e != cudaSuccess) return e;
   }
   const dim3 grid(mixed_gemv_tiles(a.N, a.threads), a.splits);
-  if (a.splits > 1 && (a.partial == nullptr || a.counters == nullptr)) return cudaErrorInvalidValue;
+  if ((a.splits > 1 && a.partial == nullptr) || (M == 8 && a.threads > kMaxThreadsM8)) return cudaErrorInvalidValue;
   kernel<<<grid, a.threads, smem, stream>>>(a, rot);
+  if (a.splits > 1) reduce_splits<T>(a.partial, a.bias, DType::kFloat, a.y, a.splits, M, a.N, stream);
   return cudaGetLastError();
 }
 

@@ -28,10 +28,9 @@ struct MixedGemvArgs {
   const void* outlier_values;  // [nnz] fp16, or nullptr (no fused outliers)
   const void* outlier_cols;    // [nnz] int16 (cols_int32 = 0) or int32
   const int* outlier_row_ptr;  // [N + 1]
-  const float* bias;           // [N] fp32, or nullptr
+  const float* bias;           // [N] fp32, or nullptr (a bias in x's dtype as well: its M = 7 kernels spill)
   void* y;                     // [M, N], x_dtype
   float* partial;              // [splits, M, N] fp32 workspace when splits > 1
-  unsigned* counters;          // [gridDim.x] zero split-K tile counters when splits > 1
   int M, N, K, W, G, MW;          // W = code words per row
   int group_size, scale_bits, scale_group_size;
   int threads;                 // threads per block (multiple of 32, <= 256); a thread owns 2 rows
@@ -42,7 +41,9 @@ struct MixedGemvArgs {
   DType x_dtype;               // kHalf or kBFloat16
 };
 
-// Blocks along N (gridDim.x), one split-K counter each: a block owns 2·threads rows.
+// Blocks along N (gridDim.x): a block owns 2·threads rows.  At M = 8 a block has at most kMaxThreadsM8 threads (its
+// launch bounds; backends/async_dequant/__init__.py's plan keeps to it).
+constexpr int kMaxThreadsM8 = 128;
 inline int mixed_gemv_tiles(int N, int threads) { return (N + 2 * threads - 1) / (2 * threads); }
 
 // Shared memory (bytes) one block needs: x of its K span in fp32 [M][span], its word table [4·tiles_per_split], and for a
@@ -57,7 +58,7 @@ __host__ __device__ inline size_t mixed_gemv_smem_bytes(int M, int K, int tiles_
 // Rows of x per launch up to which a rotated layer's blocks stage R·x themselves.
 constexpr int kRotatedMaxM = 7;
 
-// Launches the GEMV on `stream` (with splits > 1 the last block of each row tile sums its partials); with rot.block > 0
+// Launches the GEMV on `stream` (with splits > 1, then reduce_splits over its partials); with rot.block > 0
 // each block stages R·x of its K span itself (a kernel argument of its own, as for lut_gemv; M <= kRotatedMaxM).
 // Returns cudaErrorInvalidValue for an unsupported M (1..8), dtype, rotation or launch shape.
 cudaError_t mixed_gemv(const MixedGemvArgs& args, const Rotation& rot, cudaStream_t stream);
