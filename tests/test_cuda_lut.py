@@ -324,10 +324,11 @@ def test_kernel_source_under_host_emulation(emulator, bits, group_size, offset, 
             y = _emulate(emulator, x, bufs, mod.bias, cfg, N, K, launch)
             err = (y.double() - y64).abs()
             assert (err <= _bound(mod, x, eps, y64)).all(), (M, launch, err.max().item())
-            if M == 3:  # a bias in x's dtype is read as it is: the same sums as that bias widened to fp32
-                b = mod.bias.detach().to(dtype)
-                assert torch.equal(_emulate(emulator, x, bufs, b, cfg, N, K, launch),
-                                   _emulate(emulator, x, bufs, b.float(), cfg, N, K, launch)), launch
+            if M == 3:  # a bias in x's dtype is read as it is: the same sums as that bias widened to fp32, in the
+                b = mod.bias.detach().to(dtype)  # split launch's reduction and in the kernel's own epilogue (one split)
+                for lc in (launch, (*launch[:2], -(-K // launch[0]), 1)):
+                    assert torch.equal(_emulate(emulator, x, bufs, b, cfg, N, K, lc),
+                                       _emulate(emulator, x, bufs, b.float(), cfg, N, K, lc)), lc
     # the dequantize kernel (row and K tiles cut by N = 96 or 288 and K = 320): the format's float32 Ŵ bit for bit, and its one
     # rounding to x's dtype, also for a round-to-nearest layer, whose s·(q − z) storage the layout holds as uniform α
     # and an offset

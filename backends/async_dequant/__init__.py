@@ -81,7 +81,6 @@ __all__ = ["LAYOUT", "MAX_BATCH", "NAMES", "plan", "spec", "repack", "unrepack",
 
 MAX_BATCH = 64      # kernel M <= 8 per launch; 9..64 loops over chunks of 8 (to be confirmed by the benchmark)
 KERNEL_M = 8
-ROTATED_MAX_M = 7  # rows up to which the kernel stages a rotated layer's R·x (kRotatedMaxM in mixed_gemv.h)
 SMEM_CAP = 48 * 1024
 _HERE = Path(__file__).parent
 _MASK32 = 0xFFFFFFFF
@@ -241,9 +240,9 @@ def plan(M: int, N: int, K: int, W: int, sms: int) -> tuple[int, int, int]:
     ``N`` rows and ``W`` code words per row.
 
     A thread owns 2 rows and a block ``2·threads`` rows; we aim at the resident threads per SM the kernel's
-    register budget allows (768 at M <= 2, ≤ 80 registers; 512 above, ≤ 128 registers; 384 at M = 8, ≤ 168 registers,
-    blocks of at most 128 threads) and pick, among 256/128/64/32-thread blocks, the split that minimises the L2 traffic it adds: the x slices staged per block
-    (``blocks_n·K·2`` bytes per row of x) plus the fp32 split partials (``splits·N·8``).  A slice's inputs
+    register budget allows (768 at M <= 2, ≤ 80 registers; 512 above, ≤ 128 registers; 384 at M = 8, ≤ 168
+    registers, blocks of at most 128 threads) and pick, among 256/128/64/32-thread blocks, the split that minimises
+    the L2 traffic it adds: the x slices staged per block (``blocks_n·K·2`` bytes per row of x) plus the fp32 split partials (``splits·N·8``).  A slice's inputs
     (``M·min(K, 64·tiles)·4`` bytes) must fit the shared memory a block may take at that occupancy (≤ 48 KiB)."""
     M = min(M, KERNEL_M)
     T = -(-W // 4)
@@ -390,14 +389,13 @@ def linear(x: torch.Tensor, buffers: dict, bias, cfg, out_features: int, in_feat
     ``async_dequant=False`` runs the same kernel synchronously (scales dequantized, then codes loaded), for
     the benchmark.  ``outliers="separate"`` leaves them out of the kernel and adds a torch.sparse CSR SpMV
     (fp32) instead, for the benchmark's comparison; ``"fused"`` (default) adds them inside the kernel.  A rotated
-    layer's ``rotation = (seed, block)``: up to :data:`ROTATED_MAX_M` rows each block stages ``R·x`` of its span
-    itself where the transform's work area still fits its share of shared memory (:func:`staged_smem_bytes`), else
+    layer's ``rotation = (seed, block)``: each block stages ``R·x`` of its span (of each chunk of 8 rows) itself where the transform's work area still fits its share of shared memory (:func:`staged_smem_bytes`), else
     x is rotated first (:func:`qlinear.backends._gpu.staged_rotation`).
     """
     N, K = out_features, in_features
     M = x.numel() // K
     threads, per_split, _ = launch = plan(M, N, K, buffers["ad_codes"].numel() // N, _sms(x.device.index or 0))
-    smem = staged_smem_bytes(M, K, per_split, rotation[1]) if rotation and M <= ROTATED_MAX_M else math.inf
+    smem = staged_smem_bytes(M, K, per_split, rotation[1]) if rotation else math.inf
     x, rot = staged_rotation(x, rotation, smem, _block_smem_cap(min(M, KERNEL_M), threads))
     x2 = x.reshape(-1, K).contiguous()
     fused = outliers == "fused"

@@ -192,8 +192,8 @@ __device__ __forceinline__ int span_of(int M, int K, int tiles_per_split) {
   return min(K, 64 * tiles_per_split);  // a tile covers at most 4 words × 16 inputs
 }
 
-// ROT: a rotated layer, whose blocks stage R·x themselves (an instantiation of its own, M <= 7: with the transform's
-// registers the M = 8 kernels spill on sm_90a, and an unrotated one with a runtime branch spills in its main loop).
+// ROT: a rotated layer, whose blocks stage R·x themselves (an instantiation of its own: an unrotated one with a runtime
+// branch spills in its main loop).
 template <typename T, int M, bool ASYNC, bool ROT>
 __global__ void __launch_bounds__(M == 8 ? 128 : 256, M == 8 ? 3 : M <= (ROT ? 1 : 2) ? 3 : 2) mixed_gemv_kernel(const MixedGemvArgs a, const Rotation rot) {
   extern __shared__ float4 smem4[];
@@ -332,12 +332,7 @@ __global__ void __launch_bounds__(M == 8 ? 128 : 256, M == 8 ? 3 : M <= (ROT ? 1
 template <typename T, int M, bool ASYNC>
 cudaError_t launch(const MixedGemvArgs& a, const Rotation& rot, cudaStream_t stream) {
   const size_t smem = mixed_gemv_smem_bytes(M, a.K, a.tiles_per_split, rot.block);
-  auto kernel = mixed_gemv_kernel<T, M, ASYNC, false>;
-  if constexpr (M <= kRotatedMaxM) {
-    if (rot.block) kernel = mixed_gemv_kernel<T, M, ASYNC, true>;
-  } else {
-    if (rot.block) return cudaErrorInvalidValue;
-  }
+  const auto kernel = rot.block ? mixed_gemv_kernel<T, M, ASYNC, true> : mixed_gemv_kernel<T, M, ASYNC, false>;
   if (smem > 48 * 1024) {
     const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
     if (e != cudaSuccess) return e;

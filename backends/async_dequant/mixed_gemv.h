@@ -55,11 +55,8 @@ __host__ __device__ inline size_t mixed_gemv_smem_bytes(int M, int K, int tiles_
   return (own + 15) / 16 * 16 + sizeof(float) * (size_t)(rotation_block > 256 ? rotation_block : rotation_block ? 256 : 0);
 }
 
-// Rows of x per launch up to which a rotated layer's blocks stage R·x themselves.
-constexpr int kRotatedMaxM = 7;
-
 // Launches the GEMV on `stream` (with splits > 1, then reduce_splits over its partials); with rot.block > 0
-// each block stages R·x of its K span itself (a kernel argument of its own, as for lut_gemv; M <= kRotatedMaxM).
+// each block stages R·x of its K span itself (a kernel argument of its own, as for lut_gemv).
 // Returns cudaErrorInvalidValue for an unsupported M (1..8), dtype, rotation or launch shape.
 cudaError_t mixed_gemv(const MixedGemvArgs& args, const Rotation& rot, cudaStream_t stream);
 
