@@ -223,36 +223,36 @@ def layout_bits(cfg, out_features: int, in_features: int) -> tuple[float, float]
 MAX_THREADS_M8 = 128  # threads per block of the 8-row kernels (kMaxThreadsM8 in mixed_gemv.h)
 
 
-def _resident(M: int) -> int:
-    """Threads per SM the kernel's register budget allows at ``M`` rows per launch (``__launch_bounds__``; a rotated
-    layer's 2-row kernel has 512, which this does not distinguish)."""
-    return 768 if M <= 2 else 384 if M == KERNEL_M else 512
+def _resident(M: int, rotated: bool = False) -> int:
+    """Threads per SM the kernel's register budget allows at ``M`` rows per launch (its ``__launch_bounds__``)."""
+    return 768 if M <= (1 if rotated else 2) else 384 if M == KERNEL_M else 512
 
 
-def _block_smem_cap(M: int, threads: int) -> int:
+def _block_smem_cap(M: int, threads: int, rotated: bool = False) -> int:
     """Shared memory a block of ``threads`` may take at the occupancy :func:`plan` aims at."""
-    return min(SMEM_CAP, 224 * 1024 * threads // _resident(M))
+    return min(SMEM_CAP, 224 * 1024 * threads // _resident(M, rotated))
 
 
 @functools.lru_cache(maxsize=4096)  # per call of every layer: a lookup instead of ~2 µs of arithmetic
-def plan(M: int, N: int, K: int, W: int, sms: int) -> tuple[int, int, int]:
+def plan(M: int, N: int, K: int, W: int, sms: int, rotated: bool = False) -> tuple[int, int, int]:
     """Launch shape ``(threads, tiles_per_split, splits)`` for ``x`` ``[M, K]`` (M > 8 runs chunks of 8),
-    ``N`` rows and ``W`` code words per row.
+    ``N`` rows and ``W`` code words per row; ``rotated``: for the kernels that stage a rotated layer's ``R·x``.
 
     A thread owns 2 rows and a block ``2·threads`` rows; we aim at the resident threads per SM the kernel's
-    register budget allows (768 at M <= 2, ≤ 80 registers; 512 above, ≤ 128 registers; 384 at M = 8, ≤ 168
-    registers, blocks of at most 128 threads) and pick, among 256/128/64/32-thread blocks, the split that minimises
-    the L2 traffic it adds: the x slices staged per block (``blocks_n·K·2`` bytes per row of x) plus the fp32 split partials (``splits·N·8``).  A slice's inputs
-    (``M·min(K, 64·tiles)·4`` bytes) must fit the shared memory a block may take at that occupancy (≤ 48 KiB)."""
+    register budget allows (768 at M <= 2, ≤ 80 registers, but 512 for a rotated layer at M = 2; 512 above, ≤ 128
+    registers; 384 at M = 8, ≤ 168 registers, blocks of at most 128 threads) and pick, among 256/128/64/32-thread
+    blocks, the split that minimises the L2 traffic it adds: the x slices staged per block (``blocks_n·K·2`` bytes
+    per row of x) plus the fp32 split partials (``splits·N·8``).  A slice's inputs (``M·min(K, 64·tiles)·4`` bytes)
+    must fit the shared memory a block may take at that occupancy (≤ 48 KiB)."""
     M = min(M, KERNEL_M)
     T = -(-W // 4)
-    resident = _resident(M)
+    resident = _resident(M, rotated)
     best = None
     for threads in (256, 128, 64, 32):
         if M == KERNEL_M and threads > MAX_THREADS_M8:
             continue
         blocks_n = -(-N // (2 * threads))
-        cap = _block_smem_cap(M, threads)
+        cap = _block_smem_cap(M, threads, rotated)
         tps_max = T if M * K * 4 + 16 * T <= cap else max(1, (cap - 16) // (M * 64 * 4 + 16))
         want = max(1, -(-sms * resident // threads // blocks_n))
         splits = max(-(-T // tps_max), min(want, T))
@@ -394,9 +394,10 @@ def linear(x: torch.Tensor, buffers: dict, bias, cfg, out_features: int, in_feat
     """
     N, K = out_features, in_features
     M = x.numel() // K
-    threads, per_split, _ = launch = plan(M, N, K, buffers["ad_codes"].numel() // N, _sms(x.device.index or 0))
+    threads, per_split, _ = launch = plan(M, N, K, buffers["ad_codes"].numel() // N, _sms(x.device.index or 0),
+                                          rotation is not None)
     smem = staged_smem_bytes(M, K, per_split, rotation[1]) if rotation else math.inf
-    x, rot = staged_rotation(x, rotation, smem, _block_smem_cap(min(M, KERNEL_M), threads))
+    x, rot = staged_rotation(x, rotation, smem, _block_smem_cap(min(M, KERNEL_M), threads, rotation is not None))
     x2 = x.reshape(-1, K).contiguous()
     fused = outliers == "fused"
     has = buffers["ad_outlier_values"].numel() > 0
