@@ -389,15 +389,16 @@ def linear(x: torch.Tensor, buffers: dict, bias, cfg, out_features: int, in_feat
     ``async_dequant=False`` runs the same kernel synchronously (scales dequantized, then codes loaded), for
     the benchmark.  ``outliers="separate"`` leaves them out of the kernel and adds a torch.sparse CSR SpMV
     (fp32) instead, for the benchmark's comparison; ``"fused"`` (default) adds them inside the kernel.  A rotated
-    layer's ``rotation = (seed, block)``: each block stages ``R·x`` of its span (of each chunk of 8 rows) itself where the transform's work area still fits its share of shared memory (:func:`staged_smem_bytes`), else
-    x is rotated first (:func:`qlinear.backends._gpu.staged_rotation`).
+    layer's ``rotation = (seed, block)``: each block stages ``R·x`` of its span (of each chunk of 8 rows) itself where
+    the transform's work area still fits its share of shared memory (:func:`staged_smem_bytes`), else x is rotated
+    first (:func:`qlinear.backends._gpu.staged_rotation`).
     """
     N, K = out_features, in_features
     M = x.numel() // K
-    threads, per_split, _ = launch = plan(M, N, K, buffers["ad_codes"].numel() // N, _sms(x.device.index or 0),
-                                          rotation is not None)
-    smem = staged_smem_bytes(M, K, per_split, rotation[1]) if rotation else math.inf
-    x, rot = staged_rotation(x, rotation, smem, _block_smem_cap(min(M, KERNEL_M), threads, rotation is not None))
+    rotated = rotation is not None
+    threads, per_split, _ = launch = plan(M, N, K, buffers["ad_codes"].numel() // N, _sms(x.device.index or 0), rotated)
+    smem = staged_smem_bytes(M, K, per_split, rotation[1]) if rotated else math.inf
+    x, rot = staged_rotation(x, rotation, smem, _block_smem_cap(min(M, KERNEL_M), threads, rotated))
     x2 = x.reshape(-1, K).contiguous()
     fused = outliers == "fused"
     has = buffers["ad_outlier_values"].numel() > 0

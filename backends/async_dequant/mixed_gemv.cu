@@ -195,7 +195,8 @@ __device__ __forceinline__ int span_of(int M, int K, int tiles_per_split) {
 // ROT: a rotated layer, whose blocks stage R·x themselves (an instantiation of its own: an unrotated one with a runtime
 // branch spills in its main loop).
 template <typename T, int M, bool ASYNC, bool ROT>
-__global__ void __launch_bounds__(M == 8 ? 128 : 256, M == 8 ? 3 : M <= (ROT ? 1 : 2) ? 3 : 2) mixed_gemv_kernel(const MixedGemvArgs a, const Rotation rot) {
+__global__ void __launch_bounds__(M == 8 ? kMaxThreadsM8 : 256, M == 8 ? 3 : M <= (ROT ? 1 : 2) ? 3 : 2)
+    mixed_gemv_kernel(const MixedGemvArgs a, const Rotation rot) {
   extern __shared__ float4 smem4[];
   const int span = span_of(M, a.K, a.tiles_per_split);
   float* xs = reinterpret_cast<float*>(smem4);            // [M][span]
