@@ -360,26 +360,26 @@ def _(qweight, scales, zeros, group_size, K, dtype):
     return qweight.new_empty(qweight.shape[0] * 32, K, dtype=dtype)
 
 
-_lib.define("mixed_dequantize(Tensor codes, Tensor meta, Tensor sq, Tensor gtab, Tensor? outlier_values, "
+_lib.define("mixed_dequantize(Tensor codes, Tensor meta, Tensor sq, Tensor tab, Tensor? outlier_values, "
             "Tensor? outlier_cols, Tensor? outlier_row_ptr, int N, int K, int group_size, int scale_bits, "
             "int scale_group_size, ScalarType dtype) -> Tensor")
 
 
 @torch.library.register_fake("qlinear::mixed_dequantize")
-def _(codes, meta, sq, gtab, outlier_values, outlier_cols, outlier_row_ptr, N, K, group_size, scale_bits,
+def _(codes, meta, sq, tab, outlier_values, outlier_cols, outlier_row_ptr, N, K, group_size, scale_bits,
       scale_group_size, dtype):
     """Dense ``Ŵ`` ``[N, K]`` of ``dtype`` from the :mod:`qlinear.backends.async_dequant` layout."""
     return codes.new_empty(N, K, dtype=dtype)
 
 
-_lib.define("mixed_gemv(Tensor x, Tensor codes, Tensor meta, Tensor sq, Tensor gtab, Tensor? outlier_values, "
+_lib.define("mixed_gemv(Tensor x, Tensor codes, Tensor meta, Tensor sq, Tensor tab, Tensor? outlier_values, "
             "Tensor? outlier_cols, Tensor? outlier_row_ptr, Tensor? bias, int N, int group_size, int scale_bits, "
             "int scale_group_size, int threads, int tiles_per_split, int splits, bool async_dequant, "
             "Tensor? rot_sign_bits=None, int rot_block=0, Tensor? rot_paley=None) -> Tensor")
 
 
 @torch.library.register_fake("qlinear::mixed_gemv")
-def _(x, codes, meta, sq, gtab, outlier_values, outlier_cols, outlier_row_ptr, bias, N, group_size, scale_bits,
+def _(x, codes, meta, sq, tab, outlier_values, outlier_cols, outlier_row_ptr, bias, N, group_size, scale_bits,
       scale_group_size, threads, tiles_per_split, splits, async_dequant, rot_sign_bits=None, rot_block=0, rot_paley=None):
     """Mixed 2/4/16 GEMV of :mod:`qlinear.backends.async_dequant`: ``x`` ``[M, K]`` fp16/bf16 (a rotated layer's
     ``R·x`` with ``rot_block`` > 0, :func:`qlinear.backends._gpu.staged_rotation`) -> ``[M, N]``."""

@@ -1,12 +1,15 @@
 """Mixed 2/4/16 GEMV with asynchronous dequantization: its layout and executable spec on CPU, registry rules,
 and the kernel on a GPU.
 
-Error bound used throughout (fp32 accumulation): per word the kernel forms Σ_i (q_i − z)·x_i over ≤ 16 inputs
-(exact products q − z), scales it by ŝ = fma(scale_scale, code, scale_zero) (one rounding, the reference
-rounds twice and once more for ŝ·(q − z)), accumulates the W words of a split and the row's outliers in
-sequence, then sums the splits, so ``|y − y₆₄| ≤ (W + 64 + nnz_row)·u₃₂ · Σ_k (|ŵ_k| + |o_k|)·|x_k|`` with
-``u₃₂ = 2⁻²⁴``, ``ŵ`` the codes' part of the weight and ``o`` the outliers, plus one rounding of the output
-(``u_out·|y|``) for fp16/bf16 outputs.
+Error bound used throughout: per word the kernel forms Σ_i (q_i − z)·x'_i over ≤ 16 inputs as two half2 lanes of
+≤ 8 fp16 fused multiply-adds each (q − z exact, x' = x·2^s exact), so each lane errs by at most 8·u₁₆ of its
+Σ|(q − z)·x'| (``u₁₆ = 2⁻¹¹``), plus fp16 subnormal roundings (``≤ 2⁻²⁵`` each in units of x', which are at most
+max|x|/512); it scales the lanes' fp32 sum by ŝ = fma(scale_scale, code, scale_zero) (one rounding, the reference
+rounds twice and once more for ŝ·(q − z)), accumulates the W words of a split and the row's outliers in fp32, then
+sums the splits, so ``|y − y₆₄| ≤ ((W + 64 + nnz_row)·u₃₂ + 8·u₁₆) · Σ_k (|ŵ_k| + |o_k|)·|x_k| + W·2⁻²⁵·max|x|·max ŝ``
+with ``u₃₂ = 2⁻²⁴``, ``ŵ`` the codes' part of the weight and ``o`` the outliers, plus one rounding of the output
+(``u_out·|y|``) for fp16/bf16 outputs.  Where every half2 sum is exact (x of few significant bits: :func:`_dyadic`)
+the fp16 terms drop out, which makes a single wrong code visible at any K.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from qlinear.backends import async_dequant as ad
 from qlinear.formats import mixed
 
 U32 = 2.0 ** -24
+U16 = 2.0 ** -11
 DEFAULT = mixed.Config()
 
 
@@ -39,13 +43,25 @@ def _mag(bufs: dict, cfg, N: int, K: int, x: torch.Tensor) -> torch.Tensor:
     return x.double().abs().to(w.device) @ w.T
 
 
-def _bound(bufs, cfg, N, K, x, out_eps=0.0, y64=None):
-    W = ad._word_table(mixed.group_kinds(bufs["idx4"], K // cfg.group_size), cfg.group_size)[0].numel()
+def _bound(bufs, cfg, N, K, x, out_eps=0.0, y64=None, half_sums=True):
+    """The module docstring's bound ``[M, N]`` float64 from canonical buffers; ``half_sums=False`` where every half2
+    sum is exact (:func:`_dyadic` inputs)."""
+    W = ad._tables(mixed.group_kinds(bufs["idx4"], K // cfg.group_size), cfg.group_size, cfg.scale_bits)["src"].numel()
     nnz_row = int(bufs["outlier_row_ptr"].long().diff().max()) if N else 0
-    bound = (W + 64 + nnz_row) * U32 * _mag(bufs, cfg, N, K, x)
+    bound = ((W + 64 + nnz_row) * U32 + 8 * U16 * half_sums) * _mag(bufs, cfg, N, K, x)
+    if half_sums:
+        s_max = (bufs["scale_scale"].double().abs() * ((1 << cfg.scale_bits) - 1) + bufs["scale_zero"].double().abs()).max()
+        amax = x.double().abs().amax(1, keepdim=True).to(bound.device)
+        bound = bound + W * 2.0 ** -25 * amax * float(s_max)
     if out_eps:
         bound = bound + out_eps * y64.abs().to(bound.device)
     return bound
+
+
+def _dyadic(M: int, K: int, dtype=torch.float16) -> torch.Tensor:
+    """x ``[M, K]`` of multiples of 1/8 in [−0.5, 0.5]: scaled to fp16 by the kernel, every product and half2 sum of a
+    word is exact (at most 8 bits), so the kernel's error is that of fp32 accumulation alone."""
+    return (torch.randint(-4, 5, (M, K)) / 8).to(dtype)
 
 
 def _ref(bufs, cfg, N, K, x, bias=None):
@@ -138,8 +154,9 @@ def test_spec_catches_a_wrong_layout():
     W = _W(bufs, cfg)
     row_major = bufs["ad_codes"][: 4 * (W // 4) * N].reshape(W // 4, N, 4).transpose(0, 1).reshape(-1)
     for key, bad in (("ad_codes", torch.cat([row_major, bufs["ad_codes"][4 * (W // 4) * N:]])),
-                     ("ad_gtab", bufs["ad_gtab"] + 1),
-                     ("ad_sq", bufs["ad_sq"].flip(0).contiguous())):
+                     ("ad_tab", torch.cat([bufs["ad_tab"][:K // 16], bufs["ad_tab"][K // 16:K // 16 + W] + (2 << 20),
+                                          bufs["ad_tab"][K // 16 + W:]])),  # every record read 2 bits off
+                     ("ad_sqt", bufs["ad_sqt"].flip(0).contiguous())):
         y = ad.spec(x, dict(bufs, **{key: bad}), None, cfg, N, K, launch)
         assert not ((y.double() - y64).abs() <= bound).all(), key
 
@@ -183,39 +200,56 @@ def test_word_table_walks_K_in_order():
     cfg = DEFAULT
     G = 40
     is4 = torch.rand(G, generator=torch.Generator().manual_seed(0)) < 0.3
-    wtab, _ = ad._word_table(is4, cfg.group_size)
-    spans = [ad._entry(int(e), cfg.group_size) for e in wtab]
+    tab = ad._tables(is4, cfg.group_size, cfg.scale_bits)
     k = 0
-    for grp, w4, k0, cnt in spans:
+    for grp, e in zip(tab["grp"].tolist(), tab["wtab"].tolist()):
+        k0, _, w4, cnt = ad._entry(e)
         assert k0 == k and bool(is4[grp]) == w4 and grp == k0 // cfg.group_size
         k += cnt
-    assert k == G * cfg.group_size and len(spans) == int((~is4).sum()) + 2 * int(is4.sum())
+    assert k == G * cfg.group_size and tab["wtab"].numel() == int((~is4).sum()) + 2 * int(is4.sum())
 
 
-@pytest.mark.parametrize("name", ["default", "g32", "g48_sb8_sg7", "no_4bit", "all_4bit"])
-def test_blocks_expand_the_group_table_into_the_word_table(name):
-    """What each block rebuilds in shared memory from ``ad_gtab`` (binary search + expansion) is the word table."""
+@pytest.mark.parametrize("name", ["default", "g32", "g48_sb8_sg7", "no_4bit", "all_4bit", "sb2_no_outliers"])
+def test_tile_windows_hold_every_word_s_record(name):
+    """A tile's meta window (words ``ttab[t]`` .. +2) shifted by a word's record bit gives that word's group record
+    (zero, scale code) as the canonical buffers hold it, for every row and word; the record bit fits the window the
+    kernel loads (two words, three with 8-bit scale codes)."""
     cfg = CONFIGS[name]
-    N, K = 16, 48 * 16 * 4
-    bufs = ad.repack(ad.random_buffers(N, K, cfg, seed=9), cfg, N, K)
+    N, K = 24, 48 * 16 * 4
     G = K // cfg.group_size
-    wtab, _ = ad._word_table((bufs["ad_gtab"] < 0), cfg.group_size)
-    full = [int(e) & 0xFFFFFFFF for e in wtab]
-    gtab = [int(v) & 0xFFFFFFFF for v in bufs["ad_gtab"]]
-    W = len(full)
-    assert W == ad.num_words(bufs, cfg) and len(gtab) == G
-    for w0 in range(0, W, 4):
-        for w1 in {min(W, w0 + 4), min(W, w0 + 12), W}:
-            assert ad._slice_words(gtab, cfg.group_size, cfg.scale_bits, w0, w1) == full[w0:w1]
+    canon = ad.random_buffers(N, K, cfg, seed=9)
+    bufs = ad.repack(canon, cfg, N, K)
+    W = ad.num_words(bufs, cfg)
+    T = math.ceil(W / 4)
+    tab = [int(v) & 0xFFFFFFFF for v in bufs["ad_tab"]]
+    assert len(tab) == G + W + T
+    wtab, ttab = tab[G:G + W], tab[G + W:]
+    meta = [[int(v) & 0xFFFFFFFF for v in row] for row in bufs["ad_meta"].T]
+    is4 = mixed.group_kinds(canon["idx4"], G)
+    idx2, idx4 = torch.nonzero(~is4).flatten().tolist(), torch.nonzero(is4).flatten().tolist()
+    from qlinear.formats.packing import unpack
+    z2, z4 = unpack(canon["zeros2"], 2, len(idx2)), unpack(canon["zeros4"], 4, len(idx4))
+    sc = unpack(canon["scale_codes"], cfg.scale_bits, N).T
+    window_words = 3 if cfg.scale_bits > 4 else 2
+    for w in range(W):
+        k0, rb, w4, _ = ad._entry(wtab[w])
+        grp = k0 // cfg.group_size
+        width = (4 if w4 else 2) + cfg.scale_bits
+        assert rb + width <= 32 * window_words
+        for n in range(N):
+            win = sum((meta[n][ttab[w // 4] + i] if ttab[w // 4] + i < len(meta[n]) else 0) << (32 * i) for i in range(3))
+            rec = (win >> rb) & ((1 << width) - 1)
+            z = int(z4[n, idx4.index(grp)]) if w4 else int(z2[n, idx2.index(grp)])
+            assert rec == z | int(sc[n, grp]) << (4 if w4 else 2), (w, n)
 
 
 @pytest.mark.parametrize("N,K", [(576, 576), (1536, 576), (576, 1536), (4096, 4096), (8192, 8192), (11008, 4096),
                                  (4096, 11008), (28672, 8192)])
 @pytest.mark.parametrize("name", ["default", "g32", "no_4bit", "all_4bit", "outliers_0.005", "sb2_no_outliers"])
-def test_repacked_bits_stay_within_002_of_canonical(N, K, name):
+def test_repacked_bits_stay_within_005_of_canonical(N, K, name):
     cfg = CONFIGS[name]
     canon_bits, rep_bits = ad.layout_bits(cfg, N, K)
-    assert rep_bits - canon_bits <= 0.02, (canon_bits, rep_bits)
+    assert rep_bits - canon_bits <= 0.05, (canon_bits, rep_bits)
 
 
 def test_layout_bits_counts_the_repacked_tensors():
@@ -240,7 +274,7 @@ def test_plan_covers_every_tile_once_within_limits():
         tiles, case = math.ceil(W / 4), (M, N, K, sms, ratio)
         assert threads % 32 == 0 and 32 <= threads <= 256, case
         assert (splits - 1) * per < tiles <= splits * per and splits <= 65535, case
-        assert 4 * min(M, 8) * min(K, 64 * per) + 16 * per <= 48 * 1024, case  # shared memory
+        assert 6 * min(M, 8) * min(K, 64 * per) + 20 * per + 32 <= 48 * 1024, case  # shared memory
 
 
 def test_fake_op_gives_the_output_shape():
@@ -251,7 +285,7 @@ def test_fake_op_gives_the_output_shape():
     with FakeTensorMode() as mode:
         x = torch.empty(3, K, dtype=torch.float16)
         fb = {k: mode.from_tensor(v) for k, v in bufs.items()}
-        y = torch.ops.qlinear.mixed_gemv(x, fb["ad_codes"], fb["ad_meta"], fb["ad_sq"], fb["ad_gtab"],
+        y = torch.ops.qlinear.mixed_gemv(x, fb["ad_codes"], fb["ad_meta"], fb["ad_sqt"], fb["ad_tab"],
                                          None, None, None, None, N, 16, 4, 16, 32, 1, 1, True)
     assert y.shape == (3, N) and y.dtype == torch.float16
 
@@ -297,13 +331,13 @@ void run(const MixedGemvArgs& a) {
 int main(int argc, char** argv) {
   using namespace emu;
   FILE* f = fopen(argv[1], "rb");
-  auto h = emu_read<int>(f, 22);
-  const int M = h[0], N = h[1], K = h[2], W = h[3], G = h[4], MW = h[5], S2 = h[16], nnz = h[15];
+  auto h = emu_read<int>(f, 23);
+  const int M = h[0], N = h[1], K = h[2], W = h[3], G = h[4], MW = h[5], S2 = h[16], nnz = h[15], T = (W + 3) / 4;
   auto x = emu_read<uint16_t>(f, (size_t)M * K);
   auto codes = emu_read<unsigned>(f, (size_t)N * W);
   auto meta = emu_read<unsigned>(f, (size_t)MW * N);
-  auto sq = emu_read<unsigned>(f, (size_t)S2 * G);
-  auto gtab = emu_read<int>(f, G);
+  auto sq = emu_read<unsigned>(f, (size_t)T * S2 * h[22]);
+  auto tab = emu_read<int>(f, G + W + T);
   std::vector<uint16_t> vals; std::vector<char> cols; std::vector<int> rp; std::vector<float> bias;
   if (h[13]) { vals = emu_read<uint16_t>(f, nnz); cols = emu_read<char>(f, (size_t)nnz * (h[14] ? 4 : 2)); rp = emu_read<int>(f, N + 1); }
   if (h[18]) bias = emu_read<float>(f, N);
@@ -312,13 +346,13 @@ int main(int argc, char** argv) {
   fclose(f);
   g_rot = Rotation{h[20], h[21], sign_bits.data(), paley.data()};
   qlinear::mixed::MixedGemvArgs a{};
-  a.x = x.data(); a.codes = codes.data(); a.meta = meta.data(); a.sq = sq.data(); a.gtab = gtab.data();
+  a.x = x.data(); a.codes = codes.data(); a.meta = meta.data(); a.sq = sq.data(); a.tab = tab.data();
   if (h[13]) { a.outlier_values = vals.data(); a.outlier_cols = cols.data(); a.outlier_row_ptr = rp.data(); a.cols_int32 = h[14]; }
   a.bias = h[18] ? bias.data() : nullptr;
   std::vector<uint16_t> y((size_t)M * N, 0x7E00);  // NaN-poisoned output
   std::vector<float> partial((size_t)h[11] * M * N, NAN);
   a.y = y.data(); a.partial = partial.data();
-  a.M = M; a.N = N; a.K = K; a.W = W; a.G = G; a.MW = MW;
+  a.M = M; a.N = N; a.K = K; a.W = W; a.G = G; a.MW = MW; a.S2 = S2; a.P = h[22];
   a.group_size = h[6]; a.scale_bits = h[7]; a.scale_group_size = h[8];
   a.threads = h[9]; a.tiles_per_split = h[10]; a.splits = h[11]; a.async_dequant = h[12];
   a.x_dtype = h[17] ? qlinear::DType::kBFloat16 : qlinear::DType::kHalf;
@@ -335,7 +369,7 @@ def emulator(tmp_path_factory):
 
     return cuda_emulation.build(
         tmp_path_factory.mktemp("emu"), "async_dequant/mixed_gemv.cu",
-        ("extern __shared__ float4 smem4[];", "float4* smem4 = ::g_smem4;"), "", _EMU_DRIVER)
+        ("extern __shared__ float4 smem4[];", "float4* smem4 = ::g_smem4;"), cuda_emulation.WARP_PTX, _EMU_DRIVER)
 
 
 def _emulate(exe, x, bufs, bias, cfg, N, K, launch, async_dequant=True, rotation=None):
@@ -344,12 +378,12 @@ def _emulate(exe, x, bufs, bias, cfg, N, K, launch, async_dequant=True, rotation
     threads, per, splits = launch
     rot, rot_tensors = rotation_header(rotation, K)
     has_out = bufs["ad_outlier_values"].numel() > 0
-    hdr = [x.shape[0], N, K, _W(bufs, cfg), bufs["ad_gtab"].numel(), bufs["ad_meta"].shape[0], cfg.group_size,
+    hdr = [x.shape[0], N, K, _W(bufs, cfg), K // cfg.group_size, bufs["ad_meta"].shape[0], cfg.group_size,
            cfg.scale_bits, cfg.scale_group_size, threads, per, splits, int(async_dequant), int(has_out),
-           int(bufs["ad_outlier_cols"].dtype == torch.int32), bufs["ad_outlier_values"].numel(), bufs["ad_sq"].shape[0],
-           int(x.dtype == torch.bfloat16), int(bias is not None), *rot]
+           int(bufs["ad_outlier_cols"].dtype == torch.int32), bufs["ad_outlier_values"].numel(), bufs["ad_sqt"].shape[1],
+           int(x.dtype == torch.bfloat16), int(bias is not None), *rot, bufs["ad_sqt"].shape[2]]
     outliers = [bufs[k] for k in ("ad_outlier_values", "ad_outlier_cols", "ad_outlier_row_ptr")] if has_out else []
-    tensors = [x, *(bufs[k] for k in ("ad_codes", "ad_meta", "ad_sq", "ad_gtab")), *outliers,
+    tensors = [x, *(bufs[k] for k in ("ad_codes", "ad_meta", "ad_sqt", "ad_tab")), *outliers,
                None if bias is None else bias.float(), *rot_tensors]
     return run(exe, hdr, tensors, (x.shape[0], N))
 
@@ -368,11 +402,16 @@ def test_kernel_source_under_host_emulation(emulator, name, N, K):
         x = torch.randn(M, K).to(dtype)
         y64 = _ref(canon, cfg, N, K, x, bias)
         bound = _bound(canon, cfg, N, K, x, eps, y64)
+        xd = _dyadic(M, K, dtype)
+        yd64 = _ref(canon, cfg, N, K, xd, bias)
+        bound_d = _bound(canon, cfg, N, K, xd, eps, yd64, half_sums=False)
         for launch in {ad.plan(M, N, K, _W(bufs, cfg), 132), ad.plan(M, N, K, _W(bufs, cfg), 1), (32, 1, T)}:
             y = _emulate(emulator, x, bufs, bias, cfg, N, K, launch)
             err = (y.double() - y64).abs()
             assert (err <= bound).all(), (launch, err.max().item())
             assert torch.equal(_emulate(emulator, x, bufs, bias, cfg, N, K, launch, async_dequant=False), y)
+            err = (_emulate(emulator, xd, bufs, bias, cfg, N, K, launch).double() - yd64).abs()
+            assert (err <= bound_d).all(), (launch, "dyadic", err.max().item())
 
 
 def test_kernel_source_stages_a_rotated_input(emulator):
@@ -514,25 +553,25 @@ def test_dequantize_op_is_the_format_bit_for_bit(outlier_ratio):
 
 
 # --- the dequantize kernel (mixed_dequant.cu: Ŵ for cuBLAS above the GEMV's batches, and the backward pass) -------
-_DEQUANT_DRIVER = r'''// Driver: reads one call from argv[1] (header, codes, meta, sq, gtab, outliers), writes Ŵ (fp32 [N, K]) to argv[2].
+_DEQUANT_DRIVER = r'''// Driver: reads one call from argv[1] (header, codes, meta, sq, tab, outliers), writes Ŵ (fp32 [N, K]) to argv[2].
 int main(int argc, char** argv) {
   using namespace qlinear::mixed;
   FILE* f = fopen(argv[1], "rb");
-  auto h = emu_read<int>(f, 12);
-  const int N = h[0], K = h[1], W = h[2], G = h[3], MW = h[4], S2 = h[8], nnz = h[9];
+  auto h = emu_read<int>(f, 13);
+  const int N = h[0], K = h[1], W = h[2], G = h[3], MW = h[4], S2 = h[8], nnz = h[9], T = (W + 3) / 4;
   auto codes = emu_read<unsigned>(f, (size_t)N * W);
   auto meta = emu_read<unsigned>(f, (size_t)MW * N);
-  auto sq = emu_read<unsigned>(f, (size_t)S2 * G);
-  auto gtab = emu_read<int>(f, G);
+  auto sq = emu_read<unsigned>(f, (size_t)T * S2 * h[12]);
+  auto tab = emu_read<int>(f, G + W + T);
   auto values = emu_read<uint16_t>(f, nnz);
   auto cols = emu_read<char>(f, (size_t)nnz * (h[10] ? 4 : 2));
   auto row_ptr = emu_read<int>(f, nnz ? N + 1 : 0);
   fclose(f);
   MixedGemvArgs a{};
-  a.codes = codes.data(); a.meta = meta.data(); a.sq = sq.data(); a.gtab = gtab.data();
+  a.codes = codes.data(); a.meta = meta.data(); a.sq = sq.data(); a.tab = tab.data();
   if (nnz) { a.outlier_values = values.data(); a.outlier_cols = cols.data(); a.outlier_row_ptr = row_ptr.data(); }
   a.cols_int32 = h[10];
-  a.N = N; a.K = K; a.W = W; a.G = G; a.MW = MW;
+  a.N = N; a.K = K; a.W = W; a.G = G; a.MW = MW; a.S2 = S2; a.P = h[12];
   a.group_size = h[5]; a.scale_bits = h[6]; a.scale_group_size = h[7];
   const dim3 grid = mixed_dequantize_grid(N, K, a.group_size);
   if (h[11] == 0) {  // fp32 Ŵ
@@ -583,14 +622,14 @@ def test_dequantize_kernel_source_is_the_format_bit_for_bit(dequant_emulator, na
     canon = ad.random_buffers(N, K, cfg, seed=N * K + 1)
     bufs = ad.repack(canon, cfg, N, K)
     nnz = bufs["ad_outlier_values"].numel()
-    hdr = [N, K, _W(bufs, cfg), bufs["ad_gtab"].numel(), bufs["ad_meta"].shape[0], cfg.group_size, cfg.scale_bits,
-           cfg.scale_group_size, bufs["ad_sq"].shape[0], nnz, int(bufs["ad_outlier_cols"].dtype == torch.int32)]
+    hdr = [N, K, _W(bufs, cfg), K // cfg.group_size, bufs["ad_meta"].shape[0], cfg.group_size, cfg.scale_bits,
+           cfg.scale_group_size, bufs["ad_sqt"].shape[1], nnz, int(bufs["ad_outlier_cols"].dtype == torch.int32)]
     outliers = [bufs[k] for k in ("ad_outlier_values", "ad_outlier_cols", "ad_outlier_row_ptr")] if nnz else []
     want = mixed.dequantize(canon, cfg, N, K)
     for code, dtype, bits in ((0, torch.float32, torch.int32), (1, torch.float16, torch.int16),
                               (2, torch.bfloat16, torch.int16)):
-        w = run(dequant_emulator, hdr + [code],
-                [*(bufs[k] for k in ("ad_codes", "ad_meta", "ad_sq", "ad_gtab")), *outliers], (N, K))
+        w = run(dequant_emulator, hdr + [code, bufs["ad_sqt"].shape[2]],
+                [*(bufs[k] for k in ("ad_codes", "ad_meta", "ad_sqt", "ad_tab")), *outliers], (N, K))
         assert torch.equal(w.to(dtype).view(bits), want.to(dtype).view(bits)), dtype
 
 

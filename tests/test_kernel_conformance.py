@@ -93,7 +93,8 @@ SUBJECTS = {s.backend + ("" if s.device == "cuda" else f"/{s.format}"): s for s 
             QLinearConfig("bcq", bits=4, group_size=64, iters=1, backend="quick_free")),  # the LUT GEMV outranks it
     Subject("async_dequant", "mixed", "cuda", {"mixed": lambda: _mixed_layer(96, 320)},
             lambda m, x: test_async_dequant._bound(m.canonical(), m.config, m.out_features, m.in_features, x),
-            "mixed_gemv", async_dequant.plan, 4, QLinearConfig("mixed")),
+            "mixed_gemv", async_dequant.plan, 4, QLinearConfig("mixed"),
+            layout_slack=0.2),  # per-tile pairs and the per-layer tables weigh most on this 96x320 layer (+0.15; ≤ 0.04 from 576²)
     Subject("x86", "bcq", "cpu", {
         "RTN 4-bit g64": _layer(BCQLinear, 48, 320, RTN4),
         "GPTQ 4-bit act_order": _layer(BCQLinear, 48, 320, dict(GPTQ4_ACT_ORDER, group_size=128), True),

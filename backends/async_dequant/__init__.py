@@ -18,43 +18,46 @@ code words per row, ``T = ceil(W/4)`` tiles of 4 words, ``Tf = W // 4`` full til
   followed by the tail ``[N][W − 4·Tf]``: no padding.
 * ``ad_meta`` int32 ``[MW, N]``: first-order zeros and scale codes, per row a bit stream of records
   ``zero | scale_code << zero_bits`` (``zero_bits`` 2 or 4 by group kind) in K order, word-major so the same
-  meta word of consecutive rows is contiguous (coalesced); a record of group ``i`` starts at bit ``ad_gtab[i]``
-  and may straddle two words (read with one funnel shift).
-* ``ad_sq`` int32 ``[S2, G]``: second-order (scale_scale, scale_zero) as the two fp16 halves of one word,
-  per chunk of ``scale_group_size`` rows and group (a row's sequence over K is contiguous).
-* ``ad_gtab`` int32 ``[G]``: the per-layer group table, ``offset | is_4bit << 31`` with ``offset`` the bit
-  offset of the group's record in a row's meta stream.  The sequence of group kinds is the same for every row
-  (``idx4`` is per layer), so this one table drives every thread's loop: the offset also gives the number of
-  4-bit groups before group ``i`` (``n4 = (offset − i·(2 + scale_bits)) / 2``), hence its first word
-  ``(i + n4)·g/16``; each block expands its slice into a word table (``group | word_in_group << 20 |
-  is_4bit << 31``) in shared memory.
-* ``ad_idx4``: empty when ``idx4`` is a sorted set of distinct groups (it is then read back from ``ad_gtab``),
+  meta word of consecutive rows is contiguous (coalesced).  The records of the (at most four) groups a tile
+  touches lie within 64 bits (96 with ``scale_bits = 8``) from meta word ``ttab[t]``: a tile loads that window
+  with its codes, and a word's record is a funnel shift of it.
+* ``ad_sqt`` int32 ``[T, S2, 4]``: second-order (scale_scale, scale_zero) as the two fp16 halves of one word, per
+  tile, chunk of ``scale_group_size`` rows and word of the tile (the word's group's pair; 0 past ``W``): one
+  16-byte load per row and tile.  A 4-bit group's pair repeats for each of its words.
+* ``ad_tab`` int32 ``[G + W + T]``, the per-layer tables (the sequence of group kinds is the same for every row:
+  ``idx4`` is per layer, so they drive every thread's loop): ``gtab [G]`` = ``offset | is_4bit << 31`` with
+  ``offset`` the bit offset of the group's record in a row's meta stream (which also gives the number of 4-bit
+  groups before group ``i``, ``n4 = (offset − i·(2 + scale_bits)) / 2``, hence its first word ``(i + n4)·g/16``);
+  ``wtab [W]`` = ``k_start | record_bit << 20 | is_4bit << 31`` per word (its first input, and its group's record
+  bit counted from the start of its tile's meta window); ``ttab [T]`` = each tile's first meta word.  A block
+  copies its slice of ``wtab`` and ``ttab`` into shared memory.
+* ``ad_idx4``: empty when ``idx4`` is a sorted set of distinct groups (it is then read back from ``gtab``),
   else (the zero buffers of a freshly constructed module) ``idx4`` verbatim, so :func:`unrepack` stays exact.
 * ``ad_outlier_values`` / ``ad_outlier_cols`` / ``ad_outlier_row_ptr``: the canonical CSR, unchanged.
 
 Bits: the code words and records are exactly the canonical bits without the canonical per-row padding of
-``zeros2``/``zeros4`` and without ``idx4``; the meta stream pads each row to a word (≤ 31 bits) and the
-group table adds ``32·G`` bits per layer.  On the benchmark shapes the repacked form costs +0.0001 to +0.007
-bit/weight; at K = 576 it is 0.02 *smaller* (the canonical per-row padding of the zeros weighs more there);
-:func:`layout_bits` gives the exact count and the tests check it stays ≤ canonical + 0.02.
+``zeros2``/``zeros4`` and without ``idx4``; the meta stream pads each row to a word (≤ 31 bits), the per-tile
+second-order pairs repeat a 4-bit group's pair for its second word (and a straddling group's in both tiles), and
+the tables add ``32·(G + W + T)`` bits per layer.  :func:`layout_bits` gives the exact count; the tests check it
+stays ≤ canonical + 0.05 bits per weight.
 
-Why the records are not interleaved with the codes (the paper packs scales/zeros next to their codes): the
-asynchronous pipeline dequantizes the scales of tile t+1 while that tile's codes are still in flight, so the
-records must arrive ahead of the codes; a separate coalesced stream, read one group ahead through a two-word
-register window, gives that, at the cost of one extra (mostly L1-hit) load stream.
+Kernel (``mixed_gemv.cu``): a thread owns 2 rows; per tile and row it loads the 16 bytes of codes, the meta window
+and the 16 bytes of second-order pairs in one stage.  ``async_dequant=True`` issues tile t+1's loads, runs tile t's
+arithmetic, then dequantizes tile t+1's scales (ŝ = scale_zero + scale_scale·code) and zeros; ``async_dequant=False``
+runs the same code synchronously (records and pairs loaded and dequantized, then the codes loaded) for the
+benchmark.  The products run on half2: each block stages its slice of x once as fp16, scaled per row of x by a
+power of two ``2^s`` (max |x·2^s| ≤ 1024, so no word's partial sum can overflow; exact for fp16 and bf16 inputs),
+with a word's inputs ``i`` and ``i + n/2`` paired; a code pair becomes ``q − z`` as half2 exactly (one ``lop3`` into the
+mantissa of ``2^(10−p)``, one ``hsub2``) and one ``hfma2`` per pair adds it into the word's half2 sum (≤ 8 products
+per lane, fp16 rounding); the word's sum goes to fp32, ``acc = fma(ŝ, sum, acc)`` in fp32, and ``acc·2^−s`` at the end.
+Outliers are fused: each block adds its rows' outliers whose column lies in its K slice after its main loop (fp32,
+any column, so ``outlier_placement="any"`` works too); ``linear(..., outliers="separate")`` runs the kernel without
+them plus a torch.sparse CSR SpMV, for the benchmark's comparison.
 
-Kernel (``mixed_gemv.cu``): a thread owns 2 rows, one 16-byte code load per row and tile; ``async_dequant=True``
-issues the codes of tile t+1, runs the FMAs of tile t, then dequantizes tile t+1's scales (ŝ = scale_zero +
-scale_scale·code) under those loads; ``async_dequant=False`` runs the same code synchronously (scales, then
-codes, then FMAs) for the benchmark.  Outliers are fused: each block adds its rows' outliers whose column lies
-in its K slice after its main loop, reading x from shared memory (any column, so ``outlier_placement="any"``
-works too); ``linear(..., outliers="separate")`` runs the kernel without them plus a torch.sparse CSR SpMV,
-for the benchmark's comparison.
-
-:func:`spec` is the executable specification: the same tiles, splits, table decoding, funnel shift, index
-arithmetic of the tile-major codes, ŝ = fma(scale_scale, code, scale_zero), per-word dot products and fused
-outliers, in PyTorch; CPU tests check it against the reference backend, GPU tests check the kernel against
-both.
+:func:`spec` is the executable specification: the same tiles, splits, tables, meta windows and funnel shifts,
+index arithmetic of the tile-major codes and pairs, ŝ = fma(scale_scale, code, scale_zero), scaled fp16 inputs,
+per-word half2 sums (fp16 rounding, in the kernel's order) and fused outliers, in PyTorch; CPU tests check it
+against the reference backend, GPU tests check the kernel against both.
 """
 
 from __future__ import annotations
@@ -84,7 +87,7 @@ KERNEL_M = 8
 SMEM_CAP = 48 * 1024
 _HERE = Path(__file__).parent
 _MASK32 = 0xFFFFFFFF
-NAMES = ("ad_codes", "ad_meta", "ad_sq", "ad_gtab", "ad_idx4", "ad_outlier_values", "ad_outlier_cols",
+NAMES = ("ad_codes", "ad_meta", "ad_sqt", "ad_tab", "ad_idx4", "ad_outlier_values", "ad_outlier_cols",
          "ad_outlier_row_ptr")
 _OUTLIERS = (("outlier_values", "ad_outlier_values"), ("outlier_cols", "ad_outlier_cols"),
              ("outlier_row_ptr", "ad_outlier_row_ptr"))
@@ -100,29 +103,56 @@ def _valid_idx4(idx4: torch.Tensor, G: int) -> bool:
     return bool(((i >= 0) & (i < G)).all()) and bool((i.diff() > 0).all())
 
 
-def _word_table(is4: torch.Tensor, g: int):
-    """``(wtab int64 [W], src [W])``: word entries in K order (the kernel's shared-memory word table) and, per
-    word, its column in ``cat([qweight2, qweight4], 1)``."""
-    dev = is4.device
-    per = torch.where(is4, g // 8, g // 16)                                  # words per group
-    group = torch.repeat_interleave(torch.arange(is4.numel(), device=dev), per)
-    first = torch.cumsum(per, 0) - per
-    sub = torch.arange(group.numel(), device=dev) - first[group]
-    w4 = is4[group]
-    rank2 = torch.cumsum(~is4, 0) - (~is4).long()                             # rank among 2-bit groups
-    rank4 = torch.cumsum(is4, 0) - is4.long()
-    words2 = int((~is4).sum()) * (g // 16)
-    src = torch.where(w4, words2 + rank4[group] * (g // 8) + sub, rank2[group] * (g // 16) + sub)
-    wtab = group | (sub << 20) | (w4.long() << 31)
-    return wtab, src
-
-
 def _record_layout(is4: torch.Tensor, scale_bits: int):
     """``(zero_bits [G], width [G], offset [G], MW)`` of the per-row meta records."""
     zb = torch.where(is4, 4, 2)
     width = zb + scale_bits
     off = torch.cumsum(width, 0) - width
     return zb, width, off, -(-int(width.sum()) // 32)
+
+
+def _tables(is4: torch.Tensor, g: int, scale_bits: int) -> dict:
+    """The layout's per-layer tables from the group kinds ``is4`` ``[G]`` bool (module docstring), int64:
+    ``gtab [G]``, ``wtab [W]``, ``ttab [T]``, and per word its group ``grp [W]`` and its column ``src [W]`` in
+    ``cat([qweight2, qweight4], 1)``."""
+    dev = is4.device
+    per = torch.where(is4, g // 8, g // 16)                                  # words per group
+    grp = torch.repeat_interleave(torch.arange(is4.numel(), device=dev), per)
+    first = torch.cumsum(per, 0) - per
+    sub = torch.arange(grp.numel(), device=dev) - first[grp]
+    w4 = is4[grp]
+    rank2 = torch.cumsum(~is4, 0) - (~is4).long()                             # rank among 2-bit groups
+    rank4 = torch.cumsum(is4, 0) - is4.long()
+    words2 = int((~is4).sum()) * (g // 16)
+    src = torch.where(w4, words2 + rank4[grp] * (g // 8) + sub, rank2[grp] * (g // 16) + sub)
+    _, _, off, _ = _record_layout(is4, scale_bits)
+    W = grp.numel()
+    tile = torch.arange(W, device=dev) // 4
+    ttab = off[grp[::4]] >> 5                                                  # the group of each tile's first word
+    record_bit = off[grp] - 32 * ttab[tile]
+    k_start = grp * g + sub * torch.where(w4, 8, 16)
+    new = torch.ones(W, dtype=torch.bool, device=dev)                        # a word opening a group in its tile
+    new[1:] = (grp[1:] != grp[:-1]) | (tile[1:] != tile[:-1])
+    slot = torch.cumsum(new, 0) - 1
+    slot = slot - slot[4 * tile]                                              # its group's place among the tile's
+    assert W == 0 or int(slot.max()) < pairs_per_tile(g, int(is4.sum()), is4.numel()), "a tile touches too many groups"
+    return {"gtab": off | (is4.long() << 31),
+            "wtab": k_start | (record_bit << 20) | (slot << 27) | (w4.long() << 31), "ttab": ttab,
+            "grp": grp, "src": src, "slot": slot}
+
+
+def pairs_per_tile(group_size: int, G4: int, G: int) -> int:
+    """``P``, the second-order pairs ``ad_sqt`` holds per tile and row chunk (one 4-, 8- or 16-byte load): the most
+    groups a tile of 4 words can touch, for ``G4`` of ``G`` groups 4-bit.  A group takes ``g/16`` (2-bit) or ``g/8``
+    words: with one word per group (2-bit groups of 16) a tile touches 4; where every group's word count is a multiple
+    of 4 (it starts on a tile) 1; else 2 (groups of ≥ 2 words, starting on even words where each has 2)."""
+    sizes = {n for n, present in ((group_size // 16, G4 < G), (group_size // 8, G4 > 0)) if present}
+    return 4 if 1 in sizes else 1 if all(n % 4 == 0 for n in sizes) else 2
+
+
+def _sq_words(buffers: dict) -> torch.Tensor:
+    """Canonical second-order pairs as int32 ``[S2, G]``: fp16 scale_scale (low half), scale_zero (high half)."""
+    return torch.stack([buffers["scale_scale"].T, buffers["scale_zero"].T], -1).contiguous().view(torch.int32)[..., 0]
 
 
 def repack(buffers: dict, cfg, out_features: int, in_features: int) -> dict:
@@ -136,10 +166,10 @@ def repack(buffers: dict, cfg, out_features: int, in_features: int) -> dict:
     dev = buffers["qweight2"].device
     is4 = mixed.group_kinds(buffers["idx4"], G)
     idx2, idx4 = torch.nonzero(~is4).flatten(), torch.nonzero(is4).flatten()
-    _, src = _word_table(is4, g)
-    W = src.numel()
-    words = torch.cat([buffers["qweight2"], buffers["qweight4"]], 1)[:, src]          # [N, W], K order
-    Tf = W // 4
+    tab = _tables(is4, g, sb)
+    W = tab["src"].numel()
+    words = torch.cat([buffers["qweight2"], buffers["qweight4"]], 1)[:, tab["src"]]   # [N, W], K order
+    Tf, T = W // 4, -(-W // 4)
     codes = torch.cat([words[:, :4 * Tf].reshape(N, Tf, 4).transpose(0, 1).reshape(-1), words[:, 4 * Tf:].reshape(-1)])
     z = torch.empty(N, G, dtype=torch.int64, device=dev)
     z[:, idx2] = unpack(buffers["zeros2"], 2, idx2.numel()).long()
@@ -151,9 +181,12 @@ def repack(buffers: dict, cfg, out_features: int, in_features: int) -> dict:
     j, sh = (off >> 5).expand(N, G), (off & 31)
     meta.scatter_add_(1, j, (rec << sh) & _MASK32)                    # records never overlap: sum == or
     meta.scatter_add_(1, j + 1, rec >> (32 - sh))
-    sq = torch.stack([buffers["scale_scale"].T, buffers["scale_zero"].T], -1).contiguous().view(torch.int32)
+    sq = _sq_words(buffers)                                            # [S2, G]
+    sqt = torch.zeros(T, pairs_per_tile(g, idx4.numel(), G), sq.shape[0], dtype=torch.int32, device=dev)
+    sqt[torch.arange(W, device=dev) // 4, tab["slot"]] = sq[:, tab["grp"]].T
     out = {"ad_codes": codes.contiguous(), "ad_meta": _to_int32(meta[:, :MW].T.contiguous()),
-           "ad_sq": sq.reshape(sq.shape[0], G).contiguous(), "ad_gtab": _to_int32(off | (is4.long() << 31)),
+           "ad_sqt": sqt.transpose(1, 2).contiguous(),
+           "ad_tab": _to_int32(torch.cat([tab["gtab"], tab["wtab"], tab["ttab"]])),
            "ad_idx4": buffers["idx4"][:0] if _valid_idx4(buffers["idx4"], G) else buffers["idx4"]}
     out.update({new: buffers[old] for old, new in _OUTLIERS})
     return out
@@ -163,12 +196,13 @@ def unrepack(buffers: dict, cfg, out_features: int, in_features: int) -> dict:
     """Layout ``async_dequant`` -> canonical mixed buffers (exact inverse of :func:`repack`)."""
     N, K, g, sb = out_features, in_features, cfg.group_size, cfg.scale_bits
     G = K // g
-    gtab = buffers["ad_gtab"].long() & _MASK32
+    gtab = buffers["ad_tab"][:G].long() & _MASK32
     dev = gtab.device
     is4 = mixed.group_kinds(buffers["ad_idx4"], G) if buffers["ad_idx4"].numel() else (gtab >> 31) == 1
     idx2, idx4 = torch.nonzero(~is4).flatten(), torch.nonzero(is4).flatten()
     W = buffers["ad_codes"].numel() // N
-    _, src = _word_table(is4, g)
+    tab = _tables(is4, g, sb)
+    src = tab["src"]
     Tf = W // 4
     flat = buffers["ad_codes"]
     words = torch.empty(N, W, dtype=torch.int32, device=dev)
@@ -182,7 +216,8 @@ def unrepack(buffers: dict, cfg, out_features: int, in_features: int) -> dict:
     j = (off >> 5).expand(N, G)
     rec = ((meta.gather(1, j) | (meta.gather(1, j + 1) << 32)) >> (off & 31)) & ((1 << width) - 1)
     z, sc = rec & ((1 << zb) - 1), rec >> zb
-    pair = buffers["ad_sq"].contiguous().view(torch.float16).reshape(-1, G, 2)
+    first = torch.cumsum(torch.where(is4, g // 8, g // 16), 0) - torch.where(is4, g // 8, g // 16)
+    pair = buffers["ad_sqt"][first // 4, :, tab["slot"][first]].T.contiguous().view(torch.float16).reshape(-1, G, 2)
     out = {"idx4": buffers["ad_idx4"] if buffers["ad_idx4"].numel() else idx4.to(torch.int32),
            "qweight2": cat[:, :n2].contiguous(), "qweight4": cat[:, n2:].contiguous(),
            "zeros2": pack(z[:, idx2], 2), "zeros4": pack(z[:, idx4], 4), "scale_codes": pack(sc.T.contiguous(), sb),
@@ -198,8 +233,8 @@ def dequantize(buffers: dict, cfg, out_features: int, in_features: int, dtype: t
     With the default float32 it is the layout's ``dequantize`` (the backward pass)."""
     has = buffers["ad_outlier_values"].numel() > 0
     ov = [buffers[k] for _, k in _OUTLIERS] if has else [None, None, None]
-    return torch.ops.qlinear.mixed_dequantize(buffers["ad_codes"], buffers["ad_meta"], buffers["ad_sq"],
-                                              buffers["ad_gtab"], *ov, out_features, in_features, cfg.group_size,
+    return torch.ops.qlinear.mixed_dequantize(buffers["ad_codes"], buffers["ad_meta"], buffers["ad_sqt"],
+                                              buffers["ad_tab"], *ov, out_features, in_features, cfg.group_size,
                                               cfg.scale_bits, cfg.scale_group_size, dtype)
 
 
@@ -216,44 +251,44 @@ def layout_bits(cfg, out_features: int, in_features: int) -> tuple[float, float]
     W = (G - G4) * g // 16 + G4 * g // 8
     MW = -(-((G - G4) * (2 + cfg.scale_bits) + G4 * (4 + cfg.scale_bits)) // 32)
     S2 = -(-N // cfg.scale_group_size)
-    rep = 32 * (N * W + MW * N + S2 * G + G) + spec_bits({k: canon[k] for k, _ in _OUTLIERS})
+    T = -(-W // 4)
+    rep = 32 * (N * W + MW * N + T * S2 * pairs_per_tile(g, G4, G) + G + W + T) + spec_bits({k: canon[k] for k, _ in _OUTLIERS})
     return spec_bits(canon) / (N * K), rep / (N * K)
 
 
 MAX_THREADS_M8 = 128  # threads per block of the 8-row kernels (kMaxThreadsM8 in mixed_gemv.h)
 
 
-def _resident(M: int, rotated: bool = False) -> int:
+def _resident(M: int) -> int:
     """Threads per SM the kernel's register budget allows at ``M`` rows per launch (its ``__launch_bounds__``)."""
-    return 768 if M <= (1 if rotated else 2) else 384 if M == KERNEL_M else 512
+    return 768 if M == 1 else 384 if M == KERNEL_M else 512
 
 
-def _block_smem_cap(M: int, threads: int, rotated: bool = False) -> int:
+def _block_smem_cap(M: int, threads: int) -> int:
     """Shared memory a block of ``threads`` may take at the occupancy :func:`plan` aims at."""
-    return min(SMEM_CAP, 224 * 1024 * threads // _resident(M, rotated))
+    return min(SMEM_CAP, 224 * 1024 * threads // _resident(M))
 
 
 @functools.lru_cache(maxsize=4096)  # per call of every layer: a lookup instead of ~2 µs of arithmetic
-def plan(M: int, N: int, K: int, W: int, sms: int, rotated: bool = False) -> tuple[int, int, int]:
+def plan(M: int, N: int, K: int, W: int, sms: int) -> tuple[int, int, int]:
     """Launch shape ``(threads, tiles_per_split, splits)`` for ``x`` ``[M, K]`` (M > 8 runs chunks of 8),
-    ``N`` rows and ``W`` code words per row; ``rotated``: for the kernels that stage a rotated layer's ``R·x``.
+    ``N`` rows and ``W`` code words per row.
 
     A thread owns 2 rows and a block ``2·threads`` rows; we aim at the resident threads per SM the kernel's
-    register budget allows (768 at M <= 2, ≤ 80 registers, but 512 for a rotated layer at M = 2; 512 above, ≤ 128
-    registers; 384 at M = 8, ≤ 168 registers, blocks of at most 128 threads) and pick, among 256/128/64/32-thread
+    register budget allows (768 at M = 1, ≤ 80 registers; 512 above, ≤ 128 registers; 384 at M = 8, ≤ 168 registers, blocks of at most 128 threads) and pick, among 256/128/64/32-thread
     blocks, the split that minimises the L2 traffic it adds: the x slices staged per block (``blocks_n·K·2`` bytes
-    per row of x) plus the fp32 split partials (``splits·N·8``).  A slice's inputs (``M·min(K, 64·tiles)·4`` bytes)
-    must fit the shared memory a block may take at that occupancy (≤ 48 KiB)."""
+    per row of x) plus the fp32 split partials (``splits·N·8``).  A slice's inputs (``M·min(K, 64·tiles)·6`` bytes:
+    fp32 and scaled fp16) and tables must fit the shared memory a block may take at that occupancy (≤ 48 KiB)."""
     M = min(M, KERNEL_M)
     T = -(-W // 4)
-    resident = _resident(M, rotated)
+    resident = _resident(M)
     best = None
     for threads in (256, 128, 64, 32):
         if M == KERNEL_M and threads > MAX_THREADS_M8:
             continue
         blocks_n = -(-N // (2 * threads))
-        cap = _block_smem_cap(M, threads, rotated)
-        tps_max = T if M * K * 4 + 16 * T <= cap else max(1, (cap - 16) // (M * 64 * 4 + 16))
+        cap = _block_smem_cap(M, threads)
+        tps_max = T if _smem(M, K, T) <= cap else max(1, (cap - 64) // (M * 64 * 6 + 20))
         want = max(1, -(-sms * resident // threads // blocks_n))
         splits = max(-(-T // tps_max), min(want, T))
         per = -(-T // splits)
@@ -264,65 +299,75 @@ def plan(M: int, N: int, K: int, W: int, sms: int, rotated: bool = False) -> tup
     return best[1:]
 
 
-def _entry(e: int, g: int) -> tuple[int, bool, int, int]:
-    """Word table entry -> (group, is_4bit, first input, inputs in the word)."""
+def _smem(M: int, K: int, tiles_per_split: int) -> int:
+    """Shared memory of a block without a rotation (``mixed_gemv_smem_bytes`` in ``mixed_gemv.h``): x of its span in
+    fp32 and as scaled fp16, the slice's word and tile tables, the rows' |x| maxima, rounded up to 16 bytes."""
+    own = 6 * min(M, KERNEL_M) * min(K, 64 * tiles_per_split) + 20 * tiles_per_split + 32
+    return -(-own // 16) * 16
+
+
+def _entry(e: int) -> tuple[int, int, bool, int]:
+    """Word table entry -> (first input, record bit in the tile's meta window, is_4bit, inputs in the word); bits 27-28
+    hold its pair's slot in ``ad_sqt``."""
     e &= _MASK32
-    grp, sub, is4 = e & 0xFFFFF, (e >> 20) & 0x7FF, bool(e >> 31)
-    return grp, is4, grp * g + sub * (8 if is4 else 16), 8 if is4 else 16
+    is4 = bool(e >> 31)
+    return e & 0xFFFFF, (e >> 20) & 0x7F, is4, 8 if is4 else 16
 
 
 def num_words(buffers: dict, cfg) -> int:
-    """``W``, the code words per row of a layer held in layout ``async_dequant``."""
-    G4 = int((buffers["ad_gtab"] < 0).sum())
-    return (buffers["ad_gtab"].numel() - G4) * cfg.group_size // 16 + G4 * cfg.group_size // 8
+    """``W``, the code words per row of a layer held in layout ``async_dequant``: ``ad_tab`` holds ``G + W + T``
+    entries with ``T = ceil(W/4)`` tiles (the first dimension of ``ad_sqt``) and ``W = (G + G4)·g/16``."""
+    T, n = buffers["ad_sqt"].shape[0], buffers["ad_tab"].numel()
+    # n − T = G + W = G + (G + G4)·g/16, with G4 the negative entries among the first G
+    for W in range(max(0, 4 * T - 3), 4 * T + 1):
+        G = n - T - W
+        if 0 < G <= W and (G + int((buffers["ad_tab"][:G] < 0).sum())) * cfg.group_size // 16 == W:
+            return W
+    raise ValueError("ad_tab and ad_sqt do not describe an async_dequant layout")
 
 
-def _slice_words(gtab: list, g: int, scale_bits: int, w_begin: int, w_end: int) -> list:
-    """The word table of words ``[w_begin, w_end)``, expanded from the group table as a block of the kernel does:
-    binary search for the group holding ``w_begin`` (group i starts at word ``(i + n4)·g/16``), then every group
-    up to ``w_end`` writes its words."""
-    first = lambda i: (i + ((gtab[i] & 0x7FFFFFFF) - i * (2 + scale_bits)) // 2) * (g // 16)
-    lo, hi = 0, len(gtab) - 1
-    while lo < hi:
-        mid = (lo + hi + 1) >> 1
-        lo, hi = (mid, hi) if first(mid) <= w_begin else (lo, mid - 1)
-    words = [None] * (w_end - w_begin)
-    for i in range(lo, len(gtab)):
-        fw = first(i)
-        if fw >= w_end:
-            break
-        is4 = (gtab[i] & _MASK32) >> 31
-        for j in range(max(0, w_begin - fw), g // 8 if is4 else g // 16):
-            if fw + j >= w_end:
-                break
-            words[fw + j - w_begin] = i | (j << 20) | (is4 << 31)
-    assert None not in words, "group table does not cover the slice"
-    return words
+def x_scale_exponent(amax: torch.Tensor) -> torch.Tensor:
+    """The power of two ``s`` ``[M]`` int64 by which a block scales each row of its x slice before rounding it to fp16:
+    ``max |x·2^s| ≤ 1024`` (from the exponent field of ``amax``, the largest non-NaN |x| of the row in float32), so a
+    word's half2 sum cannot overflow; 0 where ``amax`` is 0, inf or NaN; at most 126."""
+    bits = amax.float().view(torch.int32).long()
+    e = (bits >> 23) & 255
+    s = (136 - e.clamp(min=1)).clamp(max=126)
+    return torch.where((amax == 0) | (e == 255), 0, s)
+
+
+def _fma16(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """``fma.rn.f16``: ``a·b + c`` rounded once to fp16 (exact in float64 for the kernel's operands)."""
+    return (a.double() * b.double() + c.double()).half()
 
 
 def spec(x: torch.Tensor, buffers: dict, bias: Optional[torch.Tensor], cfg, out_features: int, in_features: int,
          launch: tuple[int, int, int], fused_outliers: bool = True) -> torch.Tensor:
-    """The kernel's arithmetic in PyTorch (float32), ``x`` ``[M, K]`` -> ``[M, N]`` float32.
+    """The kernel's arithmetic in PyTorch, ``x`` ``[M, K]`` -> ``[M, N]`` float32.
 
-    Follows ``mixed_gemv_kernel``: per split (``tiles_per_split`` tiles), the word table of its words expanded
-    from the group table and the K span ``[k_lo, k_hi)`` of those words; per tile and word, the entry gives
-    group, kind and first input; the code word of row n sits
-    at ``(t·N + n)·4 + j`` (full tiles) or ``4·Tf·N + n·tail + j`` (tail); the record of the group is a
-    funnel shift of meta words ``off >> 5`` and ``+1`` by ``off & 31``; ``ŝ = fma(scale_scale, code,
-    scale_zero)``; ``acc += ŝ·Σ_i (q_i − z)·x_i``; then the split adds its rows' outliers with columns in its
-    span (CSR order); partials are summed in split order, then the bias.
+    Follows ``mixed_gemv_kernel``: per split (``tiles_per_split`` tiles), the K span ``[k_lo, k_hi)`` of its words
+    (``wtab``) and x of that span scaled per row by ``2^s`` (:func:`x_scale_exponent`) and rounded to fp16; per tile,
+    the meta window from word ``ttab[t]`` and the pairs ``ad_sqt[t, chunk]``; per word, its record a funnel shift of
+    the window by its record bit, ``ŝ = fma(scale_scale, code, scale_zero)``, the code word of row n at ``(t·N + n)·4 +
+    j`` (full tiles) or ``4·Tf·N + n·tail + j`` (tail), the half2 sums ``Σ_i (q_i − z)·x_i`` over the word's inputs
+    ``i`` and ``i + n/2`` (fp16 fused multiply-adds in order), ``acc = fma(ŝ, lo + hi, acc)``; then ``acc·2^−s``, the
+    split's outliers with columns in its span (CSR order), partials summed in split order, then the bias.
     """
     _, per, splits = launch
     N, K, g, sb = out_features, in_features, cfg.group_size, cfg.scale_bits
     M, dev = x.shape[0], x.device
+    G = K // g
     xf = x.float()
     codes = buffers["ad_codes"].long() & _MASK32
     meta = buffers["ad_meta"].long() & _MASK32                            # [MW, N]
     MW = meta.shape[0]
-    pair = buffers["ad_sq"].contiguous().view(torch.float16).reshape(-1, K // g, 2)
-    gtab = [int(v) & _MASK32 for v in buffers["ad_gtab"].cpu()]
-    W = num_words(buffers, cfg)
-    T, Tf = -(-W // 4), W // 4
+    meta = torch.cat([meta, torch.zeros(3, N, dtype=torch.int64, device=dev)])  # reads past MW give 0, as the kernel's
+    sqt = buffers["ad_sqt"].contiguous().view(torch.float16).reshape(*buffers["ad_sqt"].shape, 2)  # [T, S2, P, 2]
+    tab = [int(v) & _MASK32 for v in buffers["ad_tab"].cpu()]
+    T = sqt.shape[0]
+    W = len(tab) - G - T
+    wtab, ttab = tab[G:G + W], tab[G + W:]
+    Tf = W // 4
     tail = W - 4 * Tf
     n = torch.arange(N, device=dev)
     chunk = n // cfg.scale_group_size
@@ -333,30 +378,41 @@ def spec(x: torch.Tensor, buffers: dict, bias: Optional[torch.Tensor], cfg, out_
     for s in range(splits):
         t0, t1 = s * per, min((s + 1) * per, T)
         w0, w1 = 4 * t0, min(4 * t1, W)
-        wt = _slice_words(gtab, g, sb, w0, w1)                          # the block's shared-memory word table
-        k_lo = _entry(wt[0], g)[2]
-        last = _entry(wt[-1], g)
-        k_hi = last[2] + last[3]
+        k_lo = _entry(wtab[w0])[0]
+        last = _entry(wtab[w1 - 1])
+        k_hi = last[0] + last[3]
+        xs = xf[:, k_lo:k_hi]
+        e = x_scale_exponent(xs.abs().nan_to_num(nan=0.0).amax(1))
+        xh = (xs * torch.ldexp(torch.ones(M, device=dev), e)[:, None]).half()
         acc = torch.zeros(M, N, device=dev)
         for t in range(t0, t1):
+            j0 = ttab[t]
+            win = [meta[min(j0 + i, MW + 2)] if j0 + i < MW else meta[MW] for i in range(3)]
             for j in range(4):
                 w = 4 * t + j
                 if w >= w1:
                     break
-                grp, is4, k0, cnt = _entry(wt[w - w0], g)
-                word = codes[(t * N + n) * 4 + j] if t < Tf else codes[4 * Tf * N + n * tail + j]
-                off = gtab[grp] & 0x7FFFFFFF
-                lo = meta[off >> 5]
-                hi = meta[(off >> 5) + 1] if (off >> 5) + 1 < MW else torch.zeros_like(lo)
-                rec = (((hi << 32) | lo) >> (off & 31)) & _MASK32
+                k0, rb, is4, cnt = _entry(wtab[w])
+                slot = (wtab[w] >> 27) & 3
+                lo, hi = (win[0], win[1]) if rb < 32 else (win[1], win[2])
+                rec = (((hi << 32) | lo) >> (rb & 31)) & _MASK32
                 zb = 4 if is4 else 2
                 z, code = rec & ((1 << zb) - 1), (rec >> zb) & ((1 << sb) - 1)
-                ss, zz = pair[chunk, grp, 0].double(), pair[chunk, grp, 1].double()
+                ss, zz = sqt[t, chunk, slot, 0].double(), sqt[t, chunk, slot, 1].double()
                 s_hat = (ss * code + zz).float()                             # one rounding, as fmaf
+                word = codes[(t * N + n) * 4 + j] if t < Tf else codes[4 * Tf * N + n * tail + j]
                 q = (word[:, None] >> (zb * torch.arange(cnt, device=dev))) & ((1 << zb) - 1)
-                f = (q - z[:, None]).float()                                 # [N, cnt], exact
-                dot = xf[:, k0:k0 + cnt] @ f.T                               # [M, N]
-                acc = acc + s_hat * dot
+                d = (q - z[:, None]).half()                                  # [N, cnt], exact
+                half = cnt // 2
+                lanes = []
+                for lane in range(2):
+                    h = torch.zeros(M, N, dtype=torch.float16, device=dev)
+                    for i in range(half):
+                        c = lane * half + i
+                        h = _fma16(d[None, :, c], xh[:, k0 - k_lo + c, None], h)
+                    lanes.append(h.float())
+                acc = (s_hat.double() * (lanes[0] + lanes[1]).double() + acc.double()).float()
+        acc = acc * torch.ldexp(torch.ones(M, device=dev), -e)[:, None]
         if fused_outliers and ocols.numel():
             sel = (ocols >= k_lo) & (ocols < k_hi)
             acc.index_add_(1, rows[sel], ovals[sel] * xf[:, ocols[sel]])
@@ -375,10 +431,9 @@ def _sparse(buffers: dict, N: int, K: int, dtype) -> torch.Tensor:
 
 
 def staged_smem_bytes(M: int, K: int, tiles_per_split: int, block: int) -> int:
-    """Shared memory of a block staging a rotated layer's ``R·x``: x of its span in fp32, its word table, then the
-    transform's fp32 work area of ``max(block, 256)`` floats (``mixed_gemv_smem_bytes`` in ``mixed_gemv.h``)."""
-    own = 4 * min(M, KERNEL_M) * min(K, 64 * tiles_per_split) + 16 * tiles_per_split
-    return -(-own // 16) * 16 + 4 * max(block, 256)
+    """Shared memory of a block staging a rotated layer's ``R·x``: :func:`_smem`, then the transform's fp32 work area
+    of ``max(block, 256)`` floats (``mixed_gemv_smem_bytes`` in ``mixed_gemv.h``)."""
+    return _smem(M, K, tiles_per_split) + 4 * max(block, 256)
 
 
 def linear(x: torch.Tensor, buffers: dict, bias, cfg, out_features: int, in_features: int,
@@ -396,15 +451,15 @@ def linear(x: torch.Tensor, buffers: dict, bias, cfg, out_features: int, in_feat
     N, K = out_features, in_features
     M = x.numel() // K
     rotated = rotation is not None
-    threads, per_split, _ = launch = plan(M, N, K, buffers["ad_codes"].numel() // N, _sms(x.device.index or 0), rotated)
+    threads, per_split, _ = launch = plan(M, N, K, buffers["ad_codes"].numel() // N, _sms(x.device.index or 0))
     smem = staged_smem_bytes(M, K, per_split, rotation[1]) if rotated else math.inf
-    x, rot = staged_rotation(x, rotation, smem, _block_smem_cap(min(M, KERNEL_M), threads, rotated))
+    x, rot = staged_rotation(x, rotation, smem, _block_smem_cap(min(M, KERNEL_M), threads))
     x2 = x.reshape(-1, K).contiguous()
     fused = outliers == "fused"
     has = buffers["ad_outlier_values"].numel() > 0
     ov = [buffers[k] for _, k in _OUTLIERS] if fused and has else [None, None, None]
-    y = torch.ops.qlinear.mixed_gemv(x2, buffers["ad_codes"], buffers["ad_meta"], buffers["ad_sq"],
-                                     buffers["ad_gtab"], *ov, bias if fused or not has else None, N, cfg.group_size,
+    y = torch.ops.qlinear.mixed_gemv(x2, buffers["ad_codes"], buffers["ad_meta"], buffers["ad_sqt"],
+                                     buffers["ad_tab"], *ov, bias if fused or not has else None, N, cfg.group_size,
                                      cfg.scale_bits, cfg.scale_group_size, *launch, async_dequant, *rot)
     if not fused and has:
         yo = (_sparse(buffers, N, K, torch.float32) @ x2.float().T).T
@@ -422,10 +477,8 @@ def supports(cfg, out_features: int, in_features: int) -> Optional[str]:
     """Why the kernel cannot run a mixed layer of this config and shape (None if it can)."""
     if cfg.group_size % 16:
         return f"group_size={cfg.group_size} is not a multiple of 16"
-    if cfg.group_size > 16 * 2047:
-        return f"group_size={cfg.group_size} is too large for the word table"
-    if in_features // cfg.group_size >= 1 << 20:
-        return f"in_features={in_features} has too many groups for the word table"
+    if in_features >= 1 << 20:
+        return f"in_features={in_features} is too large for the word table (at most {(1 << 20) - 1})"
     return None
 
 

@@ -12,30 +12,34 @@
 namespace {
 // Checks the layout's buffers and the outliers for N rows and K inputs on `device` and fills their fields of `a`; the
 // op name goes into the errors.
-void weights_of(const at::Tensor& codes, const at::Tensor& meta, const at::Tensor& sq, const at::Tensor& gtab,
+void weights_of(const at::Tensor& codes, const at::Tensor& meta, const at::Tensor& sq, const at::Tensor& tab,
                 const std::optional<at::Tensor>& outlier_values, const std::optional<at::Tensor>& outlier_cols,
                 const std::optional<at::Tensor>& outlier_row_ptr, int64_t N, int64_t K, int64_t group_size,
                 int64_t scale_bits, int64_t scale_group_size, const at::Device& device, qlinear::mixed::MixedGemvArgs& a,
                 const char* op) {
-  const int64_t G = gtab.numel();
-  for (const at::Tensor* t : {&codes, &meta, &sq, &gtab}) {
+  for (const at::Tensor* t : {&codes, &meta, &sq, &tab}) {
     TORCH_CHECK(t->scalar_type() == at::kInt && t->is_contiguous() && t->device() == device,
-                op, ": codes, meta, sq and gtab must be contiguous int32 on x's device");
+                op, ": codes, meta, sq and tab must be contiguous int32 on x's device");
   }
+  TORCH_CHECK(K > 0 && group_size > 0 && K % 16 == 0 && group_size % 16 == 0 && K % group_size == 0 && K < (1 << 20),
+              op, ": K=", K, " and group_size=", group_size, " do not fit");
+  const int64_t G = K / group_size;
   TORCH_CHECK(N >= 1 && codes.numel() % N == 0, op, ": codes hold ", codes.numel(), " words, not N·W");
-  const int64_t W = codes.numel() / N;  // code words per row
-  TORCH_CHECK(K > 0 && group_size > 0 && K % 16 == 0 && group_size % 16 == 0 && G * group_size == K, op, ": K=", K,
-              " group_size=", group_size, " and ", G, " groups do not fit");
+  const int64_t W = codes.numel() / N, T = (W + 3) / 4;  // code words per row, tiles
   TORCH_CHECK(W >= G * group_size / 16 && W <= G * group_size / 8, op, ": ", W, " words per row do not fit K=", K);
   TORCH_CHECK(meta.dim() == 2 && meta.size(1) == N, op, ": meta must be [MW, N]");
   const int64_t S2 = (N + scale_group_size - 1) / scale_group_size;
-  TORCH_CHECK(sq.dim() == 2 && sq.size(0) == S2 && sq.size(1) == G, op, ": sq must be [S2, G]");
-  TORCH_CHECK(reinterpret_cast<uintptr_t>(codes.data_ptr()) % 16 == 0, op, ": codes must be 16-byte aligned");
-  TORCH_CHECK(N < (1LL << 31) / 8 && N * W < (1LL << 40), op, ": N out of range");
+  TORCH_CHECK(sq.dim() == 3 && sq.size(0) == T && sq.size(1) == S2 && (sq.size(2) == 1 || sq.size(2) == 2 || sq.size(2) == 4),
+              op, ": sq must be [T, S2, P] with P = 1, 2 or 4");
+  TORCH_CHECK(tab.numel() == G + W + T, op, ": tab must hold G + W + T = ", G + W + T, " entries");
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(codes.data_ptr()) % 16 == 0 && reinterpret_cast<uintptr_t>(sq.data_ptr()) % 16 == 0,
+              op, ": codes and sq must be 16-byte aligned");
+  TORCH_CHECK(N < (1LL << 31) / 8 && N * W < (1LL << 31) && meta.numel() < (1LL << 31) && sq.numel() < (1LL << 31), op,
+              ": N out of range (the kernels index codes, meta and sq with 32 bits)");
   a.codes = reinterpret_cast<const unsigned*>(codes.data_ptr<int>());
   a.meta = reinterpret_cast<const unsigned*>(meta.data_ptr<int>());
   a.sq = reinterpret_cast<const unsigned*>(sq.data_ptr<int>());
-  a.gtab = gtab.data_ptr<int>();
+  a.tab = tab.data_ptr<int>();
   if (outlier_values.has_value() && outlier_values->numel() > 0) {
     TORCH_CHECK(outlier_cols.has_value() && outlier_row_ptr.has_value(), op, ": outliers need cols and row_ptr");
     TORCH_CHECK(outlier_values->scalar_type() == at::kHalf && outlier_values->is_contiguous() &&
@@ -51,12 +55,12 @@ void weights_of(const at::Tensor& codes, const at::Tensor& meta, const at::Tenso
     a.outlier_row_ptr = outlier_row_ptr->data_ptr<int>();
     a.cols_int32 = outlier_cols->scalar_type() == at::kInt;
   }
-  a.N = (int)N; a.K = (int)K; a.W = (int)W; a.G = (int)G; a.MW = (int)meta.size(0);
+  a.N = (int)N; a.K = (int)K; a.W = (int)W; a.G = (int)G; a.MW = (int)meta.size(0); a.S2 = (int)S2; a.P = (int)sq.size(2);
   a.group_size = (int)group_size; a.scale_bits = (int)scale_bits; a.scale_group_size = (int)scale_group_size;
 }
 
 at::Tensor mixed_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& meta, const at::Tensor& sq,
-                      const at::Tensor& gtab, const std::optional<at::Tensor>& outlier_values,
+                      const at::Tensor& tab, const std::optional<at::Tensor>& outlier_values,
                       const std::optional<at::Tensor>& outlier_cols, const std::optional<at::Tensor>& outlier_row_ptr,
                       const std::optional<at::Tensor>& bias, int64_t N, int64_t group_size, int64_t scale_bits,
                       int64_t scale_group_size, int64_t threads, int64_t tiles_per_split, int64_t splits,
@@ -67,7 +71,7 @@ at::Tensor mixed_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Te
   const int64_t M = x.size(0), K = x.size(1);
   c10::cuda::CUDAGuard guard(x.device());
   qlinear::mixed::MixedGemvArgs a{};
-  weights_of(codes, meta, sq, gtab, outlier_values, outlier_cols, outlier_row_ptr, N, K, group_size, scale_bits,
+  weights_of(codes, meta, sq, tab, outlier_values, outlier_cols, outlier_row_ptr, N, K, group_size, scale_bits,
              scale_group_size, x.device(), a, "mixed_gemv");
   at::Tensor bias_holder;
   qlinear::DType bias_dtype;  // fp32: the kernel takes no other (mixed_gemv.h)
@@ -94,7 +98,7 @@ at::Tensor mixed_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Te
   return y;
 }
 
-at::Tensor mixed_dequantize(const at::Tensor& codes, const at::Tensor& meta, const at::Tensor& sq, const at::Tensor& gtab,
+at::Tensor mixed_dequantize(const at::Tensor& codes, const at::Tensor& meta, const at::Tensor& sq, const at::Tensor& tab,
                             const std::optional<at::Tensor>& outlier_values,
                             const std::optional<at::Tensor>& outlier_cols,
                             const std::optional<at::Tensor>& outlier_row_ptr, int64_t N, int64_t K, int64_t group_size,
@@ -102,7 +106,7 @@ at::Tensor mixed_dequantize(const at::Tensor& codes, const at::Tensor& meta, con
   TORCH_CHECK(codes.is_cuda(), "mixed_dequantize: the buffers must be on a CUDA device");
   c10::cuda::CUDAGuard guard(codes.device());
   qlinear::mixed::MixedGemvArgs a{};
-  weights_of(codes, meta, sq, gtab, outlier_values, outlier_cols, outlier_row_ptr, N, K, group_size, scale_bits,
+  weights_of(codes, meta, sq, tab, outlier_values, outlier_cols, outlier_row_ptr, N, K, group_size, scale_bits,
              scale_group_size, codes.device(), a, "mixed_dequantize");
   TORCH_CHECK(K / group_size <= 65535, "mixed_dequantize: ", K / group_size, " groups per row (K=", K, ", group_size=",
               group_size, ") are more than its grid takes (65535): use a larger group size");

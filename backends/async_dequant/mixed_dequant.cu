@@ -2,7 +2,8 @@
 // layout "async_dequant" for one cuBLAS GEMM above the GEMV's batches, and for the backward pass.
 //
 // A thread owns one (group, row): a block takes 128 consecutive rows of one group (gridDim.y = groups), so the code words (tile-major,
-// 16 B per row and tile), the meta words (word-major) and the second-order pairs load coalesced.  The group's first code
+// 16 B per row and tile), the meta words (word-major) and the second-order pairs (those of the group's first word)
+// load coalesced.  The group's first code
 // word follows from the group table alone (its record offset counts the 4-bit groups before it), so no word table is
 // needed.  The block stages its rows' outputs in shared memory C at a time (C = 64, or 16 where the group size is not a
 // multiple of 64) and writes each row's C-output run with consecutive threads: whole 128-byte lines (fp16, C = 64),
@@ -76,10 +77,10 @@ template <typename OutT, int C>
 __global__ void __launch_bounds__(kDequantThreads, 4) mixed_dequantize_kernel(const MixedGemvArgs a) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   constexpr int kRow = C * sizeof(OutT) + 16, kPieces = C * sizeof(OutT) / 16;  // staged row bytes (padded), pieces
-  const int G = a.K / a.group_size, g = a.group_size, grp = blockIdx.y, n = blockIdx.x * kDequantThreads + threadIdx.x;
+  const int g = a.group_size, grp = blockIdx.y, n = blockIdx.x * kDequantThreads + threadIdx.x;
   const bool valid = n < a.N;  // no early exit: every thread reaches the barriers
   unsigned char* staged = smem_raw;
-  const unsigned entry = (unsigned)__ldg(a.gtab + grp), off = entry & 0x7FFFFFFFu;
+  const unsigned entry = (unsigned)__ldg(a.tab + grp), off = entry & 0x7FFFFFFFu;
   const bool is4 = entry >> 31;  // the block's group: one kind for all its threads
   const int zb = is4 ? 4 : 2, n4 = (int)(off - (unsigned)grp * (2 + a.scale_bits)) / 2;
   const int first = (grp + n4) * (g / 16);  // the group's first code word
@@ -92,7 +93,8 @@ __global__ void __launch_bounds__(kDequantThreads, 4) mixed_dequantize_kernel(co
     const unsigned rec = __funnelshift_r(lo, hi, off & 31);
     z = (float)(rec & ((1u << zb) - 1u));
     const float code = (float)((rec >> zb) & ((1u << a.scale_bits) - 1u));
-    const unsigned pair = __ldg(a.sq + (size_t)(n / a.scale_group_size) * G + grp);
+    const int slot = (__ldg(a.tab + a.G + first) >> 27) & 3;  // the pair's place among its tile's
+    const unsigned pair = __ldg(a.sq + ((size_t)(first >> 2) * a.S2 + n / a.scale_group_size) * a.P + slot);
     const float ss = __half2float(__ushort_as_half((unsigned short)(pair & 0xFFFFu)));
     const float zz = __half2float(__ushort_as_half((unsigned short)(pair >> 16)));
     s = __fadd_rn(zz, __fmul_rn(ss, code));

@@ -11,33 +11,37 @@ namespace qlinear {
 namespace mixed {
 
 // y[M, N] = x[M, K] · Ŵᵀ + bias, M = 1..8 per launch (the binding loops over chunks of 8 rows).
-// Layout "async_dequant" (W = code words per row, T = ceil(W / 4) tiles of 4 words, Tf = W / 4 full tiles):
+// Layout "async_dequant" (W = code words per row, T = ceil(W / 4) tiles of 4 words, Tf = W / 4 full tiles, S2 row chunks):
 //   codes  uint32 [N·W]: full tiles [Tf][N][4] (one 16-byte load per row and tile), then the tail [N][W − 4·Tf]
-//   meta   uint32 [MW][N]: per row, bit stream of (zero | scale_code << zero_bits) records in group order
-//   sq     uint32 [S2][G]: second-order pair per (row chunk, group) as half2 bits, low = scale, high = zero
-//   gtab   int32  [G]: bit offset of each group's record in a row's meta stream | is_4bit << 31; the offset
-//          also locates the group's first word: (g + n4) · group_size / 16 with n4 = (offset − g·(2 + scale_bits)) / 2
-//          4-bit groups before g
+//   meta   uint32 [MW][N]: per row, bit stream of (zero | scale_code << zero_bits) records in group order; a tile's
+//          records lie in the meta words ttab[t] .. ttab[t] + 1 (+ 2 with scale_bits = 8)
+//   sq     uint32 [T][S2][P]: second-order pairs per (tile, row chunk) of the P = 1, 2 or 4 groups a tile may touch, as
+//          half2 bits, low = scale, high = zero
+//   tab    int32  [G + W + T]: gtab [G] = bit offset of each group's record in a row's meta stream | is_4bit << 31 (the
+//          offset also locates the group's first word: (g + n4) · group_size / 16 with n4 = (offset − g·(2 + scale_bits)) / 2
+//          4-bit groups before g); wtab [W] = first input | record bit in the tile's meta window << 20 | pair slot << 27
+//          | is_4bit << 31;
+//          ttab [T] = the tile's first meta word
 //   outliers: CSR (fp16 values, int16/int32 columns, int32 row pointers), or null
 struct MixedGemvArgs {
   const void* x;               // [M, K], x_dtype
   const unsigned* codes;
   const unsigned* meta;
   const unsigned* sq;
-  const int* gtab;
+  const int* tab;
   const void* outlier_values;  // [nnz] fp16, or nullptr (no fused outliers)
   const void* outlier_cols;    // [nnz] int16 (cols_int32 = 0) or int32
   const int* outlier_row_ptr;  // [N + 1]
-  const float* bias;           // [N] fp32, or nullptr (a bias in x's dtype as well: its M = 7 kernels spill)
+  const float* bias;           // [N] fp32, or nullptr
   void* y;                     // [M, N], x_dtype
   float* partial;              // [splits, M, N] fp32 workspace when splits > 1
-  int M, N, K, W, G, MW;          // W = code words per row
+  int M, N, K, W, G, MW, S2, P;  // W = code words per row, P = pairs per tile and row chunk
   int group_size, scale_bits, scale_group_size;
   int threads;                 // threads per block (multiple of 32, <= 256); a thread owns 2 rows
   int tiles_per_split;         // consecutive tiles per block along K (x of their K span sits in shared memory)
   int splits;                  // gridDim.y; partial sums reduced in a fixed order (deterministic)
   int cols_int32;
-  int async_dequant;           // 1: scales of tile t+1 dequantized while its codes load; 0: synchronous
+  int async_dequant;           // 1: tile t+1 loaded while tile t is computed, its scales after; 0: synchronous
   DType x_dtype;               // kHalf or kBFloat16
 };
 
@@ -46,12 +50,12 @@ struct MixedGemvArgs {
 constexpr int kMaxThreadsM8 = 128;
 inline int mixed_gemv_tiles(int N, int threads) { return (N + 2 * threads - 1) / (2 * threads); }
 
-// Shared memory (bytes) one block needs: x of its K span in fp32 [M][span], its word table [4·tiles_per_split], and for a
-// rotated layer (rotation_block > 0) the transform's fp32 work area of max(block, 256) floats, from the next 16-byte
-// boundary (without a rotation: where that area starts).
+// Shared memory (bytes) one block needs: x of its K span in fp32 [M][span] and as scaled fp16 [M][span], its word and tile
+// tables [5·tiles_per_split], the rows' |x| maxima [8], and for a rotated layer (rotation_block > 0) the transform's fp32
+// work area of max(block, 256) floats, from the next 16-byte boundary (without a rotation: where that area starts).
 __host__ __device__ inline size_t mixed_gemv_smem_bytes(int M, int K, int tiles_per_split, int rotation_block) {
   const int span = K < 64 * tiles_per_split ? K : 64 * tiles_per_split;
-  const size_t own = sizeof(float) * (size_t)M * span + sizeof(int) * 4 * (size_t)tiles_per_split;
+  const size_t own = 6 * (size_t)M * span + sizeof(int) * 5 * (size_t)tiles_per_split + 32;
   return (own + 15) / 16 * 16 + sizeof(float) * (size_t)(rotation_block > 256 ? rotation_block : rotation_block ? 256 : 0);
 }
 
