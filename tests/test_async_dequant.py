@@ -81,6 +81,7 @@ CONFIGS = {
     "outliers_0.005": mixed.Config(outlier_ratio=0.005),
     "no_4bit": mixed.Config(ratio_4bit=0.0, outlier_ratio=0.005),
     "all_4bit": mixed.Config(ratio_4bit=1.0, outlier_ratio=0.0),
+    "g64": mixed.Config(group_size=64, ratio_4bit=0.4),  # one pair per tile (P = 1)
 }
 SHAPES = [(64, 64), (128, 320), (576, 576), (1536, 576), (96, 2048), (100, 112)]
 
@@ -95,7 +96,7 @@ def test_spec_matches_reference_in_float64(name, N, K):
     bufs = ad.repack(canon, cfg, N, K)
     bias = torch.randn(N)
     for M in (1, 3, 8):
-        x = torch.randn(M, K)
+        x = torch.randn(M, K).half()
         y64 = _ref(canon, cfg, N, K, x, bias)
         bound = _bound(canon, cfg, N, K, x)
         T = math.ceil(_W(bufs, cfg) / 4)
@@ -116,7 +117,7 @@ def test_spec_matches_a_quantized_layer():
     mod = MixedPrecisionLinear.from_linear(lin, cfg, random_hessian(256), backend="reference")
     canon = mod.canonical()
     bufs = ad.repack(canon, cfg, 96, 256)
-    x = torch.randn(5, 256)
+    x = torch.randn(5, 256).half()
     y = ad.spec(x, bufs, mod.bias, cfg, 96, 256, ad.plan(5, 96, 256, _W(bufs, cfg), 132))
     assert ((y.double() - ref64(mod, x)).abs() <= _bound(canon, cfg, 96, 256, x)).all()
 
@@ -135,7 +136,7 @@ def test_spec_handles_outliers_in_4bit_groups():
     cols[rp[r]:rp[r + 1]] = cols4[: int(rp[r + 1] - rp[r])].to(cols.dtype)
     canon["outlier_cols"] = cols
     bufs = ad.repack(canon, cfg, N, K)
-    x = torch.randn(2, K)
+    x = torch.randn(2, K).half()
     for launch in ((32, 1, math.ceil(_W(bufs, cfg) / 4)), ad.plan(2, N, K, _W(bufs, cfg), 132)):
         y = ad.spec(x, bufs, None, cfg, N, K, launch)
         assert ((y.double() - _ref(canon, cfg, N, K, x)).abs() <= _bound(canon, cfg, N, K, x)).all()
@@ -147,7 +148,7 @@ def test_spec_catches_a_wrong_layout():
     cfg, N, K = DEFAULT, 128, 256
     canon = ad.random_buffers(N, K, cfg, seed=1)
     bufs = ad.repack(canon, cfg, N, K)
-    x = torch.randn(1, K)
+    x = torch.randn(1, K).half()
     launch = ad.plan(1, N, K, _W(bufs, cfg), 4)
     bound = _bound(canon, cfg, N, K, x)
     y64 = _ref(canon, cfg, N, K, x)
@@ -164,7 +165,7 @@ def test_spec_catches_a_wrong_layout():
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_layout_round_trip_is_bit_exact(name):
     cfg = CONFIGS[name]
-    N, K = 80, 480 if cfg.group_size != 32 else 512
+    N, K = 80, {32: 512, 64: 640}.get(cfg.group_size, 480)
     canon = ad.random_buffers(N, K, cfg, seed=7)
     packed = ad.repack(canon, cfg, N, K)
     assert tuple(packed) == ad.LAYOUT.names(cfg)
@@ -312,7 +313,7 @@ void run_blocks(const MixedGemvArgs& a) {
     run_grid(dim3(tiles, a.splits, 1), a.threads, [&a] { mixed_gemv_kernel<T, M, ASYNC, true>(a, g_rot); });
   else
     run_grid(dim3(tiles, a.splits, 1), a.threads, [&a] { mixed_gemv_kernel<T, M, ASYNC, false>(a, g_rot); });
-  if (a.splits > 1) emulate_reduce_splits<T>(a.partial, a.bias, DType::kFloat, a.y, a.splits, a.M, a.N);
+  if (a.splits > 1) emulate_reduce_splits<T>(a.partial, a.bias, a.bias_dtype, a.y, a.splits, a.M, a.N);
 }
 
 template <typename T, int M>
@@ -338,9 +339,9 @@ int main(int argc, char** argv) {
   auto meta = emu_read<unsigned>(f, (size_t)MW * N);
   auto sq = emu_read<unsigned>(f, (size_t)T * S2 * h[22]);
   auto tab = emu_read<int>(f, G + W + T);
-  std::vector<uint16_t> vals; std::vector<char> cols; std::vector<int> rp; std::vector<float> bias;
+  std::vector<uint16_t> vals; std::vector<char> cols; std::vector<int> rp; std::vector<char> bias;
   if (h[13]) { vals = emu_read<uint16_t>(f, nnz); cols = emu_read<char>(f, (size_t)nnz * (h[14] ? 4 : 2)); rp = emu_read<int>(f, N + 1); }
-  if (h[18]) bias = emu_read<float>(f, N);
+  if (h[18]) bias = emu_read<char>(f, (size_t)N * (h[18] == 2 ? 4 : 2));
   std::vector<unsigned> sign_bits = emu_read<unsigned>(f, h[19]);
   std::vector<signed char> paley = emu_read<signed char>(f, h[21] > 1 ? h[21] * h[21] : 0);
   fclose(f);
@@ -349,6 +350,7 @@ int main(int argc, char** argv) {
   a.x = x.data(); a.codes = codes.data(); a.meta = meta.data(); a.sq = sq.data(); a.tab = tab.data();
   if (h[13]) { a.outlier_values = vals.data(); a.outlier_cols = cols.data(); a.outlier_row_ptr = rp.data(); a.cols_int32 = h[14]; }
   a.bias = h[18] ? bias.data() : nullptr;
+  a.bias_dtype = h[18] == 2 ? qlinear::DType::kFloat : h[17] ? qlinear::DType::kBFloat16 : qlinear::DType::kHalf;
   std::vector<uint16_t> y((size_t)M * N, 0x7E00);  // NaN-poisoned output
   std::vector<float> partial((size_t)h[11] * M * N, NAN);
   a.y = y.data(); a.partial = partial.data();
@@ -373,7 +375,7 @@ def emulator(tmp_path_factory):
 
 
 def _emulate(exe, x, bufs, bias, cfg, N, K, launch, async_dequant=True, rotation=None):
-    from cuda_emulation import rotation_header, run
+    from cuda_emulation import dtype_kind, rotation_header, run
 
     threads, per, splits = launch
     rot, rot_tensors = rotation_header(rotation, K)
@@ -381,16 +383,16 @@ def _emulate(exe, x, bufs, bias, cfg, N, K, launch, async_dequant=True, rotation
     hdr = [x.shape[0], N, K, _W(bufs, cfg), K // cfg.group_size, bufs["ad_meta"].shape[0], cfg.group_size,
            cfg.scale_bits, cfg.scale_group_size, threads, per, splits, int(async_dequant), int(has_out),
            int(bufs["ad_outlier_cols"].dtype == torch.int32), bufs["ad_outlier_values"].numel(), bufs["ad_sqt"].shape[1],
-           int(x.dtype == torch.bfloat16), int(bias is not None), *rot, bufs["ad_sqt"].shape[2]]
+           int(x.dtype == torch.bfloat16), dtype_kind(bias), *rot, bufs["ad_sqt"].shape[2]]
     outliers = [bufs[k] for k in ("ad_outlier_values", "ad_outlier_cols", "ad_outlier_row_ptr")] if has_out else []
     tensors = [x, *(bufs[k] for k in ("ad_codes", "ad_meta", "ad_sqt", "ad_tab")), *outliers,
-               None if bias is None else bias.float(), *rot_tensors]
+               bias, *rot_tensors]
     return run(exe, hdr, tensors, (x.shape[0], N))
 
 
 @pytest.mark.parametrize("name,N,K", [("default", 100, 112), ("default", 576, 576), ("g32", 130, 256),
                                       ("g48_sb8_sg7", 96, 480), ("no_4bit", 64, 320), ("all_4bit", 64, 320),
-                                      ("outliers_0.005", 200, 400), ("sb2_no_outliers", 70, 144)])
+                                      ("outliers_0.005", 200, 400), ("sb2_no_outliers", 70, 144), ("g64", 72, 640)])
 def test_kernel_source_under_host_emulation(emulator, name, N, K):
     cfg = CONFIGS[name]
     canon = ad.random_buffers(N, K, cfg, seed=N * K)
@@ -412,6 +414,11 @@ def test_kernel_source_under_host_emulation(emulator, name, N, K):
             assert torch.equal(_emulate(emulator, x, bufs, bias, cfg, N, K, launch, async_dequant=False), y)
             err = (_emulate(emulator, xd, bufs, bias, cfg, N, K, launch).double() - yd64).abs()
             assert (err <= bound_d).all(), (launch, "dyadic", err.max().item())
+            if M == 5:  # a bias in x's dtype is read as it is: the same sums as that bias widened to fp32, in the
+                b = bias.to(dtype)  # split launch's reduction and in the kernel's own epilogue (one split)
+                for lc in (launch, (launch[0], T, 1)):
+                    assert torch.equal(_emulate(emulator, x, bufs, b, cfg, N, K, lc),
+                                       _emulate(emulator, x, bufs, b.float(), cfg, N, K, lc)), lc
 
 
 def test_kernel_source_stages_a_rotated_input(emulator):
@@ -469,13 +476,14 @@ def _gpu_layer(N, K, ratio_4bit, outlier_ratio, bias):
     w64 = mixed.dequantize(canon, cfg, N, K).double()
     wabs = mixed.dequantize(dict(canon, outlier_values=torch.zeros_like(canon["outlier_values"])), cfg, N, K).double()
     wabs = wabs.abs_() + (w64 - wabs).abs()  # outliers are the only difference (distinct positions)
-    W = ad._word_table(mixed.group_kinds(canon["idx4"], K // cfg.group_size), cfg.group_size)[0].numel()
+    W = ad._tables(mixed.group_kinds(canon["idx4"], K // cfg.group_size), cfg.group_size, cfg.scale_bits)["src"].numel()
     nnz_row = int(canon["outlier_row_ptr"].long().diff().max())
-    return mod, cfg, w64, wabs, (W + 64 + nnz_row) * U32
+    s_max = float((canon["scale_scale"].double().abs() * ((1 << cfg.scale_bits) - 1) + canon["scale_zero"].double().abs()).max())
+    return mod, cfg, w64, wabs, (W + 64 + nnz_row) * U32 + 8 * U16, W * 2.0 ** -25 * s_max
 
 
 def _check(layer, x, dtype, **kw):
-    mod, cfg, w64, wabs, rel = layer
+    mod, cfg, w64, wabs, rel, sub = layer  # the module docstring's bound: rel·mag + sub·max|x|
     N, K = mod.out_features, mod.in_features
     eps = {torch.float16: 2.0 ** -11, torch.bfloat16: 2.0 ** -8}[dtype]
     y64 = x.double() @ w64.T + (0 if mod.bias is None else mod.bias.double())
@@ -484,7 +492,7 @@ def _check(layer, x, dtype, **kw):
     poison_cuda_allocator()
     y = ad.linear(x, bufs, mod.bias, cfg, N, K, **kw)
     assert y.dtype == dtype and y.shape == (x.shape[0], N)
-    bound = rel * mag + eps * y64.abs()
+    bound = rel * mag + sub * x.double().abs().amax(1, keepdim=True) + eps * y64.abs()
     if kw.get("outliers") == "separate":  # the kernel's output is rounded before the SpMV is added
         bound = bound + 2 * eps * mag
     err = (y.double() - y64).abs()
@@ -611,7 +619,7 @@ def dequant_emulator(tmp_path_factory):
 
 @pytest.mark.parametrize("name,N,K", [("default", 100, 112), ("g32", 130, 256), ("g48_sb8_sg7", 96, 480),
                                       ("no_4bit", 64, 320), ("all_4bit", 64, 320), ("outliers_0.005", 200, 400),
-                                      ("sb2_no_outliers", 70, 144)])
+                                      ("sb2_no_outliers", 70, 144), ("g64", 72, 640)])
 def test_dequantize_kernel_source_is_the_format_bit_for_bit(dequant_emulator, name, N, K):
     """mixed_dequant.cu under the host emulation: the format's float32 Ŵ (second-order scales, both group kinds,
     outliers) exactly, and its one rounding to fp16 and bf16, bit for bit (group sizes that 64 divides and not; N not

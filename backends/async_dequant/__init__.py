@@ -21,15 +21,17 @@ code words per row, ``T = ceil(W/4)`` tiles of 4 words, ``Tf = W // 4`` full til
   meta word of consecutive rows is contiguous (coalesced).  The records of the (at most four) groups a tile
   touches lie within 64 bits (96 with ``scale_bits = 8``) from meta word ``ttab[t]``: a tile loads that window
   with its codes, and a word's record is a funnel shift of it.
-* ``ad_sqt`` int32 ``[T, S2, 4]``: second-order (scale_scale, scale_zero) as the two fp16 halves of one word, per
-  tile, chunk of ``scale_group_size`` rows and word of the tile (the word's group's pair; 0 past ``W``): one
-  16-byte load per row and tile.  A 4-bit group's pair repeats for each of its words.
+* ``ad_sqt`` int32 ``[T, S2, P]``: second-order (scale_scale, scale_zero) as the two fp16 halves of one word, per
+  tile, chunk of ``scale_group_size`` rows and group the tile touches, in order (its slot; 0 for unused slots):
+  one 16-, 8- or 4-byte load per row and tile.  ``P`` (:func:`pairs_per_tile`) is the most groups a tile can
+  touch: 4 at group size 16, 1 where 64 divides it, else 2.  A group straddling two tiles has its pair in both.
 * ``ad_tab`` int32 ``[G + W + T]``, the per-layer tables (the sequence of group kinds is the same for every row:
   ``idx4`` is per layer, so they drive every thread's loop): ``gtab [G]`` = ``offset | is_4bit << 31`` with
   ``offset`` the bit offset of the group's record in a row's meta stream (which also gives the number of 4-bit
   groups before group ``i``, ``n4 = (offset − i·(2 + scale_bits)) / 2``, hence its first word ``(i + n4)·g/16``);
-  ``wtab [W]`` = ``k_start | record_bit << 20 | is_4bit << 31`` per word (its first input, and its group's record
-  bit counted from the start of its tile's meta window); ``ttab [T]`` = each tile's first meta word.  A block
+  ``wtab [W]`` = ``k_start | record_bit << 20 | slot << 27 | is_4bit << 31`` per word (its first input, its
+  group's record bit counted from the start of its tile's meta window, and its group's slot in ``ad_sqt``);
+  ``ttab [T]`` = each tile's first meta word.  A block
   copies its slice of ``wtab`` and ``ttab`` into shared memory.
 * ``ad_idx4``: empty when ``idx4`` is a sorted set of distinct groups (it is then read back from ``gtab``),
   else (the zero buffers of a freshly constructed module) ``idx4`` verbatim, so :func:`unrepack` stays exact.
@@ -37,16 +39,17 @@ code words per row, ``T = ceil(W/4)`` tiles of 4 words, ``Tf = W // 4`` full til
 
 Bits: the code words and records are exactly the canonical bits without the canonical per-row padding of
 ``zeros2``/``zeros4`` and without ``idx4``; the meta stream pads each row to a word (≤ 31 bits), the per-tile
-second-order pairs repeat a 4-bit group's pair for its second word (and a straddling group's in both tiles), and
+second-order pairs repeat a straddling group's pair in both its tiles and leave a tile's unused slots empty, and
 the tables add ``32·(G + W + T)`` bits per layer.  :func:`layout_bits` gives the exact count; the tests check it
 stays ≤ canonical + 0.05 bits per weight.
 
 Kernel (``mixed_gemv.cu``): a thread owns 2 rows; per tile and row it loads the 16 bytes of codes, the meta window
-and the 16 bytes of second-order pairs in one stage.  ``async_dequant=True`` issues tile t+1's loads, runs tile t's
+and the tile's second-order pairs in one stage.  ``async_dequant=True`` issues tile t+1's loads, runs tile t's
 arithmetic, then dequantizes tile t+1's scales (ŝ = scale_zero + scale_scale·code) and zeros; ``async_dequant=False``
 runs the same code synchronously (records and pairs loaded and dequantized, then the codes loaded) for the
 benchmark.  The products run on half2: each block stages its slice of x once as fp16, scaled per row of x by a
-power of two ``2^s`` (max |x·2^s| ≤ 1024, so no word's partial sum can overflow; exact for fp16 and bf16 inputs),
+power of two ``2^s`` (max |x·2^s| ≤ 1024, so no word's partial sum can overflow; exact for fp16 and bf16 inputs
+but where ``x·2^s`` falls below fp16's normal range, 2^-14),
 with a word's inputs ``i`` and ``i + n/2`` paired; a code pair becomes ``q − z`` as half2 exactly (one ``lop3`` into the
 mantissa of ``2^(10−p)``, one ``hsub2``) and one ``hfma2`` per pair adds it into the word's half2 sum (≤ 8 products
 per lane, fp16 rounding); the word's sum goes to fp32, ``acc = fma(ŝ, sum, acc)`` in fp32, and ``acc·2^−s`` at the end.
@@ -68,6 +71,7 @@ import warnings
 from pathlib import Path
 from typing import Optional
 
+import numpy as np
 import torch
 
 from qlinear.formats import mixed
@@ -217,7 +221,7 @@ def unrepack(buffers: dict, cfg, out_features: int, in_features: int) -> dict:
     rec = ((meta.gather(1, j) | (meta.gather(1, j + 1) << 32)) >> (off & 31)) & ((1 << width) - 1)
     z, sc = rec & ((1 << zb) - 1), rec >> zb
     first = torch.cumsum(torch.where(is4, g // 8, g // 16), 0) - torch.where(is4, g // 8, g // 16)
-    pair = buffers["ad_sqt"][first // 4, :, tab["slot"][first]].T.contiguous().view(torch.float16).reshape(-1, G, 2)
+    pair = buffers["ad_sqt"][first // 4, :, tab["slot"][first]].T.reshape(-1).view(torch.float16).reshape(-1, G, 2)
     out = {"idx4": buffers["ad_idx4"] if buffers["ad_idx4"].numel() else idx4.to(torch.int32),
            "qweight2": cat[:, :n2].contiguous(), "qweight4": cat[:, n2:].contiguous(),
            "zeros2": pack(z[:, idx2], 2), "zeros4": pack(z[:, idx4], 4), "scale_codes": pack(sc.T.contiguous(), sb),
@@ -337,8 +341,10 @@ def x_scale_exponent(amax: torch.Tensor) -> torch.Tensor:
 
 
 def _fma16(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
-    """``fma.rn.f16``: ``a·b + c`` rounded once to fp16 (exact in float64 for the kernel's operands)."""
-    return (a.double() * b.double() + c.double()).half()
+    """``fma.rn.f16``: ``a·b + c`` rounded once to fp16.  The sum is exact in float64 for the kernel's operands (fp16
+    values, integer ``a``); numpy rounds float64 to fp16 directly, where torch would round through float32 (twice)."""
+    exact = (a.double() * b.double() + c.double()).cpu().numpy()
+    return torch.from_numpy(exact.astype(np.float16)).to(c.device)
 
 
 def spec(x: torch.Tensor, buffers: dict, bias: Optional[torch.Tensor], cfg, out_features: int, in_features: int,
@@ -362,7 +368,7 @@ def spec(x: torch.Tensor, buffers: dict, bias: Optional[torch.Tensor], cfg, out_
     meta = buffers["ad_meta"].long() & _MASK32                            # [MW, N]
     MW = meta.shape[0]
     meta = torch.cat([meta, torch.zeros(3, N, dtype=torch.int64, device=dev)])  # reads past MW give 0, as the kernel's
-    sqt = buffers["ad_sqt"].contiguous().view(torch.float16).reshape(*buffers["ad_sqt"].shape, 2)  # [T, S2, P, 2]
+    sqt = buffers["ad_sqt"].reshape(-1).view(torch.float16).reshape(*buffers["ad_sqt"].shape, 2)  # [T, S2, P, 2]
     tab = [int(v) & _MASK32 for v in buffers["ad_tab"].cpu()]
     T = sqt.shape[0]
     W = len(tab) - G - T
@@ -382,7 +388,7 @@ def spec(x: torch.Tensor, buffers: dict, bias: Optional[torch.Tensor], cfg, out_
         last = _entry(wtab[w1 - 1])
         k_hi = last[0] + last[3]
         xs = xf[:, k_lo:k_hi]
-        e = x_scale_exponent(xs.abs().nan_to_num(nan=0.0).amax(1))
+        e = x_scale_exponent(xs.abs().nan_to_num(nan=0.0, posinf=math.inf).amax(1))
         xh = (xs * torch.ldexp(torch.ones(M, device=dev), e)[:, None]).half()
         acc = torch.zeros(M, N, device=dev)
         for t in range(t0, t1):
@@ -411,6 +417,7 @@ def spec(x: torch.Tensor, buffers: dict, bias: Optional[torch.Tensor], cfg, out_
                         c = lane * half + i
                         h = _fma16(d[None, :, c], xh[:, k0 - k_lo + c, None], h)
                     lanes.append(h.float())
+                # fmaf: float64 holds the product exactly; the sum is rounded twice where it needs more than 53 bits
                 acc = (s_hat.double() * (lanes[0] + lanes[1]).double() + acc.double()).float()
         acc = acc * torch.ldexp(torch.ones(M, device=dev), -e)[:, None]
         if fused_outliers and ocols.numel():

@@ -74,8 +74,7 @@ at::Tensor mixed_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Te
   weights_of(codes, meta, sq, tab, outlier_values, outlier_cols, outlier_row_ptr, N, K, group_size, scale_bits,
              scale_group_size, x.device(), a, "mixed_gemv");
   at::Tensor bias_holder;
-  qlinear::DType bias_dtype;  // fp32: the kernel takes no other (mixed_gemv.h)
-  a.bias = static_cast<const float*>(qlinear::bias_arg(bias, N, x, bias_holder, bias_dtype, "mixed_gemv", false));
+  a.bias = qlinear::bias_arg(bias, N, x, bias_holder, a.bias_dtype, "mixed_gemv");
   at::Tensor y = at::empty({M, N}, x.options());
   at::Tensor partial;
   a.threads = (int)threads; a.tiles_per_split = (int)tiles_per_split; a.splits = (int)splits;

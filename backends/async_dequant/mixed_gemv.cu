@@ -14,7 +14,7 @@
 //
 // Products on half2 (the recipe of the fastest fp16 GEMVs: two codes per instruction).  Each block stages its slice of
 // x once in fp32 (R·x for a rotated layer), then as fp16 scaled per row of x by 2^s with max |x·2^s| <= 1024 (exact for
-// fp16 and bf16 inputs; no word's half2 sum can overflow: 8·3·1024 or 4·15·1024 < 65504), the inputs i and i + n/2 of
+// fp16 and bf16 inputs but below fp16's normal range; no word's half2 sum can overflow: 8·3·1024 or 4·15·1024 < 65504), the inputs i and i + n/2 of
 // each word of n codes side by side.  A word holds 16 2-bit codes or 8 4-bit codes; code i of each 16-bit half-word is
 // OR-ed in place (one LOP3 for both halves) into the mantissa of 2^(10 − p) (p its bit position: 0..6 of the word, then
 // of the word >> 8), and one HSUB2 of 2^(10 − p) + z leaves q − z exactly; one HFMA2 per code pair and row of x adds it
@@ -25,8 +25,8 @@
 // scales and zeros are dequantized.  Synchronous mode runs the same code in the order the paper calls synchronous:
 // tile t's records and pairs loaded and dequantized, then its codes loaded (the load address carries a data dependency
 // on the scales so the compiler cannot hoist it), then the arithmetic.  Same arithmetic in the same order: bitwise
-// identical results.  (The 2026-11-27 kernel, fp32 products and the records read group by group through a moving
-// meta window, issued about 6 instructions per weight; this one about 3, RESULTS.md.)
+// identical results.  (The kernel before, fp32 products and the records read group by group through a moving meta
+// window, issued about 7.6 instructions per weight at the format's defaults; this one about 5.3, RESULTS.md.)
 //
 // Outliers (CSR; 2-bit groups by default, any column works) are fused: after its main loop each block adds, in CSR
 // order and fp32, the outliers of its rows whose column lies in its K span, reading x from shared memory.  Split
@@ -353,7 +353,7 @@ __global__ void __launch_bounds__(M == 8 ? kMaxThreadsM8 : 256, M == 8 || M == 1
     const int n = rows.n[r];
     if (a.splits == 1) {
       T* y = static_cast<T*>(a.y);
-      const float b = a.bias ? a.bias[n] : 0.f;
+      const float b = a.bias ? bias_at<T>(a.bias, a.bias_dtype, n) : 0.f;
 #pragma unroll
       for (int m = 0; m < M; ++m) y[(size_t)m * N + n] = from_float<T>(acc[r][m] + b);
     } else {
@@ -374,7 +374,7 @@ cudaError_t launch(const MixedGemvArgs& a, const Rotation& rot, cudaStream_t str
   const dim3 grid(mixed_gemv_tiles(a.N, a.threads), a.splits);
   if ((a.splits > 1 && a.partial == nullptr) || (M == 8 && a.threads > kMaxThreadsM8)) return cudaErrorInvalidValue;
   kernel<<<grid, a.threads, smem, stream>>>(a, rot);
-  if (a.splits > 1) reduce_splits<T>(a.partial, a.bias, DType::kFloat, a.y, a.splits, M, a.N, stream);
+  if (a.splits > 1) reduce_splits<T>(a.partial, a.bias, a.bias_dtype, a.y, a.splits, M, a.N, stream);
   return cudaGetLastError();
 }
 

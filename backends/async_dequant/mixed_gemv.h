@@ -32,7 +32,7 @@ struct MixedGemvArgs {
   const void* outlier_values;  // [nnz] fp16, or nullptr (no fused outliers)
   const void* outlier_cols;    // [nnz] int16 (cols_int32 = 0) or int32
   const int* outlier_row_ptr;  // [N + 1]
-  const float* bias;           // [N] fp32, or nullptr
+  const void* bias;            // [N] fp32 or x_dtype (bias_dtype), or nullptr
   void* y;                     // [M, N], x_dtype
   float* partial;              // [splits, M, N] fp32 workspace when splits > 1
   int M, N, K, W, G, MW, S2, P;  // W = code words per row, P = pairs per tile and row chunk
@@ -43,6 +43,7 @@ struct MixedGemvArgs {
   int cols_int32;
   int async_dequant;           // 1: tile t+1 loaded while tile t is computed, its scales after; 0: synchronous
   DType x_dtype;               // kHalf or kBFloat16
+  DType bias_dtype;            // kFloat or x_dtype
 };
 
 // Blocks along N (gridDim.x): a block owns 2·threads rows.  At M = 8 a block has at most kMaxThreadsM8 threads (its
