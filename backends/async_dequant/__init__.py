@@ -22,15 +22,18 @@ code words per row, ``T = ceil(W/4)`` tiles of 4 words, ``Tf = W // 4`` full til
   touches lie within 64 bits (96 with ``scale_bits = 8``) from meta word ``ttab[t]``: a tile loads that window
   with its codes, and a word's record is a funnel shift of it.
 * ``ad_sqt`` int32 ``[T, S2, P]``: second-order (scale_scale, scale_zero) as the two fp16 halves of one word, per
-  tile, chunk of ``scale_group_size`` rows and group the tile touches, in order (its slot; 0 for unused slots):
-  one 16-, 8- or 4-byte load per row and tile.  ``P`` (:func:`pairs_per_tile`) is the most groups a tile can
-  touch: 4 at group size 16, 1 where 64 divides it, else 2.  A group straddling two tiles has its pair in both.
+  tile, chunk of ``scale_group_size`` rows and slot: one 16-, 8- or 4-byte load per row and tile.  ``P``
+  (:func:`pairs_per_tile`) is the most groups a tile can touch: 4 at group size 16, where the slots are the tile's
+  words (a 4-bit group's pair is stored for both its words, so the kernel picks word j's pair without a select);
+  1 where 64 divides it, else 2, where they are the tile's groups in order (0 for an unused slot).  A group
+  straddling two tiles has its pair in both.
 * ``ad_tab`` int32 ``[G + W + T]``, the per-layer tables (the sequence of group kinds is the same for every row:
   ``idx4`` is per layer, so they drive every thread's loop): ``gtab [G]`` = ``offset | is_4bit << 31`` with
   ``offset`` the bit offset of the group's record in a row's meta stream (which also gives the number of 4-bit
   groups before group ``i``, ``n4 = (offset − i·(2 + scale_bits)) / 2``, hence its first word ``(i + n4)·g/16``);
-  ``wtab [W]`` = ``k_start | record_bit << 20 | slot << 27 | is_4bit << 31`` per word (its first input, its
-  group's record bit counted from the start of its tile's meta window, and its group's slot in ``ad_sqt``);
+  ``wtab [W]`` = ``k_start | record_bit << 20 | slot << 27 | same_group << 30 | is_4bit << 31`` per word (its first
+  input, its group's record bit counted from the start of its tile's meta window, its pair's slot in ``ad_sqt``, and
+  whether the tile's previous word is of the same group);
   ``ttab [T]`` = each tile's first meta word.  A block
   copies its slice of ``wtab`` and ``ttab`` into shared memory.
 * ``ad_idx4``: empty when ``idx4`` is a sorted set of distinct groups (it is then read back from ``gtab``),
@@ -39,7 +42,8 @@ code words per row, ``T = ceil(W/4)`` tiles of 4 words, ``Tf = W // 4`` full til
 
 Bits: the code words and records are exactly the canonical bits without the canonical per-row padding of
 ``zeros2``/``zeros4`` and without ``idx4``; the meta stream pads each row to a word (≤ 31 bits), the per-tile
-second-order pairs repeat a straddling group's pair in both its tiles and leave a tile's unused slots empty, and
+second-order pairs repeat a group's pair in both tiles where it straddles two, for both words of a 4-bit group at
+group size 16, and leave unused slots empty, and
 the tables add ``32·(G + W + T)`` bits per layer.  :func:`layout_bits` gives the exact count; the tests check it
 stays ≤ canonical + 0.05 bits per weight.
 
@@ -137,11 +141,15 @@ def _tables(is4: torch.Tensor, g: int, scale_bits: int) -> dict:
     k_start = grp * g + sub * torch.where(w4, 8, 16)
     new = torch.ones(W, dtype=torch.bool, device=dev)                        # a word opening a group in its tile
     new[1:] = (grp[1:] != grp[:-1]) | (tile[1:] != tile[:-1])
-    slot = torch.cumsum(new, 0) - 1
-    slot = slot - slot[4 * tile]                                              # its group's place among the tile's
-    assert W == 0 or int(slot.max()) < pairs_per_tile(g, int(is4.sum()), is4.numel()), "a tile touches too many groups"
+    if pairs_per_tile(g, int(is4.sum()), is4.numel()) == 4:
+        slot = torch.arange(W, device=dev) % 4                                # a pair per word
+    else:
+        slot = torch.cumsum(new, 0) - 1
+        slot = slot - slot[4 * tile]                                          # its group's place among the tile's
+        assert W == 0 or int(slot.max()) < 2, "a tile touches too many groups"
     return {"gtab": off | (is4.long() << 31),
-            "wtab": k_start | (record_bit << 20) | (slot << 27) | (w4.long() << 31), "ttab": ttab,
+            "wtab": k_start | (record_bit << 20) | (slot << 27) | ((~new).long() << 30) | (w4.long() << 31),
+            "ttab": ttab,
             "grp": grp, "src": src, "slot": slot}
 
 
@@ -312,7 +320,7 @@ def _smem(M: int, K: int, tiles_per_split: int) -> int:
 
 def _entry(e: int) -> tuple[int, int, bool, int]:
     """Word table entry -> (first input, record bit in the tile's meta window, is_4bit, inputs in the word); bits 27-28
-    hold its pair's slot in ``ad_sqt``."""
+    hold its pair's slot in ``ad_sqt``, bit 30 whether the tile's previous word is of the same group."""
     e &= _MASK32
     is4 = bool(e >> 31)
     return e & 0xFFFFF, (e >> 20) & 0x7F, is4, 8 if is4 else 16

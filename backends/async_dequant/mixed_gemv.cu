@@ -8,7 +8,7 @@
 // Work split: a thread owns 2 rows (lane and lane + 32 of its warp's 64 rows).  A block owns 2·threads rows and
 // `tiles_per_split` consecutive tiles of 4 code words (gridDim.y = split-K slices).  Per tile and row one load stage
 // brings everything the tile needs: its 16 bytes of codes (layout [Tf][N][4]: a warp reads two 512-byte segments),
-// the meta window holding its groups' records (2-3 coalesced words) and the second-order pairs of those groups (one
+// the meta window holding its groups' records (2-3 coalesced words) and the second-order pairs of its words (one
 // 4-16-byte load).  The block copies its slice of the per-layer word and tile tables into shared memory (group kinds are the
 // same for every row, so one table drives every thread: every branch on a table entry is uniform across the block).
 //
@@ -26,7 +26,7 @@
 // tile t's records and pairs loaded and dequantized, then its codes loaded (the load address carries a data dependency
 // on the scales so the compiler cannot hoist it), then the arithmetic.  Same arithmetic in the same order: bitwise
 // identical results.  (The kernel before, fp32 products and the records read group by group through a moving meta
-// window, issued about 7.6 instructions per weight at the format's defaults; this one about 5.3, RESULTS.md.)
+// window, issued about 7.6 instructions per weight at the format's defaults; this one about 4.75, RESULTS.md.)
 //
 // Outliers (CSR; 2-bit groups by default, any column works) are fused: after its main loop each block adds, in CSR
 // order and fp32, the outliers of its rows whose column lies in its K span, reading x from shared memory.  Split
@@ -49,10 +49,11 @@ __device__ __forceinline__ unsigned word_of(const uint4& v, int j) {
 __device__ __forceinline__ __half2 as_h2(unsigned u) { return *reinterpret_cast<const __half2*>(&u); }
 
 // Word table entry (shared memory): first input | record bit in the tile's meta window << 20 | pair slot << 27 |
-// is_4bit << 31.
+// same group as the tile's previous word << 30 | is_4bit << 31.
 __device__ __forceinline__ int entry_k(int e) { return e & 0xFFFFF; }
 __device__ __forceinline__ int entry_rbit(int e) { return (e >> 20) & 0x7F; }
 __device__ __forceinline__ int entry_slot(int e) { return (e >> 27) & 3; }
+__device__ __forceinline__ bool entry_cont(int e) { return (e >> 30) & 1; }
 __device__ __forceinline__ bool entry_is4(int e) { return e < 0; }
 
 // fp16 bits of 2^(10 − p) in both halves: its mantissa LSB weighs 2^−p, so a code at bits p.. of the mantissa reads as
@@ -89,8 +90,11 @@ __device__ __forceinline__ void load_codes(const MixedGemvArgs& a, int t, const 
   for (int r = 0; r < 2; ++r) st.code[r] = load_tile(a, t, rows.n[r], full_tiles, tail);
 }
 
-// The meta window (words j0, j0 + 1 and, with 8-bit scale codes, j0 + 2; 0 past the stream) and the P pairs of tile t.
-__device__ __forceinline__ void load_meta(const MixedGemvArgs& a, int t, int j0, const Rows& rows, Stage& st) {
+// The meta window (words j0, j0 + 1 and, with 8-bit scale codes, j0 + 2; 0 past the stream) and the P pairs of tile t,
+// as word j's pair in component j: P = 4 stores them so; with P < 4 the tile's group slots (wt: its word entries,
+// nw valid) pick them.
+__device__ __forceinline__ void load_meta(const MixedGemvArgs& a, int t, int j0, const int* wt, int nw, const Rows& rows,
+                                          Stage& st) {
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const unsigned i = (unsigned)(j0 * a.N + rows.n[r]);
@@ -100,11 +104,12 @@ __device__ __forceinline__ void load_meta(const MixedGemvArgs& a, int t, int j0,
     const unsigned* q = a.sq + (unsigned)((t * a.S2 + rows.chunk[r]) * a.P);
     if (a.P == 4) {
       st.sq[r] = __ldg(reinterpret_cast<const uint4*>(q));
-    } else if (a.P == 2) {
-      const uint2 v = __ldg(reinterpret_cast<const uint2*>(q));
-      st.sq[r] = make_uint4(v.x, v.y, 0u, 0u);
     } else {
-      st.sq[r] = make_uint4(__ldg(q), 0u, 0u, 0u);
+      const uint2 v = a.P == 2 ? __ldg(reinterpret_cast<const uint2*>(q)) : make_uint2(__ldg(q), 0u);
+      unsigned p[4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) p[j] = j < nw && entry_slot(wt[j]) ? v.y : v.x;
+      st.sq[r] = make_uint4(p[0], p[1], p[2], p[3]);
     }
   }
 }
@@ -118,20 +123,21 @@ __device__ __forceinline__ void tile_scales(const MixedGemvArgs& a, const int* w
   for (int j = 0; j < 4; ++j) {
     const int w = 4 * t + j;
     if (w >= w_end) break;  // the tail tile's missing words: tile_fma stops there too
-    const int e = wt[w - w_begin], rb = entry_rbit(e), slot = entry_slot(e);
-    if (j > 0 && slot == entry_slot(wt[w - 1 - w_begin])) {  // a 4-bit group's second word: the same scale and zero
+    const int e = wt[w - w_begin], rb = entry_rbit(e);
+    if (j > 0 && entry_cont(e)) {  // a 4-bit group's second word: the same scale and zero
 #pragma unroll
       for (int r = 0; r < 2; ++r) { s[j][r] = s[j - 1][r]; zc[j][r] = zc[j - 1][r]; }
       continue;
     }
     const int zb = entry_is4(e) ? 4 : 2;
+    const unsigned zmask = ((1u << zb) - 1u) * 0x10001u;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const unsigned lo = rb < 32 ? st.win[r][0] : st.win[r][1], hi = rb < 32 ? st.win[r][1] : st.win[r][2];
       const unsigned rec = __funnelshift_r(lo, hi, rb);
-      const float2 sz = __half22float2(as_h2(word_of(st.sq[r], slot)));
+      const float2 sz = __half22float2(as_h2(word_of(st.sq[r], j)));
       s[j][r] = fmaf(sz.x, (float)((rec >> zb) & smask), sz.y);
-      zc[j][r] = (rec & ((1u << zb) - 1u)) * 0x10001u | magic2(0);
+      zc[j][r] = and_or(__byte_perm(rec, 0u, 0x4040), zmask, magic2(0));  // the record's low byte in both halves
     }
   }
 }
@@ -290,14 +296,14 @@ __global__ void __launch_bounds__(M == 8 ? kMaxThreadsM8 : 256, M == 8 || M == 1
   if (ASYNC) {
     Stage nxt;
     load_codes(a, t_begin, rows, full_tiles, tail, nxt);
-    load_meta(a, t_begin, tt[0], rows, nxt);
+    load_meta(a, t_begin, tt[0], wt, min(4, nw), rows, nxt);
     tile_scales(a, wt, w_begin, w_end, t_begin, nxt, s, zc);
     for (int t = t_begin; t < t_end; ++t) {
       const uint4 cur[2] = {nxt.code[0], nxt.code[1]};
       const bool more = t + 1 < t_end;
       if (more) {  // issue tile t+1's loads first: they stay in flight through the rest of this iteration
         load_codes(a, t + 1, rows, full_tiles, tail, nxt);
-        load_meta(a, t + 1, tt[t + 1 - t_begin], rows, nxt);
+        load_meta(a, t + 1, tt[t + 1 - t_begin], wt + 4 * (t + 1 - t_begin), min(4, nw - 4 * (t + 1 - t_begin)), rows, nxt);
       }
       tile_fma<M>(wt, w_begin, w_end, t, k_lo, span2, xh, cur, s, zc, acc);
       // second-order dequantization of tile t+1's scales once its records and pairs have arrived
@@ -306,7 +312,7 @@ __global__ void __launch_bounds__(M == 8 ? kMaxThreadsM8 : 256, M == 8 || M == 1
   } else {
     for (int t = t_begin; t < t_end; ++t) {
       Stage st;
-      load_meta(a, t, tt[t - t_begin], rows, st);
+      load_meta(a, t, tt[t - t_begin], wt + 4 * (t - t_begin), min(4, nw - 4 * (t - t_begin)), rows, st);
       tile_scales(a, wt, w_begin, w_end, t, st, s, zc);
       // Data dependency on the dequantized scale: the code load cannot start before the scales are done
       // (ŝ never has this NaN bit pattern, so tt == t).
