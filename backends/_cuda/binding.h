@@ -18,15 +18,14 @@ inline DType dtype_of(at::ScalarType t, const char* op) {
   }
 }
 
-// The bias for a kernel's bias / bias_dtype fields: a contiguous fp32 bias, or (with `x_dtype_ok`) one in x's dtype, is
-// passed as it is (no launch); any other is converted to contiguous fp32 (kept alive in `holder`).  nullptr without one.
+// The bias for a kernel's bias / bias_dtype fields: a contiguous fp32 bias, or one in x's dtype, is passed as it is (no
+// launch); any other is converted to contiguous fp32 (kept alive in `holder`).  nullptr without one.
 inline const void* bias_arg(const std::optional<at::Tensor>& bias, int64_t N, const at::Tensor& x, at::Tensor& holder,
-                            DType& dtype, const char* op, bool x_dtype_ok = true) {
+                            DType& dtype, const char* op) {
   dtype = DType::kNone;
   if (!bias.has_value()) return nullptr;
   TORCH_CHECK(bias->numel() == N && bias->device() == x.device(), op, ": bias must have N = ", N, " elements on x's device");
-  const bool as_is = bias->is_contiguous() && (bias->scalar_type() == at::kFloat ||
-                                               (x_dtype_ok && bias->scalar_type() == x.scalar_type()));
+  const bool as_is = bias->is_contiguous() && (bias->scalar_type() == at::kFloat || bias->scalar_type() == x.scalar_type());
   holder = as_is ? *bias : bias->to(at::kFloat).contiguous();
   dtype = dtype_of(holder.scalar_type(), op);
   return holder.data_ptr();

@@ -121,8 +121,8 @@ def _record_layout(is4: torch.Tensor, scale_bits: int):
 
 def _tables(is4: torch.Tensor, g: int, scale_bits: int) -> dict:
     """The layout's per-layer tables from the group kinds ``is4`` ``[G]`` bool (module docstring), int64:
-    ``gtab [G]``, ``wtab [W]``, ``ttab [T]``, and per word its group ``grp [W]`` and its column ``src [W]`` in
-    ``cat([qweight2, qweight4], 1)``."""
+    ``gtab [G]``, ``wtab [W]``, ``ttab [T]``, each group's first word ``first [G]``, and per word its group ``grp [W]``,
+    its pair's ``slot [W]`` and its column ``src [W]`` in ``cat([qweight2, qweight4], 1)``."""
     dev = is4.device
     per = torch.where(is4, g // 8, g // 16)                                  # words per group
     grp = torch.repeat_interleave(torch.arange(is4.numel(), device=dev), per)
@@ -150,7 +150,7 @@ def _tables(is4: torch.Tensor, g: int, scale_bits: int) -> dict:
     return {"gtab": off | (is4.long() << 31),
             "wtab": k_start | (record_bit << 20) | (slot << 27) | ((~new).long() << 30) | (w4.long() << 31),
             "ttab": ttab,
-            "grp": grp, "src": src, "slot": slot}
+            "first": first, "grp": grp, "src": src, "slot": slot}
 
 
 def pairs_per_tile(group_size: int, G4: int, G: int) -> int:
@@ -228,7 +228,7 @@ def unrepack(buffers: dict, cfg, out_features: int, in_features: int) -> dict:
     j = (off >> 5).expand(N, G)
     rec = ((meta.gather(1, j) | (meta.gather(1, j + 1) << 32)) >> (off & 31)) & ((1 << width) - 1)
     z, sc = rec & ((1 << zb) - 1), rec >> zb
-    first = torch.cumsum(torch.where(is4, g // 8, g // 16), 0) - torch.where(is4, g // 8, g // 16)
+    first = tab["first"]
     pair = buffers["ad_sqt"][first // 4, :, tab["slot"][first]].T.reshape(-1).view(torch.float16).reshape(-1, G, 2)
     out = {"idx4": buffers["ad_idx4"] if buffers["ad_idx4"].numel() else idx4.to(torch.int32),
            "qweight2": cat[:, :n2].contiguous(), "qweight4": cat[:, n2:].contiguous(),
@@ -374,8 +374,7 @@ def spec(x: torch.Tensor, buffers: dict, bias: Optional[torch.Tensor], cfg, out_
     xf = x.float()
     codes = buffers["ad_codes"].long() & _MASK32
     meta = buffers["ad_meta"].long() & _MASK32                            # [MW, N]
-    MW = meta.shape[0]
-    meta = torch.cat([meta, torch.zeros(3, N, dtype=torch.int64, device=dev)])  # reads past MW give 0, as the kernel's
+    meta = torch.cat([meta, torch.zeros(2, N, dtype=torch.int64, device=dev)])  # reads past MW give 0, as the kernel's
     sqt = buffers["ad_sqt"].reshape(-1).view(torch.float16).reshape(*buffers["ad_sqt"].shape, 2)  # [T, S2, P, 2]
     tab = [int(v) & _MASK32 for v in buffers["ad_tab"].cpu()]
     T = sqt.shape[0]
@@ -401,7 +400,7 @@ def spec(x: torch.Tensor, buffers: dict, bias: Optional[torch.Tensor], cfg, out_
         acc = torch.zeros(M, N, device=dev)
         for t in range(t0, t1):
             j0 = ttab[t]
-            win = [meta[min(j0 + i, MW + 2)] if j0 + i < MW else meta[MW] for i in range(3)]
+            win = [meta[j0 + i] for i in range(3)]                    # j0 < MW: the padding covers j0 + 2
             for j in range(4):
                 w = 4 * t + j
                 if w >= w1:
