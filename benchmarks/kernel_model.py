@@ -1,8 +1,9 @@
-"""Performance models of the LUT GEMV (issue 23) and the QUICK GEMM (issue 24): predict their H100 time for a shape,
-batch and launch plan, no GPU.
+"""Performance models of the LUT GEMV and the mixed GEMV (issue 23) and the QUICK GEMM (issue 24): predict their H100
+time for a shape, batch and launch plan, no GPU.
 
     python benchmarks/kernel_model.py [--results benchmarks/results/h100-2026-11-23-bench_gemv.md]
     python benchmarks/kernel_model.py --quick --shapes 8192x8192 --batches 1,16,32,64,128   # the QUICK GEMM
+    python benchmarks/kernel_model.py --mixed --shapes 8192x8192 --batches 1,8              # the mixed GEMV
 
 The model reads four things and fits a few machine constants:
 
@@ -44,6 +45,13 @@ unless the register ring keeps ``depth`` tiles in flight; fitted on the 2-bit ro
 register-ring kernel it also reads the main loop's instructions per K tile from the SASS and bounds the time by the
 SM's instruction issue and by its HMMA rate (one constant each, read off one row of the kernel's first H200 run), and
 is checked on the other rows of that run.
+
+The mixed GEMV's model (:func:`mixed_predict`) is issue-bound: ``t = t0 + t_red·[splits > 1] + max(warp-tiles of the
+busiest SM × instructions per tile / rate, bytes / BW)``.  Its instructions per tile are static SASS counts of the
+main loop, built once with every word 2-bit and once with every word 4-bit (:func:`mixed_sass`), mixed in the
+proportion of the format's defaults; ``rate`` (warp instructions per ns and SM) is fitted with ``t0``, ``t_red`` and
+``BW`` on half of the 2026-11-23 H100 rows, checked on the other half and, with nothing refitted but the H200's
+bandwidth, on the H200 rows of three later kernels.
 """
 
 from __future__ import annotations
@@ -475,9 +483,9 @@ def quick_depth(tile_m: int, free: bool) -> int:
     return 2 if free or tile_m >= 64 else 4
 
 
-def main_loop_instructions(instrs: list[tuple[int, str]]) -> int:
-    """Instructions of a kernel's main loop (the loop with MMAs and the most instructions of its own), nested loops
-    (QUICK: the act_order gathers of x, not taken without perm) excluded."""
+def main_loop(instrs: list[tuple[int, str]], marker: Callable[[str], bool]) -> int:
+    """Instructions of a kernel's main loop: the loop with the most instructions of its own (nested loops excluded)
+    among those holding an instruction ``marker`` accepts (0 if none)."""
     loops = [(int(m.group(1), 16), a) for a, i in instrs
              if (m := re.search(r"\bBRA\s+(?:`\(\.L_x_\d+\)\s*)?0x([0-9a-f]+)", i)) and int(m.group(1), 16) < a]
 
@@ -485,7 +493,13 @@ def main_loop_instructions(instrs: list[tuple[int, str]]) -> int:
         nested = [lp for lp in loops if lo <= lp[0] and lp[1] <= hi and lp != (lo, hi)]
         return [i for a, i in instrs if lo <= a <= hi and not any(n0 <= a <= n1 for n0, n1 in nested)]
 
-    return max((len(ops) for ops in (own(lo, hi) for lo, hi in loops) if any("HMMA" in i for i in ops)), default=0)
+    return max((len(ops) for ops in (own(lo, hi) for lo, hi in loops) if any(map(marker, ops))), default=0)
+
+
+def main_loop_instructions(instrs: list[tuple[int, str]]) -> int:
+    """Instructions of the QUICK GEMM's main loop (its loop with MMAs; the act_order gathers of x, nested and not
+    taken without perm, excluded)."""
+    return main_loop(instrs, lambda i: "HMMA" in i)
 
 
 QUICK_STAGED_MAX = 32 * 1024  # kQuickStagedMax in quick_gemm.h
@@ -563,6 +577,148 @@ def quick_check(rows=None) -> Check:
     return Check(c, [(*r[:5], r[5], quick_predict(f, c)) for r, (f, _) in zip(rows[1::2], samples[1::2])])
 
 
+# --- the mixed 2/4/16 GEMV (issue 23) ------------------------------------------------------------------------------
+MIXED_SOURCE = "backends/async_dequant/mixed_gemv.cu"
+# Its measured rows (bench_gemv, async scale dequantization, no outliers, the format's defaults) and the commit each
+# ran: the H100 rows fit and check the model, the H200 rows of three later kernels check that it carries over
+MIXED_H100 = ("30bf025", RESULTS)
+MIXED_H200 = (("12432ac", ROOT / "benchmarks" / "results" / "h200-2026-11-26-bench_gemv.md"),
+              ("588ebaf", ROOT / "benchmarks" / "results" / "h200-2026-11-27-bench_gemv.md"),
+              ("ac34c79", ROOT / "benchmarks" / "results" / "h200-2026-11-27-run2-bench_gemv.md"))
+# Their SASS features per nvcc build (--save-measured-sass), as MEASURED_SASS for the LUT GEMV
+MIXED_SASS = ROOT / "benchmarks" / "results" / "mixed-sass.json"
+# t0, t_red: as the LUT GEMV's; rate: warp instructions an SM issues per ns in the main loop (prior: QUICK's ncu
+# figure); BW as the LUT GEMV's
+MIXED_PRIOR = {"t0": (3.0, 0.5), "t_red": (2.0, 0.5), "rate": (QUICK_ISSUE_PER_NS, 0.5), "BW": (2.9, 0.1)}
+_IS4 = re.compile(r"(bool entry_is4\(int e\) \{ return )e < 0(; \})")
+
+
+def mixed_sass(source_root: Path, work: Path) -> dict[tuple[int, bool], tuple[int, int, int]]:
+    """``(registers, instructions per tile with 2-bit words, with 4-bit words)`` of every fp16, unrotated
+    ``mixed_gemv_kernel`` instantiation built from ``source_root``, keyed by (M, async).  A tile walks 4 words whose
+    kind (``entry_is4``) is a runtime branch, uniform per block: the source is built twice with ``entry_is4``
+    returning false, then true, and each build's main loop (the loop with the most instructions that loads from
+    global memory) counted.  Static counts: code the layout never takes (tail tiles, P < 4 pairs, 8-bit scale codes,
+    a 4-bit group's second word) is counted too.  Registers are the unpatched build's.  Needs nvcc and cuobjdump."""
+    src = source_root / MIXED_SOURCE
+    text = src.read_text()
+    out: dict = {}
+    for variant, body in (("plain", text), ("2bit", _IS4.sub(r"\g<1>false\2", text)),
+                          ("4bit", _IS4.sub(r"\g<1>true\2", text))):
+        if body == text and variant != "plain":
+            raise RuntimeError(f"{src}: no entry_is4 definition to specialise")
+        tree = work / variant
+        shutil.copytree(source_root / "backends", tree / "backends", dirs_exist_ok=True)
+        (tree / MIXED_SOURCE).write_text(body)
+        cubin, log = compile_cubin(tree / MIXED_SOURCE, tree)
+        regs = ptxas_registers(log)
+        sass = subprocess.run([cuobjdump(), "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
+        for name, instrs in parse_sass(sass).items():
+            m = re.search(r"mixed_gemv_kernelI6__halfLi(\d)ELb(\d)E(?:Lb(\d)E)?", name)
+            if m and m.group(3) != "1":  # kernels before 2026-11-27 have no ROT parameter
+                key = (int(m.group(1)), m.group(2) == "1")
+                out.setdefault(key, [0, 0, 0])
+                if variant == "plain":
+                    out[key][0] = regs[name]
+                else:
+                    out[key][1 if variant == "2bit" else 2] = main_loop(instrs, lambda i: i.startswith("LDG"))
+    return {k: tuple(v) for k, v in out.items()}
+
+
+def mixed_measured_sass(commit: str, work: Path) -> dict[tuple[int, bool], tuple[int, int, int]]:
+    """:func:`mixed_sass` of ``commit``'s kernel: :data:`MIXED_SASS`'s entry for this nvcc, else compiled from git
+    history."""
+    entry = json.loads(MIXED_SASS.read_text()).get(nvcc_version(), {}).get(commit) if MIXED_SASS.exists() else None
+    if entry is None:
+        src = checkout(commit, work / commit, "backends/async_dequant")
+        return mixed_sass(src, src)
+    return {(int(k.split(",")[0]), k.split(",")[1] == "1"): tuple(v) for k, v in entry.items()}
+
+
+def mixed_plan_2026_11_23(M: int, N: int, K: int, W: int, sms: int) -> tuple[int, int, int]:
+    """The launch plan ``(threads, tiles_per_split, splits)`` of every measured kernel (``async_dequant.plan`` from
+    30bf025 to ac34c79): 768 resident threads at M <= 2, 512 above, x staged as fp32."""
+    M, T, resident = min(M, 8), -(-W // 4), 768 if M <= 2 else 512
+    best = None
+    for threads in (256, 128, 64, 32):
+        blocks_n = -(-N // (2 * threads))
+        cap = min(48 * 1024, 224 * 1024 * threads // resident)
+        tps_max = T if M * K * 4 + 16 * T <= cap else max(1, (cap - 16) // (M * 64 * 4 + 16))
+        want = max(1, -(-sms * resident // threads // blocks_n))
+        splits = max(-(-T // tps_max), min(want, T))
+        per = -(-T // splits)
+        splits = -(-T // per)
+        cost = blocks_n * K * 2 + splits * N * 8 * (splits > 1) + (threads < 64) * N * K // 64
+        if best is None or cost < best[0]:
+            best = (cost, threads, per, splits)
+    return best[1:]
+
+
+def mixed_words(N: int, K: int) -> tuple[int, float]:
+    """``(W, f4)`` of the format's defaults: code words per row (a 2-bit group of g inputs takes g/16 words, a 4-bit
+    one g/8) and the fraction of them holding 4-bit codes."""
+    from qlinear.formats import mixed
+
+    cfg = mixed.Config()
+    G, G4, _ = cfg.counts(N, K)
+    W = (G + G4) * cfg.group_size // 16
+    return W, 2 * G4 * cfg.group_size / 16 / W
+
+
+def mixed_features(M: int, N: int, K: int, nbytes: float, sass: dict, plan=mixed_plan_2026_11_23,
+                   async_dequant: bool = True) -> dict:
+    """What :func:`mixed_predict` needs for the defaults' layer ``[N, K]`` at batch M: ``bytes`` (the layout's, x and
+    y: bench_gemv's count) plus the split partials, and the warp-tiles each SM walks (its full waves of resident
+    blocks, then its share of the tail) at the instructions per tile of the executed mix of 2- and 4-bit words."""
+    W, f4 = mixed_words(N, K)
+    threads, per, splits = plan(M, N, K, W, SMS)
+    regs, ins2, ins4 = sass[min(M, 8), async_dequant]
+    blocks = math.ceil(N / (2 * threads)) * splits
+    bps = residency(threads, regs, 0)
+    waves, tail = divmod(blocks, SMS * bps)
+    warp_tiles = (waves * bps + math.ceil(tail / SMS)) * threads // 32 * per
+    return dict(splits=splits, warp_tiles=warp_tiles, ins=(1 - f4) * ins2 + f4 * ins4,
+                bytes=nbytes + (8 * splits * M * N if splits > 1 else 0))
+
+
+def mixed_predict(f: dict, c: dict) -> float:
+    """Mixed GEMV time in µs: ``t0 + t_red·[splits > 1] + max(warp_tiles · ins / rate, bytes / BW)``: each SM issues
+    its warp-tiles' instructions at ``rate`` (latency hidden by the tile loaded one ahead and 12-24 resident warps),
+    or the weights stream at ``BW``, whichever takes longer."""
+    return c["t0"] + reduction(f, c) + max(f["warp_tiles"] * f["ins"] / c["rate"] / 1e3, f["bytes"] / c["BW"] / 1e6)
+
+
+def mixed_rows(path: Path) -> list[tuple[int, int, int, float, float]]:
+    """``(N, K, M, µs, bytes)`` of the async, outlier-free mixed rows of a bench_gemv markdown table (bytes = its
+    TB/s × µs)."""
+    rows = []
+    for line in path.read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) > 5 and cells[0] == "async_dequant" and cells[1] == "mixed o0 async (0 outliers)":
+            N, K = map(int, cells[2].split("x"))
+            t = float(cells[4])
+            rows.append((N, K, int(cells[3]), t, float(cells[5]) * t * 1e6))
+    return sorted(rows)
+
+
+def mixed_check(sass: dict, rows=None) -> Check:
+    """The mixed model fitted on the even H100 rows of :data:`MIXED_H100` (sorted by shape and M), the odd ones held
+    out; ``sass``: that kernel's :func:`mixed_sass`."""
+    rows = rows or mixed_rows(MIXED_H100[1])
+    samples = [(mixed_features(M, N, K, b, sass), t) for N, K, M, t, b in rows]
+    c = fit(samples[0::2], mixed_predict, MIXED_PRIOR)
+    return Check(c, [(N, K, M, 0, 16, t, mixed_predict(f, c))
+                     for (N, K, M, t, _), (f, _) in zip(rows[1::2], samples[1::2])])
+
+
+def mixed_h200_check(constants: dict, sass_by_commit: dict) -> Check:
+    """The H100 fit with the H200's copy bandwidth (:data:`H200_BW`) against the H200 rows of the later kernels
+    (:data:`MIXED_H200`, each with its own SASS): nothing is fitted on them."""
+    c = {**constants, "BW": H200_BW}
+    return Check(c, [(N, K, M, 0, 16, t, mixed_predict(mixed_features(M, N, K, b, sass_by_commit[commit]), c))
+                     for commit, path in MIXED_H200 for N, K, M, t, b in mixed_rows(path)])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--results", default=str(RESULTS))
@@ -574,9 +730,13 @@ def main() -> None:
                     f"nvcc and add its SASS features to {MEASURED_SASS.relative_to(ROOT)}")
     ap.add_argument("--quick", action="store_true", help="the QUICK GEMM's model instead: its fit on the H100 dispatch "
                     "table's rows and predictions for this checkout's GEMM (needs nvcc for its registers)")
+    ap.add_argument("--mixed", action="store_true", help="the mixed GEMV's model instead: its fit on the H100 rows, its "
+                    "check on the H200 rows of three later kernels, predictions for this checkout's kernel")
     args = ap.parse_args()
     if args.quick:
         return quick_main(args)
+    if args.mixed:
+        return mixed_main(args)
     if nvcc() is None or cuobjdump() is None:
         sys.exit("needs nvcc and cuobjdump (pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm)")
     sys.path.insert(0, str(ROOT))
@@ -589,6 +749,14 @@ def main() -> None:
         MEASURED_SASS.write_text("{\n" + ",\n".join(f"{json.dumps(k)}: {json.dumps(v)}" for k, v in saved.items())
                                  + "\n}\n")
         print(f"{MEASURED_SASS}: {nvcc_version()}: {len(entry)} instantiations")
+        with tempfile.TemporaryDirectory() as tmp:
+            mixed = {c: mixed_sass(src, src) for c in (MIXED_H100[0], *(c for c, _ in MIXED_H200))
+                     for src in [checkout(c, Path(tmp) / c, "backends/async_dequant")]}
+        saved = json.loads(MIXED_SASS.read_text()) if MIXED_SASS.exists() else {}
+        saved[nvcc_version()] = {c: {f"{M},{int(a)}": list(v) for (M, a), v in sorted(f.items())}
+                                 for c, f in mixed.items()}
+        MIXED_SASS.write_text(json.dumps(saved, indent=1) + "\n")
+        print(f"{MIXED_SASS}: {nvcc_version()}: {len(mixed)} mixed GEMV kernels")
         return
     with tempfile.TemporaryDirectory() as tmp:
         measured, current = measured_version(Path(tmp)), current_version(Path(tmp))
@@ -654,6 +822,52 @@ def quick_main(args) -> None:
                 print(f"| {N}x{K} | {q} | {M} | {plan} | {regs} | {ins:.0f} | "
                       f"{quick_predict(quick_current(M, N, K, q, 128, sass), c):.3g} | "
                       f"{meas.get((N, K, M, q), float('nan')):.3g} |")
+
+
+
+def mixed_main(args) -> None:
+    """``--mixed``: the mixed GEMV model's held-out check on the H100 rows, its check on the later kernels' H200 rows
+    and its predictions for this checkout's kernel (markdown)."""
+    if nvcc() is None or cuobjdump() is None:
+        sys.exit("needs nvcc and cuobjdump (the registers and instructions of the mixed GEMV)")
+    sys.path.insert(0, str(ROOT))
+    from qlinear.backends import async_dequant
+    from qlinear.formats import mixed
+
+    with tempfile.TemporaryDirectory() as tmp:
+        commits = (MIXED_H100[0], *(c for c, _ in MIXED_H200))
+        measured = {c: mixed_measured_sass(c, Path(tmp)) for c in commits}
+        current = mixed_sass(ROOT, Path(tmp) / "current")
+    res = mixed_check(measured[MIXED_H100[0]])
+    print(f"Mixed GEMV, fitted on {len(res.held_out)} of the H100 rows ({MIXED_H100[0]}), held out the other "
+          f"{len(res.held_out)}: median |error| {100 * res.median_error:.1f} %, worst {res.worst_factor:.2f}x")
+    print("constants: " + ", ".join(f"{k} = {v:.4g}" for k, v in res.constants.items()))
+    print("\n| N x K | M | measured µs | predicted µs |\n|---|---|---|---|")
+    for N, K, M, _, _, t, p in res.held_out:
+        print(f"| {N}x{K} | {M} | {t:.3g} | {p:.3g} |")
+    chk = mixed_h200_check(res.constants, measured)
+    print(f"\nAgainst the {len(chk.held_out)} H200 rows of {', '.join(c for c, _ in MIXED_H200)} (BW = {H200_BW} TB/s): "
+          f"median |error| {100 * chk.median_error:.1f} %, worst {chk.worst_factor:.2f}x\n"
+          "\n| kernel | N x K | M | instructions per tile (2-bit / 4-bit words) | measured µs | predicted µs |"
+          "\n|---|---|---|---|---|---|")
+    for (commit, _), (N, K, M, _, _, t, p) in zip([(c, r) for c, path in MIXED_H200 for r in mixed_rows(path)],
+                                                  chk.held_out):
+        _, i2, i4 = measured[commit][min(M, 8), True]
+        print(f"| {commit} | {N}x{K} | {M} | {i2} / {i4} | {t:.3g} | {p:.3g} |")
+    cfg = mixed.Config(outlier_ratio=0.0)
+    c = {**res.constants, **({"BW": args.bw} if args.bw else {})}
+    card = f"H100 constants, BW = {args.bw} TB/s" if args.bw else "H100"
+    print(f"\nPredictions for this checkout's kernel, the format's defaults without outliers, {card}:\n"
+          "\n| N x K | M | plan (threads, tiles/split, splits) | regs | instructions per tile (2-bit / 4-bit words) | "
+          "predicted µs |\n|---|---|---|---|---|---|")
+    for shape in args.shapes.split(","):
+        N, K = map(int, shape.split("x"))
+        for M in map(int, args.batches.split(",")):
+            nbytes = async_dequant.layout_bits(cfg, N, K)[1] * N * K / 8 + 2 * M * K + 2 * M * N
+            regs, i2, i4 = current[min(M, 8), True]
+            f = mixed_features(M, N, K, nbytes, current, async_dequant.plan)
+            print(f"| {N}x{K} | {M} | {async_dequant.plan(M, N, K, mixed_words(N, K)[0], SMS)} | {regs} | {i2} / {i4} | "
+                  f"{mixed_predict(f, c):.3g} |")
 
 
 if __name__ == "__main__":
