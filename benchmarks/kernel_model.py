@@ -51,7 +51,7 @@ busiest SM × instructions per tile / rate, bytes / BW)``.  Its instructions per
 main loop, built once with every word 2-bit and once with every word 4-bit (:func:`mixed_sass`), mixed in the
 proportion of the format's defaults; ``rate`` (warp instructions per ns and SM) is fitted with ``t0``, ``t_red`` and
 ``BW`` on half of the 2026-11-23 H100 rows, checked on the other half and, with nothing refitted but the H200's
-bandwidth, on the H200 rows of three later kernels.
+bandwidth, on H200 rows: of the fitted kernel's source (12432ac) and of two later kernels.
 """
 
 from __future__ import annotations
@@ -580,7 +580,8 @@ def quick_check(rows=None) -> Check:
 # --- the mixed 2/4/16 GEMV (issue 23) ------------------------------------------------------------------------------
 MIXED_SOURCE = "backends/async_dequant/mixed_gemv.cu"
 # Its measured rows (bench_gemv, async scale dequantization, no outliers, the format's defaults) and the commit each
-# ran: the H100 rows fit and check the model, the H200 rows of three later kernels check that it carries over
+# ran: the H100 rows fit and check the model; the H200 rows (12432ac: the fitted kernel's source, then two later
+# kernels) check that it carries over to another card and to kernels it was not fitted on
 MIXED_H100 = ("30bf025", RESULTS)
 MIXED_H200 = (("12432ac", ROOT / "benchmarks" / "results" / "h200-2026-11-26-bench_gemv.md"),
               ("588ebaf", ROOT / "benchmarks" / "results" / "h200-2026-11-27-bench_gemv.md"),
@@ -591,6 +592,7 @@ MIXED_SASS = ROOT / "benchmarks" / "results" / "mixed-sass.json"
 # figure); BW as the LUT GEMV's
 MIXED_PRIOR = {"t0": (3.0, 0.5), "t_red": (2.0, 0.5), "rate": (QUICK_ISSUE_PER_NS, 0.5), "BW": (2.9, 0.1)}
 _IS4 = re.compile(r"(bool entry_is4\(int e\) \{ return )e < 0(; \})")
+_GLOBAL_LOAD = re.compile(r"\bLDG[.\s]")  # predicated or not; not LDGSTS
 
 
 def mixed_sass(source_root: Path, work: Path) -> dict[tuple[int, bool], tuple[int, int, int]]:
@@ -621,18 +623,28 @@ def mixed_sass(source_root: Path, work: Path) -> dict[tuple[int, bool], tuple[in
                 if variant == "plain":
                     out[key][0] = regs[name]
                 else:
-                    out[key][1 if variant == "2bit" else 2] = main_loop(instrs, lambda i: i.startswith("LDG"))
+                    out[key][1 if variant == "2bit" else 2] = main_loop(instrs, _GLOBAL_LOAD.search)
     return {k: tuple(v) for k, v in out.items()}
+
+
+def mixed_sass_json(sass: dict[tuple[int, bool], tuple[int, int, int]]) -> dict:
+    """:func:`mixed_sass` features as :data:`MIXED_SASS` stores them per commit: ``{"M,async": [regs, ins2, ins4]}``."""
+    return {f"{M},{int(a)}": list(v) for (M, a), v in sorted(sass.items())}
+
+
+def mixed_sass_from_json(entry: dict) -> dict[tuple[int, bool], tuple[int, int, int]]:
+    """The inverse of :func:`mixed_sass_json`."""
+    return {(int(k.split(",")[0]), k.split(",")[1] == "1"): tuple(v) for k, v in entry.items()}
 
 
 def mixed_measured_sass(commit: str, work: Path) -> dict[tuple[int, bool], tuple[int, int, int]]:
     """:func:`mixed_sass` of ``commit``'s kernel: :data:`MIXED_SASS`'s entry for this nvcc, else compiled from git
-    history."""
+    history (raises CalledProcessError where the commit is not in it)."""
     entry = json.loads(MIXED_SASS.read_text()).get(nvcc_version(), {}).get(commit) if MIXED_SASS.exists() else None
     if entry is None:
         src = checkout(commit, work / commit, "backends/async_dequant")
         return mixed_sass(src, src)
-    return {(int(k.split(",")[0]), k.split(",")[1] == "1"): tuple(v) for k, v in entry.items()}
+    return mixed_sass_from_json(entry)
 
 
 def mixed_plan_2026_11_23(M: int, N: int, K: int, W: int, sms: int) -> tuple[int, int, int]:
@@ -665,16 +677,30 @@ def mixed_words(N: int, K: int) -> tuple[int, float]:
     return W, 2 * G4 * cfg.group_size / 16 / W
 
 
+def mixed_smem_2026_11_23(M: int, K: int, tiles_per_split: int) -> int:
+    """Shared memory of a block of the measured kernels: x of its span in fp32 and its word table."""
+    return M * min(K, 64 * tiles_per_split) * 4 + 16 * tiles_per_split
+
+
 def mixed_features(M: int, N: int, K: int, nbytes: float, sass: dict, plan=mixed_plan_2026_11_23,
-                   async_dequant: bool = True) -> dict:
-    """What :func:`mixed_predict` needs for the defaults' layer ``[N, K]`` at batch M: ``bytes`` (the layout's, x and
-    y: bench_gemv's count) plus the split partials, and the warp-tiles each SM walks (its full waves of resident
-    blocks, then its share of the tail) at the instructions per tile of the executed mix of 2- and 4-bit words."""
+                   smem=mixed_smem_2026_11_23, async_dequant: bool = True) -> dict:
+    """What :func:`mixed_predict` needs for the defaults' layer ``[N, K]`` at batch ``M`` (1..8: one launch):
+    ``bytes`` (``nbytes``, the layout's, x's and y's: bench_gemv's count) plus the fp32 split partials, and
+    ``warp_tiles``, the tiles (4 code words of a warp's 64 rows) the busiest SM walks: its full waves of resident
+    blocks, then its share of the tail, at ``ins`` instructions per tile (the executed mix of 2- and 4-bit words).
+    ``sass``: :func:`mixed_sass` of the kernel; ``plan`` ``(M, N, K, W, SMs) -> (threads, tiles/split, splits)`` and
+    ``smem`` ``(M, K, tiles/split) -> bytes per block``: the kernel's launch.
+
+    Raises:
+        ValueError: M outside 1..8 (a larger batch runs ceil(M / 8) launches).
+    """
+    if not 1 <= M <= 8:
+        raise ValueError(f"the mixed GEMV runs batches of 1..8 per launch, got M = {M}")
     W, f4 = mixed_words(N, K)
     threads, per, splits = plan(M, N, K, W, SMS)
-    regs, ins2, ins4 = sass[min(M, 8), async_dequant]
+    regs, ins2, ins4 = sass[M, async_dequant]
     blocks = math.ceil(N / (2 * threads)) * splits
-    bps = residency(threads, regs, 0)
+    bps = residency(threads, regs, smem(M, K, per))
     waves, tail = divmod(blocks, SMS * bps)
     warp_tiles = (waves * bps + math.ceil(tail / SMS)) * threads // 32 * per
     return dict(splits=splits, warp_tiles=warp_tiles, ins=(1 - f4) * ins2 + f4 * ins4,
@@ -688,13 +714,13 @@ def mixed_predict(f: dict, c: dict) -> float:
     return c["t0"] + reduction(f, c) + max(f["warp_tiles"] * f["ins"] / c["rate"] / 1e3, f["bytes"] / c["BW"] / 1e6)
 
 
-def mixed_rows(path: Path) -> list[tuple[int, int, int, float, float]]:
-    """``(N, K, M, µs, bytes)`` of the async, outlier-free mixed rows of a bench_gemv markdown table (bytes = its
-    TB/s × µs)."""
+def mixed_rows(path: Path, mode: str = "async") -> list[tuple[int, int, int, float, float]]:
+    """``(N, K, M, µs, bytes)`` of the outlier-free mixed rows of a bench_gemv markdown table with ``mode``
+    ("async" or "sync") scale dequantization (bytes = its TB/s × µs)."""
     rows = []
     for line in path.read_text().splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if len(cells) > 5 and cells[0] == "async_dequant" and cells[1] == "mixed o0 async (0 outliers)":
+        if len(cells) > 5 and cells[0] == "async_dequant" and cells[1] == f"mixed o0 {mode} (0 outliers)":
             N, K = map(int, cells[2].split("x"))
             t = float(cells[4])
             rows.append((N, K, int(cells[3]), t, float(cells[5]) * t * 1e6))
@@ -712,8 +738,8 @@ def mixed_check(sass: dict, rows=None) -> Check:
 
 
 def mixed_h200_check(constants: dict, sass_by_commit: dict) -> Check:
-    """The H100 fit with the H200's copy bandwidth (:data:`H200_BW`) against the H200 rows of the later kernels
-    (:data:`MIXED_H200`, each with its own SASS): nothing is fitted on them."""
+    """The H100 fit with the H200's copy bandwidth (:data:`H200_BW`) against the H200 rows of :data:`MIXED_H200`,
+    each with its own kernel's SASS: nothing is fitted on them."""
     c = {**constants, "BW": H200_BW}
     return Check(c, [(N, K, M, 0, 16, t, mixed_predict(mixed_features(M, N, K, b, sass_by_commit[commit]), c))
                      for commit, path in MIXED_H200 for N, K, M, t, b in mixed_rows(path)])
@@ -726,12 +752,13 @@ def main() -> None:
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--bw", type=float, help="DRAM bandwidth (TB/s) replacing the fitted one, to predict another card "
                     "with the H100's latencies (H200: its bandwidth ratio to the H100 times the fitted value)")
-    ap.add_argument("--save-measured-sass", action="store_true", help=f"compile {MEASURED_COMMIT}'s kernel with this "
-                    f"nvcc and add its SASS features to {MEASURED_SASS.relative_to(ROOT)}")
+    ap.add_argument("--save-measured-sass", action="store_true", help=f"compile {MEASURED_COMMIT}'s LUT GEMV and the "
+                    f"measured mixed GEMVs with this nvcc and add their SASS features to "
+                    f"{MEASURED_SASS.relative_to(ROOT)} and {MIXED_SASS.relative_to(ROOT)}")
     ap.add_argument("--quick", action="store_true", help="the QUICK GEMM's model instead: its fit on the H100 dispatch "
                     "table's rows and predictions for this checkout's GEMM (needs nvcc for its registers)")
     ap.add_argument("--mixed", action="store_true", help="the mixed GEMV's model instead: its fit on the H100 rows, its "
-                    "check on the H200 rows of three later kernels, predictions for this checkout's kernel")
+                    "check on H200 rows of it and two later kernels, predictions for this checkout's kernel")
     args = ap.parse_args()
     if args.quick:
         return quick_main(args)
@@ -753,8 +780,7 @@ def main() -> None:
             mixed = {c: mixed_sass(src, src) for c in (MIXED_H100[0], *(c for c, _ in MIXED_H200))
                      for src in [checkout(c, Path(tmp) / c, "backends/async_dequant")]}
         saved = json.loads(MIXED_SASS.read_text()) if MIXED_SASS.exists() else {}
-        saved[nvcc_version()] = {c: {f"{M},{int(a)}": list(v) for (M, a), v in sorted(f.items())}
-                                 for c, f in mixed.items()}
+        saved[nvcc_version()] = {c: mixed_sass_json(f) for c, f in mixed.items()}
         MIXED_SASS.write_text(json.dumps(saved, indent=1) + "\n")
         print(f"{MIXED_SASS}: {nvcc_version()}: {len(mixed)} mixed GEMV kernels")
         return
@@ -791,8 +817,8 @@ def quick_main(args) -> None:
         sys.exit("needs nvcc and cuobjdump (the registers and instructions of the QUICK GEMM)")
     sys.path.insert(0, str(ROOT))
     res = quick_check()
-    print(f"QUICK GEMM, fitted on {len(res.held_out)} of the H100 dispatch table's rows (2-bit), held out the other "
-          f"{len(res.held_out)} (4-bit): median |error| {100 * res.median_error:.1f} %, worst {res.worst_factor:.2f}x")
+    print(f"QUICK GEMM, fitted on {len(quick_rows()) - len(res.held_out)} of the H100 dispatch table's rows (2-bit), "
+          f"held out the other {len(res.held_out)} (4-bit): median |error| {100 * res.median_error:.1f} %, worst {res.worst_factor:.2f}x")
     print("constants: " + ", ".join(f"{k} = {v:.4g}" for k, v in res.constants.items()))
     with tempfile.TemporaryDirectory() as tmp:
         sass = quick_sass(ROOT, Path(tmp))
@@ -824,10 +850,9 @@ def quick_main(args) -> None:
                       f"{meas.get((N, K, M, q), float('nan')):.3g} |")
 
 
-
 def mixed_main(args) -> None:
-    """``--mixed``: the mixed GEMV model's held-out check on the H100 rows, its check on the later kernels' H200 rows
-    and its predictions for this checkout's kernel (markdown)."""
+    """``--mixed``: the mixed GEMV model's held-out check on the H100 rows, its check on the H200 rows, what it says of
+    sync against async, and its predictions for this checkout's kernel (markdown)."""
     if nvcc() is None or cuobjdump() is None:
         sys.exit("needs nvcc and cuobjdump (the registers and instructions of the mixed GEMV)")
     sys.path.insert(0, str(ROOT))
@@ -835,40 +860,48 @@ def mixed_main(args) -> None:
     from qlinear.formats import mixed
 
     with tempfile.TemporaryDirectory() as tmp:
-        commits = (MIXED_H100[0], *(c for c, _ in MIXED_H200))
-        measured = {c: mixed_measured_sass(c, Path(tmp)) for c in commits}
+        measured = {c: mixed_measured_sass(c, Path(tmp)) for c in (MIXED_H100[0], *(c for c, _ in MIXED_H200))}
         current = mixed_sass(ROOT, Path(tmp) / "current")
-    res = mixed_check(measured[MIXED_H100[0]])
-    print(f"Mixed GEMV, fitted on {len(res.held_out)} of the H100 rows ({MIXED_H100[0]}), held out the other "
-          f"{len(res.held_out)}: median |error| {100 * res.median_error:.1f} %, worst {res.worst_factor:.2f}x")
+    rows = mixed_rows(MIXED_H100[1])
+    res = mixed_check(measured[MIXED_H100[0]], rows)
+    print(f"Mixed GEMV, fitted on {len(rows) - len(res.held_out)} of the H100 rows ({MIXED_H100[0]}), held out the "
+          f"other {len(res.held_out)}: median |error| {100 * res.median_error:.1f} %, worst {res.worst_factor:.2f}x")
     print("constants: " + ", ".join(f"{k} = {v:.4g}" for k, v in res.constants.items()))
     print("\n| N x K | M | measured µs | predicted µs |\n|---|---|---|---|")
     for N, K, M, _, _, t, p in res.held_out:
         print(f"| {N}x{K} | {M} | {t:.3g} | {p:.3g} |")
+    h200 = [(commit, r) for commit, path in MIXED_H200 for r in mixed_rows(path)]
     chk = mixed_h200_check(res.constants, measured)
     print(f"\nAgainst the {len(chk.held_out)} H200 rows of {', '.join(c for c, _ in MIXED_H200)} (BW = {H200_BW} TB/s): "
           f"median |error| {100 * chk.median_error:.1f} %, worst {chk.worst_factor:.2f}x\n"
           "\n| kernel | N x K | M | instructions per tile (2-bit / 4-bit words) | measured µs | predicted µs |"
           "\n|---|---|---|---|---|---|")
-    for (commit, _), (N, K, M, _, _, t, p) in zip([(c, r) for c, path in MIXED_H200 for r in mixed_rows(path)],
-                                                  chk.held_out):
-        _, i2, i4 = measured[commit][min(M, 8), True]
+    for (commit, _), (N, K, M, _, _, t, p) in zip(h200, chk.held_out):
+        _, i2, i4 = measured[commit][M, True]
         print(f"| {commit} | {N}x{K} | {M} | {i2} / {i4} | {t:.3g} | {p:.3g} |")
+    # sync: the same fit with the sync kernel's own SASS, against the measured sync/async ratio of each H100 row
+    sync = {(N, K, M): t for N, K, M, t, _ in mixed_rows(MIXED_H100[1], "sync")}
+    ratios = [(sync[N, K, M] / t, mixed_predict(mixed_features(M, N, K, b, measured[MIXED_H100[0]],
+                                                               async_dequant=False), res.constants)
+               / mixed_predict(mixed_features(M, N, K, b, measured[MIXED_H100[0]]), res.constants))
+              for N, K, M, t, b in rows if (N, K, M) in sync]
+    print(f"\nSync against async on the {len(ratios)} H100 rows: measured {min(r for r, _ in ratios):.3f}-"
+          f"{max(r for r, _ in ratios):.3f}x, predicted {min(p for _, p in ratios):.3f}-{max(p for _, p in ratios):.3f}x")
     cfg = mixed.Config(outlier_ratio=0.0)
     c = {**res.constants, **({"BW": args.bw} if args.bw else {})}
     card = f"H100 constants, BW = {args.bw} TB/s" if args.bw else "H100"
     print(f"\nPredictions for this checkout's kernel, the format's defaults without outliers, {card}:\n"
           "\n| N x K | M | plan (threads, tiles/split, splits) | regs | instructions per tile (2-bit / 4-bit words) | "
-          "predicted µs |\n|---|---|---|---|---|---|")
+          "predicted µs | sync µs |\n|---|---|---|---|---|---|---|")
     for shape in args.shapes.split(","):
         N, K = map(int, shape.split("x"))
         for M in map(int, args.batches.split(",")):
             nbytes = async_dequant.layout_bits(cfg, N, K)[1] * N * K / 8 + 2 * M * K + 2 * M * N
-            regs, i2, i4 = current[min(M, 8), True]
-            f = mixed_features(M, N, K, nbytes, current, async_dequant.plan)
+            regs, i2, i4 = current[M, True]
+            t = [mixed_predict(mixed_features(M, N, K, nbytes, current, async_dequant.plan, async_dequant._smem, a), c)
+                 for a in (True, False)]
             print(f"| {N}x{K} | {M} | {async_dequant.plan(M, N, K, mixed_words(N, K)[0], SMS)} | {regs} | {i2} / {i4} | "
-                  f"{mixed_predict(f, c):.3g} |")
-
+                  f"{t[0]:.3g} | {t[1]:.3g} |")
 
 if __name__ == "__main__":
     main()

@@ -8,6 +8,7 @@ benchmarks/results/lut-sass-30bf025.json, else compiled from git history), fits 
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import tempfile
@@ -221,11 +222,44 @@ def test_mixed_features_count_the_warp_tiles_of_the_busiest_sm():
                      bytes=10**6 + 8 * 23 * 8192)
 
 
+def test_mixed_features_refuse_batches_a_launch_does_not_run():
+    with pytest.raises(ValueError, match="1..8"):
+        km.mixed_features(9, 8192, 8192, 10**6, {(8, True): (145, 1370, 1018)})
+
+
 def test_mixed_predict_is_launch_reduction_and_the_longer_of_issue_and_bandwidth():
+    """``t0``, ``t_red`` where the launch is split, then the busiest SM's instructions at ``rate`` or the bytes at
+    ``BW``, whichever takes longer."""
     c = dict(t0=3.0, t_red=2.0, rate=5.0, BW=2.0)
     f = dict(splits=4, warp_tiles=100, ins=500.0, bytes=10**6)
     assert km.mixed_predict(f, c) == pytest.approx(3 + 2 + 100 * 500 / 5.0 / 1e3)
     assert km.mixed_predict({**f, "bytes": 10**8, "splits": 1}, c) == pytest.approx(3 + 10**8 / 2e12 * 1e6)
+
+
+def test_main_loop_counts_the_largest_loop_with_a_global_load_predicated_or_not():
+    instrs = km.parse_sass("""
+        Function : _Z1m
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+        /*0010*/               @P2 LDG.E.128.CONSTANT R4, desc[UR4][R2.64] ;
+        /*0020*/                   HFMA2 R8, R4, R5, R8 ;
+        /*0030*/                   LOP3.LUT R6, R6, 0x3, RZ, 0xc0, !PT ;
+        /*0040*/              @!P1 BRA 0x10 ;
+        /*0050*/                   LDGSTS.E.128 [R9], desc[UR4][R2.64] ;
+        /*0060*/                   IADD3 R5, R5, 0x1, RZ ;
+        /*0070*/                   IADD3 R6, R6, 0x1, RZ ;
+        /*0080*/                   IADD3 R7, R7, 0x1, RZ ;
+        /*0090*/                   IADD3 R8, R8, 0x1, RZ ;
+        /*00a0*/               @P0 BRA 0x50 ;
+        /*00b0*/                   EXIT ;
+""")["_Z1m"]
+    # the predicated LDG counts, the longer loop of only LDGSTS (a cp.async) does not
+    assert km.main_loop(instrs, km._GLOBAL_LOAD.search) == 4
+    assert km.main_loop(instrs, lambda i: "LDGSTS" in i) == 6
+
+
+def test_mixed_sass_features_round_trip_through_their_json():
+    sass = {(1, True): (79, 635, 516), (8, False): (145, 1370, 1018)}
+    assert km.mixed_sass_from_json(json.loads(json.dumps(km.mixed_sass_json(sass)))) == sass
 
 
 def test_mixed_sass_can_specialise_this_checkouts_kernel():
@@ -236,7 +270,8 @@ def test_mixed_sass_can_specialise_this_checkouts_kernel():
 @pytest.mark.slow
 def test_mixed_model_predicts_held_out_h100_rows_and_later_kernels_h200_rows():
     """Fitted on half the H100 rows of the 2026-11-23 kernel (static SASS counts per tile, its plan), the model predicts
-    the other half and, with nothing fitted on them, the H200 rows of three later kernels within the issue's bounds."""
+    the other half and, with nothing fitted on them, H200 rows (of the same source and of two later kernels) within
+    the issue's bounds."""
     pytest.importorskip("scipy")
     if km.nvcc() is None or km.cuobjdump() is None:
         pytest.skip("needs nvcc and cuobjdump")
