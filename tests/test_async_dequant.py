@@ -278,6 +278,22 @@ def test_plan_covers_every_tile_once_within_limits():
         assert 6 * min(M, 8) * min(K, 64 * per) + 20 * per + 32 <= 48 * 1024, case  # shared memory
 
 
+def test_plan_splits_no_further_than_one_wave_of_resident_blocks():
+    """Split-K adds blocks only while all of them fit on the GPU at once (resident threads per SM × SMs): one split
+    more leaves a tail wave that costs a whole block's time.  The exception: a split the shared memory forces (one
+    split fewer would not fit a block's slice)."""
+    shapes = [(576, 576), (1536, 576), (4096, 4096), (8192, 8192), (28672, 8192), (4096, 11008), (11008, 4096),
+              (14336, 4096)]
+    for (N, K), sms, M in itertools.product(shapes, (78, 132), range(1, 9)):
+        W = K // 16 + K // 64
+        threads, per, splits = ad.plan(M, N, K, W, sms)
+        blocks, places = math.ceil(N / (2 * threads)) * splits, sms * ad._resident(M) // threads
+        fewer = splits > 1 and math.ceil(math.ceil(W / 4) / (splits - 1))
+        assert blocks <= places or splits == 1 or ad._smem(M, K, fewer) > ad._block_smem_cap(M, threads), (N, K, sms, M)
+    # 8192², M = 8 (384 places for 128-thread blocks): 12 splits of 14 tiles, 384 blocks; 13 would make 416
+    assert ad.plan(8, 8192, 8192, 640, 132) == (128, 14, 12)
+
+
 def test_fake_op_gives_the_output_shape():
     from torch._subclasses.fake_tensor import FakeTensorMode
 

@@ -287,10 +287,15 @@ def plan(M: int, N: int, K: int, W: int, sms: int) -> tuple[int, int, int]:
     ``N`` rows and ``W`` code words per row.
 
     A thread owns 2 rows and a block ``2·threads`` rows; we aim at the resident threads per SM the kernel's
-    register budget allows (768 at M = 1, ≤ 80 registers; 512 above, ≤ 128 registers; 384 at M = 8, ≤ 168 registers, blocks of at most 128 threads) and pick, among 256/128/64/32-thread
-    blocks, the split that minimises the L2 traffic it adds: the x slices staged per block (``blocks_n·K·2`` bytes
-    per row of x) plus the fp32 split partials (``splits·N·8``).  A slice's inputs (``M·min(K, 64·tiles)·6`` bytes:
-    fp32 and scaled fp16) and tables must fit the shared memory a block may take at that occupancy (≤ 48 KiB)."""
+    register budget allows (768 at M = 1, ≤ 80 registers; 512 above, ≤ 128 registers; 384 at M = 8, ≤ 168
+    registers, blocks of at most 128 threads) with the most splits whose blocks all fit on the GPU at once: one more
+    split would leave a tail wave that costs a whole block's time (benchmarks/kernel_model.py --mixed; on the H100 on
+    2026-11-23, 28672x8192 took 205 µs at M = 4, with 280 blocks for 264 places, against 130 at M = 2 and 217 at
+    M = 8).  Among
+    256/128/64/32-thread blocks we pick the split that minimises the L2 traffic it adds: the x slices staged per
+    block (``blocks_n·K·2`` bytes per row of x) plus the fp32 split partials (``splits·N·8``).  A slice's inputs
+    (``M·min(K, 64·tiles)·6`` bytes: fp32 and scaled fp16) and tables must fit the shared memory a block may take at
+    that occupancy (≤ 48 KiB)."""
     M = min(M, KERNEL_M)
     T = -(-W // 4)
     resident = _resident(M)
@@ -301,7 +306,7 @@ def plan(M: int, N: int, K: int, W: int, sms: int) -> tuple[int, int, int]:
         blocks_n = -(-N // (2 * threads))
         cap = _block_smem_cap(M, threads)
         tps_max = T if _smem(M, K, T) <= cap else max(1, (cap - 64) // (M * 64 * 6 + 20))
-        want = max(1, -(-sms * resident // threads // blocks_n))
+        want = max(1, sms * resident // threads // blocks_n)
         splits = max(-(-T // tps_max), min(want, T))
         per = -(-T // splits)
         splits = -(-T // per)
