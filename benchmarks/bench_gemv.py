@@ -27,7 +27,6 @@ targets at 8192², M = 1: ≤ 11 µs, outliers at 0.2 % cost ≤ 5 %, async ≥ 
 from __future__ import annotations
 
 import argparse
-import functools
 import math
 import sys
 from pathlib import Path
@@ -36,10 +35,10 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import gpu_run_header, gpu_time_us, pool_size, report, table, timeit  # noqa: E402
+from common import (gpu_run_header, gpu_time_us, mixed_bytes, mixed_pool, pool_size, report, table,  # noqa: E402
+                    timeit)
 
 from qlinear.backends import async_dequant, cuda_lut  # noqa: E402
-from qlinear.formats import mixed  # noqa: E402
 
 SHAPES = "4096x4096,8192x8192,12288x12288,28672x8192,8192x28672,576x576,1536x576"
 MIXED_SHAPES = "4096x4096,8192x8192,11008x4096,4096x11008,28672x8192"
@@ -101,22 +100,6 @@ def gemlite_calls(M, N, K, bits, group=128):
     except Exception as e:
         return f"gemlite failed: {e!r}"[:300]
     return [lambda lay=lay: lay(x) for lay in layers]
-
-
-def mixed_bytes(M: int, N: int, K: int, cfg) -> int:
-    """Bytes the mixed GEMV reads and writes: every stored byte of the repacked layer, fp16 x and y."""
-    return round(async_dequant.layout_bits(cfg, N, K)[1] * N * K / 8) + 2 * M * K + 2 * M * N
-
-
-@functools.lru_cache(maxsize=None)
-def mixed_pool(N: int, K: int, outlier_ratio: float):
-    """``(cfg, canonical buffers, [repacked buffers, ...])``: one random valid mixed layer at the format defaults,
-    its repacked form cloned into a pool larger than L2 (values do not change the timing)."""
-    cfg = mixed.Config(outlier_ratio=outlier_ratio)
-    canon = async_dequant.random_buffers(N, K, cfg, seed=N + K, device="cuda")
-    bufs = async_dequant.repack(canon, cfg, N, K)
-    n = pool_size(mixed_bytes(8, N, K, cfg))
-    return cfg, canon, [{k: v.clone() for k, v in bufs.items()} for _ in range(n)]
 
 
 def mixed_calls(M, N, K, outlier_ratio, async_dequant_on=True, outliers="fused"):

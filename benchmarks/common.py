@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 from pathlib import Path
@@ -138,3 +139,24 @@ def op_calls(x: torch.Tensor, cfg, sets, N: int, K: int, backend: str, layout: s
 
     cfg_json = cfg.to_json()
     return [lambda s=s: linear(x, s, None, "bcq", cfg_json, N, K, backend, layout) for s in sets]
+
+
+def mixed_bytes(M: int, N: int, K: int, cfg) -> int:
+    """Bytes the mixed GEMV reads and writes: every stored byte of the repacked layer, fp16 x and y."""
+    from qlinear.backends import async_dequant
+
+    return round(async_dequant.layout_bits(cfg, N, K)[1] * N * K / 8) + 2 * M * K + 2 * M * N
+
+
+@functools.lru_cache(maxsize=None)
+def mixed_pool(N: int, K: int, outlier_ratio: float):
+    """``(cfg, canonical buffers, [repacked buffers, ...])``: one random valid mixed layer at the format defaults,
+    its repacked form cloned into a pool larger than L2 (values do not change the timing)."""
+    from qlinear.backends import async_dequant
+    from qlinear.formats import mixed
+
+    cfg = mixed.Config(outlier_ratio=outlier_ratio)
+    canon = async_dequant.random_buffers(N, K, cfg, seed=N + K, device="cuda")
+    bufs = async_dequant.repack(canon, cfg, N, K)
+    n = pool_size(mixed_bytes(8, N, K, cfg))
+    return cfg, canon, [{k: v.clone() for k, v in bufs.items()} for _ in range(n)]

@@ -173,12 +173,13 @@ cuda_codebook:dequantize_op"}
       snap
     fi
     if [ -n "${SWEEP:-}" ]; then  # the plan sweeps of the split launches (issue 23/24: the split-K reduction's cost)
-      timeout 90 python3 benchmarks/sweep_plans.py --shapes 576x576,4096x4096,8192x8192 --lut-batches 1,8 \
-        --quick-batches 1,16,64 --markdown "$OUT/sweep_plans.md" >"$OUT/sweep_plans.log" 2>&1
+      timeout 120 python3 benchmarks/sweep_plans.py --kernels async_dequant,cuda_lut,quick \
+        --shapes 576x576,4096x4096,8192x8192 --lut-batches 1,8 --quick-batches 1,16,64 --mixed-batches 1,8 \
+        --markdown "$OUT/sweep_plans.md" >"$OUT/sweep_plans.log" 2>&1
       snap
     fi
     cat "$OUT/bench_gemm.md" "$OUT/bench_gemv.md" "$OUT/bench_dequant.md" 2>/dev/null | grep -v "^|---" | cut -c1-100
-    [ -n "${SWEEP:-}" ] && grep -A14 "heuristic / best" "$OUT/sweep_plans.md" | cut -c1-110
+    [ -n "${SWEEP:-}" ] && grep -A24 "heuristic / best" "$OUT/sweep_plans.md" | cut -c1-110
     for B in ${ROTATION:-}; do grep -v "^|---" "$OUT/bench_rotation_$B.md" | cut -c1-110 | tail -8; done
     [ -n "${ROTATION:-}" ] && grep "plan" "$OUT/bench_rotate_slices.md" | cut -c1-110
     tail -n 2 "$OUT/bench_gemm.log" "$OUT/bench_gemv.log" "$OUT/bench_dequant.log" ;;

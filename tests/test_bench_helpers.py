@@ -76,3 +76,29 @@ def test_sweep_launch_grids_are_valid_launches():
         assert launches[0] == quick.plan(M, 8192, 8192, 132) and len(set(launches)) == len(launches) > 10
         for tile_m, per, splits in launches:
             assert tile_m in (16, 32, 64, 128) and (splits - 1) * per < 8192 // quick.TILE_K <= splits * per
+
+
+def test_mixed_sweep_launches_cover_the_layer_and_agree_under_the_spec():
+    """benchmarks/sweep_plans.py's mixed GEMV launches: the heuristic's first, every K tile in exactly one split, 8-row
+    blocks within the kernel's launch bounds, at 8192², M = 8 both the one-wave plan and the one more split that
+    rounding up gave; on a small layer every launch gives the heuristic's result under the kernel's executable spec."""
+    import sweep_plans
+    from qlinear.backends import async_dequant as ad
+    from qlinear.formats import mixed
+
+    for M in (1, 8):
+        launches = sweep_plans.mixed_launches(M, 8192, 8192, 132, 640)
+        assert launches[0] == ad.plan(M, 8192, 8192, 640, 132) and len(set(launches)) == len(launches) > 10
+        for threads, per, splits in launches:
+            assert threads in (32, 64, 128, 256) and (splits - 1) * per < 160 <= splits * per
+            assert M < 8 or threads <= ad.MAX_THREADS_M8
+    assert {(128, 14, 12), (128, 13, 13)} <= set(sweep_plans.mixed_launches(8, 8192, 8192, 132, 640))
+    cfg, N, K = mixed.Config(outlier_ratio=0.0), 96, 256
+    bufs = ad.repack(ad.random_buffers(N, K, cfg, seed=0), cfg, N, K)
+    W = ad.num_words(bufs, cfg)
+    x = torch.randn(3, K)
+    launches = sweep_plans.mixed_launches(3, N, K, 132, W)
+    want = ad.spec(x, bufs, None, cfg, N, K, launches[0])
+    for launch in launches:
+        got = ad.spec(x, bufs, None, cfg, N, K, launch)
+        assert ((got - want).abs().max() / want.abs().max()) < 1e-3, launch

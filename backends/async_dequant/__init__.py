@@ -456,8 +456,8 @@ def staged_smem_bytes(M: int, K: int, tiles_per_split: int, block: int) -> int:
 
 
 def linear(x: torch.Tensor, buffers: dict, bias, cfg, out_features: int, in_features: int,
-           async_dequant: bool = True, outliers: str = "fused", rotation: Optional[tuple[int, int]] = None
-           ) -> torch.Tensor:
+           async_dequant: bool = True, outliers: str = "fused", rotation: Optional[tuple[int, int]] = None,
+           launch: Optional[tuple[int, int, int]] = None) -> torch.Tensor:
     """Registry entry: ``x`` ``[..., K]`` fp16/bf16 on CUDA, at most ``MAX_BATCH`` rows -> ``[..., N]``.
 
     ``async_dequant=False`` runs the same kernel synchronously (scales dequantized, then codes loaded), for
@@ -465,12 +465,14 @@ def linear(x: torch.Tensor, buffers: dict, bias, cfg, out_features: int, in_feat
     (fp32) instead, for the benchmark's comparison; ``"fused"`` (default) adds them inside the kernel.  A rotated
     layer's ``rotation = (seed, block)``: each block stages ``R·x`` of its span (of each chunk of 8 rows) itself where
     the transform's work area still fits its share of shared memory (:func:`staged_smem_bytes`), else x is rotated
-    first (:func:`qlinear.backends._gpu.staged_rotation`).
+    first (:func:`qlinear.backends._gpu.staged_rotation`).  ``launch`` ``(threads, tiles_per_split, splits)``
+    replaces :func:`plan`'s (benchmarks/sweep_plans.py); the binding refuses one that does not cover the layer.
     """
     N, K = out_features, in_features
     M = x.numel() // K
     rotated = rotation is not None
-    threads, per_split, _ = launch = plan(M, N, K, buffers["ad_codes"].numel() // N, _sms(x.device.index or 0))
+    threads, per_split, _ = launch = launch or plan(M, N, K, buffers["ad_codes"].numel() // N,
+                                                    _sms(x.device.index or 0))
     smem = staged_smem_bytes(M, K, per_split, rotation[1]) if rotated else math.inf
     x, rot = staged_rotation(x, rotation, smem, _block_smem_cap(min(M, KERNEL_M), threads))
     x2 = x.reshape(-1, K).contiguous()
