@@ -145,22 +145,26 @@ def parse_sass(text: str) -> dict[str, list[tuple[int, str]]]:
     return funcs
 
 
+def loop_bodies(instrs: list[tuple[int, str]]) -> list[list[tuple[int, str]]]:
+    """Each loop's own instructions ``[(address, instruction), ...]``: a backward branch closes a loop, and the
+    instructions of loops nested in it are left out."""
+    loops = [(int(m.group(1), 16), a) for a, i in instrs
+             if (m := re.search(r"\bBRA\s+(?:`\(\.L_x_\d+\)\s*)?0x([0-9a-f]+)", i)) and int(m.group(1), 16) < a]
+
+    def own(lo, hi):
+        nested = [lp for lp in loops if lo <= lp[0] and lp[1] <= hi and lp != (lo, hi)]
+        return [(a, i) for a, i in instrs if lo <= a <= hi and not any(n0 <= a <= n1 for n0, n1 in nested)]
+
+    return [own(lo, hi) for lo, hi in loops]
+
+
 def lookup_loop(instrs: list[tuple[int, str]]) -> tuple[int, bool]:
     """``(loop_bytes, pipelined)`` of the lookup loop (see :class:`Sass`): among the loops whose own instructions
     (nested loops excluded) hold both global and shared-memory loads, the one with the most shared-memory loads (a
     rotated layer's input transform has small loops of both kinds); (0, False) if there is none."""
-    loops = []
-    for addr, ins in instrs:
-        m = re.search(r"\bBRA\s+(?:`\(\.L_x_\d+\)\s*)?0x([0-9a-f]+)", ins)
-        if m and int(m.group(1), 16) < addr:
-            loops.append((int(m.group(1), 16), addr))
-
-    def own_ops(lo, hi):
-        nested = [lp for lp in loops if lo <= lp[0] and lp[1] <= hi and lp != (lo, hi)]
-        return [(a, (i.split()[1] if i.startswith("@") else i.split()[0])) for a, i in instrs
-                if lo <= a <= hi and not any(n0 <= a <= n1 for n0, n1 in nested)]
-
-    found = [ops for ops in (own_ops(lo, hi) for lo, hi in loops)
+    bodies = [[(a, i.split()[1] if i.startswith("@") else i.split()[0]) for a, i in body]
+              for body in loop_bodies(instrs)]
+    found = [ops for ops in bodies
              if any(op.startswith("LDG") for _, op in ops) and any(op.startswith("LDS") for _, op in ops)]
     if not found:
         return 0, False
@@ -486,14 +490,7 @@ def quick_depth(tile_m: int, free: bool) -> int:
 def main_loop(instrs: list[tuple[int, str]], marker: Callable[[str], bool]) -> int:
     """Instructions of a kernel's main loop: the loop with the most instructions of its own (nested loops excluded)
     among those holding an instruction ``marker`` accepts (0 if none)."""
-    loops = [(int(m.group(1), 16), a) for a, i in instrs
-             if (m := re.search(r"\bBRA\s+(?:`\(\.L_x_\d+\)\s*)?0x([0-9a-f]+)", i)) and int(m.group(1), 16) < a]
-
-    def own(lo, hi):
-        nested = [lp for lp in loops if lo <= lp[0] and lp[1] <= hi and lp != (lo, hi)]
-        return [i for a, i in instrs if lo <= a <= hi and not any(n0 <= a <= n1 for n0, n1 in nested)]
-
-    return max((len(ops) for ops in (own(lo, hi) for lo, hi in loops) if any(map(marker, ops))), default=0)
+    return max((len(body) for body in loop_bodies(instrs) if any(marker(i) for _, i in body)), default=0)
 
 
 def main_loop_instructions(instrs: list[tuple[int, str]]) -> int:
@@ -856,6 +853,7 @@ def mixed_main(args) -> None:
     if nvcc() is None or cuobjdump() is None:
         sys.exit("needs nvcc and cuobjdump (the registers and instructions of the mixed GEMV)")
     sys.path.insert(0, str(ROOT))
+    from common import mixed_bytes
     from qlinear.backends import async_dequant
     from qlinear.formats import mixed
 
@@ -896,12 +894,13 @@ def mixed_main(args) -> None:
     for shape in args.shapes.split(","):
         N, K = map(int, shape.split("x"))
         for M in map(int, args.batches.split(",")):
-            nbytes = async_dequant.layout_bits(cfg, N, K)[1] * N * K / 8 + 2 * M * K + 2 * M * N
+            nbytes = mixed_bytes(M, N, K, cfg)
             regs, i2, i4 = current[M, True]
             t = [mixed_predict(mixed_features(M, N, K, nbytes, current, async_dequant.plan, async_dequant._smem, a), c)
                  for a in (True, False)]
             print(f"| {N}x{K} | {M} | {async_dequant.plan(M, N, K, mixed_words(N, K)[0], SMS)} | {regs} | {i2} / {i4} | "
                   f"{t[0]:.3g} | {t[1]:.3g} |")
+
 
 if __name__ == "__main__":
     main()

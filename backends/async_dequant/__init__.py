@@ -291,11 +291,10 @@ def plan(M: int, N: int, K: int, W: int, sms: int) -> tuple[int, int, int]:
     registers, blocks of at most 128 threads) with the most splits whose blocks all fit on the GPU at once: one more
     split would leave a tail wave that costs a whole block's time (benchmarks/kernel_model.py --mixed; on the H100 on
     2026-11-23, 28672x8192 took 205 µs at M = 4, with 280 blocks for 264 places, against 130 at M = 2 and 217 at
-    M = 8).  Among
-    256/128/64/32-thread blocks we pick the split that minimises the L2 traffic it adds: the x slices staged per
-    block (``blocks_n·K·2`` bytes per row of x) plus the fp32 split partials (``splits·N·8``).  A slice's inputs
-    (``M·min(K, 64·tiles)·6`` bytes: fp32 and scaled fp16) and tables must fit the shared memory a block may take at
-    that occupancy (≤ 48 KiB)."""
+    M = 8).  Among 256/128/64/32-thread blocks we pick the split that minimises the L2 traffic it adds: the x slices
+    staged per block (``blocks_n·K·2`` bytes per row of x) plus the fp32 split partials (``splits·N·8``).  A slice's
+    inputs (``M·min(K, 64·tiles)·6`` bytes: fp32 and scaled fp16) and tables must fit the shared memory a block may
+    take at that occupancy (≤ 48 KiB)."""
     M = min(M, KERNEL_M)
     T = -(-W // 4)
     resident = _resident(M)
