@@ -44,28 +44,33 @@ _WIDTHS_DRIVER = r"""
 #include <cstdio>
 #include <vector>
 using namespace qlinear_rotation;
-int main(int argc, char** argv) {  // W M K BLOCK F < d [K], factor [F, F], x [M, K] > rotated x
-  const int w = atoi(argv[1]);
+int main(int argc, char** argv) {  // W M K BLOCK F APART < d [K], factor [F, F], x [M, K] > rotated x
+  const int w = atoi(argv[1]), apart = atoi(argv[6]);
   const long M = atol(argv[2]), K = atol(argv[3]), block = atol(argv[4]), f = atol(argv[5]);
-  std::vector<float> d(K), factor(f > 1 ? f * f : 0), x(M * K);
+  std::vector<float> d(K), factor(f > 1 ? f * f : 0), x(M * K), y(M * K, 1e30f);
   if (fread(d.data(), 4, K, stdin) != (size_t)K || fread(factor.data(), 4, factor.size(), stdin) != factor.size() ||
       fread(x.data(), 4, x.size(), stdin) != x.size()) return 2;
   const float* pf = f > 1 ? factor.data() : nullptr;
+  float* out = apart ? y.data() : x.data();  // APART: from x into junk-filled y, else in place
+  const float* src = x.data();
 #ifdef QLINEAR_ROTATION_X86
-  if (w == 16) rotate_rows_avx512(x.data(), M, K, d.data(), block, pf, f);
-  if (w == 8) rotate_rows_avx2(x.data(), M, K, d.data(), block, pf, f);
+  if (w == 16) rotate_rows_avx512(out, M, K, d.data(), block, pf, f, src);
+  if (w == 8) rotate_rows_avx2(out, M, K, d.data(), block, pf, f, src);
 #endif
-  if (w == 4) rotate_rows_w<4>(x.data(), M, K, d.data(), block, pf, f);
-  if (w == 0) rotate_rows(x.data(), M, K, d.data(), block, pf, f);
-  fwrite(x.data(), 4, x.size(), stdout);
+  if (w == 4) rotate_rows_w<4>(out, M, K, d.data(), block, pf, f, src);
+  if (w == 0 && apart) rotate_rows(out, M, K, d.data(), block, pf, f, src);
+  if (w == 0 && !apart) rotate_rows(out, M, K, d.data(), block, pf, f);
+  fwrite(out, 4, x.size(), stdout);
 }
 """
 
 
 def test_native_transform_gives_the_same_bits_at_every_vector_width(tmp_path):
-    """backends/_shared/rotation.h on this machine's vector widths (AVX-512 16, AVX2 8, 4; the dispatcher's choice):
-    the same bits for each, within float32 rounding of the float64 definition, on Paley I and II, power-of-two and
-    scalar-path (n <= 8) blocks, M across the 32-row chunks (test_arm_neon runs the aarch64 build)."""
+    """backends/_shared/rotation.h on this machine's vector widths (AVX-512 16, AVX2 8, 4; the dispatcher's choice),
+    in place and from a source row into a separate (junk-filled) output: the same bits for each, within float32
+    rounding of the float64 definition, on Paley I and II, power-of-two and scalar-path (n <= 8) blocks, M across the
+    32-row chunks (test_arm_neon runs the aarch64 build).  Paley orders 12, 28 and 36 take the residue sums (with
+    their row stride known at compile time at n = 16, and not at n = 128), 20 and 44 the dense multiply-adds."""
     import platform
     import shutil
     import subprocess
@@ -84,14 +89,16 @@ def test_native_transform_gives_the_same_bits_at_every_vector_width(tmp_path):
     widths = [0, 4] + ([8] if platform.machine() == "x86_64" and {"avx2", "fma"} <= flags else []) + (
         [16] if platform.machine() == "x86_64" and "avx512f" in flags else [])
     for K, block, M in [(576, 576, 1), (576, 576, 33), (1536, 1536, 3), (448, 448, 2), (256, 256, 5), (96, 48, 37),
-                        (288, 72, 70), (224, 224, 33)]:  # Paley II / I, 2^a, n <= 8 (I and II)
+                        (288, 72, 70), (224, 224, 33), (320, 320, 2), (704, 704, 3), (4096, 4096, 2)]:
+        # Paley II / I, 2^a, n <= 8 (I and II), dense Paley I (20·16, 44·16), 2^12 (stages past the registers)
         signs, factor, _ = rotation_args((3, block), K)
         f = 1 if factor is None else factor.shape[0]
         x = torch.randn(M, K)
         data = signs.numpy().tobytes() + (b"" if factor is None else factor.numpy().tobytes()) + x.numpy().tobytes()
-        outs = [torch.frombuffer(bytearray(subprocess.run([str(exe), str(w), str(M), str(K), str(block), str(f)],
-                                                           input=data, capture_output=True, check=True).stdout),
-                                 dtype=torch.float32).reshape(M, K) for w in widths]
+        outs = [torch.frombuffer(bytearray(subprocess.run([str(exe), str(w), str(M), str(K), str(block), str(f),
+                                                            str(apart)], input=data, capture_output=True,
+                                                           check=True).stdout), dtype=torch.float32).reshape(M, K)
+                for w in widths for apart in (0, 1)]
         for y in outs[1:]:
             assert torch.equal(y, outs[0]), (K, block, M)
         want = x.double() @ rotation64(3, block, K).T

@@ -48,13 +48,16 @@ inline int64_t check_transform(const at::Tensor& x, const std::optional<at::Tens
   return f;
 }
 
-// rows [M, K] (float32) in place: rotated where block > 0 (check_transform's arguments), then read in act_order's
-// order where idx (perm) is given.
-inline void transform_rows(float* rows, int64_t M, int64_t K, const int32_t* idx,
+// rows [M, K] (float32) = src's rows [M, K] (rows itself: in place) rotated where block > 0 (check_transform's
+// arguments), then read in act_order's order where idx (perm) is given.
+inline void transform_rows(float* rows, const float* src, int64_t M, int64_t K, const int32_t* idx,
                            const std::optional<at::Tensor>& signs, const std::optional<at::Tensor>& paley,
                            int64_t block, int64_t f) {
   if (block != 0)
-    rotate_rows(rows, M, K, signs->data_ptr<float>(), block, paley.has_value() ? paley->data_ptr<float>() : nullptr, f);
+    rotate_rows(rows, M, K, signs->data_ptr<float>(), block, paley.has_value() ? paley->data_ptr<float>() : nullptr, f,
+                src);
+  else if (src != rows)
+    std::copy_n(src, M * K, rows);
   if (idx == nullptr) return;
   std::vector<float> row(K);
   for (int64_t m = 0; m < M; ++m) {
@@ -79,8 +82,7 @@ inline Staged stage(const at::Tensor& x, const std::optional<at::Tensor>& perm,
   s.acts = base + staged;
   if (!copy) return s;
   float* out = reinterpret_cast<float*>(base);
-  std::copy_n(s.x, M * K, out);
-  transform_rows(out, M, K, perm.has_value() ? perm->data_ptr<int32_t>() : nullptr, signs, paley, block, f);
+  transform_rows(out, s.x, M, K, perm.has_value() ? perm->data_ptr<int32_t>() : nullptr, signs, paley, block, f);
   s.x = out;
   return s;
 }
@@ -101,7 +103,7 @@ inline at::Tensor staged_tensor(const at::Tensor& x, const std::optional<at::Ten
     for (int64_t m0 = 0; m0 < M; m0 += 32) {
       const int64_t n = std::min<int64_t>(32, M - m0) * K;
       std::transform(src + m0 * K, src + m0 * K + n, buf.begin(), [](T v) { return static_cast<float>(v); });
-      transform_rows(buf.data(), n / K, K, idx, signs, paley, block, f);
+      transform_rows(buf.data(), buf.data(), n / K, K, idx, signs, paley, block, f);
       std::transform(buf.begin(), buf.begin() + n, dst + m0 * K, [](float v) { return static_cast<T>(v); });
     }
   };

@@ -172,12 +172,12 @@ static bool make_rotation(Rotation& r, int K, int block, uint32_t seed, const ch
   return true;
 }
 
-// What the binding does to x of a rotated layer before quantizing it (_shared/rotation_aten.h stage: a copy,
-// rotated); its own symbol, so that the plugin counts it apart from the kernel and the activation quantization.
+// What the binding does to x of a rotated layer before quantizing it (_shared/rotation_aten.h stage: x rotated
+// into the staging buffer); its own symbol, so that the plugin counts it apart from the kernel and the activation
+// quantization.
 __attribute__((noinline)) static void rotate_input_counted(const float* x, float* out, int M, int K,
                                                            const Rotation& r) {
-  std::copy_n(x, (size_t)M * K, out);
-  qlinear_rotation::rotate_rows(out, M, K, r.d.data(), r.block, r.f > 1 ? r.paley.data() : nullptr, r.f);
+  qlinear_rotation::rotate_rows(out, M, K, r.d.data(), r.block, r.f > 1 ? r.paley.data() : nullptr, r.f, x);
 }
 
 static int rotate(int K, int block, uint32_t seed, const char* paley_file) {
