@@ -237,12 +237,12 @@ struct Residues {
 // Row i of Q times u is Σ_j Q[i][j]·u[j] = 2·P_i − Σ_{j ≠ i} u[j] (χ's ±1 form) with P_i = Σ_{r residue} u[(i + r)
 // mod q]: about q/2 adds per row instead of q multiply-adds, once the callers fold the second sum into a term common
 // to all rows.  Row i of out, for Paley I (kind 1, P_i with offset 0): 2·P_i − base; for Paley II (kind 2): (base +
-// u[i] + sign·v[i·stride]) + 2·P_i.  (Index sequences, not loops: GCC does not unroll the nested loops whole, and u
+// u[i] + sign·v[i][col]) + 2·P_i.  (Index sequences, not loops: GCC does not unroll the nested loops whole, and u
 // then leaves the registers.  Vectors by reference, as everywhere here: by value, they would change the ABI of x86
 // code compiled without the entry points' target features.)
 template <int W, int q, int kind, int i, size_t... P, size_t... S>
 QLINEAR_ROTATION_INLINE void residue_row(const typename Vec<W>::type* u, const typename Vec<W>::type& base,
-                                         const typename Vec<W>::type* v, int64_t stride, float sign,
+                                         const typename Vec<W>::type* const* v, int64_t col, float sign,
                                          typename Vec<W>::type& out, std::index_sequence<P...>,
                                          std::index_sequence<S...>) {
   constexpr Residues<q, kind == 1> res;
@@ -251,74 +251,75 @@ QLINEAR_ROTATION_INLINE void residue_row(const typename Vec<W>::type* u, const t
   ((p += u[(i + res.pairs[P + 1]) % q] + u[(i + res.pairs[P + 1] + 1) % q]), ...);
   ((p += u[(i + res.singles[S]) % q]), ...);
   if constexpr (kind == 1) out = 2.f * p - base;
-  else out = (base + u[i] + sign * v[i * stride]) + 2.f * p;
+  else out = (base + u[i] + sign * v[i][col]) + 2.f * p;
 }
 
-// out[i·stride] = residue_row i for i < q, in the order of Residues::step.
+// out[i][out_col] = residue_row i for i < q, in the order of Residues::step, each stored as it is done.
 template <int W, int q, int kind, size_t... T>
-QLINEAR_ROTATION_INLINE void residue_rows(const typename Vec<W>::type* u, typename Vec<W>::type* out, int64_t stride,
-                                          const typename Vec<W>::type& base, const typename Vec<W>::type* v,
-                                          float sign, std::index_sequence<T...>) {
+QLINEAR_ROTATION_INLINE void residue_rows(const typename Vec<W>::type* u, typename Vec<W>::type* const* out,
+                                          int64_t out_col, const typename Vec<W>::type& base,
+                                          const typename Vec<W>::type* const* v, int64_t col, float sign,
+                                          std::index_sequence<T...>) {
   constexpr Residues<q, kind == 1> res;
-  (residue_row<W, q, kind, T * res.step % q>(u, base, v, stride, sign, out[T * res.step % q * stride],
+  (residue_row<W, q, kind, T * res.step % q>(u, base, v, col, sign, out[T * res.step % q][out_col],
                                              std::make_index_sequence<res.n_pairs - 1>(),
                                              std::make_index_sequence<res.n_singles>()),
    ...);
 }
 
-// A column of Paley I's out (H = I + C, C's first row +1, first column −1, Q below) from the column's q + 1 vectors
-// u: out_0 = T, out_i = 2·(u_i + P_i) − T (T: the sum of all rows).
-template <int W, int q>
-QLINEAR_ROTATION_INLINE void paley_i_column(const typename Vec<W>::type* u, typename Vec<W>::type* out,
-                                            int64_t stride) {
-  typename Vec<W>::type total = u[0];
-#pragma GCC unroll 64
-  for (int j = 1; j <= q; ++j) total += u[j];
-  out[0] = total;
-  residue_rows<W, q, 1>(u + 1, out + stride, stride, total, nullptr, 0.f, std::make_index_sequence<q>());
-}
-
 // paley_apply for the Paley factor of prime q by residue sums, one column of vectors at a time in registers (kCols:
-// cols known at compile time, so that no row address takes a register; 0: not).  Paley I: paley_i_column; kFold:
-// the rows' last Sylvester stage (distance cols/2) done here, as columns c and c + cols/2 are loaded.  Paley II (C
-// symmetric, first row and column +1), per half h of the rows, u = the rows' half h, v = their other half, S =
-// Σ_{j ≥ 1} u_j: (C·u)_0 = S and (C·u)_i = u_0 − S + u_i + 2·P_i, so out_0 = S ± v_0 and out_i = (u_0 − S + u_i ± v_i)
-// + 2·P_i (+ for the first half).
+// cols known at compile time, so that every row's address is an offset; 0: not, the rows' addresses are then kept
+// in registers and the column is an index, which beats recomputing them for 12 rows but not for 36).  Paley I (H = I + C, C's first row +1, first column −1, Q
+// below): out_0 = T, out_i = 2·(t_i + P_i) − T (T: the sum of all rows); kFold: the rows' last Sylvester stage
+// (distance cols/2) done here, as columns c and c + cols/2 are loaded.  Paley II (C symmetric, first row and column
+// +1), per half h of the rows, u = the rows' half h, v = their other half, S = Σ_{j ≥ 1} u_j: (C·u)_0 = S and (C·u)_i
+// = u_0 − S + u_i + 2·P_i, so out_0 = S ± v_0 and out_i = (u_0 − S + u_i ± v_i) + 2·P_i (+ for the first half).
 template <int W, int q, int kind, int kCols, bool kFold = false>
 QLINEAR_ROTATION_PASS void paley_residues(const typename Vec<W>::type* t, typename Vec<W>::type* out,
                                           int64_t runtime_cols) {
   using V = typename Vec<W>::type;
+  constexpr auto rows = std::make_index_sequence<q>();
   const int64_t cols = kCols ? kCols : runtime_cols, half = cols / 2;
+  const V* in[q + 1];
+  V* to[q + 1];
+#pragma GCC unroll 64
+  for (int j = 0; j <= q; ++j) in[j] = t + j * cols, to[j] = out + j * cols;
+  V u[q + 1];
   if constexpr (kind == 1) {
+    auto column = [&](const V* x, int64_t c) {  // column c of out = H·x
+      V total = x[0];
+#pragma GCC unroll 64
+      for (int j = 1; j <= q; ++j) total += x[j];
+      to[0][c] = total;
+      residue_rows<W, q, 1>(x + 1, to + 1, c, total, nullptr, 0, 0.f, rows);
+    };
     for (int64_t c = 0; c < (kFold ? half : cols); ++c) {
-      V u[q + 1], w[q + 1];
+      V w[q + 1];
 #pragma GCC unroll 64
       for (int j = 0; j <= q; ++j) {
-        u[j] = t[j * cols + c];
+        u[j] = in[j][c];
         if constexpr (kFold) {
-          const V b = t[j * cols + c + half];
+          const V b = in[j][c + half];
           w[j] = u[j] - b, u[j] += b;
         }
       }
-      paley_i_column<W, q>(u, out + c, cols);
-      if constexpr (kFold) paley_i_column<W, q>(w, out + c + half, cols);
+      column(u, c);
+      if constexpr (kFold) column(w, c + half);
     }
   } else {
     for (int64_t c = 0; c < half; ++c)
 #pragma GCC unroll 2
       for (int h = 0; h < 2; ++h) {
         const float sign = h ? -1.f : 1.f;
-        const V* v = t + c + (1 - h) * half;
-        V u[q + 1];
+        const int64_t own = c + h * half, other = c + (1 - h) * half;
 #pragma GCC unroll 64
-        for (int j = 0; j <= q; ++j) u[j] = t[j * cols + c + h * half];
+        for (int j = 0; j <= q; ++j) u[j] = in[j][own];
         V s = u[1];
 #pragma GCC unroll 64
         for (int j = 2; j <= q; ++j) s += u[j];
-        out[c + h * half] = s + sign * v[0];
+        to[0][own] = s + sign * in[0][other];
         const V base = u[0] - s;
-        residue_rows<W, q, 2>(u + 1, out + cols + c + h * half, cols, base, v + cols, sign,
-                              std::make_index_sequence<q>());
+        residue_rows<W, q, 2>(u + 1, to + 1, own, base, in + 1, other, sign, rows);
       }
   }
 }
