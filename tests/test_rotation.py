@@ -70,7 +70,7 @@ def test_native_transform_gives_the_same_bits_at_every_vector_width(tmp_path):
     in place and from a source row into a separate (junk-filled) output: the same bits for each, within float32
     rounding of the float64 definition, on Paley I and II, power-of-two and scalar-path (n <= 8) blocks, M across the
     32-row chunks (test_arm_neon runs the aarch64 build).  Paley orders 12, 28 and 36 take the residue sums (with
-    their row stride known at compile time at n = 16, and not at n = 128), 20 and 44 the dense multiply-adds."""
+    their row stride known at compile time at n = 16, and not at larger n), 20, 44 and 76 the dense multiply-adds."""
     import platform
     import shutil
     import subprocess
@@ -89,8 +89,11 @@ def test_native_transform_gives_the_same_bits_at_every_vector_width(tmp_path):
     widths = [0, 4] + ([8] if platform.machine() == "x86_64" and {"avx2", "fma"} <= flags else []) + (
         [16] if platform.machine() == "x86_64" and "avx512f" in flags else [])
     for K, block, M in [(576, 576, 1), (576, 576, 33), (1536, 1536, 3), (448, 448, 2), (256, 256, 5), (96, 48, 37),
-                        (288, 72, 70), (224, 224, 33), (320, 320, 2), (704, 704, 3), (4096, 4096, 2)]:
-        # Paley II / I, 2^a, n <= 8 (I and II), dense Paley I (20·16, 44·16), 2^12 (stages past the registers)
+                        (288, 72, 70), (224, 224, 33), (320, 320, 2), (704, 704, 3), (4096, 4096, 2), (896, 896, 2),
+                        (4608, 4608, 1), (1216, 1216, 2), (2560, 2560, 1)]:
+        # Paley II / I, 2^a, n <= 8 (I and II), dense Paley I (20·16, 44·16), 2^12 (stages past the registers),
+        # Paley II 28·32 (row stride not known at compile time) and 36·128 (a stage past the registers), dense
+        # Paley II 76·16, dense Paley I 20·128 with a stage past the registers
         signs, factor, _ = rotation_args((3, block), K)
         f = 1 if factor is None else factor.shape[0]
         x = torch.randn(M, K)

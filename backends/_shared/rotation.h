@@ -10,8 +10,8 @@
 // Rows go through GCC/Clang vectors of the machine's width W (16 floats with AVX-512, 8 with AVX2, else 4).  A block
 // is taken as f rows (paley_apply): Paley I's p rows of n, Paley II's p/2 pair rows of 2n.  Where 16 divides n (the
 // blocks of every model we know): D and H_W inside each vector by lane swaps, the next stages across up to 16
-// vectors in registers (8 where the machine has 16 vector registers), any left through memory (the last one, for a
-// Paley I factor, in the factor's pass).  Else D and H by scalars.  Then the factor over the rows (or, for short
+// vectors in registers (8 where the machine has 16 vector registers), any left through memory (the last one, for
+// p = 12, in the factor's pass).  Else D and H by scalars.  Then the factor over the rows (or, for short
 // rows, over up to 32 rows' blocks gathered), one column of vectors at a time: for the Paley primes of real models
 // (p = 12, 28, 36) as sums over the quadratic residues in registers (paley_residues, about q/2 additions per output
 // instead of p/2 to p multiply-adds), else as multiply-adds by the factor's entries in tiles of 16 floats' width
@@ -116,9 +116,9 @@ QLINEAR_ROTATION_INLINE void signed_sylvester(const typename Vec<W>::type* x, co
   for (int c = 0; c < C; ++c) out[c] = r[c];
 }
 
-// Sylvester H_n (natural order, unscaled) on u[0, n) by scalars (the blocks whose n, a power of two, is below 16;
-// the same stages as the vector path): the first three as one 8-point butterfly per 8 inputs, the later ones
-// radix-2.
+// Sylvester H_n (natural order, unscaled) on u[0, n) by scalars (the rows too short for the vector path: n below 16,
+// or Paley II's pair rows of 2·8; the same stages as the vector path): the first three as one 8-point butterfly per
+// 8 inputs, the later ones radix-2.
 QLINEAR_ROTATION_INLINE void scalar_sylvester(float* u, int64_t n) {
   int64_t h = 1;
   if (n >= 8) {
@@ -188,7 +188,8 @@ QLINEAR_ROTATION_INLINE int64_t paley_tiles(const typename Vec<W>::type* t, type
 
 // The Paley factor's order p for a factor argument of f rows (backends/_cpu.py paley_argument): f itself (Paley I,
 // ±1 [p, p]), or 2f for a Paley II conference matrix C [f, f] (f ≡ 2 mod 4, which no Hadamard order is).
-inline int64_t paley_order(int64_t f) { return f % 4 == 2 ? 2 * f : f; }
+inline bool paley_ii(int64_t f) { return f % 4 == 2; }
+inline int64_t paley_order(int64_t f) { return paley_ii(f) ? 2 * f : f; }
 
 // A block of b = p·n inputs is taken as f rows of b/f (f: the factor argument's rows, 1 for a power of two): Paley I's
 // p rows of n, or Paley II's f pairs of rows of n as rows of 2n, since H_p ⊗ H_n = (C ⊗ I_2n + I_f ⊗ K ⊗ I_n)·(I_f ⊗
@@ -205,7 +206,7 @@ template <int W>
 QLINEAR_ROTATION_INLINE void paley_dense(const typename Vec<W>::type* t, typename Vec<W>::type* out, int64_t cols,
                                          const float* factor, int64_t f) {
   constexpr int C = 16 / W, R = W == 16 ? 8 : 4;  // 8-16 chains; the last rows of f (even) by 4 and 2
-  const bool pairs = f % 4 == 2;
+  const bool pairs = paley_ii(f);
   const int64_t half = cols / 2;
   for (int64_t c = 0; c < cols; c += C) {
     const int64_t other = c < half ? c + half : c - half;  // Paley II: the row's other half, first half positive
@@ -269,11 +270,16 @@ QLINEAR_ROTATION_INLINE void residue_rows(const typename Vec<W>::type* u, typena
 
 // paley_apply for the Paley factor of prime q by residue sums, one column of vectors at a time in registers (kCols:
 // cols known at compile time, so that every row's address is an offset; 0: not, the rows' addresses are then kept
-// in registers and the column is an index, which beats recomputing them for 12 rows but not for 36).  Paley I (H = I + C, C's first row +1, first column −1, Q
-// below): out_0 = T, out_i = 2·(t_i + P_i) − T (T: the sum of all rows); kFold: the rows' last Sylvester stage
-// (distance cols/2) done here, as columns c and c + cols/2 are loaded.  Paley II (C symmetric, first row and column
-// +1), per half h of the rows, u = the rows' half h, v = their other half, S = Σ_{j ≥ 1} u_j: (C·u)_0 = S and (C·u)_i
-// = u_0 − S + u_i + 2·P_i, so out_0 = S ± v_0 and out_i = (u_0 − S + u_i ± v_i) + 2·P_i (+ for the first half).
+// in registers and the column is an index, which beats recomputing them for 12 rows but not for 36).  The factor is
+// rebuilt from q as qlinear/formats/rotation.py _conference builds it; the factor argument is not read.  Sums of
+// the form 2·(…) − T turn an infinite input into NaN outputs where the dense product would give ±inf (x is then
+// unusable either way: its int8 scale is infinite).
+//
+// Paley I (H = I + C, C's first row +1, first column −1, Q below): out_0 = T, out_i = 2·(t_i + P_i) − T (T: the sum
+// of all rows); kFold: the rows' last Sylvester stage (distance cols/2) done here, as columns c and c + cols/2 are
+// loaded.  Paley II (C symmetric, first row and column +1), per half h of the rows, u = the rows' half h, v = their
+// other half, S = Σ_{j ≥ 1} u_j: (C·u)_0 = S and (C·u)_i = u_0 − S + u_i + 2·P_i, so out_0 = S ± v_0 and out_i =
+// (u_0 − S + u_i ± v_i) + 2·P_i (+ for the first half).
 template <int W, int q, int kind, int kCols, bool kFold = false>
 QLINEAR_ROTATION_PASS void paley_residues(const typename Vec<W>::type* t, typename Vec<W>::type* out,
                                           int64_t runtime_cols) {
@@ -337,7 +343,7 @@ QLINEAR_ROTATION_INLINE void butterflies(typename Vec<W>::type* h, int64_t vecto
 
 // out = the factor applied to t (above): by residue sums for the factors of the blocks real models have (p = 12:
 // 1536 = 12·128; p = 28: 14336 = 28·512, 448, 896; p = 36: 576 = 36·16), else by the dense multiply-adds.  pending:
-// t's rows still need their last Sylvester stage (distance cols/2; t is overwritten).
+// t's rows still need their last Sylvester stage (distance cols/2; t may be overwritten).
 template <int W>
 QLINEAR_ROTATION_INLINE void paley_apply(typename Vec<W>::type* t, typename Vec<W>::type* out, int64_t cols,
                                          const float* factor, int64_t f, bool pending) {
@@ -371,7 +377,7 @@ template <int W>
 QLINEAR_ROTATION_INLINE void rotate_rows_w(float* x, int64_t M, int64_t K, const float* d, int64_t block,
                                            const float* factor, int64_t f, const float* src) {
   using V = typename Vec<W>::type;
-  const int64_t n = block / f, halves = f % 4 == 2 ? 2 : 1, part = n / halves;  // f rows of n (above)
+  const int64_t n = block / f, halves = paley_ii(f) ? 2 : 1, part = n / halves;  // f rows of n (above)
   if (part % 16 == 0) {  // per row and block: D and H_n into t (the row itself when f == 1), then the factor
     const int64_t vectors = block / W, cols = n / W, reg = std::min<int64_t>(cols, kRegisterVectors<W>);
     V* t = f > 1 ? reinterpret_cast<V*>(scratch(block)) : nullptr;
