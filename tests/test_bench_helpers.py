@@ -102,3 +102,19 @@ def test_mixed_sweep_launches_cover_the_layer_and_agree_under_the_spec():
     for launch in launches:
         got = ad.spec(x, bufs, None, cfg, N, K, launch)
         assert ((got - want).abs().max() / want.abs().max()) < 1e-3, launch
+
+
+def test_uncalibrated_bound_fits():
+    """benchmarks/uncalibrated_bound.py: the free-level fit never errs more than the BCQ fit it starts from and keeps
+    16 levels per group; the rotated fit comes back in the layer's own basis, close to the weight."""
+    from uncalibrated_bound import bcq_groups, lloyd_groups, quantized
+
+    torch.manual_seed(0)
+    w = torch.randn(40, 64, dtype=torch.float64).float()
+    err = [(w - lv.gather(1, c)).square().sum(1) for lv, c in (bcq_groups(w), lloyd_groups(w))]
+    assert (err[1] <= err[0] * (1 + 1e-6)).all() and err[1].sum() < 0.9 * err[0].sum()
+    weight = torch.randn(8, 576)
+    plain, turned = quantized(weight, lloyd_groups, False), quantized(weight, lloyd_groups, True)
+    assert max(len(g.unique()) for g in plain.reshape(-1, 64)) <= 16
+    rel = [float((weight - x).norm() / weight.norm()) for x in (plain, turned)]
+    assert all(0 < r < 0.15 for r in rel) and not torch.allclose(plain, turned)
