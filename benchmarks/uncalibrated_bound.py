@@ -9,8 +9,9 @@ excerpt, 512-token windows, no calibration):
 * ``bcq``: the BCQ 4-bit g64 fit the library stores (``qlinear.formats.bcq.fit``: 16 levels ``Σ ±α_i + c`` from 5
   fp16 numbers per group, alternating least squares);
 * ``lloyd``: 16 *free* levels per group, Lloyd's algorithm (k-means in one dimension) started from the BCQ levels, so
-  never a worse fit.  It needs 16 fp16 levels per group (8 bits/weight in all): not a format, a bound on what fitting
-  16 levels per group of 64 to the weights can buy;
+  never a worse fit of the weights.  It needs 16 fp16 levels per group (8 bits/weight in all): not a format, an
+  estimate of what fitting 16 levels per group of 64 to the weights can buy (Lloyd's optimum is local, and a lower
+  weight error does not always give a lower perplexity);
 * each also in the rotated basis (``--rotation``): the groups of ``W·Rᵀ`` (the library's randomized Hadamard,
   seed 0), turned back with ``R`` before evaluation.
 
