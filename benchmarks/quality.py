@@ -129,8 +129,12 @@ for _s in (1, 2):  # and on the 4-bit codebook row, the closest of all
                                         f"(seed {_s})", "rotated",
                                         ("qlinear", _q("codebook", bits=4, group_size=96, error_feedback=True,
                                                        rotation="hadamard", rotation_seed=_s), True))
-for _s in (0, 1, 2):  # the same with v_proj, the layers that gain most from more bits, at GPTQ 8-bit (llama.cpp's
-    # Q4_K_M keeps attn_v at more bits too): over the 4.25-bit budget, to see what such an allocation buys
+for _s in (1, 2):  # and on the row that meets the 2.6-bit target by the smallest margin
+    ROWS[f"mixed-r0-o0-rot-s{_s}"] = (f"Mixed ratio_4bit 0, outliers 0, Hadamard-rotated (seed {_s})", "rotated",
+                                     ("qlinear", _q("mixed", ratio_4bit=0.0, outlier_ratio=0.0, rotation="hadamard",
+                                                    rotation_seed=_s), True))
+for _s in (0, 1, 2):  # the 4-bit codebook rows with v_proj, where the rotated model's error enters, at GPTQ 8-bit
+    # (llama.cpp's Q4_K_M keeps attn_v at more bits too): over the 4.25-bit budget, to see what such an allocation buys
     _v8 = _q("bcq", bits=8, group_size=128, method="gptq", act_order=True, rotation="hadamard", rotation_seed=_s)
     ROWS[f"codebook4-g96-v8-rot{f'-s{_s}' if _s else ''}"] = (
         f"Codebook 4-bit g96 (v_proj GPTQ 8-bit g128, act_order), activation-aware + error feedback, "
