@@ -133,6 +133,10 @@ for _s in (1, 2):  # and on the row that meets the 2.6-bit target by the smalles
     ROWS[f"mixed-r0-o0-rot-s{_s}"] = (f"Mixed ratio_4bit 0, outliers 0, Hadamard-rotated (seed {_s})", "rotated",
                                      ("qlinear", _q("mixed", ratio_4bit=0.0, outlier_ratio=0.0, rotation="hadamard",
                                                     rotation_seed=_s), True))
+for _s in (0, 1, 2):  # a few sensitive 4-bit groups within the 2.6-bit budget
+    ROWS[f"mixed-r0.01-o0-rot{f'-s{_s}' if _s else ''}"] = (
+        f"Mixed ratio_4bit 0.01, outliers 0, Hadamard-rotated (seed {_s})", "rotated",
+        ("qlinear", _q("mixed", ratio_4bit=0.01, outlier_ratio=0.0, rotation="hadamard", rotation_seed=_s), True))
 for _s in (0, 1, 2):  # the 4-bit codebook rows with v_proj, where the rotated model's error enters, at GPTQ 8-bit
     # (llama.cpp's Q4_K_M keeps attn_v at more bits too): over the 4.25-bit budget, to see what such an allocation buys
     _v8 = _q("bcq", bits=8, group_size=128, method="gptq", act_order=True, rotation="hadamard", rotation_seed=_s)
