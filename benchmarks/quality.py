@@ -152,6 +152,18 @@ for _b, _g in ((2, 32), (2, 64), (2, 128), (3, 128), (4, 128)):  # without act_o
     ROWS[f"gptq{_b}-g{_g}-noao-mse-rot"] = (f"GPTQ {_b}-bit g{_g}, mse range search, Hadamard-rotated", "rotated",
                                            ("qlinear", _q("bcq", bits=_b, group_size=_g, method="gptq", mse=True,
                                                           rotation="hadamard"), True))
+# End-to-end distillation of the stored scales after quantization (qlinear.finetune; codes and bits unchanged)
+FINETUNE = {"steps": 80, "batch_size": 2, "lr": 2e-3}
+for _s in (0, 1, 2):
+    _sfx = f"-s{_s}" if _s else ""
+    ROWS[f"codebook4-g96-rot-ft{_sfx}"] = (
+        f"Codebook 4-bit g96, error feedback, Hadamard-rotated (seed {_s}), scales distilled", "distilled",
+        ("qlinear", _q("codebook", bits=4, group_size=96, error_feedback=True, rotation="hadamard", rotation_seed=_s),
+         True, FINETUNE))
+    ROWS[f"mixed-r0-o0-rot-ft{_sfx}"] = (
+        f"Mixed ratio_4bit 0, outliers 0, Hadamard-rotated (seed {_s}), scales distilled", "distilled",
+        ("qlinear", _q("mixed", ratio_4bit=0.0, outlier_ratio=0.0, rotation="hadamard", rotation_seed=_s), True,
+         FINETUNE))
 ROTATION_ROWS = [n for n in ROWS if n.endswith("-rot") or "-rot-s" in n] + ["bcq4-nocal", "gptq2-g128-noao", "gptq3-g128-noao",
                                                             "gptq4-g128-noao", "codebook2-g96", "codebook4-g96", "codebook4-g96-nocal", "gptq3-g128-mse",
                                                             "gptq4-g128-mse"]
@@ -208,13 +220,17 @@ def _peer_quanto(model, bits):
 PEERS = {"hqq": _peer_hqq, "quanto": _peer_quanto}
 
 
-def run_row(name, load, hessians):
-    """Quantize a fresh model for row ``name``; returns (model, bits/weight, seconds)."""
+def run_row(name, load, hessians, texts=None, tok=None):
+    """Quantize a fresh model for row ``name`` (then distil its scales from the float model on ``texts`` where the
+    row says so); returns (model, bits/weight, seconds)."""
     _, _, spec = ROWS[name]
     if spec[0] == "qlinear":
-        _, cfg, calibrated = spec
+        _, cfg, calibrated, *tune = spec
         m = quantize_fresh(load, cfg, calibration_data=hessians if calibrated else None)
-        return m.model, m.bits_per_weight, m.seconds
+        t = time.time()
+        if tune:
+            qlinear.finetune(m.model, texts, tok, teacher=load(), progress=False, **tune[0])
+        return m.model, m.bits_per_weight, m.seconds + time.time() - t
     _, peer, args = spec
     model = load()
     nw = sum(m.weight.numel() for _, m in _targets(model))
@@ -249,7 +265,8 @@ def _plot(results, path, fp, max_tokens, ymax=1000.0):
 
     fig, ax = plt.subplots(figsize=(10, 6.5))
     markers = {"RTN g64": "v", "RTN g128": "^", "BCQ": "s", "mixed": "o", "mixed, uncalibrated": "X",
-               "mixed ablation": "D", "codebook": "P", "GPTQ": "*", "HQQ": "h", "quanto": "p", "rotated": "d"}
+               "mixed ablation": "D", "codebook": "P", "GPTQ": "*", "HQQ": "h", "quanto": "p", "rotated": "d",
+               "distilled": ">"}
     families = [f for f in markers if any(ROWS[r["name"]][1] == f for r in results)]
     off = []
     for i, fam in enumerate(families):
@@ -263,7 +280,7 @@ def _plot(results, path, fp, max_tokens, ymax=1000.0):
             elif fam == "mixed ablation":  # to the left: the defaults sit at the same bits
                 ax.annotate(n.removeprefix("mixed-"), (b, p), fontsize=6, xytext=(-5, 0), ha="right",
                             va="center", textcoords="offset points")
-            elif fam == "rotated":
+            elif fam in ("rotated", "distilled"):
                 ax.annotate(n.replace("-rot", "").replace("-noao", ""), (b, p), fontsize=5, xytext=(4, -3),
                             textcoords="offset points", color=f"C{i % 10}")
             elif fam.startswith("mixed"):
@@ -353,7 +370,7 @@ def main() -> None:
                 print(f"[{n}] skipped: {reason}", flush=True)
                 results.append({"name": n, "label": label, "skipped": reason})
                 continue
-        model, bits, seconds = run_row(n, load, hessians)
+        model, bits, seconds = run_row(n, load, hessians, calibration_texts(args.calib_samples), tok)
         ppl = perplexity(model, tok, text, max_tokens=args.max_tokens, window=args.window, batch_size=8)
         cont = greedy_continuation(model, tok, PROMPT, 16).replace("\n", " ").strip()
         del model

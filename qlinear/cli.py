@@ -1,6 +1,7 @@
 """The ``qlinear`` command line (also ``python -m qlinear`` and ``optimum-cli qlinear``).
 
-    qlinear quantize SRC OUT [--format bcq --bits 4 --group-size 64 --option method=gptq ...] [--calibration FILE]
+    qlinear quantize SRC OUT [--format bcq --bits 4 --group-size 64 --option method=gptq ...] [--calibration FILE
+                             [--finetune-steps 80]]
     qlinear eval MODEL --text FILE [--max-tokens 4096 --window 512]
     qlinear info MODEL [--batch 1 --dtype float32]
 
@@ -84,6 +85,9 @@ def parser() -> argparse.ArgumentParser:
     q.add_argument("--calibration-samples", type=_positive, default=128,
                    help="documents of FILE used (default 128)")
     q.add_argument("--calibration-length", type=_positive, default=512, help="tokens per document (default 512)")
+    q.add_argument("--finetune-steps", type=_positive, metavar="N",
+                   help="after quantizing, distil the stored scales from the float model for N steps on the "
+                        "calibration text (qlinear.finetune; needs --calibration; 80 in the README's table)")
     q.add_argument("--dtype", choices=DTYPES, default="float32", help="dtype of the float weights loaded "
                                                                       "(default float32)")
     q.add_argument("--trust-remote-code", action="store_true", help="allow the checkpoint's own modelling code")
@@ -156,6 +160,11 @@ def _quantize(args) -> None:
                                      progress=not args.no_progress)
     with torch.no_grad():
         qlinear.replace_linear(model, config, calibration_data=hessians, progress=not args.no_progress)
+    if args.finetune_steps:
+        teacher = _load(args.src, args.dtype, args.trust_remote_code)
+        qlinear.finetune(model, docs[:args.calibration_samples], tok, teacher=teacher, steps=args.finetune_steps,
+                         max_length=args.calibration_length, progress=not args.no_progress)
+        del teacher
     seconds = time.perf_counter() - start
     args.out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(args.out)
@@ -194,7 +203,10 @@ def _info(args) -> None:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run a command; returns the exit status (see the module docstring)."""
-    args = parser().parse_args(argv)
+    p = parser()
+    args = p.parse_args(argv)
+    if getattr(args, "finetune_steps", None) and not args.calibration:
+        p.error("--finetune-steps needs --calibration (the text the scales are distilled on)")
     try:
         {"quantize": _quantize, "eval": _eval, "info": _info}[args.command](args)
     except (ValueError, TypeError, OSError, ImportError) as e:

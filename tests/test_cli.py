@@ -104,13 +104,21 @@ def test_quantize_eval_info_match_the_library(float_ckpt, tmp_path):
     assert all(f"| {m.bits_per_weight:.3f} |" in r for r, m in zip(rows, layers))
 
 
-def test_quantize_with_calibration_text(float_ckpt, tmp_path):
+def test_quantize_with_calibration_text(float_ckpt, tmp_path, capsys):
     fp, text = float_ckpt
     out = _run("quantize", fp, tmp_path / "q", "--option", "method=gptq", "--option", "act_order=true",
                "--calibration", text, "--calibration-samples", "8", "--calibration-length", "64", "--no-progress")
     assert out.returncode == 0, out.stderr[-3000:]
     q = AutoModelForCausalLM.from_pretrained(tmp_path / "q").model.layers[0].mlp.down_proj
     assert q.config.method == "gptq" and q.config.act_order and "perm" in q.buffer_specs
+    # the same, then the scales distilled from the float model: codes kept, scales moved
+    code, _, err = _run_here(capsys, "quantize", fp, tmp_path / "ft", "--option", "method=gptq", "--option",
+                             "act_order=true", "--calibration", text, "--calibration-samples", "8",
+                             "--calibration-length", "64", "--finetune-steps", "3", "--no-progress")
+    assert code == 0, err[-3000:]
+    ft = AutoModelForCausalLM.from_pretrained(tmp_path / "ft").model.layers[0].mlp.down_proj
+    a, b = q.canonical(), ft.canonical()
+    assert all(torch.equal(a[k], b[k]) for k in a if k != "scales") and not torch.equal(a["scales"], b["scales"])
 
 
 @pytest.mark.parametrize("args, code, message", [
@@ -120,6 +128,7 @@ def test_quantize_with_calibration_text(float_ckpt, tmp_path):
     (["quantize", "{fp}", "out", "--option", "colour=red"], 1, "qlinear: error: .*colour"),
     (["eval", "{fp}", "--text", "nothing.txt"], 2, "no such text file"),
     (["info", "{fp}"], 1, "qlinear: error: .* has no qlinear layers"),
+    (["quantize", "{fp}", "out", "--finetune-steps", "3"], 2, "--finetune-steps needs --calibration"),
 ])
 def test_errors_exit_with_a_message_and_no_traceback(float_ckpt, tmp_path, monkeypatch, capsys, args, code, message):
     monkeypatch.chdir(tmp_path)

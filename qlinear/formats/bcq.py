@@ -56,6 +56,8 @@ from .base import (UNIFORM_MIN_SCALE, BufferSpecs, FormatConfig, Layout, check_i
 from .packing import pack, pack_planes, packed_len, unpack, unpack_planes, unpack_u8
 
 NAME = "bcq"
+#: float buffers Ŵ is linear in, the ones :func:`qlinear.finetune.finetune` trains (the codes stay fixed)
+TUNABLE = ("scales", "alpha", "offset")
 
 
 @dataclasses.dataclass(frozen=True)

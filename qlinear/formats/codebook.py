@@ -44,6 +44,8 @@ from .base import (FP16_TINY, BufferSpecs, FormatConfig, check_input_split, fp16
 from .packing import pack, packed_len, unpack_u8
 
 NAME = "codebook"
+#: float buffers Ŵ is linear in, the ones :func:`qlinear.finetune.finetune` trains (the codes stay fixed)
+TUNABLE = ("scales",)
 _MAX_GROUPS = 8192
 
 

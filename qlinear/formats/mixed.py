@@ -52,6 +52,8 @@ from .base import BufferSpecs, FormatConfig, fp16_round, on_weight_device
 from .packing import pack, packed_len, unpack, unpack_u8
 
 NAME = "mixed"
+#: float buffers Ŵ is linear in, the ones :func:`qlinear.finetune.finetune` trains (the codes stay fixed)
+TUNABLE = ("scale_scale", "scale_zero", "outlier_values")
 _CLIP = tuple(1.0 - 0.05 * i for i in range(10))
 GROUP_SELECTIONS = ("sensitivity", "random")
 OUTLIER_PLACEMENTS = ("2bit", "any")

@@ -1,0 +1,170 @@
+"""End-to-end distillation of a quantized model's continuous quantization parameters, codes fixed.
+
+Source: EfficientQAT (Chen et al. 2024, §3.3 "E2E-QP": only the quantization parameters are trained end to end,
+the integer weights frozen); the loss is the token-level KL divergence to the float model, as in AQLM's and
+PV-tuning's global fine-tuning (Egiazarian et al. 2024, §3.4).  GPTQ's error feedback fits each layer to its own
+inputs; this pass fits all layers together to the model's output, which is what perplexity measures.
+
+What is trained is, per format, the floating-point buffers its dequantization is linear in (the format module's
+``TUNABLE``: group scales, BCQ's α and offsets, the mixed format's second-order scales and outlier values).
+Codes, zero points, codebooks, permutations and the rotation are not touched, so the stored format, its bits per
+weight and every kernel layout stay as they were.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+from tqdm.auto import tqdm
+
+from .calibration import Data, _batches
+from .formats import get_format
+from .modules import QuantLinear
+
+__all__ = ["finetune"]
+
+
+class _Tuning(nn.Module):
+    """Stands in for a :class:`QuantLinear` while it is tuned: ``Ŵ`` from the format's reference ``dequantize``
+    with each tunable buffer as ``b0 + θ·|b0|`` (θ trained, starting at 0: Adam then moves every value by about
+    ``lr`` of its own size per step, whatever its scale).  Entries that are 0 move relative to their row's mean
+    magnitude instead."""
+
+    def __init__(self, layer: QuantLinear):
+        super().__init__()
+        self.layer = layer
+        self.fmt = get_format(layer.format)
+        self.fixed = layer.canonical()
+        names = [n for n in self.fmt.TUNABLE if n in self.fixed and self.fixed[n].numel()]
+        self.start = {n: self.fixed[n].to(torch.float32) for n in names}
+        self.unit = {}
+        for n, b in self.start.items():
+            row = b.abs().mean(-1, keepdim=True) if b.dim() else b.abs()
+            self.unit[n] = torch.where(b != 0, b.abs(), row.clamp(min=torch.finfo(torch.float16).tiny))
+        self.theta = nn.ParameterDict({n: nn.Parameter(torch.zeros_like(b)) for n, b in self.start.items()})
+
+    def values(self) -> dict[str, torch.Tensor]:
+        return {n: self.start[n] + self.theta[n] * self.unit[n] for n in self.start}
+
+    def _linear(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.fmt.dequantize({**self.fixed, **self.values()}, self.layer.config, self.layer.out_features,
+                                self.layer.in_features)
+        return nn.functional.linear(x, w.to(x.dtype), self.layer.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Ŵ dequantized again in the backward pass instead of kept: memory holds one layer's dense weight at a time
+        return checkpoint(self._linear, x, use_reentrant=False)
+
+    @torch.no_grad()
+    def stored(self) -> dict[str, torch.Tensor]:
+        """The tuned buffers rounded to their stored dtypes.  Raises ValueError on a non-finite value."""
+        out = {}
+        for n, v in self.values().items():
+            v = v.to(self.fixed[n].dtype)
+            if not torch.isfinite(v).all():
+                raise ValueError(f"{self.layer.format} buffer {n!r} became non-finite during finetune; lower lr")
+            out[n] = v
+        return out
+
+
+def _swap(model: nn.Module, name: str, new: nn.Module) -> None:
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, child, new)
+
+
+def _logits(out) -> torch.Tensor:
+    return (out.logits if hasattr(out, "logits") else out).float()
+
+
+def finetune(model: nn.Module, data: Data, tokenizer=None, *, teacher: Optional[nn.Module] = None, steps: int = 80,
+             batch_size: int = 2, lr: float = 2e-3, max_length: int = 512, seed: int = 0,
+             progress: bool = True) -> list[float]:
+    """Tune the continuous quantization parameters of every :class:`QuantLinear` in ``model`` (module docstring) by
+    Adam with a cosine schedule, the codes fixed, then write them back into the layers' packed buffers.
+
+    Args:
+        model: a quantized causal LM (after :func:`qlinear.replace_linear`) whose forward takes token ids
+            ``[1, T]`` int64 and returns logits ``[1, T, V]`` (or an output with ``.logits``).
+        data: texts (with ``tokenizer``) or int64 token ids, as :func:`qlinear.calibrate` takes them; use text
+            disjoint from what you evaluate on.
+        teacher: the float model to distil from (same vocabulary), e.g. a second copy loaded from the same
+            checkpoint; loss = KL(teacher ‖ model) per token.  None: next-token cross-entropy on ``data``.
+        steps: optimizer steps; each sees ``batch_size`` sequences (cycling through ``data`` in an order drawn
+            from ``seed``).
+        lr: Adam's learning rate, as a fraction of each parameter's initial size (defaults measured on
+            SmolLM2-135M, README).
+
+    Returns:
+        The mean loss per token of each step (nats), ``[steps]``.
+
+    Memory and time: per sequence a teacher forward and a forward and backward of the model, each quantized
+    layer's float32 ``Ŵ`` dequantized in both passes and held only while that layer runs (activation memory as
+    in full fine-tuning, weight memory of one dense layer).
+
+    Raises:
+        ValueError: no QuantLinear in ``model``, ``steps``/``batch_size``/``lr`` not positive, a teacher with
+            another vocabulary size, or a tuned value that is not finite.  On any error (and on an interrupt)
+            the model is left as it was.  TypeError: bad ``data`` (see :func:`qlinear.calibrate`).
+    """
+    if steps < 1 or batch_size < 1 or not (lr > 0 and math.isfinite(lr)):
+        raise ValueError(f"steps, batch_size and lr must be positive, got {steps}, {batch_size}, {lr}")
+    layers = [(n, m) for n, m in model.named_modules() if isinstance(m, QuantLinear)]
+    if not layers:
+        raise ValueError("finetune needs a quantized model: no QuantLinear found (run qlinear.replace_linear first)")
+    batches = _batches(data, tokenizer, max_length)
+    device = layers[0][1].packed()[0].device
+    tuning = [(n, _Tuning(m)) for n, m in layers]
+    params = [p for _, t in tuning for p in t.theta.values()]
+    if not params:
+        raise ValueError("the quantized layers have no tunable buffers")
+    frozen = [(p, p.requires_grad) for p in model.parameters()]
+    was_training = model.training
+    order = torch.randperm(len(batches), generator=torch.Generator().manual_seed(seed))
+    losses = []
+    try:
+        for p, _ in frozen:
+            p.requires_grad_(False)
+        for n, t in tuning:
+            _swap(model, n, t)
+        model.eval()  # no dropout: the teacher's and the student's forward must match where the weights do
+        opt = torch.optim.Adam(params, lr=lr)
+        sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, steps)
+        for step in tqdm(range(steps), desc="finetune", disable=not progress):
+            opt.zero_grad(set_to_none=True)
+            total = 0.0
+            picked = [batches[order[(step * batch_size + j) % len(batches)]].to(device) for j in range(batch_size)]
+            count = sum(ids.shape[0] * (ids.shape[1] - (teacher is None)) for ids in picked)
+            for ids in picked:
+                logits = _logits(model(ids))
+                if teacher is not None:
+                    with torch.no_grad():
+                        target = _logits(teacher(ids))
+                    if target.shape != logits.shape:
+                        raise ValueError(f"teacher logits {list(target.shape)} do not match the model's "
+                                         f"{list(logits.shape)}: use the float model of the same checkpoint")
+                    loss = nn.functional.kl_div(logits.log_softmax(-1), target.log_softmax(-1), log_target=True,
+                                                reduction="sum")
+                else:
+                    loss = nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten(),
+                                                       reduction="sum")
+                (loss / count).backward()
+                total += loss.item()
+            if not math.isfinite(total):
+                raise ValueError(f"finetune loss became non-finite at step {step}; lower lr")
+            opt.step()
+            sched.step()
+            losses.append(total / count)
+        new = {n: t.stored() for n, t in tuning}  # every value checked before any layer changes
+    finally:
+        for n, t in tuning:
+            _swap(model, n, t.layer)
+        for p, flag in frozen:
+            p.requires_grad_(flag)
+        model.train(was_training)
+    for n, t in tuning:
+        t.layer.load_packed({**t.fixed, **new[n]})
+    return losses

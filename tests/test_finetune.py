@@ -1,0 +1,123 @@
+"""qlinear.finetune: gradients of each format's tunable buffers, the distillation it runs, and its errors."""
+
+import copy
+
+import pytest
+import torch
+
+import qlinear
+from qlinear import QLinearConfig, QuantLinear
+from qlinear.finetune import finetune
+from qlinear.formats import get_format
+
+CONFIGS = [QLinearConfig("bcq", bits=4, group_size=32, method="gptq"),  # uniform storage: scales
+           QLinearConfig("bcq", bits=3, group_size=32),  # non-uniform: alpha and offset
+           QLinearConfig("codebook", bits=2, group_size=32),
+           QLinearConfig("codebook", bits=4, group_size=32, rotation="hadamard"),
+           QLinearConfig("mixed", group_size=16, outlier_ratio=0.005)]
+
+
+def _tiny_llama(seed=0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2)).eval()
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"{c.format}{c.bits}")
+def test_autograd_gradient_of_tunable_buffers_matches_finite_difference(config):
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(64, 48, bias=False)
+    layer = qlinear.modules.module_class(config.format).from_linear(lin, config)
+    fmt, bufs = get_format(layer.format), layer.canonical()
+    names = [n for n in fmt.TUNABLE if n in bufs and bufs[n].numel()]
+    assert names, "every format has at least one tunable buffer"
+    base = {n: bufs[n].to(torch.float32).requires_grad_(True) for n in names}
+    probe = torch.randn(48, 64, dtype=torch.float64)
+    w0 = fmt.dequantize({**bufs, **base}, layer.config, 48, 64)
+    (probe.float() * w0).sum().backward()
+    for n in names:
+        step = torch.randn_like(base[n]) * base[n].detach().abs().mean() * 1e-2
+        w1 = fmt.dequantize({**bufs, **{k: v.detach() for k, v in base.items()}, n: base[n].detach() + step},
+                            layer.config, 48, 64)
+        finite = (probe * (w1.double() - w0.detach().double())).sum()  # exact for a weight linear in the buffer
+        analytic = (base[n].grad.double() * step.double()).sum()
+        assert torch.allclose(finite, analytic, rtol=1e-3, atol=1e-6 * probe.abs().sum()), (n, finite, analytic)
+
+
+def _kl(student, teacher, ids):
+    with torch.no_grad():
+        s, t = student(ids).logits.log_softmax(-1), teacher(ids).logits.log_softmax(-1)
+    return (t.exp() * (t - s)).sum(-1).mean().item()
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"{c.format}{c.bits}")
+def test_finetune_lowers_the_distillation_loss_and_changes_only_tunable_buffers(config):
+    teacher = _tiny_llama()
+    model = copy.deepcopy(teacher)
+    data = [torch.randint(0, 128, (1, 24), generator=torch.Generator().manual_seed(i)) for i in range(4)]
+    H = qlinear.calibrate(model, data, progress=False)
+    qlinear.replace_linear(model, config, calibration_data=H, progress=False)
+    layers = {n: m for n, m in model.named_modules() if isinstance(m, QuantLinear)}
+    before = {n: {k: v.clone() for k, v in m.canonical().items()} for n, m in layers.items()}
+    bits = {n: m.bits_per_weight for n, m in layers.items()}
+    kl0 = sum(_kl(model, teacher, ids) for ids in data)
+    losses = finetune(model, data, teacher=teacher, steps=25, batch_size=2, lr=1e-2, progress=False)
+    kl1 = sum(_kl(model, teacher, ids) for ids in data)
+    assert len(losses) == 25 and kl1 < 0.8 * kl0, (kl0, kl1)
+    changed = 0
+    for n, m in model.named_modules():
+        if isinstance(m, QuantLinear):
+            assert m is layers[n] and m.bits_per_weight == bits[n]
+            fmt = get_format(m.format)
+            for k, v in m.canonical().items():
+                assert v.dtype == before[n][k].dtype and v.shape == before[n][k].shape
+                if k not in fmt.TUNABLE:
+                    assert torch.equal(v, before[n][k]), (n, k)
+                else:
+                    changed += not torch.equal(v, before[n][k])
+    assert changed > 0
+    assert all(p.requires_grad for p in teacher.parameters())  # the teacher was not touched
+    assert all(p.requires_grad for p in model.parameters())  # flags restored
+
+
+def test_finetune_without_teacher_lowers_next_token_loss():
+    model = _tiny_llama()
+    ids = torch.randint(0, 128, (1, 32), generator=torch.Generator().manual_seed(1))
+    qlinear.replace_linear(model, QLinearConfig("codebook", bits=2, group_size=32), progress=False)
+
+    def nll():
+        with torch.no_grad():
+            logits = model(ids).logits
+        return torch.nn.functional.cross_entropy(logits[0, :-1], ids[0, 1:]).item()
+
+    start = nll()
+    losses = finetune(model, [ids], steps=40, batch_size=1, lr=5e-2, progress=False)
+    assert abs(losses[0] - start) < 1e-3 * start  # step 0 reports the loss of the untouched model
+    assert nll() < 0.97 * start
+
+
+def test_finetune_errors_leave_the_model_as_it_was():
+    model = _tiny_llama()
+    with pytest.raises(ValueError, match="no QuantLinear"):
+        finetune(model, [torch.randint(0, 128, (1, 8))], progress=False)
+    qlinear.replace_linear(model, QLinearConfig("codebook", bits=2, group_size=32), progress=False)
+    ids = torch.randint(0, 128, (1, 16))
+    ref = model(ids).logits
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    for kw in ({"steps": 0}, {"batch_size": 0}, {"lr": float("nan")}, {"lr": -1.0}):
+        with pytest.raises(ValueError, match="must be positive"):
+            finetune(model, [ids], progress=False, **kw)
+    from transformers import LlamaConfig, LlamaForCausalLM
+    other = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1)).eval()
+    with pytest.raises(ValueError, match="teacher logits"):
+        finetune(model, [ids % 64], teacher=other, steps=2, progress=False)
+    with pytest.raises(ValueError, match="non-finite"):
+        finetune(model, [ids], steps=3, lr=1e30, progress=False)
+    with pytest.raises(TypeError, match="tokenizer"):
+        finetune(model, ["a text"], progress=False)
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+    assert sum(isinstance(m, QuantLinear) for m in model.modules()) == 14
+    assert torch.equal(model(ids).logits, ref)
