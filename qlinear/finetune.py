@@ -106,8 +106,8 @@ def finetune(model: nn.Module, data: Data, tokenizer=None, *, teacher: Optional[
     in full fine-tuning, weight memory of one dense layer).
 
     Raises:
-        ValueError: no QuantLinear in ``model``, ``steps``/``batch_size``/``lr`` not positive, a teacher with
-            another vocabulary size, or a tuned value that is not finite.  On any error (and on an interrupt)
+        ValueError: no QuantLinear in ``model``, ``steps``/``batch_size``/``lr`` not positive, ``teacher`` that is
+            ``model`` itself or has another vocabulary size, or a tuned value that is not finite.  On any error (and on an interrupt)
             the model is left as it was.  TypeError: bad ``data`` (see :func:`qlinear.calibrate`).
     """
     if steps < 1 or batch_size < 1 or not (lr > 0 and math.isfinite(lr)):
@@ -115,6 +115,8 @@ def finetune(model: nn.Module, data: Data, tokenizer=None, *, teacher: Optional[
     layers = [(n, m) for n, m in model.named_modules() if isinstance(m, QuantLinear)]
     if not layers:
         raise ValueError("finetune needs a quantized model: no QuantLinear found (run qlinear.replace_linear first)")
+    if teacher is model:
+        raise ValueError("teacher must be a separate float model (e.g. loaded again from the same checkpoint)")
     batches = _batches(data, tokenizer, max_length)
     device = layers[0][1].packed()[0].device
     tuning = [(n, _Tuning(m)) for n, m in layers]
@@ -122,7 +124,8 @@ def finetune(model: nn.Module, data: Data, tokenizer=None, *, teacher: Optional[
     if not params:
         raise ValueError("the quantized layers have no tunable buffers")
     frozen = [(p, p.requires_grad) for p in model.parameters()]
-    was_training = model.training
+    was_training = model.training, teacher is not None and teacher.training
+    teacher_device = next(teacher.parameters()).device if teacher is not None else None
     order = torch.randperm(len(batches), generator=torch.Generator().manual_seed(seed))
     losses = []
     try:
@@ -131,6 +134,8 @@ def finetune(model: nn.Module, data: Data, tokenizer=None, *, teacher: Optional[
         for n, t in tuning:
             _swap(model, n, t)
         model.eval()  # no dropout: the teacher's and the student's forward must match where the weights do
+        if teacher is not None:
+            teacher.eval()
         opt = torch.optim.Adam(params, lr=lr)
         sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, steps)
         for step in tqdm(range(steps), desc="finetune", disable=not progress):
@@ -142,7 +147,7 @@ def finetune(model: nn.Module, data: Data, tokenizer=None, *, teacher: Optional[
                 logits = _logits(model(ids))
                 if teacher is not None:
                     with torch.no_grad():
-                        target = _logits(teacher(ids))
+                        target = _logits(teacher(ids.to(teacher_device))).to(logits.device)
                     if target.shape != logits.shape:
                         raise ValueError(f"teacher logits {list(target.shape)} do not match the model's "
                                          f"{list(logits.shape)}: use the float model of the same checkpoint")
@@ -164,7 +169,9 @@ def finetune(model: nn.Module, data: Data, tokenizer=None, *, teacher: Optional[
             _swap(model, n, t.layer)
         for p, flag in frozen:
             p.requires_grad_(flag)
-        model.train(was_training)
+        model.train(was_training[0])
+        if teacher is not None:
+            teacher.train(was_training[1])
     for n, t in tuning:
         t.layer.load_packed({**t.fixed, **new[n]})
     return losses

@@ -114,6 +114,8 @@ def test_finetune_errors_leave_the_model_as_it_was():
                                          num_attention_heads=2, num_key_value_heads=1)).eval()
     with pytest.raises(ValueError, match="teacher logits"):
         finetune(model, [ids % 64], teacher=other, steps=2, progress=False)
+    with pytest.raises(ValueError, match="separate float model"):
+        finetune(model, [ids], teacher=model, progress=False)
     with pytest.raises(ValueError, match="non-finite"):
         finetune(model, [ids], steps=3, lr=1e30, progress=False)
     with pytest.raises(TypeError, match="tokenizer"):

@@ -256,6 +256,18 @@ def test_quantize_on_load_with_calibration_data(tmp_path):
     assert "dataset" not in (tmp_path / "q" / "config.json").read_text()
     again = AutoModelForCausalLM.from_pretrained(tmp_path / "q", dtype=torch.float32).eval()
     assert torch.equal(again(ids).logits, out)
+    # the same, then the scales distilled from the float model on the dataset: codes kept, scales moved
+    cfg = QLinearConfig("bcq", bits=4, group_size=32, method="gptq", act_order=True,
+                        dataset=[ids[i:i + 1] for i in range(4)], finetune_steps=3)
+    ft = AutoModelForCausalLM.from_pretrained(tmp_path / "fp", quantization_config=cfg, dtype=torch.float32).eval()
+    a, b = layers[0].canonical(), next(m for m in ft.modules() if isinstance(m, BCQLinear)).canonical()
+    assert all(torch.equal(a[k], b[k]) for k in a if k != "scales") and not torch.equal(a["scales"], b["scales"])
+    ft.save_pretrained(tmp_path / "ft")
+    assert "finetune" not in (tmp_path / "ft" / "config.json").read_text()
+    for kw, msg in (({"finetune_steps": 2}, "needs dataset"), ({"finetune_steps": -1, "dataset": [ids]}, ">= 0"),
+                    ({"finetune_steps": 2, "dataset": {"x": torch.eye(2)}}, "Hessians")):
+        with pytest.raises(ValueError, match=msg):
+            QLinearConfig("bcq", **kw)
 
 
 def test_sequential_calibration_block_by_block():

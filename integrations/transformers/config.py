@@ -37,7 +37,7 @@ def per_module_configs(per_module: Any) -> dict[str, Optional["QLinearConfig"]]:
                             f"got {type(c).__name__}")
         if c is not None and c.per_module:
             raise ValueError(f"per_module[{pattern!r}] has its own per_module: nesting is not supported")
-        if c is not None and (c.dataset is not None or c.tokenizer is not None):
+        if c is not None and (c.dataset is not None or c.tokenizer is not None or c.finetune_steps):
             raise ValueError(f"per_module[{pattern!r}] has calibration data: pass dataset/tokenizer on the "
                              f"top-level config (or calibration_data= to replace_linear), which calibrates every layer")
         out[pattern] = c
@@ -59,6 +59,9 @@ class QLinearConfig(QuantizationConfigMixin):
             computes XᵀX per layer (:func:`qlinear.calibrate`) and quantizes with it (GPTQ, activation-aware
             BCQ/codebooks, error feedback).  Not saved with the model.
         tokenizer: tokenizer for text ``dataset`` entries (an object, or a name/path for ``AutoTokenizer``).
+        finetune_steps: after quantize-on-load with ``dataset``, distil the layers' scales from the float model on
+            the same data for this many steps (:func:`qlinear.finetune`; a float copy of the model is held
+            meanwhile).  0 (default): no distillation.  Not saved with the model.
         per_module: ``{pattern: QLinearConfig | dict | None}`` (or a list of ``[pattern, config]`` pairs): the
             first pattern, in order, matching a module's name (:func:`qlinear.replace.matches`) gives its config
             instead of this one (None keeps it in float), e.g.
@@ -74,11 +77,17 @@ class QLinearConfig(QuantizationConfigMixin):
 
     def __init__(self, format: str = "bcq", bits: Optional[int] = None, group_size: Optional[int] = None,
                  backend: Optional[str] = None, modules_to_not_convert: Optional[list[str]] = None,
-                 dataset: Any = None, tokenizer: Any = None, per_module: Any = None,
+                 dataset: Any = None, tokenizer: Any = None, per_module: Any = None, finetune_steps: int = 0,
                  **format_options: Any):
         format_options.pop("quant_method", None)
         self.per_module = per_module_configs(per_module)
         self.dataset, self.tokenizer = dataset, tokenizer
+        if isinstance(finetune_steps, bool) or not isinstance(finetune_steps, int) or finetune_steps < 0:
+            raise ValueError(f"finetune_steps must be an int >= 0, got {finetune_steps!r}")
+        if finetune_steps and (dataset is None or isinstance(dataset, dict)):
+            raise ValueError("finetune_steps needs dataset= texts or token ids to distil on (precomputed Hessians "
+                             "are not enough)")
+        self.finetune_steps = finetune_steps
         self.quant_method = QUANT_METHOD
         self.format = format
         self.bits = bits

@@ -30,6 +30,8 @@ Registered, together with :class:`QLinearConfig`, when qlinear is imported.
 
 from __future__ import annotations
 
+import copy
+
 import json
 import mmap
 import warnings
@@ -425,8 +427,13 @@ class QLinearHfQuantizer(HfQuantizer):
                 from transformers import AutoTokenizer
 
                 tok = AutoTokenizer.from_pretrained(tok)
+            teacher = copy.deepcopy(model) if cfg.finetune_steps else None
             replace_linear(model, cfg, modules_to_not_convert=keep, calibration_data=cfg.dataset, tokenizer=tok,
                            progress=False)
+            if teacher is not None:
+                from qlinear.finetune import finetune
+
+                finetune(model, cfg.dataset, tok, teacher=teacher, steps=cfg.finetune_steps, progress=False)
             return model
         leftover = [name for name, mod in model.named_modules() if _has_placeholder(mod)]
         if leftover:
