@@ -38,8 +38,9 @@ def per_module_configs(per_module: Any) -> dict[str, Optional["QLinearConfig"]]:
         if c is not None and c.per_module:
             raise ValueError(f"per_module[{pattern!r}] has its own per_module: nesting is not supported")
         if c is not None and (c.dataset is not None or c.tokenizer is not None or c.finetune_steps):
-            raise ValueError(f"per_module[{pattern!r}] has calibration data: pass dataset/tokenizer on the "
-                             f"top-level config (or calibration_data= to replace_linear), which calibrates every layer")
+            raise ValueError(f"per_module[{pattern!r}] has calibration data: pass dataset/tokenizer/finetune_steps "
+                             f"on the top-level config (or calibration_data= to replace_linear), which calibrates "
+                             f"every layer")
         out[pattern] = c
     return out
 

@@ -31,7 +31,6 @@ Registered, together with :class:`QLinearConfig`, when qlinear is imported.
 from __future__ import annotations
 
 import copy
-
 import json
 import mmap
 import warnings
