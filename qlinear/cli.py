@@ -1,7 +1,7 @@
 """The ``qlinear`` command line (also ``python -m qlinear`` and ``optimum-cli qlinear``).
 
-    qlinear quantize SRC OUT [--format bcq --bits 4 --group-size 64 --option method=gptq ...] [--calibration FILE
-                             [--finetune-steps 80]]
+    qlinear quantize SRC OUT [--format bcq --bits 4 --group-size 64 --option method=gptq ...] [--calibration FILE]
+                             [--finetune-steps 80]
     qlinear eval MODEL --text FILE [--max-tokens 4096 --window 512]
     qlinear info MODEL [--batch 1 --dtype float32]
 
@@ -83,11 +83,13 @@ def parser() -> argparse.ArgumentParser:
     q.add_argument("--calibration", type=_text_file, metavar="FILE",
                    help="calibration text, documents separated by blank lines (GPTQ, activation-aware fits)")
     q.add_argument("--calibration-samples", type=_positive, default=128,
-                   help="documents of FILE used (default 128)")
-    q.add_argument("--calibration-length", type=_positive, default=512, help="tokens per document (default 512)")
+                   help="documents of FILE used, or sequences generated without FILE (default 128)")
+    q.add_argument("--calibration-length", type=_positive,
+                   help="tokens per document (default 512), or per generated sequence (default 256)")
     q.add_argument("--finetune-steps", type=_positive, metavar="N",
-                   help="after quantizing, distil the stored scales from the float model for N steps on the "
-                        "calibration text (qlinear.finetune; needs --calibration; 80 in the README's table)")
+                   help="after quantizing, distil the stored scales from the float model for N steps "
+                        "(qlinear.finetune; 80 in the README's table) on the calibration text, or without "
+                        "--calibration on sequences the float model samples itself (qlinear.generate_data)")
     q.add_argument("--dtype", choices=DTYPES, default="float32", help="dtype of the float weights loaded "
                                                                       "(default float32)")
     q.add_argument("--trust-remote-code", action="store_true", help="allow the checkpoint's own modelling code")
@@ -154,16 +156,19 @@ def _quantize(args) -> None:
     model = _load(args.src, args.dtype, args.trust_remote_code)
     start = time.perf_counter()
     hessians = None
+    length = args.calibration_length or (512 if args.calibration else 256)
     if args.calibration:
         docs = [d.strip() for d in args.calibration.read_text(encoding="utf-8").split("\n\n") if d.strip()]
-        hessians = qlinear.calibrate(model, docs[:args.calibration_samples], tok, max_length=args.calibration_length,
-                                     progress=not args.no_progress)
+        docs = docs[:args.calibration_samples]
+        hessians = qlinear.calibrate(model, docs, tok, max_length=length, progress=not args.no_progress)
     with torch.no_grad():
         qlinear.replace_linear(model, config, calibration_data=hessians, progress=not args.no_progress)
     if args.finetune_steps:
         teacher = _load(args.src, args.dtype, args.trust_remote_code)
-        qlinear.finetune(model, docs[:args.calibration_samples], tok, teacher=teacher, steps=args.finetune_steps,
-                         max_length=args.calibration_length, progress=not args.no_progress)
+        if not args.calibration:
+            docs = qlinear.generate_data(teacher, args.calibration_samples, length, progress=not args.no_progress)
+        qlinear.finetune(model, docs, tok, teacher=teacher, steps=args.finetune_steps, max_length=length,
+                         progress=not args.no_progress)
         del teacher
     seconds = time.perf_counter() - start
     args.out.mkdir(parents=True, exist_ok=True)
@@ -205,8 +210,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run a command; returns the exit status (see the module docstring)."""
     p = parser()
     args = p.parse_args(argv)
-    if getattr(args, "finetune_steps", None) and not args.calibration:
-        p.error("--finetune-steps needs --calibration (the text the scales are distilled on)")
     try:
         {"quantize": _quantize, "eval": _eval, "info": _info}[args.command](args)
     except (ValueError, TypeError, OSError, ImportError) as e:

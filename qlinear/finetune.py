@@ -106,8 +106,9 @@ def finetune(model: nn.Module, data: Data, tokenizer=None, *, teacher: Optional[
     in full fine-tuning, weight memory of one dense layer).
 
     Raises:
-        ValueError: no QuantLinear in ``model``, ``steps``/``batch_size``/``lr`` not positive, ``teacher`` that is
-            ``model`` itself or has another vocabulary size, or a tuned value that is not finite.  On any error (and on an interrupt)
+        ValueError: no QuantLinear in ``model``, ``steps``/``batch_size``/``lr`` not positive, a layer offloaded by
+            accelerate (disk/cpu offload) or still empty, ``teacher`` that is ``model`` itself or has another
+            vocabulary size, or a tuned value that is not finite.  On any error (and on an interrupt)
             the model is left as it was.  TypeError: bad ``data`` (see :func:`qlinear.calibrate`).
     """
     if steps < 1 or batch_size < 1 or not (lr > 0 and math.isfinite(lr)):
@@ -115,6 +116,10 @@ def finetune(model: nn.Module, data: Data, tokenizer=None, *, teacher: Optional[
     layers = [(n, m) for n, m in model.named_modules() if isinstance(m, QuantLinear)]
     if not layers:
         raise ValueError("finetune needs a quantized model: no QuantLinear found (run qlinear.replace_linear first)")
+    away = [n for n, m in layers if m.offloaded() or any(t.is_meta for t in m.packed())]
+    if away:
+        raise ValueError(f"finetune needs every quantized layer's tensors in memory, but {len(away)} are offloaded "
+                         f"or not loaded (first: {away[0]}): load the model onto one device without offload")
     if teacher is model:
         raise ValueError("teacher must be a separate float model (e.g. loaded again from the same checkpoint)")
     batches = _batches(data, tokenizer, max_length)

@@ -156,6 +156,15 @@ def assert_fused_rotation(backend: str, cls, opts: dict, spec: Callable, K: int 
     assert torch.allclose(layer.dequantize().double(), w @ rotation64(9, block, K), atol=1e-6)
 
 
+def tiny_llama(seed: int = 0):
+    """A randomly initialised 2-layer Llama (hidden 64, vocab 128; 14 Linear layers), in eval mode."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2)).eval()
+
+
 def random_hessian(K: int, n: int = 4096, seed: int = 0) -> torch.Tensor:
     """A random positive-definite XᵀX/n with unequal channel scales, like real activations."""
     g = torch.Generator().manual_seed(seed)

@@ -17,6 +17,7 @@ import qlinear
 from qlinear import QLinearConfig, QuantLinear
 from qlinear.cli import main, parser
 from qlinear.evaluation import calibration_texts, perplexity
+from qlinear.formats import get_format
 
 transformers = pytest.importorskip("transformers")
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
@@ -121,6 +122,19 @@ def test_quantize_with_calibration_text(float_ckpt, tmp_path, capsys):
     assert all(torch.equal(a[k], b[k]) for k in a if k != "scales") and not torch.equal(a["scales"], b["scales"])
 
 
+def test_finetune_without_calibration_distils_on_the_models_own_samples(float_ckpt, tmp_path, capsys):
+    fp, _ = float_ckpt
+    for out, extra in (("q", ()), ("ft", ("--finetune-steps", "3", "--calibration-samples", "4",
+                                          "--calibration-length", "16"))):
+        code, _, err = _run_here(capsys, "quantize", fp, tmp_path / out, "--no-progress", *extra)
+        assert code == 0, err[-3000:]
+    q, ft = (AutoModelForCausalLM.from_pretrained(tmp_path / d).model.layers[0].mlp.down_proj for d in ("q", "ft"))
+    tunable = get_format(q.format).TUNABLE
+    a, b = q.canonical(), ft.canonical()
+    assert all(torch.equal(a[k], b[k]) for k in a if k not in tunable)
+    assert any(not torch.equal(a[k], b[k]) for k in a if k in tunable)
+
+
 @pytest.mark.parametrize("args, code, message", [
     (["quantize", "missing", "out"], 2, "is not a transformers checkpoint folder"),
     (["quantize", "{fp}", "out", "--option", "bits"], 2, "expected KEY=VALUE"),
@@ -128,7 +142,6 @@ def test_quantize_with_calibration_text(float_ckpt, tmp_path, capsys):
     (["quantize", "{fp}", "out", "--option", "colour=red"], 1, "qlinear: error: .*colour"),
     (["eval", "{fp}", "--text", "nothing.txt"], 2, "no such text file"),
     (["info", "{fp}"], 1, "qlinear: error: .* has no qlinear layers"),
-    (["quantize", "{fp}", "out", "--finetune-steps", "3"], 2, "--finetune-steps needs --calibration"),
 ])
 def test_errors_exit_with_a_message_and_no_traceback(float_ckpt, tmp_path, monkeypatch, capsys, args, code, message):
     monkeypatch.chdir(tmp_path)

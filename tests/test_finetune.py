@@ -1,4 +1,5 @@
-"""qlinear.finetune: gradients of each format's tunable buffers, the distillation it runs, and its errors."""
+"""qlinear.finetune: gradients of each format's tunable buffers, the distillation it runs, and its errors; and
+qlinear.generate_data, the float model's own samples it can distil on."""
 
 import copy
 
@@ -10,19 +11,13 @@ from qlinear import QLinearConfig, QuantLinear
 from qlinear.finetune import finetune
 from qlinear.formats import get_format
 
+from conftest import tiny_llama
+
 CONFIGS = [QLinearConfig("bcq", bits=4, group_size=32, method="gptq"),  # uniform storage: scales
            QLinearConfig("bcq", bits=3, group_size=32),  # non-uniform: alpha and offset
            QLinearConfig("codebook", bits=2, group_size=32),
            QLinearConfig("codebook", bits=4, group_size=32, rotation="hadamard"),
            QLinearConfig("mixed", group_size=16, outlier_ratio=0.005)]
-
-
-def _tiny_llama(seed=0):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    return LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                        num_attention_heads=4, num_key_value_heads=2)).eval()
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"{c.format}{c.bits}")
@@ -54,7 +49,7 @@ def _kl(student, teacher, ids):
 
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"{c.format}{c.bits}")
 def test_finetune_lowers_the_distillation_loss_and_changes_only_tunable_buffers(config):
-    teacher = _tiny_llama()
+    teacher = tiny_llama()
     model = copy.deepcopy(teacher)
     data = [torch.randint(0, 128, (1, 24), generator=torch.Generator().manual_seed(i)) for i in range(4)]
     H = qlinear.calibrate(model, data, progress=False)
@@ -83,7 +78,7 @@ def test_finetune_lowers_the_distillation_loss_and_changes_only_tunable_buffers(
 
 
 def test_finetune_without_teacher_lowers_next_token_loss():
-    model = _tiny_llama()
+    model = tiny_llama()
     ids = torch.randint(0, 128, (1, 32), generator=torch.Generator().manual_seed(1))
     qlinear.replace_linear(model, QLinearConfig("codebook", bits=2, group_size=32), progress=False)
 
@@ -99,7 +94,7 @@ def test_finetune_without_teacher_lowers_next_token_loss():
 
 
 def test_finetune_errors_leave_the_model_as_it_was():
-    model = _tiny_llama()
+    model = tiny_llama()
     with pytest.raises(ValueError, match="no QuantLinear"):
         finetune(model, [torch.randint(0, 128, (1, 8))], progress=False)
     qlinear.replace_linear(model, QLinearConfig("codebook", bits=2, group_size=32), progress=False)
@@ -123,3 +118,60 @@ def test_finetune_errors_leave_the_model_as_it_was():
     assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
     assert sum(isinstance(m, QuantLinear) for m in model.modules()) == 14
     assert torch.equal(model(ids).logits, ref)
+
+
+def test_generate_data_starts_random_then_greedy_and_keeps_the_callers_state():
+    model = tiny_llama().train()
+    rng = torch.get_rng_state()
+    data = qlinear.generate_data(model, 6, 10, greedy_tokens=3, batch_size=4, seed=5, progress=False)
+    assert torch.equal(torch.get_rng_state(), rng) and model.training
+    assert len(data) == 6 and all(d.shape == (1, 10) and d.dtype == torch.int64 for d in data)
+    ids = torch.cat(data)
+    assert 0 <= ids.min() and ids.max() < 128 and ids[:, 0].unique().numel() > 1
+    with torch.no_grad():
+        for t in (1, 2, 3):  # greedy under the float model, EOS (id 2) suppressed until the end
+            logits = model.eval()(ids[:, :t]).logits[:, -1]
+            logits[:, 2] = -float("inf")
+            assert torch.equal(ids[:, t], logits.argmax(-1)), t
+    assert torch.equal(torch.cat(qlinear.generate_data(model, 6, 10, batch_size=4, seed=5, progress=False)), ids)
+    assert not torch.equal(torch.cat(qlinear.generate_data(model, 6, 10, seed=6, progress=False)), ids)
+
+
+def test_generate_data_samples_from_the_models_distribution():
+    model = tiny_llama()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(40)  # a peaked next-token distribution, far from uniform and from greedy
+    ids = torch.cat(qlinear.generate_data(model, 1500, 2, greedy_tokens=0, batch_size=500, progress=False))
+    with torch.no_grad():
+        logits = model(ids[:, :1]).logits[:, -1].double()
+    logits[:, 2] = -float("inf")
+    logp = logits.log_softmax(-1)
+    entropy = -(logp.exp() * logp.nan_to_num(neginf=0)).sum(-1)
+    picked = logp.gather(1, ids[:, 1:]).squeeze(1)
+    # E[log p(X)] = -H for X ~ p; greedy or uniform sampling would sit far above or below
+    gap = (picked + entropy).mean()
+    assert gap.abs() < 4 * (picked + entropy).std() / len(ids) ** 0.5, gap
+    assert entropy.mean() > 0.3 and (logp.exp().max(-1).values.mean() < 0.95)  # sampled, not a forced choice
+
+
+def test_generate_data_errors():
+    model = tiny_llama()
+    with pytest.raises(TypeError, match="transformers causal LM"):
+        qlinear.generate_data(torch.nn.Linear(4, 4))
+    for kw in ({"num_samples": 0}, {"length": 4, "greedy_tokens": 3}, {"length": 1, "greedy_tokens": 0},
+               {"greedy_tokens": -1}, {"batch_size": 0}):
+        with pytest.raises(ValueError, match="need num_samples"):
+            qlinear.generate_data(model, **{"num_samples": 4, "length": 8, **kw}, progress=False)
+
+
+def test_distillation_on_the_models_own_samples_needs_no_data():
+    teacher = tiny_llama()
+    with torch.no_grad():
+        teacher.lm_head.weight.mul_(10)  # next-token distributions far from uniform: a KL worth lowering
+    model = copy.deepcopy(teacher)
+    qlinear.replace_linear(model, QLinearConfig("bcq", bits=3, group_size=32), progress=False)
+    held_out = qlinear.generate_data(teacher, 4, 24, seed=99, progress=False)
+    kl0 = sum(_kl(model, teacher, ids) for ids in held_out)
+    finetune(model, qlinear.generate_data(teacher, 16, 24, progress=False), teacher=teacher, steps=40, batch_size=2,
+             lr=3e-2, progress=False)
+    assert sum(_kl(model, teacher, ids) for ids in held_out) < 0.85 * kl0  # on samples it was not tuned on

@@ -3,17 +3,11 @@
 import pytest
 import torch
 from torch import nn
-from transformers import LlamaConfig, LlamaForCausalLM
 
 import qlinear
 from qlinear import QLinearConfig, calibrate, replace_linear
 
-
-def tiny_llama(seed=0):
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, vocab_size=128, max_position_embeddings=64)
-    return LlamaForCausalLM(cfg).eval()
+from conftest import tiny_llama
 
 
 def linear_names(model, cls=nn.Linear):

@@ -450,6 +450,8 @@ def test_disk_offload_takes_the_packed_tensors_without_offload_buffers(quantized
     for length in (12, 9):  # eager: the layer's cached call, twice
         assert torch.equal(logits(model, TOKENS[:, :length]), logits(ref, TOKENS[:, :length]))
     assert all(b.device.type == "meta" for n, m in layers.items() if m.offloaded() for _, b in m.named_buffers())
+    with pytest.raises(ValueError, match="offloaded or not loaded .first: model.layers.1"):
+        qlinear.finetune(model, [TOKENS], steps=1, progress=False)
     model.save_pretrained(tmp_path / "again")  # the offloaded tensors are read back to be saved
     assert torch.equal(logits(AutoModelForCausalLM.from_pretrained(tmp_path / "again")), logits(ref))
 

@@ -146,7 +146,9 @@ def _tables(is4: torch.Tensor, g: int, scale_bits: int) -> dict:
     else:
         slot = torch.cumsum(new, 0) - 1
         slot = slot - slot[4 * tile]                                          # its group's place among the tile's
-        assert W == 0 or int(slot.max()) < 2, "a tile touches too many groups"
+        if W and int(slot.max()) >= 2:  # the layout invariant the kernel's two pair slots rely on
+            raise RuntimeError(f"async_dequant layout bug: a tile touches {int(slot.max()) + 1} groups, the "
+                               f"kernel reads at most 2 (group_size {g}); please report it")
     return {"gtab": off | (is4.long() << 31),
             "wtab": k_start | (record_bit << 20) | (slot << 27) | ((~new).long() << 30) | (w4.long() << 31),
             "ttab": ttab,
@@ -546,7 +548,9 @@ def random_buffers(out_features: int, in_features: int, cfg, seed: int = 0, devi
     row_ptr[1:] = torch.bincount(rows, minlength=N).cumsum(0)
     out.update({"outlier_values": (0.05 * torch.randn(nnz, generator=gen, device=dev)).half(),
                 "outlier_cols": cols.to(specs["outlier_cols"][1]), "outlier_row_ptr": row_ptr.to(torch.int32)})
-    assert all(tuple(out[k].shape) == tuple(s) and out[k].dtype == d for k, (s, d) in specs.items()), "spec mismatch"
+    bad = [k for k, (s, d) in specs.items() if tuple(out[k].shape) != tuple(s) or out[k].dtype != d]
+    if bad:
+        raise RuntimeError(f"random mixed buffers do not match the format's specs: {bad}")
     return out
 
 

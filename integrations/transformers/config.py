@@ -60,9 +60,10 @@ class QLinearConfig(QuantizationConfigMixin):
             computes XᵀX per layer (:func:`qlinear.calibrate`) and quantizes with it (GPTQ, activation-aware
             BCQ/codebooks, error feedback).  Not saved with the model.
         tokenizer: tokenizer for text ``dataset`` entries (an object, or a name/path for ``AutoTokenizer``).
-        finetune_steps: after quantize-on-load with ``dataset``, distil the layers' scales from the float model on
-            the same data for this many steps (:func:`qlinear.finetune`; a float copy of the model is held
-            meanwhile).  0 (default): no distillation.  Not saved with the model.
+        finetune_steps: after quantize-on-load, distil the layers' scales from the float model for this many
+            steps (:func:`qlinear.finetune`; a float copy of the model is held meanwhile) on ``dataset`` when it
+            holds texts or token ids, else on 128 sequences of 256 tokens the float model samples itself
+            (:func:`qlinear.generate_data`: no data needed).  0 (default): no distillation.  Not saved.
         per_module: ``{pattern: QLinearConfig | dict | None}`` (or a list of ``[pattern, config]`` pairs): the
             first pattern, in order, matching a module's name (:func:`qlinear.replace.matches`) gives its config
             instead of this one (None keeps it in float), e.g.
@@ -85,9 +86,6 @@ class QLinearConfig(QuantizationConfigMixin):
         self.dataset, self.tokenizer = dataset, tokenizer
         if isinstance(finetune_steps, bool) or not isinstance(finetune_steps, int) or finetune_steps < 0:
             raise ValueError(f"finetune_steps must be an int >= 0, got {finetune_steps!r}")
-        if finetune_steps and (dataset is None or isinstance(dataset, dict)):
-            raise ValueError("finetune_steps needs dataset= texts or token ids to distil on (precomputed Hessians "
-                             "are not enough)")
         self.finetune_steps = finetune_steps
         self.quant_method = QUANT_METHOD
         self.format = format

@@ -211,13 +211,13 @@ class QLinearHfQuantizer(HfQuantizer):
         model_scope = any(c.format_config().format == "codebook" and c.format_config().codebook_scope == "model"
                           for _, _, c in targets)
         self._quantize_after_loading = not self.pre_quantized and (
-            model_scope or self.quantization_config.dataset is not None)
+            model_scope or self.quantization_config.dataset is not None or self.quantization_config.finetune_steps > 0)
         if not targets:
             warnings.warn(f"qlinear found no nn.Linear layer to quantize in {type(model).__name__} (layers such as "
                           f"GPT-2's Conv1D are not nn.Linear, and modules_to_not_convert / tied or output "
                           f"embeddings are skipped): the model stays in full precision", stacklevel=2)
         if self._quantize_after_loading:
-            return model  # shared codebooks need every layer: replace_linear after loading
+            return model  # shared codebooks, calibration and distillation need every layer: replace_linear after loading
         new = {}
         for name, mod, cfg in targets:  # every layer built before any is swapped: an error changes nothing
             try:
@@ -430,9 +430,12 @@ class QLinearHfQuantizer(HfQuantizer):
             replace_linear(model, cfg, modules_to_not_convert=keep, calibration_data=cfg.dataset, tokenizer=tok,
                            progress=False)
             if teacher is not None:
+                from qlinear.calibration import generate_data
                 from qlinear.finetune import finetune
 
-                finetune(model, cfg.dataset, tok, teacher=teacher, steps=cfg.finetune_steps, progress=False)
+                own = cfg.dataset is None or isinstance(cfg.dataset, dict)  # no data, or Hessians only
+                data = generate_data(teacher, progress=False) if own else cfg.dataset
+                finetune(model, data, tok, teacher=teacher, steps=cfg.finetune_steps, progress=False)
             return model
         leftover = [name for name, mod in model.named_modules() if _has_placeholder(mod)]
         if leftover:
