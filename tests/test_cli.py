@@ -142,6 +142,7 @@ def test_finetune_without_calibration_distils_on_the_models_own_samples(float_ck
     (["quantize", "{fp}", "out", "--option", "colour=red"], 1, "qlinear: error: .*colour"),
     (["eval", "{fp}", "--text", "nothing.txt"], 2, "no such text file"),
     (["info", "{fp}"], 1, "qlinear: error: .* has no qlinear layers"),
+    (["quantize", "{fp}", "out", "--finetune-steps", "3", "--calibration-length", "4"], 2, "at least 5"),
 ])
 def test_errors_exit_with_a_message_and_no_traceback(float_ckpt, tmp_path, monkeypatch, capsys, args, code, message):
     monkeypatch.chdir(tmp_path)

@@ -137,6 +137,17 @@ def test_generate_data_starts_random_then_greedy_and_keeps_the_callers_state():
     assert not torch.equal(torch.cat(qlinear.generate_data(model, 6, 10, seed=6, progress=False)), ids)
 
 
+def test_generate_data_ignores_the_checkpoints_decoding_settings():
+    model = tiny_llama()
+    want = torch.cat(qlinear.generate_data(model, 4, 12, progress=False))
+    config = model.generation_config
+    for k, v in {"repetition_penalty": 5.0, "top_k": 5, "top_p": 0.5, "temperature": 0.3, "do_sample": True,
+                 "no_repeat_ngram_size": 2, "num_return_sequences": 2}.items():
+        setattr(config, k, v)
+    assert torch.equal(torch.cat(qlinear.generate_data(model, 4, 12, progress=False)), want)
+    assert model.generation_config is config and config.top_k == 5
+
+
 def test_generate_data_samples_from_the_models_distribution():
     model = tiny_llama()
     with torch.no_grad():
@@ -158,9 +169,10 @@ def test_generate_data_errors():
     model = tiny_llama()
     with pytest.raises(TypeError, match="transformers causal LM"):
         qlinear.generate_data(torch.nn.Linear(4, 4))
-    for kw in ({"num_samples": 0}, {"length": 4, "greedy_tokens": 3}, {"length": 1, "greedy_tokens": 0},
-               {"greedy_tokens": -1}, {"batch_size": 0}):
-        with pytest.raises(ValueError, match="need num_samples"):
+    for kw, msg in (({"num_samples": 0}, "num_samples and batch_size"), ({"batch_size": 0}, "num_samples and batch"),
+                    ({"length": 4, "greedy_tokens": 3}, "at least greedy_tokens . 2 = 5"),
+                    ({"length": 1, "greedy_tokens": 0}, "= 2"), ({"greedy_tokens": -1}, "length must be")):
+        with pytest.raises(ValueError, match=msg):
             qlinear.generate_data(model, **{"num_samples": 4, "length": 8, **kw}, progress=False)
 
 
