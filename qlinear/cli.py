@@ -210,7 +210,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run a command; returns the exit status (see the module docstring)."""
     p = parser()
     args = p.parse_args(argv)
-    if getattr(args, "finetune_steps", None) and not args.calibration and (args.calibration_length or 256) < 5:
+    if getattr(args, "finetune_steps", None) and not args.calibration and (args.calibration_length or 5) < 5:
         p.error("--calibration-length must be at least 5 for generated sequences (a random, 3 greedy and sampled "
                 "tokens)")
     try:

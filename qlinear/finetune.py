@@ -116,8 +116,7 @@ def finetune(model: nn.Module, data: Data, tokenizer=None, *, teacher: Optional[
     layers = [(n, m) for n, m in model.named_modules() if isinstance(m, QuantLinear)]
     if not layers:
         raise ValueError("finetune needs a quantized model: no QuantLinear found (run qlinear.replace_linear first)")
-    away = [n for n, m in layers if m.offloaded() or any(t.is_meta for t in m.packed())
-            or (m.bias is not None and m.bias.is_meta)]
+    away = [n for n, m in layers if any(t.is_meta for t in m.packed()) or (m.bias is not None and m.bias.is_meta)]
     if away:
         raise ValueError(f"finetune needs every quantized layer's tensors in memory, but {len(away)} are offloaded "
                          f"or not loaded (first: {away[0]}): load the model onto one device without offload")

@@ -210,14 +210,15 @@ class QLinearHfQuantizer(HfQuantizer):
         targets = self._targets(model)
         model_scope = any(c.format_config().format == "codebook" and c.format_config().codebook_scope == "model"
                           for _, _, c in targets)
+        qc = self.quantization_config
         self._quantize_after_loading = not self.pre_quantized and (
-            model_scope or self.quantization_config.dataset is not None or self.quantization_config.finetune_steps > 0)
+            model_scope or qc.dataset is not None or qc.finetune_steps > 0)
         if not targets:
             warnings.warn(f"qlinear found no nn.Linear layer to quantize in {type(model).__name__} (layers such as "
                           f"GPT-2's Conv1D are not nn.Linear, and modules_to_not_convert / tied or output "
                           f"embeddings are skipped): the model stays in full precision", stacklevel=2)
         if self._quantize_after_loading:
-            return model  # shared codebooks, calibration and distillation need every layer: replace_linear after loading
+            return model  # codebooks shared, calibration, distillation: every layer first, replace_linear after
         new = {}
         for name, mod, cfg in targets:  # every layer built before any is swapped: an error changes nothing
             try:
