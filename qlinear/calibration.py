@@ -7,7 +7,8 @@ of data, and layers that see the same input tensor (q/k/v, gate/up) share one ma
 
 from __future__ import annotations
 
-from typing import Iterable, Optional, Sequence, Union
+import contextlib
+from typing import Iterable, Iterator, Optional, Sequence, Union
 
 import torch
 from torch import nn
@@ -16,6 +17,22 @@ from tqdm.auto import tqdm
 __all__ = ["calibrate", "generate_data"]
 
 Data = Union[Sequence[str], Sequence[torch.Tensor], torch.Tensor]
+
+
+@contextlib.contextmanager
+def eval_mode(*models: Optional[nn.Module]) -> Iterator[None]:
+    """Every module of ``models`` (None skipped) in eval mode inside the block, each submodule's own ``training`` flag
+    restored after it, even on an error: ``model.train(was)`` would leave a model whose submodules differ (a frozen
+    part in eval mode, say) uniform."""
+    flags = [(m, m.training) for model in models if model is not None for m in model.modules()]
+    try:
+        for model in models:
+            if model is not None:
+                model.eval()
+        yield
+    finally:
+        for m, flag in flags:
+            m.training = flag
 
 
 def _batches(data: Data, tokenizer, max_length: int) -> list[torch.Tensor]:
@@ -80,18 +97,16 @@ def calibrate(model: nn.Module, data: Data, tokenizer=None, *, max_length: int =
         return fn
 
     handles = [m.register_forward_pre_hook(hook(n)) for n, m in linears.items()]
-    was_training = model.training
-    model.eval()
     try:
-        dev = next(model.parameters()).device
-        for ids in tqdm(_batches(data, tokenizer, max_length), desc="calibrate", disable=not progress):
-            seen.clear()
-            # counts of shared matrices must advance once per batch: recompute after the batch
-            model(ids.to(dev))
+        with eval_mode(model):
+            dev = next(model.parameters()).device
+            for ids in tqdm(_batches(data, tokenizer, max_length), desc="calibrate", disable=not progress):
+                seen.clear()
+                # counts of shared matrices must advance once per batch: recompute after the batch
+                model(ids.to(dev))
     finally:
         for h in handles:
             h.remove()
-        model.train(was_training)
     out = {}
     norm = {}
     for name, h in H.items():
@@ -150,13 +165,11 @@ def generate_data(model: nn.Module, num_samples: int = 128, length: int = 256, *
     ids_of = {k: getattr(given, k, None) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
     pad = next((v for v in (ids_of["pad_token_id"], getattr(model.config, "pad_token_id", None)) if v is not None), 0)
     first = torch.randint(0, vocab, (num_samples, 1), generator=torch.Generator().manual_seed(seed))
-    was_training = model.training
-    model.eval()
     model.generation_config = GenerationConfig(**{**ids_of, "pad_token_id": pad})  # only the token ids kept
     cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
     out = []
     try:
-        with torch.random.fork_rng(devices=cuda):
+        with eval_mode(model), torch.random.fork_rng(devices=cuda):
             torch.manual_seed(seed)
             for b in tqdm(range(0, num_samples, batch_size), desc="generate_data", disable=not progress):
                 ids = first[b:b + batch_size].to(device)
@@ -169,7 +182,6 @@ def generate_data(model: nn.Module, num_samples: int = 128, length: int = 256, *
                 out += [row.reshape(1, -1).cpu() for row in ids]
     finally:
         model.generation_config = given
-        model.train(was_training)
     return out
 
 
@@ -219,74 +231,71 @@ def sequential(model: nn.Module, data: Data, tokenizer, targets: list, quantize,
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, new)
 
-    was_training = model.training
-    model.eval()
-    try:
-        outside = [n for n in names if n not in inside]
-        if outside:
-            H = calibrate(model, data, tokenizer, max_length=max_length, modules=outside, progress=False)
-            for n in outside:
-                done[n] = quantize(n, *by_name[n], H.get(n))
-        if blocks is not None:
-            inputs = []
+    with eval_mode(model):
+        try:
+            outside = [n for n in names if n not in inside]
+            if outside:
+                H = calibrate(model, data, tokenizer, max_length=max_length, modules=outside, progress=False)
+                for n in outside:
+                    done[n] = quantize(n, *by_name[n], H.get(n))
+            if blocks is not None:
+                inputs = []
 
-            def grab(mod, args, kwargs):
-                inputs.append((args, kwargs))
-                raise _Captured
+                def grab(mod, args, kwargs):
+                    inputs.append((args, kwargs))
+                    raise _Captured
 
-            handle = blocks[0].register_forward_pre_hook(grab, with_kwargs=True)
-            try:
-                dev = next(model.parameters()).device
-                for ids in _batches(data, tokenizer, max_length):
-                    try:
-                        try:
-                            model(ids.to(dev), use_cache=False)  # no KV cache: each block runs twice
-                        except TypeError:  # not a transformers model
-                            model(ids.to(dev))
-                    except _Captured:
-                        pass
-            finally:
-                handle.remove()
-            for i, block in enumerate(tqdm(blocks, desc="quantize", disable=not progress)):
-                here = [n for n in names if n.startswith(f"{prefix}.{i}.")]
-                sub = {n: model.get_submodule(n) for n in here}
-                H: dict[str, torch.Tensor] = {}
-                count: dict[str, int] = {}
-
-                def hook(name):
-                    def fn(mod, args):
-                        x = args[0].detach().reshape(-1, args[0].shape[-1]).to(torch.float32)
-                        if name not in H:
-                            H[name] = torch.zeros(x.shape[1], x.shape[1], device=x.device)
-                            count[name] = 0
-                        H[name].addmm_(x.T, x)
-                        count[name] += x.shape[0]
-                    return fn
-
-                handles = [m.register_forward_pre_hook(hook(n)) for n, m in sub.items()]
+                handle = blocks[0].register_forward_pre_hook(grab, with_kwargs=True)
                 try:
-                    for args, kwargs in inputs:
-                        block(*args, **kwargs)
+                    dev = next(model.parameters()).device
+                    for ids in _batches(data, tokenizer, max_length):
+                        try:
+                            try:
+                                model(ids.to(dev), use_cache=False)  # no KV cache: each block runs twice
+                            except TypeError:  # not a transformers model
+                                model(ids.to(dev))
+                        except _Captured:
+                            pass
                 finally:
-                    for h in handles:
-                        h.remove()
-                for n in here:
-                    new = quantize(n, *by_name[n], H[n] / max(count[n], 1) if n in H else None)
-                    swap(n, new)
-                    done[n] = new
-                del H
-                outs = []
-                for args, kwargs in inputs:
-                    out = block(*args, **kwargs)
-                    out = out[0] if isinstance(out, tuple) else out
-                    outs.append(((out,) + tuple(args[1:]), kwargs))
-                inputs = outs
-        for n in outside:
-            swap(n, done[n])
-    except BaseException:
-        for n in done:
-            swap(n, by_name[n][0])
-        raise
-    finally:
-        model.train(was_training)
+                    handle.remove()
+                for i, block in enumerate(tqdm(blocks, desc="quantize", disable=not progress)):
+                    here = [n for n in names if n.startswith(f"{prefix}.{i}.")]
+                    sub = {n: model.get_submodule(n) for n in here}
+                    H: dict[str, torch.Tensor] = {}
+                    count: dict[str, int] = {}
+
+                    def hook(name):
+                        def fn(mod, args):
+                            x = args[0].detach().reshape(-1, args[0].shape[-1]).to(torch.float32)
+                            if name not in H:
+                                H[name] = torch.zeros(x.shape[1], x.shape[1], device=x.device)
+                                count[name] = 0
+                            H[name].addmm_(x.T, x)
+                            count[name] += x.shape[0]
+                        return fn
+
+                    handles = [m.register_forward_pre_hook(hook(n)) for n, m in sub.items()]
+                    try:
+                        for args, kwargs in inputs:
+                            block(*args, **kwargs)
+                    finally:
+                        for h in handles:
+                            h.remove()
+                    for n in here:
+                        new = quantize(n, *by_name[n], H[n] / max(count[n], 1) if n in H else None)
+                        swap(n, new.eval())  # eval like the rest of the model meanwhile
+                        done[n] = new
+                    del H
+                    outs = []
+                    for args, kwargs in inputs:
+                        out = block(*args, **kwargs)
+                        out = out[0] if isinstance(out, tuple) else out
+                        outs.append(((out,) + tuple(args[1:]), kwargs))
+                    inputs = outs
+            for n in outside:
+                swap(n, done[n])
+        except BaseException:
+            for n in done:
+                swap(n, by_name[n][0])
+            raise
     return done

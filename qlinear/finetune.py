@@ -21,7 +21,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 from tqdm.auto import tqdm
 
-from .calibration import Data, _batches
+from .calibration import Data, _batches, eval_mode
 from .formats import get_format
 from .modules import QuantLinear
 
@@ -80,6 +80,20 @@ def _logits(out) -> torch.Tensor:
     return (out.logits if hasattr(out, "logits") else out).float()
 
 
+def _loss(model: nn.Module, teacher: Optional[nn.Module], ids: torch.Tensor, teacher_device) -> torch.Tensor:
+    """Summed over the tokens of ``ids`` ``[n, T]``: KL(teacher ‖ model), or without a teacher the next-token
+    cross-entropy."""
+    logits = _logits(model(ids))
+    if teacher is None:
+        return nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten(), reduction="sum")
+    with torch.no_grad():
+        target = _logits(teacher(ids.to(teacher_device))).to(logits.device)
+    if target.shape != logits.shape:
+        raise ValueError(f"teacher logits {list(target.shape)} do not match the model's {list(logits.shape)}: use "
+                         f"the float model of the same checkpoint")
+    return nn.functional.kl_div(logits.log_softmax(-1), target.log_softmax(-1), log_target=True, reduction="sum")
+
+
 def finetune(model: nn.Module, data: Data, tokenizer=None, *, teacher: Optional[nn.Module] = None, steps: int = 80,
              batch_size: int = 2, lr: float = 2e-3, max_length: int = 512, seed: int = 0,
              progress: bool = True) -> list[float]:
@@ -101,9 +115,10 @@ def finetune(model: nn.Module, data: Data, tokenizer=None, *, teacher: Optional[
     Returns:
         The mean loss per token of each step (nats), ``[steps]``.
 
-    Memory and time: per sequence a teacher forward and a forward and backward of the model, each quantized
-    layer's float32 ``Ŵ`` dequantized in both passes and held only while that layer runs (activation memory as
-    in full fine-tuning, weight memory of one dense layer).
+    Memory and time: a step's sequences of equal length run as one batch ``[n, T]`` (self-generated data always
+    do): a teacher forward and a forward and backward of the model, each quantized layer's float32 ``Ŵ``
+    dequantized in both passes and held only while that layer runs.  Activation memory is that of full
+    fine-tuning at that batch; weight memory that of one dense layer.
 
     Raises:
         ValueError: no QuantLinear in ``model``, ``steps``/``batch_size``/``lr`` not positive, a layer offloaded by
@@ -129,7 +144,6 @@ def finetune(model: nn.Module, data: Data, tokenizer=None, *, teacher: Optional[
     if not params:
         raise ValueError("the quantized layers have no tunable buffers")
     frozen = [(p, p.requires_grad) for p in model.parameters()]
-    was_training = model.training, teacher is not None and teacher.training
     teacher_device = next(teacher.parameters()).device if teacher is not None else None
     order = torch.randperm(len(batches), generator=torch.Generator().manual_seed(seed))
     losses = []
@@ -138,45 +152,33 @@ def finetune(model: nn.Module, data: Data, tokenizer=None, *, teacher: Optional[
             p.requires_grad_(False)
         for n, t in tuning:
             _swap(model, n, t)
-        model.eval()  # no dropout: the teacher's and the student's forward must match where the weights do
-        if teacher is not None:
-            teacher.eval()
-        opt = torch.optim.Adam(params, lr=lr)
-        sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, steps)
-        for step in tqdm(range(steps), desc="finetune", disable=not progress):
-            opt.zero_grad(set_to_none=True)
-            total = 0.0
-            picked = [batches[order[(step * batch_size + j) % len(batches)]].to(device) for j in range(batch_size)]
-            count = sum(ids.shape[0] * (ids.shape[1] - (teacher is None)) for ids in picked)
-            for ids in picked:
-                logits = _logits(model(ids))
-                if teacher is not None:
-                    with torch.no_grad():
-                        target = _logits(teacher(ids.to(teacher_device))).to(logits.device)
-                    if target.shape != logits.shape:
-                        raise ValueError(f"teacher logits {list(target.shape)} do not match the model's "
-                                         f"{list(logits.shape)}: use the float model of the same checkpoint")
-                    loss = nn.functional.kl_div(logits.log_softmax(-1), target.log_softmax(-1), log_target=True,
-                                                reduction="sum")
-                else:
-                    loss = nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten(),
-                                                       reduction="sum")
-                (loss / count).backward()
-                total += loss.item()
-            if not math.isfinite(total):
-                raise ValueError(f"finetune loss became non-finite at step {step}; lower lr")
-            opt.step()
-            sched.step()
-            losses.append(total / count)
+        # no dropout: the teacher's and the student's forward must match where the weights do
+        with eval_mode(model, teacher):
+            opt = torch.optim.Adam(params, lr=lr)
+            sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, steps)
+            for step in tqdm(range(steps), desc="finetune", disable=not progress):
+                opt.zero_grad(set_to_none=True)
+                total = 0.0
+                picked = [batches[order[(step * batch_size + j) % len(batches)]] for j in range(batch_size)]
+                count = sum(ids.shape[0] * (ids.shape[1] - (teacher is None)) for ids in picked)
+                same_length = {}
+                for ids in picked:
+                    same_length.setdefault(ids.shape[1], []).append(ids)
+                for group in same_length.values():
+                    loss = _loss(model, teacher, torch.cat(group).to(device), teacher_device)
+                    (loss / count).backward()
+                    total += loss.item()
+                if not math.isfinite(total):
+                    raise ValueError(f"finetune loss became non-finite at step {step}; lower lr")
+                opt.step()
+                sched.step()
+                losses.append(total / count)
         new = {n: t.stored() for n, t in tuning}  # every value checked before any layer changes
     finally:
         for n, t in tuning:
             _swap(model, n, t.layer)
         for p, flag in frozen:
             p.requires_grad_(flag)
-        model.train(was_training[0])
-        if teacher is not None:
-            teacher.train(was_training[1])
     for n, t in tuning:
         t.layer.load_packed({**t.fixed, **new[n]})
     return losses

@@ -187,3 +187,59 @@ def test_distillation_on_the_models_own_samples_needs_no_data():
     finetune(model, qlinear.generate_data(teacher, 16, 24, progress=False), teacher=teacher, steps=40, batch_size=2,
              lr=3e-2, progress=False)
     assert sum(_kl(model, teacher, ids) for ids in held_out) < 0.85 * kl0  # on samples it was not tuned on
+
+
+def test_finetune_runs_equal_length_sequences_as_one_batch_without_mixing_them():
+    teacher = tiny_llama()
+    with torch.no_grad():
+        teacher.lm_head.weight.mul_(10)  # a KL far above float32 rounding
+    model = copy.deepcopy(teacher)
+    # the reference backend: Ŵ as finetune computes it, so only the batching can move the loss
+    qlinear.replace_linear(model, QLinearConfig("bcq", bits=3, group_size=32, backend="reference"), progress=False)
+    g = torch.Generator().manual_seed(3)
+    data = [torch.randint(0, 128, shape, generator=g) for shape in ((1, 24), (1, 16), (2, 24), (1, 24))]
+    total, tokens = 0.0, 0
+    with torch.no_grad():
+        for ids in data:  # KL summed sequence by sequence, in float64
+            for row in ids:
+                s = model(row[None]).logits.double().log_softmax(-1)
+                t = teacher(row[None]).logits.double().log_softmax(-1)
+                total += (t.exp() * (t - s)).sum().item()
+                tokens += row.numel()
+    losses = finetune(model, data, teacher=teacher, steps=1, batch_size=len(data), progress=False)
+    # step 0 sees every sequence with the untouched weights; lengths 24 ran as one [4, 24] batch
+    assert losses[0] == pytest.approx(total / tokens, rel=1e-4)
+
+
+@pytest.mark.parametrize("call", ["calibrate", "generate_data", "finetune", "perplexity", "replace_linear"])
+def test_helpers_run_in_eval_mode_and_keep_each_modules_own_flag(call):
+    model = tiny_llama().train()
+    model.model.layers[0].eval()  # a mixed model: one frozen block in eval mode
+    flags = {n: m.training for n, m in model.named_modules()}
+    ids = [torch.randint(0, 128, (1, 12), generator=torch.Generator().manual_seed(i)) for i in range(2)]
+    seen = []
+    model.model.layers[1].register_forward_pre_hook(lambda m, a: seen.append(any(x.training for x in model.modules())))
+    if call == "finetune":
+        teacher = tiny_llama()
+        qlinear.replace_linear(model, QLinearConfig("bcq", bits=3, group_size=32), progress=False)
+        flags = {n: m.training for n, m in model.named_modules()}
+        teacher.model.layers[1].train()
+        teacher_flags = {n: m.training for n, m in teacher.named_modules()}
+        finetune(model, ids, teacher=teacher, steps=1, progress=False)
+        assert {n: m.training for n, m in teacher.named_modules()} == teacher_flags
+    elif call == "calibrate":
+        qlinear.calibrate(model, ids, progress=False)
+    elif call == "generate_data":
+        qlinear.generate_data(model, 2, 6, progress=False)
+    elif call == "perplexity":
+        from qlinear.evaluation import perplexity
+
+        perplexity(model, lambda text, add_special_tokens: {"input_ids": list(range(40))}, "text", window=8)
+    else:  # block by block calibration, then each new layer takes its parent's flag
+        qlinear.replace_linear(model, QLinearConfig("bcq", bits=3, group_size=32, method="gptq"),
+                               calibration_data=ids, progress=False)
+        for n, m in model.named_modules():
+            if isinstance(m, QuantLinear):
+                flags[n] = flags[n.rpartition(".")[0]]
+    assert seen and not any(seen)
+    assert {n: m.training for n, m in model.named_modules()} == flags

@@ -260,6 +260,18 @@ def test_quantize_on_load_with_calibration_data(tmp_path):
                   for kw in ({}, {"finetune_steps": 3}))
     a, b = (next(m for m in x.modules() if isinstance(m, BCQLinear)).canonical() for x in (plain, own))
     assert torch.equal(a["planes"], b["planes"]) and not torch.equal(a["alpha"], b["alpha"])
+    # precomputed Hessians: GPTQ on them, then distilled on the float model's own samples (Hessians hold no text)
+    H = qlinear.calibrate(tiny_llama(), [ids[i:i + 1] for i in range(4)], progress=False)
+    gptq, tuned = (AutoModelForCausalLM.from_pretrained(tmp_path / "fp", dtype=torch.float32, quantization_config=
+                                                        QLinearConfig("bcq", bits=4, group_size=32, method="gptq",
+                                                                      dataset=H, **kw)).eval()
+                   for kw in ({}, {"finetune_steps": 3}))
+    direct = qlinear.replace_linear(tiny_llama(), QLinearConfig("bcq", bits=4, group_size=32, method="gptq"),
+                                    calibration_data=H, progress=False)
+    for w, x, y in zip(*((m for m in q.modules() if isinstance(m, BCQLinear)) for q in (direct, gptq, tuned))):
+        a, b = x.canonical(), y.canonical()
+        assert all(torch.equal(v, a[k]) for k, v in w.canonical().items())  # the Hessians were used
+        assert all(torch.equal(a[k], b[k]) for k in a if k != "scales") and not torch.equal(a["scales"], b["scales"])
 
 
 def test_sequential_calibration_block_by_block():
