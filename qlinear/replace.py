@@ -13,7 +13,7 @@ from tqdm.auto import tqdm
 
 from .formats import codebook
 from .formats.base import quantize_device
-from .modules import format_config, module_class
+from .modules import QuantLinear, format_config, module_class
 
 logger = logging.getLogger("qlinear")
 
@@ -160,6 +160,14 @@ def _remember_config(model, config, skip, per_module, new) -> None:
         saved.per_module = dict(per_module)
         if hasattr(saved, "dataset"):
             saved.dataset = saved.tokenizer = None
+        # layers an earlier call quantized keep their own config: exact names, ahead of the patterns
+        earlier = {}
+        for name, m in model.named_modules():
+            if isinstance(m, QuantLinear) and name not in new:
+                c = saved.config_for(name)
+                if c is None or c.format_config().to_json() != m.config.to_json():
+                    earlier[name] = type(config)(**m.config.to_dict(), backend=m.backend or None)
+        saved.per_module = {**earlier, **saved.per_module}
         model.config.quantization_config = saved
         if hasattr(model, "save_pretrained") and getattr(model, "hf_quantizer", None) is None:
             from qlinear.integrations.transformers import QLinearHfQuantizer

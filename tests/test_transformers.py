@@ -317,6 +317,10 @@ Q = "model.layers.0.self_attn.q_proj"
     ("format", lambda c: c.update(format="codebook", bits=2, group_size=32), None, r"saved with another format"),
     ("kept_float", lambda c: c.update(modules_to_not_convert=["lm_head", "o_proj"]), None,
      r"stored quantized but the config keeps them in float.*o_proj"),
+    # same tensor shapes, other weights: caught by the layer configs saved beside the checksums
+    ("group_size_same_shapes", lambda c: c.update(group_size=96), None,
+     r"q_proj: saved with another config than quantization_config gives it \(group_size 64 -> 96\)"),
+    ("offset_dropped", lambda c: c.update(offset=False), None, r"q_proj: saved with another config.*offset True -> False"),
 ])
 def test_mismatched_checkpoint_raises(bcq_checkpoint, tmp_path, case, config, tensors, message):
     path = edited(bcq_checkpoint, tmp_path / case, config, tensors)
@@ -346,6 +350,70 @@ def test_damaged_tensor_raises_naming_it(bcq_checkpoint, tmp_path, case, tensors
     path = edited(bcq_checkpoint, tmp_path / case, tensors=tensors)
     with pytest.raises(ValueError, match=r"(?s)qlinear checkpoint is damaged.*" + message):
         AutoModelForCausalLM.from_pretrained(path)
+
+
+def test_checkpoint_without_layer_configs_still_refuses_tensors_its_config_does_not_hold(bcq_checkpoint, tmp_path):
+    path = edited(bcq_checkpoint, tmp_path / "old", lambda c: c.update(offset=False))  # saved with offsets
+    with safe_open(str(path / "model.safetensors"), framework="pt") as f:
+        metadata = {k: v for k, v in f.metadata().items() if k != "qlinear_configs"}  # as saved before 2026-11-28
+    save_file(load_file(str(path / "model.safetensors")), str(path / "model.safetensors"), metadata=metadata)
+    with pytest.raises(ValueError, match=r"q_proj: the checkpoint also has offset, which a layer of this config"):
+        AutoModelForCausalLM.from_pretrained(path)
+
+
+def test_unreadable_file_or_metadata_raises_value_error(bcq_checkpoint, tmp_path):
+    cut = tmp_path / "cut"
+    shutil.copytree(bcq_checkpoint, cut)
+    data = (cut / "model.safetensors").read_bytes()
+    (cut / "model.safetensors").write_bytes(data[:len(data) // 2])
+    with pytest.raises(ValueError, match="cannot be read .*truncated or damaged"):
+        AutoModelForCausalLM.from_pretrained(cut)
+    bad = tmp_path / "bad_metadata"
+    shutil.copytree(bcq_checkpoint, bad)
+    with safe_open(str(bad / "model.safetensors"), framework="pt") as f:
+        metadata = {**f.metadata(), "qlinear_crc32": "{not json"}
+    save_file(load_file(str(bad / "model.safetensors")), str(bad / "model.safetensors"), metadata=metadata)
+    with pytest.raises(ValueError, match="metadata cannot be read"):
+        AutoModelForCausalLM.from_pretrained(bad)
+
+
+def test_damage_is_caught_when_loaded_as_the_base_model(bcq_checkpoint, tmp_path):
+    from transformers import AutoModel
+
+    path = edited(bcq_checkpoint, tmp_path / "flip", tensors=lambda sd: sd[f"{Q}.planes"].view(-1)[3].bitwise_xor_(1))
+    with pytest.raises(ValueError, match=r"layers\.0\.self_attn\.q_proj\.planes: CRC-32"):
+        AutoModel.from_pretrained(path)  # its layers are named without the saving model's "model." prefix
+
+
+@pytest.mark.parametrize("case, tensors, message", [
+    ("flipped", lambda sd: sd[f"{Q}.bias"].view(torch.int32)[3].bitwise_xor_(1 << 29), r"q_proj\.bias: CRC-32"),
+    ("missing", lambda sd: sd.pop(f"{Q}.bias"), r"missing packed tensors.*q_proj: bias"),
+    ("int", lambda sd: sd.update({f"{Q}.bias": sd[f"{Q}.bias"].to(torch.int32)}), r"q_proj\.bias.*floating point"),
+])
+def test_a_quantized_layers_bias_is_checked_like_its_packed_tensors(tmp_path, case, tensors, message):
+    model = save_float(llama_config(attention_bias=True), tmp_path / "fp")
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n.endswith("bias"):
+                p.normal_()
+    replace_linear(model, QLinearConfig(**FORMATS["bcq"]), progress=False)
+    model.save_pretrained(tmp_path / "q")
+    assert torch.equal(logits(AutoModelForCausalLM.from_pretrained(tmp_path / "q")), logits(model))
+    path = edited(tmp_path / "q", tmp_path / case, tensors=tensors)
+    with pytest.raises(ValueError, match="(?s)" + message):
+        AutoModelForCausalLM.from_pretrained(path)
+
+
+def test_layers_of_two_replace_linear_calls_reload_with_their_own_configs(float_llama, tmp_path):
+    model = copy.deepcopy(float_llama[0])
+    replace_linear(model, QLinearConfig("bcq", bits=3, group_size=96), modules_to_not_convert=["lm_head", "q_proj"],
+                   progress=False)
+    replace_linear(model, QLinearConfig("bcq", bits=4, group_size=64), progress=False)  # the q_proj layers
+    model.save_pretrained(tmp_path / "q")
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "q")
+    assert {n: m.config for n, m in quant_layers(again).items()} == {n: m.config for n, m in quant_layers(model).items()}
+    assert {m.config.group_size for m in quant_layers(again).values()} == {64, 96}
+    assert_same_state(again, model)
 
 
 def test_checkpoint_without_checksums_loads_with_a_warning_and_nan_still_raises(bcq_checkpoint, tmp_path):

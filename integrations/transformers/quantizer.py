@@ -20,10 +20,13 @@ Registered, together with :class:`QLinearConfig`, when qlinear is imported.
   presence, shape and dtype is checked against the config from the safetensors headers before any
   weight is read, so a checkpoint that does not match its config raises a ``ValueError`` naming
   the tensor instead of transformers' generic size-mismatch ``RuntimeError``.
-* Integrity: ``save_pretrained`` writes the CRC-32 of every packed tensor into the safetensors metadata
-  (``qlinear_crc32``: a JSON map from state-dict key to 8 hex digits).  A pre-quantized load reads every packed
-  tensor once before transformers does, and raises a ``ValueError`` naming it when its CRC differs or a float
-  tensor (scales, α, codebooks, outliers) holds NaN/Inf: damaged bytes never load as wrong weights.  Checkpoints
+* Integrity: ``save_pretrained`` writes the CRC-32 of every packed tensor and quantized layer's bias into the
+  safetensors metadata (``qlinear_crc32``: a JSON map from state-dict key to 8 hex digits), and each layer's format
+  config (``qlinear_configs``).  A pre-quantized load reads every packed tensor once before transformers does, and
+  raises a ``ValueError`` naming it when its CRC differs or a float tensor (scales, α, codebooks, outliers) holds
+  NaN/Inf: damaged bytes never load as wrong weights.  A layer whose config from ``config.json`` differs from the
+  saved one, or whose checkpoint holds tensors that config does not (an edited ``act_order``, ``rotation`` or
+  ``offset``), raises too: equal shapes do not mean equal weights.  Checkpoints
   saved before checksums existed load with a one-line warning (finiteness still checked).  CRC-32 (zlib, ~1.3 GB/s
   here) rather than a cryptographic hash: it guards against damage, not tampering.
 """
@@ -41,6 +44,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from safetensors import SafetensorError
 from transformers.core_model_loading import ConversionOps
 from transformers.quantizers import HfQuantizer
 from transformers.quantizers.auto import (AUTO_QUANTIZATION_CONFIG_MAPPING, AUTO_QUANTIZER_MAPPING,
@@ -61,12 +65,18 @@ _ST_DTYPES = {torch.int8: "I8", torch.uint8: "U8", torch.int16: "I16", torch.int
 _ST_EXPONENTS = {"F16": (np.uint16, 0x7C00), "BF16": (np.uint16, 0x7F80), "F32": (np.uint32, 0x7F800000),
                  "F64": (np.uint64, 0x7FF0000000000000)}
 _MAX_LISTED = 8
-CHECKSUM_KEY = "qlinear_crc32"  # safetensors metadata entry written by save_pretrained
+CHECKSUM_KEY = "qlinear_crc32"  # safetensors metadata entries written by save_pretrained
+CONFIGS_KEY = "qlinear_configs"
 
 
 def crc32(t: torch.Tensor) -> str:
     """CRC-32 (zlib) of a tensor's bytes in row-major order, as 8 hex digits."""
     return f"{zlib.crc32(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()):08x}"
+
+
+def _with_bias(mod: QuantLinear, names) -> list[str]:
+    """``names`` and, if the layer has one, ``"bias"``: the tensors of a quantized layer the checksums cover."""
+    return [*names, "bias"] if mod.bias is not None else list(names)
 
 
 def _has_placeholder(mod: nn.Module) -> bool:
@@ -145,12 +155,17 @@ class QLinearHfQuantizer(HfQuantizer):
 
     def get_state_dict_and_metadata(self, model):
         """The state dict ``save_pretrained`` writes and, in the safetensors metadata, the :func:`crc32` of each
-        packed tensor (those of offloaded layers, still on the meta device here, go without)."""
+        quantized layer's packed tensors and bias (those of offloaded layers, still on the meta device here, go
+        without) and each layer's format config (``qlinear_configs``: a JSON list of ``[config, [layer names]]``)."""
         state_dict = model.state_dict()
-        packed = (f"{n}.{b}" if n else b for n, m in model.named_modules() if isinstance(m, QuantLinear)
-                  for b in m.buffer_specs)
-        sums = {k: crc32(state_dict[k]) for k in packed if k in state_dict and state_dict[k].device.type != "meta"}
-        return state_dict, {CHECKSUM_KEY: json.dumps(sums, sort_keys=True)}
+        layers = [(n, m) for n, m in model.named_modules() if isinstance(m, QuantLinear)]
+        checked = (f"{n}.{b}" if n else b for n, m in layers for b in _with_bias(m, m.buffer_specs))
+        sums = {k: crc32(state_dict[k]) for k in checked if k in state_dict and state_dict[k].device.type != "meta"}
+        configs: dict[str, list[str]] = {}
+        for n, m in layers:
+            configs.setdefault(m.config.to_json(), []).append(n)
+        return state_dict, {CHECKSUM_KEY: json.dumps(sums, sort_keys=True),
+                            CONFIGS_KEY: json.dumps([[json.loads(c), names] for c, names in configs.items()])}
 
     @property
     def is_trainable(self) -> bool:
@@ -316,18 +331,30 @@ class QLinearHfQuantizer(HfQuantizer):
         meta_sd = model.state_dict()
         found: dict[str, tuple[tuple[int, ...], str, str]] = {}
         sums: Optional[dict[str, str]] = None
+        saved_configs: dict[str, str] = {}  # layer name as saved -> its format config's JSON
         for path in files:
-            with safe_open(str(path), framework="pt") as f:
-                if CHECKSUM_KEY in (f.metadata() or {}):
-                    sums = {**(sums or {}), **json.loads(f.metadata()[CHECKSUM_KEY])}
-                for key in f.keys():
-                    name, _ = rename_source_key(key, renamings, converters, model.base_model_prefix, meta_sd)
-                    if name not in meta_sd and key in meta_sd:
-                        name = key
-                    sl = f.get_slice(key)
-                    found[name] = (tuple(sl.get_shape()), sl.get_dtype(), key)
-                    module_name, _, tensor_name = name.rpartition(".")
-                    self._checkpoint_index.setdefault(module_name, {})[tensor_name] = (str(path), key)
+            try:
+                with safe_open(str(path), framework="pt") as f:
+                    meta = f.metadata() or {}
+                    try:
+                        if CHECKSUM_KEY in meta:
+                            sums = {**(sums or {}), **json.loads(meta[CHECKSUM_KEY])}
+                        for cfg, names in json.loads(meta.get(CONFIGS_KEY, "[]")):
+                            saved_configs.update(dict.fromkeys(names, json.dumps(cfg, sort_keys=True)))
+                    except (ValueError, TypeError) as e:
+                        raise ValueError(f"qlinear checkpoint {path} is damaged: its safetensors metadata cannot be "
+                                         f"read ({e}); restore the file from the source") from None
+                    for key in f.keys():
+                        name, _ = rename_source_key(key, renamings, converters, model.base_model_prefix, meta_sd)
+                        if name not in meta_sd and key in meta_sd:
+                            name = key
+                        sl = f.get_slice(key)
+                        found[name] = (tuple(sl.get_shape()), sl.get_dtype(), key)
+                        module_name, _, tensor_name = name.rpartition(".")
+                        self._checkpoint_index.setdefault(module_name, {})[tensor_name] = (str(path), key)
+            except (SafetensorError, OSError) as e:
+                raise ValueError(f"qlinear checkpoint {path} cannot be read ({e}): the file is truncated or "
+                                 f"damaged; restore it from the source") from None
         by_module: dict[str, set[str]] = {}
         for key in found:
             module_name, _, tensor_name = key.rpartition(".")
@@ -348,12 +375,26 @@ class QLinearHfQuantizer(HfQuantizer):
                     if got[:2] != want:
                         problems.append(f"{got[2]}: checkpoint has {got[1]} {list(got[0])}, {type(mod).__name__} "
                                         f"{mod.out_features}x{mod.in_features} expects {want[1]} {list(want[0])}")
+                bias = found.get(f"{name}.bias")
+                if mod.bias is not None and bias is not None and bias[1] not in _ST_EXPONENTS:
+                    problems.append(f"{bias[2]}: checkpoint has {bias[1]}, a bias must be floating point")
+                others = sorted(by_module.get(name, set()) - set(mod.held_specs()) - {"bias"})
                 if absent and f"{name}.weight" in found:
                     stored_float.append(name)
-                elif absent:
-                    others = sorted(by_module.get(name, set()) - set(mod.held_specs()) - {"bias"})
+                elif absent or (mod.bias is not None and bias is None):
                     hint = f" (the checkpoint has {', '.join(others)}: saved with another format?)" if others else ""
-                    missing.append(f"{name}: {', '.join(absent)}{hint}")
+                    missing.append(f"{name}: {', '.join(absent + ['bias'] * (mod.bias is not None and bias is None))}"
+                                   f"{hint}")
+                elif others:  # e.g. perm or rotation of a layer whose config, edited, no longer has act_order/rotation
+                    problems.append(f"{name}: the checkpoint also has {', '.join(others)}, which a layer of this "
+                                    f"config does not hold")
+                key = next(iter(self._checkpoint_index.get(name, {}).values()), (None, ""))[1]
+                saved = saved_configs.get(key.rpartition(".")[0])
+                if saved is not None and saved != mod.config.to_json():
+                    was, now = json.loads(saved), json.loads(mod.config.to_json())
+                    diff = ", ".join(f"{k} {was.get(k)!r} -> {now.get(k)!r}" for k in sorted(set(was) | set(now))
+                                     if was.get(k) != now.get(k))
+                    problems.append(f"{name}: saved with another config than quantization_config gives it ({diff})")
             elif is_quantizable_linear(mod) and by_module.get(name, set()) - {"bias"} and "weight" not in by_module[name]:
                 stored_packed.append(name)
         msgs = []
@@ -388,7 +429,7 @@ class QLinearHfQuantizer(HfQuantizer):
         for name, mod in model.named_modules():
             if isinstance(mod, QuantLinear):
                 index = self._checkpoint_index.get(name, {})
-                for buf in mod.held_specs():
+                for buf in _with_bias(mod, mod.held_specs()):
                     if buf in index:
                         by_file.setdefault(index[buf][0], []).append((f"{name}.{buf}", index[buf][1]))
         bad = []
@@ -399,7 +440,9 @@ class QLinearHfQuantizer(HfQuantizer):
                 for name, key in entries:
                     lo, hi = header[key]["data_offsets"]
                     data = view[8 + size + lo:8 + size + hi]
-                    got, want = f"{zlib.crc32(data):08x}", (sums or {}).get(name)
+                    # the saved name is the file's key; a model loaded without the saving model's prefix names the
+                    # tensor differently
+                    got, want = f"{zlib.crc32(data):08x}", (sums or {}).get(key, (sums or {}).get(name))
                     exponent = _ST_EXPONENTS.get(header[key]["dtype"])  # a float: NaN/Inf have every exponent bit set
                     if want is not None and got != want:
                         bad.append(f"{name}: CRC-32 {got} differs from the saved {want} (damaged file)")
@@ -458,6 +501,9 @@ class QLinearHfQuantizer(HfQuantizer):
                     bad.append(f"{name}.{buf}: loaded {t.dtype} {list(t.shape)}, expected {dt} {list(shape)}")
                 elif check_loaded and (t.device.type == "meta" or not getattr(t, "_is_hf_initialized", False)):
                     bad.append(f"{name}.{buf}: missing from the checkpoint")
+            b = mod.bias
+            if check_loaded and b is not None and (b.device.type == "meta" or not getattr(b, "_is_hf_initialized", False)):
+                bad.append(f"{name}.bias: missing from the checkpoint")
         if bad:
             raise ValueError(f"qlinear checkpoint does not match its quantization_config "
                              f"({self.quantization_config.format_config().to_json()}):{_listing(bad)}")
