@@ -66,7 +66,11 @@ def load_gptq(path, *, dtype: torch.dtype = torch.float16, backend: Optional[str
     q = q.to_dict() if hasattr(q, "to_dict") else dict(q or {})
     if q.get("quant_method") != "gptq":
         raise ValueError(f"{path} is not a GPTQ checkpoint (quantization_config.quant_method = {q.get('quant_method')!r})")
-    bits, group_size = int(q["bits"]), int(q.get("group_size", -1))
+    try:
+        bits, group_size = int(q["bits"]), int(q.get("group_size", -1))
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"{path}: quantization_config needs integer bits and group_size, got bits="
+                         f"{q.get('bits')!r}, group_size={q.get('group_size')!r} ({type(e).__name__})") from None
     fmt = q.get("checkpoint_format", "gptq")
     tensors = _read_tensors(path)
     del config.quantization_config
@@ -90,8 +94,11 @@ def load_gptq(path, *, dtype: torch.dtype = torch.float16, backend: Optional[str
             raise ValueError(f"layer {name!r}: {e}") from e
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, layer)
-    missing, unexpected = model.load_state_dict({k: v.to(dtype) if v.is_floating_point() else v
-                                                 for k, v in tensors.items()}, strict=False, assign=True)
+    try:
+        missing, unexpected = model.load_state_dict({k: v.to(dtype) if v.is_floating_point() else v
+                                                     for k, v in tensors.items()}, strict=False, assign=True)
+    except RuntimeError as e:  # torch's size mismatches of the float tensors
+        raise ValueError(f"GPTQ checkpoint {path} does not fit the model its config.json describes: {e}") from None
     quantized = [name + "." for name, m in model.named_modules() if isinstance(m, BCQLinear)]
     tied = set(getattr(model, "_tied_weights_keys", None) or [])
     missing = [k for k in missing if k not in tied and not k.endswith("lm_head.weight")

@@ -35,7 +35,9 @@ def eval_mode(*models: Optional[nn.Module]) -> Iterator[None]:
             m.training = flag
 
 
-def _batches(data: Data, tokenizer, max_length: int) -> list[torch.Tensor]:
+def _batches(data: Data, tokenizer, max_length: int, model: Optional[nn.Module] = None) -> list[torch.Tensor]:
+    """``data`` as int64 token-id tensors ``[B, T]``, checked against ``model.config.vocab_size`` where it has one."""
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
     if isinstance(data, torch.Tensor):
         data = [data]
     out = []
@@ -51,6 +53,9 @@ def _batches(data: Data, tokenizer, max_length: int) -> list[torch.Tensor]:
             raise TypeError(f"calibration data must be texts or integer token-id tensors, got {type(item).__name__}"
                             + (f" of {item.dtype}" if isinstance(item, torch.Tensor) else ""))
         if ids.numel():
+            if isinstance(vocab, int) and not (0 <= int(ids.min()) and int(ids.max()) < vocab):
+                raise ValueError(f"token ids must lie in [0, {vocab}) (the model's vocab_size), got "
+                                 f"{int(ids.min())}..{int(ids.max())}: made by another model's tokenizer?")
             out.append(ids)
     if not out:
         raise ValueError("calibration data is empty")
@@ -69,7 +74,8 @@ def calibrate(model: nn.Module, data: Data, tokenizer=None, *, max_length: int =
         modules: names of the Linear layers to collect (default: all).
 
     Raises:
-        TypeError: texts without a tokenizer, or data of another type.  ValueError: empty data.
+        TypeError: texts without a tokenizer, or data of another type.  ValueError: empty data, or token ids
+        outside ``[0, model.config.vocab_size)``.
     """
     wanted = None if modules is None else set(modules)
     linears = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear) and (wanted is None or n in wanted)}
@@ -100,7 +106,7 @@ def calibrate(model: nn.Module, data: Data, tokenizer=None, *, max_length: int =
     try:
         with eval_mode(model):
             dev = next(model.parameters()).device
-            for ids in tqdm(_batches(data, tokenizer, max_length), desc="calibrate", disable=not progress):
+            for ids in tqdm(_batches(data, tokenizer, max_length, model), desc="calibrate", disable=not progress):
                 seen.clear()
                 # counts of shared matrices must advance once per batch: recompute after the batch
                 model(ids.to(dev))
@@ -248,7 +254,7 @@ def sequential(model: nn.Module, data: Data, tokenizer, targets: list, quantize,
                 handle = blocks[0].register_forward_pre_hook(grab, with_kwargs=True)
                 try:
                     dev = next(model.parameters()).device
-                    for ids in _batches(data, tokenizer, max_length):
+                    for ids in _batches(data, tokenizer, max_length, model):
                         try:
                             try:
                                 model(ids.to(dev), use_cache=False)  # no KV cache: each block runs twice

@@ -121,11 +121,18 @@ def finetune(model: nn.Module, data: Data, tokenizer=None, *, teacher: Optional[
     fine-tuning at that batch; weight memory that of one dense layer.
 
     Raises:
-        ValueError: no QuantLinear in ``model``, ``steps``/``batch_size``/``lr`` not positive, a layer offloaded by
-            accelerate (disk/cpu offload) or still empty, ``teacher`` that is ``model`` itself or has another
-            vocabulary size, or a tuned value that is not finite.  On any error (and on an interrupt)
-            the model is left as it was.  TypeError: bad ``data`` (see :func:`qlinear.calibrate`).
+        ValueError: no QuantLinear in ``model``, ``steps``/``batch_size``/``lr`` not positive, token ids outside
+            the vocabulary, a one-token sequence without ``teacher``, a layer offloaded by accelerate (disk/cpu
+            offload) or still empty, ``teacher`` that is ``model`` itself or has another vocabulary size, or a
+            tuned value that is not finite.  On any error (and on an interrupt) the model is left as it was.
+        TypeError: bad ``data`` (see :func:`qlinear.calibrate`), ``steps``/``batch_size`` not ints, ``lr`` not a
+            number, ``teacher`` not a module.
     """
+    if any(isinstance(v, bool) or not isinstance(v, int) for v in (steps, batch_size)) \
+            or isinstance(lr, bool) or not isinstance(lr, (int, float)):
+        raise TypeError(f"steps and batch_size must be ints and lr a float, got {steps!r}, {batch_size!r}, {lr!r}")
+    if teacher is not None and not isinstance(teacher, nn.Module):
+        raise TypeError(f"teacher must be the float model (an nn.Module) or None, got {type(teacher).__name__}")
     if steps < 1 or batch_size < 1 or not (lr > 0 and math.isfinite(lr)):
         raise ValueError(f"steps, batch_size and lr must be positive, got {steps}, {batch_size}, {lr}")
     layers = [(n, m) for n, m in model.named_modules() if isinstance(m, QuantLinear)]
@@ -137,7 +144,9 @@ def finetune(model: nn.Module, data: Data, tokenizer=None, *, teacher: Optional[
                          f"or not loaded (first: {away[0]}): load the model onto one device without offload")
     if teacher is model:
         raise ValueError("teacher must be a separate float model (e.g. loaded again from the same checkpoint)")
-    batches = _batches(data, tokenizer, max_length)
+    batches = _batches(data, tokenizer, max_length, model)
+    if teacher is None and min(ids.shape[1] for ids in batches) < 2:
+        raise ValueError("without a teacher each sequence needs at least 2 tokens (the loss predicts the next one)")
     device = layers[0][1].packed()[0].device
     tuning = [(n, _Tuning(m)) for n, m in layers]
     params = [p for _, t in tuning for p in t.theta.values()]

@@ -97,16 +97,20 @@ def replace_linear(model: nn.Module, config: Any, *, modules_to_not_convert: Opt
 
     Raises:
         ValueError: a layer that cannot be quantized (NaN/Inf weights, shape the format cannot
-            store); the message names the layer.  TypeError: wrong argument types.
+            store); the message names the layer.  Hessians in ``calibration_data`` named for no module of the
+            model; token ids outside the model's vocabulary.  TypeError: wrong argument types (e.g.
+            ``modules_to_not_convert`` a string instead of a list).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     if not hasattr(config, "format_config"):
         raise TypeError(f"config must be a qlinear.QLinearConfig, got {type(config).__name__}")
-    skip = list(modules_to_not_convert if modules_to_not_convert is not None
-                else getattr(config, "modules_to_not_convert", ["lm_head"]))
-    from qlinear.integrations.transformers.config import per_module_configs
+    from qlinear.integrations.transformers.config import check_patterns, per_module_configs
 
+    skip = modules_to_not_convert if modules_to_not_convert is not None \
+        else getattr(config, "modules_to_not_convert", ["lm_head"])
+    check_patterns(skip)
+    skip = list(skip)
     per_module = per_module_configs(per_module if per_module is not None else getattr(config, "per_module", None))
     targets = _targets(model, config, skip, per_module)
     def quantize(name, mod, cfg, hessian, **kwargs):
@@ -125,6 +129,10 @@ def replace_linear(model: nn.Module, config: Any, *, modules_to_not_convert: Opt
     if calibration_data is not None:
         if isinstance(calibration_data, Mapping):
             hessians = calibration_data
+            unknown = sorted(set(hessians) - {n for n, _ in model.named_modules()})
+            if unknown:
+                raise ValueError(f"calibration_data has Hessians for {len(unknown)} name(s) that are no module of the "
+                                 f"model, e.g. {unknown[0]!r}: use the names qlinear.calibrate(model, ...) returns")
         elif not model_scope:  # block by block, one block's Hessians at a time, quantized inputs downstream
             from .calibration import sequential
 

@@ -115,6 +115,14 @@ def test_finetune_errors_leave_the_model_as_it_was():
         finetune(model, [ids], steps=3, lr=1e30, progress=False)
     with pytest.raises(TypeError, match="tokenizer"):
         finetune(model, ["a text"], progress=False)
+    with pytest.raises(TypeError, match="must be ints"):
+        finetune(model, [ids], steps="2", progress=False)
+    with pytest.raises(TypeError, match="teacher must be the float model"):
+        finetune(model, [ids], teacher="float model", progress=False)
+    with pytest.raises(ValueError, match=r"token ids must lie in \[0, 128\)"):
+        finetune(model, [ids + 128], progress=False)
+    with pytest.raises(ValueError, match="at least 2 tokens"):
+        finetune(model, [ids[:, :1]], progress=False)
     assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
     assert sum(isinstance(m, QuantLinear) for m in model.modules()) == 14
     assert torch.equal(model(ids).logits, ref)

@@ -198,6 +198,25 @@ def test_load_gptq_rejects_other_checkpoints(tmp_path):
     with pytest.raises(ValueError, match="GPTQ checkpoints hold uniform int codes"):
         qlinear.save_gptq(qlinear.replace_linear(tiny_llama(), QLinearConfig("codebook", bits=2, iters=0),
                                                  progress=False), tmp_path / "cb")
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    good = tmp_path / "gptq"
+    qlinear.save_gptq(qlinear.replace_linear(tiny_llama(), QLinearConfig("bcq", bits=4, group_size=32, init="uniform",
+                                                                         iters=0), progress=False), good)
+    config = json.loads((good / "config.json").read_text())
+    del config["quantization_config"]["bits"]
+    (good / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="needs integer bits and group_size, got bits=None"):
+        qlinear.load_gptq(good)
+    config["quantization_config"]["bits"] = 4
+    (good / "config.json").write_text(json.dumps(config))
+    sd = load_file(str(good / "model.safetensors"))
+    sd["model.embed_tokens.weight"] = sd["model.embed_tokens.weight"][:, :32].contiguous()
+    save_file(sd, str(good / "model.safetensors"))
+    with pytest.raises(ValueError, match="(?s)does not fit the model its config.json describes.*embed_tokens"):
+        qlinear.load_gptq(good)
 
 
 def test_edge_cases_found_in_review(tmp_path):

@@ -185,6 +185,33 @@ def test_per_module_order_survives_saving(float_llama, tmp_path):
     assert_same_state(model, loaded)
 
 
+@pytest.mark.parametrize("kwargs, error, message", [
+    ({"modules_to_not_convert": "lm_head"}, TypeError, r"got the string 'lm_head': write \['lm_head'\]"),
+    ({"modules_to_not_convert": 5}, TypeError, "list of name patterns"),
+    ({"backend": 3}, TypeError, "backend must be a backend name"),
+    ({"dataset": 5}, TypeError, "dataset must be a list of texts or token-id tensors"),
+    ({"dataset": ["a text"], "tokenizer": 5}, TypeError, "tokenizer must be a tokenizer or its name/path"),
+])
+def test_config_refuses_arguments_of_the_wrong_type(kwargs, error, message):
+    with pytest.raises(error, match=message):
+        QLinearConfig("bcq", **kwargs)
+
+
+def test_replace_linear_refuses_bad_names_and_token_ids_leaving_the_model_untouched(float_llama):
+    model = copy.deepcopy(float_llama[0])
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(TypeError, match="got the string 'lm_head'"):
+        replace_linear(model, QLinearConfig("bcq"), modules_to_not_convert="lm_head", progress=False)
+    H = qlinear.calibrate(model, [TOKENS], progress=False)
+    with pytest.raises(ValueError, match="no module of the model, e.g. 'typo.q_proj'"):
+        replace_linear(model, QLinearConfig("bcq"), calibration_data={**H, "typo.q_proj": H[Q]}, progress=False)
+    for ids in (TOKENS + 128, TOKENS - 128):
+        with pytest.raises(ValueError, match=r"token ids must lie in \[0, 128\)"):
+            replace_linear(model, QLinearConfig("bcq", method="gptq"), calibration_data=[ids], progress=False)
+    assert not quant_layers(model) and getattr(model.config, "quantization_config", None) is None
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+
+
 def test_bad_per_module_leaves_the_model_untouched(float_llama):
     fp_model, _ = float_llama
     model = copy.deepcopy(fp_model)
@@ -491,6 +518,13 @@ def test_accelerate_empty_skeleton_loads_like_from_pretrained(quantized_llama, f
     assert_same_state(model, ref)
     with pytest.raises(ValueError, match="expects an empty model"):
         qlinear.init_empty_quantized(float_llama[0], QLinearConfig(**FORMATS[fmt]))
+    with init_empty_weights():  # hidden size 40: no format stores it
+        odd = AutoModelForCausalLM.from_config(llama_config(hidden_size=40, intermediate_size=80))
+    names = [n for n, _ in odd.named_modules()]
+    with pytest.raises(ValueError, match="cannot be stored in format"):
+        qlinear.init_empty_quantized(odd, QLinearConfig(**FORMATS[fmt]))
+    assert [n for n, _ in odd.named_modules()] == names and not getattr(odd, "is_quantized", False)
+    odd.half()  # transformers refuses .half() on a model marked quantized
 
 
 DISK_MAP = {"model.embed_tokens": "cpu", "model.rotary_emb": "cpu", "model.layers.0": "cpu", "model.layers.1": "disk",

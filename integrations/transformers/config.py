@@ -45,6 +45,16 @@ def per_module_configs(per_module: Any) -> dict[str, Optional["QLinearConfig"]]:
     return out
 
 
+def check_patterns(patterns: Any) -> None:
+    """Raise TypeError unless ``patterns`` (``modules_to_not_convert``) is None or a list/tuple of strings; a bare
+    string, which would iterate as letters, is named."""
+    if isinstance(patterns, str):
+        raise TypeError(f"modules_to_not_convert must be a list of name patterns, got the string {patterns!r}: "
+                        f"write [{patterns!r}]")
+    if patterns is not None and not (isinstance(patterns, (list, tuple)) and all(isinstance(p, str) for p in patterns)):
+        raise TypeError(f"modules_to_not_convert must be a list of name patterns (str), got {patterns!r}")
+
+
 class QLinearConfig(QuantizationConfigMixin):
     """Quantization config for qlinear.
 
@@ -83,6 +93,14 @@ class QLinearConfig(QuantizationConfigMixin):
                  **format_options: Any):
         format_options.pop("quant_method", None)
         self.per_module = per_module_configs(per_module)
+        check_patterns(modules_to_not_convert)
+        if backend is not None and not isinstance(backend, str):
+            raise TypeError(f"backend must be a backend name (str) or None, got {type(backend).__name__}")
+        if dataset is not None and not isinstance(dataset, (list, tuple, dict)) and not hasattr(dataset, "dim"):
+            raise TypeError(f"dataset must be a list of texts or token-id tensors, a token-id tensor or a dict of "
+                            f"Hessians from qlinear.calibrate, got {type(dataset).__name__}")
+        if tokenizer is not None and not (isinstance(tokenizer, str) or callable(tokenizer)):
+            raise TypeError(f"tokenizer must be a tokenizer or its name/path, got {type(tokenizer).__name__}")
         self.dataset, self.tokenizer = dataset, tokenizer
         if isinstance(finetune_steps, bool) or not isinstance(finetune_steps, int) or finetune_steps < 0:
             raise ValueError(f"finetune_steps must be an int >= 0, got {finetune_steps!r}")

@@ -611,7 +611,15 @@ def init_empty_quantized(model: nn.Module, config: Any = None) -> nn.Module:
                          f"{len(loaded)} Linear layer(s) hold weights, e.g. {loaded[0]!r}; quantize a loaded model "
                          f"with qlinear.replace_linear")
     quantizer = QLinearHfQuantizer(config, pre_quantized=True)
-    quantizer.preprocess_model(model)
+    flags = ("is_quantized", "quantization_method")  # set by transformers before qlinear's checks run
+    before = {k: model.__dict__[k] for k in flags if k in model.__dict__}
+    try:
+        quantizer.preprocess_model(model)
+    except BaseException:
+        for k in flags:
+            model.__dict__.pop(k, None)
+        model.__dict__.update(before)
+        raise
     model.hf_quantizer, model.config.quantization_config = quantizer, config
     return model
 
