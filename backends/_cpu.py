@@ -61,12 +61,15 @@ def unpad_groups(t: torch.Tensor, N: int) -> torch.Tensor:
 
 def quantize_activations(x: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
     """``x`` ``[M, K]`` float32 (K a multiple of ``block``) -> (int8-valued codes ``[M, K]`` as int64, scales
-    ``[M, K/block]`` float32): per ``block`` inputs ``q = round_half_even(x · (127 / amax))``, ``scale = amax / 127``
-    (0 for an all-zero block).  The Arm paper's dynamic int8 activations (§4); the native kernels compute the same fp32
-    values (blocks of 32; the x86 mixed GEMV's of 16)."""
+    ``[M, K/block]`` float32): per ``block`` inputs ``q = round_half_even(x · (127 / amax))``, ``scale = amax / 127``.
+    Where ``127 / amax`` is not finite (an all-zero block, amax below about 3.7e-37, a NaN in the block) the codes are
+    0; a NaN block's scale is NaN, so its outputs are.  The Arm paper's dynamic int8 activations (§4); the native
+    kernels compute the same fp32 values (``backends/_shared/act_quant.h``; blocks of 32, the x86 mixed GEMV's of
+    16)."""
     xb = x.float().reshape(x.shape[0], -1, block)
     amax = xb.abs().amax(-1)
-    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    inv = 127.0 / amax
+    inv = torch.where(inv.isfinite(), inv, torch.zeros_like(inv))
     q = torch.round(xb * inv[..., None]).clamp(-127, 127)
     return q.reshape(x.shape).long(), amax / 127.0
 

@@ -474,7 +474,7 @@ class QuantLinear(nn.Module):
         """
         if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
             raise TypeError(f"{type(self).__name__} input must be float32, float16 or bfloat16, got {x.dtype}")
-        if x.shape[-1] != self.in_features:
+        if x.dim() == 0 or x.shape[-1] != self.in_features:
             raise ValueError(f"{type(self).__name__} expects input [..., {self.in_features}], got {list(x.shape)}")
         if _eager(x, self.bias):  # plain eager inference: the layer's cached call, no op dispatch or registry walk
             batch = x.numel() // self.in_features

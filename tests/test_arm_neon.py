@@ -229,6 +229,24 @@ def test_all_paths_and_layouts_agree_bitwise(cfg, bufs):
 
 
 @native
+@pytest.mark.parametrize("cfg,bufs", [_codebook(40, 256, 2, 4), _bcq_uniform(40, 256, 64), _codebook(40, 256, 4, 1)],
+                         ids=["cb2", "bcq", "cb4"])
+def test_a_nan_input_gives_nan_outputs_on_every_path(cfg, bufs):
+    """A NaN anywhere in a row's 32-input block makes that row's outputs NaN (fmaxf alone would drop it and leave
+    finite values from saturated codes); other rows are untouched."""
+    for layout in LAYOUTS:
+        packed = _repack(cfg, bufs, 40, 256, layout)
+        for k in (0, 45, 255):
+            x = torch.randn(9, 256)
+            want = arm_neon.linear(x, packed, None, cfg, 40, 256, "neon", layout)
+            x[4, k] = float("nan")
+            for p in ("neon", "dotprod", "i8mm"):  # i8mm: SDOT for 1 row, SMMLA for 9
+                assert arm_neon.linear(x[4:5], packed, None, cfg, 40, 256, p, layout).isnan().all(), (layout, k, p)
+                y = arm_neon.linear(x, packed, None, cfg, 40, 256, p, layout)
+                assert y[4].isnan().all() and torch.equal(y[:4], want[:4]) and torch.equal(y[5:], want[5:])
+
+
+@native
 def test_op_rejects_inconsistent_codebook_buffers():
     cfg, bufs = _codebook(16, 64, 2, 4)
     p = arm_neon.repack_codebook(bufs, cfg, 16, 64, layout="sdot")

@@ -183,6 +183,8 @@ def test_bad_inputs():
         m(torch.ones(2, 64, dtype=torch.int64))
     with pytest.raises(ValueError, match=r"\[\.\.\., 64\]"):
         m(torch.ones(2, 65))
+    with pytest.raises(ValueError, match=r"\[\.\.\., 64\], got \[\]"):
+        m(torch.tensor(1.0))
     with pytest.raises(ValueError, match="expects"):
         m.load_state_dict({**m.state_dict(), "alpha": torch.zeros(4, 32, 3, dtype=torch.float16)})
 

@@ -273,10 +273,16 @@ def test_layers_reading_one_input_share_its_transform(monkeypatch):
     y = layers[0](x)
     assert len(calls) == 2 and torch.allclose(y.double(), ref64(layers[0], x), atol=2e-3)
     assert torch.allclose(other(x).double(), ref64(other, x), atol=2e-3) and len(calls) == 3
+    for write in (lambda: x.data.mul_(3), lambda: x.numpy().__setitem__(slice(None), 1.5)):  # the counter stays
+        version = x._version
+        write()
+        assert x._version == version
+        assert torch.allclose(other(x).double(), ref64(other, x), atol=1e-2)
+    assert len(calls) == 5
     with torch.inference_mode():
         xi = torch.randn(2, 192)
         layers[0](xi), layers[1](xi)
-    assert len(calls) == 5  # inference tensors have no version counter: not shared
+    assert len(calls) == 7  # inference tensors have no version counter: not shared
 
 
 def test_rotated_layer_options_and_exports_raise():

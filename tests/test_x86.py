@@ -20,7 +20,7 @@ import torch
 from conftest import dense64, int8_activation_bound
 
 import qlinear.backends as backends
-from qlinear import BCQLinear, CodebookLinear, MixedPrecisionLinear
+from qlinear import BCQLinear, CodebookLinear, MixedPrecisionLinear, QLinearConfig
 from qlinear.backends import x86
 from qlinear.backends._cpu import quantize_activations, rotation_args
 from qlinear.formats import bcq, codebook, mixed
@@ -745,6 +745,67 @@ def test_mixed_kernel_paths_agree_bitwise_within_the_bound(name, bias):
         assert ((y.double() - y64).abs() <= _mixed_bound(canon, cfg, N, K, x)).all(), M
         spec = x86.spec_mixed(x, held, b, cfg, N, K)
         assert ((y.double() - spec).abs() <= _mixed_spec_bound(canon, cfg, N, K, x)).all(), M
+
+
+def _nan_and_tiny_inputs(M, K):
+    """``(x, nan_rows, x_flushed)``: a NaN at the start, middle or end of a block in some rows, and in row 0 a block
+    whose largest |x| (1e-37) is below 127/FLT_MAX, which ``x_flushed`` holds as zeros."""
+    x = torch.randn(M, K)
+    spots = [(1 % M, 0), (2 % M, 47), (3 % M, K - 1)] if M > 1 else [(0, 47)]
+    x[0, 64:96] = 1e-37 * torch.sign(torch.randn(32))
+    flushed = x.clone()
+    flushed[0, 64:96] = 0
+    for r, k in spots:
+        x[r, k] = flushed[r, k] = float("nan")
+    return x, sorted({r for r, _ in spots}), flushed
+
+
+@pytest.mark.parametrize("name", [*ALL, *(f"mixed {n}" for n in MIXED)])
+def test_a_nan_input_gives_nan_outputs_and_tiny_blocks_count_as_zero_on_every_path(name):
+    """A NaN anywhere in a row's 32 (mixed: 16) activations makes every output of that row NaN, as in float arithmetic
+    and the reference, instead of finite values from saturated int8 codes; the other rows are untouched.  A block too
+    small for 127/amax to be finite counts as zeros (backends/_shared/act_quant.h), in the spec too."""
+    if name.startswith("mixed "):
+        N, K = 100, 480
+        cfg, canon = _mixed(name[6:], N, K)
+        packed, paths, spec = x86.repack_mixed(canon, cfg, N, K), MIXED_PATHS, x86.spec_mixed
+    else:
+        cfg, bufs, N, K = _case(name)
+        packed, paths, spec = _repack(cfg, bufs, N, K), PATHS, x86.spec
+    for M in (1, 5):
+        x, nan_rows, flushed = _nan_and_tiny_inputs(M, K)
+        want = _op(flushed, packed, None, N, cfg, "scalar")
+        for path in paths:
+            y = _op(x, packed, None, N, cfg, path)
+            if y is None:
+                continue
+            assert y[nan_rows].isnan().all(), (path, M)
+            rest = [r for r in range(M) if r not in nan_rows]
+            assert torch.equal(y[rest], want[rest]) and y[rest].isfinite().all(), (path, M)
+        s = spec(x, packed, None, cfg, N, K)
+        assert s[nan_rows].isnan().all() and s[rest].isfinite().all()
+
+
+def test_layers_holding_a_cpu_kernel_layout_pickle(tmp_path):
+    """torch.save(model) of layers repacked for the x86 or Arm kernels: a layout's functions (lambdas among them) are
+    not pickled, the layout is found again by its name."""
+    from qlinear.backends import arm_neon
+    from qlinear.modules import module_class
+
+    configs = [QLinearConfig("bcq", group_size=32, init="uniform", iters=0), QLinearConfig("bcq", bits=3),
+               QLinearConfig("codebook", bits=2), QLinearConfig("mixed")]
+    if arm_neon.available() is None:
+        configs += [QLinearConfig("bcq", group_size=32, init="uniform", iters=0, backend="arm_neon"),
+                    QLinearConfig("codebook", bits=4, backend="arm_neon")]
+    lin, x = torch.nn.Linear(128, 48), torch.randn(3, 128)
+    for cfg in configs:
+        m = module_class(cfg.format).from_linear(lin, cfg)
+        with torch.no_grad():
+            y = m(x)
+            assert m.layout is not None, cfg
+            torch.save(torch.nn.Sequential(m), tmp_path / "m.pt")
+            again = torch.load(tmp_path / "m.pt", weights_only=False)[0]
+            assert again.layout == m.layout and torch.equal(again(x), y), cfg
 
 
 def test_mixed_large_batches_take_the_float_gemm(monkeypatch):

@@ -10,6 +10,7 @@
 
 #include <algorithm>
 
+#include "../_shared/act_quant.h"
 #include "decode.h"
 
 #if defined(__aarch64__) && defined(__linux__)
@@ -65,8 +66,13 @@ void prepare_acts(const float* x, int M, int K, int group_size, int format, int 
     for (int h = 0; h < H; ++h) {
       const float* xv = xm + 32 * h;
       float amax = 0.f;
-      for (int k = 0; k < 32; ++k) amax = fmaxf(amax, fabsf(xv[k]));
-      const float inv = amax > 0.f ? 127.f / amax : 0.f;
+      bool nan = false;  // fmaxf drops a NaN
+      for (int k = 0; k < 32; ++k) {
+        amax = fmaxf(amax, fabsf(xv[k]));
+        nan |= isnan(xv[k]);
+      }
+      if (nan) amax = NAN;
+      const float inv = qlinear_cpu::act_inverse_scale(amax);
       int8_t q[32];
       for (int k = 0; k < 32; ++k) {
         const float r = nearbyintf(xv[k] * inv);  // round half to even

@@ -41,6 +41,7 @@ inline simde__m512 simde_load_masked(simde__mmask16 k, const float* p) {  // SIM
 #include <cstring>
 #include <type_traits>
 
+#include "../_shared/act_quant.h"
 #include "bf16.h"
 #include "qgemm.h"
 
@@ -845,8 +846,9 @@ QLINEAR_AVX512_LUT void build_tables_avx512(const int8_t* xq, int K, int8_t* T) 
 // one rounding to nearest even, the same clamp), so the same xq, scale and Σ xq.
 QLINEAR_TARGET("avx512f,avx512bw,avx512vl") int quantize_block_avx512(const float* x, int n, int8_t* q, float* scale) {
   const __m512 a = _mm512_loadu_ps(x), b = n == 32 ? _mm512_loadu_ps(x + 16) : _mm512_setzero_ps();
-  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
-  const __m512 inv = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f), hi = _mm512_set1_ps(127.0f);
+  const bool nan = _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(b, b, _CMP_UNORD_Q);  // max drops NaN
+  const float amax = nan ? NAN : _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+  const __m512 inv = _mm512_set1_ps(qlinear_cpu::act_inverse_scale(amax)), hi = _mm512_set1_ps(127.0f);
   __m512i sum = _mm512_setzero_si512();
   for (int half = 0; half < n / 16; ++half) {
     const __m512 r = _mm512_roundscale_ps(_mm512_mul_ps(half ? b : a, inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -868,8 +870,13 @@ int quantize_block(const float* x, int n, int8_t* q, float* scale) {
   static const bool avx512 = QLINEAR_HAS("avx512f") && QLINEAR_HAS("avx512bw") && QLINEAR_HAS("avx512vl");
   if ((n == 16 || n == 32) && avx512) return quantize_block_avx512(x, n, q, scale);
   float amax = 0.0f;
-  for (int k = 0; k < n; ++k) amax = std::max(amax, std::fabs(x[k]));
-  const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+  bool nan = false;  // std::max drops a NaN in its second argument
+  for (int k = 0; k < n; ++k) {
+    amax = std::max(amax, std::fabs(x[k]));
+    nan |= std::isnan(x[k]);
+  }
+  if (nan) amax = NAN;
+  const float inv = qlinear_cpu::act_inverse_scale(amax);
   int qsum = 0;
   for (int k = 0; k < n; ++k) {
     const float v = std::min(127.0f, std::max(-127.0f, std::nearbyint(x[k] * inv)));

@@ -52,6 +52,12 @@ class Layout:
     dequantize: Optional[Callable] = None
     dequantize_devices: frozenset = frozenset()
 
+    def __reduce__(self):
+        # its functions (often lambdas) do not pickle: a pickled module (torch.save(model)) finds it again by name
+        from qlinear.backends import get_layout
+
+        return get_layout, (self.name,)
+
 
 @dataclasses.dataclass(frozen=True)
 class FormatConfig:

@@ -260,17 +260,19 @@ def rotate_input(x: torch.Tensor, seed: int, block: int) -> torch.Tensor:
     """The run-time transform ``x·Rᵀ`` of a layer's input ``[..., K]`` (same dtype): the device's registered native
     transform where it takes ``x`` (:func:`register_device_transform`), else :func:`rotate`.  Layers that read the
     same tensor one after the other (q/k/v, gate/up) share one transform: the latest result is reused while ``x`` is
-    the same tensor object, unmodified (its version counter unchanged) and the rotation the same.  Inference-mode
-    tensors have no version counter: they are transformed per layer."""
+    the same tensor object, unmodified (its version counter unchanged; on the CPU also its values, since writes
+    through ``.data`` or ``.numpy()`` keep the counter) and the rotation the same.  Inference-mode tensors have no
+    version counter: they are transformed per layer."""
     global _last
     key = None if x.is_inference() else x._version
-    if key is not None and _last and _last[0] is x and _last[1] == key and _last[2:4] == (seed, block):
+    if key is not None and _last and _last[0] is x and _last[1] == key and _last[2:4] == (seed, block) and (
+            _last[5] is None or torch.equal(_last[5], x)):  # a CPU compare needs no device sync
         return _last[4]
     native = _device_transforms.get(x.device.type)
     out = native(x, seed, block) if native is not None else None
     if out is None:
         out = rotate(x, seed, block)
-    _last = (x, key, seed, block, out) if key is not None else ()
+    _last = (x, key, seed, block, out, x.clone() if x.device.type == "cpu" else None) if key is not None else ()
     return out
 
 
