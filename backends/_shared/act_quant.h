@@ -6,6 +6,17 @@
 
 namespace qlinear_cpu {
 
+// max |x_k| over a block, or NaN if the block holds one (std::max and fmaxf drop a NaN)
+inline float block_amax(const float* x, int n) {
+  float amax = 0.0f;
+  bool nan = false;
+  for (int k = 0; k < n; ++k) {
+    amax = std::fmax(amax, std::fabs(x[k]));
+    nan |= std::isnan(x[k]);
+  }
+  return nan ? NAN : amax;
+}
+
 // 127/amax, or 0 where that is not finite: an all-zero block, a largest |x| below 127/FLT_MAX (about 3.7e-37, where
 // 0 · inf would make NaN codes), or a NaN amax.  Such a block's codes are all 0; a NaN block keeps its NaN scale, so
 // the outputs it feeds are NaN as in float arithmetic instead of finite values from saturated codes.

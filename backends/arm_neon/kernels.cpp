@@ -65,13 +65,7 @@ void prepare_acts(const float* x, int M, int K, int group_size, int format, int 
     }
     for (int h = 0; h < H; ++h) {
       const float* xv = xm + 32 * h;
-      float amax = 0.f;
-      bool nan = false;  // fmaxf drops a NaN
-      for (int k = 0; k < 32; ++k) {
-        amax = fmaxf(amax, fabsf(xv[k]));
-        nan |= isnan(xv[k]);
-      }
-      if (nan) amax = NAN;
+      const float amax = qlinear_cpu::block_amax(xv, 32);
       const float inv = qlinear_cpu::act_inverse_scale(amax);
       int8_t q[32];
       for (int k = 0; k < 32; ++k) {

@@ -869,13 +869,7 @@ int quantize_block(const float* x, int n, int8_t* q, float* scale) {
   // once per process, not per block: this runs for every 16 or 32 activations
   static const bool avx512 = QLINEAR_HAS("avx512f") && QLINEAR_HAS("avx512bw") && QLINEAR_HAS("avx512vl");
   if ((n == 16 || n == 32) && avx512) return quantize_block_avx512(x, n, q, scale);
-  float amax = 0.0f;
-  bool nan = false;  // std::max drops a NaN in its second argument
-  for (int k = 0; k < n; ++k) {
-    amax = std::max(amax, std::fabs(x[k]));
-    nan |= std::isnan(x[k]);
-  }
-  if (nan) amax = NAN;
+  const float amax = qlinear_cpu::block_amax(x, n);
   const float inv = qlinear_cpu::act_inverse_scale(amax);
   int qsum = 0;
   for (int k = 0; k < n; ++k) {

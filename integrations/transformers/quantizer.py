@@ -382,9 +382,9 @@ class QLinearHfQuantizer(HfQuantizer):
                 if absent and f"{name}.weight" in found:
                     stored_float.append(name)
                 elif absent or (mod.bias is not None and bias is None):
+                    absent += ["bias"] if mod.bias is not None and bias is None else []
                     hint = f" (the checkpoint has {', '.join(others)}: saved with another format?)" if others else ""
-                    missing.append(f"{name}: {', '.join(absent + ['bias'] * (mod.bias is not None and bias is None))}"
-                                   f"{hint}")
+                    missing.append(f"{name}: {', '.join(absent)}{hint}")
                 elif others:  # e.g. perm or rotation of a layer whose config, edited, no longer has act_order/rotation
                     problems.append(f"{name}: the checkpoint also has {', '.join(others)}, which a layer of this "
                                     f"config does not hold")
