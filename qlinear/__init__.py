@@ -11,12 +11,13 @@ from qlinear.integrations.transformers import QLinearConfig, init_empty_quantize
 from .calibration import calibrate, generate_data  # noqa: E402
 from .finetune import finetune  # noqa: E402
 from .replace import replace_linear  # noqa: E402
-from qlinear.integrations.gptq_checkpoint import load_gptq, save_gptq  # noqa: E402
+from qlinear.integrations.gptq_awq import load_awq, load_gptq, save_awq, save_gptq  # noqa: E402
 from qlinear.integrations import tensor_parallel  # noqa: E402
 from qlinear.integrations import peft as _peft  # noqa: E402
 
 _peft.install_when_imported()  # LoRA on qlinear layers through PEFT's own API, without importing PEFT here
 
 __version__ = "0.1.0"
-__all__ = ["QLinearConfig", "QuantLinear", "BCQLinear", "MixedPrecisionLinear", "CodebookLinear",
-           "replace_linear", "init_empty_quantized", "calibrate", "generate_data", "finetune", "load_gptq", "save_gptq", "tensor_parallel", "describe"]
+__all__ = ["QLinearConfig", "QuantLinear", "BCQLinear", "MixedPrecisionLinear", "CodebookLinear", "replace_linear",
+           "init_empty_quantized", "calibrate", "generate_data", "finetune", "load_gptq", "save_gptq", "load_awq",
+           "save_awq", "tensor_parallel", "describe"]

@@ -102,12 +102,13 @@ def _add_optimum_command(optimum_cli) -> None:
     from optimum.commands.base import BaseOptimumCLICommand, CommandInfo
 
     class QLinearCommand(BaseOptimumCLICommand):
-        COMMAND = CommandInfo("qlinear", help="qlinear quantization: quantize, eval, info (as the qlinear command)")
+        COMMAND = CommandInfo("qlinear", help="qlinear quantization: quantize, convert, eval, info (as the qlinear "
+                                              "command)")
 
         @staticmethod
         def parse_args(parser):
             parser.add_argument("args", nargs=argparse.REMAINDER,
-                                help="{quantize,eval,info} and its options, as for the qlinear command "
+                                help="{quantize,convert,eval,info} and its options, as for the qlinear command "
                                      "(optimum-cli qlinear quantize --help)")
 
         def run(self):

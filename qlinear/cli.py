@@ -2,13 +2,16 @@
 
     qlinear quantize SRC OUT [--format bcq --bits 4 --group-size 64 --option method=gptq ...] [--calibration FILE]
                              [--finetune-steps 80]
+    qlinear convert SRC OUT
     qlinear eval MODEL --text FILE [--max-tokens 4096 --window 512]
     qlinear info MODEL [--batch 1 --dtype float32]
 
 ``quantize`` reads a transformers checkpoint folder and writes a qlinear one (safetensors + config.json with
-``quant_method="qlinear"``, plus the tokenizer); ``eval`` prints perplexity over non-overlapping windows of a text file
-(:func:`qlinear.evaluation.perplexity`); ``info`` prints per layer the format, stored bits and bytes, and the kernel
-and layout this machine would use, with why the kernels ranked before it cannot.
+``quant_method="qlinear"``, plus the tokenizer); ``convert`` writes a GPTQ or AWQ checkpoint folder as a qlinear one
+with the same weights (:func:`qlinear.load_gptq`, :func:`qlinear.load_awq`), which ``from_pretrained`` then loads;
+``eval`` prints perplexity over non-overlapping windows of a text file (:func:`qlinear.evaluation.perplexity`);
+``info`` prints per layer the format, stored bits and bytes, and the kernel and layout this machine would use, with
+why the kernels ranked before it cannot.  ``eval`` and ``info`` also read GPTQ and AWQ folders directly.
 
 Exit status: 0 on success, 2 for a command-line error (argparse's convention), 1 when the work fails for a reason
 the message gives (a missing or damaged checkpoint, a config the format rejects): ``qlinear: error: ...`` on stderr,
@@ -65,7 +68,7 @@ def parser() -> argparse.ArgumentParser:
                                 "them, and show what each layer stores and which kernel runs it.",
                                 epilog="'qlinear COMMAND --help' documents each command's options.  Also runs as "
                                        "'python -m qlinear' and 'optimum-cli qlinear'.")
-    sub = p.add_subparsers(dest="command", required=True, metavar="{quantize,eval,info}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="{quantize,convert,eval,info}")
 
     q = sub.add_parser("quantize", help="quantize a transformers checkpoint folder into a qlinear one",
                        description="Quantize every nn.Linear of SRC (except --skip patterns and lm_head) and save "
@@ -95,31 +98,52 @@ def parser() -> argparse.ArgumentParser:
     q.add_argument("--trust-remote-code", action="store_true", help="allow the checkpoint's own modelling code")
     q.add_argument("--no-progress", action="store_true", help="no progress bars")
 
+    c = sub.add_parser("convert", help="write a GPTQ or AWQ checkpoint folder as a qlinear one (same weights)",
+                       description="Load SRC (quant_method 'gptq' or 'awq' in its config.json) into exact qlinear "
+                                   "layers and save the qlinear checkpoint and the tokenizer, if SRC has one, to OUT.")
+    c.add_argument("src", type=_folder, help="GPTQ (AutoGPTQ/GPTQModel) or AWQ (AutoAWQ) checkpoint folder")
+    c.add_argument("out", type=Path, help="output folder (created; existing files are overwritten)")
+    c.add_argument("--dtype", choices=DTYPES, default="float16", help="dtype of the float weights (default float16)")
+
     e = sub.add_parser("eval", help="perplexity of a (qlinear or float) checkpoint on a text file",
                        description="Perplexity over non-overlapping windows of the first --max-tokens tokens of "
                                    "--text, each window scored without earlier context.")
-    e.add_argument("model", type=_folder, help="checkpoint folder (qlinear or float)")
+    e.add_argument("model", type=_folder, help="checkpoint folder (qlinear, GPTQ, AWQ or float)")
     e.add_argument("--text", type=_text_file, required=True, help="UTF-8 text file")
     e.add_argument("--max-tokens", type=_positive, default=4096, help="tokens scored (default 4096)")
     e.add_argument("--window", type=_positive, default=512, help="tokens per window (default 512)")
     e.add_argument("--batch-size", type=_positive, default=1, help="windows per forward pass (default 1)")
-    e.add_argument("--dtype", choices=DTYPES, help="dtype of the float parts (default: the checkpoint's)")
+    e.add_argument("--dtype", choices=DTYPES, help="dtype of the float parts (default: the checkpoint's; GPTQ and "
+                                                   "AWQ: float32)")
     e.add_argument("--trust-remote-code", action="store_true", help="allow the checkpoint's own modelling code")
 
     i = sub.add_parser("info", help="per layer: format, bits, stored size, kernel and layout on this machine",
                        description="Load MODEL on the CPU and print one row per quantized layer, then totals.")
-    i.add_argument("model", type=_folder, help="qlinear checkpoint folder")
+    i.add_argument("model", type=_folder, help="qlinear, GPTQ or AWQ checkpoint folder")
     i.add_argument("--batch", type=_positive, default=1, help="rows per call the kernel is chosen for (default 1)")
     i.add_argument("--dtype", choices=DTYPES, default="float32", help="activation dtype (default float32)")
     i.add_argument("--trust-remote-code", action="store_true", help="allow the checkpoint's own modelling code")
     return p
 
 
+def _imported(path: Path) -> Optional[str]:
+    """"gptq" or "awq" when ``path`` is such a checkpoint (read by qlinear's own loaders), else None."""
+    try:
+        method = json.loads((path / "config.json").read_text()).get("quantization_config", {}).get("quant_method")
+    except (OSError, ValueError, AttributeError):
+        return None  # from_pretrained reports it
+    return method if method in ("gptq", "awq") else None
+
+
 def _load(path: Path, dtype: Optional[str], trust: bool, **kw):
+    import torch
     from transformers import AutoModelForCausalLM
 
     import qlinear  # noqa: F401  (the quant_method="qlinear" quantizer)
 
+    method = _imported(path)
+    if method:
+        return getattr(qlinear, f"load_{method}")(path, dtype=getattr(torch, dtype or "float32"))
     return AutoModelForCausalLM.from_pretrained(path, dtype=dtype or "auto", trust_remote_code=trust, **kw)
 
 
@@ -178,6 +202,26 @@ def _quantize(args) -> None:
     print(_totals(model))
 
 
+def _convert(args) -> None:
+    from transformers import AutoTokenizer
+
+    if not _imported(args.src):  # before loading: a float folder would load and convert nothing
+        raise ValueError(f"{args.src} is not a GPTQ or AWQ checkpoint (its config.json has no quantization_config "
+                         "with quant_method 'gptq' or 'awq'); 'qlinear quantize' quantizes float checkpoints")
+    method = _imported(args.src)
+    model = _load(args.src, args.dtype, False)
+    try:
+        tok = AutoTokenizer.from_pretrained(args.src)
+    except (OSError, ValueError):
+        tok = None
+    args.out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(args.out)
+    if tok is not None:
+        tok.save_pretrained(args.out)
+    print(f"converted {args.src} ({method.upper()}) -> {args.out}" + ("" if tok else " (no tokenizer)"))
+    print(_totals(model))
+
+
 def _eval(args) -> None:
     from transformers import AutoTokenizer
 
@@ -214,7 +258,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         p.error("--calibration-length must be at least 5 for generated sequences (a random, 3 greedy and sampled "
                 "tokens)")
     try:
-        {"quantize": _quantize, "eval": _eval, "info": _info}[args.command](args)
+        {"quantize": _quantize, "convert": _convert, "eval": _eval, "info": _info}[args.command](args)
     except (ValueError, TypeError, OSError, ImportError) as e:
         print(f"qlinear: error: {e}", file=sys.stderr)
         return 1

@@ -19,7 +19,7 @@ from torch import nn
 from . import backends, ops
 from .formats import FormatConfig, bcq, get_format, rotation, spec_bits
 from .formats.base import quantize_device
-from .formats.uniform import pack_gptq, unpack_gptq
+from .formats.uniform import pack_awq, pack_gptq, unpack_awq, unpack_gptq
 from .gptq import check_hessian
 
 logger = logging.getLogger("qlinear")
@@ -572,13 +572,7 @@ class BCQLinear(QuantLinear):
             ValueError: the layer's α are not uniform (only GPTQ / round-to-nearest / imported layers have
                 int codes), bits not in (2, 3, 4, 8), offsets that are not integer zero points, or a rotated layer.
         """
-        if self.config.bits not in (2, 3, 4, 8):
-            raise ValueError(f"GPTQ checkpoints hold 2/3/4/8-bit codes, this layer has {self.config.bits}")
-        if self.config.rotation != "none":
-            raise ValueError("a rotated layer (rotation='hadamard') has no GPTQ checkpoint form: GPTQ kernels do not "
-                             "rotate their input; quantize without rotation to export")
-        codes, scales, zeros, g_idx = bcq.to_uniform({k: v.cpu() for k, v in self.canonical().items()}, self.config,
-                                                     self.out_features, self.in_features)
+        codes, scales, zeros, g_idx = self._uniform_export("GPTQ", (2, 3, 4, 8))
         qweight, qzeros = pack_gptq(codes, zeros, self.config.bits, checkpoint_format)
         if g_idx is None:
             g_idx = (torch.arange(self.in_features) // self.config.group(self.in_features)).to(torch.int32)
@@ -587,6 +581,55 @@ class BCQLinear(QuantLinear):
             out["bias"] = self.bias.detach().cpu().half()
         return out
 
+    def _uniform_export(self, engine: str, bits: tuple[int, ...]):
+        """``bcq.to_uniform`` of this layer on the CPU, after refusing bits ``engine``'s checkpoints do not hold and a
+        rotated layer."""
+        if self.config.bits not in bits:
+            raise ValueError(f"{engine} checkpoints hold {'/'.join(map(str, bits))}-bit codes, this layer has "
+                             f"{self.config.bits}")
+        if self.config.rotation != "none":
+            raise ValueError(f"a rotated layer (rotation='hadamard') has no {engine} checkpoint form: {engine} kernels "
+                             "do not rotate their input; quantize without rotation to export")
+        return bcq.to_uniform({k: v.cpu() for k, v in self.canonical().items()}, self.config, self.out_features,
+                              self.in_features)
+
+    @classmethod
+    def from_awq(cls, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, *, in_features: int,
+                 out_features: int, group_size: int, version: str = "gemm", bias: Optional[torch.Tensor] = None,
+                 backend: Optional[str] = None) -> "BCQLinear":
+        """Exact 4-bit BCQ layer from AutoAWQ checkpoint tensors (Lin et al. 2023; AutoAWQ's ``WQLinear_GEMM`` /
+        ``WQLinear_GEMV`` layouts, see :func:`qlinear.formats.uniform.pack_awq`): the same weights
+        ``scales·(codes − zeros)``, held in BCQ's uniform storage.
+
+        Args:
+            qweight, qzeros: int32 in the ``version`` layout.  scales: fp16 in that layout.
+            in_features, out_features: K and N.  group_size: inputs per group, -1 for one group.
+            version: "gemm" or "gemv".
+            bias: optional ``[N]``.
+
+        Raises:
+            ValueError: an unknown version or tensors whose shapes do not fit K, N and ``group_size``.
+        """
+        codes, zeros, s = unpack_awq(qweight, qzeros, scales, in_features, out_features, group_size, version)
+        return cls.from_uniform(codes, s, zeros, bits=4, group_size=group_size, bias=bias, backend=backend)
+
+    def to_awq(self, version: str = "gemm") -> dict[str, torch.Tensor]:
+        """This layer as AutoAWQ checkpoint tensors (the inverse of :meth:`from_awq`): ``qweight``, ``qzeros``,
+        ``scales`` in the ``version`` layout, plus fp16 ``bias`` if any.
+
+        Raises:
+            ValueError: not 4 bits, non-uniform α, an act_order or rotated layer (AWQ holds neither a ``g_idx`` nor
+                a transform), or a shape the layout cannot pack.
+        """
+        codes, scales, zeros, g_idx = self._uniform_export("AWQ", (4,))
+        if g_idx is not None:
+            raise ValueError("an act_order layer (a g_idx, stored reordered) has no AWQ checkpoint form: AWQ groups "
+                             "are contiguous; export it with save_gptq, or quantize with act_order=False")
+        qweight, qzeros, s = pack_awq(codes, zeros, scales, self.config.group_size, version)
+        out = {"qweight": qweight, "qzeros": qzeros, "scales": s}
+        if self.bias is not None:
+            out["bias"] = self.bias.detach().cpu().half()
+        return out
 
 class MixedPrecisionLinear(QuantLinear):
     """2/4-bit intra-matrix mixed precision with fp16 sparse outliers (:mod:`qlinear.formats.mixed`)."""

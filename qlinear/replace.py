@@ -140,7 +140,7 @@ def replace_linear(model: nn.Module, config: Any, *, modules_to_not_convert: Opt
             for name, q in new.items():
                 parent_name, _, child = name.rpartition(".")
                 q.train((model.get_submodule(parent_name) if parent_name else model).training)
-            _remember_config(model, config, skip, per_module, new)
+            remember_config(model, config, skip, per_module, new)
             return model
         else:
             from .calibration import calibrate
@@ -155,13 +155,14 @@ def replace_linear(model: nn.Module, config: Any, *, modules_to_not_convert: Opt
         parent = model.get_submodule(parent_name) if parent_name else model
         q.train(parent.training)
         setattr(parent, child, q)
-    _remember_config(model, config, skip, per_module, new)
+    remember_config(model, config, skip, per_module, new)
     return model
 
 
-def _remember_config(model, config, skip, per_module, new) -> None:
-    # so that save_pretrained writes the config (and, through the quantizer, the tensors' checksums) and
-    # from_pretrained rebuilds the same modules
+def remember_config(model, config, skip, per_module, new) -> None:
+    """Put ``config`` (with ``skip`` and ``per_module``) on ``model.config.quantization_config`` after the layers
+    ``new`` (name -> QuantLinear) were swapped in, so that ``save_pretrained`` writes a qlinear checkpoint (and,
+    through the quantizer, the tensors' checksums) from which ``from_pretrained`` rebuilds the same modules."""
     if hasattr(getattr(model, "config", None), "to_dict") and new:
         saved = copy.copy(config)  # calibration data and tokenizer are not part of the saved config
         saved.format_options, saved.modules_to_not_convert = dict(config.format_options), skip

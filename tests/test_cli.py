@@ -1,4 +1,4 @@
-"""The command line (issue 26, item 3): ``qlinear quantize|eval|info``, ``python -m qlinear`` and ``optimum-cli
+"""The command line (issue 26, item 3): ``qlinear quantize|convert|eval|info``, ``python -m qlinear`` and ``optimum-cli
 qlinear``, run in subprocesses on a tiny Llama with a word-level tokenizer built from gensim's Lee corpus (the help
 and error cases call ``qlinear.cli.main`` in this process).  Each command's result is checked against the same work
 done in this process."""
@@ -63,7 +63,7 @@ def float_ckpt(tmp_path_factory):
 
 def test_help_documents_every_option(capsys):
     subs = parser()._subparsers._group_actions[0].choices
-    assert set(subs) == {"quantize", "eval", "info"}
+    assert set(subs) == {"quantize", "convert", "eval", "info"}
     for name, p in subs.items():
         for action in p._actions:
             assert action.help, (name, action.dest)
@@ -135,6 +135,34 @@ def test_finetune_without_calibration_distils_on_the_models_own_samples(float_ck
     assert any(not torch.equal(a[k], b[k]) for k in a if k in tunable)
 
 
+@pytest.mark.parametrize("method", ["awq", "gptq"])
+def test_convert_eval_info_read_gptq_and_awq_checkpoints(float_ckpt, tmp_path, capsys, method):
+    fp, text = float_ckpt
+    model = AutoModelForCausalLM.from_pretrained(fp)
+    qlinear.replace_linear(model, QLinearConfig("bcq", bits=4, group_size=32, init="uniform", iters=0),
+                           progress=False)
+    getattr(qlinear, f"save_{method}")(model, tmp_path / method)
+    AutoTokenizer.from_pretrained(fp).save_pretrained(tmp_path / method)
+    want = getattr(qlinear, f"load_{method}")(tmp_path / method, dtype=torch.float32)
+
+    code, out, err = _run_here(capsys, "convert", tmp_path / method, tmp_path / "q", "--dtype", "float32")
+    assert code == 0, err[-3000:]
+    assert f"({method.upper()}) -> {tmp_path / 'q'}" in out and "14 quantized layers" in out
+    saved = AutoModelForCausalLM.from_pretrained(tmp_path / "q")
+    tokens = torch.randint(0, 100, (1, 12))
+    with torch.no_grad():
+        assert torch.equal(saved(tokens).logits, want(tokens).logits)
+    assert AutoTokenizer.from_pretrained(tmp_path / "q").vocab == AutoTokenizer.from_pretrained(fp).vocab
+
+    code, out, err = _run_here(capsys, "eval", tmp_path / method, "--text", text, "--max-tokens", "512", "--window",
+                               "128")
+    assert code == 0, err[-3000:]
+    ppl = perplexity(want, AutoTokenizer.from_pretrained(fp), text.read_text(), max_tokens=512, window=128)
+    assert re.search(r"perplexity ([\d.]+) over 4 windows", out).group(1) == f"{ppl:.4f}"
+    code, out, err = _run_here(capsys, "info", tmp_path / method)
+    assert code == 0 and len([r for r in out.splitlines() if r.startswith("| model.")]) == 14, err[-3000:]
+
+
 @pytest.mark.parametrize("args, code, message", [
     (["quantize", "missing", "out"], 2, "is not a transformers checkpoint folder"),
     (["quantize", "{fp}", "out", "--option", "bits"], 2, "expected KEY=VALUE"),
@@ -142,6 +170,7 @@ def test_finetune_without_calibration_distils_on_the_models_own_samples(float_ck
     (["quantize", "{fp}", "out", "--option", "colour=red"], 1, "qlinear: error: .*colour"),
     (["eval", "{fp}", "--text", "nothing.txt"], 2, "no such text file"),
     (["info", "{fp}"], 1, "qlinear: error: .* has no qlinear layers"),
+    (["convert", "{fp}", "out"], 1, "qlinear: error: .* is not a GPTQ or AWQ checkpoint"),
     (["quantize", "{fp}", "out", "--finetune-steps", "3", "--calibration-length", "4"], 2, "at least 5"),
 ])
 def test_errors_exit_with_a_message_and_no_traceback(float_ckpt, tmp_path, monkeypatch, capsys, args, code, message):

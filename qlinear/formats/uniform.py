@@ -12,7 +12,8 @@ import torch
 
 from .base import UNIFORM_MIN_SCALE, fp16_round, group_bounds, num_groups
 
-__all__ = ["fit", "fit_symmetric", "codes_for", "rtn", "GroupQuantizer", "MSE_GRID"]
+__all__ = ["fit", "fit_symmetric", "codes_for", "rtn", "GroupQuantizer", "MSE_GRID", "pack_gptq", "unpack_gptq",
+           "pack_awq", "unpack_awq"]
 
 MSE_GRID = tuple(1 - i / 100 for i in range(21))  # GPTQ's mse search: shrink factors 1.00 ... 0.80
 
@@ -171,3 +172,109 @@ def unpack_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, bits: int, in_featu
     if checkpoint_format == "gptq":
         zeros = (zeros + 1) & ((1 << bits) - 1)
     return codes, zeros
+
+
+AWQ_VERSIONS = ("gemm", "gemv")
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # "gemm": nibble i of a word holds output column 8·c + AWQ_ORDER[i]
+
+
+def _awq_zero_words(groups: int, group_size: int) -> int:
+    """Width of a "gemv" ``qzeros`` row: ``ceil(G / 8)`` words rounded up to a multiple of 1, 2 or 4 (group size
+    ≥ 128, 64 or 32), as AutoAWQ's GEMV kernel reads them."""
+    multiple = 1 if group_size >= 128 else {64: 2, 32: 4}.get(group_size)
+    if multiple is None:
+        raise ValueError(f"AWQ's 'gemv' layout has group sizes 32, 64 or >= 128, got {group_size}; "
+                         "use version='gemm'")
+    words = -(-groups // 8)
+    return -(-words // multiple) * multiple
+
+
+def _awq_columns(n: int) -> torch.Tensor:
+    return (torch.arange(n).view(-1, 8)[:, list(AWQ_ORDER)]).flatten()
+
+
+def awq_version(version: str) -> str:
+    """``version`` lower-cased (AutoAWQ writes "GEMM"); ValueError unless it is one of :data:`AWQ_VERSIONS`."""
+    lower = version.lower() if isinstance(version, str) else version
+    if lower not in AWQ_VERSIONS:
+        raise ValueError(f"AWQ layout (version) must be one of {AWQ_VERSIONS}, got {version!r}; 'gemv_fast' and "
+                         "'marlin' checkpoints are repacked for one kernel and not read here")
+    return lower
+
+
+def _check_awq(version: str, in_features: int, out_features: int, group_size: int) -> tuple[str, int, int]:
+    """``(version lower-cased, group size, number of groups)`` after checking that the layout holds this shape."""
+    version = awq_version(version)
+    g = in_features if group_size == -1 else group_size
+    if g <= 0 or in_features % g:
+        raise ValueError(f"AWQ groups must divide in_features={in_features}, got group_size={group_size}")
+    if version == "gemm" and out_features % 8:
+        raise ValueError(f"AWQ's 'gemm' layout packs 8 output columns per word: out_features={out_features} is not a "
+                         "multiple of 8")
+    if version == "gemv" and in_features % 8:
+        raise ValueError(f"AWQ's 'gemv' layout packs 8 inputs per word: in_features={in_features} is not a multiple "
+                         "of 8")
+    return version, g, in_features // g
+
+
+def pack_awq(codes: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, group_size: int,
+             version: str = "gemm") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """4-bit ``codes [N, K]``, ``zeros [N, G]`` and ``scales [N, G]`` in an AutoAWQ checkpoint layout
+    (Lin et al. 2023, AutoAWQ's ``WQLinear_GEMM`` / ``WQLinear_GEMV``); ``ŵ = scales·(codes − zeros)``.
+
+    Returns:
+        ``(qweight, qzeros, scales)``.  "gemm": int32 ``[K, N/8]`` and ``[G, N/8]``, eight output columns per word
+        in the order :data:`AWQ_ORDER`, fp16 ``[G, N]``.  "gemv": int32 ``[N, K/8]`` (eight inputs per word in
+        order) and ``[N, W]`` (the groups' zero points in order, zero-padded to ``W`` words, see
+        :func:`_awq_zero_words`), fp16 ``[N, 8·W]`` (zero-padded).
+
+    Raises:
+        ValueError: an unknown version, groups that do not divide K, N (gemm) or K (gemv) not a multiple of 8, a
+            "gemv" group size other than 32, 64 or ≥ 128, codes or zeros outside [0, 16).
+    """
+    from .packing import pack
+
+    N, K = codes.shape
+    version, g, G = _check_awq(version, K, N, group_size)
+    if version == "gemm":
+        cols = _awq_columns(N)
+        return (pack(codes.T[:, cols].contiguous(), 4), pack(zeros.long().T[:, cols].contiguous(), 4),
+                scales.T.contiguous().half())
+    pad = (0, 8 * _awq_zero_words(G, g) - G)
+    return (pack(codes, 4), pack(torch.nn.functional.pad(zeros.long(), pad), 4),
+            torch.nn.functional.pad(scales.half(), pad))
+
+
+def unpack_awq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, in_features: int,
+               out_features: int, group_size: int, version: str = "gemm"
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Inverse of :func:`pack_awq`: ``(codes [N, K] int64, zeros [N, G] int64, scales [N, G] fp16)``.
+
+    Args:
+        qweight, qzeros: int32 tensors in the ``version`` layout.  scales: fp16 in that layout.
+        in_features, out_features: K and N.  group_size: inputs per group (-1: all of K).
+
+    Raises:
+        ValueError: an unknown version, non-int32 words, or shapes that do not fit K, N and ``group_size``.
+    """
+    from .packing import unpack
+
+    N = out_features
+    version, g, G = _check_awq(version, in_features, N, group_size)
+    if qweight.dtype != torch.int32 or qzeros.dtype != torch.int32:
+        raise ValueError(f"AWQ qweight and qzeros must be int32, got {qweight.dtype} and {qzeros.dtype}")
+    if version == "gemm":
+        want = {"qweight": (in_features, N // 8), "qzeros": (G, N // 8), "scales": (G, N)}
+    else:
+        W = _awq_zero_words(G, g)
+        want = {"qweight": (N, in_features // 8), "qzeros": (N, W), "scales": (N, 8 * W)}
+    got = {"qweight": qweight, "qzeros": qzeros, "scales": scales}
+    for k, shape in want.items():
+        if tuple(got[k].shape) != shape:
+            raise ValueError(f"AWQ {version!r} {k} is {list(got[k].shape)}, expected {list(shape)} for "
+                             f"in_features={in_features}, out_features={N}, group_size={group_size}")
+    if version == "gemm":
+        cols = torch.argsort(_awq_columns(N))
+        return (unpack(qweight, 4, N)[:, cols].T.contiguous(), unpack(qzeros, 4, N)[:, cols].T.contiguous(),
+                scales.T.contiguous())
+    return unpack(qweight, 4, in_features), unpack(qzeros, 4, 8 * W)[:, :G].contiguous(), scales[:, :G].contiguous()
