@@ -168,6 +168,13 @@ for _s in (0, 1, 2):
          FINETUNE))
 for _n in ("gptq3-g128-mse-rot", "codebook2-g96-rot"):  # the best rotated rows at 3.25 and 2.25 bits, distilled
     ROWS[f"{_n}-ft"] = (f"{ROWS[_n][0]}, scales distilled", "distilled", (*ROWS[_n][2], FINETUNE))
+    _label, (_, _cfg, _cal) = ROWS[_n][0], ROWS[_n][2]
+    for _s in (1, 2):  # other rotation seeds: codes only, and distilled
+        _seeded = QLinearConfig(_cfg.format, bits=_cfg.bits, group_size=_cfg.group_size,
+                                **{**_cfg.format_options, "rotation_seed": _s})
+        ROWS[f"{_n}-s{_s}"] = (f"{_label} (seed {_s})", "rotated", ("qlinear", _seeded, _cal))
+        ROWS[f"{_n}-ft-s{_s}"] = (f"{_label} (seed {_s}), scales distilled", "distilled",
+                                  ("qlinear", _seeded, _cal, FINETUNE))
 # No calibration data at all: the scales distilled on sequences the float model samples itself (qlinear.generate_data)
 SELF_DATA = {"num_samples": 128, "length": 256}
 for _s in (0, 1, 2):

@@ -45,13 +45,16 @@ def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
         raise ValueError(f"no .safetensors files in {path}")
     out: dict[str, torch.Tensor] = {}
     for f in files:
-        out.update(load_file(str(f)))
+        try:
+            out.update(load_file(str(f)))
+        except Exception as e:  # safetensors' own error type for a truncated or damaged file
+            raise ValueError(f"cannot read {f}: {type(e).__name__}: {e}") from None
     return out
 
 
 def _read_config(path: Path, method: str):
-    """``(transformers config, its quantization_config as a dict, group_size)``; ValueError unless the checkpoint's
-    quant_method is ``method`` with integer bits and group_size."""
+    """``(transformers config, its quantization_config as a dict with int bits and group_size)``; ValueError unless
+    the checkpoint's quant_method is ``method`` with integer bits and group_size."""
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(path)
@@ -90,7 +93,9 @@ def _load(path: Path, config, method: str, dtype: torch.dtype,
         bias = tensors.pop(f"{name}.bias", None)
         try:
             layer = make_layer(name, mod, t, None if bias is None else bias.to(dtype))
-        except (KeyError, ValueError) as e:
+        except KeyError as e:
+            raise ValueError(f"layer {name!r}: the checkpoint has {name}.qweight but no {name}.{e.args[0]}") from None
+        except ValueError as e:
             raise ValueError(f"layer {name!r}: {e}") from e
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, layer)
@@ -100,14 +105,21 @@ def _load(path: Path, config, method: str, dtype: torch.dtype,
     except RuntimeError as e:  # torch's size mismatches of the float tensors
         raise ValueError(f"{name_} checkpoint {path} does not fit the model its config.json describes: {e}") from None
     quantized = [name + "." for name, m in model.named_modules() if isinstance(m, BCQLinear)]
-    tied = set(getattr(model, "_tied_weights_keys", None) or [])
-    missing = [k for k in missing if k not in tied and not k.endswith("lm_head.weight")
-               and not any(k.startswith(q) for q in quantized)]
+    output = model.get_output_embeddings()
+    tie = getattr(config, "tie_word_embeddings", False) and not isinstance(output, BCQLinear)
+    tied = set(getattr(model, "all_tied_weights_keys", None) or {}) if tie else set()
+    missing = [k for k in missing if k not in tied and not any(k.startswith(q) for q in quantized)]
     if unexpected or missing:
         raise ValueError(f"{name_} checkpoint {path} does not fit the model: missing {missing[:5]}, unexpected "
                          f"{unexpected[:5]}")
-    if getattr(config, "tie_word_embeddings", False):
+    if tie:
         model.tie_weights()
+    elif getattr(config, "tie_word_embeddings", False):  # a quantized lm_head (GPTQModel's lm_head=True) has its own
+        model.config.tie_word_embeddings = False
+    if (path / "generation_config.json").exists():  # from_config gave the defaults (end-of-sequence tokens...)
+        from transformers import GenerationConfig
+
+        model.generation_config = GenerationConfig.from_pretrained(path)
     layers = {name: m for name, m in model.named_modules() if isinstance(m, BCQLinear)}
     if layers:  # save_pretrained then writes a qlinear checkpoint that from_pretrained loads
         from qlinear import QLinearConfig
@@ -153,6 +165,11 @@ def _save(model: nn.Module, path, method: str, layer_tensors: Callable[[nn.Modul
             seen[v.data_ptr()] = k
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
+    index = path / "model.safetensors.index.json"
+    if index.exists():  # an earlier sharded checkpoint: the loaders would read its index, not the new file
+        for shard in set(json.loads(index.read_text()).get("weight_map", {}).values()):
+            (path / shard).unlink(missing_ok=True)
+        index.unlink()
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
     config = model.config.to_dict()
     config["quantization_config"] = qconfig
@@ -253,11 +270,36 @@ def load_awq(path, *, dtype: torch.dtype = torch.float16, backend: Optional[str]
     return _load(path, config, "awq", dtype, make_layer)
 
 
+def _awq_not_convert(model: nn.Module) -> list[str]:
+    """``modules_to_not_convert`` as AWQ loaders read it: a float ``nn.Linear`` inside the decoder blocks by its name
+    within a block (AutoAWQ tests each block's layers against the list, by substring), one outside by its full name
+    (transformers tests full names).  ValueError where an entry would also match a quantized layer (a layer float in
+    some blocks only)."""
+    from qlinear import QuantLinear
+    from qlinear.calibration import decoder_blocks
+
+    linears = [(n, m) for n, m in model.named_modules() if type(m) is nn.Linear or isinstance(m, QuantLinear)]
+    prefix, blocks = decoder_blocks(model, [n for n, _ in linears])
+
+    def key(name):
+        return name[len(prefix) + 1:].partition(".")[2] if blocks is not None and name.startswith(prefix + ".") else name
+
+    floats = {key(n): n for n, m in linears if type(m) is nn.Linear}
+    for name, m in linears:
+        clash = [f for f in floats if f in key(name)] if isinstance(m, QuantLinear) else []
+        if clash:
+            raise ValueError(f"layer {floats[clash[0]]!r} is kept in float, {name!r} is quantized: AWQ's "
+                             f"modules_to_not_convert names a layer for every decoder block ({clash[0]!r}), so it "
+                             "cannot keep one block's layer in float only; quantize or skip it in every block")
+    return sorted(floats)
+
+
 def save_awq(model: nn.Module, path, *, version: str = "gemm") -> None:
     """Write ``model`` (whose quantized layers are 4-bit uniform :class:`qlinear.BCQLinear` without act_order or
     rotation: round-to-nearest, GPTQ, or imported) as an AutoAWQ checkpoint folder for :func:`load_awq` and the
     engines that read AWQ (tests compare the packing bit for bit with AutoAWQ's own).  Float ``nn.Linear`` layers are
-    listed in ``modules_to_not_convert``.
+    listed in ``modules_to_not_convert``, those of the decoder blocks by their name within a block, as AutoAWQ reads
+    them.
 
     Args:
         model: a transformers model (its ``config`` is written with an AWQ ``quantization_config``).
@@ -266,12 +308,13 @@ def save_awq(model: nn.Module, path, *, version: str = "gemm") -> None:
 
     Raises:
         ValueError: a layer that is not 4-bit uniform, act_order or rotated, layers with different group sizes, a
-            shape the layout cannot pack (out_features for "gemm", in_features for "gemv", not multiples of 8).
+            shape the layout cannot pack (out_features for "gemm", in_features for "gemv", not multiples of 8), a
+            layer kept in float in some decoder blocks but not all.
     """
     from qlinear.formats.uniform import awq_version
 
     version = awq_version(version)
-    floats = sorted(name for name, m in model.named_modules() if type(m) is nn.Linear)
+    floats = _awq_not_convert(model)
 
     def qconfig(layers):
         bits, group_size = _one_grid(layers, "awq")

@@ -257,9 +257,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if getattr(args, "finetune_steps", None) and not args.calibration and (args.calibration_length or 5) < 5:
         p.error("--calibration-length must be at least 5 for generated sequences (a random, 3 greedy and sampled "
                 "tokens)")
+    from safetensors import SafetensorError  # a truncated or damaged checkpoint file
+
     try:
         {"quantize": _quantize, "convert": _convert, "eval": _eval, "info": _info}[args.command](args)
-    except (ValueError, TypeError, OSError, ImportError) as e:
+    except (ValueError, TypeError, OSError, ImportError, SafetensorError) as e:
         print(f"qlinear: error: {e}", file=sys.stderr)
         return 1
     return 0

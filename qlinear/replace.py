@@ -159,24 +159,40 @@ def replace_linear(model: nn.Module, config: Any, *, modules_to_not_convert: Opt
     return model
 
 
+def _default_float(model):
+    """Whether transformers' quantizers keep module ``name`` in float unless told otherwise (tied and output
+    embeddings, the last module: ``get_keys_to_not_convert``); never for a model that is not a transformers one."""
+    if not hasattr(model, "all_tied_weights_keys"):
+        return lambda name: False
+    from transformers.quantizers.base import get_keys_to_not_convert
+    from transformers.quantizers.quantizers_utils import should_convert_module
+
+    defaults = get_keys_to_not_convert(model)
+    return lambda name: not should_convert_module(name, defaults)
+
+
 def remember_config(model, config, skip, per_module, new) -> None:
     """Put ``config`` (with ``skip`` and ``per_module``) on ``model.config.quantization_config`` after the layers
     ``new`` (name -> QuantLinear) were swapped in, so that ``save_pretrained`` writes a qlinear checkpoint (and,
-    through the quantizer, the tensors' checksums) from which ``from_pretrained`` rebuilds the same modules."""
+    through the quantizer, the tensors' checksums) from which ``from_pretrained`` rebuilds the same modules, each
+    with its own config."""
     if hasattr(getattr(model, "config", None), "to_dict") and new:
         saved = copy.copy(config)  # calibration data and tokenizer are not part of the saved config
         saved.format_options, saved.modules_to_not_convert = dict(config.format_options), skip
         saved.per_module = dict(per_module)
         if hasattr(saved, "dataset"):
             saved.dataset = saved.tokenizer = None
-        # layers an earlier call quantized keep their own config: exact names, ahead of the patterns
-        earlier = {}
+        # exact names, ahead of the patterns, for a layer whose config the patterns do not give (an earlier call's,
+        # an imported layer's) and for one transformers' default skips would keep in float (a quantized lm_head)
+        default_float = _default_float(model)
+        exact = {}
         for name, m in model.named_modules():
-            if isinstance(m, QuantLinear) and name not in new:
+            if isinstance(m, QuantLinear):
                 c = saved.config_for(name)
-                if c is None or c.format_config().to_json() != m.config.to_json():
-                    earlier[name] = type(config)(**m.config.to_dict(), backend=m.backend or None)
-        saved.per_module = {**earlier, **saved.per_module}
+                if (c is None or c.format_config().to_json() != m.config.to_json()
+                        or default_float(name)):
+                    exact[name] = type(config)(**m.config.to_dict(), backend=m.backend or None)
+        saved.per_module = {**exact, **saved.per_module}
         model.config.quantization_config = saved
         if hasattr(model, "save_pretrained") and getattr(model, "hf_quantizer", None) is None:
             from qlinear.integrations.transformers import QLinearHfQuantizer

@@ -136,23 +136,29 @@ def _rtn4(model=None, **kw):
 
 @pytest.mark.parametrize("version", ["gemm", "gemv"])
 def test_save_and_load_awq_checkpoints(tmp_path, version):
-    model = _rtn4(modules_to_not_convert=["lm_head", "*.1.mlp.down_proj"])
+    model = _rtn4(modules_to_not_convert=["lm_head", "*mlp.down_proj"])
     ids = torch.randint(0, 128, (2, 16))
     ref = model(ids).logits
     qlinear.save_awq(model, tmp_path, version=version)
     cfg = json.loads((tmp_path / "config.json").read_text())["quantization_config"]
+    # a decoder block's float layer by its name within the block: AutoAWQ matches each block's layers so
     assert cfg == {"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True, "version": version,
-                   "modules_to_not_convert": ["lm_head", "model.layers.1.mlp.down_proj"]}
+                   "modules_to_not_convert": ["lm_head", "mlp.down_proj"]}
     again = qlinear.load_awq(tmp_path, dtype=torch.float32)
-    assert type(again.model.layers[1].mlp.down_proj) is torch.nn.Linear
-    assert torch.equal(again.model.layers[1].mlp.down_proj.weight, model.model.layers[1].mlp.down_proj.weight)
+    for block in (0, 1):
+        down = again.model.layers[block].mlp.down_proj
+        assert type(down) is torch.nn.Linear and torch.equal(down.weight, model.model.layers[block].mlp.down_proj.weight)
     n = 0
     for name, mod in model.named_modules():
         if isinstance(mod, BCQLinear):
             assert torch.equal(again.get_submodule(name).dequantize(), mod.dequantize()), name
             n += 1
-    assert n == 13
+    assert n == 12
     assert torch.allclose(again(ids).logits, ref, atol=1e-4)
+    with pytest.raises(ValueError, match="'model.layers.1.mlp.down_proj' is kept in float, "
+                                         "'model.layers.0.mlp.down_proj' is quantized"):
+        qlinear.save_awq(_rtn4(modules_to_not_convert=["lm_head", "*.1.mlp.down_proj"]), tmp_path / "one-block")
+    assert not (tmp_path / "one-block").exists()
 
 
 def test_loads_a_checkpoint_packed_from_the_spec(tmp_path):
@@ -253,23 +259,33 @@ def test_awq_errors(tmp_path):
 @pytest.mark.parametrize("method", ["awq", "gptq"])
 def test_imported_checkpoint_saves_as_a_qlinear_one(tmp_path, method):
     """load_awq / load_gptq, then save_pretrained: from_pretrained rebuilds the same layers (it used to build random
-    nn.Linear layers and skip the packed tensors), float layers stay float."""
-    from transformers import AutoModelForCausalLM
+    nn.Linear layers and skip the packed tensors), float layers stay float, a quantized lm_head stays quantized, layers
+    keep their own configs (GPTQ: a layer whose g_idx is in order loads without act_order), and the generation
+    config is the checkpoint's."""
+    from transformers import AutoModelForCausalLM, GenerationConfig
 
     if method == "awq":
-        qlinear.save_awq(_rtn4(modules_to_not_convert=["lm_head", "*.0.self_attn.o_proj"]), tmp_path / "src")
+        src = _rtn4(modules_to_not_convert=["*self_attn.o_proj"])
+        qlinear.save_awq(src, tmp_path / "src")
         model = qlinear.load_awq(tmp_path / "src", dtype=torch.float32)
     else:
         H = qlinear.calibrate(tiny_llama(), [torch.randint(0, 128, (1, 16))], progress=False)
         cfg = QLinearConfig("bcq", bits=3, group_size=32, method="gptq", act_order=True,
-                            modules_to_not_convert=["lm_head", "*.0.self_attn.o_proj"])
-        qlinear.save_gptq(qlinear.replace_linear(tiny_llama(), cfg, calibration_data=H, progress=False),
-                          tmp_path / "src")
+                            modules_to_not_convert=["*.0.self_attn.o_proj"],
+                            per_module={"*down_proj": QLinearConfig("bcq", bits=3, group_size=32, method="gptq")})
+        src = qlinear.replace_linear(tiny_llama(), cfg, calibration_data=H, progress=False)
+        qlinear.save_gptq(src, tmp_path / "src")
         model = qlinear.load_gptq(tmp_path / "src", dtype=torch.float32)
+        assert {model.get_submodule(f"model.layers.{i}.mlp.down_proj").config.act_order for i in (0, 1)} == {False}
+        assert model.model.layers[0].mlp.up_proj.config.act_order
+    GenerationConfig(eos_token_id=[1, 7], max_new_tokens=5).save_pretrained(tmp_path / "src")
+    model = getattr(qlinear, f"load_{method}")(tmp_path / "src", dtype=torch.float32)
+    assert model.generation_config.eos_token_id == [1, 7] and isinstance(model.lm_head, BCQLinear)
     model.save_pretrained(tmp_path / "ql")
     again = AutoModelForCausalLM.from_pretrained(tmp_path / "ql", dtype=torch.float32)
     names = {n for n, m in model.named_modules() if isinstance(m, BCQLinear)}
-    assert len(names) == 13 and names == {n for n, m in again.named_modules() if isinstance(m, BCQLinear)}
+    assert len(names) == (13 if method == "awq" else 14) and "lm_head" in names
+    assert names == {n for n, m in again.named_modules() if isinstance(m, BCQLinear)}
     for name in names:
         a, b = model.get_submodule(name), again.get_submodule(name)
         assert a.config.to_json() == b.config.to_json() and torch.equal(a.dequantize(), b.dequantize()), name
@@ -277,3 +293,46 @@ def test_imported_checkpoint_saves_as_a_qlinear_one(tmp_path, method):
     assert type(o_proj) is torch.nn.Linear and torch.equal(o_proj.weight, model.model.layers[0].self_attn.o_proj.weight)
     ids = torch.randint(0, 128, (2, 12))
     assert torch.equal(again(ids).logits, model(ids).logits)
+    assert again.generation_config.eos_token_id == [1, 7]
+
+
+def test_quantized_lm_head_saves_and_loads_quantized(tmp_path):
+    """modules_to_not_convert=[] quantizes lm_head; from_pretrained used to refuse the saved folder (transformers'
+    default skips keep an output embedding in float)."""
+    from transformers import AutoModelForCausalLM
+
+    model = _rtn4(modules_to_not_convert=[])
+    assert isinstance(model.lm_head, BCQLinear)
+    model.save_pretrained(tmp_path)
+    again = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    assert isinstance(again.lm_head, BCQLinear) and torch.equal(again.lm_head.dequantize(), model.lm_head.dequantize())
+    ids = torch.randint(0, 128, (2, 12))
+    assert torch.equal(again(ids).logits, model(ids).logits)
+
+
+def test_loader_refuses_what_it_cannot_read_and_overwrites_shards(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    good = tmp_path / "awq"
+    qlinear.save_awq(_rtn4(), good)
+    sd = load_file(str(good / "model.safetensors"))
+    # an untied model needs its lm_head: it used to load with lm_head on the meta device
+    save_file({k: v for k, v in sd.items() if k != "lm_head.weight"}, str(good / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"does not fit the model: missing \['lm_head.weight'\]"):
+        qlinear.load_awq(good)
+    save_file({k: v for k, v in sd.items() if k != "model.layers.0.mlp.up_proj.qzeros"}, str(good / "model.safetensors"))
+    with pytest.raises(ValueError, match="has model.layers.0.mlp.up_proj.qweight but no model.layers.0.mlp.up_proj.qzeros"):
+        qlinear.load_awq(good)
+    (good / "model.safetensors").write_bytes((tmp_path / "awq" / "config.json").read_bytes()[:64])
+    with pytest.raises(ValueError, match="cannot read .*model.safetensors"):
+        qlinear.load_awq(good)
+
+    # saving into a folder that held a sharded checkpoint: the index and its shards go, the new file is what loads
+    old = tmp_path / "sharded"
+    tiny_llama(seed=1).save_pretrained(old, max_shard_size="100KB")
+    assert (old / "model.safetensors.index.json").exists()
+    model = _rtn4()
+    qlinear.save_awq(model, old)
+    assert sorted(p.name for p in old.glob("*.safetensors*")) == ["model.safetensors"]
+    again = qlinear.load_awq(old, dtype=torch.float32)
+    assert torch.equal(again.model.layers[1].mlp.up_proj.dequantize(), model.model.layers[1].mlp.up_proj.dequantize())

@@ -171,11 +171,16 @@ def test_convert_eval_info_read_gptq_and_awq_checkpoints(float_ckpt, tmp_path, c
     (["eval", "{fp}", "--text", "nothing.txt"], 2, "no such text file"),
     (["info", "{fp}"], 1, "qlinear: error: .* has no qlinear layers"),
     (["convert", "{fp}", "out"], 1, "qlinear: error: .* is not a GPTQ or AWQ checkpoint"),
+    (["info", "{damaged}"], 1, "qlinear: error: .*(header|deserializ)"),
     (["quantize", "{fp}", "out", "--finetune-steps", "3", "--calibration-length", "4"], 2, "at least 5"),
 ])
 def test_errors_exit_with_a_message_and_no_traceback(float_ckpt, tmp_path, monkeypatch, capsys, args, code, message):
     monkeypatch.chdir(tmp_path)
-    got, _, err = _run_here(capsys, *[a.format(fp=float_ckpt[0]) for a in args])  # an uncaught exception fails here
+    damaged = tmp_path / "damaged"
+    damaged.mkdir()
+    (damaged / "config.json").write_text((float_ckpt[0] / "config.json").read_text())
+    (damaged / "model.safetensors").write_bytes((float_ckpt[0] / "model.safetensors").read_bytes()[:100])
+    got, _, err = _run_here(capsys, *[a.format(fp=float_ckpt[0], damaged=damaged) for a in args])  # uncaught: fails
     assert got == code and re.search(message, err), err
     assert not (tmp_path / "out").exists()
 

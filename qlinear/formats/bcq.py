@@ -641,7 +641,8 @@ def to_uniform(buffers: dict[str, torch.Tensor], cfg: Config, out_features: int,
     K = in_features
     codes, s, zeros = uniform_parts(buffers, cfg, out_features, in_features)
     if zeros is None:
-        raise ValueError("a layer without offset has the zero point (2^q − 1)/2, not an integer: GPTQ cannot hold it")
+        raise ValueError("a layer without offset has the zero point (2^q − 1)/2, not an integer: GPTQ and AWQ "
+                         "checkpoints cannot hold it (quantize with offset=True to export)")
     g_idx = None
     if "perm" in buffers:
         perm = buffers["perm"].long()
