@@ -81,7 +81,7 @@ def _load(path: Path, config, method: str, dtype: torch.dtype,
 
     from qlinear import BCQLinear
 
-    name_ = method.upper()
+    engine = method.upper()
     tensors = _read_tensors(path)
     del config.quantization_config
     with init_empty_weights(include_buffers=False):  # parameters on meta, computed buffers (rotary) real
@@ -103,14 +103,14 @@ def _load(path: Path, config, method: str, dtype: torch.dtype,
         missing, unexpected = model.load_state_dict({k: v.to(dtype) if v.is_floating_point() else v
                                                      for k, v in tensors.items()}, strict=False, assign=True)
     except RuntimeError as e:  # torch's size mismatches of the float tensors
-        raise ValueError(f"{name_} checkpoint {path} does not fit the model its config.json describes: {e}") from None
+        raise ValueError(f"{engine} checkpoint {path} does not fit the model its config.json describes: {e}") from None
     quantized = [name + "." for name, m in model.named_modules() if isinstance(m, BCQLinear)]
     output = model.get_output_embeddings()
     tie = getattr(config, "tie_word_embeddings", False) and not isinstance(output, BCQLinear)
     tied = set(getattr(model, "all_tied_weights_keys", None) or {}) if tie else set()
     missing = [k for k in missing if k not in tied and not any(k.startswith(q) for q in quantized)]
     if unexpected or missing:
-        raise ValueError(f"{name_} checkpoint {path} does not fit the model: missing {missing[:5]}, unexpected "
+        raise ValueError(f"{engine} checkpoint {path} does not fit the model: missing {missing[:5]}, unexpected "
                          f"{unexpected[:5]}")
     if tie:
         model.tie_weights()
