@@ -159,18 +159,6 @@ def replace_linear(model: nn.Module, config: Any, *, modules_to_not_convert: Opt
     return model
 
 
-def _default_float(model):
-    """Whether transformers' quantizers keep module ``name`` in float unless told otherwise (tied and output
-    embeddings, the last module: ``get_keys_to_not_convert``); never for a model that is not a transformers one."""
-    if not hasattr(model, "all_tied_weights_keys"):
-        return lambda name: False
-    from transformers.quantizers.base import get_keys_to_not_convert
-    from transformers.quantizers.quantizers_utils import should_convert_module
-
-    defaults = get_keys_to_not_convert(model)
-    return lambda name: not should_convert_module(name, defaults)
-
-
 def remember_config(model, config, skip, per_module, new) -> None:
     """Put ``config`` (with ``skip`` and ``per_module``) on ``model.config.quantization_config`` after the layers
     ``new`` (name -> QuantLinear) were swapped in, so that ``save_pretrained`` writes a qlinear checkpoint (and,
@@ -183,14 +171,12 @@ def remember_config(model, config, skip, per_module, new) -> None:
         if hasattr(saved, "dataset"):
             saved.dataset = saved.tokenizer = None
         # exact names, ahead of the patterns, for a layer whose config the patterns do not give (an earlier call's,
-        # an imported layer's) and for one transformers' default skips would keep in float (a quantized lm_head)
-        default_float = _default_float(model)
+        # an imported layer's)
         exact = {}
         for name, m in model.named_modules():
             if isinstance(m, QuantLinear):
                 c = saved.config_for(name)
-                if (c is None or c.format_config().to_json() != m.config.to_json()
-                        or default_float(name)):
+                if c is None or c.format_config().to_json() != m.config.to_json():
                     exact[name] = type(config)(**m.config.to_dict(), backend=m.backend or None)
         saved.per_module = {**exact, **saved.per_module}
         model.config.quantization_config = saved

@@ -259,19 +259,18 @@ def test_awq_errors(tmp_path):
 @pytest.mark.parametrize("method", ["awq", "gptq"])
 def test_imported_checkpoint_saves_as_a_qlinear_one(tmp_path, method):
     """load_awq / load_gptq, then save_pretrained: from_pretrained rebuilds the same layers (it used to build random
-    nn.Linear layers and skip the packed tensors), float layers stay float, a quantized lm_head stays quantized, layers
-    keep their own configs (GPTQ: a layer whose g_idx is in order loads without act_order), and the generation
-    config is the checkpoint's."""
+    nn.Linear layers and skip the packed tensors), float layers stay float, layers keep their own configs (GPTQ: a
+    layer whose g_idx is in order loads without act_order), and the generation config is the checkpoint's."""
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     if method == "awq":
-        src = _rtn4(modules_to_not_convert=["*self_attn.o_proj"])
+        src = _rtn4(modules_to_not_convert=["lm_head", "*self_attn.o_proj"])
         qlinear.save_awq(src, tmp_path / "src")
         model = qlinear.load_awq(tmp_path / "src", dtype=torch.float32)
     else:
         H = qlinear.calibrate(tiny_llama(), [torch.randint(0, 128, (1, 16))], progress=False)
         cfg = QLinearConfig("bcq", bits=3, group_size=32, method="gptq", act_order=True,
-                            modules_to_not_convert=["*.0.self_attn.o_proj"],
+                            modules_to_not_convert=["lm_head", "*.0.self_attn.o_proj"],
                             per_module={"*down_proj": QLinearConfig("bcq", bits=3, group_size=32, method="gptq")})
         src = qlinear.replace_linear(tiny_llama(), cfg, calibration_data=H, progress=False)
         qlinear.save_gptq(src, tmp_path / "src")
@@ -280,11 +279,11 @@ def test_imported_checkpoint_saves_as_a_qlinear_one(tmp_path, method):
         assert model.model.layers[0].mlp.up_proj.config.act_order
     GenerationConfig(eos_token_id=[1, 7], max_new_tokens=5).save_pretrained(tmp_path / "src")
     model = getattr(qlinear, f"load_{method}")(tmp_path / "src", dtype=torch.float32)
-    assert model.generation_config.eos_token_id == [1, 7] and isinstance(model.lm_head, BCQLinear)
+    assert model.generation_config.eos_token_id == [1, 7]
     model.save_pretrained(tmp_path / "ql")
     again = AutoModelForCausalLM.from_pretrained(tmp_path / "ql", dtype=torch.float32)
     names = {n for n, m in model.named_modules() if isinstance(m, BCQLinear)}
-    assert len(names) == (13 if method == "awq" else 14) and "lm_head" in names
+    assert len(names) == (12 if method == "awq" else 13)
     assert names == {n for n, m in again.named_modules() if isinstance(m, BCQLinear)}
     for name in names:
         a, b = model.get_submodule(name), again.get_submodule(name)
@@ -294,20 +293,6 @@ def test_imported_checkpoint_saves_as_a_qlinear_one(tmp_path, method):
     ids = torch.randint(0, 128, (2, 12))
     assert torch.equal(again(ids).logits, model(ids).logits)
     assert again.generation_config.eos_token_id == [1, 7]
-
-
-def test_quantized_lm_head_saves_and_loads_quantized(tmp_path):
-    """modules_to_not_convert=[] quantizes lm_head; from_pretrained used to refuse the saved folder (transformers'
-    default skips keep an output embedding in float)."""
-    from transformers import AutoModelForCausalLM
-
-    model = _rtn4(modules_to_not_convert=[])
-    assert isinstance(model.lm_head, BCQLinear)
-    model.save_pretrained(tmp_path)
-    again = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
-    assert isinstance(again.lm_head, BCQLinear) and torch.equal(again.lm_head.dequantize(), model.lm_head.dequantize())
-    ids = torch.randint(0, 128, (2, 12))
-    assert torch.equal(again(ids).logits, model(ids).logits)
 
 
 def test_loader_refuses_what_it_cannot_read_and_overwrites_shards(tmp_path):

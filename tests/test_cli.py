@@ -162,6 +162,14 @@ def test_convert_eval_info_read_gptq_and_awq_checkpoints(float_ckpt, tmp_path, c
     code, out, err = _run_here(capsys, "info", tmp_path / method)
     assert code == 0 and len([r for r in out.splitlines() if r.startswith("| model.")]) == 14, err[-3000:]
 
+    if method == "awq":  # this vocabulary (2671 words) does not fit AWQ's 8 columns per word
+        return
+    qlinear.replace_linear(model, QLinearConfig("bcq", bits=4, group_size=32, init="uniform", iters=0,
+                                                modules_to_not_convert=[]), progress=False)  # lm_head too
+    qlinear.save_gptq(model, tmp_path / "lm_head")
+    code, _, err = _run_here(capsys, "convert", tmp_path / "lm_head", tmp_path / "q2")
+    assert code == 1 and "has a quantized output layer" in err and not (tmp_path / "q2").exists()
+
 
 @pytest.mark.parametrize("args, code, message", [
     (["quantize", "missing", "out"], 2, "is not a transformers checkpoint folder"),

@@ -78,9 +78,7 @@ class QLinearConfig(QuantizationConfigMixin):
             first pattern, in order, matching a module's name (:func:`qlinear.replace.matches`) gives its config
             instead of this one (None keeps it in float), e.g.
             ``{"*o_proj": QLinearConfig("bcq", method="gptq", act_order=True, static_groups=True)}``.  Saved
-            with the model (as an ordered list), so ``from_pretrained`` rebuilds the same layers.  A module named
-            exactly (``"lm_head"``) is quantized even where transformers' quantizers keep it in float by default
-            (output and tied embeddings); ``modules_to_not_convert`` still wins.
+            with the model (as an ordered list), so ``from_pretrained`` rebuilds the same layers.
         **format_options: the format's other options (see ``qlinear.formats.<format>.Config``),
             e.g. ``iters=8`` (bcq), ``ratio_4bit=0.25`` (mixed), ``num_codebooks=4`` (codebook).
 

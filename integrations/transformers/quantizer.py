@@ -5,7 +5,7 @@ Registered, together with :class:`QLinearConfig`, when qlinear is imported.
 * Quantize on load: ``from_pretrained(path, quantization_config=QLinearConfig(...))`` of a float
   checkpoint.  ``_process_model_before_weight_loading`` swaps every plain ``nn.Linear`` of the meta
   model (except ``modules_to_not_convert``, transformers' default skips such as a tied or output
-  ``lm_head`` unless ``per_module`` names the layer exactly, and ``_keep_in_fp32_modules``) for the empty :class:`qlinear.QuantLinear` of the
+  ``lm_head``, and ``_keep_in_fp32_modules``) for the empty :class:`qlinear.QuantLinear` of the
   format, plus a meta ``weight`` placeholder so the checkpoint's float weight is routed to
   :class:`QLinearQuantize`.  That op quantizes it with ``QuantLinear.quantize_weight`` (the code path of
   :func:`qlinear.replace_linear`, so both give bit-identical layers), drops the placeholder and
@@ -207,12 +207,8 @@ class QLinearHfQuantizer(HfQuantizer):
 
     # module selection ----------------------------------------------------------------------------
     def _skip(self, name: str) -> bool:
-        qc = self.quantization_config
-        if any(matches(name, p) for p in qc.modules_to_not_convert):
-            return True
-        # a layer per_module names exactly (save_pretrained writes a quantized lm_head so) is quantized even where
-        # transformers' default skips would keep it in float
-        return qc.per_module.get(name) is None and not should_convert_module(name, self.modules_to_not_convert)
+        return (any(matches(name, p) for p in self.quantization_config.modules_to_not_convert)
+                or not should_convert_module(name, self.modules_to_not_convert))
 
     def _targets(self, model) -> list[tuple[str, nn.Linear, QLinearConfig]]:
         """``(name, float layer, its config)`` of every layer to quantize (``per_module`` applied)."""
