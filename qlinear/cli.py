@@ -127,7 +127,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def _imported(path: Path) -> Optional[str]:
-    """"gptq" or "awq" when ``path`` is such a checkpoint (read by qlinear's own loaders), else None."""
+    """The checkpoint's quant_method when it is "gptq" or "awq" (read by qlinear's own loaders), else None."""
     try:
         method = json.loads((path / "config.json").read_text()).get("quantization_config", {}).get("quant_method")
     except (OSError, ValueError, AttributeError):
@@ -207,10 +207,10 @@ def _convert(args) -> None:
 
     from qlinear import QuantLinear
 
-    if not _imported(args.src):  # before loading: a float folder would load and convert nothing
+    method = _imported(args.src)
+    if not method:  # before loading: a float folder would load and convert nothing
         raise ValueError(f"{args.src} is not a GPTQ or AWQ checkpoint (its config.json has no quantization_config "
                          "with quant_method 'gptq' or 'awq'); 'qlinear quantize' quantizes float checkpoints")
-    method = _imported(args.src)
     model = _load(args.src, args.dtype, False)
     if isinstance(model.get_output_embeddings(), QuantLinear):
         raise ValueError(f"{args.src} has a quantized output layer (e.g. GPTQModel's lm_head=True): a qlinear checkpoint "
