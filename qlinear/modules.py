@@ -631,6 +631,7 @@ class BCQLinear(QuantLinear):
             out["bias"] = self.bias.detach().cpu().half()
         return out
 
+
 class MixedPrecisionLinear(QuantLinear):
     """2/4-bit intra-matrix mixed precision with fp16 sparse outliers (:mod:`qlinear.formats.mixed`)."""
 
