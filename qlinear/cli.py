@@ -205,17 +205,11 @@ def _quantize(args) -> None:
 def _convert(args) -> None:
     from transformers import AutoTokenizer
 
-    from qlinear import QuantLinear
-
     method = _imported(args.src)
     if not method:  # before loading: a float folder would load and convert nothing
         raise ValueError(f"{args.src} is not a GPTQ or AWQ checkpoint (its config.json has no quantization_config "
                          "with quant_method 'gptq' or 'awq'); 'qlinear quantize' quantizes float checkpoints")
     model = _load(args.src, args.dtype, False)
-    if isinstance(model.get_output_embeddings(), QuantLinear):
-        raise ValueError(f"{args.src} has a quantized output layer (e.g. GPTQModel's lm_head=True): a qlinear checkpoint "
-                         f"keeps it in float, as transformers' quantizers do, so the converted folder would not load; "
-                         f"use qlinear.load_{method} on {args.src} instead")
     try:
         tok = AutoTokenizer.from_pretrained(args.src)
     except (OSError, ValueError):

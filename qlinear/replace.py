@@ -83,7 +83,8 @@ def replace_linear(model: nn.Module, config: Any, *, modules_to_not_convert: Opt
     Args:
         config: a :class:`qlinear.QLinearConfig` (format, bits, group size, options, backend).
         modules_to_not_convert: name patterns (see :func:`matches`) to keep in full precision;
-            default ``config.modules_to_not_convert`` (``["lm_head"]``).
+            default ``config.modules_to_not_convert`` (``["lm_head"]``).  A transformers model's
+            ``_keep_in_fp32_modules`` (e.g. T5's ``wo``) are kept too, as by transformers' quantizers.
         per_module: ``{pattern: QLinearConfig or None}``; the first matching pattern overrides
             ``config`` for that module (None keeps it unquantized).  Default ``config.per_module``; it is
             saved with the model either way.
@@ -110,7 +111,9 @@ def replace_linear(model: nn.Module, config: Any, *, modules_to_not_convert: Opt
     skip = modules_to_not_convert if modules_to_not_convert is not None \
         else getattr(config, "modules_to_not_convert", ["lm_head"])
     check_patterns(skip)
-    skip = list(skip)
+    # as transformers' quantizers (and qlinear's, on load) do: layers a model must keep in full precision (T5's wo,
+    # whose forward reads wo.weight.dtype) stay float
+    skip = list(skip) + [p for p in getattr(model, "_keep_in_fp32_modules", None) or () if p not in skip]
     per_module = per_module_configs(per_module if per_module is not None else getattr(config, "per_module", None))
     targets = _targets(model, config, skip, per_module)
     def quantize(name, mod, cfg, hessian, **kwargs):
@@ -166,7 +169,7 @@ def remember_config(model, config, skip, per_module, new) -> None:
     with its own config."""
     if hasattr(getattr(model, "config", None), "to_dict") and new:
         saved = copy.copy(config)  # calibration data and tokenizer are not part of the saved config
-        saved.format_options, saved.modules_to_not_convert = dict(config.format_options), skip
+        saved.format_options, saved.modules_to_not_convert = dict(config.format_options), _float_only(model, skip)
         saved.per_module = dict(per_module)
         if hasattr(saved, "dataset"):
             saved.dataset = saved.tokenizer = None
@@ -180,8 +183,26 @@ def remember_config(model, config, skip, per_module, new) -> None:
                     exact[name] = type(config)(**m.config.to_dict(), backend=m.backend or None)
         saved.per_module = {**exact, **saved.per_module}
         model.config.quantization_config = saved
-        if hasattr(model, "save_pretrained") and getattr(model, "hf_quantizer", None) is None:
+        if hasattr(model, "save_pretrained"):
             from qlinear.integrations.transformers import QLinearHfQuantizer
 
             if QLinearHfQuantizer is not None:
-                model.hf_quantizer = QLinearHfQuantizer(saved, pre_quantized=True)
+                from qlinear.integrations.transformers.quantizer import untie_quantized
+
+                untie_quantized(model)
+                if getattr(model, "hf_quantizer", None) is None:
+                    model.hf_quantizer = QLinearHfQuantizer(saved, pre_quantized=True)
+
+
+def _float_only(model, skip) -> list[str]:
+    """``skip`` (``modules_to_not_convert``) as saved: a pattern that also matches a quantized layer (quantized by an
+    earlier call) is replaced by the names of the float layers it matches, so that loading keeps exactly those in
+    float."""
+    quantized = [n for n, m in model.named_modules() if isinstance(m, QuantLinear)]
+    out = []
+    for p in skip:
+        if not any(matches(n, p) for n in quantized):
+            out.append(p)
+            continue
+        out += [n for n, m in model.named_modules() if is_quantizable_linear(m) and matches(n, p) and n not in out]
+    return out

@@ -166,9 +166,14 @@ def test_convert_eval_info_read_gptq_and_awq_checkpoints(float_ckpt, tmp_path, c
         return
     qlinear.replace_linear(model, QLinearConfig("bcq", bits=4, group_size=32, init="uniform", iters=0,
                                                 modules_to_not_convert=[]), progress=False)  # lm_head too
-    qlinear.save_gptq(model, tmp_path / "lm_head")
-    code, _, err = _run_here(capsys, "convert", tmp_path / "lm_head", tmp_path / "q2")
-    assert code == 1 and "has a quantized output layer" in err and not (tmp_path / "q2").exists()
+    qlinear.save_gptq(model, tmp_path / "lm_head")  # GPTQModel's lm_head=True: the output layer stays quantized
+    want = qlinear.load_gptq(tmp_path / "lm_head", dtype=torch.float32)
+    code, out, err = _run_here(capsys, "convert", tmp_path / "lm_head", tmp_path / "q2", "--dtype", "float32")
+    assert code == 0 and "15 quantized layers" in out, err[-3000:]
+    saved = AutoModelForCausalLM.from_pretrained(tmp_path / "q2")
+    assert isinstance(saved.lm_head, QuantLinear) and not saved.config.tie_word_embeddings
+    with torch.no_grad():
+        assert torch.equal(saved(tokens).logits, want(tokens).logits)
 
 
 @pytest.mark.parametrize("args, code, message", [

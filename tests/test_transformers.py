@@ -658,6 +658,105 @@ def test_no_linear_layers_warns(tmp_path):
     assert not quant_layers(model)
 
 
+# layers transformers' default skips keep in float ----------------------------------------------------------
+
+
+def _reloads_exactly(model, path):
+    model.save_pretrained(path)
+    again = type(model).from_pretrained(path)
+    assert set(quant_layers(again)) == set(quant_layers(model))
+    assert_same_state(again, model)
+    return again
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_quantized_output_layer_reloads(tmp_path, tied):
+    """transformers keeps output embeddings (and tied weights) in float on load; a checkpoint that stores them packed
+    (``modules_to_not_convert=[]``, GPTQModel's ``lm_head=True``) loads them packed, a tied model untied from them."""
+    fp = save_float(llama_config(tie_word_embeddings=tied), tmp_path / "fp")
+    model = replace_linear(copy.deepcopy(fp), QLinearConfig(**FORMATS["bcq"], modules_to_not_convert=[]), progress=False)
+    assert isinstance(model.lm_head, QuantLinear)
+    again = _reloads_exactly(model, tmp_path / "q")
+    assert isinstance(again.lm_head, QuantLinear) and not again.all_tied_weights_keys
+    assert not again.config.tie_word_embeddings and not model.config.tie_word_embeddings
+    assert torch.equal(again.model.embed_tokens.weight, fp.model.embed_tokens.weight)
+    again.tie_weights()  # as Trainer does: nothing left to tie
+    assert not hasattr(again.lm_head, "weight")
+    assert torch.equal(logits(again), logits(model))
+    # with the float lm_head of transformers' default skips the logits would differ
+    assert not torch.equal(logits(model), logits(replace_linear(copy.deepcopy(fp), QLinearConfig(**FORMATS["bcq"]),
+                                                                progress=False)))
+
+
+def test_packed_tensors_of_an_output_layer_missing_from_the_checkpoint_raise(tmp_path):
+    fp = save_float(llama_config(tie_word_embeddings=True), tmp_path / "fp")
+    replace_linear(fp, QLinearConfig(**FORMATS["bcq"], modules_to_not_convert=[]), progress=False).save_pretrained(
+        tmp_path / "q")
+    bad = edited(tmp_path / "q", tmp_path / "bad", tensors=lambda sd: [sd.pop(k) for k in list(sd) if "lm_head" in k])
+    with pytest.raises(ValueError, match=r"(?s)missing packed tensors.*lm_head: planes, alpha"):
+        AutoModelForCausalLM.from_pretrained(bad)  # not the tied float embedding in its place
+
+
+def test_a_checkpoint_whose_config_quantizes_its_float_output_layer_loads_it_in_float(bcq_checkpoint, tmp_path):
+    """Folders saved by quantize-on-load with ``modules_to_not_convert=[]`` store lm_head in float (transformers'
+    default skips) while their config names no skip for it: the checkpoint decides."""
+    want = AutoModelForCausalLM.from_pretrained(bcq_checkpoint)
+    path = edited(bcq_checkpoint, tmp_path / "q", config=lambda c: c.update(
+        modules_to_not_convert=[], per_module=[["lm_head", {**FORMATS["bcq"], "bits": 8}]]))
+    again = AutoModelForCausalLM.from_pretrained(path)
+    assert type(again.lm_head) is nn.Linear
+    assert_same_state(again, want)
+
+
+def test_a_quantized_last_module_reloads(tmp_path):
+    """transformers also skips a model's last module (a classification head)."""
+    from transformers import LlamaForSequenceClassification
+
+    torch.manual_seed(0)
+    model = LlamaForSequenceClassification(llama_config(num_labels=3, pad_token_id=0)).eval()
+    replace_linear(model, QLinearConfig(**FORMATS["bcq"], modules_to_not_convert=[]), progress=False)
+    assert isinstance(model.score, QuantLinear)
+    again = _reloads_exactly(model, tmp_path / "q")
+    with torch.no_grad():
+        assert torch.equal(again(TOKENS).logits, model(TOKENS).logits)
+
+
+def test_a_second_call_s_skips_do_not_undo_the_first_call_s_layers(float_llama, tmp_path):
+    model = copy.deepcopy(float_llama[0])
+    replace_linear(model, QLinearConfig("bcq", bits=4, group_size=64), modules_to_not_convert=["lm_head", "self_attn"],
+                   progress=False)
+    replace_linear(model, QLinearConfig("bcq", bits=3, group_size=64), modules_to_not_convert=["lm_head", "mlp"],
+                   progress=False)
+    assert len(quant_layers(model)) == 14
+    again = _reloads_exactly(model, tmp_path / "q")
+    assert torch.equal(logits(again), logits(model))
+    assert model.config.quantization_config.modules_to_not_convert == ["lm_head"]  # "mlp" matched no float layer
+
+
+def test_t5_initializes_around_quantized_layers(tmp_path):
+    """T5's ``_init_weights`` reads ``module.q.weight`` of every attention block transformers initializes, quantized
+    or not; its ``_keep_in_fp32_modules`` (``wo``, whose ``.weight.dtype`` its forward reads) stay float on load and
+    in replace_linear alike."""
+    from transformers import AutoModelForSeq2SeqLM, T5Config
+
+    torch.manual_seed(0)
+    fp = AutoModelForSeq2SeqLM.from_config(T5Config(vocab_size=128, d_model=64, d_kv=16, d_ff=128, num_layers=1,
+                                                    num_heads=4, decoder_start_token_id=0)).eval()
+    fp.save_pretrained(tmp_path / "fp")
+    cfg = QLinearConfig(**FORMATS["bcq"])
+    model = AutoModelForSeq2SeqLM.from_pretrained(tmp_path / "fp", quantization_config=cfg)
+    ref = replace_linear(copy.deepcopy(fp), cfg, progress=False)
+    assert set(quant_layers(model)) == set(quant_layers(ref)) and len(quant_layers(model)) == 14
+    assert not any(n.endswith(".wo") for n in quant_layers(model))
+    assert_same_state(model, ref)
+    again = _reloads_exactly(ref, tmp_path / "q")
+    ids = TOKENS[:, :6]
+    with torch.no_grad():
+        assert torch.equal(again(input_ids=ids, decoder_input_ids=ids).logits, ref(input_ids=ids, decoder_input_ids=ids).logits)
+    assert not hasattr(again.decoder.block[0].layer[0].SelfAttention.q, "weight")
+    assert "initialize_weights" not in again.__dict__
+
+
 # other architectures ------------------------------------------------------------------------------
 
 

@@ -136,12 +136,12 @@ if world > 1:  # transformers' tensor-parallel loading of saved qlinear checkpoi
         if hf_cases:  # the fallback for checkpoints qlinear cannot index (not safetensors): load whole, then slice
             from qlinear.integrations.transformers.quantizer import QLinearHfQuantizer
 
-            check = QLinearHfQuantizer._check_checkpoint
-            QLinearHfQuantizer._check_checkpoint = lambda self, model, files: None
+            read = QLinearHfQuantizer._read_checkpoint
+            QLinearHfQuantizer._read_checkpoint = lambda self, model, files: None
             try:
                 results.append(hf_compare(root / "gptq", build("none")[1], "gptq-full-load", tp_config)[1])
             finally:
-                QLinearHfQuantizer._check_checkpoint = check
+                QLinearHfQuantizer._read_checkpoint = read
             results.append(hf_compare(root / "gptq-base", build("none")[1], "gptq-base", tp_config, base=True)[1])
         if hf_cases:
             try:

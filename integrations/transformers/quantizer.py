@@ -14,7 +14,10 @@ Registered, together with :class:`QLinearConfig`, when qlinear is imported.
   ``codebook_scope="model"`` needs every layer at once, so for it the float model is loaded and
   :func:`qlinear.replace_linear` runs after loading (higher peak memory).
 * Pre-quantized load: a checkpoint whose ``config.json`` has ``quant_method="qlinear"``.  The
-  same empty modules are built (no placeholder) and transformers copies the checkpoint tensors
+  same empty modules are built (no placeholder), plus those of the layers transformers' default skips would keep
+  in float but the checkpoint stores packed (its headers and saved layer list decide: an output layer quantized by
+  ``replace_linear(modules_to_not_convert=[])`` or GPTQModel's ``lm_head=True``; a tied one is dropped from the
+  model's tied weights), and transformers copies the checkpoint tensors
   into their persistent buffers with their own dtypes (int32 codes, fp16 scales, int8 codebooks,
   int16 indices), whatever ``dtype=`` asks for the rest of the model.  Every packed tensor's
   presence, shape and dtype is checked against the config from the safetensors headers before any
@@ -56,7 +59,7 @@ from qlinear.replace import is_quantizable_linear, matches
 
 from .config import QUANT_METHOD, QLinearConfig
 
-__all__ = ["QLinearHfQuantizer", "QLinearQuantize", "init_empty_quantized", "register"]
+__all__ = ["QLinearHfQuantizer", "QLinearQuantize", "init_empty_quantized", "register", "untie_quantized"]
 
 _ST_DTYPES = {torch.int8: "I8", torch.uint8: "U8", torch.int16: "I16", torch.int32: "I32", torch.int64: "I64",
               torch.float16: "F16", torch.bfloat16: "BF16", torch.float32: "F32", torch.float64: "F64",
@@ -87,6 +90,71 @@ def _listing(items: list[str]) -> str:
     shown = "\n  ".join(items[:_MAX_LISTED])
     more = f"\n  ... and {len(items) - _MAX_LISTED} more" if len(items) > _MAX_LISTED else ""
     return f"\n  {shown}{more}"
+
+
+class _ModuleKeys:
+    """The model's state-dict names as ``rename_source_key`` looks them up (``.get``) to add or strip the base-model
+    prefix, before the layers are swapped: a Linear layer's packed tensors count as its own names."""
+
+    def __init__(self, model: nn.Module):
+        self.state = model.state_dict()
+        self.linears = {n for n, m in model.named_modules() if isinstance(m, (nn.Linear, QuantLinear))}
+
+    def get(self, key: str, default=None):
+        if key in self.state:
+            return self.state[key]
+        return True if key.rpartition(".")[0] in self.linears else default
+
+
+def untie_quantized(model: nn.Module) -> None:
+    """Drop from transformers' tied-weight maps (``all_tied_weights_keys``: ``{target: source}`` parameter names, on
+    each ``PreTrainedModel`` of ``model``) every pair with a side in a quantized layer, e.g. ``lm_head.weight`` of a
+    tied model whose ``lm_head`` is quantized: that layer has no ``weight`` to tie, and transformers' loading (which
+    ties from this map) would fail on it.  A model left with no tied pair gets ``config.tie_word_embeddings = False``,
+    so that ``tie_weights()`` and the saved config agree (a model with other tied pairs, e.g. T5's embeddings, keeps
+    its flag)."""
+    for _, sub in model.named_modules():
+        tied = getattr(sub, "all_tied_weights_keys", None)
+        if not isinstance(tied, dict) or not tied:
+            continue
+        for target, source in list(tied.items()):
+            for param in (target, source):
+                try:
+                    owner = sub.get_submodule(param.rpartition(".")[0])
+                except AttributeError:
+                    continue
+                if isinstance(owner, QuantLinear):
+                    del tied[target]
+                    break
+        if not tied and getattr(sub.config, "tie_word_embeddings", False):
+            sub.config.tie_word_embeddings = False
+
+
+def _guard_init(model: nn.Module) -> None:
+    """Let transformers initialize the weights a checkpoint lacks around quantized layers.  Its ``initialize_weights``
+    calls the model's ``_init_weights`` on every module not fully loaded, and some (T5, Mamba, ...) reach into a child
+    Linear's ``.weight``, which a :class:`QuantLinear` does not have: during that call each one shows a meta ``weight``
+    flagged as initialized, which transformers' init functions skip.  Undone by :func:`_unguard_init`."""
+    original = model.initialize_weights
+
+    def initialize_weights():
+        shown = [m for m in model.modules() if isinstance(m, QuantLinear) and "weight" not in m._parameters]
+        for m in shown:
+            m.__dict__["weight"] = w = torch.empty(m.out_features, m.in_features, device="meta")
+            w._is_hf_initialized = True
+        try:
+            return original()
+        finally:
+            for m in shown:
+                m.__dict__.pop("weight", None)
+
+    initialize_weights._qlinear_guard = True
+    model.initialize_weights = initialize_weights
+
+
+def _unguard_init(model: nn.Module) -> None:
+    if getattr(model.__dict__.get("initialize_weights"), "_qlinear_guard", False):
+        del model.__dict__["initialize_weights"]
 
 
 class QLinearQuantize(ConversionOps):
@@ -142,6 +210,8 @@ class QLinearHfQuantizer(HfQuantizer):
         self._quantize_after_loading = False
         self._tp_sharded = False
         self._checkpoint_index: dict[str, dict[str, tuple[str, str]]] = {}  # module -> tensor -> (file, key)
+        self._checkpoint: Optional[tuple] = None  # safetensors headers: (tensors, checksums, layer configs)
+        self._saved_layers: set[str] = set()  # the layers the checkpoint's metadata lists as quantized
         self._tp_specs: Optional[dict] = None  # layers load_shards sliced before loading
         self.load_errors: list[Exception] = []  # ValueError/TypeError of quantize-on-load, raised after loading
 
@@ -207,8 +277,17 @@ class QLinearHfQuantizer(HfQuantizer):
 
     # module selection ----------------------------------------------------------------------------
     def _skip(self, name: str) -> bool:
-        return (any(matches(name, p) for p in self.quantization_config.modules_to_not_convert)
-                or not should_convert_module(name, self.modules_to_not_convert))
+        if any(matches(name, p) for p in self.quantization_config.modules_to_not_convert):
+            return True
+        # transformers' default skips hold for float checkpoints; a saved one that stores the layer packed (an output
+        # layer quantized by replace_linear(modules_to_not_convert=[]) or GPTQModel's lm_head=True) decides itself
+        return not should_convert_module(name, self.modules_to_not_convert) and not self._stored_packed(name)
+
+    def _stored_packed(self, name: str) -> bool:
+        """Whether the (pre-quantized, safetensors) checkpoint stores layer ``name`` quantized: packed tensors and no
+        float weight, or named among its quantized layers by the saved metadata (then missing tensors raise)."""
+        tensors = set(self._checkpoint_index.get(name, ()))
+        return "weight" not in tensors and (bool(tensors - {"bias"}) or name in self._saved_layers)
 
     def _targets(self, model) -> list[tuple[str, nn.Linear, QLinearConfig]]:
         """``(name, float layer, its config)`` of every layer to quantize (``per_module`` applied)."""
@@ -222,6 +301,8 @@ class QLinearHfQuantizer(HfQuantizer):
         # config's own patterns use qlinear's glob/dotted-name matching (see _skip)
         self.modules_to_not_convert = self.get_modules_to_not_convert(
             model, [], list(fp32) if fp32 else None, add_default_skips=True)
+        if self.pre_quantized and checkpoint_files:
+            self._read_checkpoint(model, checkpoint_files)
         targets = self._targets(model)
         model_scope = any(c.format_config().format == "codebook" and c.format_config().codebook_scope == "model"
                           for _, _, c in targets)
@@ -250,8 +331,11 @@ class QLinearHfQuantizer(HfQuantizer):
         for name, q in new.items():
             parent_name, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent_name) if parent_name else model, child, q)
-        if self.pre_quantized and checkpoint_files:
-            self._check_checkpoint(model, checkpoint_files)
+        untie_quantized(model)
+        if new:
+            _guard_init(model)
+        if self._checkpoint is not None:
+            self._check_checkpoint(model)
         return model
 
     def update_parallel_plan(self, model, plan: dict[str, str]):
@@ -316,8 +400,9 @@ class QLinearHfQuantizer(HfQuantizer):
                 out.update({buf: f.get_tensor(key) for buf, key in keys.items()})
         return out
 
-    def _check_checkpoint(self, model, checkpoint_files) -> None:
-        """Compare the packed tensors of safetensors checkpoints with the empty modules (headers only)."""
+    def _read_checkpoint(self, model, checkpoint_files) -> None:
+        """Read the headers and metadata of safetensors checkpoint files (no tensor data): which tensors each module
+        has (``_checkpoint_index``), their shapes and dtypes, the saved checksums and layer configs."""
         files = [f for f in checkpoint_files if str(f).endswith(".safetensors")]
         if not files or len(files) != len(checkpoint_files):
             return  # .bin: checked after loading instead
@@ -328,7 +413,7 @@ class QLinearHfQuantizer(HfQuantizer):
         transforms = get_model_conversion_mapping(model)
         renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
         converters = [t for t in transforms if isinstance(t, WeightConverter)]
-        meta_sd = model.state_dict()
+        known = _ModuleKeys(model)
         found: dict[str, tuple[tuple[int, ...], str, str]] = {}
         sums: Optional[dict[str, str]] = None
         saved_configs: dict[str, str] = {}  # layer name as saved -> its format config's JSON
@@ -345,8 +430,8 @@ class QLinearHfQuantizer(HfQuantizer):
                         raise ValueError(f"qlinear checkpoint {path} is damaged: its safetensors metadata cannot be "
                                          f"read ({e}); restore the file from the source") from None
                     for key in f.keys():
-                        name, _ = rename_source_key(key, renamings, converters, model.base_model_prefix, meta_sd)
-                        if name not in meta_sd and key in meta_sd:
+                        name, _ = rename_source_key(key, renamings, converters, model.base_model_prefix, known)
+                        if known.get(name) is None and known.get(key) is not None:
                             name = key
                         sl = f.get_slice(key)
                         found[name] = (tuple(sl.get_shape()), sl.get_dtype(), key)
@@ -355,6 +440,14 @@ class QLinearHfQuantizer(HfQuantizer):
             except (SafetensorError, OSError) as e:
                 raise ValueError(f"qlinear checkpoint {path} cannot be read ({e}): the file is truncated or "
                                  f"damaged; restore it from the source") from None
+        self._checkpoint = (found, sums, saved_configs)
+        self._saved_layers = {rename_source_key(f"{n}.weight", renamings, converters, model.base_model_prefix,
+                                                known)[0].rpartition(".")[0] for n in saved_configs}
+
+    def _check_checkpoint(self, model) -> None:
+        """Compare the packed tensors of the safetensors checkpoint (:meth:`_read_checkpoint`) with the empty
+        modules."""
+        found, sums, saved_configs = self._checkpoint
         by_module: dict[str, set[str]] = {}
         for key in found:
             module_name, _, tensor_name = key.rpartition(".")
@@ -455,6 +548,7 @@ class QLinearHfQuantizer(HfQuantizer):
                              f"restore the files from the source:{_listing(bad)}")
 
     def _process_model_after_weight_loading(self, model, **kwargs):
+        _unguard_init(model)
         if self.load_errors:
             first = self.load_errors[0]
             more = f" (and {len(self.load_errors) - 1} more layer(s):{_listing([str(e) for e in self.load_errors[1:]])})"
@@ -620,6 +714,7 @@ def init_empty_quantized(model: nn.Module, config: Any = None) -> nn.Module:
             model.__dict__.pop(k, None)
         model.__dict__.update(before)
         raise
+    _unguard_init(model)  # accelerate's loading initializes nothing
     model.hf_quantizer, model.config.quantization_config = quantizer, config
     return model
 
