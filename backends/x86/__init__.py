@@ -77,6 +77,7 @@ from __future__ import annotations
 import functools
 import math
 import platform
+import sys
 from pathlib import Path
 from typing import Optional
 
@@ -138,32 +139,63 @@ def _interleave(codes: torch.Tensor, N: int, K: int) -> torch.Tensor:
     return (v[..., 0] | (v[..., 1] << 4)).to(torch.uint8).reshape(Nb, K // 8, 64)
 
 
+def _spread(words: torch.Tensor) -> torch.Tensor:
+    """int32 words ``[...]`` -> uint8 ``[..., 4]``: byte q holds nibble q of the word's low half (bits 4q..4q+3) and,
+    above it, nibble q of its high half (bits 16+4q..): the bytes :func:`_interleave` and :func:`_planes` build from
+    codes, built here from the packed words' bytes (repacking at load time is memory bound)."""
+    if sys.byteorder != "little":  # x86 and aarch64 hosts are little-endian
+        raise RuntimeError("the x86 layouts are built from the packed words' bytes on little-endian hosts only")
+    b = words.contiguous().view(torch.uint8).view(*words.shape, 4)  # bytes 0, 1: the low half
+    lo, hi = b[..., :2], b[..., 2:]
+    out = torch.empty_like(b)
+    out[..., 0::2] = (lo & 15) | (hi << 4)
+    out[..., 1::2] = (lo >> 4) | (hi & 0xF0)
+    return out
+
+
+def _gather(b: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`_spread`: uint8 ``[..., 4]`` -> int32 words ``[...]``."""
+    even, odd = b[..., 0::2], b[..., 1::2]
+    out = torch.empty(b.shape, dtype=torch.uint8, device=b.device)
+    out[..., :2] = (even & 15) | (odd << 4)
+    out[..., 2:] = (even >> 4) | (odd & 0xF0)
+    return out.view(torch.int32)[..., 0]
+
+
+def _interleave_words(qweight: torch.Tensor, N: int, K: int) -> torch.Tensor:
+    """:func:`_interleave` of the codes that uniform 4-bit ``qweight`` int32 ``[N, K/8]`` packs (code 8w+t at bits
+    4t of word w)."""
+    blocks = _row_blocks(qweight, N)
+    return _spread(blocks).transpose(1, 2).reshape(blocks.shape[0], K // 8, 64)
+
+
+def _qweight_of(qw: torch.Tensor, N: int) -> torch.Tensor:
+    """Inverse of :func:`_interleave_words`: ``x86_qw`` ``[Nb, K/8, 64]`` -> ``qweight`` int32 ``[N, K/8]``."""
+    Nb, C, _ = qw.shape
+    return _gather(qw.view(Nb, C, ROWS, 4).transpose(1, 2)).reshape(Nb * ROWS, C)[:N]
+
+
+def _planes_words(planes: torch.Tensor, N: int, K: int) -> torch.Tensor:
+    """Bit-planes int32 ``[bits, N, K/32]`` (input 32h+j at bit j of word h) -> ``x86_lp`` uint8
+    ``[Nb, K/32, bits, 64]`` (zero rows pad N to 16): byte ``16q + r`` of block b, word h, plane i holds plane i's bits
+    of row ``16b + r`` at inputs ``32h + 4q + t`` (bit t) and ``32h + 16 + 4q + t`` (bit 4 + t), t = 0..3."""
+    bits = planes.shape[0]
+    lp = _spread(torch.stack([_row_blocks(p, N) for p in planes]))  # (i, b, r, h, q)
+    return lp.permute(1, 3, 0, 4, 2).reshape(lp.shape[1], K // 32, bits, 64)
+
+
+def _words_of_planes(lp: torch.Tensor, N: int) -> torch.Tensor:
+    """Inverse of :func:`_planes_words`: ``x86_lp`` ``[Nb, K/32, bits, 64]`` -> bit-planes int32 ``[bits, N, K/32]``."""
+    Nb, H, bits, _ = lp.shape
+    return _gather(lp.view(Nb, H, bits, 4, ROWS).permute(2, 0, 4, 1, 3)).reshape(bits, Nb * ROWS, H)[:, :N]
+
+
 def _deinterleave(qw: torch.Tensor, K: int) -> torch.Tensor:
     """Inverse of :func:`_interleave`: ``[Nb, K/8, 64]`` -> codes ``[Nb·16, K]`` int64."""
     Nb = qw.shape[0]
     b = qw.view(Nb, K // 8, ROWS, 4).to(torch.int64)
     v = torch.stack([b & 15, b >> 4], -1)  # (b, c, r, j, half)
     return v.permute(0, 2, 1, 4, 3).reshape(Nb * ROWS, K)
-
-
-def _planes(codes: torch.Tensor, N: int, K: int, bits: int) -> torch.Tensor:
-    """Codes ``[N, K]`` -> ``x86_lp`` uint8 ``[Nb, K/32, bits, 64]`` (zero rows pad N to 16)."""
-    padded = _row_blocks(codes, N)
-    Nb = padded.shape[0]
-    bit = torch.stack([(padded >> i) & 1 for i in range(bits)])  # [bits, Nb, 16, K]
-    nib = (bit.view(bits, Nb, ROWS, K // 32, 2, 4, 4) << torch.arange(4, device=bit.device)).sum(-1)  # (i, b, r, h, half, q)
-    byte = nib[..., 0, :] | (nib[..., 1, :] << 4)  # (i, b, r, h, q)
-    return byte.permute(1, 3, 0, 4, 2).to(torch.uint8).reshape(Nb, K // 32, bits, 64)
-
-
-def _unplanes(lp: torch.Tensor, K: int) -> torch.Tensor:
-    """Inverse of :func:`_planes`: ``[Nb, K/32, bits, 64]`` -> codes ``[Nb·16, K]`` int64."""
-    Nb, H, bits, _ = lp.shape
-    v = lp.view(Nb, H, bits, 4, ROWS).transpose(3, 4).to(torch.int64)  # (b, h, i, r, q)
-    nib = torch.stack([v & 15, v >> 4], -1)  # (b, h, i, r, q, half)
-    bit = (nib[..., None] >> torch.arange(4, device=nib.device)) & 1  # (b, h, i, r, q, half, t)
-    bit = bit.permute(2, 0, 3, 1, 5, 4, 6).reshape(bits, Nb * ROWS, K)
-    return sum(bit[i] << i for i in range(bits))
 
 
 def _nibbles(cfg) -> bool:
@@ -194,7 +226,9 @@ def _codes(buffers: dict, cfg, K: int) -> torch.Tensor:
         return (_deinterleave if cfg.bits == 4 else _uncrumbs)(buffers["x86_qw"], K)
     if _uniform_crumbs(cfg):
         return _uncrumbs(buffers["x86_qw"], K)
-    return _deinterleave(buffers["x86_qw"], K) if _nibbles(cfg) else _unplanes(buffers["x86_lp"], K)
+    if _nibbles(cfg):
+        return _deinterleave(buffers["x86_qw"], K)
+    return unpack_planes(_words_of_planes(buffers["x86_lp"], buffers["x86_lp"].shape[0] * ROWS), K)
 
 
 def repack(buffers: dict, cfg, N: int, K: int) -> dict:
@@ -202,25 +236,32 @@ def repack(buffers: dict, cfg, N: int, K: int) -> dict:
     if not bcq.is_uniform(cfg):
         alpha = buffers["alpha"]  # [bits, N, G]
         offset = buffers["offset"] if cfg.offset else torch.zeros_like(alpha[0])
-        return {"x86_lp": _planes(unpack_planes(buffers["planes"], K), N, K, cfg.bits),
+        return {"x86_lp": _planes_words(buffers["planes"], N, K),
                 "x86_qa": torch.stack([pad_groups(a, N, ROWS) for a in alpha], 2),
                 "x86_qc": pad_groups(offset, N, ROWS)}
-    codes, s, zeros = bcq.uniform_parts(buffers, cfg, N, K)
+    words = _nibbles(cfg) and "qweight" in buffers  # the common case (RTN, GPTQ, AWQ 4-bit)
+    codes, s, zeros = bcq.uniform_parts(buffers, cfg, N, K, codes=not words)
     if _uniform_crumbs(cfg):
         return {"x86_qw": _crumbs(codes, N, K), "x86_qs": pad_groups(s.to(torch.float16), N, ROWS),
                 "x86_qb": _book_words(zeros, N)}
     z2 = torch.full_like(s, 2 ** cfg.bits - 1, dtype=torch.int64) if zeros is None else 2 * zeros
-    qw = _interleave(codes, N, K) if _nibbles(cfg) else _planes(codes, N, K, cfg.bits)
+    qw = _interleave_words(buffers["qweight"], N, K) if words else _interleave(codes, N, K) if _nibbles(cfg) \
+        else _planes_words(pack_planes(codes, cfg.bits), N, K)
     return {_names(cfg)[0]: qw, "x86_qs": pad_groups(s.to(torch.float16), N, ROWS),
             "x86_qz": pad_groups(z2.to(torch.uint8), N, ROWS)}
 
 
 def unrepack(buffers: dict, cfg, N: int, K: int) -> dict:
     """Layout ``x86`` -> canonical BCQ buffers (exact inverse of :func:`repack`)."""
-    codes = _codes(buffers, cfg, K)[:N]
+    words = codes = None
+    if _nibbles(cfg) or not bcq.is_uniform(cfg):  # the packed words straight from the layout's bytes
+        words = _qweight_of(buffers["x86_qw"], N) if _nibbles(cfg) else _words_of_planes(buffers["x86_lp"], N)
+        words = words.contiguous()
+    else:
+        codes = _codes(buffers, cfg, K)[:N]
     if not bcq.is_uniform(cfg):
         qa = buffers["x86_qa"]
-        out = {"planes": pack_planes(codes, cfg.bits),
+        out = {"planes": words,
                "alpha": torch.stack([unpad_groups(qa[:, :, i], N) for i in range(cfg.bits)])}
         if cfg.offset:
             out["offset"] = unpad_groups(buffers["x86_qc"], N)
@@ -229,7 +270,7 @@ def unrepack(buffers: dict, cfg, N: int, K: int) -> dict:
         zeros = unpad_groups(_books(buffers["x86_qb"]), N)
     else:
         zeros = unpad_groups(buffers["x86_qz"], N).to(torch.int64) // 2 if cfg.offset else None
-    return bcq.uniform_buffers(codes, unpad_groups(buffers["x86_qs"], N), zeros, cfg.bits)
+    return bcq.uniform_buffers(codes, unpad_groups(buffers["x86_qs"], N), zeros, cfg.bits, qweight=words)
 
 
 @functools.lru_cache(maxsize=None)
@@ -371,7 +412,7 @@ def repack_mixed(buffers: dict, cfg, N: int, K: int) -> dict:
     out = {new: buffers[old] for old, new in _MIXED_SAME}
     # a lane's word holds the same 4 bytes as the uniform layouts' row: the 2-bit codebook crumbs, the 4-bit nibbles
     out.update({"x86m_q2": _crumbs(unpack(buffers["qweight2"], 2, G2 * g), N, G2 * g).view(torch.int32),
-                "x86m_q4": _interleave(unpack(buffers["qweight4"], 4, G4 * g), N, G4 * g).view(torch.int32),
+                "x86m_q4": _interleave_words(buffers["qweight4"], N, G4 * g).view(torch.int32),
                 "x86m_sc": _lanes(unpack(buffers["scale_codes"], sb, N)[order].T, N, sb),
                 "x86m_z": torch.cat([_lanes(unpack(buffers["zeros2"], 2, G2), N, 2),
                                      _lanes(unpack(buffers["zeros4"], 4, G4), N, 4)], 1),
@@ -393,7 +434,7 @@ def unrepack_mixed(buffers: dict, cfg, N: int, K: int) -> dict:
     ss[order], sz[order] = buffers["x86m_ss"].T, buffers["x86m_sz"].T
     out = {old: buffers[new] for old, new in _MIXED_SAME}
     out.update({"qweight2": pack(_uncrumbs(buffers["x86m_q2"].view(torch.uint8), G2 * g)[:N], 2),
-                "qweight4": pack(_deinterleave(buffers["x86m_q4"].view(torch.uint8), G4 * g)[:N], 4),
+                "qweight4": _qweight_of(buffers["x86m_q4"].view(torch.uint8), N).contiguous(),
                 "zeros2": pack(_unlanes(buffers["x86m_z"][:, :G2], N, G2, 2), 2),
                 "zeros4": pack(_unlanes(buffers["x86m_z"][:, G2:], N, G4, 4), 4),
                 "scale_codes": pack(sc, sb), "scale_scale": ss.contiguous(), "scale_zero": sz.contiguous()})

@@ -466,10 +466,11 @@ def uniform_zeros(scales: torch.Tensor, offset: torch.Tensor, bits: int) -> torc
     return z.long()
 
 
-def uniform_parts(buffers: dict[str, torch.Tensor], cfg: Config, out_features: int, in_features: int
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+def uniform_parts(buffers: dict[str, torch.Tensor], cfg: Config, out_features: int, in_features: int,
+                  codes: bool = True) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
     """``(codes [N, K] int64 in stored order, scales [N, G] fp16, zeros [N, G] int64 or None without offset)`` from
-    the uniform storage, or from free-α buffers whose α happen to be uniform (``perm`` is not read).
+    the uniform storage, or from free-α buffers whose α happen to be uniform (``perm`` is not read).  ``codes=False``:
+    the uniform storage's ``qweight`` is not unpacked (codes None), for callers that read the words themselves.
 
     Raises:
         ValueError: free-α buffers whose α or offsets are not uniform.
@@ -477,17 +478,18 @@ def uniform_parts(buffers: dict[str, torch.Tensor], cfg: Config, out_features: i
     K, q = in_features, cfg.bits
     if "qweight" in buffers:
         zeros = unpack(buffers["qzeros"], q, out_features).T if "qzeros" in buffers else None
-        return unpack(buffers["qweight"], q, K), buffers["scales"], zeros
+        return unpack(buffers["qweight"], q, K) if codes else None, buffers["scales"], zeros
     s = uniform_scale(buffers["alpha"])
     zeros = uniform_zeros(s, buffers["offset"], q) if "offset" in buffers else None
     return unpack_planes(buffers["planes"], K), s.to(torch.float16), zeros
 
 
-def uniform_buffers(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, bits: int
-                    ) -> dict[str, torch.Tensor]:
+def uniform_buffers(codes: torch.Tensor | None, scales: torch.Tensor, zeros: torch.Tensor | None, bits: int, *,
+                    qweight: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """The uniform storage (``qweight``, ``scales``, ``qzeros`` without ``perm``) of codes ``[N, K]``, scales
-    ``[N, G]`` (fp16 values) and integer zeros ``[N, G]`` (None: symmetric grid, no offset)."""
-    out = {"qweight": pack(codes, bits), "scales": scales.to(torch.float16)}
+    ``[N, G]`` (fp16 values) and integer zeros ``[N, G]`` (None: symmetric grid, no offset); ``qweight``: the codes
+    already packed (``codes`` is then not read)."""
+    out = {"qweight": pack(codes, bits) if qweight is None else qweight, "scales": scales.to(torch.float16)}
     if zeros is not None:
         out["qzeros"] = pack(zeros.T.contiguous(), bits)
     return out

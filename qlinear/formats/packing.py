@@ -53,6 +53,13 @@ def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     if c.numel() and (int(c.min()) < 0 or int(c.max()) >= 1 << bits):
         raise ValueError(f"codes must lie in [0, {1 << bits}) for bits={bits}")
     n = c.shape[-1]
+    if _byte_groups(bits):  # eight codes fill ``bits`` whole bytes of the stream
+        m, w = -(-n // 8), packed_len(n, bits)
+        c = torch.nn.functional.pad(c, (0, 8 * m - n)).reshape(*c.shape[:-1], m, 8)
+        x = (c << (torch.arange(8, device=c.device) * bits)).sum(-1)  # < 2^(8·bits)
+        stream = x.view(torch.uint8).reshape(*x.shape, 8)[..., :bits].reshape(*x.shape[:-1], m * bits)
+        stream = torch.nn.functional.pad(stream, (0, max(0, 4 * w - m * bits)))[..., :4 * w]  # beyond: zero bits
+        return _words(stream)
     if 32 % bits == 0:  # whole codes per word: one shift-and-sum
         per = 32 // bits
         c = torch.nn.functional.pad(c, (0, packed_len(n, bits) * per - n)).reshape(*c.shape[:-1], packed_len(n, bits),
@@ -63,6 +70,22 @@ def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     stream = torch.nn.functional.pad(stream, (0, packed_len(n, bits) * 32 - n * bits))
     return _to_int32((stream.reshape(*c.shape[:-1], packed_len(n, bits), 32)
                       << torch.arange(32, device=c.device)).sum(-1))
+
+
+def _words(stream: torch.Tensor) -> torch.Tensor:
+    """uint8 stream bytes ``[..., 4w]`` -> int32 words ``[..., w]`` (little-endian: byte k of word w is bits 8k..)."""
+    if not stream.numel():
+        return torch.zeros(*stream.shape[:-1], stream.shape[-1] // 4, dtype=torch.int32, device=stream.device)
+    if not stream.is_contiguous() or any(st % 4 for st in stream.stride()[:-1]):  # (a size-1 dim keeps any stride)
+        stream = stream.clone(memory_format=torch.contiguous_format)
+    return stream.view(torch.int32)
+
+
+def _byte_groups(bits: int) -> bool:
+    """Whether codes of ``bits`` bits that do not divide 8 (3, 5, 6, 7) are (un)packed eight at a time through the
+    ``bits`` bytes they fill, in memory order (little-endian hosts): a few tensor operations per code instead of one
+    per bit."""
+    return bits in (3, 5, 6, 7) and sys.byteorder == "little"
 
 
 @functools.lru_cache(maxsize=None)
@@ -83,6 +106,15 @@ def unpack_u8(words: torch.Tensor, bits: int, n: int) -> torch.Tensor:
         raise ValueError(f"unpack_u8 needs bits in 1..8, got {bits}")
     if words.dtype != torch.int32:
         raise TypeError(f"packed words must be int32, got {words.dtype}")
+    if _byte_groups(bits):
+        m, have = -(-n // 8), 4 * words.shape[-1]
+        stream = words.contiguous().view(torch.uint8)
+        stream = torch.nn.functional.pad(stream, (0, max(0, m * bits - have)))[..., :m * bits]
+        wide = torch.int32 if bits == 3 else torch.int64  # eight codes: 24 bits, or up to 56
+        grp = stream.reshape(*words.shape[:-1], m, bits).to(wide)
+        x = (grp << (torch.arange(bits, device=words.device, dtype=wide) * 8)).sum(-1, dtype=wide)
+        codes = (x[..., None] >> (torch.arange(8, device=words.device, dtype=wide) * bits)) & ((1 << bits) - 1)
+        return codes.to(torch.uint8).reshape(*words.shape[:-1], 8 * m)[..., :n]
     if 8 % bits or sys.byteorder != "little":  # memory byte order is the stream's order only on little-endian hosts
         return unpack(words, bits, n).to(torch.uint8)
     stream = words.contiguous().view(torch.uint8)  # [..., 4w]: byte k holds stream bits 8k..8k+7
@@ -99,7 +131,7 @@ def unpack(words: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     _check_bits(bits)
     if words.dtype != torch.int32:
         raise TypeError(f"packed words must be int32, got {words.dtype}")
-    if 8 % bits == 0 and sys.byteorder == "little":
+    if (8 % bits == 0 and sys.byteorder == "little") or _byte_groups(bits):
         return unpack_u8(words, bits, n).to(torch.int64)
     if 32 % bits == 0:
         shifts = torch.arange(32 // bits, device=words.device, dtype=torch.int32) * bits
@@ -119,8 +151,14 @@ def pack_planes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """
     if not 1 <= bits <= 8:
         raise ValueError(f"bit-planes support 1..8 bits, got {bits}")
-    c = codes.to(torch.int64)
-    return torch.stack([pack((c >> i) & 1, 1) for i in range(bits)])
+    if sys.byteorder != "little":
+        c = codes.to(torch.int64)
+        return torch.stack([pack((c >> i) & 1, 1) for i in range(bits)])
+    n = codes.shape[-1]
+    c = torch.nn.functional.pad(codes.to(torch.uint8), (0, 32 * packed_len(n, 1) - n))
+    c = c.reshape(*codes.shape[:-1], 4 * packed_len(n, 1), 8)
+    lanes = torch.arange(8, device=codes.device, dtype=torch.uint8)  # input 8k + j at bit j of byte k of the stream
+    return torch.stack([_words((((c >> i) & 1) << lanes).sum(-1, dtype=torch.uint8)) for i in range(bits)])
 
 
 def unpack_planes(planes: torch.Tensor, n: int, dtype: torch.dtype = torch.int64) -> torch.Tensor:
