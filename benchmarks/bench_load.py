@@ -24,7 +24,8 @@ from qlinear.evaluation import smollm2_checkpoint
 from qlinear.integrations.transformers.quantizer import QLinearHfQuantizer
 
 FORMATS = {"bcq": dict(format="bcq", bits=4, group_size=64, init="uniform", iters=0), "mixed": dict(format="mixed"),
-           "codebook": dict(format="codebook")}
+           "codebook": dict(format="codebook"), "bcq-free": dict(format="bcq", iters=0),
+           "bcq3": dict(format="bcq", bits=3, group_size=64, init="uniform", iters=0)}
 
 
 def main() -> None:

@@ -1,4 +1,4 @@
-"""Layout conversion time on x86: ``repack`` (checkpoint storage -> the x86 kernels' layout, once per layer at every
+"""Layout conversion time on x86 (and Arm's uniform 4-bit layout): ``repack`` (checkpoint storage -> the x86 kernels' layout, once per layer at every
 load) and ``unrepack`` (the way back, at every ``state_dict()`` / ``save_pretrained``) of one layer per format, at
 Llama-2-7B's shapes.  Medians of ``--repeats`` calls on layers of random weights quantized without calibration.
 
@@ -15,7 +15,7 @@ import torch
 
 from qlinear import QLinearConfig
 from qlinear.modules import module_class
-from qlinear.backends import x86
+from qlinear.backends import arm_neon, x86
 
 FORMATS = {
     "RTN 4-bit g128 (uniform)": dict(format="bcq", bits=4, group_size=128, init="uniform", iters=0),
@@ -57,6 +57,11 @@ def main() -> None:
             r = _median(lambda: repack(canon, fc, N, K), args.repeats)
             u = _median(lambda: unrepack(held, fc, N, K), args.repeats)
             print(f"| {label} | {N} x {K} | {1e3 * r:.0f} ms | {1e3 * u:.0f} ms |")
+            if cfg.format == "bcq" and opts.get("init") == "uniform" and cfg.bits == 4:  # Arm's layout too
+                held = arm_neon.repack_bcq(canon, fc, N, K)
+                r = _median(lambda: arm_neon.repack_bcq(canon, fc, N, K), args.repeats)
+                u = _median(lambda: arm_neon.unrepack_bcq(held, fc, N, K), args.repeats)
+                print(f"| {label}, Arm layout | {N} x {K} | {1e3 * r:.0f} ms | {1e3 * u:.0f} ms |")
 
 
 if __name__ == "__main__":

@@ -100,7 +100,7 @@ def _pack_nibbles(v: torch.Tensor) -> torch.Tensor:
 
 
 def _unpack_nibbles(qw: torch.Tensor) -> torch.Tensor:
-    b = qw.view(*qw.shape[:2], 4, 2, 16).to(torch.int64)
+    b = qw.view(*qw.shape[:2], 4, 2, 16)
     return torch.stack([b & 15, b >> 4], 4).reshape(*qw.shape[:2], 4, 4, 16)
 
 
@@ -137,7 +137,7 @@ def repack_bcq(buffers: dict, cfg, N: int, K: int, layout: Optional[str] = None)
     ``arm_qs`` fp16 ``[Nb, G, 8]``, ``arm_qz`` ``[Nb, G, 8]`` of the offset's dtype).  Raises ValueError for
     non-uniform α or an unknown layout."""
     layout = _layout_arg(layout)
-    codes, s, zeros = bcq.uniform_parts(buffers, cfg, N, K)
+    codes, s, zeros = bcq.uniform_parts(buffers, cfg, N, K, codes=torch.uint8)
     out = {"arm_qw": _pack_nibbles(_blocks(codes ^ 8, N, K, layout)), "arm_qs": pad_groups(s, N, 8)}
     if zeros is not None:
         out["arm_qz"] = pad_groups(bcq.uniform_offset(s, zeros, 4), N, 8)
@@ -213,7 +213,7 @@ def _weights_int8(buffers: dict, format: int, cfg, N: int, K: int, layout: str) 
     """The int8 weights ``[Nb·8, K]`` (int64) the kernels decode, read through the packed ``layout``."""
     qw = buffers["arm_qw"]
     idx = _unpack_crumbs(qw) if format == _FMT_CB2 else _unpack_nibbles(qw)
-    rows = _unblocks(idx, qw.shape[0] * 8, K, layout)
+    rows = _unblocks(idx, qw.shape[0] * 8, K, layout).to(torch.int64)
     if format == _FMT_BCQ4:
         return torch.where(rows >= 8, rows - 16, rows) * 16  # (nibble << 4) as int8 = 16·(code − 8)
     book = torch.zeros_like(rows)

@@ -240,7 +240,7 @@ def repack(buffers: dict, cfg, N: int, K: int) -> dict:
                 "x86_qa": torch.stack([pad_groups(a, N, ROWS) for a in alpha], 2),
                 "x86_qc": pad_groups(offset, N, ROWS)}
     words = _nibbles(cfg) and "qweight" in buffers  # the common case (RTN, GPTQ, AWQ 4-bit)
-    codes, s, zeros = bcq.uniform_parts(buffers, cfg, N, K, codes=not words)
+    codes, s, zeros = bcq.uniform_parts(buffers, cfg, N, K, codes=None if words else torch.uint8)
     if _uniform_crumbs(cfg):
         return {"x86_qw": _crumbs(codes, N, K), "x86_qs": pad_groups(s.to(torch.float16), N, ROWS),
                 "x86_qb": _book_words(zeros, N)}

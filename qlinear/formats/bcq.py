@@ -467,10 +467,12 @@ def uniform_zeros(scales: torch.Tensor, offset: torch.Tensor, bits: int) -> torc
 
 
 def uniform_parts(buffers: dict[str, torch.Tensor], cfg: Config, out_features: int, in_features: int,
-                  codes: bool = True) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
-    """``(codes [N, K] int64 in stored order, scales [N, G] fp16, zeros [N, G] int64 or None without offset)`` from
-    the uniform storage, or from free-α buffers whose α happen to be uniform (``perm`` is not read).  ``codes=False``:
-    the uniform storage's ``qweight`` is not unpacked (codes None), for callers that read the words themselves.
+                  codes: torch.dtype | None = torch.int64
+                  ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
+    """``(codes [N, K] in stored order, scales [N, G] fp16, zeros [N, G] int64 or None without offset)`` from the
+    uniform storage, or from free-α buffers whose α happen to be uniform (``perm`` is not read).  ``codes``: their
+    dtype, int64 or uint8 (a layout builder's, 8x less memory); None: the uniform storage's ``qweight`` is not
+    unpacked (codes None), for callers that read its words themselves.
 
     Raises:
         ValueError: free-α buffers whose α or offsets are not uniform.
@@ -478,10 +480,12 @@ def uniform_parts(buffers: dict[str, torch.Tensor], cfg: Config, out_features: i
     K, q = in_features, cfg.bits
     if "qweight" in buffers:
         zeros = unpack(buffers["qzeros"], q, out_features).T if "qzeros" in buffers else None
-        return unpack(buffers["qweight"], q, K) if codes else None, buffers["scales"], zeros
+        words = buffers["qweight"]
+        c = None if codes is None else unpack_u8(words, q, K) if codes == torch.uint8 else unpack(words, q, K)
+        return c, buffers["scales"], zeros
     s = uniform_scale(buffers["alpha"])
     zeros = uniform_zeros(s, buffers["offset"], q) if "offset" in buffers else None
-    return unpack_planes(buffers["planes"], K), s.to(torch.float16), zeros
+    return unpack_planes(buffers["planes"], K, codes or torch.int64), s.to(torch.float16), zeros
 
 
 def uniform_buffers(codes: torch.Tensor | None, scales: torch.Tensor, zeros: torch.Tensor | None, bits: int, *,

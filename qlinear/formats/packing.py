@@ -49,10 +49,14 @@ def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     _check_bits(bits)
     if codes.is_floating_point() or codes.is_complex():
         raise TypeError(f"codes must be an integer tensor, got {codes.dtype}")
-    c = codes.to(torch.int64)
-    if c.numel() and (int(c.min()) < 0 or int(c.max()) >= 1 << bits):
+    if codes.numel() and (int(codes.min()) < 0 or int(codes.max()) >= 1 << bits):
         raise ValueError(f"codes must lie in [0, {1 << bits}) for bits={bits}")
-    n = c.shape[-1]
+    n = codes.shape[-1]
+    if bits <= 8 and 8 % bits == 0 and sys.byteorder == "little":  # 8/bits codes per byte of the stream
+        per, w = 8 // bits, packed_len(n, bits)
+        c = torch.nn.functional.pad(codes.to(torch.uint8), (0, 4 * w * per - n)).reshape(*codes.shape[:-1], 4 * w, per)
+        return _words((c << (torch.arange(per, device=c.device, dtype=torch.uint8) * bits)).sum(-1, dtype=torch.uint8))
+    c = codes.to(torch.int64)
     if _byte_groups(bits):  # eight codes fill ``bits`` whole bytes of the stream
         m, w = -(-n // 8), packed_len(n, bits)
         c = torch.nn.functional.pad(c, (0, 8 * m - n)).reshape(*c.shape[:-1], m, 8)
