@@ -559,7 +559,7 @@ class BCQLinear(QuantLinear):
             ValueError: unsupported bits or inconsistent shapes.
         """
         K = qweight.shape[0] * 32 // bits
-        codes, zeros = unpack_gptq(qweight, qzeros, bits, K, checkpoint_format)
+        codes, zeros = unpack_gptq(qweight, qzeros, bits, K, checkpoint_format, dtype=torch.uint8)
         return cls.from_uniform(codes, scales.T, zeros, bits=bits, group_size=group_size, g_idx=g_idx, bias=bias,
                                 backend=backend)
 
@@ -610,7 +610,8 @@ class BCQLinear(QuantLinear):
         Raises:
             ValueError: an unknown version or tensors whose shapes do not fit K, N and ``group_size``.
         """
-        codes, zeros, s = unpack_awq(qweight, qzeros, scales, in_features, out_features, group_size, version)
+        codes, zeros, s = unpack_awq(qweight, qzeros, scales, in_features, out_features, group_size, version,
+                                     dtype=torch.uint8)
         return cls.from_uniform(codes, s, zeros, bits=4, group_size=group_size, bias=bias, backend=backend)
 
     def to_awq(self, version: str = "gemm") -> dict[str, torch.Tensor]:

@@ -143,7 +143,7 @@ def pack_gptq(codes: torch.Tensor, zeros: torch.Tensor, bits: int, checkpoint_fo
 
 
 def unpack_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, bits: int, in_features: int,
-                checkpoint_format: str = "gptq") -> tuple[torch.Tensor, torch.Tensor]:
+                checkpoint_format: str = "gptq", dtype: torch.dtype = torch.int64) -> tuple[torch.Tensor, torch.Tensor]:
     """Unpack GPTQ checkpoint tensors (AutoGPTQ / GPTQModel layout) into ``(codes [N, K], zeros [N, G])``.
 
     Args:
@@ -151,11 +151,12 @@ def unpack_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, bits: int, in_featu
         qzeros: int32 ``[G, N·bits/32]``, zero points packed little-endian along N.
         bits: 2, 3, 4 or 8 (3-bit codes straddle words: one little-endian bit stream).
         checkpoint_format: "gptq" (v1: the stored zero is z − 1) or "gptq_v2" (stored as z).
+        dtype: of the codes, int64 or uint8 (8x less memory; zeros stay int64).
 
     Raises:
         ValueError: unsupported bits/format or shapes that do not fit ``in_features``.
     """
-    from .packing import unpack
+    from .packing import unpack, unpack_u8
 
     if bits not in (2, 3, 4, 8):
         raise ValueError(f"GPTQ unpacking supports bits 2, 3, 4, 8, got {bits}")
@@ -167,7 +168,7 @@ def unpack_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, bits: int, in_featu
     if qweight.shape[0] * 32 // bits != in_features or qzeros.shape[1] * 32 // bits < N:
         raise ValueError(f"qweight {list(qweight.shape)} / qzeros {list(qzeros.shape)} do not fit "
                          f"in_features={in_features}, out_features={N} at {bits} bits")
-    codes = unpack(qweight.T.contiguous(), bits, in_features)
+    codes = (unpack_u8 if dtype == torch.uint8 else unpack)(qweight.T.contiguous(), bits, in_features)
     zeros = unpack(qzeros, bits, N).T.contiguous()
     if checkpoint_format == "gptq":
         zeros = (zeros + 1) & ((1 << bits) - 1)
@@ -246,18 +247,19 @@ def pack_awq(codes: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, gro
 
 
 def unpack_awq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, in_features: int,
-               out_features: int, group_size: int, version: str = "gemm"
+               out_features: int, group_size: int, version: str = "gemm", dtype: torch.dtype = torch.int64
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Inverse of :func:`pack_awq`: ``(codes [N, K] int64, zeros [N, G] int64, scales [N, G] fp16)``.
+    """Inverse of :func:`pack_awq`: ``(codes [N, K] of dtype, zeros [N, G] int64, scales [N, G] fp16)``.
 
     Args:
         qweight, qzeros: int32 tensors in the ``version`` layout.  scales: fp16 in that layout.
         in_features, out_features: K and N.  group_size: inputs per group (-1: all of K).
+        dtype: of the codes, int64 or uint8 (8x less memory).
 
     Raises:
         ValueError: an unknown version, non-int32 words, or shapes that do not fit K, N and ``group_size``.
     """
-    from .packing import unpack
+    from .packing import unpack, unpack_u8
 
     N = out_features
     version, g, G = _check_awq(version, in_features, N, group_size)
@@ -275,6 +277,7 @@ def unpack_awq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor
                              f"in_features={in_features}, out_features={N}, group_size={group_size}")
     if version == "gemm":
         cols = torch.argsort(_awq_columns(N))
-        return (unpack(qweight, 4, N)[:, cols].T.contiguous(), unpack(qzeros, 4, N)[:, cols].T.contiguous(),
-                scales.T.contiguous())
-    return unpack(qweight, 4, in_features), unpack(qzeros, 4, 8 * W)[:, :G].contiguous(), scales[:, :G].contiguous()
+        codes = unpack_u8(qweight, 4, N).index_select(1, cols).T.contiguous()
+        return (codes.to(dtype), unpack(qzeros, 4, N)[:, cols].T.contiguous(), scales.T.contiguous())
+    return (unpack_u8(qweight, 4, in_features).to(dtype), unpack(qzeros, 4, 8 * W)[:, :G].contiguous(),
+            scales[:, :G].contiguous())
