@@ -731,6 +731,13 @@ def test_a_second_call_s_skips_do_not_undo_the_first_call_s_layers(float_llama, 
     again = _reloads_exactly(model, tmp_path / "q")
     assert torch.equal(logits(again), logits(model))
     assert model.config.quantization_config.modules_to_not_convert == ["lm_head"]  # "mlp" matched no float layer
+    assert len(model.config.quantization_config.per_module) == 6  # the mlp layers' exact names, "model." prefixed
+    from transformers import AutoModel
+
+    base = AutoModel.from_pretrained(tmp_path / "q")  # the base model: its names lack the prefix
+    assert {n: m.config for n, m in quant_layers(base).items()} == {
+        n.removeprefix("model."): m.config for n, m in quant_layers(model).items()}
+    assert_same_state(base, model.model)
 
 
 def test_t5_initializes_around_quantized_layers(tmp_path):
@@ -755,6 +762,12 @@ def test_t5_initializes_around_quantized_layers(tmp_path):
         assert torch.equal(again(input_ids=ids, decoder_input_ids=ids).logits, ref(input_ids=ids, decoder_input_ids=ids).logits)
     assert not hasattr(again.decoder.block[0].layer[0].SelfAttention.q, "weight")
     assert "initialize_weights" not in again.__dict__
+    # a checkpoint with wo quantized (qlinear before 2026-11-28 did that) is refused: T5's forward reads wo.weight
+    wo = copy.deepcopy(fp)
+    wo._keep_in_fp32_modules = set()
+    replace_linear(wo, cfg, progress=False).save_pretrained(tmp_path / "wo")
+    with pytest.raises(ValueError, match=r"(?s)stored quantized but the config keeps them in float.*_keep_in_fp32.*\.wo"):
+        AutoModelForSeq2SeqLM.from_pretrained(tmp_path / "wo")
 
 
 # other architectures ------------------------------------------------------------------------------

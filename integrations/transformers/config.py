@@ -124,13 +124,14 @@ class QLinearConfig(QuantizationConfigMixin):
             opts["group_size"] = self.group_size
         return get_format(self.format).Config.from_dict({"format": self.format, **opts})
 
-    def config_for(self, name: str) -> Optional["QLinearConfig"]:
-        """The config of module ``name``: the first matching ``per_module`` entry (None: keep it in float), else
-        this one.  ``modules_to_not_convert`` is the caller's to apply first."""
+    def config_for(self, name: str, *aliases: str) -> Optional["QLinearConfig"]:
+        """The config of module ``name``: the first ``per_module`` entry matching it or one of its ``aliases`` (its
+        name in the model it was saved from; None: keep it in float), else this one.  ``modules_to_not_convert`` is
+        the caller's to apply first."""
         from qlinear.replace import matches
 
         for pattern, c in self.per_module.items():
-            if matches(name, pattern):
+            if any(matches(n, pattern) for n in (name, *aliases)):
                 return c
         return self
 

@@ -182,7 +182,7 @@ class QLinearQuantize(ConversionOps):
             try:  # canonical buffers straight from the quantizer: the layer repacks them once, after loading
                 if tuple(weight.shape) != expected:
                     raise ValueError(f"checkpoint weight {key} is {list(weight.shape)}, expected {list(expected)}")
-                config = self.hf_quantizer.quantization_config.config_for(module_name)
+                config = self.hf_quantizer.quantization_config.config_for(module_name, *self.hf_quantizer._aliases(module_name))
                 packed = type(module).quantize_weight(weight, config)
             except (ValueError, TypeError) as e:
                 # transformers would turn it into a generic RuntimeError after loading; the quantizer raises it
@@ -211,6 +211,8 @@ class QLinearHfQuantizer(HfQuantizer):
         self._tp_sharded = False
         self._checkpoint_index: dict[str, dict[str, tuple[str, str]]] = {}  # module -> tensor -> (file, key)
         self._checkpoint: Optional[tuple] = None  # safetensors headers: (tensors, checksums, layer configs)
+        self._keep_fp32: list[str] = []  # the model's _keep_in_fp32_modules
+        self._prefix = ""  # the base_model_prefix when a base model loads
         self._saved_layers: set[str] = set()  # the layers the checkpoint's metadata lists as quantized
         self._tp_specs: Optional[dict] = None  # layers load_shards sliced before loading
         self.load_errors: list[Exception] = []  # ValueError/TypeError of quantize-on-load, raised after loading
@@ -276,11 +278,18 @@ class QLinearHfQuantizer(HfQuantizer):
         return QLinearQuantize(self)
 
     # module selection ----------------------------------------------------------------------------
+    def _aliases(self, name: str) -> tuple[str, ...]:
+        """Module ``name`` as the full model names it, when a base model loads (a checkpoint's exact names, written by
+        ``remember_config``, carry the ``base_model_prefix``)."""
+        return (f"{self._prefix}.{name}",) if self._prefix else ()
+
     def _skip(self, name: str) -> bool:
-        if any(matches(name, p) for p in self.quantization_config.modules_to_not_convert):
+        if any(matches(n, p) for p in self.quantization_config.modules_to_not_convert for n in (name, *self._aliases(name))):
             return True
-        # transformers' default skips hold for float checkpoints; a saved one that stores the layer packed (an output
-        # layer quantized by replace_linear(modules_to_not_convert=[]) or GPTQModel's lm_head=True) decides itself
+        if not should_convert_module(name, self._keep_fp32):  # the model's forward may read their .weight (T5's wo)
+            return True
+        # transformers' other default skips hold for float checkpoints; a saved one that stores the layer packed (an
+        # output layer quantized by replace_linear(modules_to_not_convert=[]) or GPTQModel's lm_head=True) decides
         return not should_convert_module(name, self.modules_to_not_convert) and not self._stored_packed(name)
 
     def _stored_packed(self, name: str) -> bool:
@@ -291,16 +300,19 @@ class QLinearHfQuantizer(HfQuantizer):
 
     def _targets(self, model) -> list[tuple[str, nn.Linear, QLinearConfig]]:
         """``(name, float layer, its config)`` of every layer to quantize (``per_module`` applied)."""
-        found = [(name, mod, self.quantization_config.config_for(name)) for name, mod in model.named_modules()
+        found = [(name, mod, self.quantization_config.config_for(name, *self._aliases(name)))
+                 for name, mod in model.named_modules()
                  if name and is_quantizable_linear(mod) and not self._skip(name)]
         return [t for t in found if t[2] is not None]
 
     def _process_model_before_weight_loading(self, model, checkpoint_files=None, **kwargs):
-        fp32 = getattr(model, "_keep_in_fp32_modules", None)
+        self._keep_fp32 = list(getattr(model, "_keep_in_fp32_modules", None) or ())
+        base = getattr(model, "base_model_prefix", "")
+        self._prefix = base if base and getattr(model, "base_model", None) is model else ""
         # transformers' defaults (tied weights, output embeddings, last module) + keep_in_fp32; the
         # config's own patterns use qlinear's glob/dotted-name matching (see _skip)
         self.modules_to_not_convert = self.get_modules_to_not_convert(
-            model, [], list(fp32) if fp32 else None, add_default_skips=True)
+            model, [], self._keep_fp32 or None, add_default_skips=True)
         if self.pre_quantized and checkpoint_files:
             self._read_checkpoint(model, checkpoint_files)
         targets = self._targets(model)
@@ -505,7 +517,8 @@ class QLinearHfQuantizer(HfQuantizer):
                         f"{_listing(stored_float)}")
         if stored_packed:
             msgs.append(f"{len(stored_packed)} layer(s) are stored quantized but the config keeps them in float "
-                        f"(modules_to_not_convert differs from the one they were saved with?):"
+                        f"(modules_to_not_convert differs from the one they were saved with? or the model's "
+                        f"_keep_in_fp32_modules, which its forward needs in float, e.g. T5's wo):"
                         f"{_listing(stored_packed)}")
         if msgs:
             raise ValueError("qlinear checkpoint does not match its quantization_config:\n" + "\n".join(msgs))
