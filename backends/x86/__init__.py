@@ -141,8 +141,9 @@ def _interleave(codes: torch.Tensor, N: int, K: int) -> torch.Tensor:
 
 def _spread(words: torch.Tensor) -> torch.Tensor:
     """int32 words ``[...]`` -> uint8 ``[..., 4]``: byte q holds nibble q of the word's low half (bits 4q..4q+3) and,
-    above it, nibble q of its high half (bits 16+4q..): the bytes :func:`_interleave` and :func:`_planes` build from
-    codes, built here from the packed words' bytes (repacking at load time is memory bound)."""
+    above it, nibble q of its high half (bits 16+4q..): a word of the nibble layout (:func:`_interleave`, from
+    codes) and of the bit-plane layout, built from the packed words' bytes (repacking at load time is memory
+    bound)."""
     if sys.byteorder != "little":  # x86 and aarch64 hosts are little-endian
         raise RuntimeError("the x86 layouts are built from the packed words' bytes on little-endian hosts only")
     b = words.contiguous().view(torch.uint8).view(*words.shape, 4)  # bytes 0, 1: the low half
