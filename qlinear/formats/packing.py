@@ -155,14 +155,8 @@ def pack_planes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """
     if not 1 <= bits <= 8:
         raise ValueError(f"bit-planes support 1..8 bits, got {bits}")
-    if sys.byteorder != "little":
-        c = codes.to(torch.int64)
-        return torch.stack([pack((c >> i) & 1, 1) for i in range(bits)])
-    n = codes.shape[-1]
-    c = torch.nn.functional.pad(codes.to(torch.uint8), (0, 32 * packed_len(n, 1) - n))
-    c = c.reshape(*codes.shape[:-1], 4 * packed_len(n, 1), 8)
-    lanes = torch.arange(8, device=codes.device, dtype=torch.uint8)  # input 8k + j at bit j of byte k of the stream
-    return torch.stack([_words((((c >> i) & 1) << lanes).sum(-1, dtype=torch.uint8)) for i in range(bits)])
+    c = codes.to(torch.uint8)  # the low 8 bits, all a plane reads
+    return torch.stack([pack((c >> i) & 1, 1) for i in range(bits)])
 
 
 def unpack_planes(planes: torch.Tensor, n: int, dtype: torch.dtype = torch.int64) -> torch.Tensor:
