@@ -457,6 +457,37 @@ def test_checkpoint_without_checksums_loads_with_a_warning_and_nan_still_raises(
         AutoModelForCausalLM.from_pretrained(plain)
 
 
+def as_bin(path):
+    """``path`` with its model.safetensors rewritten as a pytorch_model.bin (``torch.save``: no metadata)."""
+    torch.save(load_file(str(path / "model.safetensors")), path / "pytorch_model.bin")
+    (path / "model.safetensors").unlink()
+    return path
+
+
+def test_a_bin_checkpoint_is_checked_before_loading_like_a_safetensors_one(bcq_checkpoint, tmp_path):
+    """A ``.bin`` checkpoint's keys, shapes and dtypes are read (onto the meta device) before the layers are built:
+    an output layer it stores packed loads packed, not as the float layer transformers' default skips would build
+    (random, or the tied embedding); a layer its config keeps float but the file stores packed raises."""
+    fp = save_float(llama_config(), tmp_path / "fp")
+    model = replace_linear(copy.deepcopy(fp), QLinearConfig(**FORMATS["bcq"], modules_to_not_convert=[]), progress=False)
+    model.save_pretrained(tmp_path / "q")
+    again = AutoModelForCausalLM.from_pretrained(as_bin(tmp_path / "q"))
+    assert set(quant_layers(again)) == set(quant_layers(model)) and "lm_head" in quant_layers(again)
+    assert_same_state(again, model)
+    bad = as_bin(edited(bcq_checkpoint, tmp_path / "kept_float",
+                        config=lambda c: c.update(modules_to_not_convert=["lm_head", "o_proj"])))
+    with pytest.raises(ValueError, match=r"(?s)stored quantized but the config keeps them in float.*o_proj"):
+        AutoModelForCausalLM.from_pretrained(bad)
+    bad = as_bin(edited(bcq_checkpoint, tmp_path / "truncated",
+                        tensors=lambda sd: sd.update({f"{Q}.planes": sd[f"{Q}.planes"][:, :40].contiguous()})))
+    with pytest.raises(ValueError, match=r"q_proj\.planes: checkpoint has I32 \[4, 40, 2\].*expects I32 \[4, 64, 2\]"):
+        AutoModelForCausalLM.from_pretrained(bad)
+    data = (bad / "pytorch_model.bin").read_bytes()
+    (bad / "pytorch_model.bin").write_bytes(data[:len(data) // 2])
+    with pytest.raises(ValueError, match="cannot be read .*truncated or damaged"):
+        AutoModelForCausalLM.from_pretrained(bad)
+
+
 def test_bad_weight_at_quantize_on_load_raises_qlinear_s_error(tmp_path):
     """Not transformers' generic RuntimeError about conversion: qlinear's ValueError, naming every bad layer."""
     model = save_float(llama_config(), tmp_path)
@@ -624,6 +655,21 @@ def test_modules_to_not_convert_glob_matches_replace_linear(float_llama):
     assert type(model.model.layers[0].mlp.up_proj) is nn.Linear
     ref = replace_linear(copy.deepcopy(fp_model), cfg, progress=False)
     assert_same_state(model, ref)
+
+
+def test_quantize_on_load_says_which_layers_the_default_skips_keep_against_the_config(float_llama):
+    """transformers keeps output embeddings in float on load; a config whose modules_to_not_convert leaves lm_head
+    out asked for it quantized, so the load says it was not (and how to get it), instead of a silent float head."""
+    _, path = float_llama
+    with pytest.warns(UserWarning, match=r"(?s)keeps 1 layer\(s\) in full precision.*\n  lm_head\n.*replace_linear"):
+        model = AutoModelForCausalLM.from_pretrained(
+            path, quantization_config=QLinearConfig(**FORMATS["bcq"], modules_to_not_convert=[]))
+    assert type(model.lm_head) is nn.Linear and quant_layers(model)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*in full precision that modules_to_not_convert")
+        AutoModelForCausalLM.from_pretrained(path, quantization_config=QLinearConfig(**FORMATS["bcq"]))
+        AutoModelForCausalLM.from_pretrained(path, quantization_config=QLinearConfig(
+            **FORMATS["bcq"], modules_to_not_convert=[], per_module=[["lm_head", None]]))
 
 
 def test_unsupported_shape_names_layer(tmp_path):

@@ -20,8 +20,8 @@ Registered, together with :class:`QLinearConfig`, when qlinear is imported.
   model's tied weights), and transformers copies the checkpoint tensors
   into their persistent buffers with their own dtypes (int32 codes, fp16 scales, int8 codebooks,
   int16 indices), whatever ``dtype=`` asks for the rest of the model.  Every packed tensor's
-  presence, shape and dtype is checked against the config from the safetensors headers before any
-  weight is read, so a checkpoint that does not match its config raises a ``ValueError`` naming
+  presence, shape and dtype is checked against the config from the safetensors headers (a ``.bin`` file's
+  ``torch.load`` onto the meta device) before any weight is read, so a checkpoint that does not match its config raises a ``ValueError`` naming
   the tensor instead of transformers' generic size-mismatch ``RuntimeError``.
 * Integrity: ``save_pretrained`` writes the CRC-32 of every packed tensor and quantized layer's bias into the
   safetensors metadata (``qlinear_crc32``: a JSON map from state-dict key to 8 hex digits), and each layer's format
@@ -39,6 +39,7 @@ from __future__ import annotations
 import copy
 import json
 import mmap
+import pickle
 import warnings
 import zlib
 from typing import Any, Optional
@@ -210,7 +211,8 @@ class QLinearHfQuantizer(HfQuantizer):
         self._quantize_after_loading = False
         self._tp_sharded = False
         self._checkpoint_index: dict[str, dict[str, tuple[str, str]]] = {}  # module -> tensor -> (file, key)
-        self._checkpoint: Optional[tuple] = None  # safetensors headers: (tensors, checksums, layer configs)
+        self._checkpoint: Optional[tuple] = None  # checkpoint headers: (tensors, checksums, layer configs)
+        self._safetensors = True  # whether every checkpoint file is safetensors (else .bin: no offsets, no metadata)
         self._keep_fp32: list[str] = []  # the model's _keep_in_fp32_modules
         self._prefix = ""  # the base_model_prefix when a base model loads
         self._saved_layers: set[str] = set()  # the layers the checkpoint's metadata lists as quantized
@@ -283,8 +285,12 @@ class QLinearHfQuantizer(HfQuantizer):
         ``remember_config``, carry the ``base_model_prefix``)."""
         return (f"{self._prefix}.{name}",) if self._prefix else ()
 
+    def _skipped_by_config(self, name: str) -> bool:
+        return any(matches(n, p) for p in self.quantization_config.modules_to_not_convert
+                   for n in (name, *self._aliases(name)))
+
     def _skip(self, name: str) -> bool:
-        if any(matches(n, p) for p in self.quantization_config.modules_to_not_convert for n in (name, *self._aliases(name))):
+        if self._skipped_by_config(name):
             return True
         if not should_convert_module(name, self._keep_fp32):  # the model's forward may read their .weight (T5's wo)
             return True
@@ -321,6 +327,15 @@ class QLinearHfQuantizer(HfQuantizer):
         qc = self.quantization_config
         self._quantize_after_loading = not self.pre_quantized and (
             model_scope or qc.dataset is not None or qc.finetune_steps > 0)
+        kept = [] if self.pre_quantized or qc.modules_to_not_convert == ["lm_head"] else [
+            name for name, mod in model.named_modules() if name and is_quantizable_linear(mod) and self._skip(name)
+            and not self._skipped_by_config(name) and should_convert_module(name, self._keep_fp32)
+            and qc.config_for(name, *self._aliases(name)) is not None]
+        if kept:  # the user changed the skips: say which layers transformers' defaults still keep
+            warnings.warn(f"qlinear keeps {len(kept)} layer(s) in full precision that modules_to_not_convert does not "
+                          f"name: quantize-on-load applies transformers' default skips (output embeddings, tied weights, "
+                          f"the last module):{_listing(kept)}\nTo quantize them, load the float model and call "
+                          f"qlinear.replace_linear(model, config) with the same modules_to_not_convert", stacklevel=2)
         if not targets:
             warnings.warn(f"qlinear found no nn.Linear layer to quantize in {type(model).__name__} (layers such as "
                           f"GPT-2's Conv1D are not nn.Linear, and modules_to_not_convert / tied or output "
@@ -379,7 +394,8 @@ class QLinearHfQuantizer(HfQuantizer):
             plan = {**plan, **override} if override else {}
         check_tp_plan(model, plan, world)
         layers = {n: m for n, m in model.named_modules() if isinstance(m, QuantLinear)}
-        if layers and all(set(m.buffer_specs) <= set(self._checkpoint_index.get(n, ())) for n, m in layers.items()):
+        if layers and self._safetensors and all(set(m.buffer_specs) <= set(self._checkpoint_index.get(n, ()))
+                                                for n, m in layers.items()):
             # safetensors: read only this rank's slices
             import re
 
@@ -413,14 +429,13 @@ class QLinearHfQuantizer(HfQuantizer):
         return out
 
     def _read_checkpoint(self, model, checkpoint_files) -> None:
-        """Read the headers and metadata of safetensors checkpoint files (no tensor data): which tensors each module
-        has (``_checkpoint_index``), their shapes and dtypes, the saved checksums and layer configs."""
-        files = [f for f in checkpoint_files if str(f).endswith(".safetensors")]
-        if not files or len(files) != len(checkpoint_files):
-            return  # .bin: checked after loading instead
+        """Read the headers and metadata of the checkpoint files (no tensor data): which tensors each module has
+        (``_checkpoint_index``), their shapes and dtypes, the saved checksums and layer configs.  ``.bin`` files
+        (``torch.load`` onto the meta device) have no metadata: no checksums, no saved layer configs."""
         from safetensors import safe_open
         from transformers.conversion_mapping import get_model_conversion_mapping
         from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+        from transformers.modeling_utils import load_state_dict
 
         transforms = get_model_conversion_mapping(model)
         renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
@@ -429,36 +444,44 @@ class QLinearHfQuantizer(HfQuantizer):
         found: dict[str, tuple[tuple[int, ...], str, str]] = {}
         sums: Optional[dict[str, str]] = None
         saved_configs: dict[str, str] = {}  # layer name as saved -> its format config's JSON
+        files = [str(f) for f in checkpoint_files]
+        self._safetensors = all(f.endswith(".safetensors") for f in files)
         for path in files:
             try:
-                with safe_open(str(path), framework="pt") as f:
-                    meta = f.metadata() or {}
-                    try:
-                        if CHECKSUM_KEY in meta:
-                            sums = {**(sums or {}), **json.loads(meta[CHECKSUM_KEY])}
-                        for cfg, names in json.loads(meta.get(CONFIGS_KEY, "[]")):
-                            saved_configs.update(dict.fromkeys(names, json.dumps(cfg, sort_keys=True)))
-                    except (ValueError, TypeError) as e:
-                        raise ValueError(f"qlinear checkpoint {path} is damaged: its safetensors metadata cannot be "
-                                         f"read ({e}); restore the file from the source") from None
-                    for key in f.keys():
-                        name, _ = rename_source_key(key, renamings, converters, model.base_model_prefix, known)
-                        if known.get(name) is None and known.get(key) is not None:
-                            name = key
-                        sl = f.get_slice(key)
-                        found[name] = (tuple(sl.get_shape()), sl.get_dtype(), key)
-                        module_name, _, tensor_name = name.rpartition(".")
-                        self._checkpoint_index.setdefault(module_name, {})[tensor_name] = (str(path), key)
-            except (SafetensorError, OSError) as e:
+                if not path.endswith(".safetensors"):
+                    entries = [(k, tuple(t.shape), _ST_DTYPES.get(t.dtype, str(t.dtype)))
+                               for k, t in load_state_dict(path, map_location="meta").items()]
+                else:
+                    with safe_open(path, framework="pt") as f:
+                        meta = f.metadata() or {}
+                        try:
+                            if CHECKSUM_KEY in meta:
+                                sums = {**(sums or {}), **json.loads(meta[CHECKSUM_KEY])}
+                            for cfg, names in json.loads(meta.get(CONFIGS_KEY, "[]")):
+                                saved_configs.update(dict.fromkeys(names, json.dumps(cfg, sort_keys=True)))
+                        except (ValueError, TypeError) as e:
+                            raise ValueError(f"qlinear checkpoint {path} is damaged: its safetensors metadata "
+                                             f"cannot be read ({e}); restore the file from the source") from None
+                        entries = []
+                        for k in f.keys():
+                            sl = f.get_slice(k)
+                            entries.append((k, tuple(sl.get_shape()), sl.get_dtype()))
+            except (SafetensorError, OSError, RuntimeError, pickle.UnpicklingError) as e:
                 raise ValueError(f"qlinear checkpoint {path} cannot be read ({e}): the file is truncated or "
                                  f"damaged; restore it from the source") from None
+            for key, shape, dtype in entries:
+                name, _ = rename_source_key(key, renamings, converters, model.base_model_prefix, known)
+                if known.get(name) is None and known.get(key) is not None:
+                    name = key
+                found[name] = (shape, dtype, key)
+                module_name, _, tensor_name = name.rpartition(".")
+                self._checkpoint_index.setdefault(module_name, {})[tensor_name] = (path, key)
         self._checkpoint = (found, sums, saved_configs)
         self._saved_layers = {rename_source_key(f"{n}.weight", renamings, converters, model.base_model_prefix,
                                                 known)[0].rpartition(".")[0] for n in saved_configs}
 
     def _check_checkpoint(self, model) -> None:
-        """Compare the packed tensors of the safetensors checkpoint (:meth:`_read_checkpoint`) with the empty
-        modules."""
+        """Compare the packed tensors of the checkpoint (:meth:`_read_checkpoint`) with the empty modules."""
         found, sums, saved_configs = self._checkpoint
         by_module: dict[str, set[str]] = {}
         for key in found:
@@ -522,7 +545,8 @@ class QLinearHfQuantizer(HfQuantizer):
                         f"{_listing(stored_packed)}")
         if msgs:
             raise ValueError("qlinear checkpoint does not match its quantization_config:\n" + "\n".join(msgs))
-        self._verify_packed(model, sums)
+        if self._safetensors:
+            self._verify_packed(model, sums)
 
     def _verify_packed(self, model, sums: Optional[dict[str, str]]) -> None:
         """Read every packed tensor of the checkpoint once, straight from the memory-mapped files (no tensor copies):
@@ -592,7 +616,7 @@ class QLinearHfQuantizer(HfQuantizer):
         if leftover:
             raise ValueError(f"{len(leftover)} layer(s) were not quantized because the checkpoint has no weight "
                              f"for them:{_listing(leftover)}")
-        # Safety net for what _check_checkpoint cannot see (a state_dict= argument, .bin files): transformers
+        # Safety net for what _check_checkpoint cannot see (a state_dict= argument): transformers
         # flags every tensor it loads with `_is_hf_initialized`; a packed buffer without it was missing from
         # the checkpoint and only holds torch.empty memory.  Skipped for multi-device / offloaded models,
         # whose tensors accelerate may have moved since.
@@ -627,7 +651,7 @@ class QLinearHfQuantizer(HfQuantizer):
                 tp.finish_load_shards(model, self._tp_specs, next(model.parameters()).device)
                 tp.add_gather_hooks(model, self._tp_specs, mesh.get_group())
             self._tp_sharded = True
-        _offload_packed(model, self._checkpoint_index)
+        _offload_packed(model, self._checkpoint_index if self._safetensors else {})
         for mod in model.modules():  # tensors were assigned in place: derive each kernel's layout once now
             if isinstance(mod, QuantLinear):
                 mod.repack_for_device()
