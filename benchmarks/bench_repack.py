@@ -20,9 +20,13 @@ from qlinear.backends import arm_neon, x86
 FORMATS = {
     "RTN 4-bit g128 (uniform)": dict(format="bcq", bits=4, group_size=128, init="uniform", iters=0),
     "RTN 3-bit g128 (uniform)": dict(format="bcq", bits=3, group_size=128, init="uniform", iters=0),
+    "RTN 2-bit g128 (uniform)": dict(format="bcq", bits=2, group_size=128, init="uniform", iters=0),
     "BCQ 4-bit g64 (free α, default)": dict(format="bcq", iters=0),
     "mixed 2/4/16 (defaults)": dict(format="mixed"),
+    "codebook 2-bit (defaults)": dict(format="codebook"),
 }
+LAYOUTS = {"bcq": ("repack", "unrepack"), "mixed": ("repack_mixed", "unrepack_mixed"),
+           "codebook": ("repack_codebook", "unrepack_codebook")}
 SHAPES = [(4096, 4096), (11008, 4096)]
 
 
@@ -48,8 +52,7 @@ def main() -> None:
             torch.manual_seed(0)
             layer = module_class(cfg.format).from_linear(torch.nn.Linear(K, N, bias=False), cfg)
             canon, fc = layer.canonical(), layer.config
-            repack, unrepack = (x86.repack_mixed, x86.unrepack_mixed) if cfg.format == "mixed" else \
-                (x86.repack, x86.unrepack)
+            repack, unrepack = (getattr(x86, f) for f in LAYOUTS[cfg.format])
             held = repack(canon, fc, N, K)
             back = unrepack(held, fc, N, K)
             if not all(torch.equal(back[k], canon[k]) for k in canon):

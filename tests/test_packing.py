@@ -102,3 +102,17 @@ def test_pack_is_one_little_endian_bit_stream(bits):
         for j in (0, 10, 21, 44):
             assert sum(bit(row, bits * j + t) << t for t in range(bits)) == int(codes[row, j])
     assert torch.equal(unpack(words, bits, 45), codes)
+
+
+@pytest.mark.parametrize("bits", range(1, 9))
+def test_planes_through_numpy_and_through_torch_ops_are_the_same_words(monkeypatch, bits):
+    """CPU tensors take numpy's packbits/unpackbits; other devices the torch ops, run here on CPU by turning the
+    numpy path off."""
+    import qlinear.formats.packing as packing
+
+    codes = torch.randint(0, 1 << bits, (3, 2, 77))
+    planes = pack_planes(codes, bits)
+    monkeypatch.setattr(packing, "_numpy_bytes", lambda t: False)
+    assert torch.equal(pack_planes(codes, bits), planes)
+    assert torch.equal(unpack_planes(planes, 77), codes)
+    assert torch.equal(unpack_planes(planes, 77, torch.uint8).long(), codes)

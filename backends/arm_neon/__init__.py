@@ -42,7 +42,7 @@ from typing import Optional
 import torch
 
 from qlinear.formats import bcq
-from qlinear.formats.packing import pack, unpack
+from qlinear.formats.packing import pack, unpack, unpack_u8
 
 from .. import ANY, Kernel, Layout, register
 from .._cpu import pad_groups, quantize_activations, rotation_args, spec_input, supports_codebook, unpad_groups
@@ -114,8 +114,8 @@ def _pack_crumbs(v: torch.Tensor) -> torch.Tensor:
 def _unpack_crumbs(qw: torch.Tensor) -> torch.Tensor:
     """Inverse of :func:`_pack_crumbs`: ``[Nb, H, 64]`` -> ``[Nb, H, 4, 4, 16]``."""
     Nb, H = qw.shape[:2]
-    b = qw.view(Nb, H, 1, 4, 16).to(torch.int64)
-    return (b >> (2 * torch.arange(4, device=qw.device)).view(1, 1, 4, 1, 1)) & 3
+    b = qw.view(Nb, H, 1, 4, 16)
+    return (b >> (2 * torch.arange(4, device=qw.device, dtype=qw.dtype)).view(1, 1, 4, 1, 1)) & 3
 
 
 def _book_shifts(device, layout: str) -> torch.Tensor:
@@ -159,7 +159,7 @@ def repack_codebook(buffers: dict, cfg, N: int, K: int, layout: Optional[str] = 
     ValueError for an unknown layout."""
     layout = _layout_arg(layout)
     G, C = K // cfg.group_size, cfg.books
-    v = _blocks(unpack(buffers["codes"], cfg.bits, K), N, K, layout)
+    v = _blocks(unpack_u8(buffers["codes"], cfg.bits, K), N, K, layout)
     qw = _pack_nibbles(v) if cfg.bits == 4 else _pack_crumbs(v)
     out = {"arm_qw": qw, "arm_qs": pad_groups(buffers["scales"], N, 8)}
     if C > 1:

@@ -131,21 +131,11 @@ def _row_blocks(t: torch.Tensor, N: int) -> torch.Tensor:
     return out.view(Nb, ROWS, *t.shape[1:])
 
 
-def _interleave(codes: torch.Tensor, N: int, K: int) -> torch.Tensor:
-    """Codes ``[N, K]`` (0..15) -> ``x86_qw`` uint8 ``[Nb, K/8, 64]`` (zero rows pad N to 16)."""
-    padded = _row_blocks(codes, N)
-    Nb = padded.shape[0]
-    v = padded.view(Nb, ROWS, K // 8, 2, 4).permute(0, 2, 1, 4, 3)  # (b, chunk c, row r, j, half)
-    return (v[..., 0] | (v[..., 1] << 4)).to(torch.uint8).reshape(Nb, K // 8, 64)
-
-
 def _spread(words: torch.Tensor) -> torch.Tensor:
     """int32 words ``[...]`` -> uint8 ``[..., 4]``: byte q holds nibble q of the word's low half (bits 4q..4q+3) and,
-    above it, nibble q of its high half (bits 16+4q..): a word of the nibble layout (:func:`_interleave`, from
-    codes) and of the bit-plane layout, built from the packed words' bytes (repacking at load time is memory
-    bound)."""
-    if sys.byteorder != "little":  # x86 and aarch64 hosts are little-endian
-        raise RuntimeError("the x86 layouts are built from the packed words' bytes on little-endian hosts only")
+    above it, nibble q of its high half (bits 16+4q..): a word of the nibble layout (:func:`_interleave_words`) and of
+    the bit-plane layout, built from the packed words' bytes (repacking at load time is memory bound)."""
+    _check_little_endian()
     b = words.contiguous().view(torch.uint8).view(*words.shape, 4)  # bytes 0, 1: the low half
     lo, hi = b[..., :2], b[..., 2:]
     out = torch.empty_like(b)
@@ -163,9 +153,15 @@ def _gather(b: torch.Tensor) -> torch.Tensor:
     return out.view(torch.int32)[..., 0]
 
 
+def _check_little_endian() -> None:
+    if sys.byteorder != "little":  # x86 and aarch64 hosts are little-endian
+        raise RuntimeError("the x86 layouts are built from the packed words' bytes on little-endian hosts only")
+
+
 def _interleave_words(qweight: torch.Tensor, N: int, K: int) -> torch.Tensor:
-    """:func:`_interleave` of the codes that uniform 4-bit ``qweight`` int32 ``[N, K/8]`` packs (code 8w+t at bits
-    4t of word w)."""
+    """4-bit codes packed as ``qweight`` int32 ``[N, K/8]`` (code 8w+t at bits 4t of word w) -> ``x86_qw`` uint8
+    ``[Nb, K/8, 64]`` (zero rows pad N to 16): byte ``4r + j`` of block b, chunk c holds code ``[16b + r, 8c + j]`` in
+    its low nibble and ``[16b + r, 8c + 4 + j]`` in its high nibble."""
     blocks = _row_blocks(qweight, N)
     return _spread(blocks).transpose(1, 2).reshape(blocks.shape[0], K // 8, 64)
 
@@ -192,7 +188,8 @@ def _words_of_planes(lp: torch.Tensor, N: int) -> torch.Tensor:
 
 
 def _deinterleave(qw: torch.Tensor, K: int) -> torch.Tensor:
-    """Inverse of :func:`_interleave`: ``[Nb, K/8, 64]`` -> codes ``[Nb·16, K]`` int64."""
+    """The codes ``[Nb·16, K]`` int64 of ``x86_qw`` ``[Nb, K/8, 64]`` (:func:`_interleave_words`), read as that
+    docstring defines the layout."""
     Nb = qw.shape[0]
     b = qw.view(Nb, K // 8, ROWS, 4).to(torch.int64)
     v = torch.stack([b & 15, b >> 4], -1)  # (b, c, r, j, half)
@@ -240,26 +237,31 @@ def repack(buffers: dict, cfg, N: int, K: int) -> dict:
         return {"x86_lp": _planes_words(buffers["planes"], N, K),
                 "x86_qa": torch.stack([pad_groups(a, N, ROWS) for a in alpha], 2),
                 "x86_qc": pad_groups(offset, N, ROWS)}
-    words = _nibbles(cfg) and "qweight" in buffers  # the common case (RTN, GPTQ, AWQ 4-bit)
-    codes, s, zeros = bcq.uniform_parts(buffers, cfg, N, K, codes=None if words else torch.uint8)
+    packed = _nibbles(cfg) or _uniform_crumbs(cfg)  # layouts built from the packed words, the others from codes
+    from_words = packed and "qweight" in buffers  # the common case (RTN, GPTQ, AWQ)
+    codes, s, zeros = bcq.uniform_parts(buffers, cfg, N, K, codes=None if from_words else torch.uint8)
+    words = buffers["qweight"] if from_words else pack(codes, cfg.bits) if packed else None
     if _uniform_crumbs(cfg):
-        return {"x86_qw": _crumbs(codes, N, K), "x86_qs": pad_groups(s.to(torch.float16), N, ROWS),
+        return {"x86_qw": _crumb_words(words, N), "x86_qs": pad_groups(s.to(torch.float16), N, ROWS),
                 "x86_qb": _book_words(zeros, N)}
     z2 = torch.full_like(s, 2 ** cfg.bits - 1, dtype=torch.int64) if zeros is None else 2 * zeros
-    qw = _interleave_words(buffers["qweight"], N, K) if words else _interleave(codes, N, K) if _nibbles(cfg) \
-        else _planes_words(pack_planes(codes, cfg.bits), N, K)
+    qw = _interleave_words(words, N, K) if _nibbles(cfg) else _planes_words(pack_planes(codes, cfg.bits), N, K)
     return {_names(cfg)[0]: qw, "x86_qs": pad_groups(s.to(torch.float16), N, ROWS),
             "x86_qz": pad_groups(z2.to(torch.uint8), N, ROWS)}
 
 
 def unrepack(buffers: dict, cfg, N: int, K: int) -> dict:
     """Layout ``x86`` -> canonical BCQ buffers (exact inverse of :func:`repack`)."""
-    words = codes = None
-    if _nibbles(cfg) or not bcq.is_uniform(cfg):  # the packed words straight from the layout's bytes
-        words = _qweight_of(buffers["x86_qw"], N) if _nibbles(cfg) else _words_of_planes(buffers["x86_lp"], N)
-        words = words.contiguous()
+    words = codes = None  # the packed words straight from the layout's bytes, but uniform planes' codes
+    if _nibbles(cfg):
+        words = _qweight_of(buffers["x86_qw"], N)
+    elif _uniform_crumbs(cfg):
+        words = _words_of_crumbs(buffers["x86_qw"], N)
+    elif bcq.is_uniform(cfg):
+        codes = unpack_planes(_words_of_planes(buffers["x86_lp"], N), K, torch.uint8)
     else:
-        codes = _codes(buffers, cfg, K)[:N]
+        words = _words_of_planes(buffers["x86_lp"], N)
+    words = None if words is None else words.contiguous()
     if not bcq.is_uniform(cfg):
         qa = buffers["x86_qa"]
         out = {"planes": words,
@@ -308,17 +310,34 @@ LAYOUT = Layout(name="x86", names=_names, repack=repack, unrepack=unrepack, dequ
                 dequantize_devices=frozenset({"cpu"}))
 
 
-def _crumbs(codes: torch.Tensor, N: int, K: int) -> torch.Tensor:
-    """2-bit codes ``[N, K]`` -> ``x86_qw`` uint8 ``[Nb, K/16, 64]``: byte ``4r + j`` of block ``b``, chunk ``c`` holds
-    code ``[16b + r, 16c + 4t + j]`` in bits ``2t..2t+1`` (zero rows pad N to 16)."""
-    padded = _row_blocks(codes, N)
-    Nb = padded.shape[0]
-    v = padded.view(Nb, ROWS, K // 16, 4, 4).permute(0, 2, 1, 4, 3)  # (b, chunk c, row r, j, t)
-    return (v << (2 * torch.arange(4, device=v.device))).sum(-1).to(torch.uint8).reshape(Nb, K // 16, 64)
+def _transpose_crumbs(words: torch.Tensor) -> torch.Tensor:
+    """int32 words, each a 4x4 matrix of 2-bit fields (field j of byte t at bits 8t + 2j) -> the transposed matrices
+    (field t of byte j), by two masked swaps; the transpose is its own inverse."""
+    for mask, shift in ((0x0000F0F0, 12), (0x00CC00CC, 6)):  # the off-diagonal 2x2 blocks, then their fields
+        t = ((words >> shift) ^ words) & mask
+        words = words ^ t ^ (t << shift)
+    return words
+
+
+def _crumb_words(words: torch.Tensor, N: int) -> torch.Tensor:
+    """2-bit codes packed int32 ``[N, K/16]`` (code 16w + m at bits 2m of word w) -> ``x86_qw`` uint8
+    ``[Nb, K/16, 64]`` (zero rows pad N to 16): byte ``4r + j`` of block b, chunk c holds code ``[16b + r, 16c + 4t + j]``
+    in bits ``2t..2t+1``, the transpose of the packed word's bytes (:func:`_transpose_crumbs`)."""
+    _check_little_endian()
+    blocks = _transpose_crumbs(_row_blocks(words, N))  # [Nb, 16, C]
+    return blocks.transpose(1, 2).contiguous().view(torch.uint8).reshape(blocks.shape[0], words.shape[1], 64)
+
+
+def _words_of_crumbs(qw: torch.Tensor, N: int) -> torch.Tensor:
+    """Inverse of :func:`_crumb_words`: ``x86_qw`` ``[Nb, K/16, 64]`` -> packed int32 ``[N, K/16]``."""
+    _check_little_endian()
+    Nb, C, _ = qw.shape
+    return _transpose_crumbs(qw.contiguous().view(torch.int32).transpose(1, 2).reshape(Nb * ROWS, C)[:N])
 
 
 def _uncrumbs(qw: torch.Tensor, K: int) -> torch.Tensor:
-    """Inverse of :func:`_crumbs`: ``[Nb, K/16, 64]`` -> codes ``[Nb·16, K]`` int64."""
+    """The codes ``[Nb·16, K]`` int64 of ``x86_qw`` ``[Nb, K/16, 64]`` (:func:`_crumb_words`), read as that
+    docstring defines the layout."""
     Nb = qw.shape[0]
     v = (qw.view(Nb, K // 16, ROWS, 4).to(torch.int64)[..., None] >> (2 * torch.arange(4, device=qw.device))) & 3  # (b, c, r, j, t)
     return v.permute(0, 2, 1, 4, 3).reshape(Nb * ROWS, K)
@@ -334,11 +353,11 @@ def _book_bits(cfg) -> int:
 
 def repack_codebook(buffers: dict, cfg, N: int, K: int) -> dict:
     """Canonical codebook buffers (2 or 4 bits) -> layout ``x86_codebook``: ``x86_qw`` (4 bits: the nibbles of
-    :func:`_interleave`; 2 bits: :func:`_crumbs`), ``x86_qs`` fp16 ``[Nb, G, 16]`` (scales), ``x86_qb`` int32
+    :func:`_interleave_words`; 2 bits: :func:`_crumb_words`), ``x86_qs`` fp16 ``[Nb, G, 16]`` (scales), ``x86_qb`` int32
     ``[Nb, G]`` with several codebooks (bits ``2r..2r+1``: the book of row r) and ``codebooks`` unchanged."""
     G = K // cfg.group_size
-    codes = unpack(buffers["codes"], cfg.bits, K)
-    out = {"x86_qw": _interleave(codes, N, K) if cfg.bits == 4 else _crumbs(codes, N, K),
+    out = {"x86_qw": (_interleave_words(buffers["codes"], N, K) if cfg.bits == 4
+                      else _crumb_words(buffers["codes"], N)),
            "x86_qs": pad_groups(buffers["scales"], N, ROWS)}
     if cfg.books > 1:
         out["x86_qb"] = _book_words(unpack(buffers["book_idx"], _book_bits(cfg), G), N)
@@ -359,7 +378,7 @@ def _books(qb: torch.Tensor) -> torch.Tensor:
 
 def unrepack_codebook(buffers: dict, cfg, N: int, K: int) -> dict:
     """Layout ``x86_codebook`` -> canonical codebook buffers (exact inverse of :func:`repack_codebook`)."""
-    out = {"codes": pack(_codes(buffers, cfg, K)[:N], cfg.bits)}
+    out = {"codes": (_qweight_of if cfg.bits == 4 else _words_of_crumbs)(buffers["x86_qw"], N).contiguous()}
     if cfg.books > 1:
         out["book_idx"] = pack(unpad_groups(_books(buffers["x86_qb"]), N), _book_bits(cfg))
     out["scales"] = unpad_groups(buffers["x86_qs"], N)
@@ -412,7 +431,7 @@ def repack_mixed(buffers: dict, cfg, N: int, K: int) -> dict:
     is4[idx4] = 1
     out = {new: buffers[old] for old, new in _MIXED_SAME}
     # a lane's word holds the same 4 bytes as the uniform layouts' row: the 2-bit codebook crumbs, the 4-bit nibbles
-    out.update({"x86m_q2": _crumbs(unpack(buffers["qweight2"], 2, G2 * g), N, G2 * g).view(torch.int32),
+    out.update({"x86m_q2": _crumb_words(buffers["qweight2"], N).view(torch.int32),
                 "x86m_q4": _interleave_words(buffers["qweight4"], N, G4 * g).view(torch.int32),
                 "x86m_sc": _lanes(unpack(buffers["scale_codes"], sb, N)[order].T, N, sb),
                 "x86m_z": torch.cat([_lanes(unpack(buffers["zeros2"], 2, G2), N, 2),
@@ -425,7 +444,7 @@ def repack_mixed(buffers: dict, cfg, N: int, K: int) -> dict:
 
 def unrepack_mixed(buffers: dict, cfg, N: int, K: int) -> dict:
     """Layout ``x86_mixed`` -> canonical mixed buffers (exact inverse of :func:`repack_mixed`)."""
-    g, sb, G = cfg.group_size, cfg.scale_bits, K // cfg.group_size
+    sb, G = cfg.scale_bits, K // cfg.group_size
     idx2, idx4 = _kinds(buffers["x86m_idx4"], G)
     G2, G4 = idx2.numel(), idx4.numel()
     order = torch.cat([idx2, idx4])
@@ -434,7 +453,7 @@ def unrepack_mixed(buffers: dict, cfg, N: int, K: int) -> dict:
     ss, sz = torch.empty_like(buffers["x86m_ss"].T), torch.empty_like(buffers["x86m_sz"].T)
     ss[order], sz[order] = buffers["x86m_ss"].T, buffers["x86m_sz"].T
     out = {old: buffers[new] for old, new in _MIXED_SAME}
-    out.update({"qweight2": pack(_uncrumbs(buffers["x86m_q2"].view(torch.uint8), G2 * g)[:N], 2),
+    out.update({"qweight2": _words_of_crumbs(buffers["x86m_q2"].view(torch.uint8), N).contiguous(),
                 "qweight4": _qweight_of(buffers["x86m_q4"].view(torch.uint8), N).contiguous(),
                 "zeros2": pack(_unlanes(buffers["x86m_z"][:, :G2], N, G2, 2), 2),
                 "zeros4": pack(_unlanes(buffers["x86m_z"][:, G2:], N, G4, 4), 4),
