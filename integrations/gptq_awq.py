@@ -123,10 +123,10 @@ def _load(path: Path, config, method: str, dtype: torch.dtype,
     layers = {name: m for name, m in model.named_modules() if isinstance(m, BCQLinear)}
     if layers:  # save_pretrained then writes a qlinear checkpoint that from_pretrained loads
         from qlinear import QLinearConfig
-        from qlinear.replace import remember_config
+        from qlinear.replace import is_quantizable_linear, remember_config
 
         first = next(iter(layers.values()))
-        floats = [name for name, m in model.named_modules() if type(m) is nn.Linear]
+        floats = [name for name, m in model.named_modules() if is_quantizable_linear(m)]
         remember_config(model, QLinearConfig(**first.config.to_dict(), backend=first.backend or None), floats, {},
                         layers)
     return model.eval()
@@ -277,14 +277,15 @@ def _awq_not_convert(model: nn.Module) -> list[str]:
     some blocks only)."""
     from qlinear import QuantLinear
     from qlinear.calibration import decoder_blocks
+    from qlinear.replace import is_quantizable_linear
 
-    linears = [(n, m) for n, m in model.named_modules() if type(m) is nn.Linear or isinstance(m, QuantLinear)]
+    linears = [(n, m) for n, m in model.named_modules() if is_quantizable_linear(m) or isinstance(m, QuantLinear)]
     prefix, blocks = decoder_blocks(model, [n for n, _ in linears])
 
     def key(name):
         return name[len(prefix) + 1:].partition(".")[2] if blocks is not None and name.startswith(prefix + ".") else name
 
-    floats = {key(n): n for n, m in linears if type(m) is nn.Linear}
+    floats = {key(n): n for n, m in linears if is_quantizable_linear(m)}
     for name, m in linears:
         clash = [f for f in floats if f in key(name)] if isinstance(m, QuantLinear) else []
         if clash:

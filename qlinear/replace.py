@@ -20,9 +20,17 @@ logger = logging.getLogger("qlinear")
 __all__ = ["replace_linear", "matches", "is_quantizable_linear"]
 
 
+# nn.Linear subclasses whose forward computes nn.Linear's product by other ops (Falcon's adds the bias after the matmul,
+# rounding once more): a quantized layer replaces them like nn.Linear, as bitsandbytes and GPTQModel do
+_LINEAR_ALIKES = frozenset({"transformers.models.falcon.modeling_falcon.FalconLinear"})
+
+
 def is_quantizable_linear(mod: nn.Module) -> bool:
-    """The layers qlinear replaces: ``nn.Linear`` or a subclass that keeps ``nn.Linear.forward``."""
-    return type(mod) is nn.Linear or (isinstance(mod, nn.Linear) and type(mod).forward is nn.Linear.forward)
+    """The layers qlinear replaces: ``nn.Linear``, a subclass that keeps ``nn.Linear.forward``, or one of the known
+    subclasses whose forward is the same product (transformers' ``FalconLinear``)."""
+    t = type(mod)
+    return t is nn.Linear or (isinstance(mod, nn.Linear) and (
+        t.forward is nn.Linear.forward or f"{t.__module__}.{t.__qualname__}" in _LINEAR_ALIKES))
 
 
 def matches(name: str, pattern: str) -> bool:

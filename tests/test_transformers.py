@@ -27,7 +27,7 @@ from qlinear.integrations.transformers.quantizer import QLinearHfQuantizer, QLin
 from qlinear.modules import module_class
 
 transformers = pytest.importorskip("transformers")
-from transformers import AutoModelForCausalLM, GPTNeoXConfig, LlamaConfig, OPTConfig  # noqa: E402
+from transformers import AutoModelForCausalLM, FalconConfig, GPTNeoXConfig, LlamaConfig, OPTConfig  # noqa: E402
 from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING, AUTO_QUANTIZER_MAPPING  # noqa: E402
 from transformers.utils import logging as hf_logging  # noqa: E402
 
@@ -558,6 +558,37 @@ def test_accelerate_empty_skeleton_loads_like_from_pretrained(quantized_llama, f
     odd.half()  # transformers refuses .half() on a model marked quantized
 
 
+@pytest.mark.parametrize("tied", [False, True])
+def test_accelerate_empty_skeleton_reads_the_checkpoint_for_a_quantized_output_layer(tmp_path, tied):
+    """``init_empty_quantized(model, checkpoint=folder)`` reads the headers as from_pretrained does: an lm_head the
+    checkpoint stores packed is built packed (not the float layer, or the tied embedding, of transformers' defaults),
+    and a checkpoint that does not match raises there, leaving the skeleton as it was."""
+    from accelerate import init_empty_weights, load_checkpoint_and_dispatch
+    from transformers import AutoConfig
+
+    fp = save_float(llama_config(tie_word_embeddings=tied), tmp_path / "fp")
+    model = replace_linear(copy.deepcopy(fp), QLinearConfig(**FORMATS["bcq"], modules_to_not_convert=[]), progress=False)
+    model.save_pretrained(tmp_path / "q")
+
+    def skeleton():
+        with init_empty_weights():
+            return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tmp_path / "q"))
+
+    empty = qlinear.init_empty_quantized(skeleton(), checkpoint=tmp_path / "q")
+    assert set(quant_layers(empty)) == set(quant_layers(model))
+    loaded = load_checkpoint_and_dispatch(empty, str(tmp_path / "q"), device_map={"": "cpu"}).eval()
+    assert torch.equal(logits(loaded), logits(model))
+    bad = edited(tmp_path / "q", tmp_path / "bad",
+                 tensors=lambda sd: sd.update({f"{Q}.planes": sd[f"{Q}.planes"][:, :40].contiguous()}))
+    sk = skeleton()
+    kinds = {n: type(m) for n, m in sk.named_modules()}
+    with pytest.raises(ValueError, match=r"q_proj\.planes: checkpoint has I32 \[4, 40, 2\]"):
+        qlinear.init_empty_quantized(sk, checkpoint=bad / "model.safetensors")
+    assert {n: type(m) for n, m in sk.named_modules()} == kinds and not getattr(sk, "is_quantized", False)
+    with pytest.raises(ValueError, match="no weights at checkpoint"):
+        qlinear.init_empty_quantized(skeleton(), checkpoint=tmp_path / "elsewhere")
+
+
 DISK_MAP = {"model.embed_tokens": "cpu", "model.rotary_emb": "cpu", "model.layers.0": "cpu", "model.layers.1": "disk",
             "model.norm": "cpu", "lm_head": "cpu"}
 
@@ -826,6 +857,9 @@ def test_t5_initializes_around_quantized_layers(tmp_path):
     # biases, project_in/out absent, lm_head tied to the embeddings (skipped by transformers' default skips)
     ("opt", OPTConfig(hidden_size=64, ffn_dim=128, num_hidden_layers=2, num_attention_heads=4, vocab_size=128,
                       word_embed_proj_dim=64, max_position_embeddings=64), "bcq"),
+    # FalconLinear: an nn.Linear subclass with its own forward (the bias added after the matmul)
+    ("falcon", FalconConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=128, bias=True,
+                            max_position_embeddings=64), "bcq"),
 ])
 def test_other_architectures(tmp_path, arch, config, fmt):
     fp_model = save_float(config, tmp_path / "fp")

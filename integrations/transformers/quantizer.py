@@ -355,14 +355,22 @@ class QLinearHfQuantizer(HfQuantizer):
             q.train(mod.training)
             q._hf_quantized_needs_local_tp = True  # transformers' TP styles then hand it local tensors
             new[name] = q
+        swapped = []
         for name, q in new.items():
             parent_name, _, child = name.rpartition(".")
-            setattr(model.get_submodule(parent_name) if parent_name else model, child, q)
+            parent = model.get_submodule(parent_name) if parent_name else model
+            swapped.append((parent, child, getattr(parent, child)))
+            setattr(parent, child, q)
+        if self._checkpoint is not None:
+            try:
+                self._check_checkpoint(model)
+            except BaseException:  # the model as it was (init_empty_quantized hands it back to the user)
+                for parent, child, old in swapped:
+                    setattr(parent, child, old)
+                raise
         untie_quantized(model)
         if new:
             _guard_init(model)
-        if self._checkpoint is not None:
-            self._check_checkpoint(model)
         return model
 
     def update_parallel_plan(self, model, plan: dict[str, str]):
@@ -711,7 +719,7 @@ def _mapped_device(device_map: dict, name: str):
     return device_map.get(name)
 
 
-def init_empty_quantized(model: nn.Module, config: Any = None) -> nn.Module:
+def init_empty_quantized(model: nn.Module, config: Any = None, checkpoint: Any = None) -> nn.Module:
     """Turn an empty transformers model (built on the meta device, e.g. ``from_config`` under accelerate's
     ``init_empty_weights()``) into the empty qlinear model a checkpoint saved with ``config`` holds, so that
     accelerate's ``load_checkpoint_and_dispatch(model, folder, device_map=...)`` fills it: accelerate's big-model
@@ -722,13 +730,19 @@ def init_empty_quantized(model: nn.Module, config: Any = None) -> nn.Module:
         model: a ``PreTrainedModel`` whose Linear weights are on the meta device.
         config: a :class:`QLinearConfig` or its dict; default ``model.config.quantization_config`` (what
             ``AutoConfig.from_pretrained`` reads from a qlinear checkpoint).
+        checkpoint: the folder (or weights file, or ``*.index.json``) that will be loaded, as
+            ``load_checkpoint_and_dispatch`` takes it.  Its headers are then read first, as ``from_pretrained`` does:
+            layers transformers keeps in float by default (an output ``lm_head``) are built quantized where the
+            checkpoint stores them packed, and tensors that do not match the config raise here.  Without it
+            those layers stay float, so a checkpoint with a quantized output layer needs it.
 
     Returns:
         ``model``, changed in place.
 
     Raises:
         ValueError: no qlinear config; Linear layers that hold weights (use :func:`qlinear.replace_linear` to
-            quantize real weights); a layer shape the format cannot store (the model is then left unchanged).
+            quantize real weights); a layer shape the format cannot store; no weights file at ``checkpoint``, or
+            one that does not match the config (the model is then left unchanged).
     """
     config = getattr(model.config, "quantization_config", None) if config is None else config
     if isinstance(config, dict) and config.get("quant_method") == QUANT_METHOD:
@@ -741,11 +755,12 @@ def init_empty_quantized(model: nn.Module, config: Any = None) -> nn.Module:
         raise ValueError(f"init_empty_quantized expects an empty model (under accelerate's init_empty_weights), but "
                          f"{len(loaded)} Linear layer(s) hold weights, e.g. {loaded[0]!r}; quantize a loaded model "
                          f"with qlinear.replace_linear")
+    files = None if checkpoint is None else _weight_files(checkpoint)
     quantizer = QLinearHfQuantizer(config, pre_quantized=True)
     flags = ("is_quantized", "quantization_method")  # set by transformers before qlinear's checks run
     before = {k: model.__dict__[k] for k in flags if k in model.__dict__}
     try:
-        quantizer.preprocess_model(model)
+        quantizer.preprocess_model(model, checkpoint_files=files)
     except BaseException:
         for k in flags:
             model.__dict__.pop(k, None)
@@ -754,6 +769,30 @@ def init_empty_quantized(model: nn.Module, config: Any = None) -> nn.Module:
     _unguard_init(model)  # accelerate's loading initializes nothing
     model.hf_quantizer, model.config.quantization_config = quantizer, config
     return model
+
+
+def _weight_files(checkpoint: Any) -> list[str]:
+    """The weight files of ``checkpoint`` as accelerate's ``load_checkpoint_in_model`` finds them: a file, the shards
+    an ``*.index.json`` names, or a folder's safetensors or ``pytorch_model`` file or index.  Raises ValueError when
+    there is none."""
+    from pathlib import Path
+
+    from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, WEIGHTS_INDEX_NAME, WEIGHTS_NAME
+
+    path = Path(checkpoint)
+    if path.is_dir():
+        path = next((path / n for n in (SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, WEIGHTS_INDEX_NAME, WEIGHTS_NAME)
+                     if (path / n).is_file()), path)
+    if not path.is_file():
+        raise ValueError(f"init_empty_quantized: no weights at checkpoint={str(checkpoint)!r}: pass the folder (or "
+                         f"file) given to load_checkpoint_and_dispatch")
+    if path.name.endswith(".index.json"):
+        try:
+            shards = sorted(set(json.loads(path.read_text())["weight_map"].values()))
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"init_empty_quantized: {path} is not a weights index ({e})") from None
+        return [str(path.parent / f) for f in shards]
+    return [str(path)]
 
 
 def register() -> None:
