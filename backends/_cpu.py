@@ -13,7 +13,7 @@ import torch
 from qlinear.formats import rotation as _rotation
 
 __all__ = ["quantize_activations", "pad_groups", "unpad_groups", "rotation_args", "paley_argument", "spec_input",
-           "supports_codebook"]
+           "supports_codebook", "pair_nibbles", "unpair_nibbles"]
 
 
 @functools.lru_cache(maxsize=64)
@@ -52,6 +52,29 @@ def pad_groups(t: torch.Tensor, N: int, rows: int) -> torch.Tensor:
     out = t.new_zeros(Nb * rows, t.shape[1])
     out[:N] = t
     return out.view(Nb, rows, -1).transpose(1, 2).contiguous()
+
+
+def pair_nibbles(b: torch.Tensor) -> torch.Tensor:
+    """uint8 ``[..., 2n]`` -> uint8 ``[..., 2n]``: out byte ``2m`` holds the low nibbles of bytes ``m`` (low) and
+    ``n + m`` (high), out byte ``2m + 1`` their high nibbles.  On packed 4-bit codes (two per byte, lowest first)
+    this puts code ``j`` of the first half and code ``j`` of the second half into one byte: the CPU kernels' nibble
+    layouts, built from the packed words' bytes at load time."""
+    n = b.shape[-1] // 2
+    lo, hi = b[..., :n], b[..., n:]
+    out = torch.empty(b.shape, dtype=torch.uint8, device=b.device)  # contiguous, whatever b's strides
+    out[..., 0::2] = (lo & 15) | (hi << 4)
+    out[..., 1::2] = (lo >> 4) | (hi & 0xF0)
+    return out
+
+
+def unpair_nibbles(b: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`pair_nibbles`."""
+    n = b.shape[-1] // 2
+    even, odd = b[..., 0::2], b[..., 1::2]
+    out = torch.empty(b.shape, dtype=torch.uint8, device=b.device)  # contiguous, whatever b's strides
+    out[..., :n] = (even & 15) | (odd << 4)
+    out[..., n:] = (even >> 4) | (odd & 0xF0)
+    return out
 
 
 def unpad_groups(t: torch.Tensor, N: int) -> torch.Tensor:

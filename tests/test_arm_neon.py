@@ -107,6 +107,24 @@ def test_the_two_layouts_differ_where_documented():
         arm_neon.repack_codebook(*_codebook(8, 32, 2, 1)[::-1], 8, 32, layout="laneq")
 
 
+@pytest.mark.parametrize("N", [8, 13])
+def test_sdot_layout_from_the_packed_words_is_the_codes_layout(monkeypatch, N):
+    """Layout ``sdot`` of uniform 4-bit layers is built from ``qweight``'s bytes (little-endian hosts): the same bytes
+    as the codes path (:func:`_blocks` + :func:`_pack_nibbles`), which other hosts take (simulated), and back."""
+    K = 64
+    cfg = BCQLinear(K, N, False, bcq.Config(bits=4, group_size=32, init="uniform", iters=0)).config
+    codes = torch.randint(0, 16, (N, K))
+    bufs = bcq.uniform_buffers(codes, torch.rand(N, 2).half() + 0.5, torch.randint(0, 16, (N, 2)), 4)
+    want = arm_neon._pack_nibbles(arm_neon._blocks(codes ^ 8, N, K, "sdot"))
+    got = arm_neon.repack_bcq(bufs, cfg, N, K, layout="sdot")
+    assert torch.equal(got["arm_qw"], want)
+    back = arm_neon.unrepack_bcq(got, cfg, N, K, layout="sdot")
+    monkeypatch.setattr(sys, "byteorder", "big")
+    assert torch.equal(arm_neon.repack_bcq(bufs, cfg, N, K, layout="sdot")["arm_qw"], want)
+    assert all(torch.equal(back[k], bufs[k]) for k in bufs)
+    assert torch.equal(arm_neon.unrepack_bcq(got, cfg, N, K, layout="sdot")["qweight"], bufs["qweight"])
+
+
 @pytest.mark.parametrize("value,want", [(None, "sdot"), ("", "sdot"), ("sdot", "sdot"), ("mmla", "mmla"),
                                         (" MMLA ", "mmla")])
 def test_default_layout_reads_qlinear_arm_layout(monkeypatch, value, want):

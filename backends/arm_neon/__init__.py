@@ -36,6 +36,7 @@ import functools
 import math
 import os
 import platform
+import sys
 from pathlib import Path
 from typing import Optional
 
@@ -45,7 +46,8 @@ from qlinear.formats import bcq
 from qlinear.formats.packing import pack, unpack, unpack_u8
 
 from .. import ANY, Kernel, Layout, register
-from .._cpu import pad_groups, quantize_activations, rotation_args, spec_input, supports_codebook, unpad_groups
+from .._cpu import (pad_groups, pair_nibbles, quantize_activations, rotation_args, spec_input, supports_codebook,
+                    unpad_groups, unpair_nibbles)
 from .._native import OPENMP, build
 
 __all__ = ["BCQ_LAYOUT", "CODEBOOK_LAYOUT", "LAYOUT", "default_layout", "spec", "linear", "available", "PATHS"]
@@ -132,13 +134,35 @@ def _word_books(qb: torch.Tensor, layout: str) -> torch.Tensor:
     return (word[..., None] >> _book_shifts(qb.device, layout)) & 3
 
 
+def _sdot_words(qweight: torch.Tensor, N: int, K: int) -> torch.Tensor:
+    """:func:`_pack_nibbles` of the layout ``sdot`` :func:`_blocks` of the codes ^ 8, straight from the uniform 4-bit
+    ``qweight`` int32 ``[N, K/8]`` (code 8w + t at bits 4t of word w; little-endian hosts): a byte of the layout holds
+    inputs ``32h + 4c + t`` and ``32h + 16 + 4c + t`` of one row (low, high nibble), the nibble pairs of the 16 bytes
+    that pack those 32 inputs (:func:`pair_nibbles`), and its 4-byte groups (t = 0..3) move whole."""
+    Nb, H = -(-N // 8), K // 32
+    units = torch.zeros(Nb * 8, H, 16, dtype=torch.uint8, device=qweight.device)
+    units[:N] = pair_nibbles(qweight.contiguous().view(torch.uint8).view(N, H, 16)) ^ 0x88
+    v = units.view(torch.int32).view(Nb, 2, 4, H, 4)  # (b, P, row in the 4, h, c)
+    return v.permute(0, 3, 4, 1, 2).contiguous().view(torch.uint8).view(Nb, H, 128)
+
+
+def _words_of_sdot(qw: torch.Tensor, N: int) -> torch.Tensor:
+    """Inverse of :func:`_sdot_words`: ``arm_qw`` ``[Nb, H, 128]`` of layout ``sdot`` -> ``qweight`` int32 ``[N, K/8]``."""
+    Nb, H, _ = qw.shape
+    v = qw.contiguous().view(torch.int32).view(Nb, H, 4, 2, 4).permute(0, 3, 4, 1, 2)  # (b, P, row, h, c)
+    units = v.reshape(Nb * 8, H, 4)[:N].contiguous().view(torch.uint8).view(N, H, 16) ^ 0x88
+    return unpair_nibbles(units).view(torch.int32).view(N, H * 4)
+
+
 def repack_bcq(buffers: dict, cfg, N: int, K: int, layout: Optional[str] = None) -> dict:
     """Canonical uniform 4-bit BCQ -> ``layout`` (None: :data:`LAYOUT`) (``arm_qw`` uint8 ``[Nb, K/32, 128]``,
     ``arm_qs`` fp16 ``[Nb, G, 8]``, ``arm_qz`` ``[Nb, G, 8]`` of the offset's dtype).  Raises ValueError for
     non-uniform α or an unknown layout."""
     layout = _layout_arg(layout)
-    codes, s, zeros = bcq.uniform_parts(buffers, cfg, N, K, codes=torch.uint8)
-    out = {"arm_qw": _pack_nibbles(_blocks(codes ^ 8, N, K, layout)), "arm_qs": pad_groups(s, N, 8)}
+    words = layout == "sdot" and "qweight" in buffers and sys.byteorder == "little"
+    codes, s, zeros = bcq.uniform_parts(buffers, cfg, N, K, codes=None if words else torch.uint8)
+    qw = _sdot_words(buffers["qweight"], N, K) if words else _pack_nibbles(_blocks(codes ^ 8, N, K, layout))
+    out = {"arm_qw": qw, "arm_qs": pad_groups(s, N, 8)}
     if zeros is not None:
         out["arm_qz"] = pad_groups(bcq.uniform_offset(s, zeros, 4), N, 8)
     return out
@@ -147,10 +171,12 @@ def repack_bcq(buffers: dict, cfg, N: int, K: int, layout: Optional[str] = None)
 def unrepack_bcq(buffers: dict, cfg, N: int, K: int, layout: Optional[str] = None) -> dict:
     """``layout`` (None: :data:`LAYOUT`) -> canonical BCQ buffers (exact inverse of :func:`repack_bcq`)."""
     layout = _layout_arg(layout)
-    codes = _unblocks(_unpack_nibbles(buffers["arm_qw"]), N, K, layout) ^ 8
+    words = layout == "sdot" and sys.byteorder == "little"
+    qweight = _words_of_sdot(buffers["arm_qw"], N) if words else None
+    codes = None if words else _unblocks(_unpack_nibbles(buffers["arm_qw"]), N, K, layout) ^ 8
     s = unpad_groups(buffers["arm_qs"], N)
     zeros = bcq.uniform_zeros(s, unpad_groups(buffers["arm_qz"], N), 4) if "arm_qz" in buffers else None
-    return bcq.uniform_buffers(codes, s, zeros, 4)
+    return bcq.uniform_buffers(codes, s, zeros, 4, qweight=qweight)
 
 
 def repack_codebook(buffers: dict, cfg, N: int, K: int, layout: Optional[str] = None) -> dict:

@@ -87,7 +87,8 @@ from qlinear.formats import bcq, mixed
 from qlinear.formats.packing import pack, pack_planes, unpack, unpack_planes
 
 from .. import ANY, Kernel, Layout, register
-from .._cpu import pad_groups, quantize_activations, rotation_args, spec_input, supports_codebook, unpad_groups
+from .._cpu import (pad_groups, pair_nibbles, quantize_activations, rotation_args, spec_input, supports_codebook,
+                    unpad_groups, unpair_nibbles)
 from .._native import OPENMP, build
 
 __all__ = ["LAYOUT", "CODEBOOK_LAYOUT", "PATHS", "DEQUANT_FROM", "LARGE_LAYER", "BF16_BATCHED_FROM", "AMX_BATCHED_FROM",
@@ -136,21 +137,12 @@ def _spread(words: torch.Tensor) -> torch.Tensor:
     above it, nibble q of its high half (bits 16+4q..): a word of the nibble layout (:func:`_interleave_words`) and of
     the bit-plane layout, built from the packed words' bytes (repacking at load time is memory bound)."""
     _check_little_endian()
-    b = words.contiguous().view(torch.uint8).view(*words.shape, 4)  # bytes 0, 1: the low half
-    lo, hi = b[..., :2], b[..., 2:]
-    out = torch.empty_like(b)
-    out[..., 0::2] = (lo & 15) | (hi << 4)
-    out[..., 1::2] = (lo >> 4) | (hi & 0xF0)
-    return out
+    return pair_nibbles(words.contiguous().view(torch.uint8).view(*words.shape, 4))
 
 
 def _gather(b: torch.Tensor) -> torch.Tensor:
     """Inverse of :func:`_spread`: uint8 ``[..., 4]`` -> int32 words ``[...]``."""
-    even, odd = b[..., 0::2], b[..., 1::2]
-    out = torch.empty(b.shape, dtype=torch.uint8, device=b.device)
-    out[..., :2] = (even & 15) | (odd << 4)
-    out[..., 2:] = (even >> 4) | (odd & 0xF0)
-    return out.view(torch.int32)[..., 0]
+    return unpair_nibbles(b).view(torch.int32)[..., 0]
 
 
 def _check_little_endian() -> None:
