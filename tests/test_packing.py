@@ -70,6 +70,8 @@ def test_unpack_u8_rejects_bad_input():
         unpack_u8(torch.zeros(1, 1, dtype=torch.int32), 9, 1)
     with pytest.raises(TypeError, match="int32"):
         unpack_u8(torch.zeros(1, 1, dtype=torch.int64), 2, 1)
+    with pytest.raises(TypeError, match="int32"):
+        unpack_planes(torch.zeros(2, 1, 1, dtype=torch.int64), 32)
 
 
 def test_pack_layout_little_endian():

@@ -483,9 +483,12 @@ def test_a_bin_checkpoint_is_checked_before_loading_like_a_safetensors_one(bcq_c
     with pytest.raises(ValueError, match=r"q_proj\.planes: checkpoint has I32 \[4, 40, 2\].*expects I32 \[4, 64, 2\]"):
         AutoModelForCausalLM.from_pretrained(bad)
     data = (bad / "pytorch_model.bin").read_bytes()
-    (bad / "pytorch_model.bin").write_bytes(data[:len(data) // 2])
-    with pytest.raises(ValueError, match="cannot be read .*truncated or damaged"):
-        AutoModelForCausalLM.from_pretrained(bad)
+    legacy = tmp_path / "legacy.bin"  # torch.save's pre-zip format
+    torch.save({"x": torch.ones(3)}, legacy, _use_new_zipfile_serialization=False)
+    for damaged in (data[:len(data) // 2], b"", b"hello world" * 10, legacy.read_bytes()[:300]):
+        (bad / "pytorch_model.bin").write_bytes(damaged)
+        with pytest.raises(ValueError, match="cannot be read .*truncated or damaged"):
+            AutoModelForCausalLM.from_pretrained(bad)
 
 
 def test_bad_weight_at_quantize_on_load_raises_qlinear_s_error(tmp_path):
@@ -587,6 +590,13 @@ def test_accelerate_empty_skeleton_reads_the_checkpoint_for_a_quantized_output_l
     assert {n: type(m) for n, m in sk.named_modules()} == kinds and not getattr(sk, "is_quantized", False)
     with pytest.raises(ValueError, match="no weights at checkpoint"):
         qlinear.init_empty_quantized(skeleton(), checkpoint=tmp_path / "elsewhere")
+    # a folder's one *.index.json, whatever its name, as accelerate finds it
+    shard = tmp_path / "sharded"
+    shard.mkdir()
+    shutil.copy(tmp_path / "q" / "model.safetensors", shard / "part-1.safetensors")
+    (shard / "weights.index.json").write_text(json.dumps({"weight_map": {k: "part-1.safetensors" for k in
+                                                                         load_file(str(shard / "part-1.safetensors"))}}))
+    assert set(quant_layers(qlinear.init_empty_quantized(skeleton(), checkpoint=shard))) == set(quant_layers(model))
 
 
 DISK_MAP = {"model.embed_tokens": "cpu", "model.rotary_emb": "cpu", "model.layers.0": "cpu", "model.layers.1": "disk",

@@ -21,8 +21,8 @@ Registered, together with :class:`QLinearConfig`, when qlinear is imported.
   into their persistent buffers with their own dtypes (int32 codes, fp16 scales, int8 codebooks,
   int16 indices), whatever ``dtype=`` asks for the rest of the model.  Every packed tensor's
   presence, shape and dtype is checked against the config from the safetensors headers (a ``.bin`` file's
-  ``torch.load`` onto the meta device) before any weight is read, so a checkpoint that does not match its config raises a ``ValueError`` naming
-  the tensor instead of transformers' generic size-mismatch ``RuntimeError``.
+  ``torch.load`` onto the meta device) before any weight is read, so a checkpoint that does not match its config
+  raises a ``ValueError`` naming the tensor instead of transformers' generic size-mismatch ``RuntimeError``.
 * Integrity: ``save_pretrained`` writes the CRC-32 of every packed tensor and quantized layer's bias into the
   safetensors metadata (``qlinear_crc32``: a JSON map from state-dict key to 8 hex digits), and each layer's format
   config (``qlinear_configs``).  A pre-quantized load reads every packed tensor once before transformers does, and
@@ -39,7 +39,6 @@ from __future__ import annotations
 import copy
 import json
 import mmap
-import pickle
 import warnings
 import zlib
 from typing import Any, Optional
@@ -333,8 +332,8 @@ class QLinearHfQuantizer(HfQuantizer):
             and qc.config_for(name, *self._aliases(name)) is not None]
         if kept:  # the user changed the skips: say which layers transformers' defaults still keep
             warnings.warn(f"qlinear keeps {len(kept)} layer(s) in full precision that modules_to_not_convert does not "
-                          f"name: quantize-on-load applies transformers' default skips (output embeddings, tied weights, "
-                          f"the last module):{_listing(kept)}\nTo quantize them, load the float model and call "
+                          f"name: quantize-on-load applies transformers' default skips (output embeddings, tied "
+                          f"weights, the last module):{_listing(kept)}\nTo quantize them, load the float model and call "
                           f"qlinear.replace_linear(model, config) with the same modules_to_not_convert", stacklevel=2)
         if not targets:
             warnings.warn(f"qlinear found no nn.Linear layer to quantize in {type(model).__name__} (layers such as "
@@ -457,8 +456,14 @@ class QLinearHfQuantizer(HfQuantizer):
         for path in files:
             try:
                 if not path.endswith(".safetensors"):
+                    try:  # a damaged pickle fails in many ways (EOFError, KeyError, ...): all mean unreadable
+                        state = load_state_dict(path, map_location="meta")
+                    except Exception as e:
+                        raise OSError(e) from None
+                    if not isinstance(state, dict):
+                        raise OSError(f"it holds a {type(state).__name__}, not a state dict")
                     entries = [(k, tuple(t.shape), _ST_DTYPES.get(t.dtype, str(t.dtype)))
-                               for k, t in load_state_dict(path, map_location="meta").items()]
+                               for k, t in state.items() if isinstance(t, torch.Tensor)]
                 else:
                     with safe_open(path, framework="pt") as f:
                         meta = f.metadata() or {}
@@ -474,7 +479,7 @@ class QLinearHfQuantizer(HfQuantizer):
                         for k in f.keys():
                             sl = f.get_slice(k)
                             entries.append((k, tuple(sl.get_shape()), sl.get_dtype()))
-            except (SafetensorError, OSError, RuntimeError, pickle.UnpicklingError) as e:
+            except (SafetensorError, OSError) as e:
                 raise ValueError(f"qlinear checkpoint {path} cannot be read ({e}): the file is truncated or "
                                  f"damaged; restore it from the source") from None
             for key, shape, dtype in entries:
@@ -772,27 +777,31 @@ def init_empty_quantized(model: nn.Module, config: Any = None, checkpoint: Any =
 
 
 def _weight_files(checkpoint: Any) -> list[str]:
-    """The weight files of ``checkpoint`` as accelerate's ``load_checkpoint_in_model`` finds them: a file, the shards
-    an ``*.index.json`` names, or a folder's safetensors or ``pytorch_model`` file or index.  Raises ValueError when
-    there is none."""
-    from pathlib import Path
+    """The weight files of ``checkpoint`` as accelerate's ``load_checkpoint_in_model`` (1.x) picks them: a file, or
+    the shards a ``.json`` index names; in a folder ``pytorch_model.bin``, else ``model.safetensors``, else its one
+    ``*.index.json``.  Raises ValueError when there is none, or the index cannot be read."""
+    import os
 
-    from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, WEIGHTS_INDEX_NAME, WEIGHTS_NAME
+    from transformers.utils import SAFE_WEIGHTS_NAME, WEIGHTS_NAME
 
-    path = Path(checkpoint)
-    if path.is_dir():
-        path = next((path / n for n in (SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, WEIGHTS_INDEX_NAME, WEIGHTS_NAME)
-                     if (path / n).is_file()), path)
-    if not path.is_file():
-        raise ValueError(f"init_empty_quantized: no weights at checkpoint={str(checkpoint)!r}: pass the folder (or "
-                         f"file) given to load_checkpoint_and_dispatch")
-    if path.name.endswith(".index.json"):
-        try:
-            shards = sorted(set(json.loads(path.read_text())["weight_map"].values()))
-        except (ValueError, KeyError, TypeError) as e:
-            raise ValueError(f"init_empty_quantized: {path} is not a weights index ({e})") from None
-        return [str(path.parent / f) for f in shards]
-    return [str(path)]
+    path = str(checkpoint)
+    if os.path.isdir(path):
+        single = [f for f in (os.path.join(path, WEIGHTS_NAME), os.path.join(path, SAFE_WEIGHTS_NAME))
+                  if os.path.isfile(f)]
+        indexes = [os.path.join(path, f) for f in os.listdir(path) if f.endswith(".index.json")]
+        path = single[0] if single else indexes[0] if len(indexes) == 1 else path
+    if not os.path.isfile(path):
+        raise ValueError(f"init_empty_quantized: no weights at checkpoint={str(checkpoint)!r} (a weights file, a .json "
+                         f"index, or a folder with one of them): pass what load_checkpoint_and_dispatch gets")
+    if not path.endswith(".json"):
+        return [path]
+    try:
+        with open(path) as f:
+            index = json.load(f)
+        shards = index.get("weight_map", index).values()
+        return [os.path.join(os.path.dirname(path), f) for f in sorted(set(shards))]
+    except (ValueError, AttributeError, TypeError) as e:
+        raise ValueError(f"init_empty_quantized: {path} is not a weights index ({e})") from None
 
 
 def register() -> None:

@@ -184,7 +184,9 @@ def pack_planes(codes: torch.Tensor, bits: int) -> torch.Tensor:
 
 def unpack_planes(planes: torch.Tensor, n: int, dtype: torch.dtype = torch.int64) -> torch.Tensor:
     """Inverse of :func:`pack_planes`: int32 ``[bits, N, w]`` -> codes ``[N, n]`` of ``dtype`` (int64, or uint8 for
-    the dequantization paths)."""
+    the dequantization paths).  Raises TypeError for planes that are not int32."""
+    if planes.dtype != torch.int32:
+        raise TypeError(f"bit-planes must be int32, got {planes.dtype}")
     if _numpy_bytes(planes):
         bits = torch.from_numpy(np.unpackbits(planes.contiguous().view(torch.uint8).numpy(), axis=-1, count=n,
                                               bitorder="little"))
