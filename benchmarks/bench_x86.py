@@ -52,9 +52,10 @@ def _runs(path: str, x, packed, cfg, N, K) -> bool:
         raise
 
 
-FORMATS = {  # name -> config at group size gs; u4 takes the nibble layout, u2 the 2-bit codebook one, BCQ's others
-    # the bit-plane LUT layout
+FORMATS = {  # name -> config at group size gs; u4 takes the nibble layout, u8 the byte one, u2 the 2-bit codebook
+    # one, BCQ's others the bit-plane LUT layout
     "u4": lambda gs: bcq.Config(bits=4, group_size=gs, init="uniform", iters=0),
+    "u8": lambda gs: bcq.Config(bits=8, group_size=gs, init="uniform", iters=0),
     "u3": lambda gs: bcq.Config(bits=3, group_size=gs, init="uniform", iters=0),
     "u2": lambda gs: bcq.Config(bits=2, group_size=gs, init="uniform", iters=0),
     "bcq4": lambda gs: bcq.Config(bits=4, group_size=gs, iters=1),
@@ -80,7 +81,7 @@ def _format_code(cfg) -> int:
         return 5
     if cfg.format == "codebook" or x86._uniform_crumbs(cfg):  # uniform 2-bit: the 2-bit codebook kernel, 4 books
         return 3 if cfg.bits == 4 else 4
-    return 0 if bcq.is_uniform(cfg) and cfg.bits == 4 else 1 if bcq.is_uniform(cfg) else 2
+    return 0 if bcq.is_uniform(cfg) and cfg.bits in (4, 8) else 1 if bcq.is_uniform(cfg) else 2
 
 
 def layers(shapes, batches, iters, formats, act=torch.float32):
@@ -159,7 +160,10 @@ def decode(tokens: int):
     ids = tok("The capital of France is", return_tensors="pt").input_ids
     out = []
     rtn = dict(bits=4, group_size=64, init="uniform", iters=0)
+    head8 = dict(rtn, modules_to_not_convert=[], per_module={  # the tied output layer too, at 8 bits per row
+        "lm_head": qlinear.QLinearConfig("bcq", bits=8, group_size=-1, init="uniform", iters=0, backend="x86")})
     for label, backend, kw in (("float32", None, None), ("RTN 4-bit g64, x86", "x86", rtn),
+                               ("RTN 4-bit g64, lm_head 8-bit, x86", "x86", head8),
                                ("RTN 4-bit g64, reference", "reference", rtn),
                                ("BCQ 4-bit g64 (free α), x86", "x86", dict(bits=4, group_size=64)),
                                ("BCQ 2-bit g64 (free α), x86", "x86", dict(bits=2, group_size=64))):
@@ -202,7 +206,7 @@ def main() -> None:
     cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")),
                platform.processor())
     print(f"{time.strftime('%Y-%m-%d')}, {cpu}, torch {torch.__version__}, {torch.get_num_threads()} threads; "
-          "median µs per call; formats: u4/u3/u2 uniform (round-to-nearest), bcq4/3/2 free α (BCQ fit), "
+          "median µs per call; formats: u8/u4/u3/u2 uniform (round-to-nearest), bcq4/3/2 free α (BCQ fit), "
           f"cb4/cb2 codebooks; qlinear activations {args.activations}")
     if not args.no_layers:
         print(table(["N x K", "M", "group", "format", "dense fp32", "dense bf16", "PyTorch int4", "qlinear reference",

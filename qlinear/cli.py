@@ -83,6 +83,10 @@ def parser() -> argparse.ArgumentParser:
                         "(see qlinear.formats.<format>.Config)")
     q.add_argument("--skip", action="append", default=None, metavar="PATTERN",
                    help="module-name pattern kept in full precision, repeatable (default: lm_head)")
+    q.add_argument("--lm-head-bits", type=int, choices=(4, 8), metavar="{4,8}",
+                   help="quantize lm_head too (a tied one gets its own copy), round-to-nearest per row: 8 costs "
+                        "SmolLM2-135M 0.1%% perplexity and its float32 output layer's ~10 ms per CPU decode step "
+                        "(default: lm_head kept in full precision)")
     q.add_argument("--calibration", type=_text_file, metavar="FILE",
                    help="calibration text, documents separated by blank lines (GPTQ, activation-aware fits)")
     q.add_argument("--calibration-samples", type=_positive, default=128,
@@ -169,13 +173,19 @@ def _quantize(args) -> None:
 
     import qlinear
     from qlinear import QLinearConfig
+    from qlinear.integrations.transformers.config import per_module_configs
 
     if args.no_progress:
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()
-    config = QLinearConfig(args.format, bits=args.bits, group_size=args.group_size, **dict(args.option),
-                           **({"modules_to_not_convert": args.skip} if args.skip else {}))
+    opts, skip = dict(args.option), args.skip or ["lm_head"]
+    if args.lm_head_bits:
+        skip = [p for p in skip if p != "lm_head"]
+        head = QLinearConfig("bcq", bits=args.lm_head_bits, group_size=-1, init="uniform", iters=0)
+        opts["per_module"] = {"lm_head": head, **per_module_configs(opts.get("per_module"))}  # the first match wins
+    config = QLinearConfig(args.format, bits=args.bits, group_size=args.group_size, **opts,
+                           modules_to_not_convert=skip)
     tok = AutoTokenizer.from_pretrained(args.src, trust_remote_code=args.trust_remote_code)
     model = _load(args.src, args.dtype, args.trust_remote_code)
     start = time.perf_counter()

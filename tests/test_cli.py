@@ -122,6 +122,24 @@ def test_quantize_with_calibration_text(float_ckpt, tmp_path, capsys):
     assert all(torch.equal(a[k], b[k]) for k in a if k != "scales") and not torch.equal(a["scales"], b["scales"])
 
 
+def test_quantize_lm_head_bits_quantizes_the_output_layer_per_row(float_ckpt, tmp_path, capsys):
+    fp, _ = float_ckpt
+    code, _, err = _run_here(capsys, "quantize", fp, tmp_path / "q", "--lm-head-bits", "8", "--skip", "lm_head",
+                             "--skip", "*.down_proj", "--no-progress")
+    assert code == 0, err[-3000:]
+    saved = AutoModelForCausalLM.from_pretrained(tmp_path / "q")
+    head = saved.lm_head
+    assert isinstance(head, QuantLinear) and (head.config.bits, head.config.group_size) == (8, -1)
+    assert not isinstance(saved.model.layers[0].mlp.down_proj, QuantLinear)  # the other skips kept
+    head8 = QLinearConfig("bcq", bits=8, group_size=-1, init="uniform", iters=0)
+    ref = qlinear.replace_linear(AutoModelForCausalLM.from_pretrained(fp), QLinearConfig(
+        "bcq", modules_to_not_convert=["*.down_proj"], per_module={"lm_head": head8}), progress=False)
+    tokens = torch.randint(0, 100, (1, 12))
+    with torch.no_grad():
+        assert torch.equal(saved(tokens).logits, ref(tokens).logits)
+    assert _run_here(capsys, "quantize", fp, tmp_path / "bad", "--lm-head-bits", "3")[0] == 2  # 4 or 8 only
+
+
 def test_finetune_without_calibration_distils_on_the_models_own_samples(float_ckpt, tmp_path, capsys):
     fp, _ = float_ckpt
     for out, extra in (("q", ()), ("ft", ("--finetune-steps", "3", "--calibration-samples", "4",

@@ -53,7 +53,7 @@ def _layer(N, K, group_size, offset=True, imported=False, seed=0, free=False, bi
     return cfg, bcq.quantize(torch.randn(N, K, generator=g), cfg)
 
 
-CASES = {  # (N, K, group size, offset, imported, free α, bits); all but uniform 4-bit take the bit-plane layout
+CASES = {  # (N, K, group size, offset, imported, free α, bits); all but uniform 4/8-bit take the bit-plane layout
     "g128": (48, 256, 128, True, False, False, 4),
     "g64 ragged N tail": (40, 320, 64, True, True, False, 4),  # 40 rows: a half-filled last block
     "g128 ragged last group": (24, 576, 128, True, False, False, 4),  # SmolLM2's 576 inputs: 4 groups of 128, one of 64
@@ -62,6 +62,9 @@ CASES = {  # (N, K, group size, offset, imported, free α, bits); all but unifor
     "uniform 3-bit g64 imported": (40, 320, 64, True, True, False, 3),
     "uniform 2-bit g128 ragged last group": (24, 576, 128, True, False, False, 2),
     "uniform 1-bit no offset": (16, 96, 32, False, False, False, 1),
+    "uniform 8-bit g64 imported": (40, 320, 64, True, True, False, 8),  # codes and zero points over 0..255
+    "uniform 8-bit g128 ragged last group": (24, 576, 128, True, False, False, 8),
+    "uniform 8-bit no offset whole row": (17, 128, -1, False, False, False, 8),
     "free α g64 ragged N tail": (40, 320, 64, True, False, True, 4),
     "free α g128 ragged last group": (24, 576, 128, True, False, True, 4),
     "free α no offset whole row": (17, 128, -1, False, False, True, 4),
@@ -98,7 +101,7 @@ def _repack(cfg, bufs, N, K):
 
 
 def _planes(cfg) -> bool:
-    return not (bcq.is_uniform(cfg) and (cfg.bits == 4 or (cfg.bits == 2 and cfg.offset)))
+    return not (bcq.is_uniform(cfg) and (cfg.bits in (4, 8) or (cfg.bits == 2 and cfg.offset)))
 
 
 def _dense(cfg, bufs, N, K):
@@ -223,9 +226,10 @@ def test_layout_round_trip_is_exact(name):
     Nb, G, B = -(-N // 16), (bufs["scales"] if "scales" in bufs else bufs["alpha"][0]).shape[1], cfg.bits
     crumbs = bcq.is_uniform(cfg) and B == 2 and cfg.offset  # 2-bit codes 4 per byte, zero points as book words
     assert [(t.dtype, tuple(t.shape)) for t in packed.values()] == [
-        (torch.uint8, (Nb, K // 32, B, 64) if _planes(cfg) else (Nb, K // 16, 64) if crumbs else (Nb, K // 8, 64)),
+        (torch.uint8, (Nb, K // 32, B, 64) if _planes(cfg) else (Nb, K * B // 32, 64)),
         *([(torch.float16, (Nb, G, 16)), (torch.int32, (Nb, G))] if crumbs else
-          [(torch.float16, (Nb, G, 16)), (torch.uint8, (Nb, G, 16))] if bcq.is_uniform(cfg) else
+          [(torch.float16, (Nb, G, 16)), (torch.int16 if B == 8 else torch.uint8, (Nb, G, 16))]
+          if bcq.is_uniform(cfg) else
           [(torch.float16, (Nb, G, B, 16)), (torch.float16, (Nb, G, 16))])]
     back = x86.unrepack(packed, cfg, N, K)
     assert set(back) == set(bufs) and all(torch.equal(back[k], bufs[k]) and back[k].dtype == bufs[k].dtype
@@ -242,6 +246,21 @@ def test_layout_puts_each_code_where_the_header_says():
         b, r, c, j = n // 16, n % 16, k // 8, k % 4
         byte = int(qw[b, c, 4 * r + j])
         assert (byte & 15 if k % 8 < 4 else byte >> 4) == codes[n, k]
+        g = k // 64
+        assert qs[b, g, r] == s[n, g] and int(qz[b, g, r]) == 2 * int(zeros[n, g])
+    assert not qw[2, :, 4 * 8:].any() and not qs[2, :, 8:].any()  # rows 40..47 pad with zeros
+
+
+def test_8bit_layout_puts_each_code_where_the_header_says():
+    """Byte ``4r + j`` of chunk ``c`` of block ``b``: code ``[16b + r, 4c + j]``; ``x86_qz`` int16 holds ``2·z``."""
+    cfg, bufs, N, K = _case("uniform 8-bit g64 imported")
+    codes, s, zeros = bcq.uniform_parts(bufs, cfg, N, K)
+    assert codes.max() == 255 and zeros.max() == 255  # the whole range: 2·z does not fit uint8
+    packed = x86.repack(bufs, cfg, N, K)
+    qw, qs, qz = packed["x86_qw"], packed["x86_qs"], packed["x86_qz"]
+    for n, k in [(0, 0), (1, 5), (17, 300), (39, 319), (15, 12), (16, 7)]:
+        b, r, c, j = n // 16, n % 16, k // 4, k % 4
+        assert int(qw[b, c, 4 * r + j]) == codes[n, k]
         g = k // 64
         assert qs[b, g, r] == s[n, g] and int(qz[b, g, r]) == 2 * int(zeros[n, g])
     assert not qw[2, :, 4 * 8:].any() and not qs[2, :, 8:].any()  # rows 40..47 pad with zeros
@@ -330,7 +349,8 @@ def test_spec_matches_reference_within_activation_bound(name):
 
 
 def test_spec_catches_a_wrong_layout():
-    for name, other in (("g128", "x86_qz"), ("free α g64 ragged N tail", "x86_qa"), ("free α 2-bit g64", "x86_qc"),
+    for name, other in (("g128", "x86_qz"), ("uniform 8-bit g64 imported", "x86_qz"),
+                        ("free α g64 ragged N tail", "x86_qa"), ("free α 2-bit g64", "x86_qc"),
                         ("uniform 2-bit g128 ragged last group", "x86_qb")):  # its zero points
         cfg, bufs, N, K = _case(name)
         packed = x86.repack(bufs, cfg, N, K)
@@ -541,6 +561,14 @@ def test_op_rejects_inconsistent_buffers():
         op(x, qw, qs, qz, None, N, 128, 4, 5, 0)
     with pytest.raises(RuntimeError, match="bits 5 not in 1..4"):
         op(x, qw, qs, qz, None, N, 128, 5, 1, 0)
+    with pytest.raises(RuntimeError, match=r"bits 8 not in 1..4 \(4 or 8 for format 0\)"):  # no 8-bit planes
+        op(x, qw, qs, qz, None, N, 128, 8, 1, 0)
+    with pytest.raises(RuntimeError, match=r"qw must be contiguous uint8 \[3, 64, 64\]"):  # nibbles as bytes
+        op(x, qw, qs, qz, None, N, 128, 8, 0, 0)
+    c8, b8, N8, K8 = _case("uniform 8-bit g64 imported")
+    p8 = x86.repack(b8, c8, N8, K8)
+    with pytest.raises(RuntimeError, match=r"qz must be contiguous int16 \[3, 5, 16\]"):  # 2·z of 8-bit codes
+        op(torch.randn(1, K8), p8["x86_qw"], p8["x86_qs"], p8["x86_qz"].to(torch.uint8), None, N8, 64, 8, 0, 0)
     with pytest.raises(RuntimeError, match=r"qw must be contiguous uint8 \[3, 8, 2, 64\]"):  # nibbles as 2-bit planes
         op(x, qw, qs, qz, None, N, 128, 2, 1, 0)
     with pytest.raises(RuntimeError, match="x86_dequantize: qw must be contiguous uint8"):  # the same checks
@@ -577,6 +605,8 @@ def test_registry_reasons():
     for bits in (1, 2, 3, 4):  # uniform and free α
         assert k.reject(bcq.Config(bits=bits, group_size=128), cpu, torch.float32, 1, (64, 256)) is None
         assert k.reject(bcq.Config(bits=bits, init="uniform", iters=0), cpu, torch.float32, 1, (64, 256)) is None
+    assert k.reject(bcq.Config(bits=8, init="uniform", iters=0), cpu, torch.float32, 1, (64, 256)) is None
+    assert "1-4 planes" in k.reject(bcq.Config(bits=8, group_size=128), cpu, torch.float32, 1, (64, 256))
     assert "fp32 offsets" in k.reject(bcq.Config(bits=4, fp32_offset=True), cpu, torch.float32, 1, (64, 256))
     assert "bits=5" in k.reject(bcq.Config(bits=5, init="uniform", iters=0), cpu, torch.float32, 1, (64, 256))
     cb = next(k for k in backends.kernels("codebook") if k.backend == "x86")
@@ -586,6 +616,7 @@ def test_registry_reasons():
 
 
 @pytest.mark.parametrize("name", ["g128", "uniform 3-bit g64 imported", "uniform 2-bit g128 ragged last group",
+                                  "uniform 8-bit g64 imported",
                                   "free α g64 ragged N tail", "free α 2-bit g64", "codebook 4-bit g32",
                                   "codebook 2-bit 1 book", "codebook 2-bit 2 books ragged N tail",
                                   "codebook 2-bit 4 books g64"])

@@ -1,6 +1,6 @@
 """x86 CPU kernels (AVX-512 VNNI + VBMI, AVX2 + AVX-VNNI, AVX2, scalar) for :class:`qlinear.BCQLinear` at 1-4 bits:
 uniform (round-to-nearest, GPTQ, imported GPTQ/AWQ weights) and free-α BCQ (the BCQ fit, activation-aware or not),
-and for :class:`qlinear.CodebookLinear` at 2 and 4 bits, and for :class:`qlinear.MixedPrecisionLinear` (layout
+and uniform at 8 bits, and for :class:`qlinear.CodebookLinear` at 2 and 4 bits, and for :class:`qlinear.MixedPrecisionLinear` (layout
 ``x86_mixed``, :func:`linear_mixed`).
 
 The Arm paper's recipe ("Highly Optimized Kernels and Fine-Grained Codebooks for LLM Inference on Arm CPUs", §4)
@@ -9,7 +9,10 @@ weights interleaved offline for 16 rows at once, products summed exactly in int3
 Two layouts (``qgemm.h`` has the byte-level description):
 
 * Uniform 4-bit: the codes as nibbles, one 64-byte load feeding VPDPBUSD (x86's SDOT: u8 x s8 dot products of 4
-  into int32 lanes); the zero point is applied per group with the sum of the quantized activations.
+  into int32 lanes); the zero point is applied per group with the sum of the quantized activations.  Uniform 8-bit
+  (e.g. an output layer kept near lossless, GPTQ 8-bit checkpoints): the same with the codes as bytes, 16 rows x 4
+  inputs per 64-byte load; plain AVX2 multiplies the bytes as two nibbles (VPMADDUBSW's int16 pairs would
+  saturate at 255·127·2).
 * Every other BCQ layer (uniform 1-3 bits, but 2-bit with zero points; free α at 1-4 bits): the bit-planes, each
   summed against the activations by table lookups (LUT-GEMM's idea, "LUT-GEMM", §3; T-MAC's 16-entry tables per 4 activations looked up by a
   plane's nibble, here with VPERMB over 4 such tables at once).  Each int8 activation is split as ``16·hi + lo`` so
@@ -49,11 +52,12 @@ baseline flags; each SIMD path carries its own ``target`` attribute.  Rows are s
 
 Layout ``x86`` (repacked once at load; :func:`repack` / :func:`unrepack` are exact inverses), ``Nb = ceil(N/16)``:
 ``x86_qw`` uint8 ``[Nb, K/8, 64]`` (uniform 4-bit: byte ``4r + j`` of 16-row block ``b``, 8-input chunk ``c`` holds
-code ``[16b + r, 8c + j]`` in its low nibble and ``[16b + r, 8c + 4 + j]`` in its high nibble) or ``x86_lp`` uint8
+code ``[16b + r, 8c + j]`` in its low nibble and ``[16b + r, 8c + 4 + j]`` in its high nibble; uniform 8-bit
+``[Nb, K/4, 64]``, byte ``4r + j`` of 4-input chunk ``c`` holding code ``[16b + r, 4c + j]``) or ``x86_lp`` uint8
 ``[Nb, K/32, bits, 64]`` (byte ``16g + r`` of block ``b``, 32-input block ``h``, plane ``i`` holds bit ``t`` of its low
 nibble = ``bit_i[16b + r, 32h + 4g + t]``, of its high nibble ``bit_i[16b + r, 32h + 16 + 4g + t]``); uniform layers
-add ``x86_qs`` fp16 ``[Nb, G, 16]`` (scales) and ``x86_qz`` uint8 ``[Nb, G, 16]`` holding ``2·z`` (``2^bits − 1`` for the
-symmetric grid), free-α layers ``x86_qa`` fp16 ``[Nb, G, bits, 16]`` (α per plane) and ``x86_qc`` fp16 ``[Nb, G, 16]``
+add ``x86_qs`` fp16 ``[Nb, G, 16]`` (scales) and ``x86_qz`` uint8 ``[Nb, G, 16]`` (int16 at 8 bits) holding ``2·z``
+(``2^bits − 1`` for the symmetric grid), free-α layers ``x86_qa`` fp16 ``[Nb, G, bits, 16]`` (α per plane) and ``x86_qc`` fp16 ``[Nb, G, 16]``
 (the offset, 0 without one); uniform 2-bit layers with zero points instead hold ``x86_qw`` as the 2-bit codebook
 layout's below, ``x86_qs`` and ``x86_qb`` (their zero points as book words).  Layout ``x86_codebook``: ``x86_qw`` (4 bits: as ``x86_qw`` above; 2 bits: uint8
 ``[Nb, K/16, 64]``, byte ``4r + j`` of chunk ``c`` holding code ``[16b + r, 16c + 4t + j]`` in bits ``2t..2t+1``),
@@ -99,7 +103,7 @@ __all__ = ["LAYOUT", "CODEBOOK_LAYOUT", "PATHS", "DEQUANT_FROM", "LARGE_LAYER", 
 
 _HERE = Path(__file__).parent
 PATHS = {"auto": 0, "scalar": 1, "avx2": 2, "avx2_vnni": 3, "avx512_vnni": 4}
-FORMATS = {"u4": 0, "planes_uniform": 1, "planes_free": 2, "cb4": 3, "cb2": 4}  # qgemm.h's Format (kU4 ... kCB2)
+FORMATS = {"uniform": 0, "planes_uniform": 1, "planes_free": 2, "cb4": 3, "cb2": 4}  # qgemm.h's Format (kUniform ... kCB2)
 ROWS = 16  # rows per block (one 32-bit lane each of a 512-bit register)
 # From this many rows (by bits) the bit-plane layers (all but uniform 4-bit and uniform 2-bit with zero points, and
 # uniform ones where the AVX-512 path turns planes into codes: _plane_codes) dequantize Ŵ and run a float32 GEMM
@@ -193,6 +197,33 @@ def _nibbles(cfg) -> bool:
     return bcq.is_uniform(cfg) and cfg.bits == 4
 
 
+def _bytes(cfg) -> bool:
+    """Whether the layer takes the uniform 8-bit byte layout."""
+    return bcq.is_uniform(cfg) and cfg.bits == 8
+
+
+def _byte_words(qweight: torch.Tensor, N: int) -> torch.Tensor:
+    """8-bit codes packed as ``qweight`` int32 ``[N, K/4]`` (code 4w + j in byte j of word w) -> ``x86_qw`` uint8
+    ``[Nb, K/4, 64]`` (zero rows pad N to 16): byte ``4r + j`` of block b, chunk c holds code ``[16b + r, 4c + j]``."""
+    _check_little_endian()
+    blocks = _row_blocks(qweight, N)  # [Nb, 16, C]
+    return blocks.transpose(1, 2).contiguous().view(torch.uint8).reshape(blocks.shape[0], qweight.shape[1], 64)
+
+
+def _words_of_bytes(qw: torch.Tensor, N: int) -> torch.Tensor:
+    """Inverse of :func:`_byte_words`: ``x86_qw`` ``[Nb, K/4, 64]`` -> ``qweight`` int32 ``[N, K/4]``."""
+    _check_little_endian()
+    Nb, C, _ = qw.shape
+    return qw.contiguous().view(torch.int32).transpose(1, 2).reshape(Nb * ROWS, C)[:N]
+
+
+def _unbytes(qw: torch.Tensor, K: int) -> torch.Tensor:
+    """The codes ``[Nb·16, K]`` int64 of ``x86_qw`` ``[Nb, K/4, 64]`` (:func:`_byte_words`), read as that docstring
+    defines the layout."""
+    Nb = qw.shape[0]
+    return qw.view(Nb, K // 4, ROWS, 4).to(torch.int64).permute(0, 2, 1, 3).reshape(Nb * ROWS, K)
+
+
 def _uniform_crumbs(cfg) -> bool:
     """Whether the layer is uniform 2-bit with integer zero points, run as a 2-bit codebook layer (crumbs, one of
     :data:`UNIFORM2_BOOKS` per row and group: its zero point); other layers but uniform 4-bit take the bit-planes."""
@@ -206,7 +237,7 @@ UNIFORM2_BOOKS = torch.tensor([[q - z for q in range(4)] for z in range(4)], dty
 def _names(cfg) -> tuple[str, ...]:
     if _uniform_crumbs(cfg):
         return "x86_qw", "x86_qs", "x86_qb"
-    return (("x86_qw" if _nibbles(cfg) else "x86_lp"),
+    return (("x86_qw" if _nibbles(cfg) or _bytes(cfg) else "x86_lp"),
             *(("x86_qs", "x86_qz") if bcq.is_uniform(cfg) else ("x86_qa", "x86_qc")))
 
 
@@ -218,18 +249,20 @@ def _codes(buffers: dict, cfg, K: int) -> torch.Tensor:
         return _uncrumbs(buffers["x86_qw"], K)
     if _nibbles(cfg):
         return _deinterleave(buffers["x86_qw"], K)
+    if _bytes(cfg):
+        return _unbytes(buffers["x86_qw"], K)
     return unpack_planes(_words_of_planes(buffers["x86_lp"], buffers["x86_lp"].shape[0] * ROWS), K)
 
 
 def repack(buffers: dict, cfg, N: int, K: int) -> dict:
-    """Canonical BCQ (1-4 bits) -> layout ``x86`` (see the module docstring)."""
+    """Canonical BCQ (1-4 bits, uniform 8) -> layout ``x86`` (see the module docstring)."""
     if not bcq.is_uniform(cfg):
         alpha = buffers["alpha"]  # [bits, N, G]
         offset = buffers["offset"] if cfg.offset else torch.zeros_like(alpha[0])
         return {"x86_lp": _planes_words(buffers["planes"], N, K),
                 "x86_qa": torch.stack([pad_groups(a, N, ROWS) for a in alpha], 2),
                 "x86_qc": pad_groups(offset, N, ROWS)}
-    packed = _nibbles(cfg) or _uniform_crumbs(cfg)  # layouts built from the packed words, the others from codes
+    packed = _nibbles(cfg) or _bytes(cfg) or _uniform_crumbs(cfg)  # layouts from the packed words, others from codes
     from_words = packed and "qweight" in buffers  # the common case (RTN, GPTQ, AWQ)
     codes, s, zeros = bcq.uniform_parts(buffers, cfg, N, K, codes=None if from_words else torch.uint8)
     words = buffers["qweight"] if from_words else pack(codes, cfg.bits) if packed else None
@@ -237,9 +270,10 @@ def repack(buffers: dict, cfg, N: int, K: int) -> dict:
         return {"x86_qw": _crumb_words(words, N), "x86_qs": pad_groups(s.to(torch.float16), N, ROWS),
                 "x86_qb": _book_words(zeros, N)}
     z2 = torch.full_like(s, 2 ** cfg.bits - 1, dtype=torch.int64) if zeros is None else 2 * zeros
-    qw = _interleave_words(words, N, K) if _nibbles(cfg) else _planes_words(pack_planes(codes, cfg.bits), N, K)
+    qw = (_interleave_words(words, N, K) if _nibbles(cfg) else _byte_words(words, N) if _bytes(cfg)
+          else _planes_words(pack_planes(codes, cfg.bits), N, K))
     return {_names(cfg)[0]: qw, "x86_qs": pad_groups(s.to(torch.float16), N, ROWS),
-            "x86_qz": pad_groups(z2.to(torch.uint8), N, ROWS)}
+            "x86_qz": pad_groups(z2.to(torch.int16 if _bytes(cfg) else torch.uint8), N, ROWS)}
 
 
 def unrepack(buffers: dict, cfg, N: int, K: int) -> dict:
@@ -247,6 +281,8 @@ def unrepack(buffers: dict, cfg, N: int, K: int) -> dict:
     words = codes = None  # the packed words straight from the layout's bytes, but uniform planes' codes
     if _nibbles(cfg):
         words = _qweight_of(buffers["x86_qw"], N)
+    elif _bytes(cfg):
+        words = _words_of_bytes(buffers["x86_qw"], N)
     elif _uniform_crumbs(cfg):
         words = _words_of_crumbs(buffers["x86_qw"], N)
     elif bcq.is_uniform(cfg):
@@ -277,7 +313,8 @@ def _op_names(cfg) -> tuple:
                 FORMATS["cb4" if cfg.bits == 4 else "cb2"])
     if _uniform_crumbs(cfg):  # kCB2 with the zero points' books
         return "x86_qw", "x86_qs", UNIFORM2_BOOKS, "x86_qb", 2, FORMATS["cb2"]
-    fmt = FORMATS["u4" if _nibbles(cfg) else "planes_uniform" if bcq.is_uniform(cfg) else "planes_free"]
+    fmt = FORMATS["uniform" if _nibbles(cfg) or _bytes(cfg) else "planes_uniform" if bcq.is_uniform(cfg)
+                  else "planes_free"]
     return (*_names(cfg), None, cfg.bits, fmt)
 
 
@@ -628,8 +665,8 @@ def batched_from(cfg, out_features: int, in_features: int, x: torch.Tensor) -> f
     (:func:`batched_dtype`): :data:`AMX_BATCHED_FROM` on AMX, else :data:`BF16_BATCHED_FROM`, by "planes" (bit-plane
     layers), "mixed" or "other"."""
     N, K = out_features, in_features
-    planes = cfg.format == "bcq" and not (_nibbles(cfg) or _uniform_crumbs(cfg) or (bcq.is_uniform(cfg)
-                                                                                    and _plane_codes()))
+    planes = cfg.format == "bcq" and not (_nibbles(cfg) or _bytes(cfg) or _uniform_crumbs(cfg)
+                                          or (bcq.is_uniform(cfg) and _plane_codes()))
     if batched_dtype(x) == torch.bfloat16:
         kind = "planes" if planes else "mixed" if cfg.format == "mixed" else "other"
         return (AMX_BATCHED_FROM if amx_available() else BF16_BATCHED_FROM)[kind]
@@ -703,10 +740,12 @@ def supports(cfg, out_features: int, in_features: int) -> Optional[str]:
     registry's check; group sizes and in_features are multiples of 32 in every BCQ layer: the format checks that.)"""
     if cfg.fp32_offset and not bcq.is_uniform(cfg):
         return "fp32 offsets (fp32_offset=True) are not supported; the x86 layout holds fp16 offsets"
+    if cfg.bits > 4 and not bcq.is_uniform(cfg):
+        return f"free-α BCQ at {cfg.bits} bits: the bit-plane kernels take 1-4 planes (uniform 8-bit runs as codes)"
     return None
 
 
-for _fmt, _bits, _supports, _layout in (("bcq", {1, 2, 3, 4}, supports, LAYOUT),
+for _fmt, _bits, _supports, _layout in (("bcq", {1, 2, 3, 4, 8}, supports, LAYOUT),
                                         ("codebook", {2, 4}, supports_codebook, CODEBOOK_LAYOUT)):
     register(Kernel(backend="x86", format=_fmt, fn=linear, priority=15, devices=frozenset({"cpu"}),
                     dtypes=frozenset({torch.float32, torch.float16, torch.bfloat16}), bits=frozenset(_bits),

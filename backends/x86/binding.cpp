@@ -13,13 +13,14 @@
 
 namespace {
 
-// format kU4: qw = nibble codes uint8 [Nb, K/8, 64]; kLutUniform / kLutFree: qw = bit-planes uint8 [Nb, K/32, bits,
-// 64]; uniform: qs = scales fp16 [Nb, G, 16], qz = 2·zero uint8 [Nb, G, 16]; kLutFree: qs = α fp16 [Nb, G, bits, 16],
+// format kUniform: qw = codes uint8 [Nb, K·bits/32, 64] (bits 4: nibbles, 8: bytes); kLutUniform / kLutFree: qw =
+// bit-planes uint8 [Nb, K/32, bits, 64]; uniform: qs = scales fp16 [Nb, G, 16], qz = 2·zero uint8 [Nb, G, 16] (int16
+// at 8 bits: 2·zero up to 510); kLutFree: qs = α fp16 [Nb, G, bits, 16],
 // qz = offsets fp16 [Nb, G, 16] (qgemm.h).  rot_block > 0: a rotated layer, x is first transformed by its randomized
 // Hadamard (rot_signs = D/√b float32 [K], blocks of rot_block, Paley factor rot_paley float32 [f, f] as
 // backends/_cpu.py paley_argument gives it, or none; _shared/rotation.h).
 // perm (int32 [K]): an act_order layer, x is read as x[:, perm] (after the rotation).
-// kCB4 / kCB2: qw = codes (kCB4 as kU4; kCB2 crumbs uint8 [Nb, K/16, 64]), qs = scales fp16 [Nb, G, 16], qz = the
+// kCB4 / kCB2: qw = codes (kCB4 as kUniform; kCB2 crumbs uint8 [Nb, K/16, 64]), qs = scales fp16 [Nb, G, 16], qz = the
 // codebooks int8 [C, 2^bits] (C·2^bits <= 16), qb = book words int32 [Nb, G] when C > 1.
 // The weights of a layer in qgemm.h's layouts, checked (shapes, dtypes, format and bits); `table` receives the
 // codebook formats' centroids.
@@ -29,12 +30,13 @@ qlinear_x86::Weights weights_of(const char* op, const at::Tensor& qw, const at::
   const int64_t Nb = (N + 15) / 16;
   TORCH_CHECK(K > 0 && K % 32 == 0 && group_size > 0 && group_size % 32 == 0,
               op, ": K and group_size must be positive multiples of 32");
-  TORCH_CHECK(format >= qlinear_x86::kU4 && format <= qlinear_x86::kCB2, op, ": unknown format ", format);
-  TORCH_CHECK(bits >= 1 && bits <= 4 && (format != qlinear_x86::kU4 || bits == 4), op, ": bits ", bits,
-              " not in 1..4 (4 for format 0)");
+  TORCH_CHECK(format >= qlinear_x86::kUniform && format <= qlinear_x86::kCB2, op, ": unknown format ", format);
+  const bool u8 = format == qlinear_x86::kUniform && bits == 8;
+  TORCH_CHECK(format == qlinear_x86::kUniform ? bits == 4 || u8 : bits >= 1 && bits <= 4, op, ": bits ", bits,
+              " not in 1..4 (4 or 8 for format 0)");
   const int64_t G = (K + group_size - 1) / group_size;
   const bool codebook = format >= qlinear_x86::kCB4;
-  const bool lut = !codebook && format != qlinear_x86::kU4, free_alpha = format == qlinear_x86::kLutFree;
+  const bool lut = !codebook && format != qlinear_x86::kUniform, free_alpha = format == qlinear_x86::kLutFree;
   const int32_t* books = nullptr;
   if (codebook) {
     const int64_t B = format == qlinear_x86::kCB4 ? 4 : 2;
@@ -58,21 +60,23 @@ qlinear_x86::Weights weights_of(const char* op, const at::Tensor& qw, const at::
     TORCH_CHECK(qw.scalar_type() == at::kByte && qw.is_contiguous() && qw.numel() == Nb * (K / 32) * bits * 64,
                 op, ": qw must be contiguous uint8 [", Nb, ", ", K / 32, ", ", bits, ", 64]");
   } else {
-    TORCH_CHECK(qw.scalar_type() == at::kByte && qw.is_contiguous() && qw.numel() == Nb * (K / 8) * 64,
-                op, ": qw must be contiguous uint8 [", Nb, ", ", K / 8, ", 64]");
+    TORCH_CHECK(qw.scalar_type() == at::kByte && qw.is_contiguous() && qw.numel() == Nb * (K * bits / 32) * 64,
+                op, ": qw must be contiguous uint8 [", Nb, ", ", K * bits / 32, ", 64]");
   }
   if (!codebook) {
     TORCH_CHECK(qs.scalar_type() == at::kHalf && qs.is_contiguous() && qs.numel() == Nb * G * (free_alpha ? bits : 1) * 16,
                 op, ": qs must be contiguous fp16 [", Nb, ", ", G, free_alpha ? ", " + std::to_string(bits) : "",
                 ", 16]");
-    TORCH_CHECK(qz.scalar_type() == (free_alpha ? at::kHalf : at::kByte) && qz.is_contiguous() && qz.numel() == Nb * G * 16,
-                op, ": qz must be contiguous ", free_alpha ? "fp16" : "uint8", " [", Nb, ", ", G, ", 16]");
+    TORCH_CHECK(qz.scalar_type() == (free_alpha ? at::kHalf : u8 ? at::kShort : at::kByte) && qz.is_contiguous() &&
+                    qz.numel() == Nb * G * 16,
+                op, ": qz must be contiguous ", free_alpha ? "fp16" : u8 ? "int16" : "uint8", " [", Nb, ", ", G, ", 16]");
   }
   return qlinear_x86::Weights{qw.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(qs.data_ptr<at::Half>()),
-                              free_alpha || codebook ? nullptr : qz.data_ptr<uint8_t>(), (int)N, (int)K,
+                              free_alpha || codebook || u8 ? nullptr : qz.data_ptr<uint8_t>(), (int)N, (int)K,
                               (int)group_size, (int)format, (int)bits,
                               free_alpha ? reinterpret_cast<const uint16_t*>(qz.data_ptr<at::Half>()) : nullptr,
-                              table, books};
+                              table, books,
+                              u8 ? reinterpret_cast<const uint16_t*>(qz.data_ptr<int16_t>()) : nullptr};
 }
 
 at::Tensor x86_gemm(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& qs, const at::Tensor& qz,

@@ -2,11 +2,11 @@
 // (benchmarks/bench_x86.py --callgrind builds and runs it):
 //   harness PATH M N K GROUP REPS [FORMAT BITS]
 //       REPS calls of qlinear_x86::run on path PATH (1 scalar, 2 avx2, 3 avx2_vnni, 4 avx512_vnni) over all row
-//       blocks of random weights, one thread; FORMAT 0 uniform 4-bit nibbles (default), 1 uniform LUT, 2 free-α LUT,
-//       3 4-bit codebook, 4 2-bit codebook with 4 books (qgemm.h), BITS 1-4; 5 the mixed format near its defaults
-//       (qlinear_x86::mixed_run: group 16, every fourth group 4-bit (floor(G/4) of them, where the format rounds
-//       G/4), 4-bit scale codes per 16 rows, round(0.002·N·K) outliers spread over the rows; K a multiple of 16;
-//       GROUP and BITS ignored)
+//       blocks of random weights, one thread; FORMAT 0 uniform codes (default; BITS 4 nibbles or 8 bytes), 1 uniform
+//       LUT, 2 free-α LUT, 3 4-bit codebook, 4 2-bit codebook with 4 books (qgemm.h), BITS 1-4 (8 for FORMAT 0);
+//       5 the mixed format near its defaults (qlinear_x86::mixed_run: group 16, every fourth group 4-bit (floor(G/4)
+//       of them, where the format rounds G/4), 4-bit scale codes per 16 rows, round(0.002·N·K) outliers spread over
+//       the rows; K a multiple of 16; GROUP and BITS ignored)
 // Exits 2 when this CPU (or valgrind's emulated one) lacks the path.
 #include <stdio.h>
 #include <stdlib.h>
@@ -64,10 +64,11 @@ int main(int argc, char** argv) {
   unsigned state = 12345;
   auto rnd = [&state] { return state = state * 1664525u + 1013904223u; };
   if (format == 5) return mixed(path, M, N, K, reps, rnd);
-  std::vector<uint8_t> qw((size_t)Nb * (K / 8) * (format ? 16 * bits : 64)), qz((size_t)Nb * G * 16);
+  std::vector<uint8_t> qw((size_t)Nb * (K / 8) * 16 * bits), qz((size_t)Nb * G * 16);
   std::vector<uint16_t> qs((size_t)Nb * G * 16 * (format == 2 ? bits : 1)), qc((size_t)Nb * G * 16);
   for (auto& v : qw) v = (uint8_t)(rnd() >> 24);
   for (auto& v : qz) v = (uint8_t)((rnd() >> 24) % 31);
+  std::vector<uint16_t> qz16(qz.begin(), qz.end());
   for (auto& v : qs) v = (uint16_t)(0x1c00 | ((rnd() >> 20) & 1023));  // fp16 in [2^-8, 2^-7)
   for (auto& v : qc) v = (uint16_t)(0x1c00 | ((rnd() >> 20) & 1023));
   std::vector<int8_t> table(16);
@@ -82,7 +83,8 @@ int main(int argc, char** argv) {
   qlinear_x86::Acts a{};
   qlinear_x86::prepare_acts(x.data(), M, K, gs, tables, aligned, &a);
   const qlinear_x86::Weights w{qw.data(), qs.data(), qz.data(), N, K, gs, format, bits, qc.data(), table.data(),
-                               format == qlinear_x86::kCB2 ? qb.data() : nullptr};
+                               format == qlinear_x86::kCB2 ? qb.data() : nullptr,
+                               format == qlinear_x86::kUniform && bits == 8 ? qz16.data() : nullptr};
   for (int r = 0; r < reps; ++r) qlinear_x86::run(w, a, nullptr, y.data(), 0, Nb, path);
   double sum = 0;
   for (float v : y) sum += v;

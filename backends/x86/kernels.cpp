@@ -72,10 +72,18 @@ inline int32_t load4(const int8_t* p) {
   return v;
 }
 
+// Bytes of a kUniform layer's 16-row block: K/8 chunks of 64 at 4 bits, K/4 at 8 bits.
+inline int64_t codes_block(const Weights& w, int b) { return static_cast<int64_t>(b) * w.K * w.bits * 2; }
+
+// 2·z of a uniform layer's row at index i of qz (qz16 at 8 bits).
+inline float zero2(const Weights& w, int64_t i) {
+  return static_cast<float>(w.qz16 ? w.qz16[i] : w.qz[i]);
+}
+
 // ---- scalar: the arithmetic of qgemm.h, one lane at a time -----------------------------------------------------
 void block_scalar(const Weights& w, const Acts& a, const float* bias, float* y, int b) {
   const int K = w.K, H = K / 32, G = num_groups(w);
-  const uint8_t* qw = w.qw + static_cast<int64_t>(b) * (K / 8) * 64;
+  const uint8_t* qw = w.qw + codes_block(w, b);
   for (int m = 0; m < a.M; ++m) {
     float yv[kRows] = {};
     for (int g = 0; g < G; ++g) {
@@ -84,11 +92,19 @@ void block_scalar(const Weights& w, const Acts& a, const float* bias, float* y, 
       for (int h = g * w.group_size / 32; h < h1; ++h) {
         int32_t iacc[kRows] = {};
         const int8_t* xq = a.xq + static_cast<int64_t>(m) * K + 32 * h;
-        for (int c = 0; c < 4; ++c) {
-          const uint8_t* v = qw + static_cast<int64_t>(4 * h + c) * 64;
-          for (int r = 0; r < kRows; ++r)
-            for (int j = 0; j < 4; ++j)
-              iacc[r] += (v[4 * r + j] & 15) * xq[8 * c + j] + (v[4 * r + j] >> 4) * xq[8 * c + 4 + j];
+        if (w.bits == 8) {
+          for (int c = 0; c < 8; ++c) {
+            const uint8_t* v = qw + static_cast<int64_t>(8 * h + c) * 64;
+            for (int r = 0; r < kRows; ++r)
+              for (int j = 0; j < 4; ++j) iacc[r] += v[4 * r + j] * xq[4 * c + j];
+          }
+        } else {
+          for (int c = 0; c < 4; ++c) {
+            const uint8_t* v = qw + static_cast<int64_t>(4 * h + c) * 64;
+            for (int r = 0; r < kRows; ++r)
+              for (int j = 0; j < 4; ++j)
+                iacc[r] += (v[4 * r + j] & 15) * xq[8 * c + j] + (v[4 * r + j] >> 4) * xq[8 * c + 4 + j];
+          }
         }
         const float xs = a.xs[static_cast<int64_t>(m) * H + h];
         for (int r = 0; r < kRows; ++r) facc[r] = std::fmaf(static_cast<float>(iacc[r]), xs, facc[r]);
@@ -96,7 +112,7 @@ void block_scalar(const Weights& w, const Acts& a, const float* bias, float* y, 
       const int64_t at = (static_cast<int64_t>(b) * G + g) * kRows;
       const float xsum = a.xsum[static_cast<int64_t>(m) * G + g];
       for (int r = 0; r < kRows; ++r) {
-        const float t = std::fmaf(-(static_cast<float>(w.qz[at + r]) * 0.5f), xsum, facc[r]);
+        const float t = std::fmaf(-(zero2(w, at + r) * 0.5f), xsum, facc[r]);
         yv[r] = std::fmaf(half_to_float(w.qs[at + r]), t, yv[r]);
       }
     }
@@ -138,6 +154,12 @@ QLINEAR_TARGET("avx2,fma,f16c") inline void store_avx2(const Weights& w, const f
   }
 }
 
+// zero2 of the block's 16 rows at qz index at.
+QLINEAR_TARGET("avx512f,avx512bw,avx512vl") inline __m512 zeros2_avx512(const Weights& w, int64_t at) {
+  return _mm512_cvtepi32_ps(w.qz16 ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.qz16 + at)))
+                                   : _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.qz + at))));
+}
+
 // The end of group g of a uniform layer: yv[m] += s·(F[m] − z·xsum[m][g]) (qgemm.h), the block's 16 rows at once.
 template <int MT>
 QLINEAR_TARGET("avx512f,avx512bw,avx512vl,avx512vnni") inline void uniform_group_end(const Weights& w, const Acts& a,
@@ -146,9 +168,7 @@ QLINEAR_TARGET("avx512f,avx512bw,avx512vl,avx512vnni") inline void uniform_group
   const int G = num_groups(w);
   const int64_t at = (static_cast<int64_t>(b) * G + g) * kRows;
   const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.qs + at)));
-  const __m512 z = _mm512_mul_ps(
-      _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.qz + at)))),
-      _mm512_set1_ps(0.5f));
+  const __m512 z = _mm512_mul_ps(zeros2_avx512(w, at), _mm512_set1_ps(0.5f));
   for (int m = 0; m < MT; ++m) {
     const __m512 t = _mm512_fnmadd_ps(z, _mm512_set1_ps(a.xsum[static_cast<int64_t>(m0 + m) * G + g]), F[m]);
     yv[m] = _mm512_fmadd_ps(s, t, yv[m]);
@@ -167,12 +187,12 @@ QLINEAR_TARGET("avx512f,avx512bw,avx512vl,avx512vnni") inline void fold(const __
 }
 
 // ---- AVX-512 VNNI: a block's 16 rows in one register, MT activation rows at a time -----------------------------
-template <int MT>
+template <int MT, bool U8>
 QLINEAR_TARGET("avx512f,avx512bw,avx512vl,avx512vnni") void tile_avx512(const Weights& w, const Acts& a,
                                                                                   const float* bias, float* y, int b,
                                                                                   int m0) {
   const int K = w.K, H = K / 32, G = num_groups(w);
-  const uint8_t* qw = w.qw + static_cast<int64_t>(b) * (K / 8) * 64;
+  const uint8_t* qw = w.qw + codes_block(w, b);
   const __m512i nib = _mm512_set1_epi8(0x0F);
   constexpr int A = chains<MT>();
   __m512 yv[MT] = {};
@@ -180,7 +200,15 @@ QLINEAR_TARGET("avx512f,avx512bw,avx512vl,avx512vnni") void tile_avx512(const We
     __m512 facc[MT] = {};
     for (int h = g * w.group_size / 32, h1 = std::min((g + 1) * w.group_size, K) / 32; h < h1; ++h) {
       __m512i iacc[MT][A] = {};
-      for (int c = 0; c < 4; ++c) {
+      if constexpr (U8) {  // a chunk's 64 bytes: 4 codes of each row, one VPDPBUSD per activation row
+        for (int c = 0; c < 8; ++c) {
+          const __m512i v = _mm512_loadu_si512(qw + static_cast<int64_t>(8 * h + c) * 64);
+          for (int m = 0; m < MT; ++m)
+            iacc[m][c % A] = _mm512_dpbusd_epi32(
+                iacc[m][c % A], v, _mm512_set1_epi32(load4(a.xq + static_cast<int64_t>(m0 + m) * K + 32 * h + 4 * c)));
+        }
+      }
+      for (int c = 0; c < (U8 ? 0 : 4); ++c) {
         const __m512i v = _mm512_loadu_si512(qw + static_cast<int64_t>(4 * h + c) * 64);
         const __m512i lo = _mm512_and_si512(v, nib), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
         const int i = A == 4 ? 2 * (c & 1) : 0, j = A == 1 ? i : i + 1;
@@ -197,18 +225,19 @@ QLINEAR_TARGET("avx512f,avx512bw,avx512vl,avx512vnni") void tile_avx512(const We
   store_avx512<MT>(w, bias, y, b, m0, yv);
 }
 
+template <bool U8>
 QLINEAR_TARGET("avx512f,avx512bw,avx512vl,avx512vnni") void block_avx512(const Weights& w, const Acts& a,
                                                                                    const float* bias, float* y, int b) {
   int m = 0;
-  for (; m + 8 <= a.M; m += 8) tile_avx512<8>(w, a, bias, y, b, m);
+  for (; m + 8 <= a.M; m += 8) tile_avx512<8, U8>(w, a, bias, y, b, m);
   if (m + 4 <= a.M) {
-    tile_avx512<4>(w, a, bias, y, b, m);
+    tile_avx512<4, U8>(w, a, bias, y, b, m);
     m += 4;
   }
   switch (a.M - m) {
-    case 3: tile_avx512<3>(w, a, bias, y, b, m); break;
-    case 2: tile_avx512<2>(w, a, bias, y, b, m); break;
-    case 1: tile_avx512<1>(w, a, bias, y, b, m); break;
+    case 3: tile_avx512<3, U8>(w, a, bias, y, b, m); break;
+    case 2: tile_avx512<2, U8>(w, a, bias, y, b, m); break;
+    case 1: tile_avx512<1, U8>(w, a, bias, y, b, m); break;
     default: break;
   }
 }
@@ -223,12 +252,14 @@ QLINEAR_TARGET("avx2,fma,f16c,avxvnni") inline __m256i dot4(__m256i acc, __m256i
   }
 }
 
-template <int MT, bool VNNI>
+template <int MT, bool VNNI, bool U8>
 QLINEAR_TARGET("avx2,fma,f16c,avxvnni") void tile_avx2(const Weights& w, const Acts& a, const float* bias,
                                                            float* y, int b, int m0) {
   const int K = w.K, H = K / 32, G = num_groups(w);
-  const uint8_t* qw = w.qw + static_cast<int64_t>(b) * (K / 8) * 64;
+  const uint8_t* qw = w.qw + codes_block(w, b);
   const __m256i nib = _mm256_set1_epi8(0x0F);
+  // 8-bit codes without VNNI: chain 1 sums the high nibbles' products, weighed 16 when the chains are added
+  constexpr int kHiShift = U8 && !VNNI ? 4 : 0;
   __m256 yv[MT][2];
   for (int m = 0; m < MT; ++m) yv[m][0] = yv[m][1] = _mm256_setzero_ps();
   for (int g = 0; g < G; ++g) {
@@ -236,34 +267,43 @@ QLINEAR_TARGET("avx2,fma,f16c,avxvnni") void tile_avx2(const Weights& w, const A
     for (int m = 0; m < MT; ++m) facc[m][0] = facc[m][1] = _mm256_setzero_ps();
     const int h1 = std::min((g + 1) * w.group_size, K) / 32;
     for (int h = g * w.group_size / 32; h < h1; ++h) {
-      __m256i iacc[MT][2][2];  // [m][half][lo/hi]: independent chains
+      __m256i iacc[MT][2][2];  // [m][half][chain]: independent chains
       for (int m = 0; m < MT; ++m)
         for (int half = 0; half < 2; ++half) iacc[m][half][0] = iacc[m][half][1] = _mm256_setzero_si256();
-      for (int c = 0; c < 4; ++c) {
-        const uint8_t* p = qw + static_cast<int64_t>(4 * h + c) * 64;
+      for (int c = 0; c < (U8 ? 8 : 4); ++c) {
+        const uint8_t* p = qw + static_cast<int64_t>((U8 ? 8 : 4) * h + c) * 64;
         for (int half = 0; half < 2; ++half) {
           const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * half));
+          if constexpr (U8 && VNNI) {
+            for (int m = 0; m < MT; ++m)
+              iacc[m][half][c & 1] = _mm256_dpbusd_avx_epi32(
+                  iacc[m][half][c & 1], v,
+                  _mm256_set1_epi32(load4(a.xq + static_cast<int64_t>(m0 + m) * K + 32 * h + 4 * c)));
+            continue;
+          }
           const __m256i lo = _mm256_and_si256(v, nib), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
           for (int m = 0; m < MT; ++m) {
-            const int8_t* xp = a.xq + static_cast<int64_t>(m0 + m) * K + 32 * h + 8 * c;
+            const int8_t* xp = a.xq + static_cast<int64_t>(m0 + m) * K + 32 * h + (U8 ? 4 : 8) * c;
             iacc[m][half][0] = dot4<VNNI>(iacc[m][half][0], lo, _mm256_set1_epi32(load4(xp)));
-            iacc[m][half][1] = dot4<VNNI>(iacc[m][half][1], hi, _mm256_set1_epi32(load4(xp + 4)));
+            iacc[m][half][1] = dot4<VNNI>(iacc[m][half][1], hi, _mm256_set1_epi32(load4(xp + (U8 ? 0 : 4))));
           }
         }
       }
       for (int m = 0; m < MT; ++m) {
         const __m256 xs = _mm256_set1_ps(a.xs[static_cast<int64_t>(m0 + m) * H + h]);
         for (int half = 0; half < 2; ++half)
-          facc[m][half] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(iacc[m][half][0], iacc[m][half][1])),
-                                          xs, facc[m][half]);
+          facc[m][half] = _mm256_fmadd_ps(
+              _mm256_cvtepi32_ps(_mm256_add_epi32(iacc[m][half][0], _mm256_slli_epi32(iacc[m][half][1], kHiShift))),
+              xs, facc[m][half]);
       }
     }
     const int64_t at = (static_cast<int64_t>(b) * G + g) * kRows;
     for (int half = 0; half < 2; ++half) {
       const __m256 sv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.qs + at + 8 * half)));
-      const __m256 z = _mm256_mul_ps(
-          _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w.qz + at + 8 * half)))),
-          _mm256_set1_ps(0.5f));
+      const __m128i z2 = U8 ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.qz16 + at + 8 * half))
+                            : _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w.qz + at + 8 * half));
+      const __m256 z = _mm256_mul_ps(_mm256_cvtepi32_ps(U8 ? _mm256_cvtepu16_epi32(z2) : _mm256_cvtepu8_epi32(z2)),
+                                     _mm256_set1_ps(0.5f));
       for (int m = 0; m < MT; ++m) {
         const __m256 t = _mm256_fnmadd_ps(z, _mm256_set1_ps(a.xsum[static_cast<int64_t>(m0 + m) * G + g]),
                                           facc[m][half]);
@@ -274,12 +314,12 @@ QLINEAR_TARGET("avx2,fma,f16c,avxvnni") void tile_avx2(const Weights& w, const A
   store_avx2<MT>(w, bias, y, b, m0, yv);
 }
 
-template <bool VNNI>
+template <bool VNNI, bool U8>
 QLINEAR_TARGET("avx2,fma,f16c,avxvnni") void block_avx2(const Weights& w, const Acts& a, const float* bias,
                                                             float* y, int b) {
   int m = 0;
-  for (; m + 2 <= a.M; m += 2) tile_avx2<2, VNNI>(w, a, bias, y, b, m);
-  if (m < a.M) tile_avx2<1, VNNI>(w, a, bias, y, b, m);
+  for (; m + 2 <= a.M; m += 2) tile_avx2<2, VNNI, U8>(w, a, bias, y, b, m);
+  if (m < a.M) tile_avx2<1, VNNI, U8>(w, a, bias, y, b, m);
 }
 
 // ---- LUT formats: plane sums S_i from the activation tables (qgemm.h) -------------------------------------------
@@ -930,7 +970,7 @@ bool path_supported(int path, int format) {
     case kAVX2VNNI: return path_supported(kAVX2, format) && QLINEAR_HAS("avxvnni");
     case kAVX512VNNI:  // the bit-plane kernels' VPERMB needs VBMI (Ice Lake, Zen 4 and later)
       return QLINEAR_HAS("avx512f") && QLINEAR_HAS("avx512bw") && QLINEAR_HAS("avx512vl") &&
-             QLINEAR_HAS("avx512vnni") && (format == kU4 || format >= kCB4 || QLINEAR_HAS("avx512vbmi"));
+             QLINEAR_HAS("avx512vnni") && (format == kUniform || format >= kCB4 || QLINEAR_HAS("avx512vbmi"));
     default: return false;
   }
 }
@@ -955,7 +995,7 @@ void run(const Weights& w, const Acts& a, const float* bias, float* y, int b0, i
     }
     return;
   }
-  if (w.format != kU4) {
+  if (w.format != kUniform) {
     for (int b = b0; b < b1; ++b) {
       switch (path) {
         case kAVX512VNNI: block_avx512_lut(w, a, bias, y, b); break;
@@ -973,11 +1013,12 @@ void run(const Weights& w, const Acts& a, const float* bias, float* y, int b0, i
     }
     return;
   }
+  const bool u8 = w.bits == 8;
   for (int b = b0; b < b1; ++b) {
     switch (path) {
-      case kAVX512VNNI: block_avx512(w, a, bias, y, b); break;
-      case kAVX2VNNI: block_avx2<true>(w, a, bias, y, b); break;
-      case kAVX2: block_avx2<false>(w, a, bias, y, b); break;
+      case kAVX512VNNI: u8 ? block_avx512<true>(w, a, bias, y, b) : block_avx512<false>(w, a, bias, y, b); break;
+      case kAVX2VNNI: u8 ? block_avx2<true, true>(w, a, bias, y, b) : block_avx2<true, false>(w, a, bias, y, b); break;
+      case kAVX2: u8 ? block_avx2<false, true>(w, a, bias, y, b) : block_avx2<false, false>(w, a, bias, y, b); break;
       default: block_scalar(w, a, bias, y, b); break;
     }
   }
@@ -986,7 +1027,7 @@ void run(const Weights& w, const Acts& a, const float* bias, float* y, int b0, i
 namespace {
 // The codes c[r][k] of a block's 16 rows at inputs 32h + k (layouts of qgemm.h).
 void block_codes(const Weights& w, const uint8_t* blk, int h, uint8_t (*c)[32]) {
-  if (w.format == kU4 || w.format == kCB4) {
+  if (w.format == kUniform || w.format == kCB4) {
     for (int q = 0; q < 4; ++q) {
       const uint8_t* v = blk + static_cast<int64_t>(4 * h + q) * 64;
       for (int r = 0; r < kRows; ++r)
@@ -1036,7 +1077,7 @@ inline void store_rows(__m512i A, __m512i B, uint8_t (*c)[32], int r0) {
 QLINEAR_TARGET("avx512f,avx512bw,avx512vl")
 inline void block_codes_avx512(const Weights& w, const uint8_t* blk, int h, uint8_t (*c)[32]) {
   const __m512i m4 = _mm512_set1_epi8(15), m2 = _mm512_set1_epi8(3);
-  if (w.format == kU4 || w.format == kCB4) {  // lane l of chunk q: rows 4l..4l+3, 4 bytes (8 codes) each
+  if (w.format == kUniform || w.format == kCB4) {  // lane l of chunk q: rows 4l..4l+3, 4 bytes (8 codes) each
     __m512i P[4], Q[4];
     for (int q = 0; q < 4; ++q) {
       const __m512i v = _mm512_loadu_si512(blk + static_cast<int64_t>(4 * h + q) * 64);
@@ -1271,9 +1312,34 @@ void dequantize_scalar(const Weights& w, T* out, int b0, int b1, int row0) {
   }
 }
 
+// dequantize of an 8-bit kUniform layer: s·(code − z) per weight, as levels() computes each level.
+template <typename T>
+void dequantize_u8(const Weights& w, T* out, int b0, int b1, int row0) {
+  const int K = w.K, G = num_groups(w);
+  for (int b = b0; b < b1; ++b) {
+    const uint8_t* blk = w.qw + codes_block(w, b);
+    for (int r = 0; r < std::min(kRows, w.N - kRows * b); ++r) {
+      T* o = out + static_cast<int64_t>(kRows * b + r - row0) * K;
+      for (int g = 0; g < G; ++g) {
+        const int64_t at = (static_cast<int64_t>(b) * G + g) * kRows + r;
+        const float s = half_to_float(w.qs[at]), z = zero2(w, at) * 0.5f;
+        for (int k = g * w.group_size; k < std::min((g + 1) * w.group_size, K); ++k) {
+          const float v = s * (static_cast<float>(blk[static_cast<int64_t>(k / 4) * 64 + 4 * r + k % 4]) - z);
+          if constexpr (std::is_same<T, float>::value)
+            o[k] = v;
+          else
+            o[k] = bf16_bits(v);
+        }
+      }
+    }
+  }
+}
+
 template <typename T>
 void dequantize_blocks(const Weights& w, T* out, int b0, int b1, int row0) {
-  if (QLINEAR_HAS("avx512f") && QLINEAR_HAS("avx512bw") && QLINEAR_HAS("avx512vl"))
+  if (w.format == kUniform && w.bits == 8)
+    dequantize_u8(w, out, b0, b1, row0);
+  else if (QLINEAR_HAS("avx512f") && QLINEAR_HAS("avx512bw") && QLINEAR_HAS("avx512vl"))
     dequantize_avx512(w, out, b0, b1, row0);
   else
     dequantize_scalar(w, out, b0, b1, row0);

@@ -519,7 +519,7 @@ void mixed_dequantize(const MixedWeights& w, void* out, int b0, int b1, int path
 }
 
 bool mixed_path_supported(int path) {  // the AVX-512 path also needs VBMI (as the bit-plane kernels' does)
-  return path >= kScalar && path <= kAVX512VNNI && path_supported(path, path == kAVX512VNNI ? kLutUniform : kU4);
+  return path >= kScalar && path <= kAVX512VNNI && path_supported(path, path == kAVX512VNNI ? kLutUniform : kUniform);
 }
 
 void mixed_run(const MixedWeights& w, const MixedActs& a, const float* bias, float* y, int b0, int b1, int path) {

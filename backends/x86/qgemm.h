@@ -2,10 +2,12 @@
 // int32, scaled in fp32 (and, at the end of this header, the mixed format's GEMV).  Three weight layouts
 // (backends/x86/__init__.py has the executable PyTorch spec of each and their exact inverses):
 //
-// kU4, uniform 4-bit codes, multiplied by VPDPBUSD (AVX-512 VNNI, AVX-VNNI) or VPMADDUBSW + VPMADDWD (AVX2):
-//   qw  uint8 [Nb, K/8, 64]: 16-row block b, 8-input chunk c; byte 4r + j holds code[16b + r][8c + j] in its low
-//       nibble and code[16b + r][8c + 4 + j] in its high nibble (r = 0..15, j = 0..3): one 64-byte load gives, per
-//       32-bit lane r, four codes of row r for each half of the chunk (VPDPBUSD's unsigned operand).
+// kUniform, uniform 4-bit or 8-bit codes, multiplied by VPDPBUSD (AVX-512 VNNI, AVX-VNNI) or VPMADDUBSW + VPMADDWD
+// (AVX2; 8-bit codes as two nibbles there, since pairs of 255·127 overflow VPMADDUBSW's int16):
+//   qw  4 bits: uint8 [Nb, K/8, 64]: 16-row block b, 8-input chunk c; byte 4r + j holds code[16b + r][8c + j] in its
+//       low nibble and code[16b + r][8c + 4 + j] in its high nibble (r = 0..15, j = 0..3): one 64-byte load gives,
+//       per 32-bit lane r, four codes of row r for each half of the chunk (VPDPBUSD's unsigned operand).
+//       8 bits: uint8 [Nb, K/4, 64]: 4-input chunk c; byte 4r + j holds code[16b + r][4c + j].
 //
 // kLutUniform / kLutFree, BCQ bit-planes (1-4 bits) looked up in tables of activation sums (LUT-GEMM's idea with
 // T-MAC's nibble tables on VPERMB):
@@ -18,12 +20,12 @@
 //   (lo sums 0..60, hi sums −32..28: both fit int8).  A plane's nibble, with its group g in bits 4-5, indexes the
 //   64-byte table (VPERMB), and VPDPBUSD adds 4 lookups of one row times 1 (lo) or 16 (hi):
 //   S_i[m][n][h] = Σ_{k ∈ h} bit_i[n][k]·xq[m][k], exactly.  (AVX-512, uniform layers, 4 or 8 activation rows at a
-//   time: the planes are first turned into codes Σ_i 2^i·bit_i in kU4's VPDPBUSD order and multiplied as kU4 codes,
+//   time: the planes are first turned into codes Σ_i 2^i·bit_i in kUniform's 4-bit order and multiplied as those codes,
 //   giving the same I = Σ_i 2^i·S_i.)
 //
 // kCB4 / kCB2, group-wise codebooks (codebook format, 4 or 2 bits): each code, with its (row, group)'s book in the bits
 // above it, indexes the layer's table of int8 centroids (all books together: 16 bytes, VPSHUFB's table):
-//   qw  kCB4: as kU4 (the codes as nibbles);  kCB2: uint8 [Nb, K/16, 64]: 16-input chunk c, byte 4r + j holds in
+//   qw  kCB4: as 4-bit kUniform (the codes as nibbles);  kCB2: uint8 [Nb, K/16, 64]: 16-input chunk c, byte 4r + j holds in
 //       bits 2t..2t+1 code[16b + r][16c + 4t + j] (t, j = 0..3).
 //   table  int8 [16]: entry (book << bits) | code = codebooks[book][code] (qz in the binding: the codebooks).
 //   qb  int32 [Nb, G] (several books only, else null): bits 2r..2r+1 the book of row r in group g.
@@ -34,14 +36,15 @@
 //
 // Per-group values, qs/qz (uniform, both layouts):
 //   qs  fp16  [Nb, G, 16]: the scale s of each row of the block in group g.
-//   qz  uint8 [Nb, G, 16]: 2·z (twice the zero point: 2^B − 1 for the symmetric levels z = (2^B − 1)/2).
+//   qz  uint8 [Nb, G, 16]: 2·z (twice the zero point: 2^B − 1 for the symmetric levels z = (2^B − 1)/2); 8-bit
+//       layers: qz16 uint16 [Nb, G, 16] (2·z up to 510).
 // and qa/qc (kLutFree):
 //   qa  fp16  [Nb, G, B, 16]: α_i of each row;  qc  fp16 [Nb, G, 16]: the offset c (0 without one).
 // Rows past N are zero.
 // Activations: per row m and 32 inputs h, xq = round_half_even(x · (127 / amax)) in int8 and xs = amax / 127;
 // xsum[m][g] = Σ_{h ∈ g} xs[m][h]·Σ_{k ∈ h} xq[m][k].
 //
-//   uniform: y[m][n] = Σ_g s·(Σ_{h ∈ g} xs[m][h]·I[m][n][h]  −  z·xsum[m][g]),  I = Σ_{k ∈ h} code·xq = Σ_i 2^i·S_i
+//   uniform: y[m][n] = Σ_g s·(Σ_{h ∈ g} xs[m][h]·I[m][n][h]  −  z·xsum[m][g]),  I = Σ_{k ∈ h} code·xq (= Σ_i 2^i·S_i)
 //   free α:  y[m][n] = Σ_g (Σ_i 2α_i·Σ_{h ∈ g} xs[m][h]·S_i[m][n][h]  +  (c − Σ_i α_i)·xsum[m][g])
 //            (w = Σ_i α_i·(2·bit_i − 1) + c)
 //
@@ -54,18 +57,19 @@
 namespace qlinear_x86 {
 
 enum Path { kAuto = 0, kScalar = 1, kAVX2 = 2, kAVX2VNNI = 3, kAVX512VNNI = 4 };
-enum Format { kU4 = 0, kLutUniform = 1, kLutFree = 2, kCB4 = 3, kCB2 = 4 };
+enum Format { kUniform = 0, kLutUniform = 1, kLutFree = 2, kCB4 = 3, kCB2 = 4 };
 
 struct Weights {
   const uint8_t* qw;
   const uint16_t* qs;  // fp16 bits: scales (uniform) or α (kLutFree)
   const uint8_t* qz;   // 2·z (uniform)
   int N, K, group_size;
-  int format = kU4;
+  int format = kUniform;
   int bits = 4;
   const uint16_t* qc = nullptr;  // fp16 bits: offsets (kLutFree)
   const int8_t* table = nullptr;  // [16] centroids (kCB4, kCB2)
   const int32_t* qb = nullptr;    // [Nb, G] book words (kCB4, kCB2 with several books)
+  const uint16_t* qz16 = nullptr;  // [Nb, G, 16] 2·z of 8-bit kUniform layers (in place of qz)
 };
 
 struct Acts {
