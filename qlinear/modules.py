@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from . import backends, ops
-from .formats import FormatConfig, bcq, get_format, rotation, spec_bits
+from .formats import FormatConfig, bcq, check_buffers, get_format, rotation, spec_bits
 from .formats.base import quantize_device
 from .formats.uniform import pack_awq, pack_gptq, unpack_awq, unpack_gptq
 from .gptq import check_hessian
@@ -178,7 +178,8 @@ class QuantLinear(nn.Module):
         """Set the packed buffers from ``buffers`` (names, shapes and dtypes must match exactly).
 
         Raises:
-            ValueError: a missing/unexpected name or a shape or dtype mismatch.
+            ValueError: a missing/unexpected name, a shape or dtype mismatch, or values no quantizer writes
+                (:func:`qlinear.formats.check_buffers`: NaN/Inf, a perm that is not a permutation, bad indices).
         """
         if set(buffers) != set(self._specs):
             raise ValueError(f"packed buffers {sorted(buffers)} do not match {sorted(self._specs)}")
@@ -187,6 +188,7 @@ class QuantLinear(nn.Module):
             if tuple(new.shape) != tuple(shape) or new.dtype != dtype:
                 raise ValueError(f"buffer {name!r}: expected {dtype} {list(shape)}, got {new.dtype} "
                                  f"{list(new.shape)}")
+        check_buffers(buffers, self.config, self.out_features, self.in_features)
         self._set_packed({n: buffers[n] for n in self._specs}, None)
         self.repack_for_device()
 
@@ -448,8 +450,11 @@ class QuantLinear(nn.Module):
                 raise ValueError(f"checkpoint tensor {prefix + name} is {t.dtype} {list(t.shape)} but this "
                                  f"{type(self).__name__} ({self.config.to_json()}) expects {dtype} "
                                  f"{list(shape)}: the checkpoint was saved with another config or shape")
-        if prefix + "rotation" in state_dict:
-            rotation.check_record(state_dict[prefix + "rotation"], self.config, self.in_features)
+        try:
+            check_buffers({n: state_dict[prefix + n] for n in self._specs if prefix + n in state_dict}, self.config,
+                          self.out_features, self.in_features)
+        except ValueError as e:
+            raise ValueError(f"{prefix.rstrip('.') or type(self).__name__}: {e}") from None
         if self._layout is not None:  # load into canonical buffers; those the state dict replaces are not converted
             device = self._buffers[self._packed_names[0]].device
             if all(prefix + n in state_dict for n in self._specs):

@@ -512,3 +512,36 @@ def test_a_kernel_must_declare_its_capabilities():
                    for c in backends.CAPABILITIES)
         if real.devices is ANY or "cuda" in real.devices:  # a CUDA kernel names the architectures it was built for
             assert real.backend == "reference" or isinstance(real.min_capability, tuple), real.backend
+
+
+def test_loading_refuses_values_no_quantizer_writes():
+    """A checkpoint's packed tensors with the right shapes and dtypes but values a damaged file holds (NaN, a perm
+    that is not a permutation, the mixed format's group list and outlier CSR out of range) raise a ValueError naming
+    the tensor, from load_state_dict and from_packed, and the layer keeps its weights."""
+    torch.manual_seed(0)
+    lin = nn.Linear(128, 48)
+    gptq = BCQLinear.from_linear(lin, QLinearConfig("bcq", bits=4, group_size=32, method="gptq", act_order=True))
+    mix = MixedPrecisionLinear.from_linear(lin, QLinearConfig("mixed", group_size=16, ratio_4bit=0.25,
+                                                              outlier_ratio=0.005))
+    free = BCQLinear.from_linear(lin, QLinearConfig("bcq", bits=3, group_size=64, iters=1))
+    nan = free.state_dict()["alpha"].clone()
+    nan[0, 0, 0] = float("nan")
+    idx4 = mix.state_dict()["idx4"].clone()
+    cols, ptr = mix.state_dict()["outlier_cols"].clone(), mix.state_dict()["outlier_row_ptr"].clone()
+    assert idx4.numel() >= 2 and cols.numel() >= 1
+    cases = [(free, "alpha", nan, "'alpha' holds NaN or Inf"),
+             (gptq, "perm", torch.zeros(128, dtype=torch.int32), "perm must be a permutation of the 128 inputs"),
+             (gptq, "perm", gptq.state_dict()["perm"] + 1, "perm must be a permutation"),
+             (mix, "idx4", torch.full_like(idx4, int(idx4[0])), r"idx4 must list distinct groups in \[0, 8\)"),
+             (mix, "idx4", idx4 + 8, r"idx4 must list distinct groups"),
+             (mix, "outlier_cols", cols.fill_(128), r"outlier_cols must lie in \[0, 128\)"),
+             (mix, "outlier_row_ptr", ptr.flip(0).contiguous(), "outlier_row_ptr must rise from 0")]
+    x = torch.randn(2, 128)
+    for mod, name, value, message in cases:
+        before = {k: v.clone() for k, v in mod.state_dict().items()}
+        y = mod(x)
+        with pytest.raises(ValueError, match=message):
+            mod.load_state_dict({**before, name: value})
+        assert all(torch.equal(mod.state_dict()[k], v) for k, v in before.items()) and torch.equal(mod(x), y)
+        with pytest.raises(ValueError, match=message):
+            type(mod).from_packed({**mod.canonical(), name: value}, 128, 48, mod.config)

@@ -356,22 +356,27 @@ def test_mismatched_checkpoint_raises(bcq_checkpoint, tmp_path, case, config, te
     assert "qlinear checkpoint does not match its quantization_config" in str(err.value)
 
 
-def test_saved_checksums_are_the_crc32_of_every_packed_tensor(bcq_checkpoint):
+def test_saved_checksums_are_the_crc32_of_every_tensor(bcq_checkpoint):
     import zlib
 
     with safe_open(str(bcq_checkpoint / "model.safetensors"), framework="pt") as f:
         sums = json.loads(f.metadata()["qlinear_crc32"])
         packed = [k for k in f.keys() if k.rpartition(".")[2] in ("planes", "alpha", "offset", "perm")]
-        assert packed and sorted(sums) == sorted(packed)
-        for k in packed:
+        assert packed and "model.norm.weight" in f.keys() and set(f.keys()) <= set(sums)  # float tensors too
+        for k in f.keys():
             t = f.get_tensor(k)
-            assert int(sums[k], 16) == zlib.crc32(t.numpy().tobytes()), k
+            assert int(sums[k], 16) == zlib.crc32(t.view(torch.uint8).numpy().tobytes()), k
 
 
 @pytest.mark.parametrize("case, tensors, message", [
     ("nan_alpha", lambda sd: sd[f"{Q}.alpha"].view(-1)[5:7].fill_(float("nan")),
      r"q_proj\.alpha: CRC-32 [0-9a-f]{8} differs from the saved [0-9a-f]{8}"),
     ("flipped_code", lambda sd: sd[f"{Q}.planes"].view(-1)[3].bitwise_xor_(1 << 7), r"q_proj\.planes: CRC-32"),
+    # the float tensors beside the packed ones (norms, embeddings) are summed too
+    ("flipped_norm", lambda sd: sd["model.norm.weight"].view(torch.int32)[3].bitwise_xor_(1 << 30),
+     r"model\.norm\.weight: CRC-32"),
+    ("flipped_embedding", lambda sd: sd["model.embed_tokens.weight"].view(torch.int32)[7].bitwise_xor_(1),
+     r"model\.embed_tokens\.weight: CRC-32"),
 ])
 def test_damaged_tensor_raises_naming_it(bcq_checkpoint, tmp_path, case, tensors, message):
     path = edited(bcq_checkpoint, tmp_path / case, tensors=tensors)
@@ -482,6 +487,11 @@ def test_a_bin_checkpoint_is_checked_before_loading_like_a_safetensors_one(bcq_c
                         tensors=lambda sd: sd.update({f"{Q}.planes": sd[f"{Q}.planes"][:, :40].contiguous()})))
     with pytest.raises(ValueError, match=r"q_proj\.planes: checkpoint has I32 \[4, 40, 2\].*expects I32 \[4, 64, 2\]"):
         AutoModelForCausalLM.from_pretrained(bad)
+    nan = as_bin(edited(bcq_checkpoint, tmp_path / "nan", tensors=lambda sd: sd[f"{Q}.alpha"].view(-1)[:1].fill_(
+        float("nan"))))  # no checksums in a .bin: the values are still checked, and the missing sums are said
+    with pytest.warns(UserWarning, match="in .bin files, which carry no checksums"), \
+            pytest.raises(ValueError, match=r"q_proj: packed tensor 'alpha' holds NaN or Inf"):
+        AutoModelForCausalLM.from_pretrained(nan)
     data = (bad / "pytorch_model.bin").read_bytes()
     legacy = tmp_path / "legacy.bin"  # torch.save's pre-zip format
     torch.save({"x": torch.ones(3)}, legacy, _use_new_zipfile_serialization=False)

@@ -23,11 +23,14 @@ Registered, together with :class:`QLinearConfig`, when qlinear is imported.
   presence, shape and dtype is checked against the config from the safetensors headers (a ``.bin`` file's
   ``torch.load`` onto the meta device) before any weight is read, so a checkpoint that does not match its config
   raises a ``ValueError`` naming the tensor instead of transformers' generic size-mismatch ``RuntimeError``.
-* Integrity: ``save_pretrained`` writes the CRC-32 of every packed tensor and quantized layer's bias into the
-  safetensors metadata (``qlinear_crc32``: a JSON map from state-dict key to 8 hex digits), and each layer's format
-  config (``qlinear_configs``).  A pre-quantized load reads every packed tensor once before transformers does, and
-  raises a ``ValueError`` naming it when its CRC differs or a float tensor (scales, α, codebooks, outliers) holds
-  NaN/Inf: damaged bytes never load as wrong weights.  A layer whose config from ``config.json`` differs from the
+* Integrity: ``save_pretrained`` writes the CRC-32 of every tensor of the state dict (packed tensors and the float
+  ones: embeddings, norms, layers kept in float) into the safetensors metadata (``qlinear_crc32``: a JSON map from
+  state-dict key to 8 hex digits), and each layer's format config (``qlinear_configs``).  A pre-quantized load reads
+  every tensor of the files that has a sum once before transformers does (those transformers renamed or merged on
+  saving have none), and raises a ``ValueError`` naming it when its CRC differs or a packed float tensor (scales, α,
+  codebooks, outliers) holds NaN/Inf: damaged bytes never load as wrong weights.  After loading, every layer's
+  packed values are checked too (:func:`qlinear.formats.check_buffers`: NaN/Inf, act_order's permutation, the
+  mixed format's indices), which is all a ``.bin`` checkpoint (no metadata) gets, with a warning.  A layer whose config from ``config.json`` differs from the
   saved one, or whose checkpoint holds tensors that config does not (an edited ``act_order``, ``rotation`` or
   ``offset``), raises too: equal shapes do not mean equal weights.  Checkpoints
   saved before checksums existed load with a one-line warning (finiteness still checked).  CRC-32 (zlib, ~1.3 GB/s
@@ -54,6 +57,7 @@ from transformers.quantizers.auto import (AUTO_QUANTIZATION_CONFIG_MAPPING, AUTO
                                          register_quantization_config, register_quantizer)
 from transformers.quantizers.quantizers_utils import get_module_from_name, should_convert_module
 
+from qlinear.formats import check_buffers
 from qlinear.modules import QuantLinear, module_class
 from qlinear.replace import is_quantizable_linear, matches
 
@@ -227,13 +231,16 @@ class QLinearHfQuantizer(HfQuantizer):
         return True
 
     def get_state_dict_and_metadata(self, model):
-        """The state dict ``save_pretrained`` writes and, in the safetensors metadata, the :func:`crc32` of each
-        quantized layer's packed tensors and bias (those of offloaded layers, still on the meta device here, go
-        without) and each layer's format config (``qlinear_configs``: a JSON list of ``[config, [layer names]]``)."""
+        """The state dict ``save_pretrained`` writes and, in the safetensors metadata, the :func:`crc32` of each of
+        its tensors (those of offloaded layers, still on the meta device here, go without) and each layer's format
+        config (``qlinear_configs``: a JSON list of ``[config, [layer names]]``)."""
         state_dict = model.state_dict()
         layers = [(n, m) for n, m in model.named_modules() if isinstance(m, QuantLinear)]
-        checked = (f"{n}.{b}" if n else b for n, m in layers for b in _with_bias(m, m.buffer_specs))
-        sums = {k: crc32(state_dict[k]) for k in checked if k in state_dict and state_dict[k].device.type != "meta"}
+        sums, seen = {}, {}
+        for k, t in state_dict.items():
+            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                same = (t.data_ptr(), t.shape, t.stride(), t.dtype)  # a tied weight: summed once
+                sums[k] = seen[same] = seen[same] if same in seen else crc32(t)
         configs: dict[str, list[str]] = {}
         for n, m in layers:
             configs.setdefault(m.config.to_json(), []).append(n)
@@ -560,21 +567,27 @@ class QLinearHfQuantizer(HfQuantizer):
             raise ValueError("qlinear checkpoint does not match its quantization_config:\n" + "\n".join(msgs))
         if self._safetensors:
             self._verify_packed(model, sums)
+        else:
+            warnings.warn("this qlinear checkpoint is in .bin files, which carry no checksums: its packed tensors are "
+                          "checked for NaN/Inf and invalid indices only; save it again (safetensors) to add them",
+                          stacklevel=2)
 
     def _verify_packed(self, model, sums: Optional[dict[str, str]]) -> None:
-        """Read every packed tensor of the checkpoint once, straight from the memory-mapped files (no tensor copies):
-        its CRC must equal the saved one and a float tensor must be finite, else ValueError naming it (see the module
-        docstring)."""
+        """Read every tensor of the checkpoint that has a saved sum, and every packed tensor, once, straight from the
+        memory-mapped files (no tensor copies): its CRC must equal the saved one and a packed float tensor must be
+        finite, else ValueError naming it (see the module docstring)."""
         if sums is None:
             warnings.warn("this qlinear checkpoint has no checksums (saved before 2026-11-25): its packed tensors are "
                           "checked for NaN/Inf only; save it again to add them", stacklevel=2)
+        sums = sums or {}
+        packed = {f"{n}.{b}" if n else b for n, m in model.named_modules() if isinstance(m, QuantLinear)
+                  for b in _with_bias(m, m.held_specs())}
         by_file: dict[str, list[tuple[str, str]]] = {}  # file -> [(state-dict name, key in the file)]
-        for name, mod in model.named_modules():
-            if isinstance(mod, QuantLinear):
-                index = self._checkpoint_index.get(name, {})
-                for buf in _with_bias(mod, mod.held_specs()):
-                    if buf in index:
-                        by_file.setdefault(index[buf][0], []).append((f"{name}.{buf}", index[buf][1]))
+        for module, tensors in self._checkpoint_index.items():
+            for t, (path, key) in tensors.items():
+                name = f"{module}.{t}" if module else t
+                if name in packed or key in sums or name in sums:
+                    by_file.setdefault(path, []).append((name, key))
         bad = []
         for path, entries in by_file.items():
             with open(path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
@@ -585,16 +598,17 @@ class QLinearHfQuantizer(HfQuantizer):
                     data = view[8 + size + lo:8 + size + hi]
                     # the saved name is the file's key; a model loaded without the saving model's prefix names the
                     # tensor differently
-                    got, want = f"{zlib.crc32(data):08x}", (sums or {}).get(key, (sums or {}).get(name))
+                    got, want = f"{zlib.crc32(data):08x}", sums.get(key, sums.get(name))
                     exponent = _ST_EXPONENTS.get(header[key]["dtype"])  # a float: NaN/Inf have every exponent bit set
                     if want is not None and got != want:
                         bad.append(f"{name}: CRC-32 {got} differs from the saved {want} (damaged file)")
-                    elif exponent is not None and (np.frombuffer(data, exponent[0]) & exponent[1] == exponent[1]).any():
+                    elif name in packed and exponent is not None and (
+                            np.frombuffer(data, exponent[0]) & exponent[1] == exponent[1]).any():
                         bad.append(f"{name}: holds NaN or Inf")
                     data.release()
                 view.release()
         if bad:
-            raise ValueError(f"qlinear checkpoint is damaged: {len(bad)} packed tensor(s) are not what was saved; "
+            raise ValueError(f"qlinear checkpoint is damaged: {len(bad)} tensor(s) are not what was saved; "
                              f"restore the files from the source:{_listing(bad)}")
 
     def _process_model_after_weight_loading(self, model, **kwargs):
@@ -639,6 +653,7 @@ class QLinearHfQuantizer(HfQuantizer):
         for name, mod in model.named_modules():
             if not isinstance(mod, QuantLinear) or name in (self._tp_specs or {}):  # those were read by load_shards,
                 continue  # already sliced and repacked for their device
+            found = len(bad)
             for buf, (shape, dt) in mod.held_specs().items():  # as loaded: an older storage is converted below
                 t = getattr(mod, buf)
                 if tuple(t.shape) != tuple(shape) or t.dtype != dt:
@@ -648,6 +663,12 @@ class QLinearHfQuantizer(HfQuantizer):
             b = mod.bias
             if check_loaded and b is not None and (b.device.type == "meta" or not getattr(b, "_is_hf_initialized", False)):
                 bad.append(f"{name}.bias: missing from the checkpoint")
+            if len(bad) == found and mod.held_specs().keys() == mod.buffer_specs.keys():  # not an older storage
+                try:  # NaN/Inf, perm, indices: what a .bin or a checksum-less file cannot prove otherwise
+                    check_buffers({n: getattr(mod, n) for n in mod.buffer_specs}, mod.config, mod.out_features,
+                                  mod.in_features)
+                except ValueError as e:
+                    bad.append(f"{name}: {e}")
         if bad:
             raise ValueError(f"qlinear checkpoint does not match its quantization_config "
                              f"({self.quantization_config.format_config().to_json()}):{_listing(bad)}")

@@ -8,13 +8,15 @@ from __future__ import annotations
 from types import ModuleType
 from typing import Any
 
-from . import bcq, codebook, mixed, uniform
+import torch
+
+from . import bcq, codebook, mixed, rotation, uniform
 from .base import FormatConfig, spec_bits
 
 FORMATS: dict[str, ModuleType] = {m.NAME: m for m in (bcq, mixed, codebook)}
 
-__all__ = ["FORMATS", "FormatConfig", "get_format", "config_from_dict", "bits_per_weight", "bcq", "mixed", "codebook",
-           "uniform"]
+__all__ = ["FORMATS", "FormatConfig", "get_format", "config_from_dict", "bits_per_weight", "check_buffers", "bcq",
+           "mixed", "codebook", "uniform"]
 
 
 def get_format(name: str) -> ModuleType:
@@ -44,3 +46,28 @@ def bits_per_weight(cfg: FormatConfig, out_features: int, in_features: int) -> f
         ValueError: a shape the format cannot store.
     """
     return spec_bits(get_format(cfg.format).buffer_specs(out_features, in_features, cfg)) / (out_features * in_features)
+
+
+def check_buffers(buffers: dict[str, Any], cfg: FormatConfig, out_features: int, in_features: int) -> None:
+    """Check the values of a layer's canonical packed ``buffers`` (any subset of its ``buffer_specs``, shapes and
+    dtypes already checked) before a layer takes them from a checkpoint: values a damaged file holds where no
+    quantizer writes them.  Packed codes are valid whatever their bits, so only these are checked: every float tensor
+    finite, ``perm`` (act_order) a permutation of the inputs, ``rotation`` the config's record, and the format's own
+    ``check_indices`` (mixed: the 4-bit group list and the outliers' CSR).
+
+    Raises:
+        ValueError: naming the tensor.
+    """
+    buffers = {n: t for n, t in buffers.items() if t.device.type != "meta"}  # shapes only (an empty model)
+    for name, t in buffers.items():
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise ValueError(f"packed tensor {name!r} holds NaN or Inf: the checkpoint is damaged")
+    perm = buffers.get("perm")
+    if perm is not None and not torch.equal(perm.sort().values, torch.arange(in_features, dtype=perm.dtype,
+                                                                              device=perm.device)):
+        raise ValueError(f"perm must be a permutation of the {in_features} inputs: the checkpoint is damaged")
+    if "rotation" in buffers:
+        rotation.check_record(buffers["rotation"], cfg, in_features)
+    check = getattr(get_format(cfg.format), "check_indices", None)
+    if check is not None:
+        check(buffers, cfg, out_features, in_features)

@@ -5,7 +5,8 @@ A format is a module exposing ``Config`` (a frozen dataclass deriving :class:`Fo
 ``dequantize(buffers, cfg, out_features, in_features)`` (both wrapped by :func:`qlinear.formats.rotation.rotates` /
 ``unrotates``, which handle a rotated config for every format), ``kernel_view(cfg)`` (the config kernels see and the side
 buffers the op applies, e.g. BCQ's act_order ``perm``), optionally ``slice_rows`` / ``slice_inputs`` (tensor
-parallelism) and ``LAYOUTS`` (older storages a checkpoint may hold), and its column quantizer for the
+parallelism), ``LAYOUTS`` (older storages a checkpoint may hold) and ``check_indices`` (its index tensors' values,
+for :func:`qlinear.formats.check_buffers`), and its column quantizer for the
 error-feedback engine (:mod:`qlinear.gptq`).
 Packed buffer shapes depend only on ``(out_features, in_features, cfg)``, so an empty module can
 be built before a checkpoint is loaded into it, and ``bits_per_weight`` is exact by construction:

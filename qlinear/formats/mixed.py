@@ -343,6 +343,23 @@ def group_kinds(idx4: torch.Tensor, G: int) -> torch.Tensor:
     return is4
 
 
+def check_indices(buffers: dict[str, torch.Tensor], cfg: Config, out_features: int, in_features: int) -> None:
+    """ValueError unless the index tensors in ``buffers`` (any of them may be absent) are ones :func:`quantize` could
+    have written: ``idx4`` distinct groups in ``[0, G)``, the outliers' CSR (``outlier_row_ptr`` int32 ``[N + 1]``
+    from 0, non-decreasing, ending at their count; ``outlier_cols`` in ``[0, K)``)."""
+    G = in_features // cfg.group_size
+    idx4 = buffers.get("idx4")
+    if idx4 is not None and idx4.numel() and (
+            int(idx4.min()) < 0 or int(idx4.max()) >= G or idx4.unique().numel() != idx4.numel()):
+        raise ValueError(f"idx4 must list distinct groups in [0, {G}): the checkpoint is damaged")
+    cols, ptr = buffers.get("outlier_cols"), buffers.get("outlier_row_ptr")
+    if cols is not None and cols.numel() and (int(cols.min()) < 0 or int(cols.max()) >= in_features):
+        raise ValueError(f"outlier_cols must lie in [0, {in_features}): the checkpoint is damaged")
+    if ptr is not None and (int(ptr[0]) != 0 or bool((ptr[1:] < ptr[:-1]).any())
+                            or (cols is not None and int(ptr[-1]) != cols.numel())):
+        raise ValueError("outlier_row_ptr must rise from 0 to the number of outliers: the checkpoint is damaged")
+
+
 def decode(buffers: dict[str, torch.Tensor], cfg: Config, out_features: int,
            in_features: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The codes and group parameters of the stored weight (in the rotated basis for a rotated layer), all float32
