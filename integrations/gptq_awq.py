@@ -64,11 +64,11 @@ def _read_config(path: Path, method: str):
         article = "an" if method[0] in "aeiou" else "a"
         raise ValueError(f"{path} is not {article} {method.upper()} checkpoint (quantization_config.quant_method = "
                          f"{q.get('quant_method')!r})")
-    try:
-        q["bits"], q["group_size"] = int(q["bits"]), int(q.get("group_size", -1))
-    except (KeyError, TypeError, ValueError) as e:
-        raise ValueError(f"{path}: quantization_config needs integer bits and group_size, got bits="
-                         f"{q.get('bits')!r}, group_size={q.get('group_size')!r} ({type(e).__name__})") from None
+    bits, group_size = q.get("bits"), q.get("group_size", -1)
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in (bits, group_size)) or bits < 1 or not (
+            group_size == -1 or group_size > 0):
+        raise ValueError(f"{path}: quantization_config needs integer bits >= 1 and group_size (-1 or positive), got "
+                         f"bits={bits!r}, group_size={group_size!r}")
     return config, q
 
 
@@ -204,6 +204,8 @@ def load_gptq(path, *, dtype: torch.dtype = torch.float16, backend: Optional[str
     bits, fmt = q["bits"], q.get("checkpoint_format", "gptq")
 
     def make_layer(name, mod, t, bias):
+        if q.get("desc_act") and "g_idx" not in t:  # act_order: the inputs' groups are not k // group_size
+            raise ValueError("desc_act is true but the checkpoint has no g_idx for this layer")
         if t["qweight"].shape[0] * 32 // bits != mod.in_features or t["qweight"].shape[1] != mod.out_features:
             raise ValueError(f"qweight is {list(t['qweight'].shape)}; the model's layer is "
                              f"{mod.out_features}x{mod.in_features} at {bits} bits")

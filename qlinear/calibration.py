@@ -40,6 +40,9 @@ def _batches(data: Data, tokenizer, max_length: int, model: Optional[nn.Module] 
     vocab = getattr(getattr(model, "config", None), "vocab_size", None)
     if isinstance(data, torch.Tensor):
         data = [data]
+    if isinstance(data, (str, bytes)) or not isinstance(data, Iterable):
+        raise TypeError(f"calibration data must be a list of texts or of token-id tensors, got a "
+                        f"{type(data).__name__}" + (" (wrap one text in a list)" if isinstance(data, str) else ""))
     out = []
     for item in data:
         if isinstance(item, str):

@@ -165,8 +165,20 @@ class QuantLinear(nn.Module):
         copy of ``bias`` ``[N]``, on ``device`` (default: the buffers' device).
 
         Raises:
-            ValueError: buffers that do not match the config's specs.
+            ValueError: buffers that do not match the config's specs (names, shapes, dtypes, values), a bias that is
+                not ``[N]`` or not finite.
+            TypeError: a bias that is not a floating point tensor.
         """
+        if bias is not None:
+            if not isinstance(bias, torch.Tensor) or not bias.is_floating_point():
+                raise TypeError(f"bias must be a floating point tensor, got "
+                                f"{bias.dtype if isinstance(bias, torch.Tensor) else type(bias).__name__}")
+            if tuple(bias.shape) != (out_features,) or not bool(torch.isfinite(bias).all()):
+                raise ValueError(f"bias must be [{out_features}] finite values (out_features), got "
+                                 f"{list(bias.shape)}")
+        if not buffers:
+            raise ValueError("no packed buffers given: from_packed takes the format's buffers (buffer_specs), e.g. "
+                             "another layer's canonical()")
         device = torch.device(device) if device is not None else next(iter(buffers.values())).device
         mod = cls(in_features, out_features, bias is not None, config, backend=backend, device="meta")
         mod.load_packed({k: v.to(device) for k, v in buffers.items()})  # repacked once, for the final device
@@ -490,7 +502,13 @@ class QuantLinear(nn.Module):
                           self.in_features, self.backend or "", self.layout)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """Dense ``Ŵ`` ``[out_features, in_features]`` of ``dtype`` (reference dequantization)."""
+        """Dense ``Ŵ`` ``[out_features, in_features]`` of ``dtype`` (reference dequantization).
+
+        Raises:
+            TypeError: ``dtype`` is not a floating point torch dtype.
+        """
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise TypeError(f"dtype must be a floating point torch.dtype, got {dtype!r}")
         return ops.dequantize(self.packed(), self.format, self._config_json, self.out_features, self.in_features,
                               dtype, self.layout)
 
@@ -563,6 +581,11 @@ class BCQLinear(QuantLinear):
         Raises:
             ValueError: unsupported bits or inconsistent shapes.
         """
+        if not isinstance(qweight, torch.Tensor) or qweight.dim() != 2:
+            raise TypeError(f"qweight must be a 2-D int32 tensor [K·bits/32, N], got "
+                            f"{type(qweight).__name__ if not isinstance(qweight, torch.Tensor) else list(qweight.shape)}")
+        if bits not in (2, 3, 4, 8):
+            raise ValueError(f"GPTQ checkpoints hold 2, 3, 4 or 8-bit codes, got bits={bits!r}")
         K = qweight.shape[0] * 32 // bits
         codes, zeros = unpack_gptq(qweight, qzeros, bits, K, checkpoint_format, dtype=torch.uint8)
         return cls.from_uniform(codes, scales.T, zeros, bits=bits, group_size=group_size, g_idx=g_idx, bias=bias,

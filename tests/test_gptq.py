@@ -208,9 +208,19 @@ def test_load_gptq_rejects_other_checkpoints(tmp_path):
     config = json.loads((good / "config.json").read_text())
     del config["quantization_config"]["bits"]
     (good / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="needs integer bits and group_size, got bits=None"):
+    for bits, group_size in ((None, 32), (4.5, 32), (0, 32), (4, 32.9), (4, 0)):  # never truncated or divided by
+        config["quantization_config"].update(bits=bits, group_size=group_size)
+        (good / "config.json").write_text(json.dumps(config))
+        with pytest.raises(ValueError, match=r"needs integer bits >= 1 and group_size \(-1 or positive\), got "
+                                             rf"bits={bits}, group_size={group_size}"):
+            qlinear.load_gptq(good)
+    config["quantization_config"].update(bits=4, group_size=32, desc_act=True)  # act_order without its g_idx
+    (good / "config.json").write_text(json.dumps(config))
+    sd = load_file(str(good / "model.safetensors"))
+    save_file({k: v for k, v in sd.items() if not k.endswith("g_idx")}, str(good / "model.safetensors"))
+    with pytest.raises(ValueError, match="desc_act is true but the checkpoint has no g_idx"):
         qlinear.load_gptq(good)
-    config["quantization_config"]["bits"] = 4
+    config["quantization_config"]["desc_act"] = False
     (good / "config.json").write_text(json.dumps(config))
     sd = load_file(str(good / "model.safetensors"))
     sd["model.embed_tokens.weight"] = sd["model.embed_tokens.weight"][:, :32].contiguous()

@@ -545,3 +545,38 @@ def test_loading_refuses_values_no_quantizer_writes():
         assert all(torch.equal(mod.state_dict()[k], v) for k, v in before.items()) and torch.equal(mod(x), y)
         with pytest.raises(ValueError, match=message):
             type(mod).from_packed({**mod.canonical(), name: value}, 128, 48, mod.config)
+
+
+def test_imports_and_calls_refuse_bad_arguments_with_a_clear_error():
+    """Found by an error-path review: each of these used to fail deep inside (ZeroDivisionError, StopIteration,
+    AttributeError), to load silently (a wrong bias, Inf scales) or to misread its input (a text as characters)."""
+    lin = nn.Linear(128, 64)
+    q = BCQLinear.from_linear(lin, QLinearConfig("bcq", bits=4, group_size=32, init="uniform", iters=0))
+    for bias, err, message in ((torch.full((1,), 5.0), ValueError, r"bias must be \[64\] finite"),
+                               (torch.zeros(1, 64), ValueError, r"bias must be \[64\]"),
+                               (torch.full((64,), float("nan")), ValueError, "finite"),
+                               (torch.zeros(64, dtype=torch.int32), TypeError, "bias must be a floating point")):
+        with pytest.raises(err, match=message):
+            BCQLinear.from_packed(q.canonical(), 128, 64, q.config, bias)
+    with pytest.raises(ValueError, match="no packed buffers given"):
+        BCQLinear.from_packed({}, 128, 64, q.config)
+    for dtype in ("float", torch.int32):
+        with pytest.raises(TypeError, match="dtype must be a floating point torch.dtype"):
+            q.dequantize(dtype)
+    g = q.to_gptq()
+    with pytest.raises(ValueError, match="2, 3, 4 or 8-bit codes, got bits=0"):
+        BCQLinear.from_gptq(g["qweight"], g["qzeros"], g["scales"], bits=0, group_size=32)
+    with pytest.raises(ValueError, match="group_size must be -1 or a positive integer, got 0"):
+        BCQLinear.from_gptq(g["qweight"], g["qzeros"], g["scales"], bits=4, group_size=0)
+    with pytest.raises(TypeError, match="qweight must be a 2-D int32 tensor"):
+        BCQLinear.from_gptq(g["qweight"].flatten(), g["qzeros"], g["scales"], bits=4, group_size=32)
+    with pytest.raises(ValueError, match="'scales' holds NaN or Inf"):
+        BCQLinear.from_gptq(g["qweight"], g["qzeros"], torch.full_like(g["scales"], float("inf")), bits=4,
+                            group_size=32)
+    with pytest.raises(TypeError, match="format must be a string"):
+        QLinearConfig(format=["bcq"])
+    with pytest.raises(TypeError, match="per_module must be a dict or a list"):
+        QLinearConfig("bcq", per_module=5)
+    for data in ("The capital of France", 5):
+        with pytest.raises(TypeError, match="calibration data must be a list of texts or of token-id tensors"):
+            qlinear.calibrate(nn.Sequential(nn.Linear(8, 8)), data, tokenizer=lambda *a, **k: None)

@@ -24,6 +24,9 @@ def per_module_configs(per_module: Any) -> dict[str, Optional["QLinearConfig"]]:
         TypeError: an entry that is none of those.
         ValueError: an entry with its own ``per_module`` or calibration data (those belong to the top level).
     """
+    if per_module is not None and not isinstance(per_module, (dict, list, tuple)):
+        raise TypeError(f"per_module must be a dict or a list of [pattern, config] pairs, got "
+                        f"{type(per_module).__name__}")
     items = per_module.items() if isinstance(per_module, dict) else (per_module or [])
     out: dict[str, Optional[QLinearConfig]] = {}
     for item in items:

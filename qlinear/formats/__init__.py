@@ -24,7 +24,10 @@ def get_format(name: str) -> ModuleType:
 
     Raises:
         ValueError: unknown format name.
+        TypeError: a name that is not a string.
     """
+    if not isinstance(name, str):
+        raise TypeError(f"format must be a string, one of {sorted(FORMATS)}; got {type(name).__name__}")
     try:
         return FORMATS[name]
     except KeyError:

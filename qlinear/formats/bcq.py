@@ -601,6 +601,10 @@ def from_uniform(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
     Raises:
         ValueError: inconsistent shapes, codes or zero points out of range, scales that are not fp16 values.
     """
+    if codes.dim() != 2:
+        raise ValueError(f"codes must be [N, K], got {list(codes.shape)}")
+    if not isinstance(group_size, int) or not (group_size == -1 or group_size > 0):
+        raise ValueError(f"group_size must be -1 or a positive integer, got {group_size!r}")
     N, K = codes.shape
     G = num_groups(K, group_size if group_size != -1 else K)
     if scales.shape != (N, G) or zeros.shape != (N, G):
