@@ -22,6 +22,8 @@ from .formats.base import quantize_device
 from .formats.uniform import pack_awq, pack_gptq, unpack_awq, unpack_gptq
 from .gptq import check_hessian
 
+FP16_MAX = torch.finfo(torch.float16).max
+
 logger = logging.getLogger("qlinear")
 _WARNED_PREFERENCES: set = set()  # (backend, device type) a configured backend could not serve, warned once
 
@@ -86,6 +88,9 @@ class QuantLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool = True, config: Any = None, *,
                  backend: Optional[str] = None, device=None, dtype=None):
         super().__init__()
+        if not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in (in_features, out_features)):
+            raise TypeError(f"in_features and out_features must be positive ints, got {in_features!r}, "
+                            f"{out_features!r}")
         cfg, cfg_backend = format_config(self.format, config)
         self.in_features, self.out_features = int(in_features), int(out_features)
         self.config = cfg
@@ -140,7 +145,8 @@ class QuantLinear(nn.Module):
 
         Raises:
             TypeError: a weight that is not floating point.
-            ValueError: NaN/Inf weights, a meta weight, a shape the format cannot store, a wrong Hessian.
+            ValueError: NaN/Inf weights, weights beyond fp16's range, a meta weight, a shape the format cannot store,
+                a wrong Hessian.
         """
         w = weight
         if not w.is_floating_point():
@@ -149,6 +155,9 @@ class QuantLinear(nn.Module):
             raise ValueError("cannot quantize a weight on the meta device; load the weights first")
         if not torch.isfinite(w).all():
             raise ValueError("weight contains NaN or Inf values")
+        if w.numel() and float(w.abs().max()) > FP16_MAX:  # the formats' scales and levels are fp16 values
+            raise ValueError(f"weight magnitudes up to {float(w.abs().max()):.4g} exceed fp16's range ({FP16_MAX:g}), "
+                             f"which the formats' scales are stored in; scale the layer (and its input) first")
         if hessian is not None:
             check_hessian(hessian, w.shape[1])
         cfg = format_config(cls.format, config)[0]

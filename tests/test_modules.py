@@ -573,6 +573,14 @@ def test_imports_and_calls_refuse_bad_arguments_with_a_clear_error():
     with pytest.raises(ValueError, match="'scales' holds NaN or Inf"):
         BCQLinear.from_gptq(g["qweight"], g["qzeros"], torch.full_like(g["scales"], float("inf")), bits=4,
                             group_size=32)
+    with pytest.raises(TypeError, match="in_features and out_features must be positive ints"):
+        BCQLinear("64", 64)
+    big = nn.Linear(64, 16)
+    with torch.no_grad():
+        big.weight[3, 5] = 1e6  # finite, but no fp16 scale holds it: it came back as 327520
+    for fmt, opts in (("bcq", {}), ("mixed", dict(group_size=16)), ("codebook", dict(bits=2))):
+        with pytest.raises(ValueError, match=r"weight magnitudes up to 1e\+06 exceed fp16's range"):
+            module_class(fmt).from_linear(big, QLinearConfig(fmt, **opts))
     with pytest.raises(TypeError, match="format must be a string"):
         QLinearConfig(format=["bcq"])
     with pytest.raises(TypeError, match="per_module must be a dict or a list"):
