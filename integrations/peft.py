@@ -164,11 +164,28 @@ def install(module=None) -> None:
         if everything:
             wrapped = {f"{p}.{s}" for p, m in model.named_modules() if isinstance(m, tuners_utils.BaseTunerLayer)
                        for s, _ in m.named_modules() if s}
-            quant = {n for n, m in model.named_modules() if isinstance(m, QuantLinear) and n not in wrapped}
+            heads = _heads(peft_config, model)  # what PEFT leaves out of all-linear: the output layer
+            quant = {n for n, m in model.named_modules()
+                     if isinstance(m, QuantLinear) and n not in wrapped and not any(m is h for h in heads)}
         peft_config = all_linear(peft_config, model)
         if everything:
             peft_config.target_modules = set(peft_config.target_modules) | quant
         return peft_config
+
+    def _heads(peft_config, model) -> list:
+        """The modules PEFT's all-linear leaves out (its convention): a generative model's output layer, else a
+        sequence classifier's head."""
+        from transformers import PreTrainedModel
+
+        if not isinstance(model, PreTrainedModel):
+            return []
+        out = model.get_output_embeddings()
+        if out is not None:
+            return [out]
+        if getattr(peft_config, "task_type", None) == "SEQ_CLS":  # a str enum in PEFT
+            return [h for name in getattr(tuners_utils, "SEQ_CLS_HEAD_NAMES", ("score", "classifier"))
+                    if (h := getattr(model, name, None)) is not None][:1]
+        return []
 
     LoraModel._create_new_module = staticmethod(_create_new_module)
     LoraModel._replace_module = _replace_module

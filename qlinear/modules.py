@@ -155,9 +155,10 @@ class QuantLinear(nn.Module):
             raise ValueError("cannot quantize a weight on the meta device; load the weights first")
         if not torch.isfinite(w).all():
             raise ValueError("weight contains NaN or Inf values")
-        if w.numel() and float(w.abs().max()) > FP16_MAX:  # the formats' scales and levels are fp16 values
-            raise ValueError(f"weight magnitudes up to {float(w.abs().max()):.4g} exceed fp16's range ({FP16_MAX:g}), "
-                             f"which the formats' scales are stored in; scale the layer (and its input) first")
+        peak = float(w.detach().abs().max()) if w.numel() else 0.0
+        if peak > FP16_MAX:  # the formats' scales and levels are fp16 values
+            raise ValueError(f"weight magnitudes up to {peak:.4g} exceed fp16's range ({FP16_MAX:g}), which the "
+                             f"formats' scales are stored in; scale the layer (and its input) first")
         if hessian is not None:
             check_hessian(hessian, w.shape[1])
         cfg = format_config(cls.format, config)[0]

@@ -151,7 +151,10 @@ def linear(x: torch.Tensor, packed: list[torch.Tensor], bias: Optional[torch.Ten
         return x.new_empty(*x.shape[:-1], out_features)
     call = resolve(format, config, out_features, in_features, layout, x.device, x.dtype, batch,
                    backends.effective_backend(backend), backends.generation())
-    return call(x, packed, bias)
+    y = call(x, packed, bias)
+    # kernels reshape their [M, N] result to x's leading dims: a view, which autograd would refuse to let the model
+    # modify in place (Falcon's `mlp_output += attention_output`); aten's matmul returns such results the same way
+    return y if y._base is None else torch.ops.aten._unsafe_view(y, y.shape)
 
 
 @linear.register_fake

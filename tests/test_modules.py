@@ -588,3 +588,16 @@ def test_imports_and_calls_refuse_bad_arguments_with_a_clear_error():
     for data in ("The capital of France", 5):
         with pytest.raises(TypeError, match="calibration data must be a list of texts or of token-id tensors"):
             qlinear.calibrate(nn.Sequential(nn.Linear(8, 8)), data, tokenizer=lambda *a, **k: None)
+
+
+@pytest.mark.parametrize("fmt", ["bcq", "mixed", "codebook"])
+def test_output_is_not_a_view_under_autograd(layers, fmt):
+    """As nn.Linear's: a model may add into a layer's output in place with autograd on (Falcon's
+    ``mlp_output += attention_output``); a view returned by the op would make autograd refuse."""
+    lin, mods = layers
+    x = torch.randn(2, 3, 128, requires_grad=True)
+    y = mods[fmt](x)
+    assert y._base is None
+    y += 1.0
+    y.sum().backward()
+    assert torch.allclose(x.grad, mods[fmt].dequantize().sum(0).expand(2, 3, 128), atol=1e-4)

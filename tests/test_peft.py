@@ -105,6 +105,13 @@ def test_all_linear_targets_every_quantized_layer():
     wrapped = [m for m in pm.modules() if type(m).__name__ == "LoraQuantLinear"]
     assert n_quant == 14 and len(wrapped) == n_quant
     assert all(isinstance(m.get_base_layer(), QuantLinear) for m in wrapped)
+    # a quantized output layer stays out, as PEFT leaves a float one out
+    model = _float_model()
+    qlinear.replace_linear(model, QLinearConfig(**FORMATS["bcq_rtn"]), modules_to_not_convert=[], progress=False)
+    assert isinstance(model.lm_head, QuantLinear)
+    pm = get_peft_model(model, LoraConfig(target_modules="all-linear", r=2))
+    assert type(pm.base_model.model.lm_head) is type(model.lm_head)
+    assert sum(type(m).__name__ == "LoraQuantLinear" for m in pm.modules()) == 14
 
 
 def test_bias_free_layers_and_float_layers_mix():

@@ -955,3 +955,24 @@ def test_loading_repacks_each_layer_once(float_llama, tmp_path, counting_layout)
     again = AutoModelForCausalLM.from_pretrained(tmp_path)
     assert counts == {"repack": n, "unrepack": 0}
     assert torch.equal(logits(again), logits(model))
+
+
+@pytest.mark.parametrize("fmt", ["bcq", "mixed-rotated"])
+def test_model_dequantize_gives_float_layers_holding_the_quantized_weights(tmp_path, fmt):
+    """transformers' ``model.dequantize()`` (bitsandbytes' and HQQ's quantizers have it): nn.Linear layers whose
+    weights are the layers' Ŵ, so the float model computes what the quantized one did (to the x86 kernels'
+    activation rounding), and it saves as a plain float checkpoint."""
+    save_float(llama_config(), tmp_path / "fp")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "fp", quantization_config=QLinearConfig(**FORMATS[fmt]))
+    layers = {n: (m.dequantize(), None if m.bias is None else m.bias.clone()) for n, m in quant_layers(model).items()}
+    want = logits(model)
+    plain = model.dequantize()
+    assert not quant_layers(plain) and not plain.is_quantized and not hasattr(plain.config, "quantization_config")
+    for name, (w, _) in layers.items():
+        dense = plain.get_submodule(name)
+        assert type(dense) is nn.Linear and torch.equal(dense.weight, w) and not dense.weight.requires_grad
+    got = logits(plain)
+    assert (got - want).norm() <= 0.02 * want.norm()
+    plain.save_pretrained(tmp_path / "plain")
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "plain")
+    assert not quant_layers(again) and torch.equal(logits(again), got)

@@ -247,6 +247,23 @@ class QLinearHfQuantizer(HfQuantizer):
         return state_dict, {CHECKSUM_KEY: json.dumps(sums, sort_keys=True),
                             CONFIGS_KEY: json.dumps([[json.loads(c), names] for c, names in configs.items()])}
 
+    def _dequantize(self, model, dtype=None):
+        """transformers' ``model.dequantize(dtype)`` (as for bitsandbytes and HQQ): every :class:`QuantLinear` back to
+        an ``nn.Linear`` holding its ``Ŵ`` (``QuantLinear.dequantize``, the weights the layer computes with, in the
+        input basis for rotated or act_order layers) in ``dtype`` (default: the layer's bias dtype, else float32), on
+        the layer's device; its bias and train/eval mode kept.  Lossy only as the quantization was."""
+        for name, mod in list(model.named_modules()):
+            if isinstance(mod, QuantLinear):
+                dt = dtype or (mod.bias.dtype if mod.bias is not None else torch.float32)
+                dense = nn.Linear(mod.in_features, mod.out_features, mod.bias is not None, device="meta")
+                dense.weight = nn.Parameter(mod.dequantize(torch.float32).to(dt), requires_grad=False)
+                if mod.bias is not None:
+                    dense.bias = nn.Parameter(mod.bias.detach().to(dt), requires_grad=False)
+                dense.train(mod.training)
+                parent, _, child = name.rpartition(".")
+                setattr(model.get_submodule(parent) if parent else model, child, dense)
+        return model
+
     @property
     def is_trainable(self) -> bool:
         # adapters train (qlinear.integrations.peft); the packed weights are buffers and stay frozen
