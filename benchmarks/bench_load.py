@@ -1,5 +1,6 @@
 """What checkpoint integrity costs: ``from_pretrained`` of a saved qlinear SmolLM2-135M with and without the
-CRC-32 + finiteness pass of every packed tensor (``QLinearHfQuantizer._verify_packed``), alternated in one run.
+CRC-32 pass of every tensor with a saved sum and the finiteness pass of the packed ones
+(``QLinearHfQuantizer._verify_packed``), alternated in one run.
 
     python benchmarks/bench_load.py                      # BCQ 4-bit g64, 5 loads each
     python benchmarks/bench_load.py --format mixed --repeats 7
