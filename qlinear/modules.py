@@ -452,6 +452,21 @@ class QuantLinear(nn.Module):
         finally:
             self._buffers.update(packed)
 
+    def _check_entries(self, state_dict, prefix: str) -> None:
+        """ValueError unless this layer's canonical entries in ``state_dict`` (those present) have its specs' shapes
+        and dtypes and values :func:`qlinear.formats.check_buffers` accepts; nothing is changed."""
+        for name, (shape, dtype) in self._specs.items():
+            t = state_dict.get(prefix + name)
+            if t is not None and (tuple(t.shape) != tuple(shape) or t.dtype != dtype):
+                raise ValueError(f"checkpoint tensor {prefix + name} is {t.dtype} {list(t.shape)} but this "
+                                 f"{type(self).__name__} ({self.config.to_json()}) expects {dtype} "
+                                 f"{list(shape)}: the checkpoint was saved with another config or shape")
+        try:
+            check_buffers({n: state_dict[prefix + n] for n in self._specs if prefix + n in state_dict}, self.config,
+                          self.out_features, self.in_features)
+        except ValueError as e:
+            raise ValueError(f"{prefix.rstrip('.') or type(self).__name__}: {e}") from None
+
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
         saved = self.saved_layout(k[len(prefix):] for k in state_dict if k.startswith(prefix))
@@ -466,17 +481,7 @@ class QuantLinear(nn.Module):
                 bufs[name] = t
             state_dict.update({prefix + n: t for n, t in ops.canonical(bufs, self.config, saved.name, self.out_features,
                                                                       self.in_features).items()})
-        for name, (shape, dtype) in self._specs.items():
-            t = state_dict.get(prefix + name)
-            if t is not None and (tuple(t.shape) != tuple(shape) or t.dtype != dtype):
-                raise ValueError(f"checkpoint tensor {prefix + name} is {t.dtype} {list(t.shape)} but this "
-                                 f"{type(self).__name__} ({self.config.to_json()}) expects {dtype} "
-                                 f"{list(shape)}: the checkpoint was saved with another config or shape")
-        try:
-            check_buffers({n: state_dict[prefix + n] for n in self._specs if prefix + n in state_dict}, self.config,
-                          self.out_features, self.in_features)
-        except ValueError as e:
-            raise ValueError(f"{prefix.rstrip('.') or type(self).__name__}: {e}") from None
+        self._check_entries(state_dict, prefix)
         if self._layout is not None:  # load into canonical buffers; those the state dict replaces are not converted
             device = self._buffers[self._packed_names[0]].device
             if all(prefix + n in state_dict for n in self._specs):
@@ -684,6 +689,26 @@ class CodebookLinear(QuantLinear):
 
 
 _CLASSES = {c.format: c for c in (BCQLinear, MixedPrecisionLinear, CodebookLinear)}
+
+
+def _check_quantized_entries(model, state_dict, prefix, *args) -> None:
+    """``load_state_dict`` pre-hook on a model holding quantized layers: every layer's entries are checked
+    (:meth:`QuantLinear._check_entries`) before torch copies anything into any module, so that a state dict one of
+    whose layers is wrong raises with the model as it was (torch loads module by module)."""
+    for name, mod in model.named_modules():
+        if isinstance(mod, QuantLinear):
+            at = f"{prefix}{name}." if name else prefix
+            if mod.saved_layout(k[len(at):] for k in state_dict if k.startswith(at)) is None:  # older: at its load
+                mod._check_entries(state_dict, at)
+
+
+def watch_loads(model: nn.Module) -> nn.Module:
+    """Make ``model.load_state_dict`` check every quantized layer's entries before loading any (idempotent; done by
+    :func:`qlinear.replace_linear`, ``from_pretrained`` and the GPTQ/AWQ loaders).  Returns ``model``."""
+    if not getattr(model, "_qlinear_watches_loads", False):
+        model.register_load_state_dict_pre_hook(_check_quantized_entries)
+        model._qlinear_watches_loads = True
+    return model
 
 
 def module_class(format: str) -> type[QuantLinear]:

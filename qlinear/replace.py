@@ -13,7 +13,7 @@ from tqdm.auto import tqdm
 
 from .formats import codebook
 from .formats.base import quantize_device
-from .modules import QuantLinear, format_config, module_class
+from .modules import QuantLinear, format_config, module_class, watch_loads
 
 logger = logging.getLogger("qlinear")
 
@@ -152,7 +152,7 @@ def replace_linear(model: nn.Module, config: Any, *, modules_to_not_convert: Opt
                 parent_name, _, child = name.rpartition(".")
                 q.train((model.get_submodule(parent_name) if parent_name else model).training)
             remember_config(model, config, skip, per_module, new)
-            return model
+            return watch_loads(model)
         else:
             from .calibration import calibrate
             hessians = calibrate(model, calibration_data, tokenizer, modules=[n for n, _, _ in targets],
@@ -167,7 +167,7 @@ def replace_linear(model: nn.Module, config: Any, *, modules_to_not_convert: Opt
         q.train(parent.training)
         setattr(parent, child, q)
     remember_config(model, config, skip, per_module, new)
-    return model
+    return watch_loads(model)
 
 
 def remember_config(model, config, skip, per_module, new) -> None:

@@ -976,3 +976,25 @@ def test_model_dequantize_gives_float_layers_holding_the_quantized_weights(tmp_p
     plain.save_pretrained(tmp_path / "plain")
     again = AutoModelForCausalLM.from_pretrained(tmp_path / "plain")
     assert not quant_layers(again) and torch.equal(logits(again), got)
+
+
+def test_a_failed_load_state_dict_leaves_the_whole_model_as_it_was(tmp_path):
+    """torch loads module by module: a state dict whose last quantized layer is wrong used to leave the layers before
+    it loaded.  Models from replace_linear and from_pretrained check every quantized layer's entries first."""
+    save_float(llama_config(), tmp_path / "fp")
+    a = replace_linear(AutoModelForCausalLM.from_pretrained(tmp_path / "fp"), QLinearConfig(**FORMATS["bcq"]),
+                       progress=False)
+    a.save_pretrained(tmp_path / "q")
+    other = replace_linear(save_float(llama_config(), tmp_path / "fp2", seed=1), QLinearConfig(**FORMATS["bcq"]),
+                           progress=False).state_dict()
+    last = "model.layers.1.mlp.down_proj"
+    for model in (a, AutoModelForCausalLM.from_pretrained(tmp_path / "q")):
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        for key, value, message in ((f"{last}.alpha", other[f"{last}.alpha"][..., :1].clone(), "expects"),
+                                    (f"{last}.offset", torch.full_like(other[f"{last}.offset"], float("nan")),
+                                     "'offset' holds NaN")):
+            with pytest.raises(ValueError, match=message):
+                model.load_state_dict({**other, key: value})
+            assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
+        model.load_state_dict(other)  # a good one still loads
+        assert torch.equal(model.state_dict()[f"{Q}.alpha"], other[f"{Q}.alpha"])

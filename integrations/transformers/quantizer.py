@@ -58,7 +58,7 @@ from transformers.quantizers.auto import (AUTO_QUANTIZATION_CONFIG_MAPPING, AUTO
 from transformers.quantizers.quantizers_utils import get_module_from_name, should_convert_module
 
 from qlinear.formats import check_buffers
-from qlinear.modules import QuantLinear, module_class
+from qlinear.modules import QuantLinear, module_class, watch_loads
 from qlinear.replace import is_quantizable_linear, matches
 
 from .config import QUANT_METHOD, QLinearConfig
@@ -706,7 +706,7 @@ class QLinearHfQuantizer(HfQuantizer):
         for mod in model.modules():  # tensors were assigned in place: derive each kernel's layout once now
             if isinstance(mod, QuantLinear):
                 mod.repack_for_device()
-        return model
+        return watch_loads(model)
 
 
 def _offload_packed(model: nn.Module, checkpoint_index: dict[str, dict[str, tuple[str, str]]]) -> None:
@@ -811,7 +811,7 @@ def init_empty_quantized(model: nn.Module, config: Any = None, checkpoint: Any =
         raise
     _unguard_init(model)  # accelerate's loading initializes nothing
     model.hf_quantizer, model.config.quantization_config = quantizer, config
-    return model
+    return watch_loads(model)
 
 
 def _weight_files(checkpoint: Any) -> list[str]:
