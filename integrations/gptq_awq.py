@@ -80,7 +80,6 @@ def _load(path: Path, config, method: str, dtype: torch.dtype,
     from transformers import AutoModelForCausalLM
 
     from qlinear import BCQLinear
-    from qlinear.modules import watch_loads
 
     engine = method.upper()
     tensors = _read_tensors(path)
@@ -130,7 +129,7 @@ def _load(path: Path, config, method: str, dtype: torch.dtype,
         floats = [name for name, m in model.named_modules() if is_quantizable_linear(m)]
         remember_config(model, QLinearConfig(**first.config.to_dict(), backend=first.backend or None), floats, {},
                         layers)
-    return watch_loads(model.eval())
+    return model.eval()
 
 
 def _save(model: nn.Module, path, method: str, layer_tensors: Callable[[nn.Module], dict[str, torch.Tensor]],

@@ -152,7 +152,7 @@ def replace_linear(model: nn.Module, config: Any, *, modules_to_not_convert: Opt
                 parent_name, _, child = name.rpartition(".")
                 q.train((model.get_submodule(parent_name) if parent_name else model).training)
             remember_config(model, config, skip, per_module, new)
-            return watch_loads(model)
+            return model
         else:
             from .calibration import calibrate
             hessians = calibrate(model, calibration_data, tokenizer, modules=[n for n, _, _ in targets],
@@ -167,14 +167,17 @@ def replace_linear(model: nn.Module, config: Any, *, modules_to_not_convert: Opt
         q.train(parent.training)
         setattr(parent, child, q)
     remember_config(model, config, skip, per_module, new)
-    return watch_loads(model)
+    return model
 
 
 def remember_config(model, config, skip, per_module, new) -> None:
     """Put ``config`` (with ``skip`` and ``per_module``) on ``model.config.quantization_config`` after the layers
     ``new`` (name -> QuantLinear) were swapped in, so that ``save_pretrained`` writes a qlinear checkpoint (and,
     through the quantizer, the tensors' checksums) from which ``from_pretrained`` rebuilds the same modules, each
-    with its own config."""
+    with its own config; and make the model's ``load_state_dict`` check every quantized layer first
+    (:func:`qlinear.modules.watch_loads`)."""
+    if new:
+        watch_loads(model)
     if hasattr(getattr(model, "config", None), "to_dict") and new:
         saved = copy.copy(config)  # calibration data and tokenizer are not part of the saved config
         saved.format_options, saved.modules_to_not_convert = dict(config.format_options), _float_only(model, skip)

@@ -200,15 +200,13 @@ QLINEAR_TARGET("avx512f,avx512bw,avx512vl,avx512vnni") void tile_avx512(const We
     __m512 facc[MT] = {};
     for (int h = g * w.group_size / 32, h1 = std::min((g + 1) * w.group_size, K) / 32; h < h1; ++h) {
       __m512i iacc[MT][A] = {};
-      if constexpr (U8) {  // a chunk's 64 bytes: 4 codes of each row, one VPDPBUSD per activation row
-        for (int c = 0; c < 8; ++c) {
-          const __m512i v = _mm512_loadu_si512(qw + static_cast<int64_t>(8 * h + c) * 64);
-          for (int m = 0; m < MT; ++m)
-            iacc[m][c % A] = _mm512_dpbusd_epi32(
-                iacc[m][c % A], v, _mm512_set1_epi32(load4(a.xq + static_cast<int64_t>(m0 + m) * K + 32 * h + 4 * c)));
-        }
+      for (int c = 0; U8 && c < 8; ++c) {  // a chunk's 64 bytes: 4 codes of each row, one VPDPBUSD per row of x
+        const __m512i v = _mm512_loadu_si512(qw + static_cast<int64_t>(8 * h + c) * 64);
+        for (int m = 0; m < MT; ++m)
+          iacc[m][c % A] = _mm512_dpbusd_epi32(
+              iacc[m][c % A], v, _mm512_set1_epi32(load4(a.xq + static_cast<int64_t>(m0 + m) * K + 32 * h + 4 * c)));
       }
-      for (int c = 0; c < (U8 ? 0 : 4); ++c) {
+      for (int c = 0; !U8 && c < 4; ++c) {  // a chunk's 64 bytes: 8 codes of each row as nibbles
         const __m512i v = _mm512_loadu_si512(qw + static_cast<int64_t>(4 * h + c) * 64);
         const __m512i lo = _mm512_and_si512(v, nib), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
         const int i = A == 4 ? 2 * (c & 1) : 0, j = A == 1 ? i : i + 1;
