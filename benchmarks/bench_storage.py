@@ -22,7 +22,7 @@ from qlinear.ops import to_layout
 
 CONFIGS = [("RTN 4-bit g64", 4, 64, False), ("GPTQ 4-bit g128", 4, 128, False),
            ("GPTQ 4-bit g128 act_order", 4, 128, True), ("GPTQ 3-bit g128", 3, 128, False),
-           ("GPTQ 2-bit g128", 2, 128, False)]
+           ("GPTQ 2-bit g128", 2, 128, False), ("GPTQ 8-bit g128", 8, 128, False)]
 SHAPES = [(4096, 4096), (11008, 4096), (576, 576)]
 LAYOUTS = ["quick", "cuda_lut", "arm_neon_bcq"]
 

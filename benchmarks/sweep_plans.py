@@ -91,8 +91,8 @@ def _op(kernel: str, x, bufs: dict, perm, cfg, N: int, K: int, launch):
         return async_dequant.linear(x, bufs, None, cfg, N, K, launch=launch)
     gs = cfg.group(K)
     if kernel == "cuda_lut":
-        return torch.ops.qlinear.bcq_lut_gemv(x, bufs["lut_planes"], bufs["lut_alpha"], bufs.get("lut_offset"), perm,
-                                              None, gs, *launch)
+        return torch.ops.qlinear.bcq_lut_gemv(x, bufs["lut_planes"], cuda_lut.alpha_arg(bufs), bufs.get("lut_offset"),
+                                              perm, None, gs, *launch)
     return torch.ops.qlinear.quick_gemm(x, bufs["quick_qweight"], bufs["quick_scales"], bufs.get("quick_zeros"), perm,
                                         None, gs, *launch)
 

@@ -33,11 +33,14 @@ def _layer(N, K, bits, group_size, offset=True, seed=0):
 
 def _bound(mod: BCQLinear, x: torch.Tensor, out_eps: float = 0.0, y64=None):
     bufs = {k: v.cpu() for k, v in mod.canonical().items()}
-    K = mod.in_features
-    gs = mod.config.group(K)
-    gidx = torch.arange(K) // gs
+    K, cfg = mod.in_features, mod.config
+    gidx = torch.arange(K) // cfg.group(K)
+    if "qweight" in bufs:  # uniform storage: α_q = s·2^(q−1) and c = s·((2^Q−1)/2 − z), in float64
+        _, s, z = bcq.uniform_parts(bufs, cfg, mod.out_features, K, codes=None)
+        alpha = s.double()[None] * 2.0 ** (torch.arange(cfg.bits, dtype=torch.float64) - 1)[:, None, None]
+        bufs = {"alpha": alpha, **({} if z is None else {"offset": s.double() * ((2 ** cfg.bits - 1) / 2 - z)})}
     a = bufs["alpha"].double().abs().sum(0)[:, gidx]                    # [N, K]
-    if mod.config.offset:
+    if "offset" in bufs:
         a = a + bufs["offset"].double().abs()[:, gidx]
     mag = x.double().abs().cpu() @ a.T
     bound = (K / 8 + 64) * U32 * mag
@@ -49,7 +52,7 @@ def _bound(mod: BCQLinear, x: torch.Tensor, out_eps: float = 0.0, y64=None):
 SHAPES = [(64, 64), (128, 96), (576, 576), (1536, 576), (256, 2048)]
 
 
-@pytest.mark.parametrize("bits", [1, 2, 3, 4])
+@pytest.mark.parametrize("bits", [1, 2, 3, 4, 5, 8])
 @pytest.mark.parametrize("group_size", [32, 64, 128, -1])
 @pytest.mark.parametrize("N,K", SHAPES)
 def test_spec_matches_reference_in_float64(bits, group_size, N, K):
@@ -89,10 +92,52 @@ def test_layout_round_trip_is_bit_exact(offset, fp32_offset):
                                            for k in canon)
 
 
+def _uniform8_small(N, K, group_size, seed=0):
+    """An 8-bit uniform layer (reference backend) whose scales are all below 2^-13, as an imported GPTQ checkpoint's
+    may be (our quantizer floors them there): a round-to-nearest layer's scales times 2^-6."""
+    torch.manual_seed(seed)
+    cfg = bcq.Config(bits=8, group_size=group_size, init="uniform", iters=0)
+    mod = BCQLinear.from_linear(torch.nn.Linear(K, N), cfg, backend="reference")
+    mod.scales.mul_(2.0 ** -6)
+    assert mod.scales.float().max() < 2.0 ** -13
+    return mod
+
+
+@pytest.mark.parametrize("bits,offset", [(5, False), (6, True), (8, True)])
+def test_uniform_layout_holds_scales_and_round_trips(bits, offset):
+    """A uniform layer of 5-8 bits holds its fp16 scales as they are (not α) and float32 offsets, and unpacks to the
+    same bytes."""
+    cfg = bcq.Config(bits=bits, group_size=64, offset=offset, init="uniform", iters=0)
+    canon = bcq.quantize(torch.randn(96, 320), cfg)
+    assert "qweight" in canon
+    packed = cuda_lut.repack(canon, cfg, 96, 320)
+    assert tuple(sorted(packed)) == tuple(sorted(cuda_lut.LAYOUT.names(cfg)))
+    assert packed["lut_planes"].shape == (10, bits, 96) and torch.equal(packed["lut_scales"], canon["scales"].T)
+    assert ("lut_offset" in packed) == offset and "lut_alpha" not in packed
+    back = cuda_lut.unrepack(packed, cfg, 96, 320)
+    assert set(back) == set(canon) and all(torch.equal(back[k], canon[k]) and back[k].dtype == canon[k].dtype
+                                           for k in canon)
+
+
+def test_uniform_8bit_scales_below_fp16_alpha():
+    """Scales below 2^-13, whose α = s/2 fp16 cannot hold (as_bcq refuses them): the layout keeps the scales, and the
+    spec still matches the float64 reference."""
+    mod = _uniform8_small(96, 320, 64)
+    canon = mod.canonical()
+    with pytest.raises(ValueError, match="fp16"):
+        bcq.as_bcq(canon, mod.config, 96, 320)
+    bufs = cuda_lut.repack(canon, mod.config, 96, 320)
+    for M in (1, 8):
+        x = torch.randn(M, 320)
+        y64 = ref64(mod, x)
+        y = cuda_lut.spec(x, bufs, mod.bias, mod.config, 96, 320, cuda_lut.plan(M, 96, 320, 132, 8))
+        assert ((y.double() - y64).abs() <= _bound(mod, x)).all()
+
+
 def test_plan_covers_every_tile_once_within_limits():
     shapes = [(576, 576), (1536, 576), (4096, 4096), (8192, 8192), (28672, 8192), (8192, 28672), (64, 64),
               (12288, 12288), (96, 320)]
-    for M, bits, (N, K), sms in itertools.product(range(1, 9), range(1, 5), shapes, (1, 78, 132)):
+    for M, bits, (N, K), sms in itertools.product(range(1, 9), range(1, 9), shapes, (1, 78, 132)):
         kt, threads, per_split, splits = cuda_lut.plan(M, N, K, sms, bits)
         W = kt // 32
         assert W in (1, 2, 4) and W * bits <= 8 and W * M <= 8 and (W == 4 or 2 * W * max(bits, M) > 8)
@@ -104,7 +149,8 @@ def test_plan_covers_every_tile_once_within_limits():
 
 
 def test_python_words_match_the_kernel_header(tmp_path):
-    """words() and the header's lut_gemv_words (which picks the kernel template) must agree for every M and Q."""
+    """words() and resident() must agree with the header's lut_gemv_words (which picks the kernel template) and
+    lut_gemv_blocks_per_sm (its launch bounds) for every M and Q."""
     import shutil
     import subprocess
 
@@ -114,11 +160,13 @@ def test_python_words_match_the_kernel_header(tmp_path):
         pytest.skip("needs g++ and the CUDA headers")
     src = tmp_path / "w.cpp"
     src.write_text('#include "cuda_lut/bcq_lut_gemv.h"\n#include <cstdio>\nint main() { for (int m = 1; m <= 8; ++m)'
-                   ' for (int q = 1; q <= 4; ++q) printf("%d ", qlinear::lut_gemv_words(m, q)); }\n')
+                   ' for (int q = 1; q <= 8; ++q) printf("%d %d ", qlinear::lut_gemv_words(m, q),'
+                   ' qlinear::lut_gemv_blocks_per_sm(q)); }\n')
     subprocess.run(["g++", "-std=c++17", f"-I{BACKENDS}", f"-I{cuda_home() / 'include'}", str(src), "-o",
                     str(tmp_path / "w")], check=True)
     got = subprocess.run([str(tmp_path / "w")], capture_output=True, text=True, check=True).stdout.split()
-    assert [int(w) for w in got] == [cuda_lut.words(m, q) for m in range(1, 9) for q in range(1, 5)]
+    assert [int(w) for w in got] == [v for m in range(1, 9) for q in range(1, 9)
+                                     for v in (cuda_lut.words(m, q), cuda_lut.resident(q))]
 
 
 def test_registry_rejects_unsupported_configs():
@@ -126,7 +174,6 @@ def test_registry_rejects_unsupported_configs():
     cuda = torch.device("cuda")
     k = next(k for k in backends.kernels("bcq") if k.backend == "cuda_lut")
     assert "multiple of 4" in k.reject(bcq.Config(bits=4, group_size=128), cuda, torch.float16, 1, (66, 64))
-    assert "bits=5" in k.reject(bcq.Config(bits=5), cuda, torch.float16, 1, (64, 64))
 
 
 # --- the layout machinery, driven on CPU by a kernel that runs the spec --------------------------------
@@ -159,12 +206,16 @@ def _gpu_layer(N, K, bits, group_size):
     return mod.cuda()
 
 
+# 5-8 planes share one kernel (kMaxQ): fewer cases, so the GPU session's test slot stays the same size
+_GPU_CASES = [*itertools.product([(576, 576), (1536, 576), (4096, 4096), (1024, 8192)], [1, 2, 3, 4], [64, 128, -1]),
+              *itertools.product([(1536, 576), (1024, 8192)], [5, 8], [64, -1])]
+
+
 @gpu
-@pytest.mark.parametrize("N,K", [(576, 576), (1536, 576), (4096, 4096), (1024, 8192)])
-@pytest.mark.parametrize("bits", [1, 2, 3, 4])
-@pytest.mark.parametrize("group_size", [64, 128, -1])
+@pytest.mark.parametrize("shape,bits,group_size", _GPU_CASES)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_kernel_matches_reference_and_is_deterministic(dtype, group_size, bits, N, K):
+def test_kernel_matches_reference_and_is_deterministic(dtype, group_size, bits, shape):
+    N, K = shape
     assert cuda_lut.available() is None, cuda_lut.available()
     mod = _gpu_layer(N, K, bits, group_size)
     assert mod.layout == "cuda_lut"
@@ -191,7 +242,7 @@ def test_kernel_matches_reference_and_is_deterministic(dtype, group_size, bits, 
 
 
 @gpu
-@pytest.mark.parametrize("bits", [1, 2, 3, 4])
+@pytest.mark.parametrize("bits", [1, 2, 3, 4, 5, 8])
 @pytest.mark.parametrize("group_size", [64, -1])
 def test_dequantize_kernel_is_the_format_bit_for_bit(bits, group_size):
     """``bcq_lut_dequantize``: the format's float32 Ŵ exactly, and its one rounding to fp16 / bf16."""
@@ -204,9 +255,29 @@ def test_dequantize_kernel_is_the_format_bit_for_bit(bits, group_size):
     assert torch.equal(mod.dequantize().cpu(), want)  # the layout's dequantize: what the backward pass uses
 
 
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_uniform_8bit_layer_with_small_scales_runs_on_the_kernels(dtype):
+    """An 8-bit uniform layer whose scales fp16 α could not hold: the GEMV and the dequantize path on its scales."""
+    mod = _uniform8_small(1536, 576, 128)
+    mod.backend = None
+    mod = mod.cuda()
+    assert mod.layout == "cuda_lut" and "lut_scales" in dict(mod.named_buffers())
+    eps = {torch.float16: 2.0 ** -11, torch.bfloat16: 2.0 ** -8}[dtype]
+    w = bcq.dequantize({k: v.cpu() for k, v in mod.canonical().items()}, mod.config, 1536, 576)
+    assert torch.equal(mod.dequantize().cpu(), w)
+    for M, backend in ((1, "cuda_lut"), (8, "cuda_lut"), (64, "cuda_lut_dequant")):
+        x = torch.randn(M, 576, device="cuda").to(dtype)
+        assert mod.kernel(x).backend == backend
+        y64 = ref64(mod, x)
+        bound = _bound(mod, x, eps, y64) + (eps * (x.double().abs().cpu() @ w.double().abs().T) if M > 8 else 0)
+        assert ((mod(x).double().cpu() - y64).abs() <= bound).all(), M
+
+
 # --- the kernel's own source, run on the CPU under the host emulation (tests/cuda_emulation.py) -------------
 _LUT_DRIVER = r'''
-// Driver: reads one call from argv[1] (header, x, planes, alpha, offset, bias), writes y (fp32) to argv[2].
+// Driver: reads one call from argv[1] (header, x, planes, alpha or a uniform layer's scales, offset, bias), writes y
+// (fp32) to argv[2].
 namespace emu {
 using namespace qlinear;
 Rotation g_rot{};
@@ -217,7 +288,7 @@ template <typename T, int M, int Q> void run(const LutGemvArgs& a) {
 }
 template <typename T, int M> void run_q(const LutGemvArgs& a) {
   switch (a.Q) { case 1: return run<T, M, 1>(a); case 2: return run<T, M, 2>(a); case 3: return run<T, M, 3>(a);
-                 default: return run<T, M, 4>(a); }
+                 case 4: return run<T, M, 4>(a); default: return run<T, M, kMaxQ>(a); }
 }
 template <typename T> void run_m(const LutGemvArgs& a) {
   switch (a.M) { case 1: return run_q<T, 1>(a); case 3: return run_q<T, 3>(a); default: return run_q<T, 8>(a); }
@@ -228,19 +299,20 @@ template <typename OutT, int Q> void dequantize(const LutGemvArgs& a) {
 }
 template <typename OutT> void dequantize_q(const LutGemvArgs& a) {
   switch (a.Q) { case 1: return dequantize<OutT, 1>(a); case 2: return dequantize<OutT, 2>(a);
-                 case 3: return dequantize<OutT, 3>(a); default: return dequantize<OutT, 4>(a); }
+                 case 3: return dequantize<OutT, 3>(a); case 4: return dequantize<OutT, 4>(a);
+                 default: return dequantize<OutT, kMaxQ>(a); }
 }
 }  // namespace emu
 
 int main(int argc, char** argv) {
   using namespace emu;
   FILE* f = fopen(argv[1], "rb");
-  auto h = emu_read<int>(f, 17);
+  auto h = emu_read<int>(f, 18);
   const int M = h[0], N = h[1], K = h[2], Q = h[3], gs = h[4], bf16 = h[9], off_kind = h[10], bias_kind = h[11];
   const int G = (K + gs - 1) / gs;
   auto x = emu_read<uint16_t>(f, (size_t)M * K);
   auto planes = emu_read<unsigned>(f, (size_t)K / 32 * Q * N);
-  auto alpha = emu_read<uint16_t>(f, (size_t)G * Q * N);
+  auto alpha = emu_read<uint16_t>(f, (size_t)G * (h[17] ? 1 : Q) * N);
   std::vector<char> offset = emu_read<char>(f, (size_t)G * N * (off_kind == 2 ? 4 : off_kind == 1 ? 2 : 0));
   std::vector<char> bias = emu_read<char>(f, (size_t)N * (bias_kind == 2 ? 4 : bias_kind == 1 ? 2 : 0));
   std::vector<int> perm = emu_read<int>(f, h[12] ? K : 0);
@@ -257,7 +329,7 @@ int main(int argc, char** argv) {
   std::vector<uint16_t> y((size_t)M * N, 0x7E00);  // NaN-poisoned output
   std::vector<float> partial((size_t)h[8] * M * N, NAN);
   a.y = y.data(); a.partial = partial.data();
-  a.M = M; a.N = N; a.K = K; a.Q = Q; a.group_size = gs;
+  a.M = M; a.N = N; a.K = K; a.Q = Q; a.group_size = gs; a.uniform = h[17];
   a.kt = h[5]; a.threads = h[6]; a.tiles_per_split = h[7]; a.splits = h[8];
   a.x_dtype = bf16 ? DType::kBFloat16 : DType::kHalf;
   g_rot = Rotation{h[15], h[16], sign_bits.data(), paley.data()};
@@ -299,14 +371,15 @@ def _emulate(exe, x, bufs, bias, cfg, N, K, launch, perm=None, dequant=None, rot
     off = bufs.get("lut_offset")
     rot, rot_tensors = rotation_header(rotation, K)
     hdr = [x.shape[0], N, K, cfg.bits, cfg.group(K), *launch, int(x.dtype == torch.bfloat16), dtype_kind(off),
-           dtype_kind(bias), int(perm is not None), {None: 0, torch.float32: 1}.get(dequant, 2), *rot]
-    tensors = [x, bufs["lut_planes"], bufs["lut_alpha"], off, bias, perm, *rot_tensors]
+           dtype_kind(bias), int(perm is not None), {None: 0, torch.float32: 1}.get(dequant, 2), *rot,
+           int("lut_scales" in bufs)]
+    tensors = [x, bufs["lut_planes"], cuda_lut.alpha_arg(bufs), off, bias, perm, *rot_tensors]
     return run(exe, hdr, tensors, (x.shape[0], N) if dequant is None else (N, K))
 
 
 @pytest.mark.parametrize("bits,group_size,offset,fp32_offset,dtype", [
     (1, 32, False, False, torch.float16), (2, 64, True, False, torch.bfloat16), (3, -1, True, True, torch.float16),
-    (4, 128, True, False, torch.float16)])
+    (4, 128, True, False, torch.float16), (5, 32, False, False, torch.bfloat16), (8, 64, True, False, torch.float16)])
 def test_kernel_source_under_host_emulation(emulator, bits, group_size, offset, fp32_offset, dtype):
     """bcq_lut_gemv.cu itself (tables, lookups, α/offset per word, split-K and reduction) on the CPU, against the
     float64 reference within the module docstring's bound, for M = 1, 3, 8 and one split or many."""
@@ -330,14 +403,23 @@ def test_kernel_source_under_host_emulation(emulator, bits, group_size, offset, 
                     assert torch.equal(_emulate(emulator, x, bufs, b, cfg, N, K, lc),
                                        _emulate(emulator, x, bufs, b.float(), cfg, N, K, lc)), lc
     # the dequantize kernel (row and K tiles cut by N = 96 or 288 and K = 320): the format's float32 Ŵ bit for bit, and its one
-    # rounding to x's dtype, also for a round-to-nearest layer, whose s·(q − z) storage the layout holds as uniform α
-    # and an offset
+    # rounding to x's dtype, also for a round-to-nearest layer, whose s·(q − z) storage the layout holds as its scales
+    # and float32 offsets (at 8 bits also one of scales below 2^-13, which fp16 α could not hold); the GEMV for those too
     layers = [(mod, bufs)]
     if offset and bits > 1:
         ucfg = bcq.Config(bits=bits, group_size=group_size, init="uniform", iters=0, fp32_offset=fp32_offset)
-        umod = BCQLinear.from_linear(torch.nn.Linear(K, N), ucfg, backend="reference")
-        assert "qweight" in umod.canonical()
-        layers.append((umod, cuda_lut.repack(umod.canonical(), umod.config, N, K)))
+        uniform = [BCQLinear.from_linear(torch.nn.Linear(K, N), ucfg, backend="reference")]
+        if bits == 8:
+            uniform.append(_uniform8_small(N, K, group_size))
+        for umod in uniform:
+            assert "qweight" in umod.canonical()
+            ubufs = cuda_lut.repack(umod.canonical(), umod.config, N, K)
+            layers.append((umod, ubufs))
+            for M in (1, 8):
+                x = torch.randn(M, K).to(dtype)
+                y64 = ref64(umod, x)
+                y = _emulate(emulator, x, ubufs, umod.bias, ucfg, N, K, cuda_lut.plan(M, N, K, 132, bits))
+                assert ((y.double() - y64).abs() <= _bound(umod, x, eps, y64)).all(), M
     wide = BCQLinear.from_linear(torch.nn.Linear(K, 288), cfg, backend="reference")  # 3 row tiles, the last cut short
     layers.append((wide, cuda_lut.repack(wide.canonical(), cfg, 288, K)))
     for m, b in layers:
@@ -356,7 +438,7 @@ def test_kernel_source_under_host_emulation(emulator, bits, group_size, offset, 
 
 
 
-@pytest.mark.parametrize("bits,dtype", [(2, torch.float16), (4, torch.bfloat16)])
+@pytest.mark.parametrize("bits,dtype", [(2, torch.float16), (4, torch.bfloat16), (8, torch.float16)])
 def test_kernel_source_stages_a_rotated_input(emulator, bits, dtype):
     """A rotated layer's ``R·x`` staged by bcq_lut_gemv.cu itself (rotation.cuh: signs, butterflies, Paley factor,
     in the tables' shared memory) under the host emulation: the float64 product with the exact ``R·x`` within the

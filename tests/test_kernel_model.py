@@ -120,7 +120,7 @@ def test_current_kernel_keeps_a_tile_of_words_in_flight(versions):
 
     for (M, Q), s in current.sass.items():
         assert s.pipelined and s.loop_bytes >= 16 * Q * cuda_lut.words(M, Q), (M, Q, s)
-        assert s.regs <= 128  # two 256-thread blocks per SM
+        assert s.regs <= 65536 // (256 * cuda_lut.resident(Q))  # two 256-thread blocks per SM (one past 4 planes)
     assert not any(s.pipelined for s in measured.sass.values())
     # one word per iteration: Q plane words (16 B), Q α (8 B), the offset (8 B fp16 or 16 B fp32 path)
     assert all(s.loop_bytes <= 24 * Q + 24 for (M, Q), s in measured.sass.items())

@@ -1,6 +1,6 @@
 """CUDA LUT GEMV for :class:`qlinear.BCQLinear` at decode batch sizes (LUT-GEMM / nuQmm, Park et al. §3).
 
-``y = x Ŵᵀ + b`` for ``x`` ``[M, K]`` fp16/bf16, ``M <= 8``, BCQ with 1..4 bit-planes, any group size
+``y = x Ŵᵀ + b`` for ``x`` ``[M, K]`` fp16/bf16, ``M <= 8``, BCQ with 1..8 bit-planes, any group size
 (multiple of 32 or the whole row), with or without offset, fp32 accumulation, deterministic split-K.
 The kernel (``bcq_lut_gemv.cu``) builds, per K tile, the 256 partial sums ``±x_j`` of every 8 inputs
 in shared memory and turns every weight byte into one table lookup; each thread keeps the plane words, α and
@@ -19,6 +19,10 @@ buffers, so it costs no extra memory and :func:`unrepack` restores them exactly)
 * ``lut_alpha`` fp16 ``[G, Q, N]`` and ``lut_offset`` ``[G, N]`` (fp16, or fp32 for layers in the uniform
   storage, whose α and offsets are derived from scales and zero points): BCQ's ``alpha`` / ``offset`` transposed
   the same way.
+* A uniform layer (:func:`qlinear.formats.bcq.is_uniform`) of 5-8 bits holds its fp16 ``scales`` transposed as
+  ``lut_scales`` ``[G, N]`` instead of α (those kernels form ``α_q = s·2^(q−1)`` in float32, exactly: fp16 α could not
+  hold 8-bit scales below 2^-13) beside the float32 offsets.  (The 1-4 plane kernels, at their register budget,
+  read α.)
 
 :func:`spec` is the executable specification of the kernel: the same tiles, tables, byte-to-index
 arithmetic and per-word α/offset application over the repacked buffers, in PyTorch; CPU tests check
@@ -35,13 +39,14 @@ from typing import Optional
 import torch
 
 from qlinear.formats import bcq
+from qlinear.formats.packing import pack_planes, unpack_planes
 
 from .. import ANY, Kernel, Layout, register
 from .._gpu import NO_ROTATION, rotation_smem_bytes, staged_rotation
 from .._native import build_cuda_backend, dense_linear
 from .._native import sm_count as _sms  # module attribute: tests replace it without a GPU
 
-__all__ = ["LAYOUT", "MAX_BATCH", "words", "plan", "spec", "repack", "unrepack", "linear", "dequantize",
+__all__ = ["LAYOUT", "MAX_BATCH", "words", "plan", "spec", "repack", "unrepack", "alpha_arg", "linear", "dequantize",
            "linear_dequantized"]
 
 MAX_BATCH = 8
@@ -53,14 +58,24 @@ _HERE = Path(__file__).parent
 _PERMS = {"planes": ("lut_planes", (2, 0, 1)), "alpha": ("lut_alpha", (2, 0, 1)), "offset": ("lut_offset", (1, 0))}
 
 
+def _holds_scales(cfg) -> bool:
+    return bcq.is_uniform(cfg) and cfg.bits > 4
+
+
 def _names(cfg) -> tuple[str, ...]:
-    return tuple(name for key, (name, _) in _PERMS.items() if key != "offset" or cfg.offset)
+    return ("lut_planes", "lut_scales" if _holds_scales(cfg) else "lut_alpha") + (("lut_offset",) if cfg.offset else ())
 
 
 def repack(buffers: dict, cfg, out_features: int, in_features: int) -> dict:
-    """Canonical BCQ buffers -> layout ``cuda_lut`` (see the module docstring): a uniform layer's α and float32
-    offsets are derived from its scales and zero points (:func:`qlinear.formats.bcq.as_bcq`).  Raises ValueError for
-    scales whose α fp16 cannot hold."""
+    """Canonical BCQ buffers -> layout ``cuda_lut`` (see the module docstring): a uniform layer's float32 offsets and
+    its α (1-4 bits, :func:`qlinear.formats.bcq.as_bcq`) or scales (5-8 bits) are derived from its scales and zero
+    points.  Raises ValueError for 1-4 bit scales whose α fp16 cannot hold."""
+    if _holds_scales(cfg):
+        codes, s, zeros = bcq.uniform_parts(buffers, cfg, out_features, in_features, codes=torch.uint8)
+        out = {"lut_planes": pack_planes(codes, cfg.bits).permute(2, 0, 1).contiguous(), "lut_scales": s.T.contiguous()}
+        if zeros is not None:
+            out["lut_offset"] = bcq.uniform_offset(s, zeros, cfg.bits).T.contiguous()
+        return out
     buffers = bcq.as_bcq(buffers, cfg, out_features, in_features)
     return {name: buffers[key].permute(*dims).contiguous() for key, (name, dims) in _PERMS.items() if key in buffers}
 
@@ -69,7 +84,18 @@ def unrepack(buffers: dict, cfg, out_features: int, in_features: int) -> dict:
     """Layout ``cuda_lut`` -> canonical BCQ buffers (exact inverse of :func:`repack`)."""
     out = {key: buffers[name].permute(*sorted(range(len(dims)), key=dims.__getitem__)).contiguous()
            for key, (name, dims) in _PERMS.items() if name in buffers}
-    return bcq.as_uniform(out, cfg, out_features, in_features) if bcq.is_uniform(cfg) else out
+    if "lut_scales" not in buffers:
+        return bcq.as_uniform(out, cfg, out_features, in_features) if bcq.is_uniform(cfg) else out
+    s = buffers["lut_scales"].T
+    zeros = bcq.uniform_zeros(s, out["offset"], cfg.bits) if "offset" in out else None
+    return bcq.uniform_buffers(unpack_planes(out["planes"], in_features), s, zeros, cfg.bits)
+
+
+def _alpha(buffers: dict, bits: int) -> torch.Tensor:
+    """α float32 ``[G, Q, N]`` of the layout's buffers: ``lut_alpha``, or a uniform layer's ``s·2^(q−1)``."""
+    if "lut_alpha" in buffers:
+        return buffers["lut_alpha"].float()
+    return bcq.uniform_alpha(buffers["lut_scales"], bits).transpose(0, 1)
 
 
 
@@ -90,21 +116,28 @@ def plan(M: int, N: int, K: int, sms: int, bits: int) -> tuple[int, int, int, in
     """Launch shape ``(kt, threads, tiles_per_split, splits)`` for ``x`` ``[M, K]``, ``N`` rows and ``bits`` planes.
 
     ``kt = 32·words(M, bits)`` inputs per K tile (fixed by the kernel's template); blocks of ``threads`` threads own
-    ``4·threads`` rows: the most rows per block that still gives two blocks per SM (tables are built once per block,
+    ``4·threads`` rows: the most rows per block that still gives two blocks per SM (one past 4 planes: :func:`resident`) (tables are built once per block,
     so big blocks amortise them), but at least ``64·M·W`` threads (two of a tile's ``4·M·W`` tables per warp: on
     small layers the table build, not the weights, is the critical path; kernel_model.py predicts 576², M=1,
     2 bits 11.3 → 8.4 µs on an H100 for this floor) and no more than the rows need.  K is then split into whole tiles
-    until there are at most two blocks per SM (the kernel's register budget lets two 256-thread blocks reside on an
-    SM): 28672x8192, 4 bits, M=1 on an H200 took 99.7 µs with 280 blocks (a second wave of 16) and 83 µs with 252
+    until there are at most that many blocks per SM (the kernel's register budget lets them reside on an SM):
+    28672x8192, 4 bits, M=1 on an H200 took 99.7 µs with 280 blocks (a second wave of 16) and 83 µs with 252
     (RESULTS.md, 2026-11-26).
     """
     W = words(M, bits)
     tiles = math.ceil(K / (32 * W))
-    threads = next((t for t in (256, 128, 64) if math.ceil(N / (4 * t)) * tiles >= 2 * sms), 32)
+    wave = resident(bits) * sms
+    threads = next((t for t in (256, 128, 64) if math.ceil(N / (4 * t)) * tiles >= wave), 32)
     threads = min(max(threads, 64 * M * W, 32), 256, 32 * math.ceil(N / 128))
     blocks_n = math.ceil(N / (4 * threads))
-    per_split = math.ceil(tiles / min(tiles, max(1, 2 * sms // blocks_n)))  # one wave: a second costs a whole chain
+    per_split = math.ceil(tiles / min(tiles, max(1, wave // blocks_n)))  # one wave: a second costs a whole chain
     return 32 * W, threads, per_split, math.ceil(tiles / per_split)
+
+
+def resident(bits: int) -> int:
+    """Blocks of the GEMV an SM holds for ``bits`` planes (``lut_gemv_blocks_per_sm`` in ``bcq_lut_gemv.h``): two,
+    or one past 4 planes, whose plane words take more than half the registers."""
+    return 2 if bits <= 4 else 1
 
 
 def _signs(bits: int) -> torch.Tensor:
@@ -124,7 +157,7 @@ def spec(x: torch.Tensor, buffers: dict, bias: Optional[torch.Tensor], cfg, out_
     """
     kt, _, per_split, splits = launch
     M, K, N = x.shape[0], in_features, out_features
-    planes, alpha = buffers["lut_planes"], buffers["lut_alpha"].float()
+    planes, alpha = buffers["lut_planes"], _alpha(buffers, cfg.bits)
     offset = buffers["lut_offset"].float() if cfg.offset else None
     gs = cfg.group(K)
     xf = x.float()
@@ -158,6 +191,11 @@ def spec(x: torch.Tensor, buffers: dict, bias: Optional[torch.Tensor], cfg, out_
     return y if bias is None else y + bias.float()
 
 
+def alpha_arg(buffers: dict) -> torch.Tensor:
+    """The ops' ``alpha`` argument: ``lut_alpha`` fp16 ``[G, Q, N]``, or a uniform layer's ``lut_scales`` ``[G, N]``."""
+    return buffers["lut_alpha"] if "lut_alpha" in buffers else buffers["lut_scales"]
+
+
 SMEM_BUDGET = 100 * 1024  # shared memory per block that keeps two blocks per SM (228 KB on an H100/H200)
 
 
@@ -182,7 +220,7 @@ def linear(x: torch.Tensor, buffers: dict, bias, cfg, out_features: int, in_feat
         smem = rotation_smem_bytes(8 * M * launch[0] * 32, rotation[1], M * rotated_span(K, launch, perm is not None),
                                    x.element_size())
         x, rot = staged_rotation(x, rotation, smem, SMEM_BUDGET)
-    y = torch.ops.qlinear.bcq_lut_gemv(x.reshape(-1, K).contiguous(), buffers["lut_planes"], buffers["lut_alpha"],
+    y = torch.ops.qlinear.bcq_lut_gemv(x.reshape(-1, K).contiguous(), buffers["lut_planes"], alpha_arg(buffers),
                                        buffers.get("lut_offset"), perm, bias, cfg.group(K), *launch, *rot)
     return y.reshape(*x.shape[:-1], out_features)
 
@@ -192,7 +230,7 @@ def dequantize(buffers: dict, cfg, out_features: int, in_features: int, dtype: t
     """Dense ``Ŵ`` ``[N, K]`` of ``dtype`` (float32, fp16 or bf16) from the ``cuda_lut`` buffers on a GPU: the format's
     float32 values (:func:`qlinear.formats.bcq.dequantize` of the :func:`unrepack`-ed buffers), rounded once.  With
     the default float32 it is the layout's ``dequantize`` (the backward pass, :func:`qlinear.ops.dequantize`)."""
-    return torch.ops.qlinear.bcq_lut_dequantize(buffers["lut_planes"], buffers["lut_alpha"], buffers.get("lut_offset"),
+    return torch.ops.qlinear.bcq_lut_dequantize(buffers["lut_planes"], alpha_arg(buffers), buffers.get("lut_offset"),
                                                 cfg.group(in_features), dtype)
 
 
@@ -220,7 +258,7 @@ def available() -> Optional[str]:
 
 
 _COMMON = dict(format="bcq", devices=frozenset({"cuda"}), dtypes=frozenset({torch.float16, torch.bfloat16}),
-               bits=frozenset({1, 2, 3, 4}), group_sizes=ANY, min_capability=(8, 0), supports=supports,
+               bits=frozenset(range(1, 9)), group_sizes=ANY, min_capability=(8, 0), supports=supports,
                available=available, layout=LAYOUT)
 register(Kernel(backend="cuda_lut", fn=linear, priority=10, max_batch=MAX_BATCH, gathers_perm=True,
                 fuses_rotation=True, **_COMMON))

@@ -84,7 +84,17 @@ __device__ __forceinline__ void build_table(uint4 raw, int lane, float* tab) {
 }
 
 
-// Registers of one K word for the 4 rows of a thread: the Q plane words, α (fp16) and the offset (raw bits).
+// Layers of 5..8 planes share the kernels instantiated for kMaxQ, with their plane count read at run time (a.Q): few
+// layers have them (8-bit GPTQ, an 8-bit output layer), and one instantiation per count would double the build.
+constexpr int kMaxQ = 8;
+template <int Q>
+__device__ __forceinline__ int planes_of(const LutGemvArgs& a) { return Q <= 4 ? Q : a.Q; }
+// Only the kMaxQ kernels take a uniform layer's scales: the 1..4-plane ones are at their register budget.
+template <int Q>
+__device__ __forceinline__ bool uniform_of(const LutGemvArgs& a) { return Q > 4 && a.uniform; }
+
+// Registers of one K word for the 4 rows of a thread: the plane words, α (fp16; a uniform layer's scales in alpha[0])
+// and the offset (raw bits).
 template <int Q>
 struct Word {
   uint4 bits[Q];
@@ -94,13 +104,17 @@ struct Word {
 
 template <int Q>
 __device__ __forceinline__ void load_word(Word<Q>& wd, const LutGemvArgs& a, int kword, int n0) {
-  const int N = a.N, g = kword * 32 / a.group_size;
+  const int N = a.N, g = kword * 32 / a.group_size, nq = planes_of<Q>(a);
   const uint4* planes = reinterpret_cast<const uint4*>(a.planes);
   const uint2* alpha = reinterpret_cast<const uint2*>(a.alpha);
 #pragma unroll
   for (int q = 0; q < Q; ++q) {
-    wd.bits[q] = __ldg(planes + ((size_t)kword * Q + q) * (N / 4) + n0 / 4);
-    wd.alpha[q] = __ldg(alpha + ((size_t)g * Q + q) * (N / 4) + n0 / 4);
+    if (q >= nq) break;
+    wd.bits[q] = __ldg(planes + ((size_t)kword * nq + q) * (N / 4) + n0 / 4);
+    if (q == 0)  // a uniform layer's scales [G, N]: alpha[0] only (word_alpha reads it for every plane)
+      wd.alpha[0] = __ldg(alpha + (size_t)g * (uniform_of<Q>(a) ? 1 : nq) * (N / 4) + n0 / 4);
+    else if (!uniform_of<Q>(a))
+      wd.alpha[q] = __ldg(alpha + ((size_t)g * nq + q) * (N / 4) + n0 / 4);
   }
   if (a.offset_dtype == DType::kHalf) {
     const uint2 o = __ldg(reinterpret_cast<const uint2*>(a.offset) + ((size_t)g * N + n0) / 4);
@@ -113,14 +127,29 @@ __device__ __forceinline__ void load_word(Word<Q>& wd, const LutGemvArgs& a, int
 // load_word's addresses into L2 (no registers held).
 template <int Q>
 __device__ __forceinline__ void prefetch_word(const LutGemvArgs& a, int kword, int n0) {
-  const int N = a.N, g = kword * 32 / a.group_size;
+  const int N = a.N, g = kword * 32 / a.group_size, nq = planes_of<Q>(a);
 #pragma unroll
   for (int q = 0; q < Q; ++q) {
-    prefetch_l2(a.planes + ((size_t)kword * Q + q) * N + n0);
-    prefetch_l2(static_cast<const unsigned short*>(a.alpha) + ((size_t)g * Q + q) * N + n0);
+    if (q >= nq) break;
+    prefetch_l2(a.planes + ((size_t)kword * nq + q) * N + n0);
+    if (!uniform_of<Q>(a) || q == 0)
+      prefetch_l2(static_cast<const unsigned short*>(a.alpha) + ((size_t)g * (uniform_of<Q>(a) ? 1 : nq) + q) * N + n0);
   }
   if (a.offset_dtype != DType::kNone)
     prefetch_l2(static_cast<const char*>(a.offset) + ((size_t)g * N + n0) * (a.offset_dtype == DType::kFloat ? 4 : 2));
+}
+
+// The 4 rows' α of a word's planes as float: the fp16 α, or a uniform layer's s·2^(q−1) (exact).
+template <int Q>
+__device__ __forceinline__ void word_alpha(const Word<Q>& wd, const LutGemvArgs& a, float (&al)[Q][4]) {
+  const bool uniform = uniform_of<Q>(a);
+#pragma unroll
+  for (int q = 0; q < Q; ++q) {
+    half4_to_float(uniform ? wd.alpha[0] : wd.alpha[q], al[q]);
+    const float scale = uniform ? 0.5f * (float)(1 << q) : 1.f;
+#pragma unroll
+    for (int r = 0; r < 4; ++r) al[q][r] *= scale;
+  }
 }
 
 // The 4 rows' offsets of a word as float (0 without offsets).
@@ -135,8 +164,9 @@ __device__ __forceinline__ void word_offsets(const Word<Q>& wd, DType offset_dty
   }
 }
 
+// Two blocks per SM, but one for the kMaxQ kernels: their 8 plane words per row quad need more than 128 registers.
 template <typename T, int M, int Q, int W>
-__global__ void __launch_bounds__(256, 2) lut_gemv_kernel(const LutGemvArgs a, const Rotation rot) {
+__global__ void __launch_bounds__(256, lut_gemv_blocks_per_sm(Q)) lut_gemv_kernel(const LutGemvArgs a, const Rotation rot) {
   constexpr int kt = 32 * W, kTables = M * (kt / 8);  // tables per tile, [M][kt/8][256] floats per buffer
   // tables a warp loads the inputs of at once (plan() gives most warps at most two per tile; one where registers are short)
   constexpr int kXBatch = M * Q >= 16 ? 1 : 2;
@@ -220,8 +250,7 @@ __global__ void __launch_bounds__(256, 2) lut_gemv_kernel(const LutGemvArgs a, c
     for (int w = 0; w < W; ++w) {
       if (w >= words) break;
       float al[Q][4], off[4];
-#pragma unroll
-      for (int q = 0; q < Q; ++q) half4_to_float(wd[w].alpha[q], al[q]);
+      word_alpha<Q>(wd[w], a, al);
       word_offsets<Q>(wd[w], a.offset_dtype, off);
 #pragma unroll
       for (int m = 0; m < M; ++m) {
@@ -233,6 +262,7 @@ __global__ void __launch_bounds__(256, 2) lut_gemv_kernel(const LutGemvArgs a, c
           float v = off[r] * xw;
 #pragma unroll
           for (int q = 0; q < Q; ++q) {
+            if (q >= planes_of<Q>(a)) break;
             const unsigned bw = word_of(wd[w].bits[q], r);
             const float s = (lookup(L, bw, 0) + lookup(L, bw, 1)) + (lookup(L, bw, 2) + lookup(L, bw, 3));
             v = fmaf(al[q][r], s, v);
@@ -265,7 +295,8 @@ __global__ void __launch_bounds__(256, 2) lut_gemv_kernel(const LutGemvArgs a, c
 // thread first writes the 2^Q possible outputs, each computed in exactly that order, to a table of its own in shared
 // memory ([slot][lane] words: lookups never conflict), and then every weight is one lookup: ~13 instructions per
 // weight at Q = 4 (SASS) where computing each weight took ~27.  The codes come from the plane words by a bit transpose (nibble i of
-// nib[s] is the code of input 4i + s).
+// nib[s] is the code of input 4i + s).  Past 4 planes (the kMaxQ kernel) the table holds the float sums of planes 0..3
+// and each weight adds the further planes' ±α and then the offset, the same additions in the same order.
 // Block: 256 threads over 128 rows × 256 inputs; lane = row quad (the plane, α and offset loads coalesce as in the
 // GEMV), warp = word.  Per row of its quad the block stages its 32 rows' outputs in shared memory and writes each
 // 512-byte (fp16/bf16) or 1 KB (fp32) row run with whole-warp 16-byte stores: the lanes' own runs are 64-128 B of 32
@@ -285,19 +316,20 @@ __device__ __forceinline__ unsigned table_entry(float v) {
 template <typename OutT, int Q>
 __global__ void __launch_bounds__(256) lut_dequantize_kernel(const LutGemvArgs a) {
   extern __shared__ __align__(16) float smem[];
-  constexpr int kSlots = 1 << Q, kRun = kDqWarps * 32 * sizeof(OutT), kPieces = kRun / 16;
+  constexpr bool kWide = Q > 4;  // planes past the table's 4, added per weight
+  constexpr int kTabQ = kWide ? 4 : Q, kSlots = 1 << kTabQ, kRun = kDqWarps * 32 * sizeof(OutT), kPieces = kRun / 16;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int n_tile = blockIdx.x * lut_dequantize_tile_n, kw0 = blockIdx.y * kDqWarps;
   const int n0 = n_tile + 4 * lane, kword = kw0 + warp;
   const bool valid = n0 < a.N && kword < a.K / 32;  // no early exit: every thread reaches the barriers
+  const int nq = planes_of<Q>(a);
   unsigned* table = reinterpret_cast<unsigned*>(smem) + warp * kSlots * 32 + lane;
   char* staged = reinterpret_cast<char*>(smem) + kDqWarps * kSlots * 128;
   Word<Q> wd;
   float al[Q][4], off[4];
   if (valid) {
     load_word<Q>(wd, a, kword, n0);
-#pragma unroll
-    for (int q = 0; q < Q; ++q) half4_to_float(wd.alpha[q], al[q]);
+    word_alpha<Q>(wd, a, al);
     word_offsets<Q>(wd, a.offset_dtype, off);
   }
   // The block writes a phase's staged rows in passes of kPass rows: thread t writes 16-byte piece t % kPieces of staged
@@ -315,7 +347,7 @@ __global__ void __launch_bounds__(256) lut_dequantize_kernel(const LutGemvArgs a
       s[0] = 0.f + -al[0][r];
       s[1] = 0.f + al[0][r];
 #pragma unroll
-      for (int q = 1; q < Q; ++q)
+      for (int q = 1; q < kTabQ; ++q)
 #pragma unroll
         for (int c = 0; c < (1 << q); ++c) {
           s[c + (1 << q)] = s[c] + al[q][r];
@@ -323,13 +355,20 @@ __global__ void __launch_bounds__(256) lut_dequantize_kernel(const LutGemvArgs a
         }
 #pragma unroll
       for (int c = 0; c < kSlots; ++c)
-        table[32 * c] = table_entry<OutT>(a.offset_dtype == DType::kNone ? s[c] : s[c] + off[r]);
-      unsigned nib[4] = {0u, 0u, 0u, 0u};
+        table[32 * c] = kWide ? __float_as_uint(s[c])
+                              : table_entry<OutT>(a.offset_dtype == DType::kNone ? s[c] : s[c] + off[r]);
+      unsigned nib[4] = {0u, 0u, 0u, 0u}, nib_hi[4] = {0u, 0u, 0u, 0u};  // nib_hi: planes 4.. the same way
 #pragma unroll
       for (int q = 0; q < Q; ++q) {
+        if (q >= nq) break;
         const unsigned p = word_of(wd.bits[q], r);
+        const int b = q & 3;
 #pragma unroll
-        for (int t = 0; t < 4; ++t) nib[t] = and_or(t >= q ? p >> (t - q) : p << (q - t), 0x11111111u << q, nib[t]);
+        for (int t = 0; t < 4; ++t) {
+          const unsigned moved = t >= b ? p >> (t - b) : p << (b - t);
+          if (q < 4) nib[t] = and_or(moved, 0x11111111u << b, nib[t]);
+          else nib_hi[t] = and_or(moved, 0x11111111u << b, nib_hi[t]);
+        }
       }
       // staged row `lane`, padded by 16 bytes: a quarter warp's 16-byte writes cover the 32 banks
       uint4* dst = reinterpret_cast<uint4*>(staged + lane * (kRun + 16) + warp * (kRun / kDqWarps));
@@ -341,6 +380,15 @@ __global__ void __launch_bounds__(256) lut_dequantize_kernel(const LutGemvArgs a
           const int k = c * kPer16 + j, i = k / 4, t = k % 4;
           const unsigned byte = (4 * i <= 7 ? nib[t] << (7 - 4 * i) : nib[t] >> (4 * i - 7)) & 0x780u;
           e[j] = *reinterpret_cast<const unsigned*>(reinterpret_cast<const char*>(table) + byte);
+          if constexpr (kWide) {
+            float v = __uint_as_float(e[j]);
+#pragma unroll
+            for (int q = 4; q < Q; ++q) {
+              if (q >= nq) break;
+              v = v + (((nib_hi[t] >> (4 * i + q - 4)) & 1u) ? al[q][r] : -al[q][r]);
+            }
+            e[j] = table_entry<OutT>(a.offset_dtype == DType::kNone ? v : v + off[r]);
+          }
         }
         if constexpr (kPer16 == 4) {
           dst[c] = make_uint4(e[0], e[1], e[2], e[3]);
@@ -389,6 +437,7 @@ cudaError_t dispatch_q(const LutGemvArgs& a, const Rotation& r, cudaStream_t s) 
     case 2: return launch<T, M, 2>(a, r, s);
     case 3: return launch<T, M, 3>(a, r, s);
     case 4: return launch<T, M, 4>(a, r, s);
+    case 5: case 6: case 7: case 8: return launch<T, M, kMaxQ>(a, r, s);
     default: return cudaErrorInvalidValue;
   }
 }
@@ -428,6 +477,7 @@ cudaError_t dequantize_q(const LutGemvArgs& a, cudaStream_t s) {
     case 2: return dequantize_launch<OutT, 2>(a, s);
     case 3: return dequantize_launch<OutT, 3>(a, s);
     case 4: return dequantize_launch<OutT, 4>(a, s);
+    case 5: case 6: case 7: case 8: return dequantize_launch<OutT, kMaxQ>(a, s);
     default: return cudaErrorInvalidValue;
   }
 }
@@ -436,7 +486,7 @@ cudaError_t dequantize_q(const LutGemvArgs& a, cudaStream_t s) {
 
 cudaError_t lut_gemv(const LutGemvArgs& a, const Rotation& rot, cudaStream_t stream) {
   if (a.kt % 32 || a.group_size % 32 || a.K % 32 || a.N % 4 || a.threads % 32 || a.threads > 256 ||
-      rotation_invalid(rot)) {
+      (a.uniform && a.Q <= 4) || rotation_invalid(rot)) {
     return cudaErrorInvalidValue;
   }
   if (a.x_dtype == DType::kHalf) return dispatch_m<__half>(a, rot, stream);
@@ -445,7 +495,8 @@ cudaError_t lut_gemv(const LutGemvArgs& a, const Rotation& rot, cudaStream_t str
 }
 
 cudaError_t lut_dequantize(const LutGemvArgs& a, DType out, cudaStream_t stream) {
-  if (a.group_size % 32 || a.K % 32 || a.N % 4 || lut_dequantize_grid(a.N, a.K).y > 65535) return cudaErrorInvalidValue;
+  if (a.group_size % 32 || a.K % 32 || a.N % 4 || (a.uniform && a.Q <= 4) || lut_dequantize_grid(a.N, a.K).y > 65535)
+    return cudaErrorInvalidValue;
   if (out == DType::kFloat) return dequantize_q<float>(a, stream);
   if (out == DType::kHalf) return dequantize_q<__half>(a, stream);
   if (out == DType::kBFloat16) return dequantize_q<__nv_bfloat16>(a, stream);

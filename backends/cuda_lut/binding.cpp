@@ -16,9 +16,12 @@ void weights_of(const at::Tensor& planes, const at::Tensor& alpha, const std::op
   TORCH_CHECK(planes.is_cuda() && planes.scalar_type() == at::kInt && planes.dim() == 3 && planes.is_contiguous(),
               op, ": planes must be contiguous int32 CUDA [K/32, Q, N]");
   const int64_t K = planes.size(0) * 32, Q = planes.size(1), N = planes.size(2);
-  TORCH_CHECK(Q >= 1 && Q <= 4 && N % 4 == 0, op, ": planes ", planes.sizes(), " need 1..4 planes and N % 4 == 0");
-  TORCH_CHECK(alpha.scalar_type() == at::kHalf && alpha.dim() == 3 && alpha.size(1) == Q && alpha.size(2) == N &&
-                  alpha.is_contiguous(), op, ": alpha must be contiguous fp16 [G, Q, N]");
+  TORCH_CHECK(Q >= 1 && Q <= 8 && N % 4 == 0, op, ": planes ", planes.sizes(), " need 1..8 planes and N % 4 == 0");
+  a.uniform = alpha.dim() == 2;  // a uniform layer's scales
+  TORCH_CHECK(!a.uniform || Q > 4, op, ": scales [G, N] in place of alpha need 5..8 planes (1..4 take α [G, Q, N])");
+  TORCH_CHECK(alpha.scalar_type() == at::kHalf && (a.uniform || (alpha.dim() == 3 && alpha.size(1) == Q)) &&
+                  alpha.size(-1) == N && alpha.is_contiguous(), op,
+              ": alpha must be contiguous fp16 [G, Q, N] (α), or [G, N] (a uniform layer's scales, 5..8 planes)");
   TORCH_CHECK(group_size % 32 == 0 && group_size > 0 && alpha.size(0) == (K + group_size - 1) / group_size,
               op, ": alpha has ", alpha.size(0), " groups, K=", K, " group_size=", group_size);
   TORCH_CHECK(alpha.device() == planes.device() && (!offset.has_value() || offset->device() == planes.device()),
