@@ -206,16 +206,17 @@ def _gpu_layer(N, K, bits, group_size):
     return mod.cuda()
 
 
-# 5-8 planes share one kernel (kMaxQ): fewer cases, so the GPU session's test slot stays the same size
-_GPU_CASES = [*itertools.product([(576, 576), (1536, 576), (4096, 4096), (1024, 8192)], [1, 2, 3, 4], [64, 128, -1]),
-              *itertools.product([(1536, 576), (1024, 8192)], [5, 8], [64, -1])]
+# (group_size, bits, N, K), ids as gpu_checks.sh selects them ("128-4-576-576"); 5-8 planes share one kernel (kMaxQ):
+# fewer cases, so the GPU session's test slot stays about the same size
+_GPU_CASES = [(g, q, N, K) for g in (64, 128, -1) for q in (1, 2, 3, 4)
+              for N, K in ((576, 576), (1536, 576), (4096, 4096), (1024, 8192))]
+_GPU_CASES += [(g, q, N, K) for g in (64, -1) for q in (5, 8) for N, K in ((1536, 576), (1024, 8192))]
 
 
 @gpu
-@pytest.mark.parametrize("shape,bits,group_size", _GPU_CASES)
+@pytest.mark.parametrize("group_size,bits,N,K", _GPU_CASES)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_kernel_matches_reference_and_is_deterministic(dtype, group_size, bits, shape):
-    N, K = shape
+def test_kernel_matches_reference_and_is_deterministic(dtype, group_size, bits, N, K):
     assert cuda_lut.available() is None, cuda_lut.available()
     mod = _gpu_layer(N, K, bits, group_size)
     assert mod.layout == "cuda_lut"
