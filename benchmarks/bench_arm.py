@@ -10,7 +10,7 @@ Instruction counts: the standalone harness (backends/arm_neon/harness.cpp) is cr
 ``../shared/tools/arm-insn/build.sh``;
 the count is every instruction executed inside the kernels' symbols (decode, dot products, scaling,
 loop control; not the activation quantization, done once per call), divided by N·K·reps (M = 1) or
-N·K·M·reps (M = 8).  N = K = 4096; BCQ uniform int4 at group 128, codebooks at group 32 (2-bit with
+N·K·M·reps (M = 8).  N = K = 4096; BCQ uniform int4 and 8-bit at group 128, codebooks at group 32 (2-bit with
 4 codebooks), and three 2-bit variants (group 128; one codebook; both).
 
 ``--rotation`` (only this): issue 27's cost of a rotated layer's randomized Hadamard input transform
@@ -42,7 +42,8 @@ from qlinear import BCQLinear, CodebookLinear  # noqa: E402
 ARM = Path(__file__).resolve().parents[1] / "backends" / "arm_neon"
 # (harness format, group size, codebooks, label): the issue's three formats, then 2-bit variants that show what
 # the per-32-input codebook choice costs.
-FORMATS = [("bcq4", 128, 1, "BCQ uniform int4 g128"), ("cb4", 32, 1, "codebook 4-bit g32"),
+FORMATS = [("bcq4", 128, 1, "BCQ uniform int4 g128"), ("u8", 128, 1, "BCQ uniform 8-bit g128"),
+           ("cb4", 32, 1, "codebook 4-bit g32"),
            ("cb2", 32, 4, "codebook 2-bit g32, 4 books"), ("cb2", 128, 4, "codebook 2-bit g128, 4 books"),
            ("cb2", 32, 1, "codebook 2-bit g32, 1 book"), ("cb2", 128, 1, "codebook 2-bit g128, 1 book")]
 # (qemu CPU, layout, GEMV kernel, GEMM kernel)

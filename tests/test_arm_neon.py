@@ -27,16 +27,16 @@ from qlinear.formats import bcq, codebook
 HERE = Path(arm_neon.__file__).parent
 
 
-def _bcq_uniform(N, K, group_size, offset=True, fp32=False, seed=0):
+def _bcq_uniform(N, K, group_size, offset=True, fp32=False, seed=0, bits=4):
     torch.manual_seed(seed)
     if fp32:  # an imported GPTQ-style layer: exact fp32 offsets
         G = -(-K // group_size)
-        codes = torch.randint(0, 16, (N, K))
+        codes = torch.randint(0, 2 ** bits, (N, K))
         scales = (torch.rand(N, G) * 0.02 + 0.001).half().float()
-        zeros = torch.randint(0, 16, (N, G))
-        cfg, bufs = bcq.from_uniform(codes, scales, zeros, 4, group_size)
+        zeros = torch.randint(0, 2 ** bits, (N, G))
+        cfg, bufs = bcq.from_uniform(codes, scales, zeros, bits, group_size)
         return cfg, bufs
-    cfg = bcq.Config(bits=4, group_size=group_size, offset=offset, init="uniform", iters=0)
+    cfg = bcq.Config(bits=bits, group_size=group_size, offset=offset, init="uniform", iters=0)
     return cfg, bcq.quantize(torch.randn(N, K), cfg)
 
 
@@ -50,6 +50,10 @@ def _cases():
     yield "bcq g128", *_bcq_uniform(24, 256, 128)
     yield "bcq g64 fp32 offset ragged", *_bcq_uniform(13, 160, 64, fp32=True)
     yield "bcq no offset g32", *_bcq_uniform(16, 96, 32, offset=False)
+    yield "bcq 8-bit g64", *_bcq_uniform(24, 256, 64, bits=8)
+    yield "bcq 8-bit whole row ragged", *_bcq_uniform(13, 160, -1, bits=8)
+    yield "bcq 8-bit g32 fp32 offset", *_bcq_uniform(16, 96, 32, fp32=True, bits=8)
+    yield "bcq 8-bit no offset", *_bcq_uniform(8, 128, 64, offset=False, bits=8)
     yield "codebook 4-bit", *_codebook(20, 128, 4, 1)
     yield "codebook 2-bit 1 book", *_codebook(8, 96, 2, 1)
     yield "codebook 2-bit 2 books", *_codebook(19, 128, 2, 2)
@@ -179,6 +183,7 @@ def test_registry_reasons():
     assert "multiple of 32" in cb.reject(codebook.Config(bits=2, group_size=16), cpu, torch.float32, 1, (8, 64))
     b = next(k for k in backends.kernels("bcq") if k.backend == "arm_neon")
     assert "bits=3" in b.reject(bcq.Config(bits=3, init="uniform", iters=0), cpu, torch.float32, 1, (8, 64))
+    assert "uniform" in b.reject(bcq.Config(bits=8, iters=1), cpu, torch.float32, 1, (8, 64))
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -231,8 +236,8 @@ def test_native_op_matches_spec_and_reference(name, cfg, bufs, path, layout):
 
 
 @native
-@pytest.mark.parametrize("cfg,bufs", [_codebook(40, 256, 2, 4), _bcq_uniform(40, 256, 64), _codebook(40, 256, 4, 1)],
-                         ids=["cb2", "bcq", "cb4"])
+@pytest.mark.parametrize("cfg,bufs", [_codebook(40, 256, 2, 4), _bcq_uniform(40, 256, 64), _codebook(40, 256, 4, 1),
+                                      _bcq_uniform(40, 256, 64, bits=8)], ids=["cb2", "bcq", "cb4", "bcq8"])
 def test_all_paths_and_layouts_agree_bitwise(cfg, bufs):
     x = torch.randn(9, 256)
     outs = []

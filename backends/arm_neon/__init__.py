@@ -1,10 +1,10 @@
-"""Arm NEON / dotprod / i8mm CPU kernels for :class:`qlinear.CodebookLinear` (bits 2 and 4) and uniform 4-bit
-:class:`qlinear.BCQLinear` (Arm paper: "Highly Optimized Kernels and Fine-Grained Codebooks for LLM Inference
+"""Arm NEON / dotprod / i8mm CPU kernels for :class:`qlinear.CodebookLinear` (bits 2 and 4) and uniform 4-bit and
+8-bit :class:`qlinear.BCQLinear` (Arm paper: "Highly Optimized Kernels and Fine-Grained Codebooks for LLM Inference
 on Arm CPUs", §4 kernels, §5 codebooks).
 
 ``y = x Ŵᵀ + b`` for ``x`` ``[..., K]`` fp32/bf16/fp16 on CPU: activations are quantized to int8 per 32
 inputs (one fp32 scale each, round half to even), weights decoded to int8 (MSB-toggled nibbles with
-one shift or mask for BCQ; one table lookup per 16 weights for codebooks: ``vqtbl1q_s8`` into the
+one shift or mask for BCQ, none at 8 bits; one table lookup per 16 weights for codebooks: ``vqtbl1q_s8`` into the
 16-byte codebook register at 4 bits; at 2 bits, a lookup of two 2-bit indices (a nibble) into 16-entry
 tables, or with several codebooks of (codebook id, nibble) into 64-entry ``vqtbl4q_s8`` tables),
 products accumulated exactly in int32 by SDOT (decode, M ≤ 3) or SMMLA (M ≥ 4, i8mm), then
@@ -22,7 +22,8 @@ per 4 rows and 32 inputs in the GEMV: for prompt-heavy use on i8mm CPUs, ``QLINE
 :func:`default_layout`); the byte order is documented in ``qgemm.h``.
 BCQ must be uniform (the uniform storage: round-to-nearest with ``init="uniform", iters=0``, GPTQ, or imported
 GPTQ/AWQ weights): its layout stores the int4 code XOR 8, one fp16 ``s`` per group and BCQ's offset
-``c = s·(7.5 − z)`` in float32 (``w = s·(code − 7.5) + c``).
+``c = s·(7.5 − z)`` in float32 (``w = s·(code − 7.5) + c``); at 8 bits the byte code XOR 0x80 (``code − 128`` as
+int8, 256 bytes per block: the vectors ``V[c][p]`` as they are) and ``c = s·(127.5 − z)``.
 
 :func:`spec` is the executable PyTorch specification of the kernels' arithmetic over these layouts.
 Error versus the reference backend comes only from the int8 activations: per output
@@ -54,7 +55,7 @@ __all__ = ["BCQ_LAYOUT", "CODEBOOK_LAYOUT", "LAYOUT", "default_layout", "spec", 
 
 _HERE = Path(__file__).parent
 PATHS = {"auto": 0, "neon": 1, "dotprod": 2, "i8mm": 3}
-_FMT_BCQ4, _FMT_CB4, _FMT_CB2 = 0, 1, 2
+_FMT_BCQ4, _FMT_CB4, _FMT_CB2, _FMT_U8 = 0, 1, 2, 3
 
 
 # Per layout: the [Nb·8, K] codes viewed as (Nb, row bits.., H, input bits..) and the permutation to
@@ -155,28 +156,38 @@ def _words_of_sdot(qw: torch.Tensor, N: int) -> torch.Tensor:
 
 
 def repack_bcq(buffers: dict, cfg, N: int, K: int, layout: Optional[str] = None) -> dict:
-    """Canonical uniform 4-bit BCQ -> ``layout`` (None: :data:`LAYOUT`) (``arm_qw`` uint8 ``[Nb, K/32, 128]``,
-    ``arm_qs`` fp16 ``[Nb, G, 8]``, ``arm_qz`` ``[Nb, G, 8]`` of the offset's dtype).  Raises ValueError for
-    non-uniform α or an unknown layout."""
+    """Canonical uniform 4-bit or 8-bit BCQ -> ``layout`` (None: :data:`LAYOUT`) (``arm_qw`` uint8
+    ``[Nb, K/32, 128]``, at 8 bits ``[Nb, K/32, 256]``, ``arm_qs`` fp16 ``[Nb, G, 8]``, ``arm_qz`` float32
+    ``[Nb, G, 8]``).  Raises ValueError for non-uniform α or an unknown layout."""
     layout = _layout_arg(layout)
-    words = layout == "sdot" and "qweight" in buffers and sys.byteorder == "little"
+    words = cfg.bits == 4 and layout == "sdot" and "qweight" in buffers and sys.byteorder == "little"
     codes, s, zeros = bcq.uniform_parts(buffers, cfg, N, K, codes=None if words else torch.uint8)
-    qw = _sdot_words(buffers["qweight"], N, K) if words else _pack_nibbles(_blocks(codes ^ 8, N, K, layout))
+    if words:
+        qw = _sdot_words(buffers["qweight"], N, K)
+    elif cfg.bits == 8:
+        qw = _blocks(codes ^ 0x80, N, K, layout).reshape(-1, K // 32, 256).contiguous()
+    else:
+        qw = _pack_nibbles(_blocks(codes ^ 8, N, K, layout))
     out = {"arm_qw": qw, "arm_qs": pad_groups(s, N, 8)}
     if zeros is not None:
-        out["arm_qz"] = pad_groups(bcq.uniform_offset(s, zeros, 4), N, 8)
+        out["arm_qz"] = pad_groups(bcq.uniform_offset(s, zeros, cfg.bits), N, 8)
     return out
 
 
 def unrepack_bcq(buffers: dict, cfg, N: int, K: int, layout: Optional[str] = None) -> dict:
     """``layout`` (None: :data:`LAYOUT`) -> canonical BCQ buffers (exact inverse of :func:`repack_bcq`)."""
     layout = _layout_arg(layout)
-    words = layout == "sdot" and sys.byteorder == "little"
+    words = cfg.bits == 4 and layout == "sdot" and sys.byteorder == "little"
     qweight = _words_of_sdot(buffers["arm_qw"], N) if words else None
-    codes = None if words else _unblocks(_unpack_nibbles(buffers["arm_qw"]), N, K, layout) ^ 8
+    codes = None if words else _unblocks(_vectors(buffers["arm_qw"], cfg.bits), N, K, layout) ^ (2 ** (cfg.bits - 1))
     s = unpad_groups(buffers["arm_qs"], N)
-    zeros = bcq.uniform_zeros(s, unpad_groups(buffers["arm_qz"], N), 4) if "arm_qz" in buffers else None
-    return bcq.uniform_buffers(codes, s, zeros, 4, qweight=qweight)
+    zeros = bcq.uniform_zeros(s, unpad_groups(buffers["arm_qz"], N), cfg.bits) if "arm_qz" in buffers else None
+    return bcq.uniform_buffers(codes, s, zeros, cfg.bits, qweight=qweight)
+
+
+def _vectors(qw: torch.Tensor, bits: int) -> torch.Tensor:
+    """A BCQ layer's ``arm_qw`` -> its stored values ``[Nb, H, 4, 4, 16]`` (codes XOR 8, or at 8 bits XOR 0x80)."""
+    return qw.view(*qw.shape[:2], 4, 4, 16) if bits == 8 else _unpack_nibbles(qw)
 
 
 def repack_codebook(buffers: dict, cfg, N: int, K: int, layout: Optional[str] = None) -> dict:
@@ -238,6 +249,8 @@ CODEBOOK_LAYOUT = Layout(name="arm_neon_codebook" + _SUFFIX,
 def _weights_int8(buffers: dict, format: int, cfg, N: int, K: int, layout: str) -> torch.Tensor:
     """The int8 weights ``[Nb·8, K]`` (int64) the kernels decode, read through the packed ``layout``."""
     qw = buffers["arm_qw"]
+    if format == _FMT_U8:  # code XOR 0x80 read as int8: code − 128
+        return _unblocks(_vectors(qw, 8).view(torch.int8), qw.shape[0] * 8, K, layout).to(torch.int64)
     idx = _unpack_crumbs(qw) if format == _FMT_CB2 else _unpack_nibbles(qw)
     rows = _unblocks(idx, qw.shape[0] * 8, K, layout).to(torch.int64)
     if format == _FMT_BCQ4:
@@ -265,7 +278,7 @@ def spec(x: torch.Tensor, buffers: dict, bias, cfg, format: int, N: int, K: int,
     per = gs // 32
     t = s.repeat_interleave(per, 1)[:, :H] * (xs * (0.0625 if format == _FMT_BCQ4 else 1.0))[:, None, :]
     y = (isum.float() * t).sum(-1)
-    if format == _FMT_BCQ4:
+    if format in (_FMT_BCQ4, _FMT_U8):
         c = unpad_groups(buffers["arm_qz"], s.shape[0]).float() if cfg.offset else torch.zeros_like(s)
         z = c + 0.5 * s                                                        # [Nb·8, G]
         G = s.shape[1]
@@ -293,7 +306,9 @@ def available() -> Optional[str]:
 
 
 def _format(cfg) -> int:
-    return _FMT_BCQ4 if cfg.format == "bcq" else (_FMT_CB4 if cfg.bits == 4 else _FMT_CB2)
+    if cfg.format == "bcq":
+        return _FMT_U8 if cfg.bits == 8 else _FMT_BCQ4
+    return _FMT_CB4 if cfg.bits == 4 else _FMT_CB2
 
 
 def linear(x: torch.Tensor, buffers: dict, bias, cfg, out_features: int, in_features: int, path: str = "auto",
@@ -315,8 +330,8 @@ def linear(x: torch.Tensor, buffers: dict, bias, cfg, out_features: int, in_feat
 
 def supports_bcq(cfg, out_features: int, in_features: int) -> Optional[str]:
     """Why the kernel cannot run a BCQ layer of this config (None if it can)."""
-    if cfg.bits != 4:
-        return f"bits={cfg.bits}: only 4-bit uniform BCQ is supported"
+    if cfg.bits not in (4, 8):
+        return f"bits={cfg.bits}: only 4-bit and 8-bit uniform BCQ are supported"
     if not bcq.is_uniform(cfg):
         return "α must be uniform (GPTQ, round-to-nearest init='uniform', iters=0, or imported GPTQ/AWQ weights)"
     if cfg.group_size != -1 and cfg.group_size % 32:
@@ -327,7 +342,7 @@ def supports_bcq(cfg, out_features: int, in_features: int) -> Optional[str]:
 # Preferred on Arm; on x86 (SIMDe emulation) below the reference unless benchmarks/bench_arm.py shows a win.
 _PRIORITY = 20 if platform.machine() in ("aarch64", "arm64") else -10
 for _fmt, _bits, _layout, _supports in (("codebook", {2, 4}, CODEBOOK_LAYOUT, supports_codebook),
-                                        ("bcq", {4}, BCQ_LAYOUT, supports_bcq)):
+                                        ("bcq", {4, 8}, BCQ_LAYOUT, supports_bcq)):
     register(Kernel(backend="arm_neon", format=_fmt, fn=linear, priority=_PRIORITY, devices=frozenset({"cpu"}),
                     bits=frozenset(_bits), group_sizes=ANY, max_batch=ANY, min_capability=ANY,
                     dtypes=frozenset({torch.float32, torch.float16, torch.bfloat16}), supports=_supports,

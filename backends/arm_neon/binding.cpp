@@ -20,7 +20,7 @@ at::Tensor arm_gemm(const at::Tensor& x, const at::Tensor& qw, const at::Tensor&
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(),
               "arm_gemm: x must be a contiguous float32 CPU [M, K] tensor");
   const int64_t M = x.size(0), K = x.size(1), Nb = (N + 7) / 8;
-  TORCH_CHECK(format >= 0 && format <= 2, "arm_gemm: unknown format ", format);
+  TORCH_CHECK(format >= 0 && format <= 3, "arm_gemm: unknown format ", format);
   TORCH_CHECK(layout == qlinear_arm::kLayoutMMLA || layout == qlinear_arm::kLayoutSDOT, "arm_gemm: unknown layout ",
               layout);
   TORCH_CHECK(K > 0 && K % 32 == 0 && group_size > 0 && group_size % 32 == 0,
@@ -52,7 +52,7 @@ at::Tensor arm_gemm(const at::Tensor& x, const at::Tensor& qw, const at::Tensor&
                 "arm_gemm: qb must be contiguous int16 [", Nb, ", ", G, "]");
     w.qb = reinterpret_cast<const uint16_t*>(qb->data_ptr<int16_t>());
   }
-  if (format != qlinear_arm::kBCQ4) {
+  if (!qlinear_arm::has_offset((int)format)) {
     const int64_t levels = format == qlinear_arm::kCB4 ? 16 : 4;
     TORCH_CHECK(num_books >= 1 && num_books * levels <= 16,
                 "arm_gemm: ", num_books, " codebooks of ", levels, " entries do not fit in 16 bytes");

@@ -42,6 +42,21 @@ struct DecBCQ4 : ByChunk<DecBCQ4> {
   }
 };
 
+// BCQ uniform 8-bit: the int8 vectors as stored (code XOR 0x80 = code − 128), chunk c the 64 bytes 64c...
+struct DecU8 : ByChunk<DecU8> {
+  static constexpr int kBytes = 256;
+  static constexpr bool kOffset = true;
+  DecU8() = default;
+  explicit DecU8(const Weights&) {}
+  QL_INLINE void chunk(const uint8_t* blk, int c, int8x16_t v[4]) const {
+    const int8_t* at = reinterpret_cast<const int8_t*>(blk) + 64 * c;
+    v[0] = vld1q_s8(at);
+    v[1] = vld1q_s8(at + 16);
+    v[2] = vld1q_s8(at + 32);
+    v[3] = vld1q_s8(at + 48);
+  }
+};
+
 // Codebook, 16 centroids, 4-bit indices: one TBL per vector.
 struct DecCB4 : ByChunk<DecCB4> {
   static constexpr bool kOffset = false;
@@ -169,6 +184,7 @@ inline void with_decoder(const Weights& w, F&& f) {
   switch (w.format) {
     case kBCQ4: { DecBCQ4 d(w); f(d); break; }
     case kCB4: { DecCB4 d(w); f(d); break; }
+    case kU8: { DecU8 d(w); f(d); break; }
     default:
       if (w.num_books > 1) { DecCB2<true, kSdot> d(w); f(d); } else { DecCB2<false, kSdot> d(w); f(d); }
   }

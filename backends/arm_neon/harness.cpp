@@ -7,7 +7,7 @@
 //   harness bench FORMAT M N K REPS [GROUP [BOOKS [LAYOUT [BLOCK [PALEY]]]]]
 //                                     REPS calls of activation quantization and the auto-dispatched kernel
 //                                     (for the qemu plugin that counts executed instructions per symbol);
-//                                     FORMAT bcq4|cb4|cb2, GROUP 128 (bcq4) / 32, BOOKS 4 (cb2) / 1, LAYOUT
+//                                     FORMAT bcq4|cb4|cb2|u8, GROUP 128 (bcq4) / 32, BOOKS 4 (cb2) / 1, LAYOUT
 //                                     sdot (the default repack's) / mmla; BLOCK > 0: a rotated layer, each
 //                                     call first transforms x in rotate_input_counted (seed 1; PALEY: a file of
 //                                     backends/_cpu.py paley_argument's float32 factor when the block has one)
@@ -63,9 +63,9 @@ static void make_layer(Layer& L, int format, int books, int N, int K, int group,
   L.books.resize(16);
   for (auto& v : L.books) v = (int8_t)(rnd() % 255 - 127);
   L.w = Weights{L.qw.data(), L.qs.data(), nullptr, books > 1 ? L.qb.data() : nullptr,
-                format == kBCQ4 ? nullptr : L.books.data(), format, books, N, K, group, false, layout};
-  if (format == kBCQ4 && offset_kind == 1) L.w.qz = L.qz16.data();
-  if (format == kBCQ4 && offset_kind == 2) { L.w.qz = L.qz32.data(); L.w.qz_f32 = true; }
+                has_offset(format) ? nullptr : L.books.data(), format, books, N, K, group, false, layout};
+  if (has_offset(format) && offset_kind == 1) L.w.qz = L.qz16.data();
+  if (has_offset(format) && offset_kind == 2) { L.w.qz = L.qz32.data(); L.w.qz_f32 = true; }
 }
 
 // The activation workspace starts as junk, as torch's at::empty may leave it: prepare_acts must set what is read.
@@ -75,7 +75,7 @@ static int test() {
   const int best = cpu_path();
   printf("dispatch: %s\n", path_name(best));
   int failures = 0, cases = 0;
-  const int formats[] = {kBCQ4, kCB4, kCB2};
+  const int formats[] = {kBCQ4, kCB4, kCB2, kU8};
   const int shapes[][2] = {{8, 32}, {13, 96}, {24, 128}, {40, 160}, {64, 256}, {3, 64}, {16, 192}, {8, 480}};
   for (int layout : {kLayoutMMLA, kLayoutSDOT})
   for (int f : formats) {
@@ -87,7 +87,7 @@ static int test() {
           for (int M = 1; M <= 9; ++M) {
             Layer L;
             // BCQ: offsets none, fp16, fp32
-            make_layer(L, f, book_opts[bi], N, K, group, f == kBCQ4 ? bi : 0, layout);
+            make_layer(L, f, book_opts[bi], N, K, group, has_offset(f) ? bi : 0, layout);
             std::vector<float> x((size_t)M * K), bias(N);
             for (auto& v : x) v = ((int)(rnd() % 20001) - 10000) / 3000.f;
             if (M == 5) for (int k = 0; k < K; ++k) x[k] = 0.f;  // an all-zero row
@@ -199,9 +199,9 @@ static int bench(const char* fmt, int M, int N, int K, int reps, int group, int 
   }
   Rotation rot;
   if (block && !make_rotation(rot, K, block, 1, paley_file)) return 2;
-  const int f = !strcmp(fmt, "bcq4") ? kBCQ4 : !strcmp(fmt, "cb4") ? kCB4 : kCB2;
+  const int f = !strcmp(fmt, "bcq4") ? kBCQ4 : !strcmp(fmt, "cb4") ? kCB4 : !strcmp(fmt, "u8") ? kU8 : kCB2;
   Layer L;
-  make_layer(L, f, books, N, K, group, f == kBCQ4 ? 1 : 0, layout);
+  make_layer(L, f, books, N, K, group, has_offset(f) ? 1 : 0, layout);
   std::vector<float> x((size_t)M * K), xr(block ? (size_t)M * K : 0), y((size_t)M * N);
   for (auto& v : x) v = ((int)(rnd() % 2001) - 1000) / 100.f;
   std::vector<char> ws(acts_bytes(M, K, group) + 16, kJunk);

@@ -25,7 +25,7 @@
 
 namespace qlinear_arm {
 
-int block_bytes(int format) { return format == kCB2 ? 64 : 128; }
+int block_bytes(int format) { return format == kCB2 ? 64 : format == kU8 ? 256 : 128; }
 
 static inline size_t align16(size_t n) { return (n + 15) & ~(size_t)15; }
 
@@ -695,7 +695,8 @@ template <int M, typename Dot, bool kSdot, typename Dec>
 static void gemv(const Weights& w, const Acts& a, int m0, const float* bias, float* y, int b0, int b1, Dec& dec) {
   int b = b0;
 #if defined(__aarch64__)
-  if constexpr (M == 1 && std::is_same<Dot, DotSDOT>::value) {  // every decoder has an assembly GEMV
+  if constexpr (M == 1 && std::is_same<Dot, DotSDOT>::value && !std::is_same<Dec, DecU8>::value) {
+    // every decoder but the 8-bit one has an assembly GEMV
     if (w.K % w.group_size == 0) return gemv_asm<kSdot>(w, a, m0, bias, y, b0, b1, dec);
   }
 #endif
@@ -766,6 +767,7 @@ static int weight_at(const Weights& w, int b, int h, int r, int k) {
   const int H = w.K / 32, c = sdot ? k % 16 / 4 : k / 8, p = sdot ? 2 * (r / 4) + k / 16 : r / 2;
   const int i = sdot ? 4 * (r % 4) + k % 4 : (r % 2) * 8 + k % 8;
   const uint8_t* blk = w.qw + ((size_t)b * H + h) * block_bytes(w.format);
+  if (w.format == kU8) return (int8_t)blk[64 * c + 16 * p + i];
   if (w.format == kCB2) {
     const int idx = (blk[16 * p + i] >> (2 * c)) & 3;
     int book = 0;
@@ -791,7 +793,7 @@ void reference(const Weights& w, const Acts& a, const float* bias, float* y) {
         for (int h = 0; h < H; ++h) {
           const size_t at = ((size_t)b * G + h / per_group) * 8 + r;
           const float s = half_to_float(w.qs[at]);
-          if (w.format == kBCQ4 && h % per_group == 0) {
+          if (has_offset(w.format) && h % per_group == 0) {
             const float c = w.qz_f32 ? static_cast<const float*>(w.qz)[at]
                             : w.qz   ? half_to_float(static_cast<const uint16_t*>(w.qz)[at])
                                      : 0.f;

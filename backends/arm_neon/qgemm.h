@@ -17,6 +17,8 @@
 //     V[c][p] byte i at bits 2c, 2c+1: the low nibble serves chunks 0-1 of the row pair, the high nibble
 //     chunks 2-3.  TBL index = book << 4 | nibble into 64-entry tables (with one codebook: the nibble into
 //     16-entry tables).
+//   - 8 bits (BCQ uniform 8-bit): 256 bytes; V[c][p] is bytes 64c + 16p .. 64c + 16p + 15, each code XOR 0x80,
+//     i.e. code − 128 as int8 (kU8: w = s·(int8 + 0.5) + c with BCQ's offset c = s·(127.5 − z)).
 //   qs[b][g][8] fp16 scales of the 8 rows for group g; qz[b][g][8] BCQ offsets (fp16 or fp32);
 //   qb[b][g] codebook ids of the 8 rows, 2 bits each, when C > 1: row r at bits 8(r%2)+2(r/2) and the next
 //   (even rows in the low byte, odd rows in the high byte; book_shift(r, layout)).
@@ -28,7 +30,8 @@
 // p = 2, 3 rows 4-7, each book vector serving one 4-row quad.
 //
 // Per row n, in this order, identically on every path (so all paths agree bit for bit): at the start
-// of each group g, BCQ only: z = fma(0.5, s, c); acc = fma(z, xsum[g], acc)  (w = s·(code − 7.5) + c);
+// of each group g, BCQ only: z = fma(0.5, s, c); acc = fma(z, xsum[g], acc)  (w = s·(code − 7.5) + c, 8 bits:
+// s·(code − 127.5) + c);
 // then per 32-input block h of the group: isum = Σ int8 w · int8 xq (exact int32),
 //   t = ws[n,g] · xs[h];  acc = fma(float(isum), t, acc);
 // and y = acc + bias.  BCQ's xs is divided by 16 (the nibbles are 16x).
@@ -38,7 +41,9 @@
 
 namespace qlinear_arm {
 
-enum Format : int { kBCQ4 = 0, kCB4 = 1, kCB2 = 2 };
+enum Format : int { kBCQ4 = 0, kCB4 = 1, kCB2 = 2, kU8 = 3 };
+// Formats with BCQ's per-group offset (uniform codes with zero points).
+inline bool has_offset(int format) { return format == kBCQ4 || format == kU8; }
 enum Path : int { kAuto = 0, kPlain = 1, kDot = 2, kMMLA = 3 };
 enum Layout : int { kLayoutMMLA = 0, kLayoutSDOT = 1 };
 
