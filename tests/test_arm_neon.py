@@ -54,6 +54,8 @@ def _cases():
     yield "bcq 8-bit whole row ragged", *_bcq_uniform(13, 160, -1, bits=8)
     yield "bcq 8-bit g32 fp32 offset", *_bcq_uniform(16, 96, 32, fp32=True, bits=8)
     yield "bcq 8-bit no offset", *_bcq_uniform(8, 128, 64, offset=False, bits=8)
+    yield "bcq 5-bit g32 fp32 offset", *_bcq_uniform(16, 96, 32, fp32=True, bits=5)
+    yield "bcq 6-bit no offset", *_bcq_uniform(13, 128, 64, offset=False, bits=6)
     yield "codebook 4-bit", *_codebook(20, 128, 4, 1)
     yield "codebook 2-bit 1 book", *_codebook(8, 96, 2, 1)
     yield "codebook 2-bit 2 books", *_codebook(19, 128, 2, 2)
@@ -183,6 +185,7 @@ def test_registry_reasons():
     assert "multiple of 32" in cb.reject(codebook.Config(bits=2, group_size=16), cpu, torch.float32, 1, (8, 64))
     b = next(k for k in backends.kernels("bcq") if k.backend == "arm_neon")
     assert "bits=3" in b.reject(bcq.Config(bits=3, init="uniform", iters=0), cpu, torch.float32, 1, (8, 64))
+    assert arm_neon.supports_bcq(bcq.Config(bits=7, init="uniform", iters=0), 8, 64) is None
     assert "uniform" in b.reject(bcq.Config(bits=8, iters=1), cpu, torch.float32, 1, (8, 64))
 
 

@@ -53,7 +53,7 @@ def _layer(N, K, group_size, offset=True, imported=False, seed=0, free=False, bi
     return cfg, bcq.quantize(torch.randn(N, K, generator=g), cfg)
 
 
-CASES = {  # (N, K, group size, offset, imported, free α, bits); all but uniform 4/8-bit take the bit-plane layout
+CASES = {  # (N, K, group size, offset, imported, free α, bits); all but uniform 4-8 bit take the bit-plane layout
     "g128": (48, 256, 128, True, False, False, 4),
     "g64 ragged N tail": (40, 320, 64, True, True, False, 4),  # 40 rows: a half-filled last block
     "g128 ragged last group": (24, 576, 128, True, False, False, 4),  # SmolLM2's 576 inputs: 4 groups of 128, one of 64
@@ -65,6 +65,9 @@ CASES = {  # (N, K, group size, offset, imported, free α, bits); all but unifor
     "uniform 8-bit g64 imported": (40, 320, 64, True, True, False, 8),  # codes and zero points over 0..255
     "uniform 8-bit g128 ragged last group": (24, 576, 128, True, False, False, 8),
     "uniform 8-bit no offset whole row": (17, 128, -1, False, False, False, 8),
+    "uniform 5-bit g64 imported": (40, 320, 64, True, True, False, 5),  # 5-7 bit codes take the 8-bit bytes
+    "uniform 6-bit no offset g32": (17, 96, 32, False, False, False, 6),
+    "uniform 7-bit g128 ragged last group": (24, 576, 128, True, False, False, 7),
     "free α g64 ragged N tail": (40, 320, 64, True, False, True, 4),
     "free α g128 ragged last group": (24, 576, 128, True, False, True, 4),
     "free α no offset whole row": (17, 128, -1, False, False, True, 4),
@@ -101,7 +104,7 @@ def _repack(cfg, bufs, N, K):
 
 
 def _planes(cfg) -> bool:
-    return not (bcq.is_uniform(cfg) and (cfg.bits in (4, 8) or (cfg.bits == 2 and cfg.offset)))
+    return not (bcq.is_uniform(cfg) and (cfg.bits >= 4 or (cfg.bits == 2 and cfg.offset)))
 
 
 def _dense(cfg, bufs, N, K):
@@ -225,10 +228,11 @@ def test_layout_round_trip_is_exact(name):
     assert tuple(packed) == x86.LAYOUT.names(cfg)
     Nb, G, B = -(-N // 16), (bufs["scales"] if "scales" in bufs else bufs["alpha"][0]).shape[1], cfg.bits
     crumbs = bcq.is_uniform(cfg) and B == 2 and cfg.offset  # 2-bit codes 4 per byte, zero points as book words
+    W = 8 if bcq.is_uniform(cfg) and B > 4 else B  # 5-7 bit codes a byte each
     assert [(t.dtype, tuple(t.shape)) for t in packed.values()] == [
-        (torch.uint8, (Nb, K // 32, B, 64) if _planes(cfg) else (Nb, K * B // 32, 64)),
+        (torch.uint8, (Nb, K // 32, B, 64) if _planes(cfg) else (Nb, K * W // 32, 64)),
         *([(torch.float16, (Nb, G, 16)), (torch.int32, (Nb, G))] if crumbs else
-          [(torch.float16, (Nb, G, 16)), (torch.int16 if B == 8 else torch.uint8, (Nb, G, 16))]
+          [(torch.float16, (Nb, G, 16)), (torch.int16 if W == 8 else torch.uint8, (Nb, G, 16))]
           if bcq.is_uniform(cfg) else
           [(torch.float16, (Nb, G, B, 16)), (torch.float16, (Nb, G, 16))])]
     back = x86.unrepack(packed, cfg, N, K)
@@ -605,10 +609,10 @@ def test_registry_reasons():
     for bits in (1, 2, 3, 4):  # uniform and free α
         assert k.reject(bcq.Config(bits=bits, group_size=128), cpu, torch.float32, 1, (64, 256)) is None
         assert k.reject(bcq.Config(bits=bits, init="uniform", iters=0), cpu, torch.float32, 1, (64, 256)) is None
-    assert k.reject(bcq.Config(bits=8, init="uniform", iters=0), cpu, torch.float32, 1, (64, 256)) is None
-    assert "1-4 planes" in k.reject(bcq.Config(bits=8, group_size=128), cpu, torch.float32, 1, (64, 256))
+    for bits in (5, 6, 7, 8):  # uniform only, as bytes
+        assert k.reject(bcq.Config(bits=bits, init="uniform", iters=0), cpu, torch.float32, 1, (64, 256)) is None
+        assert "1-4 planes" in k.reject(bcq.Config(bits=bits, group_size=128), cpu, torch.float32, 1, (64, 256))
     assert "fp32 offsets" in k.reject(bcq.Config(bits=4, fp32_offset=True), cpu, torch.float32, 1, (64, 256))
-    assert "bits=5" in k.reject(bcq.Config(bits=5, init="uniform", iters=0), cpu, torch.float32, 1, (64, 256))
     cb = next(k for k in backends.kernels("codebook") if k.backend == "x86")
     assert cb.reject(codebook.Config(bits=2, group_size=64), cpu, torch.bfloat16, 1, (64, 256)) is None
     assert "bits=1" in cb.reject(codebook.Config(bits=1), cpu, torch.float32, 1, (64, 256))

@@ -22,8 +22,8 @@ per 4 rows and 32 inputs in the GEMV: for prompt-heavy use on i8mm CPUs, ``QLINE
 :func:`default_layout`); the byte order is documented in ``qgemm.h``.
 BCQ must be uniform (the uniform storage: round-to-nearest with ``init="uniform", iters=0``, GPTQ, or imported
 GPTQ/AWQ weights): its layout stores the int4 code XOR 8, one fp16 ``s`` per group and BCQ's offset
-``c = s·(7.5 − z)`` in float32 (``w = s·(code − 7.5) + c``); at 8 bits the byte code XOR 0x80 (``code − 128`` as
-int8, 256 bytes per block: the vectors ``V[c][p]`` as they are) and ``c = s·(127.5 − z)``.
+``c = s·(7.5 − z)`` in float32 (``w = s·(code − 7.5) + c``); at 5-8 bits ``code − 2^(q−1)`` as an int8 byte (256
+bytes per block: the vectors ``V[c][p]`` as they are; at 8 bits the code XOR 0x80) and ``c = s·((2^q − 1)/2 − z)``.
 
 :func:`spec` is the executable PyTorch specification of the kernels' arithmetic over these layouts.
 Error versus the reference backend comes only from the int8 activations: per output
@@ -156,16 +156,17 @@ def _words_of_sdot(qw: torch.Tensor, N: int) -> torch.Tensor:
 
 
 def repack_bcq(buffers: dict, cfg, N: int, K: int, layout: Optional[str] = None) -> dict:
-    """Canonical uniform 4-bit or 8-bit BCQ -> ``layout`` (None: :data:`LAYOUT`) (``arm_qw`` uint8
-    ``[Nb, K/32, 128]``, at 8 bits ``[Nb, K/32, 256]``, ``arm_qs`` fp16 ``[Nb, G, 8]``, ``arm_qz`` float32
+    """Canonical uniform 4-bit or 5-8 bit BCQ -> ``layout`` (None: :data:`LAYOUT`) (``arm_qw`` uint8
+    ``[Nb, K/32, 128]``, at 5-8 bits ``[Nb, K/32, 256]``, ``arm_qs`` fp16 ``[Nb, G, 8]``, ``arm_qz`` float32
     ``[Nb, G, 8]``).  Raises ValueError for non-uniform α or an unknown layout."""
     layout = _layout_arg(layout)
     words = cfg.bits == 4 and layout == "sdot" and "qweight" in buffers and sys.byteorder == "little"
     codes, s, zeros = bcq.uniform_parts(buffers, cfg, N, K, codes=None if words else torch.uint8)
     if words:
         qw = _sdot_words(buffers["qweight"], N, K)
-    elif cfg.bits == 8:
-        qw = _blocks(codes ^ 0x80, N, K, layout).reshape(-1, K // 32, 256).contiguous()
+    elif cfg.bits > 4:  # code − 2^(q−1) as int8 bytes
+        stored = (codes.to(torch.int16) - 2 ** (cfg.bits - 1)).to(torch.int8).view(torch.uint8)
+        qw = _blocks(stored, N, K, layout).reshape(-1, K // 32, 256).contiguous()
     else:
         qw = _pack_nibbles(_blocks(codes ^ 8, N, K, layout))
     out = {"arm_qw": qw, "arm_qs": pad_groups(s, N, 8)}
@@ -179,15 +180,20 @@ def unrepack_bcq(buffers: dict, cfg, N: int, K: int, layout: Optional[str] = Non
     layout = _layout_arg(layout)
     words = cfg.bits == 4 and layout == "sdot" and sys.byteorder == "little"
     qweight = _words_of_sdot(buffers["arm_qw"], N) if words else None
-    codes = None if words else _unblocks(_vectors(buffers["arm_qw"], cfg.bits), N, K, layout) ^ (2 ** (cfg.bits - 1))
+    codes = None
+    if cfg.bits > 4:
+        stored = _unblocks(_vectors(buffers["arm_qw"], cfg.bits).view(torch.int8), N, K, layout)
+        codes = (stored.to(torch.int16) + 2 ** (cfg.bits - 1)).to(torch.uint8)
+    elif not words:
+        codes = _unblocks(_unpack_nibbles(buffers["arm_qw"]), N, K, layout) ^ 8
     s = unpad_groups(buffers["arm_qs"], N)
     zeros = bcq.uniform_zeros(s, unpad_groups(buffers["arm_qz"], N), cfg.bits) if "arm_qz" in buffers else None
     return bcq.uniform_buffers(codes, s, zeros, cfg.bits, qweight=qweight)
 
 
 def _vectors(qw: torch.Tensor, bits: int) -> torch.Tensor:
-    """A BCQ layer's ``arm_qw`` -> its stored values ``[Nb, H, 4, 4, 16]`` (codes XOR 8, or at 8 bits XOR 0x80)."""
-    return qw.view(*qw.shape[:2], 4, 4, 16) if bits == 8 else _unpack_nibbles(qw)
+    """A BCQ layer's ``arm_qw`` -> its stored values ``[Nb, H, 4, 4, 16]`` (codes XOR 8; at 5-8 bits the bytes)."""
+    return qw.view(*qw.shape[:2], 4, 4, 16) if bits > 4 else _unpack_nibbles(qw)
 
 
 def repack_codebook(buffers: dict, cfg, N: int, K: int, layout: Optional[str] = None) -> dict:
@@ -249,7 +255,7 @@ CODEBOOK_LAYOUT = Layout(name="arm_neon_codebook" + _SUFFIX,
 def _weights_int8(buffers: dict, format: int, cfg, N: int, K: int, layout: str) -> torch.Tensor:
     """The int8 weights ``[Nb·8, K]`` (int64) the kernels decode, read through the packed ``layout``."""
     qw = buffers["arm_qw"]
-    if format == _FMT_U8:  # code XOR 0x80 read as int8: code − 128
+    if format == _FMT_U8:  # the bytes read as int8: code − 2^(q−1)
         return _unblocks(_vectors(qw, 8).view(torch.int8), qw.shape[0] * 8, K, layout).to(torch.int64)
     idx = _unpack_crumbs(qw) if format == _FMT_CB2 else _unpack_nibbles(qw)
     rows = _unblocks(idx, qw.shape[0] * 8, K, layout).to(torch.int64)
@@ -307,7 +313,7 @@ def available() -> Optional[str]:
 
 def _format(cfg) -> int:
     if cfg.format == "bcq":
-        return _FMT_U8 if cfg.bits == 8 else _FMT_BCQ4
+        return _FMT_U8 if cfg.bits > 4 else _FMT_BCQ4
     return _FMT_CB4 if cfg.bits == 4 else _FMT_CB2
 
 
@@ -330,8 +336,8 @@ def linear(x: torch.Tensor, buffers: dict, bias, cfg, out_features: int, in_feat
 
 def supports_bcq(cfg, out_features: int, in_features: int) -> Optional[str]:
     """Why the kernel cannot run a BCQ layer of this config (None if it can)."""
-    if cfg.bits not in (4, 8):
-        return f"bits={cfg.bits}: only 4-bit and 8-bit uniform BCQ are supported"
+    if cfg.bits < 4:
+        return f"bits={cfg.bits}: only 4-8 bit uniform BCQ is supported"
     if not bcq.is_uniform(cfg):
         return "α must be uniform (GPTQ, round-to-nearest init='uniform', iters=0, or imported GPTQ/AWQ weights)"
     if cfg.group_size != -1 and cfg.group_size % 32:
@@ -342,7 +348,7 @@ def supports_bcq(cfg, out_features: int, in_features: int) -> Optional[str]:
 # Preferred on Arm; on x86 (SIMDe emulation) below the reference unless benchmarks/bench_arm.py shows a win.
 _PRIORITY = 20 if platform.machine() in ("aarch64", "arm64") else -10
 for _fmt, _bits, _layout, _supports in (("codebook", {2, 4}, CODEBOOK_LAYOUT, supports_codebook),
-                                        ("bcq", {4, 8}, BCQ_LAYOUT, supports_bcq)):
+                                        ("bcq", {4, 5, 6, 7, 8}, BCQ_LAYOUT, supports_bcq)):
     register(Kernel(backend="arm_neon", format=_fmt, fn=linear, priority=_PRIORITY, devices=frozenset({"cpu"}),
                     bits=frozenset(_bits), group_sizes=ANY, max_batch=ANY, min_capability=ANY,
                     dtypes=frozenset({torch.float32, torch.float16, torch.bfloat16}), supports=_supports,

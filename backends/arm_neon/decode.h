@@ -42,7 +42,7 @@ struct DecBCQ4 : ByChunk<DecBCQ4> {
   }
 };
 
-// BCQ uniform 8-bit: the int8 vectors as stored (code XOR 0x80 = code − 128), chunk c the 64 bytes 64c...
+// BCQ uniform 5-8 bit: the int8 vectors as stored (code − 2^(q−1)), chunk c the 64 bytes 64c..
 struct DecU8 : ByChunk<DecU8> {
   static constexpr int kBytes = 256;
   static constexpr bool kOffset = true;

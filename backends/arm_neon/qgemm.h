@@ -17,8 +17,8 @@
 //     V[c][p] byte i at bits 2c, 2c+1: the low nibble serves chunks 0-1 of the row pair, the high nibble
 //     chunks 2-3.  TBL index = book << 4 | nibble into 64-entry tables (with one codebook: the nibble into
 //     16-entry tables).
-//   - 8 bits (BCQ uniform 8-bit): 256 bytes; V[c][p] is bytes 64c + 16p .. 64c + 16p + 15, each code XOR 0x80,
-//     i.e. code − 128 as int8 (kU8: w = s·(int8 + 0.5) + c with BCQ's offset c = s·(127.5 − z)).
+//   - 5-8 bits (BCQ uniform, kU8): 256 bytes; V[c][p] is bytes 64c + 16p .. 64c + 16p + 15, each code − 2^(q−1) as
+//     int8 (at 8 bits code XOR 0x80): w = s·(int8 + 0.5) + c with BCQ's offset c = s·((2^q − 1)/2 − z).
 //   qs[b][g][8] fp16 scales of the 8 rows for group g; qz[b][g][8] BCQ offsets (fp16 or fp32);
 //   qb[b][g] codebook ids of the 8 rows, 2 bits each, when C > 1: row r at bits 8(r%2)+2(r/2) and the next
 //   (even rows in the low byte, odd rows in the high byte; book_shift(r, layout)).

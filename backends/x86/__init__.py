@@ -1,6 +1,6 @@
 """x86 CPU kernels (AVX-512 VNNI + VBMI, AVX2 + AVX-VNNI, AVX2, scalar) for :class:`qlinear.BCQLinear` at 1-4 bits:
 uniform (round-to-nearest, GPTQ, imported GPTQ/AWQ weights) and free-α BCQ (the BCQ fit, activation-aware or not),
-and uniform at 8 bits, and for :class:`qlinear.CodebookLinear` at 2 and 4 bits, and for :class:`qlinear.MixedPrecisionLinear` (layout
+and uniform at 5-8 bits, and for :class:`qlinear.CodebookLinear` at 2 and 4 bits, and for :class:`qlinear.MixedPrecisionLinear` (layout
 ``x86_mixed``, :func:`linear_mixed`).
 
 The Arm paper's recipe ("Highly Optimized Kernels and Fine-Grained Codebooks for LLM Inference on Arm CPUs", §4)
@@ -11,7 +11,7 @@ Two layouts (``qgemm.h`` has the byte-level description):
 * Uniform 4-bit: the codes as nibbles, one 64-byte load feeding VPDPBUSD (x86's SDOT: u8 x s8 dot products of 4
   into int32 lanes); the zero point is applied per group with the sum of the quantized activations.  Uniform 8-bit
   (e.g. an output layer kept near lossless, GPTQ 8-bit checkpoints): the same with the codes as bytes, 16 rows x 4
-  inputs per 64-byte load; plain AVX2 multiplies the bytes as two nibbles (VPMADDUBSW's int16 pairs would
+  inputs per 64-byte load (5-7 bit codes take it too, a byte each); plain AVX2 multiplies the bytes as two nibbles (VPMADDUBSW's int16 pairs would
   saturate at 255·127·2).
 * Every other BCQ layer (uniform 1-3 bits, but 2-bit with zero points; free α at 1-4 bits): the bit-planes, each
   summed against the activations by table lookups (LUT-GEMM's idea, "LUT-GEMM", §3; T-MAC's 16-entry tables per 4 activations looked up by a
@@ -88,7 +88,7 @@ from typing import Optional
 import torch
 
 from qlinear.formats import bcq, mixed
-from qlinear.formats.packing import pack, pack_planes, unpack, unpack_planes
+from qlinear.formats.packing import pack, pack_planes, unpack, unpack_planes, unpack_u8
 
 from .. import ANY, Kernel, Layout, register
 from .._cpu import (pad_groups, pair_nibbles, quantize_activations, rotation_args, spec_input, supports_codebook,
@@ -198,8 +198,8 @@ def _nibbles(cfg) -> bool:
 
 
 def _bytes(cfg) -> bool:
-    """Whether the layer takes the uniform 8-bit byte layout."""
-    return bcq.is_uniform(cfg) and cfg.bits == 8
+    """Whether the layer takes the uniform 8-bit byte layout (5-7 bit codes too, a byte each)."""
+    return bcq.is_uniform(cfg) and cfg.bits > 4
 
 
 def _byte_words(qweight: torch.Tensor, N: int) -> torch.Tensor:
@@ -255,7 +255,7 @@ def _codes(buffers: dict, cfg, K: int) -> torch.Tensor:
 
 
 def repack(buffers: dict, cfg, N: int, K: int) -> dict:
-    """Canonical BCQ (1-4 bits, uniform 8) -> layout ``x86`` (see the module docstring)."""
+    """Canonical BCQ (1-4 bits, uniform 5-8) -> layout ``x86`` (see the module docstring)."""
     if not bcq.is_uniform(cfg):
         alpha = buffers["alpha"]  # [bits, N, G]
         offset = buffers["offset"] if cfg.offset else torch.zeros_like(alpha[0])
@@ -263,9 +263,10 @@ def repack(buffers: dict, cfg, N: int, K: int) -> dict:
                 "x86_qa": torch.stack([pad_groups(a, N, ROWS) for a in alpha], 2),
                 "x86_qc": pad_groups(offset, N, ROWS)}
     packed = _nibbles(cfg) or _bytes(cfg) or _uniform_crumbs(cfg)  # layouts from the packed words, others from codes
-    from_words = packed and "qweight" in buffers  # the common case (RTN, GPTQ, AWQ)
+    width = 8 if _bytes(cfg) else cfg.bits  # of the layout's packed words
+    from_words = packed and "qweight" in buffers and width == cfg.bits  # the common case (RTN, GPTQ, AWQ)
     codes, s, zeros = bcq.uniform_parts(buffers, cfg, N, K, codes=None if from_words else torch.uint8)
-    words = buffers["qweight"] if from_words else pack(codes, cfg.bits) if packed else None
+    words = buffers["qweight"] if from_words else pack(codes, width) if packed else None
     if _uniform_crumbs(cfg):
         return {"x86_qw": _crumb_words(words, N), "x86_qs": pad_groups(s.to(torch.float16), N, ROWS),
                 "x86_qb": _book_words(zeros, N)}
@@ -283,6 +284,8 @@ def unrepack(buffers: dict, cfg, N: int, K: int) -> dict:
         words = _qweight_of(buffers["x86_qw"], N)
     elif _bytes(cfg):
         words = _words_of_bytes(buffers["x86_qw"], N)
+        if cfg.bits < 8:  # 5-7 bit codes, a byte each in the layout
+            words, codes = None, unpack_u8(words.contiguous(), 8, K)
     elif _uniform_crumbs(cfg):
         words = _words_of_crumbs(buffers["x86_qw"], N)
     elif bcq.is_uniform(cfg):
@@ -315,7 +318,7 @@ def _op_names(cfg) -> tuple:
         return "x86_qw", "x86_qs", UNIFORM2_BOOKS, "x86_qb", 2, FORMATS["cb2"]
     fmt = FORMATS["uniform" if _nibbles(cfg) or _bytes(cfg) else "planes_uniform" if bcq.is_uniform(cfg)
                   else "planes_free"]
-    return (*_names(cfg), None, cfg.bits, fmt)
+    return (*_names(cfg), None, 8 if _bytes(cfg) else cfg.bits, fmt)
 
 
 def _weights(buffers: dict, cfg, K: int) -> tuple:
@@ -741,11 +744,11 @@ def supports(cfg, out_features: int, in_features: int) -> Optional[str]:
     if cfg.fp32_offset and not bcq.is_uniform(cfg):
         return "fp32 offsets (fp32_offset=True) are not supported; the x86 layout holds fp16 offsets"
     if cfg.bits > 4 and not bcq.is_uniform(cfg):
-        return f"free-α BCQ at {cfg.bits} bits: the bit-plane kernels take 1-4 planes (uniform 8-bit runs as codes)"
+        return f"free-α BCQ at {cfg.bits} bits: the bit-plane kernels take 1-4 planes (uniform 5-8 bits run as bytes)"
     return None
 
 
-for _fmt, _bits, _supports, _layout in (("bcq", {1, 2, 3, 4, 8}, supports, LAYOUT),
+for _fmt, _bits, _supports, _layout in (("bcq", set(range(1, 9)), supports, LAYOUT),
                                         ("codebook", {2, 4}, supports_codebook, CODEBOOK_LAYOUT)):
     register(Kernel(backend="x86", format=_fmt, fn=linear, priority=15, devices=frozenset({"cpu"}),
                     dtypes=frozenset({torch.float32, torch.float16, torch.bfloat16}), bits=frozenset(_bits),
