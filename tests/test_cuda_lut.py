@@ -117,6 +117,8 @@ def test_uniform_layout_holds_scales_and_round_trips(bits, offset):
     back = cuda_lut.unrepack(packed, cfg, 96, 320)
     assert set(back) == set(canon) and all(torch.equal(back[k], canon[k]) and back[k].dtype == canon[k].dtype
                                            for k in canon)
+    # contiguous copies (safetensors saves only those), never views of the layout's buffers
+    assert all(t.is_contiguous() and t.data_ptr() != p.data_ptr() for t in back.values() for p in packed.values())
 
 
 def test_uniform_8bit_scales_below_fp16_alpha():
@@ -380,7 +382,8 @@ def _emulate(exe, x, bufs, bias, cfg, N, K, launch, perm=None, dequant=None, rot
 
 @pytest.mark.parametrize("bits,group_size,offset,fp32_offset,dtype", [
     (1, 32, False, False, torch.float16), (2, 64, True, False, torch.bfloat16), (3, -1, True, True, torch.float16),
-    (4, 128, True, False, torch.float16), (5, 32, False, False, torch.bfloat16), (8, 64, True, False, torch.float16)])
+    (4, 128, True, False, torch.float16), (5, 32, False, False, torch.bfloat16), (6, 64, True, True, torch.bfloat16),
+    (7, -1, False, False, torch.float16), (8, 64, True, False, torch.float16)])
 def test_kernel_source_under_host_emulation(emulator, bits, group_size, offset, fp32_offset, dtype):
     """bcq_lut_gemv.cu itself (tables, lookups, α/offset per word, split-K and reduction) on the CPU, against the
     float64 reference within the module docstring's bound, for M = 1, 3, 8 and one split or many."""
@@ -407,8 +410,9 @@ def test_kernel_source_under_host_emulation(emulator, bits, group_size, offset, 
     # rounding to x's dtype, also for a round-to-nearest layer, whose s·(q − z) storage the layout holds as its scales
     # and float32 offsets (at 8 bits also one of scales below 2^-13, which fp16 α could not hold); the GEMV for those too
     layers = [(mod, bufs)]
-    if offset and bits > 1:
-        ucfg = bcq.Config(bits=bits, group_size=group_size, init="uniform", iters=0, fp32_offset=fp32_offset)
+    if (offset and bits > 1) or bits > 4:  # (a uniform layer of 5-8 bits holds its scales, with or without offsets)
+        ucfg = bcq.Config(bits=bits, group_size=group_size, init="uniform", iters=0, offset=offset,
+                          fp32_offset=fp32_offset)
         uniform = [BCQLinear.from_linear(torch.nn.Linear(K, N), ucfg, backend="reference")]
         if bits == 8:
             uniform.append(_uniform8_small(N, K, group_size))
@@ -419,7 +423,7 @@ def test_kernel_source_under_host_emulation(emulator, bits, group_size, offset, 
             for M in (1, 8):
                 x = torch.randn(M, K).to(dtype)
                 y64 = ref64(umod, x)
-                y = _emulate(emulator, x, ubufs, umod.bias, ucfg, N, K, cuda_lut.plan(M, N, K, 132, bits))
+                y = _emulate(emulator, x, ubufs, umod.bias, umod.config, N, K, cuda_lut.plan(M, N, K, 132, bits))
                 assert ((y.double() - y64).abs() <= _bound(umod, x, eps, y64)).all(), M
     wide = BCQLinear.from_linear(torch.nn.Linear(K, 288), cfg, backend="reference")  # 3 row tiles, the last cut short
     layers.append((wide, cuda_lut.repack(wide.canonical(), cfg, 288, K)))
@@ -437,6 +441,31 @@ def test_kernel_source_under_host_emulation(emulator, bits, group_size, offset, 
     assert torch.equal(_emulate(emulator, x, bufs, mod.bias, cfg, N, K, launch, perm=perm),
                        _emulate(emulator, x[:, perm.long()], bufs, mod.bias, cfg, N, K, launch))
 
+
+
+@pytest.mark.parametrize("bits", [5, 7])
+def test_dequantize_kernel_adds_in_the_formats_order_past_four_planes(emulator, bits):
+    """With tiny α on planes 0-3, large ones above and a tiny offset, float32 sums depend on their order: the kernel's
+    table of planes 0-3, then planes 4.. per weight, then the offset, must give bcq.dequantize's values bit for bit
+    (adding the offset before planes 4.. would not)."""
+    N, K = 32, 64
+    cfg = bcq.Config(bits=bits, group_size=64, offset=True, iters=0)
+    torch.manual_seed(3)
+    canon = {k: v.clone() for k, v in bcq.quantize(torch.randn(N, K), cfg).items()}
+    tiny = torch.tensor([3 * 2.0 ** -24, 2.0 ** -20, 2.0 ** -18, 2.0 ** -16])
+    canon["alpha"] = torch.cat([tiny, 2.0 ** (7 + torch.arange(4, bits))]).half().view(-1, 1, 1).expand(-1, N, 1).clone()
+    canon["offset"] = torch.full((N, 1), 2.0 ** -13, dtype=torch.float16)
+    want = bcq.dequantize(canon, cfg, N, K)
+    codes = bcq.unpack_planes(canon["planes"], K).view(N, 1, K)  # the other order, in float32, to show it differs
+    a, sign = canon["alpha"].float(), lambda q: ((codes >> q) & 1) * 2.0 - 1
+    other = sum((sign(q) * a[q][..., None] for q in range(1, 4)), sign(0) * a[0][..., None] + 0.0)
+    other = other + canon["offset"].float()[..., None]
+    for q in range(4, bits):
+        other = other + sign(q) * a[q][..., None]
+    assert not torch.equal(other.view(N, K), want)
+    got = _emulate(emulator, torch.zeros(1, K).half(), cuda_lut.repack(canon, cfg, N, K), None, cfg, N, K,
+                   (32, 32, 1, 1), dequant=torch.float32)
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
 
 
 @pytest.mark.parametrize("bits,dtype", [(2, torch.float16), (4, torch.bfloat16), (8, torch.float16)])

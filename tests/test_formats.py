@@ -132,6 +132,17 @@ def test_bcq_uniform_init_zero_iters_equals_round_to_nearest():
     assert bits_per_weight(cfg, N, K) == 4 + (16 + 4) / 64
 
 
+@pytest.mark.parametrize("bits", [3, 6, 8])
+def test_round_to_nearest_with_fp32_offsets_stores_the_same_layer(bits):
+    """fp32_offset=True only changes where BCQ keeps its offset: a round-to-nearest layer stores the same codes, scales
+    and zero points (its fitted offsets are fp16 values, matched as such, not refused as non-uniform)."""
+    w = torch.randn(N, K)
+    cfg = bcq.Config(bits=bits, group_size=64, init="uniform", iters=0)
+    want = bcq.quantize(w, cfg)
+    got = bcq.quantize(w, dataclasses.replace(cfg, fp32_offset=True))
+    assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
+
+
 @pytest.mark.parametrize("bits", [2, 3, 4, 8])
 def test_bcq_from_uniform_is_exact(bits):
     G = K // 64

@@ -86,7 +86,7 @@ def unrepack(buffers: dict, cfg, out_features: int, in_features: int) -> dict:
            for key, (name, dims) in _PERMS.items() if name in buffers}
     if "lut_scales" not in buffers:
         return bcq.as_uniform(out, cfg, out_features, in_features) if bcq.is_uniform(cfg) else out
-    s = buffers["lut_scales"].T
+    s = buffers["lut_scales"].T.contiguous()  # a copy: the canonical buffers never alias the layout's
     zeros = bcq.uniform_zeros(s, out["offset"], cfg.bits) if "offset" in out else None
     return bcq.uniform_buffers(unpack_planes(out["planes"], in_features), s, zeros, cfg.bits)
 

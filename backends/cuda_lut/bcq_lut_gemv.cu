@@ -145,6 +145,7 @@ __device__ __forceinline__ void word_alpha(const Word<Q>& wd, const LutGemvArgs&
   const bool uniform = uniform_of<Q>(a);
 #pragma unroll
   for (int q = 0; q < Q; ++q) {
+    if (q >= planes_of<Q>(a)) break;  // (planes past the layer's are never loaded, nor read)
     half4_to_float(uniform ? wd.alpha[0] : wd.alpha[q], al[q]);
     const float scale = uniform ? 0.5f * (float)(1 << q) : 1.f;
 #pragma unroll
