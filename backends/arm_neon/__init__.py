@@ -1,10 +1,10 @@
-"""Arm NEON / dotprod / i8mm CPU kernels for :class:`qlinear.CodebookLinear` (bits 2 and 4) and uniform 4-bit and
-8-bit :class:`qlinear.BCQLinear` (Arm paper: "Highly Optimized Kernels and Fine-Grained Codebooks for LLM Inference
+"""Arm NEON / dotprod / i8mm CPU kernels for :class:`qlinear.CodebookLinear` (bits 2 and 4) and uniform 4-8 bit
+:class:`qlinear.BCQLinear` (Arm paper: "Highly Optimized Kernels and Fine-Grained Codebooks for LLM Inference
 on Arm CPUs", §4 kernels, §5 codebooks).
 
 ``y = x Ŵᵀ + b`` for ``x`` ``[..., K]`` fp32/bf16/fp16 on CPU: activations are quantized to int8 per 32
 inputs (one fp32 scale each, round half to even), weights decoded to int8 (MSB-toggled nibbles with
-one shift or mask for BCQ, none at 8 bits; one table lookup per 16 weights for codebooks: ``vqtbl1q_s8`` into the
+one shift or mask for BCQ, none at 5-8 bits; one table lookup per 16 weights for codebooks: ``vqtbl1q_s8`` into the
 16-byte codebook register at 4 bits; at 2 bits, a lookup of two 2-bit indices (a nibble) into 16-entry
 tables, or with several codebooks of (codebook id, nibble) into 64-entry ``vqtbl4q_s8`` tables),
 products accumulated exactly in int32 by SDOT (decode, M ≤ 3) or SMMLA (M ≥ 4, i8mm), then

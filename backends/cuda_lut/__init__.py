@@ -116,8 +116,8 @@ def plan(M: int, N: int, K: int, sms: int, bits: int) -> tuple[int, int, int, in
     """Launch shape ``(kt, threads, tiles_per_split, splits)`` for ``x`` ``[M, K]``, ``N`` rows and ``bits`` planes.
 
     ``kt = 32·words(M, bits)`` inputs per K tile (fixed by the kernel's template); blocks of ``threads`` threads own
-    ``4·threads`` rows: the most rows per block that still gives two blocks per SM (one past 4 planes: :func:`resident`) (tables are built once per block,
-    so big blocks amortise them), but at least ``64·M·W`` threads (two of a tile's ``4·M·W`` tables per warp: on
+    ``4·threads`` rows: the most rows per block that still gives :func:`resident` blocks per SM (tables are built
+    once per block, so big blocks amortise them), but at least ``64·M·W`` threads (two of a tile's ``4·M·W`` tables per warp: on
     small layers the table build, not the weights, is the critical path; kernel_model.py predicts 576², M=1,
     2 bits 11.3 → 8.4 µs on an H100 for this floor) and no more than the rows need.  K is then split into whole tiles
     until there are at most that many blocks per SM (the kernel's register budget lets them reside on an SM):

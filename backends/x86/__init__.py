@@ -11,8 +11,8 @@ Two layouts (``qgemm.h`` has the byte-level description):
 * Uniform 4-bit: the codes as nibbles, one 64-byte load feeding VPDPBUSD (x86's SDOT: u8 x s8 dot products of 4
   into int32 lanes); the zero point is applied per group with the sum of the quantized activations.  Uniform 8-bit
   (e.g. an output layer kept near lossless, GPTQ 8-bit checkpoints): the same with the codes as bytes, 16 rows x 4
-  inputs per 64-byte load (5-7 bit codes take it too, a byte each); plain AVX2 multiplies the bytes as two nibbles (VPMADDUBSW's int16 pairs would
-  saturate at 255·127·2).
+  inputs per 64-byte load (5-7 bit codes take it too, a byte each); plain AVX2 multiplies the bytes as two nibbles
+  (VPMADDUBSW's int16 pairs would saturate at 255·127·2).
 * Every other BCQ layer (uniform 1-3 bits, but 2-bit with zero points; free α at 1-4 bits): the bit-planes, each
   summed against the activations by table lookups (LUT-GEMM's idea, "LUT-GEMM", §3; T-MAC's 16-entry tables per 4 activations looked up by a
   plane's nibble, here with VPERMB over 4 such tables at once).  Each int8 activation is split as ``16·hi + lo`` so
