@@ -18,11 +18,9 @@ from torch import nn
 
 from . import backends, ops
 from .formats import FormatConfig, bcq, check_buffers, get_format, rotation, spec_bits
-from .formats.base import quantize_device
+from .formats.base import FP16_MAX, quantize_device
 from .formats.uniform import pack_awq, pack_gptq, unpack_awq, unpack_gptq
 from .gptq import check_hessian
-
-FP16_MAX = torch.finfo(torch.float16).max
 
 logger = logging.getLogger("qlinear")
 _WARNED_PREFERENCES: set = set()  # (backend, device type) a configured backend could not serve, warned once
@@ -156,7 +154,7 @@ class QuantLinear(nn.Module):
         if not torch.isfinite(w).all():
             raise ValueError("weight contains NaN or Inf values")
         peak = float(w.detach().abs().max()) if w.numel() else 0.0
-        if peak > FP16_MAX:  # the formats' scales and levels are fp16 values
+        if peak > FP16_MAX:
             raise ValueError(f"weight magnitudes up to {peak:.4g} exceed fp16's range ({FP16_MAX:g}), which the "
                              f"formats' scales are stored in; scale the layer (and its input) first")
         if hessian is not None:

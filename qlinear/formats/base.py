@@ -160,6 +160,7 @@ def spec_bits(specs: BufferSpecs) -> int:
 
 
 FP16_TINY = 2.0 ** -24  # smallest positive fp16 (subnormal): the floor of every stored scale
+FP16_MAX = 65504.0  # largest fp16: the formats' scales and levels are fp16 values
 # floor of uniform-grid scales: s/2 (BCQ's α_1 = s·2^-1) stays a normal fp16 value, so uniform α are exact
 UNIFORM_MIN_SCALE = 2.0 ** -13
 
@@ -220,4 +221,4 @@ def place_inputs(w: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
 
 def fp16_round(t: torch.Tensor) -> torch.Tensor:
     """Round float32 values to the nearest fp16 (saturating), returned as float32."""
-    return t.clamp(-65504.0, 65504.0).to(torch.float16).to(torch.float32)
+    return t.clamp(-FP16_MAX, FP16_MAX).to(torch.float16).to(torch.float32)

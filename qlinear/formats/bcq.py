@@ -447,9 +447,9 @@ def uniform_offset(scales: torch.Tensor, zeros: torch.Tensor, bits: int) -> torc
 
 
 def uniform_zeros(scales: torch.Tensor, offset: torch.Tensor, bits: int) -> torch.Tensor:
-    """Inverse of :func:`uniform_offset`: integer zero points int64 (offsets of fp16 values, as round-to-nearest fits
-    them, also in a float32 offset (``fp32_offset=True``), are matched after rounding to fp16).  A group of scale 0 (all its weights are 0)
-    gets the zero point 0: its offset holds no other.
+    """Inverse of :func:`uniform_offset`: integer zero points int64 (offsets holding fp16 values, as round-to-nearest
+    fits them, in fp16 or in float32 with ``fp32_offset=True``, are matched after rounding to fp16).  A group of
+    scale 0 (all its weights are 0) gets the zero point 0: its offset holds no other.
 
     Raises:
         ValueError: offsets that are not ``s·((2^q−1)/2 − z)`` for integers ``z`` in ``[0, 2^q)``.
@@ -459,7 +459,7 @@ def uniform_zeros(scales: torch.Tensor, offset: torch.Tensor, bits: int) -> torc
     z = torch.round((2 ** bits - 1) / 2 - c / torch.where(s == 0, 1.0, s))
     z = torch.where(s == 0, 0.0, z)
     recon = uniform_offset(s, z, bits)
-    if offset.dtype == torch.float16 or torch.equal(fp16_round(c), c):
+    if torch.equal(fp16_round(c), c):
         recon = fp16_round(recon)
     if not torch.equal(recon, c) or (z.numel() and (int(z.min()) < 0 or int(z.max()) >= 1 << bits)):
         raise ValueError("offsets are not s·((2^q−1)/2 − z) for integer zero points z in [0, 2^q)")
