@@ -16,7 +16,6 @@ import pytest
 import torch
 from conftest import poison_cuda_allocator, ref64, spec_kernel_fixture
 
-import qlinear.backends as backends
 from qlinear import BCQLinear
 from qlinear.backends import cuda_lut
 from qlinear.formats import bcq
@@ -49,7 +48,7 @@ def _bound(mod: BCQLinear, x: torch.Tensor, out_eps: float = 0.0, y64=None):
     return bound
 
 
-SHAPES = [(64, 64), (128, 96), (576, 576), (1536, 576), (256, 2048)]
+SHAPES = [(64, 64), (128, 96), (576, 576), (1536, 576), (256, 2048), (50, 64)]  # 50 rows: 2 padding rows
 
 
 @pytest.mark.parametrize("bits", [1, 2, 3, 4, 5, 8])
@@ -88,6 +87,21 @@ def test_layout_round_trip_is_bit_exact(offset, fp32_offset):
         t.numel() * t.element_size() for t in canon.values())
     assert packed["lut_planes"].shape == (10, 3, 96) and packed["lut_alpha"].shape == (5, 3, 96)
     back = cuda_lut.unrepack(packed, cfg, 96, 320)
+    assert set(back) == set(canon) and all(torch.equal(back[k], canon[k]) and back[k].dtype == canon[k].dtype
+                                           for k in canon)
+
+
+@pytest.mark.parametrize("opts", [dict(bits=2, iters=1), dict(bits=3, init="uniform", iters=0),
+                                  dict(bits=8, init="uniform", iters=0, offset=False)], ids=["free", "uniform3", "uniform8"])
+@pytest.mark.parametrize("N", [93, 94, 95])
+def test_layout_pads_rows_to_a_multiple_of_4_and_round_trips(opts, N):
+    """Every buffer's row dimension (the last) is padded with zeros to the next multiple of 4; unrepack drops them."""
+    cfg = bcq.Config(group_size=64, **opts)
+    canon = bcq.quantize(torch.randn(N, 128), cfg)
+    packed = cuda_lut.repack(canon, cfg, N, 128)
+    assert cuda_lut.padded(N) == 96 and all(t.shape[-1] == 96 and t.is_contiguous() for t in packed.values())
+    assert all(not t[..., N:].any() for t in packed.values())
+    back = cuda_lut.unrepack(packed, cfg, N, 128)
     assert set(back) == set(canon) and all(torch.equal(back[k], canon[k]) and back[k].dtype == canon[k].dtype
                                            for k in canon)
 
@@ -171,13 +185,6 @@ def test_python_words_match_the_kernel_header(tmp_path):
                                      for v in (cuda_lut.words(m, q), cuda_lut.resident(q))]
 
 
-def test_registry_rejects_unsupported_configs():
-    """(The reasons every GPU kernel gives are checked in test_kernel_conformance.py.)"""
-    cuda = torch.device("cuda")
-    k = next(k for k in backends.kernels("bcq") if k.backend == "cuda_lut")
-    assert "multiple of 4" in k.reject(bcq.Config(bits=4, group_size=128), cuda, torch.float16, 1, (66, 64))
-
-
 # --- the layout machinery, driven on CPU by a kernel that runs the spec --------------------------------
 spec_kernel = spec_kernel_fixture("cuda_lut")
 
@@ -213,6 +220,7 @@ def _gpu_layer(N, K, bits, group_size):
 _GPU_CASES = [(g, q, N, K) for g in (64, 128, -1) for q in (1, 2, 3, 4)
               for N, K in ((576, 576), (1536, 576), (4096, 4096), (1024, 8192))]
 _GPU_CASES += [(g, q, N, K) for g in (64, -1) for q in (5, 8) for N, K in ((1536, 576), (1024, 8192))]
+_GPU_CASES += [(128, 2, 1538, 576), (-1, 8, 1537, 576)]  # rows padded to a multiple of 4 in the layout
 
 
 @gpu
@@ -441,6 +449,58 @@ def test_kernel_source_under_host_emulation(emulator, bits, group_size, offset, 
     assert torch.equal(_emulate(emulator, x, bufs, mod.bias, cfg, N, K, launch, perm=perm),
                        _emulate(emulator, x[:, perm.long()], bufs, mod.bias, cfg, N, K, launch))
 
+
+
+@pytest.fixture
+def emulated_ops(emulator, monkeypatch):
+    """``torch.ops.qlinear.bcq_lut_gemv`` and ``bcq_lut_dequantize`` run by the host emulation of bcq_lut_gemv.cu (no
+    rotation), so that :func:`cuda_lut.linear` and :func:`cuda_lut.dequantize` themselves run on the CPU."""
+    import types
+
+    def call(x, planes, alpha, offset, group_size, bias=None, perm=None, launch=(32, 32, 1, 1), dequant=None):
+        bufs = {"lut_planes": planes, "lut_scales" if alpha.dim() == 2 else "lut_alpha": alpha, "lut_offset": offset}
+        cfg = types.SimpleNamespace(bits=planes.shape[1], group=lambda K: group_size)
+        K, N = planes.shape[0] * 32, planes.shape[2]
+        return _emulate(emulator, x, {k: v for k, v in bufs.items() if v is not None}, bias, cfg, N, K, launch,
+                        perm=perm, dequant=dequant)
+
+    def gemv(x, planes, alpha, offset, perm, bias, group_size, kt, threads, per_split, splits, *rot):
+        assert rot == cuda_lut.NO_ROTATION
+        return call(x, planes, alpha, offset, group_size, bias, perm, (kt, threads, per_split, splits)).to(x.dtype)
+
+    def dequantize(planes, alpha, offset, group_size, dtype):
+        return call(torch.zeros(1, planes.shape[0] * 32).half(), planes, alpha, offset, group_size,
+                    dequant=dtype).to(dtype)
+
+    monkeypatch.setattr(torch.ops.qlinear, "bcq_lut_gemv", gemv)
+    monkeypatch.setattr(torch.ops.qlinear, "bcq_lut_dequantize", dequantize)
+    monkeypatch.setattr(cuda_lut, "_sms", lambda index: 132)
+
+
+@pytest.mark.parametrize("opts", [dict(bits=2, iters=1), dict(bits=3, init="uniform", iters=0),
+                                  dict(bits=8, init="uniform", iters=0)], ids=["free", "uniform3", "uniform8"])
+@pytest.mark.parametrize("N", [50, 95])
+def test_padded_rows_are_dropped_by_linear_and_dequantize(emulated_ops, opts, N):
+    """A layer whose rows are not a multiple of 4 (e.g. GPT-2's 50257 output rows): the kernels run on the padded
+    layout and :func:`cuda_lut.linear` returns ``[..., N]`` (contiguous, bias added once) within the module
+    docstring's bound of the float64 reference; :func:`cuda_lut.dequantize` gives the format's ``Ŵ`` bit for bit."""
+    K = 256
+    torch.manual_seed(N)
+    cfg = bcq.Config(group_size=64, **opts)
+    mod = BCQLinear.from_linear(torch.nn.Linear(K, N), cfg, backend="reference")
+    bufs = cuda_lut.repack(mod.canonical(), cfg, N, K)
+    eps = 2.0 ** -11
+    for bias in (mod.bias, None):
+        for shape in ((1, K), (1, 3, K), (8, K)):
+            x = torch.randn(shape).half()
+            y = cuda_lut.linear(x, bufs, bias, cfg, N, K)
+            assert y.shape == (*shape[:-1], N) and y.is_contiguous() and y.dtype == torch.float16
+            x2 = x.reshape(-1, K)
+            y64 = ref64(mod, x2) - (mod.bias.double() if bias is None else 0)
+            assert ((y.reshape(-1, N).double() - y64).abs() <= _bound(mod, x2, eps, y64)).all()
+    want = bcq.dequantize(mod.canonical(), cfg, N, K)
+    for dtype in (torch.float32, torch.float16):
+        assert torch.equal(cuda_lut.dequantize(bufs, cfg, N, K, dtype), want.to(dtype)), dtype
 
 
 @pytest.mark.parametrize("bits", [5, 7])

@@ -49,8 +49,7 @@ def fake_gpu(tmp_path, monkeypatch):
     def quick_fn(x, bufs, bias, cfg, N, K):
         return quick.spec(x.reshape(-1, K), bufs, bias, cfg, N, K).to(x.dtype).reshape(*x.shape[:-1], N)
 
-    ks = [backends.register(cpu_kernel("lut_spec", "bcq", lut_fn, priority=90, max_batch=8, supports=cuda_lut.supports,
-                                       layout=cuda_lut.LAYOUT)),
+    ks = [backends.register(cpu_kernel("lut_spec", "bcq", lut_fn, priority=90, max_batch=8, layout=cuda_lut.LAYOUT)),
           backends.register(cpu_kernel("quick_spec", "bcq", quick_fn, priority=100, max_batch=512,
                                        supports=quick.supports, layout=quick.LAYOUT))]
     yield write
@@ -168,6 +167,8 @@ NO_REFERENCE = {  # name -> (format, kernel config, N, K)
     "gptq 8-bit g128": ("bcq", dict(bits=8, group_size=128, method="gptq"), 4096, 4096),
     "bcq uniform 8-bit whole row (an output layer)": ("bcq", dict(bits=8, group_size=-1, init="uniform", iters=0),
                                                       49152, 576),
+    "gptq 4-bit g128, GPT-2's 50257 output rows": ("bcq", dict(bits=4, group_size=128, method="gptq"), 50257, 768),
+    "bcq free α 3-bit g64, 32001 output rows": ("bcq", dict(bits=3, group_size=64), 32001, 4096),
     "codebook 2-bit 4 books": ("codebook", dict(bits=2), 256, 512),
     "codebook 4-bit g64": ("codebook", dict(bits=4, group_size=64), 96, 320),
     "mixed defaults": ("mixed", dict(), 256, 512),

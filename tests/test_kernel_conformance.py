@@ -79,6 +79,8 @@ def _int8_bound(twin, x):
 
 SUBJECTS = {s.backend + ("" if s.device == "cuda" else f"/{s.format}"): s for s in (
     Subject("cuda_lut", "bcq", "cuda", {"free α 3-bit g64": lambda: test_cuda_lut._layer(128, 256, 3, 64)[0],
+                                        "free α 2-bit g64, 66 rows (2 padding rows)":
+                                            lambda: test_cuda_lut._layer(66, 256, 2, 64)[0],
                                         "free α 3-bit error feedback act_order": _layer(BCQLinear, 64, 256, dict(
                                             bits=3, group_size=64, iters=1, error_feedback=True, act_order=True),
                                             True)},

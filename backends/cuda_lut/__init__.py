@@ -11,7 +11,7 @@ rows written whole through shared memory) for one cuBLAS GEMM; it is also the la
 backward pass.
 
 Layout ``cuda_lut`` (repacked once when a module lands on a GPU; a permutation of the canonical
-buffers, so it costs no extra memory and :func:`unrepack` restores them exactly):
+buffers, so it costs no extra memory beyond the padding rows below, and :func:`unrepack` restores them exactly):
 
 * ``lut_planes`` int32 ``[K/32, Q, N]`` = canonical ``planes`` ``[Q, N, K/32]`` permuted: the same
   plane word of consecutive rows is contiguous, so a thread reads 4 rows with one 16-byte load and a
@@ -23,6 +23,9 @@ buffers, so it costs no extra memory and :func:`unrepack` restores them exactly)
   ``lut_scales`` ``[G, N]`` instead of α (those kernels form ``α_q = s·2^(q−1)`` in float32, exactly: fp16 α could not
   hold 8-bit scales below 2^-13) beside the float32 offsets.  (The 1-4 plane kernels, at their register budget,
   read α.)
+* ``N`` is padded with zero rows to a multiple of 4 (the 16-byte loads of 4 rows; at most 3 rows, so an output
+  layer of GPT-2's 50257 tokens runs here too): the kernels compute those rows as 0 and :func:`linear` /
+  :func:`dequantize` drop them.
 
 :func:`spec` is the executable specification of the kernel: the same tiles, tables, byte-to-index
 arithmetic and per-word α/offset application over the repacked buffers, in PyTorch; CPU tests check
@@ -66,22 +69,31 @@ def _names(cfg) -> tuple[str, ...]:
     return ("lut_planes", "lut_scales" if _holds_scales(cfg) else "lut_alpha") + (("lut_offset",) if cfg.offset else ())
 
 
+def padded(out_features: int) -> int:
+    """Rows the layout holds for ``out_features``: the next multiple of 4."""
+    return -(-out_features // 4) * 4
+
+
 def repack(buffers: dict, cfg, out_features: int, in_features: int) -> dict:
     """Canonical BCQ buffers -> layout ``cuda_lut`` (see the module docstring): a uniform layer's float32 offsets and
     its α (1-4 bits, :func:`qlinear.formats.bcq.as_bcq`) or scales (5-8 bits) are derived from its scales and zero
-    points.  Raises ValueError for 1-4 bit scales whose α fp16 cannot hold."""
+    points; rows padded with zeros to :func:`padded`.  Raises ValueError for 1-4 bit scales whose α fp16 cannot
+    hold."""
     if _holds_scales(cfg):
         codes, s, zeros = bcq.uniform_parts(buffers, cfg, out_features, in_features, codes=torch.uint8)
-        out = {"lut_planes": pack_planes(codes, cfg.bits).permute(2, 0, 1).contiguous(), "lut_scales": s.T.contiguous()}
+        out = {"lut_planes": pack_planes(codes, cfg.bits).permute(2, 0, 1), "lut_scales": s.T}
         if zeros is not None:
-            out["lut_offset"] = bcq.uniform_offset(s, zeros, cfg.bits).T.contiguous()
-        return out
-    buffers = bcq.as_bcq(buffers, cfg, out_features, in_features)
-    return {name: buffers[key].permute(*dims).contiguous() for key, (name, dims) in _PERMS.items() if key in buffers}
+            out["lut_offset"] = bcq.uniform_offset(s, zeros, cfg.bits).T
+    else:
+        buffers = bcq.as_bcq(buffers, cfg, out_features, in_features)
+        out = {name: buffers[key].permute(*dims) for key, (name, dims) in _PERMS.items() if key in buffers}
+    pad = padded(out_features) - out_features  # N is every buffer's last dim here
+    return {name: torch.nn.functional.pad(t, (0, pad)).contiguous() for name, t in out.items()}
 
 
 def unrepack(buffers: dict, cfg, out_features: int, in_features: int) -> dict:
     """Layout ``cuda_lut`` -> canonical BCQ buffers (exact inverse of :func:`repack`)."""
+    buffers = {name: t[..., :out_features] for name, t in buffers.items()}
     out = {key: buffers[name].permute(*sorted(range(len(dims)), key=dims.__getitem__)).contiguous()
            for key, (name, dims) in _PERMS.items() if name in buffers}
     if "lut_scales" not in buffers:
@@ -156,8 +168,8 @@ def spec(x: torch.Tensor, buffers: dict, bias: Optional[torch.Tensor], cfg, out_
     sum of their 8 inputs); split partials are summed in order.
     """
     kt, _, per_split, splits = launch
-    M, K, N = x.shape[0], in_features, out_features
     planes, alpha = buffers["lut_planes"], _alpha(buffers, cfg.bits)
+    M, K, N = x.shape[0], in_features, planes.shape[-1]  # N: the padded rows, dropped at the end
     offset = buffers["lut_offset"].float() if cfg.offset else None
     gs = cfg.group(K)
     xf = x.float()
@@ -187,7 +199,7 @@ def spec(x: torch.Tensor, buffers: dict, bias: Optional[torch.Tensor], cfg, out_
             if offset is not None:
                 contrib = contrib + offset[g] * xsum[:, :, None]
             partial[s] += contrib.sum(1)
-    y = partial.sum(0)
+    y = partial.sum(0)[:, :out_features]
     return y if bias is None else y + bias.float()
 
 
@@ -212,17 +224,19 @@ def linear(x: torch.Tensor, buffers: dict, bias, cfg, out_features: int, in_feat
     ``perm`` (in ``buffers``) is applied as the kernel loads x into shared memory (no separate gather); a rotated
     layer's ``rotation = (seed, block)`` too, where its block's ``R·x`` fits :data:`SMEM_BUDGET`
     (:func:`qlinear.backends._gpu.staged_rotation`)."""
-    M, K = x.numel() // in_features, in_features
-    launch = plan(M, out_features, K, _sms(x.device.index or 0), cfg.bits)
+    M, K, N = x.numel() // in_features, in_features, padded(out_features)
+    launch = plan(M, N, K, _sms(x.device.index or 0), cfg.bits)
     perm = buffers.get("perm")
     rot = NO_ROTATION
     if rotation is not None:
         smem = rotation_smem_bytes(8 * M * launch[0] * 32, rotation[1], M * rotated_span(K, launch, perm is not None),
                                    x.element_size())
         x, rot = staged_rotation(x, rotation, smem, SMEM_BUDGET)
+    if bias is not None and N != out_features:  # the kernel adds it before its one rounding: pad it with the rows
+        bias = torch.nn.functional.pad(bias, (0, N - out_features))
     y = torch.ops.qlinear.bcq_lut_gemv(x.reshape(-1, K).contiguous(), buffers["lut_planes"], alpha_arg(buffers),
                                        buffers.get("lut_offset"), perm, bias, cfg.group(K), *launch, *rot)
-    return y.reshape(*x.shape[:-1], out_features)
+    return y[:, :out_features].contiguous().reshape(*x.shape[:-1], out_features)  # a copy only for padded rows
 
 
 def dequantize(buffers: dict, cfg, out_features: int, in_features: int, dtype: torch.dtype = torch.float32
@@ -231,7 +245,7 @@ def dequantize(buffers: dict, cfg, out_features: int, in_features: int, dtype: t
     float32 values (:func:`qlinear.formats.bcq.dequantize` of the :func:`unrepack`-ed buffers), rounded once.  With
     the default float32 it is the layout's ``dequantize`` (the backward pass, :func:`qlinear.ops.dequantize`)."""
     return torch.ops.qlinear.bcq_lut_dequantize(buffers["lut_planes"], alpha_arg(buffers), buffers.get("lut_offset"),
-                                                cfg.group(in_features), dtype)
+                                                cfg.group(in_features), dtype)[:out_features]
 
 
 LAYOUT = Layout(name="cuda_lut", names=_names, repack=repack, unrepack=unrepack, dequantize=dequantize,
@@ -244,13 +258,6 @@ def linear_dequantized(x: torch.Tensor, buffers: dict, bias, cfg, out_features: 
     return dense_linear(x, dequantize(buffers, cfg, out_features, in_features, x.dtype), bias)
 
 
-def supports(cfg, out_features: int, in_features: int) -> Optional[str]:
-    """Why the kernel cannot run a BCQ layer of this config and shape (None if it can)."""
-    if out_features % 4:
-        return f"out_features={out_features} is not a multiple of 4"
-    return None
-
-
 @functools.lru_cache(maxsize=1)
 def available() -> Optional[str]:
     """None once the extension is built and loaded, else why it cannot be."""
@@ -258,8 +265,7 @@ def available() -> Optional[str]:
 
 
 _COMMON = dict(format="bcq", devices=frozenset({"cuda"}), dtypes=frozenset({torch.float16, torch.bfloat16}),
-               bits=frozenset(range(1, 9)), group_sizes=ANY, min_capability=(8, 0), supports=supports,
-               available=available, layout=LAYOUT)
+               bits=frozenset(range(1, 9)), group_sizes=ANY, min_capability=(8, 0), available=available, layout=LAYOUT)
 register(Kernel(backend="cuda_lut", fn=linear, priority=10, max_batch=MAX_BATCH, gathers_perm=True,
                 fuses_rotation=True, **_COMMON))
 # every batch: free-α BCQ layers (which QUICK cannot take) never fall back to the reference on a GPU; below
