@@ -2,8 +2,11 @@
 
 The ``.cu`` file is compiled with g++ against the CUDA headers: every CUDA thread of a block becomes a
 std::thread, blocks run one after another over one poisoned shared-memory array, ``__syncthreads`` is a
-std::barrier, ``__ldg`` a plain load, and the ``<<<>>>`` launches are cut out; a small driver per kernel reads
-one call from a file and writes the output.  This runs the kernel's real index arithmetic without a GPU; what it
+std::barrier, ``__ldg`` a plain load, and the ``<<<>>>`` launches are either cut out (the driver launches the
+kernels itself) or, with ``build(..., launches=True)``, run in place by :func:`run_grid` with the grid, block and
+dynamic shared memory the source's own launcher asks for, so that its host code (template dispatch, grid and
+shared-memory sizing, the split-K reduction's launch) runs too; a small driver per kernel reads one call from a
+file and writes the output.  This runs the kernel's real index arithmetic without a GPU; what it
 cannot see is GPU-only behaviour (alignment faults, coalescing, timing).  Warp-collective PTX (``ldmatrix``,
 ``mma``) is emulated by kernels that guard their inline assembly with ``QLINEAR_HOST_EMULATION``
 (:data:`WARP_PTX`).
@@ -94,6 +97,13 @@ using std::min;
 using std::max;
 alignas(16) float4 g_smem4[228 * 1024 / 16];  // an H100/H200 SM's
 template <class F> cudaError_t cudaFuncSetAttribute(F* f, cudaFuncAttribute attr, int value) { return cudaSuccess; }
+extern "C" cudaError_t cudaGetLastError(void) { return cudaSuccess; }  // a launch that fails exits the emulator
+void (*g_block_start)(int threads) = nullptr;  // per-block setup of the warp PTX emulation (WARP_PTX)
+
+// A host entry point's result: an error exits the emulator with status 3.
+inline void emu_check(cudaError_t e) {
+  if (e != cudaSuccess) { fprintf(stderr, "launcher returned cudaError %d\n", (int)e); exit(3); }
+}
 
 // Driver I/O: n values of T from f; y (fp16 or bf16 bits) written to path as fp32.
 template <class T> std::vector<T> emu_read(FILE* f, size_t n) {
@@ -120,6 +130,7 @@ template <class K> void run_grid(dim3 grid, int threads, K&& kernel, size_t smem
         g_blockIdx = dim3(x, y, z);
         g_blockDim = dim3(threads, 1, 1);
         g_barrier = std::make_unique<std::barrier<>>(threads);
+        if (g_block_start) g_block_start(threads);
         std::memset(g_smem4, 0xFF, sizeof(g_smem4));  // poison shared memory
         std::vector<std::thread> ts;
         for (int t = 0; t < threads; ++t) ts.emplace_back([&kernel, t] { tl_threadIdx = make_uint3(t, 0, 0); kernel(); });
@@ -142,6 +153,7 @@ std::unique_ptr<std::barrier<>> bar[kMaxWarps];
 const void* addr[kMaxWarps][32];
 unsigned a_reg[kMaxWarps][32][4], b_reg[kMaxWarps][32][2];
 inline void reset(int threads) { for (int w = 0; w < threads / 32; ++w) bar[w] = std::make_unique<std::barrier<>>(32); }
+const bool hooked = (g_block_start = reset, true);  // run_grid resets the warps' barriers for every block
 inline int warp() { return threadIdx.x / 32; }
 inline int lane() { return threadIdx.x % 32; }
 template <typename T> float elem(unsigned reg, int half) {
@@ -221,18 +233,40 @@ def cuda_home() -> Path | None:
     return None
 
 
-def build(dst: Path, kernel: str, shared_memory: tuple[str, str], prelude: str, driver: str) -> Path:
+_LAUNCH = re.compile(r"\b([\w:]+(?:<[\w:, ]+>)?)<<<([^;]*?)>>>\(([^;]*)\);")
+
+
+def _split_top(text: str) -> list[str]:
+    """``text`` split at the commas outside parentheses, brackets and braces."""
+    parts, depth, start = [], 0, 0
+    for i, c in enumerate(text):
+        depth += c in "([{" and 1 or c in ")]}" and -1 or 0
+        if c == "," and depth == 0:
+            parts.append(text[start:i].strip())
+            start = i + 1
+    return parts + [text[start:].strip()]
+
+
+def _emulated_launch(m: re.Match) -> str:
+    grid, block, smem = (_split_top(m.group(2)) + ["0"])[:3]
+    return (f"run_grid(dim3({grid}), (int)({block}), [&] {{ {m.group(1)}({m.group(3)}); }}, (size_t)({smem}));"
+            "  /* launch run (host emulation) */")
+
+
+def build(dst: Path, kernel: str, shared_memory: tuple[str, str], prelude: str, driver: str,
+          launches: bool = False) -> Path:
     """Compile ``SHIM + prelude + #include kernel + AFTER + driver`` with g++.  ``kernel`` (a ``.cu`` path under
-    backends/), the headers beside it and backends/_cuda are copied to ``dst`` with the launches cut out and the
-    ``extern __shared__`` declaration ``shared_memory[0]`` replaced by ``shared_memory[1]`` (a pointer into the
-    emulated shared memory).  Skips the test when g++, the CUDA headers or C++20 ``<barrier>`` are missing."""
+    backends/), the headers beside it and backends/_cuda are copied to ``dst`` with the ``extern __shared__``
+    declaration ``shared_memory[0]`` replaced by ``shared_memory[1]`` (a pointer into the emulated shared memory) and
+    the launches cut out, or with ``launches`` run by :func:`run_grid` where they stand (the driver then calls the
+    source's host entry point).  Skips the test when g++, the CUDA headers or C++20 ``<barrier>`` are missing."""
     home = cuda_home()
     if shutil.which("g++") is None or home is None:
         pytest.skip("needs g++ and the CUDA headers")
     sources = [BACKENDS / kernel, *(BACKENDS / kernel).parent.glob("*.h"), *(BACKENDS / "_cuda").iterdir()]
     for src in sources:
-        text = re.sub(r"\b[\w:]+(?:<[\w:, ]+>)?<<<[^;]*?>>>\([^;]*\);", "(void)0;  // launch cut (host emulation)",
-                      src.read_text()).replace(*shared_memory)
+        text = _LAUNCH.sub(_emulated_launch if launches else lambda m: "(void)0;  /* launch cut (host emulation) */",
+                           src.read_text()).replace(*shared_memory)
         out = dst / src.relative_to(BACKENDS)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(text)

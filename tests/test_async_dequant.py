@@ -316,37 +316,10 @@ def test_registry_rejects_unsupported_configs():
 # --- the kernel's own source, run on the CPU under the host emulation (tests/cuda_emulation.py) -------------
 # It runs the kernel's real index arithmetic (tiles, tail, table decoding, meta window, outlier search, split
 # partials and their reduction) without a GPU.
-_EMU_DRIVER = r'''// Driver: reads one call from argv[1], writes y (fp32 [M, N]) to argv[2].
-namespace emu {
-using namespace qlinear;
-using namespace qlinear::mixed;
-
-Rotation g_rot{};
-template <typename T, int M, bool ASYNC>
-void run_blocks(const MixedGemvArgs& a) {
-  const int tiles = (a.N + 2 * a.threads - 1) / (2 * a.threads);
-  if (g_rot.block)
-    run_grid(dim3(tiles, a.splits, 1), a.threads, [&a] { mixed_gemv_kernel<T, M, ASYNC, true>(a, g_rot); });
-  else
-    run_grid(dim3(tiles, a.splits, 1), a.threads, [&a] { mixed_gemv_kernel<T, M, ASYNC, false>(a, g_rot); });
-  if (a.splits > 1) emulate_reduce_splits<T>(a.partial, a.bias, a.bias_dtype, a.y, a.splits, a.M, a.N);
-}
-
-template <typename T, int M>
-void run_m(const MixedGemvArgs& a) { a.async_dequant ? run_blocks<T, M, true>(a) : run_blocks<T, M, false>(a); }
-
-template <typename T>
-void run(const MixedGemvArgs& a) {
-  switch (a.M) {
-    case 1: return run_m<T, 1>(a); case 2: return run_m<T, 2>(a); case 3: return run_m<T, 3>(a);
-    case 4: return run_m<T, 4>(a); case 5: return run_m<T, 5>(a); case 6: return run_m<T, 6>(a);
-    case 7: return run_m<T, 7>(a); case 8: return run_m<T, 8>(a);
-  }
-}
-}  // namespace emu
-
+_EMU_DRIVER = r'''// Driver: reads one call from argv[1], runs the source's own mixed_gemv (template dispatch, launch
+// sizes, split-K reduction) and writes y (fp32 [M, N]) to argv[2].
 int main(int argc, char** argv) {
-  using namespace emu;
+  using namespace qlinear;
   FILE* f = fopen(argv[1], "rb");
   auto h = emu_read<int>(f, 23);
   const int M = h[0], N = h[1], K = h[2], W = h[3], G = h[4], MW = h[5], S2 = h[16], nnz = h[15], T = (W + 3) / 4;
@@ -361,7 +334,7 @@ int main(int argc, char** argv) {
   std::vector<unsigned> sign_bits = emu_read<unsigned>(f, h[19]);
   std::vector<signed char> paley = emu_read<signed char>(f, h[21] > 1 ? h[21] * h[21] : 0);
   fclose(f);
-  g_rot = Rotation{h[20], h[21], sign_bits.data(), paley.data()};
+  const Rotation rot{h[20], h[21], sign_bits.data(), paley.data()};
   qlinear::mixed::MixedGemvArgs a{};
   a.x = x.data(); a.codes = codes.data(); a.meta = meta.data(); a.sq = sq.data(); a.tab = tab.data();
   if (h[13]) { a.outlier_values = vals.data(); a.outlier_cols = cols.data(); a.outlier_row_ptr = rp.data(); a.cols_int32 = h[14]; }
@@ -374,7 +347,7 @@ int main(int argc, char** argv) {
   a.group_size = h[6]; a.scale_bits = h[7]; a.scale_group_size = h[8];
   a.threads = h[9]; a.tiles_per_split = h[10]; a.splits = h[11]; a.async_dequant = h[12];
   a.x_dtype = h[17] ? qlinear::DType::kBFloat16 : qlinear::DType::kHalf;
-  if (h[17]) run<__nv_bfloat16>(a); else run<__half>(a);
+  emu_check(mixed::mixed_gemv(a, rot, nullptr));
   emu_write(argv[2], y, h[17]);
   return 0;
 }
@@ -387,7 +360,8 @@ def emulator(tmp_path_factory):
 
     return cuda_emulation.build(
         tmp_path_factory.mktemp("emu"), "async_dequant/mixed_gemv.cu",
-        ("extern __shared__ float4 smem4[];", "float4* smem4 = ::g_smem4;"), cuda_emulation.WARP_PTX, _EMU_DRIVER)
+        ("extern __shared__ float4 smem4[];", "float4* smem4 = ::g_smem4;"), cuda_emulation.WARP_PTX, _EMU_DRIVER,
+        launches=True)
 
 
 def _emulate(exe, x, bufs, bias, cfg, N, K, launch, async_dequant=True, rotation=None):
@@ -577,8 +551,10 @@ def test_dequantize_op_is_the_format_bit_for_bit(outlier_ratio):
 
 
 # --- the dequantize kernel (mixed_dequant.cu: Ŵ for cuBLAS above the GEMV's batches, and the backward pass) -------
-_DEQUANT_DRIVER = r'''// Driver: reads one call from argv[1] (header, codes, meta, sq, tab, outliers), writes Ŵ (fp32 [N, K]) to argv[2].
+_DEQUANT_DRIVER = r'''// Driver: reads one call from argv[1] (header, codes, meta, sq, tab, outliers), runs the source's own
+// mixed_dequantize (kernel choice, grid, shared memory) and writes Ŵ (fp32 [N, K]) to argv[2].
 int main(int argc, char** argv) {
+  using namespace qlinear;
   using namespace qlinear::mixed;
   FILE* f = fopen(argv[1], "rb");
   auto h = emu_read<int>(f, 13);
@@ -597,26 +573,16 @@ int main(int argc, char** argv) {
   a.cols_int32 = h[10];
   a.N = N; a.K = K; a.W = W; a.G = G; a.MW = MW; a.S2 = S2; a.P = h[12];
   a.group_size = h[5]; a.scale_bits = h[6]; a.scale_group_size = h[7];
-  const dim3 grid = mixed_dequantize_grid(N, K, a.group_size);
   if (h[11] == 0) {  // fp32 Ŵ
     std::vector<float> w((size_t)N * K, NAN);
     a.y = w.data();
-    run_grid(grid, kDequantThreads, [&a] { a.group_size % 64 ? mixed_dequantize_kernel<float, 16>(a)
-                                                             : mixed_dequantize_kernel<float, 64>(a); },
-             mixed_dequantize_smem_bytes(a.group_size, sizeof(float)));
+    emu_check(mixed_dequantize(a, DType::kFloat, nullptr));
     FILE* o = fopen(argv[2], "wb"); fwrite(w.data(), 4, w.size(), o); fclose(o);
     return 0;
   }
   std::vector<uint16_t> w((size_t)N * K, 0x7E00);  // fp16 (h[11] = 1) or bf16 (2) Ŵ, written as fp32
   a.y = w.data();
-  if (h[11] == 1)
-    run_grid(grid, kDequantThreads, [&a] { a.group_size % 64 ? mixed_dequantize_kernel<__half, 16>(a)
-                                                             : mixed_dequantize_kernel<__half, 64>(a); },
-             mixed_dequantize_smem_bytes(a.group_size, sizeof(__half)));
-  else
-    run_grid(grid, kDequantThreads, [&a] { a.group_size % 64 ? mixed_dequantize_kernel<__nv_bfloat16, 16>(a)
-                                                             : mixed_dequantize_kernel<__nv_bfloat16, 64>(a); },
-             mixed_dequantize_smem_bytes(a.group_size, sizeof(__nv_bfloat16)));
+  emu_check(mixed_dequantize(a, h[11] == 1 ? DType::kHalf : DType::kBFloat16, nullptr));
   emu_write(argv[2], w, h[11] == 2);
   return 0;
 }
@@ -630,7 +596,7 @@ def dequant_emulator(tmp_path_factory):
     return cuda_emulation.build(tmp_path_factory.mktemp("dequant_emu"), "async_dequant/mixed_dequant.cu",
                                 ("extern __shared__ __align__(16) unsigned char smem_raw[];",
                                  "unsigned char* smem_raw = reinterpret_cast<unsigned char*>(::g_smem4);"), "",
-                                _DEQUANT_DRIVER)
+                                _DEQUANT_DRIVER, launches=True)
 
 
 @pytest.mark.parametrize("name,N,K", [("default", 100, 112), ("g32", 130, 256), ("g48_sb8_sg7", 96, 480),

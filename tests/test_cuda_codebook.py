@@ -16,22 +16,8 @@ CASES = [(1, 4, 32), (2, 4, 64), (2, 2, 32), (2, 1, 128), (4, 1, 32), (4, 1, 16)
          (1, 1, 32)]  # 2 table bytes: the byte-wise table load
 
 _DRIVER = r'''
-// Driver: reads one call from argv[1] (header, codes, book_idx, scales, codebooks), writes Ŵ (as fp32) to argv[2].
-template <typename OutT> void run(const qlinear::CodebookArgs& a) {
-  using namespace qlinear;
-  const unsigned blocks = (unsigned)(((long long)a.N * (a.K / 32) + 255) / 256);
-  const size_t smem = codebook_dequantize_smem_bytes(sizeof(OutT));
-  auto grid = [&](auto kernel) { run_grid(dim3(blocks, 1, 1), 256, kernel, smem); };
-  switch (a.bits * 2 + (a.group_size % 16 == 0)) {
-    case 2: grid([&a] { codebook_dequantize_kernel<OutT, 1, false>(a); }); break;
-    case 3: grid([&a] { codebook_dequantize_kernel<OutT, 1, true>(a); }); break;
-    case 4: grid([&a] { codebook_dequantize_kernel<OutT, 2, false>(a); }); break;
-    case 5: grid([&a] { codebook_dequantize_kernel<OutT, 2, true>(a); }); break;
-    case 8: grid([&a] { codebook_dequantize_kernel<OutT, 4, false>(a); }); break;
-    default: grid([&a] { codebook_dequantize_kernel<OutT, 4, true>(a); });
-  }
-}
-
+// Driver: reads one call from argv[1] (header, codes, book_idx, scales, codebooks), runs the source's own
+// codebook_dequantize (its template dispatch and launch) and writes Ŵ (as fp32) to argv[2].
 int main(int argc, char** argv) {
   using namespace qlinear;
   FILE* f = fopen(argv[1], "rb");
@@ -47,13 +33,13 @@ int main(int argc, char** argv) {
   if (h[7] == 0) {  // fp32 Ŵ
     std::vector<float> w((size_t)N * K, NAN);
     a.w = w.data();
-    run<float>(a);
+    emu_check(codebook_dequantize(a, DType::kFloat, nullptr));
     FILE* o = fopen(argv[2], "wb"); fwrite(w.data(), 4, w.size(), o); fclose(o);
     return 0;
   }
   std::vector<uint16_t> w((size_t)N * K, 0x7E00);  // fp16 (h[7] = 1) or bf16 (2) Ŵ, written as fp32
   a.w = w.data();
-  if (h[7] == 1) run<__half>(a); else run<__nv_bfloat16>(a);
+  emu_check(codebook_dequantize(a, h[7] == 1 ? DType::kHalf : DType::kBFloat16, nullptr));
   emu_write(argv[2], w, h[7] == 2);
   return 0;
 }
@@ -66,7 +52,8 @@ def emulator(tmp_path_factory):
 
     return cuda_emulation.build(tmp_path_factory.mktemp("codebook_emu"), "cuda_codebook/codebook_dequant.cu",
                                 ("extern __shared__ __align__(16) unsigned char smem_raw[];",
-                                 "unsigned char* smem_raw = reinterpret_cast<unsigned char*>(::g_smem4);"), "", _DRIVER)
+                                 "unsigned char* smem_raw = reinterpret_cast<unsigned char*>(::g_smem4);"), "", _DRIVER,
+                                launches=True)
 
 
 def _layer(N, K, bits, books, group_size, seed=0):

@@ -287,36 +287,12 @@ def test_uniform_8bit_layer_with_small_scales_runs_on_the_kernels(dtype):
 
 # --- the kernel's own source, run on the CPU under the host emulation (tests/cuda_emulation.py) -------------
 _LUT_DRIVER = r'''
-// Driver: reads one call from argv[1] (header, x, planes, alpha or a uniform layer's scales, offset, bias), writes y
-// (fp32) to argv[2].
-namespace emu {
-using namespace qlinear;
-Rotation g_rot{};
-template <typename T, int M, int Q> void run(const LutGemvArgs& a) {
-  run_grid(dim3(lut_gemv_tiles(a.N, a.threads), a.splits, 1), a.threads,
-           [&a] { lut_gemv_kernel<T, M, Q, lut_gemv_words(M, Q)>(a, g_rot); });
-  if (a.splits > 1) emulate_reduce_splits<T>(a.partial, a.bias, a.bias_dtype, a.y, a.splits, a.M, a.N);
-}
-template <typename T, int M> void run_q(const LutGemvArgs& a) {
-  switch (a.Q) { case 1: return run<T, M, 1>(a); case 2: return run<T, M, 2>(a); case 3: return run<T, M, 3>(a);
-                 case 4: return run<T, M, 4>(a); default: return run<T, M, kMaxQ>(a); }
-}
-template <typename T> void run_m(const LutGemvArgs& a) {
-  switch (a.M) { case 1: return run_q<T, 1>(a); case 3: return run_q<T, 3>(a); default: return run_q<T, 8>(a); }
-}
-template <typename OutT, int Q> void dequantize(const LutGemvArgs& a) {
-  run_grid(lut_dequantize_grid(a.N, a.K), 256, [&a] { lut_dequantize_kernel<OutT, Q>(a); },
-           lut_dequantize_smem_bytes(Q, sizeof(OutT)));
-}
-template <typename OutT> void dequantize_q(const LutGemvArgs& a) {
-  switch (a.Q) { case 1: return dequantize<OutT, 1>(a); case 2: return dequantize<OutT, 2>(a);
-                 case 3: return dequantize<OutT, 3>(a); case 4: return dequantize<OutT, 4>(a);
-                 default: return dequantize<OutT, kMaxQ>(a); }
-}
-}  // namespace emu
+// Driver: reads one call from argv[1] (header, x, planes, alpha or a uniform layer's scales, offset, bias), runs the
+// source's own host entry point (lut_gemv or lut_dequantize: template dispatch, launch sizes, split-K reduction) and
+// writes y (fp32) to argv[2].
 
 int main(int argc, char** argv) {
-  using namespace emu;
+  using namespace qlinear;
   FILE* f = fopen(argv[1], "rb");
   auto h = emu_read<int>(f, 18);
   const int M = h[0], N = h[1], K = h[2], Q = h[3], gs = h[4], bf16 = h[9], off_kind = h[10], bias_kind = h[11];
@@ -343,22 +319,22 @@ int main(int argc, char** argv) {
   a.M = M; a.N = N; a.K = K; a.Q = Q; a.group_size = gs; a.uniform = h[17];
   a.kt = h[5]; a.threads = h[6]; a.tiles_per_split = h[7]; a.splits = h[8];
   a.x_dtype = bf16 ? DType::kBFloat16 : DType::kHalf;
-  g_rot = Rotation{h[15], h[16], sign_bits.data(), paley.data()};
+  const Rotation rot{h[15], h[16], sign_bits.data(), paley.data()};
   if (h[13] == 1) {  // the dequantize kernel: Ŵ [N, K] float32
     std::vector<float> w((size_t)N * K, NAN);
     a.y = w.data();
-    dequantize_q<float>(a);
+    emu_check(lut_dequantize(a, DType::kFloat, nullptr));
     FILE* o = fopen(argv[2], "wb"); fwrite(w.data(), 4, w.size(), o); fclose(o);
     return 0;
   }
   if (h[13]) {  // Ŵ in x's dtype (fp16 or bf16), written as float32
     std::vector<uint16_t> w((size_t)N * K, 0x7E00);
     a.y = w.data();
-    if (bf16) dequantize_q<__nv_bfloat16>(a); else dequantize_q<__half>(a);
+    emu_check(lut_dequantize(a, a.x_dtype, nullptr));
     emu_write(argv[2], w, bf16);
     return 0;
   }
-  if (bf16) run_m<__nv_bfloat16>(a); else run_m<__half>(a);
+  emu_check(lut_gemv(a, rot, nullptr));
   emu_write(argv[2], y, bf16);
   return 0;
 }
@@ -371,7 +347,8 @@ def emulator(tmp_path_factory):
 
     return cuda_emulation.build(
         tmp_path_factory.mktemp("lut_emu"), "cuda_lut/bcq_lut_gemv.cu",
-        ("extern __shared__ __align__(16) float smem[];", "float* smem = reinterpret_cast<float*>(::g_smem4);"), "", _LUT_DRIVER)
+        ("extern __shared__ __align__(16) float smem[];", "float* smem = reinterpret_cast<float*>(::g_smem4);"), "", _LUT_DRIVER,
+        launches=True)
 
 
 def _emulate(exe, x, bufs, bias, cfg, N, K, launch, perm=None, dequant=None, rotation=None):
@@ -449,6 +426,29 @@ def test_kernel_source_under_host_emulation(emulator, bits, group_size, offset, 
     assert torch.equal(_emulate(emulator, x, bufs, mod.bias, cfg, N, K, launch, perm=perm),
                        _emulate(emulator, x[:, perm.long()], bufs, mod.bias, cfg, N, K, launch))
 
+
+
+@pytest.mark.parametrize("bits", [1, 3, 4, 6])
+def test_launcher_dispatches_every_batch(emulator, bits):
+    """The source's own ``lut_gemv`` picks the kernel instantiation for every M in 1..8 and each plane count (5-8:
+    the run-time count of ``kMaxQ``), sizes its launch and reduces the splits: within the bound at every M; a launch
+    plan whose tile does not match the instantiation's is refused (cudaErrorInvalidValue), not run."""
+    import subprocess
+
+    N, K = 40, 256
+    mod, _ = _layer(N, K, bits, 64, seed=bits)
+    bufs = cuda_lut.repack(mod.canonical(), mod.config, N, K)
+    Np = cuda_lut.padded(N)
+    for M in range(1, 9):
+        x = torch.randn(M, K).half()
+        y64 = ref64(mod, x) - mod.bias.double()
+        launch = cuda_lut.plan(M, Np, K, 132, bits)
+        y = _emulate(emulator, x, bufs, None, mod.config, Np, K, launch)[:, :N]
+        assert ((y.double() - y64).abs() <= _bound(mod, x, 2.0 ** -11, y64)).all(), M
+    wrong = (2 * launch[0], *launch[1:])
+    with pytest.raises(subprocess.CalledProcessError) as refused:
+        _emulate(emulator, x, bufs, None, mod.config, Np, K, wrong)
+    assert refused.value.returncode == 3  # emu_check's exit for a launcher's error
 
 
 @pytest.fixture

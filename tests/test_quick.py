@@ -344,47 +344,11 @@ def test_free_alpha_kernel_matches_reference_and_its_dequantize_is_the_spec(N, K
 
 # --- the kernel's own source, run on the CPU under the host emulation (tests/cuda_emulation.py) -------------
 _QUICK_DRIVER = r'''
-// Driver: reads one call from argv[1] (header, x, qweight, scales or α, zeros or offsets, bias, perm), writes y or Ŵ
-// (fp32) to argv[2].
-namespace emu {
-using namespace qlinear;
-Rotation g_rot{};
-template <typename T, int Q, int MT, int WM, bool F> void gemm(const QuickArgs& a) {
-  constexpr int BM = 16 * MT * WM, THREADS = 32 * 4 * WM;
-  emu_warp::reset(THREADS);
-  const dim3 grid((a.N + 127) / 128, (a.M + BM - 1) / BM, a.splits);
-  const int xs = x_source(a, g_rot, BM, sizeof(T));  // the launcher's choice
-  if constexpr (MT == 1 && WM == 1) {
-    if (xs == kStaged) run_grid(grid, THREADS, [&a] { quick_gemm_kernel<T, Q, 1, 1, F, kStaged>(a, g_rot); });
-    if (xs == kStagedRotated) run_grid(grid, THREADS, [&a] { quick_gemm_kernel<T, Q, 1, 1, F, kStagedRotated>(a, g_rot); });
-  }
-  if (xs == kPipelined) run_grid(grid, THREADS, [&a] { quick_gemm_kernel<T, Q, MT, WM, F, kPipelined>(a, g_rot); });
-  if (a.splits > 1) emulate_reduce_splits<T>(a.partial, a.bias, a.bias_dtype, a.y, a.splits, a.M, a.N);
-}
-template <typename T, int Q, bool F> void run(const QuickArgs& a, bool dequant) {
-  if (dequant) {
-    const int tiles = (a.N / 32) * (a.K / 64);
-    emu_warp::reset(128);
-    run_grid(dim3((tiles + 3) / 4, 1, 1), 128, [&a] { quick_dequantize_kernel<T, Q, F>(a); }, kDequantSmem);
-    return;
-  }
-  switch (a.tile_m) {
-    case 16: return gemm<T, Q, 1, 1, F>(a);
-    case 32: return gemm<T, Q, 2, 1, F>(a);
-    case 64: return gemm<T, Q, 4, 1, F>(a);
-    default: return gemm<T, Q, 4, 2, F>(a);
-  }
-}
-template <typename T, bool F> void run_f(const QuickArgs& a, bool dequant) {
-  if (a.Q == 2) run<T, 2, F>(a, dequant); else if (a.Q == 3) run<T, 3, F>(a, dequant); else run<T, 4, F>(a, dequant);
-}
-template <typename T> void run_q(const QuickArgs& a, bool dequant) {
-  if (a.free_alpha) run_f<T, true>(a, dequant); else run_f<T, false>(a, dequant);
-}
-}  // namespace emu
-
+// Driver: reads one call from argv[1] (header, x, qweight, scales or α, zeros or offsets, bias, perm), runs the source's
+// own quick_gemm or quick_dequantize (kernel choice, grid, shared memory, split-K reduction) and writes y or Ŵ (fp32)
+// to argv[2].
 int main(int argc, char** argv) {
-  using namespace emu;
+  using namespace qlinear;
   FILE* f = fopen(argv[1], "rb");
   auto h = emu_read<int>(f, 17);
   const int M = h[0], N = h[1], K = h[2], Q = h[3], gs = h[4], bf16 = h[8], has_zeros = h[9], bias_kind = h[10];
@@ -398,7 +362,7 @@ int main(int argc, char** argv) {
   std::vector<unsigned> sign_bits = emu_read<unsigned>(f, h[14]);
   std::vector<signed char> paley = emu_read<signed char>(f, h[16] > 1 ? h[16] * h[16] : 0);
   fclose(f);
-  g_rot = Rotation{h[15], h[16], sign_bits.data(), paley.data()};
+  const Rotation rot{h[15], h[16], sign_bits.data(), paley.data()};
   QuickArgs a{};
   a.perm = h[12] ? perm.data() : nullptr;
   a.x = x.data(); a.qweight = qweight.data(); a.scales = scales.data();
@@ -413,7 +377,7 @@ int main(int argc, char** argv) {
   a.y = y.data(); a.partial = partial.data();
   a.M = M; a.N = N; a.K = K; a.Q = Q; a.group_size = gs; a.tile_m = h[5]; a.tiles_per_split = h[6]; a.splits = h[7];
   a.x_dtype = bf16 ? DType::kBFloat16 : DType::kHalf;
-  if (bf16) run_q<__nv_bfloat16>(a, dequant); else run_q<__half>(a, dequant);
+  emu_check(dequant ? quick_dequantize(a, nullptr) : quick_gemm(a, rot, nullptr));
   emu_write(argv[2], y, bf16);
   return 0;
 }
@@ -427,7 +391,8 @@ def emulator(tmp_path_factory):
     return cuda_emulation.build(
         tmp_path_factory.mktemp("quick_emu"), "quick/quick_gemm.cu",
         ("extern __shared__ __align__(16) unsigned char smem_raw[];",
-         "unsigned char* smem_raw = reinterpret_cast<unsigned char*>(::g_smem4);"), cuda_emulation.WARP_PTX, _QUICK_DRIVER)
+         "unsigned char* smem_raw = reinterpret_cast<unsigned char*>(::g_smem4);"), cuda_emulation.WARP_PTX, _QUICK_DRIVER,
+        launches=True)
 
 
 def _emulate(exe, x, bufs, bias, cfg, N, K, launch, dequant=False, perm=None, rotation=None):
