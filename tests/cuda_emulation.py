@@ -211,19 +211,6 @@ template <typename T> inline void mma(float (&d)[4], const unsigned (&a)[4], uns
 } }  // namespace qlinear::(anonymous)
 '''
 
-# After the kernel source: the split-K reduction of backends/_cuda/common.cuh, one emulated thread at a time.
-AFTER = r'''
-template <typename T> void emulate_reduce_splits(const float* partial, const void* bias, qlinear::DType bias_dtype, void* y,
-                                                 int splits, int M, int N) {
-  g_blockDim = dim3(256, 1, 1);
-  for (int i = 0; i < M * N; ++i) {
-    g_blockIdx = dim3(i / 256, 0, 0);
-    tl_threadIdx = make_uint3(i % 256, 0, 0);
-    qlinear::reduce_splits_kernel<T>(partial, bias, bias_dtype, static_cast<T*>(y), splits, M, N);
-  }
-}
-'''
-
 
 def cuda_home() -> Path | None:
     """The CUDA toolkit whose headers the emulation compiles against, or None."""
@@ -255,7 +242,7 @@ def _emulated_launch(m: re.Match) -> str:
 
 def build(dst: Path, kernel: str, shared_memory: tuple[str, str], prelude: str, driver: str,
           launches: bool = False) -> Path:
-    """Compile ``SHIM + prelude + #include kernel + AFTER + driver`` with g++.  ``kernel`` (a ``.cu`` path under
+    """Compile ``SHIM + prelude + #include kernel + driver`` with g++.  ``kernel`` (a ``.cu`` path under
     backends/), the headers beside it and backends/_cuda are copied to ``dst`` with the ``extern __shared__``
     declaration ``shared_memory[0]`` replaced by ``shared_memory[1]`` (a pointer into the emulated shared memory) and
     the launches cut out, or with ``launches`` run by :func:`run_grid` where they stand (the driver then calls the
@@ -271,7 +258,7 @@ def build(dst: Path, kernel: str, shared_memory: tuple[str, str], prelude: str, 
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(text)
     main = dst / "emu.cpp"
-    main.write_text(SHIM + prelude + f'\n#include "{kernel}"\n' + AFTER + driver)
+    main.write_text(SHIM + prelude + f'\n#include "{kernel}"\n' + driver)
     exe = dst / "emu"
     base = ["g++", "-std=c++20", "-O1", "-pthread", "-w", f"-I{home / 'include'}", "-x", "c++", str(main), "-o", str(exe)]
     r = subprocess.run(base + [f"-L{home / 'lib64'}", "-lcudart"], capture_output=True, text=True)
