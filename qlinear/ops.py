@@ -241,6 +241,14 @@ _lib.define("codebook_dequantize(Tensor codes, Tensor? book_idx, Tensor scales, 
 def _(codes, book_idx, scales, codebooks, K, group_size, bits, dtype):
     """Dense ``Ŵ`` ``[N, K]`` of ``dtype`` from canonical codebook buffers (:mod:`qlinear.backends.cuda_codebook`)."""
     return codes.new_empty(codes.shape[0], K, dtype=dtype)
+_lib.define("codebook_gemv(Tensor x, Tensor codes, Tensor? book_idx, Tensor scales, Tensor codebooks, Tensor? bias, "
+            "int group_size, int bits) -> Tensor")
+
+
+@torch.library.register_fake("qlinear::codebook_gemv")
+def _(x, codes, book_idx, scales, codebooks, bias, group_size, bits):
+    """Codebook GEMV of :mod:`qlinear.backends.cuda_codebook`: ``x`` ``[M, K]`` fp16/bf16, ``M <= 8`` -> ``[M, N]``."""
+    return x.new_empty(x.shape[0], codes.shape[0])
 _lib.define("arm_gemm(Tensor x, Tensor qw, Tensor qs, Tensor? qz, Tensor? qb, Tensor? books, Tensor? bias, "
             "int format, int num_books, int N, int group_size, int path, int layout, Tensor? rot_signs=None, "
             "Tensor? rot_paley=None, int rot_block=0, Tensor? perm=None) -> Tensor")

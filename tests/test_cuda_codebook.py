@@ -1,5 +1,6 @@
-"""The codebook format's GPU decode path (``cuda_codebook``: dequantize kernel + cuBLAS): its CUDA source under the
-host emulation against the format's dequantize, bit for bit; on a GPU the op and the forward pass."""
+"""The codebook format's GPU paths (``cuda_codebook_gemv`` at decode batches, ``cuda_codebook``: dequantize kernel +
+cuBLAS): their CUDA source under the host emulation against the format's dequantize (bit for bit) and the float64
+product; on a GPU the ops and the forward pass."""
 
 from __future__ import annotations
 
@@ -16,20 +17,34 @@ CASES = [(1, 4, 32), (2, 4, 64), (2, 2, 32), (2, 1, 128), (4, 1, 32), (4, 1, 16)
          (1, 1, 32)]  # 2 table bytes: the byte-wise table load
 
 _DRIVER = r'''
-// Driver: reads one call from argv[1] (header, codes, book_idx, scales, codebooks), runs the source's own
-// codebook_dequantize (its template dispatch and launch) and writes Ŵ (as fp32) to argv[2].
+// Driver: reads one call from argv[1] (header, codes, book_idx, scales, codebooks; for the GEMV then x and bias), runs
+// the source's own codebook_dequantize or codebook_gemv (template dispatch and launch) and writes Ŵ or y (as fp32) to
+// argv[2].  Header: N, K, bits, group size, books, code words, book words, output (0/1/2: Ŵ in fp32/fp16/bf16, 3: the
+// GEMV), M, x in bf16, bias (0 none, 1 in x's dtype, 2 fp32).
 int main(int argc, char** argv) {
   using namespace qlinear;
   FILE* f = fopen(argv[1], "rb");
-  auto h = emu_read<int>(f, 8);
+  auto h = emu_read<int>(f, 11);
   const int N = h[0], K = h[1], bits = h[2], gs = h[3], books = h[4], code_words = h[5], book_words = h[6];
   auto codes = emu_read<unsigned>(f, (size_t)N * code_words);
   auto book_idx = emu_read<unsigned>(f, (size_t)N * book_words);
   auto scales = emu_read<uint16_t>(f, (size_t)N * (K / gs));
   auto books_i8 = emu_read<signed char>(f, (size_t)books << bits);
+  const int M = h[8], bf16 = h[9], bias_kind = h[10];
+  auto x = emu_read<uint16_t>(f, (size_t)M * K);
+  std::vector<char> bias = emu_read<char>(f, (size_t)N * (bias_kind == 2 ? 4 : bias_kind == 1 ? 2 : 0));
   fclose(f);
   CodebookArgs a{codes.data(), book_words ? book_idx.data() : nullptr, scales.data(), books_i8.data(), nullptr,
                  N, K, bits, gs, books, code_words, book_words};
+  if (h[7] == 3) {
+    std::vector<uint16_t> y((size_t)M * N, 0x7E00);  // NaN-poisoned
+    CodebookGemvArgs g{a, x.data(), bias_kind ? bias.data() : nullptr, y.data(), M,
+                       bf16 ? DType::kBFloat16 : DType::kHalf,
+                       bias_kind == 2 ? DType::kFloat : bf16 ? DType::kBFloat16 : DType::kHalf};
+    emu_check(codebook_gemv(g, nullptr));
+    emu_write(argv[2], y, bf16);
+    return 0;
+  }
   if (h[7] == 0) {  // fp32 Ŵ
     std::vector<float> w((size_t)N * K, NAN);
     a.w = w.data();
@@ -77,13 +92,45 @@ def test_kernel_source_under_host_emulation_is_the_format_bit_for_bit(emulator, 
     want = codebook.dequantize(bufs, cfg, N, K)
     for code, dtype, as_int in ((0, torch.float32, torch.int32), (1, torch.float16, torch.int16),
                                 (2, torch.bfloat16, torch.int16)):
-        w = run(emulator, hdr + [code], [bufs["codes"], idx, bufs["scales"], bufs["codebooks"]], (N, K))
+        w = run(emulator, hdr + [code, 0, 0, 0], [bufs["codes"], idx, bufs["scales"], bufs["codebooks"]], (N, K))
         assert torch.equal(w.to(dtype).view(as_int), want.to(dtype).view(as_int)), dtype
+
+
+GEMV_CASES = CASES + [(4, 1, 96), (2, 4, 24)]  # a group of 96 (SmolLM2's best 4-bit row) and of 24 (8 divides it)
+
+
+@pytest.mark.parametrize("bits,books,group_size", GEMV_CASES)
+def test_gemv_source_under_host_emulation(emulator, bits, books, group_size):
+    """codebook_gemv (the source's launcher and kernel) under the host emulation, at every M in 1..8 (each runs the
+    instantiation for 1, 2, 4 or 8 rows of x), fp16 and bf16, with and without a bias, rows not a multiple of the
+    block's 16 (N = 40): within ``(K/8 + 2)·u₃₂·Σ|ŵ·x|`` of the float64 product (fp32 sums of exact products, 8 at a
+    time, scaled, then accumulated over K/8 such sums and 32 lanes) plus one rounding to x's dtype."""
+    from cuda_emulation import dtype_kind, run
+
+    N, K = 40, 1536  # 48 chunks of 32 inputs: lanes 0..15 walk two, the others one
+    mod = _layer(N, K, bits, books, group_size, seed=bits * 10 + books + group_size)
+    bufs, cfg = mod.canonical(), mod.config
+    idx = bufs.get("book_idx")
+    w64 = codebook.dequantize(bufs, cfg, N, K).double()
+    hdr = [N, K, bits, group_size, books, bufs["codes"].shape[1], 0 if idx is None else idx.shape[1], 3]
+    for M in range(1, 9):
+        dtype = torch.bfloat16 if M % 2 else torch.float16
+        eps = {torch.float16: 2.0 ** -11, torch.bfloat16: 2.0 ** -8}[dtype]
+        x = torch.randn(M, K).to(dtype)
+        bias = None if M % 3 == 0 else mod.bias.detach() if M % 3 == 1 else mod.bias.detach().to(dtype)
+        y64 = x.double() @ w64.T + (0 if bias is None else bias.double())
+        y = run(emulator, hdr + [M, int(dtype == torch.bfloat16), dtype_kind(bias)],
+                [bufs["codes"], idx, bufs["scales"], bufs["codebooks"], x, bias], (M, N))
+        bound = (K / 8 + 2 + 32) * 2.0 ** -24 * (x.double().abs() @ w64.abs().T) + eps * y64.abs()
+        assert ((y.double() - y64).abs() <= bound).all(), (M, (y.double() - y64).abs().max().item())
 
 
 def test_supports_and_errors():
     assert cuda_codebook.supports(None, 64, 256) is None
     assert "multiple of 32" in cuda_codebook.supports(None, 64, 48)
+    cfg = codebook.Config(bits=2, group_size=12)
+    assert "multiple of 8" in cuda_codebook.supports_gemv(cfg, 64, 384)
+    assert cuda_codebook.supports_gemv(codebook.Config(bits=2, group_size=24), 64, 384) is None
 
 
 # --- on a GPU ---------------------------------------------------------------------------------------------
@@ -104,9 +151,9 @@ def test_dequantize_op_and_forward_on_the_gpu(bits, books, group_size):
         assert torch.equal(cuda_codebook.dequantize(bufs, mod.config, N, K, dtype).cpu(), want.to(dtype)), dtype
     eps = {torch.float16: 2.0 ** -11, torch.bfloat16: 2.0 ** -8}
     for dtype in (torch.float16, torch.bfloat16):
-        for M in (1, 9, 300):
+        for M in (1, 5, 8, 9, 300):
             x = torch.randn(M, K, device="cuda", dtype=dtype)
-            assert mod.kernel(x).backend == "cuda_codebook"
+            assert mod.kernel(x).backend == ("cuda_codebook_gemv" if M <= 8 else "cuda_codebook")
             y64 = x.double().cpu() @ want.double().T + mod.bias.detach().double().cpu()
             mag = x.double().abs().cpu() @ want.double().abs().T
             err = (mod(x).double().cpu() - y64).abs()

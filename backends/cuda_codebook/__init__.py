@@ -1,11 +1,18 @@
-"""GPU decode path of :class:`qlinear.CodebookLinear` (group-wise codebooks, Arm paper §5.2): dequantize + cuBLAS.
+"""GPU paths of :class:`qlinear.CodebookLinear` (group-wise codebooks, Arm paper §5.2): a GEMV at decode batches,
+dequantize + cuBLAS above.
 
-``y = x Ŵᵀ + b`` for ``x`` ``[M, K]`` fp16/bf16 at any batch, ``K`` a multiple of 32 and of the group size.  The
-kernel (``codebook_dequant.cu``) writes ``Ŵ`` ``[N, K]`` in ``x``'s dtype straight from the canonical buffers (no
-kernel layout: what a checkpoint holds is what the GPU reads), one thread per row and 32 inputs, as the format's
-float32 ``scale · centroid`` (exact: an fp16 scale times an int8 centroid) rounded once; then one dense GEMM.  A GEMV
-that looks the centroids up per weight would read 4-8x fewer bytes at decode batches; the issue asks for it only where
-the kernel model says it pays, and this path is first what keeps codebook layers off the PyTorch reference on a GPU.
+``y = x Ŵᵀ + b`` for ``x`` ``[M, K]`` fp16/bf16, ``K`` a multiple of 32 and of the group size, straight from the
+canonical buffers (no kernel layout: what a checkpoint holds is what the GPU reads), both kernels in
+``codebook_dequant.cu``:
+
+* ``cuda_codebook_gemv`` (``M <= 8``, group sizes that 8 divides): reads the codes, never writes ``Ŵ``: 1/16 (1 bit)
+  to 1/4 (4 bits) of an fp16 weight's bytes, plus the scales.  A warp owns 4 rows and its lanes walk K 32 inputs
+  apart; each input's centroid comes from a 16-float table in shared memory (all of a layer's codebooks, the format's
+  16-byte limit), ``Σ centroid·x`` over 8 inputs of one group in fp32 (exact products), times the group's scale,
+  accumulated in fp32; the lanes' sums are added in lane order (deterministic).
+* ``cuda_codebook`` (every batch): writes ``Ŵ`` ``[N, K]`` in ``x``'s dtype, one thread per row and 32 inputs, as the
+  format's float32 ``scale · centroid`` (exact: an fp16 scale times an int8 centroid) rounded once; then one dense
+  GEMM.
 """
 
 from __future__ import annotations
@@ -21,7 +28,9 @@ from qlinear.formats import codebook
 from .. import ANY, Kernel, register
 from .._native import build_cuda_backend, dense_linear
 
-__all__ = ["dequantize", "linear", "supports"]
+__all__ = ["dequantize", "linear", "linear_gemv", "supports", "supports_gemv", "MAX_BATCH"]
+
+MAX_BATCH = 8
 
 _HERE = Path(__file__).parent
 
@@ -40,11 +49,29 @@ def linear(x: torch.Tensor, buffers: dict, bias, cfg, out_features: int, in_feat
     return dense_linear(x, dequantize(buffers, cfg, out_features, in_features, x.dtype), bias)
 
 
+def linear_gemv(x: torch.Tensor, buffers: dict, bias, cfg, out_features: int, in_features: int) -> torch.Tensor:
+    """Registry entry of the GEMV: ``x`` ``[..., K]`` fp16/bf16 on CUDA, at most :data:`MAX_BATCH` rows ->
+    ``[..., N]``."""
+    x2 = x.reshape(-1, in_features)
+    if not x2.is_contiguous() or x2.data_ptr() % 16:  # the kernel reads x 16 bytes at a time
+        x2 = x2.clone(memory_format=torch.contiguous_format)
+    y = torch.ops.qlinear.codebook_gemv(x2, buffers["codes"], buffers.get("book_idx"), buffers["scales"],
+                                        buffers["codebooks"], bias, cfg.group_size, cfg.bits)
+    return y.reshape(*x.shape[:-1], out_features)
+
+
 def supports(cfg, out_features: int, in_features: int) -> Optional[str]:
-    """Why the kernel cannot run a codebook layer of this config and shape (None if it can)."""
+    """Why the dequantize kernel cannot run a codebook layer of this config and shape (None if it can)."""
     if in_features % 32:
         return f"in_features={in_features} is not a multiple of 32"
     return None
+
+
+def supports_gemv(cfg, out_features: int, in_features: int) -> Optional[str]:
+    """Why the GEMV cannot run a codebook layer of this config and shape (None if it can)."""
+    if cfg.group_size % 8:
+        return f"group_size={cfg.group_size} is not a multiple of 8"
+    return supports(cfg, out_features, in_features)
 
 
 @functools.lru_cache(maxsize=1)
@@ -53,6 +80,8 @@ def available() -> Optional[str]:
     return build_cuda_backend("qlinear_cuda_codebook", _HERE)
 
 
-register(Kernel(backend="cuda_codebook", format=codebook.NAME, fn=linear, priority=5, devices=frozenset({"cuda"}),
-                dtypes=frozenset({torch.float16, torch.bfloat16}), bits=frozenset({1, 2, 4}), group_sizes=ANY,
-                min_capability=(8, 0), max_batch=ANY, supports=supports, available=available))
+_COMMON = dict(format=codebook.NAME, devices=frozenset({"cuda"}), dtypes=frozenset({torch.float16, torch.bfloat16}),
+               bits=frozenset({1, 2, 4}), group_sizes=ANY, min_capability=(8, 0), available=available)
+register(Kernel(backend="cuda_codebook_gemv", fn=linear_gemv, priority=10, max_batch=MAX_BATCH, supports=supports_gemv,
+                **_COMMON))
+register(Kernel(backend="cuda_codebook", fn=linear, priority=5, max_batch=ANY, supports=supports, **_COMMON))

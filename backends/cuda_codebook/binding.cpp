@@ -1,5 +1,5 @@
-// Torch binding of the codebook dequantize kernel: CUDA implementation of qlinear::codebook_dequantize, whose schema
-// and fake implementation are declared in qlinear/ops.py (one file holds the whole op surface).
+// Torch binding of the codebook kernels: CUDA implementations of qlinear::codebook_dequantize and codebook_gemv, whose
+// schemas and fake implementations are declared in qlinear/ops.py (one file holds the whole op surface).
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -10,10 +10,10 @@
 
 namespace {
 
-at::Tensor codebook_dequantize(const at::Tensor& codes, const std::optional<at::Tensor>& book_idx,
-                               const at::Tensor& scales, const at::Tensor& codebooks, int64_t K, int64_t group_size,
-                               int64_t bits, at::ScalarType dtype) {
-  const char* op = "codebook_dequantize";
+// Checks the canonical buffers (op: the name in the errors) and fills `a` but its output.
+qlinear::CodebookArgs weights_of(const at::Tensor& codes, const std::optional<at::Tensor>& book_idx,
+                                 const at::Tensor& scales, const at::Tensor& codebooks, int64_t K, int64_t group_size,
+                                 int64_t bits, const char* op) {
   TORCH_CHECK(codes.is_cuda() && codes.scalar_type() == at::kInt && codes.dim() == 2 && codes.is_contiguous(), op,
               ": codes must be contiguous int32 CUDA [N, K·bits/32]");
   TORCH_CHECK((bits == 1 || bits == 2 || bits == 4) && K % 32 == 0 && group_size > 0 && K % group_size == 0 &&
@@ -26,14 +26,11 @@ at::Tensor codebook_dequantize(const at::Tensor& codes, const std::optional<at::
                   codebooks.size(1) == (1 << bits), op, ": codebooks must be contiguous int8 [C, 2^bits]");
   const int64_t C = codebooks.size(0);
   TORCH_CHECK(C == 1 || C == 2 || C == 4, op, ": 1, 2 or 4 codebooks, got ", C);
-  TORCH_CHECK(N * (K / 32) < (int64_t(1) << 31), op, ": N·K/32 must be below 2^31 (a thread per 32 outputs), got N = ",
-              N, ", K = ", K);
   TORCH_CHECK((C << bits) <= 16, op, ": ", C, " codebooks of 2^", bits, " int8 centroids exceed the format's 16 bytes");
   TORCH_CHECK(C == 1 || book_idx.has_value(), op, ": book_idx is needed with ", C, " codebooks");
   TORCH_CHECK(scales.device() == codes.device() && codebooks.device() == codes.device() &&
                   (!book_idx.has_value() || book_idx->device() == codes.device()), op,
               ": all buffers must be on one device");
-  c10::cuda::CUDAGuard guard(codes.device());
   qlinear::CodebookArgs a{};
   a.codes = reinterpret_cast<const unsigned*>(codes.data_ptr<int>());
   if (C > 1) {
@@ -46,15 +43,53 @@ at::Tensor codebook_dequantize(const at::Tensor& codes, const std::optional<at::
   }
   a.scales = scales.data_ptr();
   a.codebooks = codebooks.data_ptr<int8_t>();
-  at::Tensor w = at::empty({N, K}, codes.options().dtype(dtype));
-  a.w = w.data_ptr();
   a.N = (int)N; a.K = (int)K; a.bits = (int)bits; a.group_size = (int)group_size; a.books = (int)C;
   a.code_words = (int)codes.size(1);
+  return a;
+}
+
+at::Tensor codebook_dequantize(const at::Tensor& codes, const std::optional<at::Tensor>& book_idx,
+                               const at::Tensor& scales, const at::Tensor& codebooks, int64_t K, int64_t group_size,
+                               int64_t bits, at::ScalarType dtype) {
+  const char* op = "codebook_dequantize";
+  qlinear::CodebookArgs a = weights_of(codes, book_idx, scales, codebooks, K, group_size, bits, op);
+  TORCH_CHECK(codes.size(0) * (K / 32) < (int64_t(1) << 31), op,
+              ": N·K/32 must be below 2^31 (a thread per 32 outputs), got N = ", codes.size(0), ", K = ", K);
+  c10::cuda::CUDAGuard guard(codes.device());
+  at::Tensor w = at::empty({codes.size(0), K}, codes.options().dtype(dtype));
+  a.w = w.data_ptr();
   const cudaError_t err = qlinear::codebook_dequantize(a, qlinear::dtype_of(dtype, op), c10::cuda::getCurrentCUDAStream());
   TORCH_CHECK(err == cudaSuccess, op, " launch failed: ", cudaGetErrorString(err));
   return w;
 }
 
+at::Tensor codebook_gemv(const at::Tensor& x, const at::Tensor& codes, const std::optional<at::Tensor>& book_idx,
+                         const at::Tensor& scales, const at::Tensor& codebooks, const std::optional<at::Tensor>& bias,
+                         int64_t group_size, int64_t bits) {
+  const char* op = "codebook_gemv";
+  TORCH_CHECK(x.is_cuda() && x.dim() == 2 && x.is_contiguous() && x.size(0) >= 1 && x.size(0) <= 8, op,
+              ": x must be a contiguous CUDA [M, K] tensor with M in 1..8");
+  TORCH_CHECK_TYPE(x.scalar_type() == at::kHalf || x.scalar_type() == at::kBFloat16, op, ": x must be fp16 or bf16");
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0, op, ": x must be 16-byte aligned");
+  TORCH_CHECK(group_size % 8 == 0, op, ": group_size must be a multiple of 8, got ", group_size);
+  qlinear::CodebookGemvArgs g{};
+  g.w = weights_of(codes, book_idx, scales, codebooks, x.size(1), group_size, bits, op);
+  TORCH_CHECK(codes.device() == x.device() && (!bias.has_value() || bias->device() == x.device()), op,
+              ": x, weights and bias must be on the same device");
+  c10::cuda::CUDAGuard guard(x.device());
+  at::Tensor bias_holder;
+  g.bias = qlinear::bias_arg(bias, g.w.N, x, bias_holder, g.bias_dtype, op);
+  at::Tensor y = at::empty({x.size(0), g.w.N}, x.options());
+  g.x = x.data_ptr(); g.y = y.data_ptr(); g.M = (int)x.size(0);
+  g.x_dtype = qlinear::dtype_of(x.scalar_type(), op);
+  const cudaError_t err = qlinear::codebook_gemv(g, c10::cuda::getCurrentCUDAStream());
+  TORCH_CHECK(err == cudaSuccess, op, " launch failed: ", cudaGetErrorString(err));
+  return y;
+}
+
 }  // namespace
 
-TORCH_LIBRARY_IMPL(qlinear, CUDA, m) { m.impl("codebook_dequantize", &codebook_dequantize); }
+TORCH_LIBRARY_IMPL(qlinear, CUDA, m) {
+  m.impl("codebook_dequantize", &codebook_dequantize);
+  m.impl("codebook_gemv", &codebook_gemv);
+}

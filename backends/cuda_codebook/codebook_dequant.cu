@@ -90,6 +90,113 @@ __global__ void __launch_bounds__(256, 2) codebook_dequantize_kernel(const Codeb
   }
 }
 
+// GEMV at decode batches (x [M, K], M <= 8): y = x·Ŵᵀ + b without writing Ŵ, reading 1/16 to 1/4 of the bytes of an fp16
+// weight.  A warp owns kGemvRows rows; lane l walks the 32-input chunks l, l + 32, ... of K (the warp's loads of a row
+// are consecutive words: coalesced), holding its rows' code words of a chunk, then 8 inputs at a time (one group: group
+// sizes are multiples of 8) takes their centroids from a 16-float table in shared memory and x from global memory (the
+// block's warps read the same x: L1).  Per lane, row and row of x: Σ_j c_j·x_j over the 8 inputs in fp32 (each product
+// exact: an int8 centroid times an fp16/bf16 input), times the group's scale, accumulated; the lanes' sums are then
+// added in lane order through shared memory (deterministic).  MT: the instantiation's rows of x (1, 2, 4 or 8; a.M of
+// them are read).
+template <typename T, int MT, int BITS>
+__global__ void __launch_bounds__(32 * kGemvWarps) codebook_gemv_kernel(const CodebookGemvArgs g) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  float* const table = reinterpret_cast<float*>(smem_raw);  // [16]: centroid book·2^bits + code, 0 past the books
+  float* const sums = table + 16;                           // [warps][32 lanes][kGemvRows][MT]
+  const CodebookArgs& a = g.w;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (threadIdx.x < 16) table[threadIdx.x] = (int)threadIdx.x < (a.books << BITS) ? (float)a.codebooks[threadIdx.x] : 0.f;
+  __syncthreads();
+  const int n0 = (blockIdx.x * kGemvWarps + warp) * kGemvRows, G = a.K / a.group_size;
+  const T* const x = static_cast<const T*>(g.x);
+  float acc[kGemvRows][MT];
+#pragma unroll
+  for (int r = 0; r < kGemvRows; ++r)
+#pragma unroll
+    for (int m = 0; m < MT; ++m) acc[r][m] = 0.f;
+  for (int c = lane; c < a.K / 32; c += 32) {
+    unsigned words[kGemvRows][BITS];
+#pragma unroll
+    for (int r = 0; r < kGemvRows; ++r) {  // rows past N read row N - 1 (their sums are not written)
+      const int n = min(n0 + r, a.N - 1);
+#pragma unroll
+      for (int i = 0; i < BITS; ++i) words[r][i] = __ldg(a.codes + (size_t)n * a.code_words + c * BITS + i);
+    }
+#pragma unroll
+    for (int s = 0; s < 4; ++s) {
+      const int k0 = c * 32 + 8 * s;
+      float xv[MT][8];
+#pragma unroll
+      for (int m = 0; m < MT; ++m) {
+        if (m < g.M) {
+          const uint4 u = __ldg(reinterpret_cast<const uint4*>(x + (size_t)m * a.K + k0));
+          const T* h = reinterpret_cast<const T*>(&u);
+#pragma unroll
+          for (int j = 0; j < 8; ++j) xv[m][j] = to_float<T>(h[j]);
+        } else {
+#pragma unroll
+          for (int j = 0; j < 8; ++j) xv[m][j] = 0.f;
+        }
+      }
+#pragma unroll
+      for (int r = 0; r < kGemvRows; ++r) {
+        const int n = min(n0 + r, a.N - 1);
+        float scale;
+        unsigned book;
+        group_of<BITS>(a, static_cast<const __half*>(a.scales) + (size_t)n * G, n, k0 / a.group_size, scale, book);
+        float part[MT];
+#pragma unroll
+        for (int m = 0; m < MT; ++m) part[m] = 0.f;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          const int e = 8 * s + j;
+          const float cj = table[book | ((words[r][e * BITS / 32] >> (e * BITS % 32)) & ((1u << BITS) - 1u))];
+#pragma unroll
+          for (int m = 0; m < MT; ++m) part[m] = fmaf(cj, xv[m][j], part[m]);
+        }
+#pragma unroll
+        for (int m = 0; m < MT; ++m) acc[r][m] = fmaf(scale, part[m], acc[r][m]);
+      }
+    }
+  }
+  float* const mine = sums + (size_t)(warp * 32 + lane) * kGemvRows * MT;
+#pragma unroll
+  for (int r = 0; r < kGemvRows; ++r)
+#pragma unroll
+    for (int m = 0; m < MT; ++m) mine[r * MT + m] = acc[r][m];
+  __syncthreads();
+  if (lane < kGemvRows * MT) {
+    const int r = lane / MT, m = lane % MT, n = n0 + r;
+    if (n < a.N && m < g.M) {
+      float sum = 0.f;
+      for (int l = 0; l < 32; ++l) sum += sums[(size_t)(warp * 32 + l) * kGemvRows * MT + lane];
+      if (g.bias) sum += bias_at<T>(g.bias, g.bias_dtype, n);
+      static_cast<T*>(g.y)[(size_t)m * a.N + n] = from_float<T>(sum);
+    }
+  }
+}
+
+template <typename T, int MT>
+cudaError_t gemv_bits(const CodebookGemvArgs& g, cudaStream_t s) {
+  const unsigned blocks = (unsigned)((g.w.N + kGemvWarps * kGemvRows - 1) / (kGemvWarps * kGemvRows));
+  const size_t smem = codebook_gemv_smem_bytes(MT);
+  switch (g.w.bits) {
+    case 1: codebook_gemv_kernel<T, MT, 1><<<blocks, 32 * kGemvWarps, smem, s>>>(g); break;
+    case 2: codebook_gemv_kernel<T, MT, 2><<<blocks, 32 * kGemvWarps, smem, s>>>(g); break;
+    case 4: codebook_gemv_kernel<T, MT, 4><<<blocks, 32 * kGemvWarps, smem, s>>>(g); break;
+    default: return cudaErrorInvalidValue;
+  }
+  return cudaGetLastError();
+}
+
+template <typename T>
+cudaError_t gemv_m(const CodebookGemvArgs& g, cudaStream_t s) {
+  if (g.M == 1) return gemv_bits<T, 1>(g, s);
+  if (g.M == 2) return gemv_bits<T, 2>(g, s);
+  if (g.M <= 4) return gemv_bits<T, 4>(g, s);
+  return gemv_bits<T, 8>(g, s);
+}
+
 template <typename OutT>
 cudaError_t dispatch_bits(const CodebookArgs& a, cudaStream_t s) {
   const long long threads = (long long)a.N * (a.K / 32);
@@ -108,17 +215,29 @@ cudaError_t dispatch_bits(const CodebookArgs& a, cudaStream_t s) {
   return cudaGetLastError();
 }
 
+// The weights' rules both kernels share.
+bool weights_invalid(const CodebookArgs& a) {
+  return a.K % 32 || a.group_size <= 0 || a.K % a.group_size || (a.books != 1 && a.books != 2 && a.books != 4) ||
+         (a.books << a.bits) > 16;  // every codebook in 16 bytes (registers, or the GEMV's 16-float table)
+}
+
 }  // namespace
 
 cudaError_t codebook_dequantize(const CodebookArgs& a, DType out, cudaStream_t stream) {
-  if (a.K % 32 || a.group_size <= 0 || a.K % a.group_size || (a.books != 1 && a.books != 2 && a.books != 4) ||
-      (a.books << a.bits) > 16 ||  // the kernel holds every codebook in 16 bytes of registers
-      (long long)a.N * (a.K / 32) >= (1LL << 31)) {  // one thread per 32 outputs, indexed in 32 bits
+  if (weights_invalid(a) || (long long)a.N * (a.K / 32) >= (1LL << 31))  // a thread per 32 outputs, 32-bit indices
     return cudaErrorInvalidValue;
-  }
   if (out == DType::kFloat) return dispatch_bits<float>(a, stream);
   if (out == DType::kHalf) return dispatch_bits<__half>(a, stream);
   if (out == DType::kBFloat16) return dispatch_bits<__nv_bfloat16>(a, stream);
+  return cudaErrorInvalidValue;
+}
+
+cudaError_t codebook_gemv(const CodebookGemvArgs& g, cudaStream_t stream) {
+  if (weights_invalid(g.w) || g.w.group_size % 8 || g.M < 1 || g.M > 8 ||
+      (reinterpret_cast<size_t>(g.x) & 15u))  // x read 16 bytes at a time
+    return cudaErrorInvalidValue;
+  if (g.x_dtype == DType::kHalf) return gemv_m<__half>(g, stream);
+  if (g.x_dtype == DType::kBFloat16) return gemv_m<__nv_bfloat16>(g, stream);
   return cudaErrorInvalidValue;
 }
 
