@@ -21,7 +21,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import gpu_run_header, gpu_time_us, pool_size, report, table, uniform_bcq_sets  # noqa: E402
+from common import (codebook_sets, gpu_run_header, gpu_time_us, pool_size, report, table,  # noqa: E402
+                    uniform_bcq_sets)
 
 from qlinear import ops as _ops  # noqa: E402
 from qlinear.backends import async_dequant, cuda_codebook, cuda_lut, quick  # noqa: E402
@@ -36,13 +37,6 @@ def lut_sets(N: int, K: int, q: int, g: int, n: int) -> list[tuple]:
     G = math.ceil(K / g)
     return [(_rand_i32(K // 32, q, N), torch.rand(G, q, N, device="cuda").half(), torch.randn(G, N, device="cuda").half())
             for _ in range(n)]
-
-
-def codebook_sets(N: int, K: int, bits: int, books: int, g: int, n: int) -> list[tuple]:
-    G, lb = K // g, int(math.log2(books))
-    return [(_rand_i32(N, K * bits // 32), _rand_i32(N, -(-G * lb // 32)) if books > 1 else None,
-             torch.rand(N, G, device="cuda").half(), torch.randint(-128, 128, (books, 2 ** bits), dtype=torch.int8,
-                                                                     device="cuda")) for _ in range(n)]
 
 
 def main() -> None:

@@ -2,7 +2,8 @@
 
     python benchmarks/bench_gemv.py [--quick] [--shapes 8192x8192,...] [--batches 1,2,4,8] [--bits 2,3,4] [--gemlite-bits 2,4]
                                     [--groups 64,128,K] [--mixed-shapes ...] [--outliers 0,0.002,0.005]
-                                    [--mixed-large-batches 16,32,64] [--no-mixed] [--markdown out.md]
+                                    [--mixed-large-batches 16,32,64] [--no-mixed] [--codebook 4:1:64,2:4:64]
+                                    [--codebook-shapes 8192x8192,576x576] [--markdown out.md]
 
 Timing (:func:`common.gpu_time_us`): CUDA-graph replay, median of 25 replays, weights rotated through a
 pool three times the L2 size so every call reads its weights from DRAM.  Per row: µs per call,
@@ -22,6 +23,11 @@ pointers) plus x and y.  ``--mixed-large-batches`` adds M = 16..64 rows (the ker
 cuBLAS fp16 and the reference dequantize + cuBLAS (wall clock with synchronisation, :func:`common.timeit`:
 its dequantization is not graph-capturable), to confirm ``async_dequant.MAX_BATCH``.  A summary checks the
 targets at 8192², M = 1: ≤ 11 µs, outliers at 0.2 % cost ≤ 5 %, async ≥ 1.2× sync, fused vs separate outliers.
+
+Codebook rows (``--codebook bits:books:group,...`` over ``--codebook-shapes`` × ``--batches``; '' = none): the GEMV
+(``cuda_codebook_gemv``) and the dequantize kernel + cuBLAS (``cuda_codebook``, what the format ran at every batch
+before the GEMV) on random valid canonical buffers, with cuBLAS fp16 in the same run; TB/s counts the codes, book
+indices, scales and codebooks plus x and y.
 """
 
 from __future__ import annotations
@@ -35,10 +41,10 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import (gpu_run_header, gpu_time_us, mixed_bytes, mixed_pool, pool_size, report, table,  # noqa: E402
-                    timeit)
+from common import (codebook_sets, gpu_run_header, gpu_time_us, mixed_bytes, mixed_pool, pool_size, report,  # noqa: E402
+                    table, timeit)
 
-from qlinear.backends import async_dequant, cuda_lut  # noqa: E402
+from qlinear.backends import async_dequant, cuda_codebook, cuda_lut  # noqa: E402
 
 SHAPES = "4096x4096,8192x8192,12288x12288,28672x8192,8192x28672,576x576,1536x576"
 MIXED_SHAPES = "4096x4096,8192x8192,11008x4096,4096x11008,28672x8192"
@@ -118,6 +124,18 @@ def mixed_reference_us(M, N, K, outlier_ratio):
     return timeit(lambda: reference.linear(x, canon, None, cfg, N, K), device="cuda")
 
 
+def codebook_calls(M, N, K, bits, books, g, gemv=True):
+    """``(closures, bytes read)``: the codebook GEMV (or the dequantize kernel + cuBLAS) over a pool of random layers."""
+    sets = codebook_sets(N, K, bits, books, g, pool_size(N * K * bits // 8))
+    x = torch.randn(M, K, device="cuda", dtype=torch.float16)
+    if gemv:
+        calls = [lambda s=s: torch.ops.qlinear.codebook_gemv(x, *s, None, g, bits) for s in sets]
+    else:
+        calls = [lambda s=s: F.linear(x, torch.ops.qlinear.codebook_dequantize(*s, K, g, bits, torch.float16))
+                 for s in sets]
+    return calls, sum(t.nbytes for t in sets[0] if t is not None) + 2 * M * (N + K)
+
+
 def _time(calls):
     try:
         return gpu_time_us(calls)
@@ -137,12 +155,15 @@ def main() -> None:
     ap.add_argument("--mixed-large-batches", default="16,32,64", help="M > 8 rows of the mixed kernel ('' = none)")
     ap.add_argument("--no-mixed", action="store_true", help="skip the mixed 2/4/16 rows")
     ap.add_argument("--gemlite-bits", default="2,4", help="GemLite A16Wn g128 baseline rows ('' = none)")
+    ap.add_argument("--codebook", default="4:1:64,2:4:64", help="codebook rows, bits:books:group ('' = none)")
+    ap.add_argument("--codebook-shapes", default="8192x8192,576x576", help="NxK list for the codebook rows")
     ap.add_argument("--quick", action="store_true", help="8192x8192 only, M=1 and 8, group 128")
     ap.add_argument("--markdown", help="also write the table to this file")
     args = ap.parse_args()
     if args.quick:
         args.shapes, args.batches, args.groups = "8192x8192", "1,8", "128"
         args.mixed_shapes, args.outliers, args.mixed_large_batches = "8192x8192", "0,0.002", "16"
+        args.codebook_shapes = "8192x8192"
     if not args.no_mixed and async_dequant.available() is not None:
         print(f"skipping the mixed rows: async_dequant extension unavailable: {async_dequant.available()}", flush=True)
         args.no_mixed = True
@@ -227,6 +248,24 @@ def main() -> None:
                              t_fp16 / t, t_int4 / t])
                 print(rows[-1], flush=True)
             mixed_pool.cache_clear()  # free this shape's pools
+    codebooks = [tuple(map(int, c.split(":"))) for c in args.codebook.split(",") if c]
+    if codebooks and cuda_codebook.available() is not None:
+        print(f"skipping the codebook rows: cuda_codebook unavailable: {cuda_codebook.available()}", flush=True)
+        codebooks = []
+    for shape in args.codebook_shapes.split(",") if codebooks else ():
+        N, K = map(int, shape.split("x"))
+        for M in map(int, args.batches.split(",")):
+            t_fp16, t_int4 = baselines(N, K, M)
+            for bits, books, g in codebooks:
+                for label, gemv in (("GEMV", True), ("dequantize + cuBLAS", False)):
+                    calls, nbytes = codebook_calls(M, N, K, bits, books, g, gemv)
+                    t = _time(calls)
+                    del calls
+                    tbs = nbytes / t / 1e6
+                    rows.append(["cuda_codebook" + ("_gemv" if gemv else ""), f"codebook {bits}-bit {books} books g{g} "
+                                 f"({label})", f"{N}x{K}", M, t, tbs, f"{100 * tbs / copy_bw:.0f}%", t_fp16 / t,
+                                 t_int4 / t])
+                    print(rows[-1], flush=True)
     text = head + "\n\n" + table(["kernel", "format", "N x K", "M", "µs", "TB/s", "% copy BW", "x cuBLAS fp16",
                                   "x tinygemm int4"], rows)
     key = (8192, 8192, 1)

@@ -141,6 +141,16 @@ def op_calls(x: torch.Tensor, cfg, sets, N: int, K: int, backend: str, layout: s
     return [lambda s=s: linear(x, s, None, "bcq", cfg_json, N, K, backend, layout) for s in sets]
 
 
+def codebook_sets(N: int, K: int, bits: int, books: int, g: int, n: int) -> list[tuple]:
+    """``n`` random valid canonical codebook layers on the GPU, each ``(codes, book_idx or None, scales, codebooks)`` (the
+    ops' argument order; values do not change the timing)."""
+    G, lb = K // g, (books - 1).bit_length()
+    i32 = lambda *shape: torch.randint(-2 ** 31, 2 ** 31 - 1, shape, dtype=torch.int32, device="cuda")
+    return [(i32(N, K * bits // 32), i32(N, -(-G * lb // 32)) if books > 1 else None,
+             torch.rand(N, G, device="cuda").half(), torch.randint(-128, 128, (books, 2 ** bits), dtype=torch.int8,
+                                                                     device="cuda")) for _ in range(n)]
+
+
 def mixed_bytes(M: int, N: int, K: int, cfg) -> int:
     """Bytes the mixed GEMV reads and writes: every stored byte of the repacked layer, fp16 x and y."""
     from qlinear.backends import async_dequant
