@@ -148,9 +148,11 @@ __global__ void __launch_bounds__(32 * kGemvWarps) codebook_gemv_kernel(const Co
 #pragma unroll
         for (int m = 0; m < MT; ++m) part[m] = 0.f;
 #pragma unroll
-        for (int j = 0; j < 8; ++j) {
-          const int e = 8 * s + j;
-          const float cj = table[book | ((words[r][e * BITS / 32] >> (e * BITS % 32)) & ((1u << BITS) - 1u))];
+        for (int j = 0; j < 8; ++j) {  // the centroid's byte offset in the table straight from the code word's bits:
+          const int e = 8 * s + j, at = e * BITS % 32;  // one shift and one LOP3, no index scaling (SASS, sm_90a)
+          const unsigned w = words[r][e * BITS / 32], off = (at >= 2 ? w >> (at - 2) : w << (2 - at));
+          const float cj = *reinterpret_cast<const float*>(reinterpret_cast<const char*>(table) +
+                                                            ((off & (((1u << BITS) - 1u) << 2)) | (book << 2)));
 #pragma unroll
           for (int m = 0; m < MT; ++m) part[m] = fmaf(cj, xv[m][j], part[m]);
         }
