@@ -3,9 +3,10 @@
 The ``.cu`` file is compiled with g++ against the CUDA headers: every CUDA thread of a block becomes a
 std::thread, blocks run one after another over one poisoned shared-memory array, ``__syncthreads`` is a
 std::barrier, ``__ldg`` a plain load, and the ``<<<>>>`` launches are either cut out (the driver launches the
-kernels itself) or, with ``build(..., launches=True)``, run in place by :func:`run_grid` with the grid, block and
-dynamic shared memory the source's own launcher asks for, so that its host code (template dispatch, grid and
-shared-memory sizing, the split-K reduction's launch) runs too; a small driver per kernel reads one call from a
+kernels itself) or, with ``build(..., launches=True)``, run in place by ``run_grid`` with the grid, block and
+dynamic shared memory the source's own launcher asks for (more than 48 KB only after its ``cudaFuncSetAttribute``
+opt-in, at most 227 KB), so that its host code (template dispatch, grid and shared-memory sizing, the split-K
+reduction's launch) runs too; a small driver per kernel reads one call from a
 file and writes the output.  This runs the kernel's real index arithmetic without a GPU; what it
 cannot see is GPU-only behaviour (alignment faults, coalescing, timing).  Warp-collective PTX (``ldmatrix``,
 ``mma``) is emulated by kernels that guard their inline assembly with ``QLINEAR_HOST_EMULATION``
@@ -35,6 +36,7 @@ SHIM = r'''// Host emulation of a CUDA kernel source (tests/cuda_emulation.py).
 #include <cstring>
 #include <algorithm>
 #include <atomic>
+#include <map>
 #include <memory>
 #include <thread>
 #include <vector>
@@ -96,7 +98,11 @@ inline unsigned __float_as_uint(float f) { unsigned u; std::memcpy(&u, &f, 4); r
 using std::min;
 using std::max;
 alignas(16) float4 g_smem4[228 * 1024 / 16];  // an H100/H200 SM's
-template <class F> cudaError_t cudaFuncSetAttribute(F* f, cudaFuncAttribute attr, int value) { return cudaSuccess; }
+std::map<const void*, int> g_smem_optin;  // each kernel's cudaFuncAttributeMaxDynamicSharedMemorySize
+template <class F> cudaError_t cudaFuncSetAttribute(F* f, cudaFuncAttribute attr, int value) {
+  if (attr == cudaFuncAttributeMaxDynamicSharedMemorySize) g_smem_optin[reinterpret_cast<const void*>(f)] = value;
+  return cudaSuccess;
+}
 extern "C" cudaError_t cudaGetLastError(void) { return cudaSuccess; }  // a launch that fails exits the emulator
 void (*g_block_start)(int threads) = nullptr;  // per-block setup of the warp PTX emulation (WARP_PTX)
 
@@ -139,6 +145,19 @@ template <class K> void run_grid(dim3 grid, int threads, K&& kernel, size_t smem
         for (size_t i = smem_bytes; i < sizeof(g_smem4); ++i)
           if (raw[i] != 0xFF) { fprintf(stderr, "shared memory written at byte %zu, past the %zu requested\n", i, smem_bytes); exit(4); }
       }
+}
+
+// A source's own launch of `kernel` (build(..., launches=True)): a GPU refuses more than 48 KB of dynamic shared memory
+// unless the launcher raised the kernel's limit with cudaFuncSetAttribute first, and more than an H100/H200 SM's
+// 227 KB at all; then run_grid.
+template <class F, class K> void emu_launch(F* kernel, dim3 grid, int threads, size_t smem_bytes, K&& body) {
+  const auto it = g_smem_optin.find(reinterpret_cast<const void*>(kernel));
+  const size_t allowed = std::min<size_t>(it == g_smem_optin.end() ? 48 * 1024 : (size_t)it->second, 232448);
+  if (smem_bytes > allowed) {
+    fprintf(stderr, "launch asks for %zu bytes of dynamic shared memory, %zu allowed\n", smem_bytes, allowed);
+    exit(5);
+  }
+  run_grid(grid, threads, body, smem_bytes);
 }
 '''
 
@@ -236,8 +255,8 @@ def _split_top(text: str) -> list[str]:
 
 def _emulated_launch(m: re.Match) -> str:
     grid, block, smem = (_split_top(m.group(2)) + ["0"])[:3]
-    return (f"run_grid(dim3({grid}), (int)({block}), [&] {{ {m.group(1)}({m.group(3)}); }}, (size_t)({smem}));"
-            "  /* launch run (host emulation) */")
+    return (f"emu_launch({m.group(1)}, dim3({grid}), (int)({block}), (size_t)({smem}), "
+            f"[&] {{ {m.group(1)}({m.group(3)}); }});  /* launch run (host emulation) */")
 
 
 def build(dst: Path, kernel: str, shared_memory: tuple[str, str], prelude: str, driver: str,

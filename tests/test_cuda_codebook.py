@@ -14,7 +14,8 @@ from qlinear.formats import codebook
 
 # bits, books, group_size; group sizes not a multiple of 16 take the kernel's per-input group path
 CASES = [(1, 4, 32), (2, 4, 64), (2, 2, 32), (2, 1, 128), (4, 1, 32), (4, 1, 16), (2, 4, 8), (4, 1, 128),
-         (1, 1, 32)]  # 2 table bytes: the byte-wise table load
+         (1, 1, 32),  # 2 table bytes: the byte-wise table load
+         (4, 1, 8), (1, 2, 8)]
 
 _DRIVER = r'''
 // Driver: reads one call from argv[1] (header, codes, book_idx, scales, codebooks; for the GEMV then x and bias), runs

@@ -93,17 +93,25 @@ def test_layout_round_trip_is_bit_exact(offset, fp32_offset):
 
 @pytest.mark.parametrize("opts", [dict(bits=2, iters=1), dict(bits=3, init="uniform", iters=0),
                                   dict(bits=8, init="uniform", iters=0, offset=False)], ids=["free", "uniform3", "uniform8"])
-@pytest.mark.parametrize("N", [93, 94, 95])
-def test_layout_pads_rows_to_a_multiple_of_4_and_round_trips(opts, N):
-    """Every buffer's row dimension (the last) is padded with zeros to the next multiple of 4; unrepack drops them."""
-    cfg = bcq.Config(group_size=64, **opts)
-    canon = bcq.quantize(torch.randn(N, 128), cfg)
-    packed = cuda_lut.repack(canon, cfg, N, 128)
-    assert cuda_lut.padded(N) == 96 and all(t.shape[-1] == 96 and t.is_contiguous() for t in packed.values())
+@pytest.mark.parametrize("N,K,group_size", [(93, 128, 64), (94, 128, 64), (95, 128, 64), (96, 128, 64), (97, 128, 64),
+                                            (96, 128, -1), (95, 32, 32)])
+def test_layout_pads_rows_to_a_multiple_of_4_and_round_trips(opts, N, K, group_size):
+    """Every buffer's row dimension (the last) is padded with zeros to the next multiple of 4 (fewer than 4 rows);
+    unrepack drops them.  Neither side is ever a view of the other, also where a permutation only moves dimensions of
+    size 1 (one group per row, K = 32), which ``.contiguous()`` would hand back as it is."""
+    cfg = bcq.Config(group_size=group_size, **opts)
+    canon = bcq.quantize(torch.randn(N, K), cfg)
+    packed = cuda_lut.repack(canon, cfg, N, K)
+    rows = cuda_lut.padded(N)
+    assert rows % 4 == 0 and 0 <= rows - N < 4
+    assert all(t.shape[-1] == rows and t.is_contiguous() for t in packed.values())
     assert all(not t[..., N:].any() for t in packed.values())
-    back = cuda_lut.unrepack(packed, cfg, N, 128)
+    back = cuda_lut.unrepack(packed, cfg, N, K)
     assert set(back) == set(canon) and all(torch.equal(back[k], canon[k]) and back[k].dtype == canon[k].dtype
-                                           for k in canon)
+                                           and back[k].is_contiguous() for k in canon)
+    storage = lambda ts: {t.untyped_storage().data_ptr() for t in ts}
+    assert not storage(packed.values()) & storage(canon.values())
+    assert not storage(back.values()) & storage(packed.values())
 
 
 def _uniform8_small(N, K, group_size, seed=0):
@@ -466,6 +474,7 @@ def emulated_ops(emulator, monkeypatch):
 
     def gemv(x, planes, alpha, offset, perm, bias, group_size, kt, threads, per_split, splits, *rot):
         assert rot == cuda_lut.NO_ROTATION
+        assert bias is None or bias.numel() == planes.shape[2]  # the binding's check: one bias entry per held row
         return call(x, planes, alpha, offset, group_size, bias, perm, (kt, threads, per_split, splits)).to(x.dtype)
 
     def dequantize(planes, alpha, offset, group_size, dtype):

@@ -87,20 +87,34 @@ def repack(buffers: dict, cfg, out_features: int, in_features: int) -> dict:
     else:
         buffers = bcq.as_bcq(buffers, cfg, out_features, in_features)
         out = {name: buffers[key].permute(*dims) for key, (name, dims) in _PERMS.items() if key in buffers}
-    pad = padded(out_features) - out_features  # N is every buffer's last dim here
-    return {name: torch.nn.functional.pad(t, (0, pad)).contiguous() for name, t in out.items()}
+    rows = padded(out_features)  # N is every buffer's last dim here
+    return {name: _padded_copy(t, rows) for name, t in out.items()}
+
+
+def _padded_copy(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """A contiguous copy of ``t`` ``[..., N]`` (never a view of it) with zero rows up to ``rows`` in its last dim."""
+    if t.shape[-1] == rows:
+        return t.clone(memory_format=torch.contiguous_format)
+    out = t.new_zeros(*t.shape[:-1], rows)
+    out[..., :t.shape[-1]] = t
+    return out
 
 
 def unrepack(buffers: dict, cfg, out_features: int, in_features: int) -> dict:
-    """Layout ``cuda_lut`` -> canonical BCQ buffers (exact inverse of :func:`repack`)."""
+    """Layout ``cuda_lut`` -> canonical BCQ buffers (exact inverse of :func:`repack`; never views of the layout's:
+    a state dict of them must not carry, or write through to, the layer's own storage)."""
+    held = {t.untyped_storage().data_ptr() for t in buffers.values()}
     buffers = {name: t[..., :out_features] for name, t in buffers.items()}
-    out = {key: buffers[name].permute(*sorted(range(len(dims)), key=dims.__getitem__)).contiguous()
+    out = {key: buffers[name].permute(*sorted(range(len(dims)), key=dims.__getitem__))
            for key, (name, dims) in _PERMS.items() if name in buffers}
     if "lut_scales" not in buffers:
-        return bcq.as_uniform(out, cfg, out_features, in_features) if bcq.is_uniform(cfg) else out
-    s = buffers["lut_scales"].T.contiguous()  # a copy: the canonical buffers never alias the layout's
-    zeros = bcq.uniform_zeros(s, out["offset"], cfg.bits) if "offset" in out else None
-    return bcq.uniform_buffers(unpack_planes(out["planes"], in_features), s, zeros, cfg.bits)
+        out = bcq.as_uniform(out, cfg, out_features, in_features) if bcq.is_uniform(cfg) else out
+    else:
+        s = buffers["lut_scales"].T
+        zeros = bcq.uniform_zeros(s, out["offset"], cfg.bits) if "offset" in out else None
+        out = bcq.uniform_buffers(unpack_planes(out["planes"], in_features), s, zeros, cfg.bits)
+    return {k: t.clone(memory_format=torch.contiguous_format) if t.untyped_storage().data_ptr() in held
+            else t.contiguous() for k, t in out.items()}
 
 
 def _alpha(buffers: dict, bits: int) -> torch.Tensor:
