@@ -411,6 +411,20 @@ def test_kernel_source_under_host_emulation(emulator, name, N, K):
                                        _emulate(emulator, x, bufs, b.float(), cfg, N, K, lc)), lc
 
 
+def test_kernel_source_with_more_than_48kb_of_shared_memory(emulator):
+    """One split over K = 1536 at M = 8 stages 72 KB of x: the launcher must raise the kernel's dynamic shared memory
+    limit first (the emulation refuses the launch otherwise, as a GPU would), and the result stays within the bound."""
+    cfg, N, K, M = CONFIGS["default"], 32, 1536, 8
+    canon = ad.random_buffers(N, K, cfg, seed=7)
+    bufs = ad.repack(canon, cfg, N, K)
+    T = math.ceil(_W(bufs, cfg) / 4)
+    assert ad.staged_smem_bytes(M, K, T, 0) > 48 * 1024
+    x = torch.randn(M, K).half()
+    y64 = _ref(canon, cfg, N, K, x, None)
+    y = _emulate(emulator, x, bufs, None, cfg, N, K, (32, T, 1))
+    assert ((y.double() - y64).abs() <= _bound(canon, cfg, N, K, x, 2.0 ** -11, y64)).all()
+
+
 def test_kernel_source_stages_a_rotated_input(emulator):
     """A rotated layer: each block of mixed_gemv.cu stages ``R·x`` of its span itself (rotation.cuh, widened to fp32 from
     x's dtype) under the host emulation: the float64 product with the exact ``R·x`` within the emulation test's bound
