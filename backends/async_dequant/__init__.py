@@ -233,7 +233,9 @@ def unrepack(buffers: dict, cfg, out_features: int, in_features: int) -> dict:
     first = tab["first"]
     pair = buffers["ad_sqt"][first // 4, :, tab["slot"][first]].T.reshape(-1).view(torch.float16).reshape(-1, G, 2)
     out = {"idx4": buffers["ad_idx4"] if buffers["ad_idx4"].numel() else idx4.to(torch.int32),
-           "qweight2": cat[:, :n2].contiguous(), "qweight4": cat[:, n2:].contiguous(),
+           # copies even where .contiguous() would hand back a view of cat (an empty slice: no 4-bit groups)
+           "qweight2": cat[:, :n2].clone(memory_format=torch.contiguous_format),
+           "qweight4": cat[:, n2:].clone(memory_format=torch.contiguous_format),
            "zeros2": pack(z[:, idx2], 2), "zeros4": pack(z[:, idx4], 4), "scale_codes": pack(sc.T.contiguous(), sb),
            "scale_scale": pair[..., 0].T.contiguous(), "scale_zero": pair[..., 1].T.contiguous()}
     out.update({old: buffers[new] for old, new in _OUTLIERS})
