@@ -246,7 +246,7 @@ def _split_top(text: str) -> list[str]:
     """``text`` split at the commas outside parentheses, brackets and braces."""
     parts, depth, start = [], 0, 0
     for i, c in enumerate(text):
-        depth += c in "([{" and 1 or c in ")]}" and -1 or 0
+        depth += (c in "([{") - (c in ")]}")
         if c == "," and depth == 0:
             parts.append(text[start:i].strip())
             start = i + 1
@@ -264,7 +264,7 @@ def build(dst: Path, kernel: str, shared_memory: tuple[str, str], prelude: str, 
     """Compile ``SHIM + prelude + #include kernel + driver`` with g++.  ``kernel`` (a ``.cu`` path under
     backends/), the headers beside it and backends/_cuda are copied to ``dst`` with the ``extern __shared__``
     declaration ``shared_memory[0]`` replaced by ``shared_memory[1]`` (a pointer into the emulated shared memory) and
-    the launches cut out, or with ``launches`` run by :func:`run_grid` where they stand (the driver then calls the
+    the launches cut out, or with ``launches`` run by ``emu_launch`` (SHIM) where they stand (the driver then calls the
     source's host entry point).  Skips the test when g++, the CUDA headers or C++20 ``<barrier>`` are missing."""
     home = cuda_home()
     if shutil.which("g++") is None or home is None:
