@@ -243,4 +243,4 @@ def layout_for(format: str, cfg, device: torch.device, shape: tuple[int, int],
 
 from . import dispatch  # noqa: E402
 # each registers its kernels
-from . import arm_neon, async_dequant, cuda_codebook, cuda_lut, quick, reference, x86  # noqa: E402,F401
+from . import arm_neon, async_dequant, cuda_codebook, cuda_lut, cuda_uniform, quick, reference, x86  # noqa: E402,F401

@@ -21,6 +21,12 @@ __all__ = ["NO_ROTATION", "cuda_transform", "rotation_smem_bytes", "sign_bits", 
 NO_ROTATION = (None, 0, None)  # the ops' (rot_sign_bits, rot_block, rot_paley) of a layer the kernel does not rotate
 
 
+def aligned16(t: torch.Tensor) -> torch.Tensor:
+    """``t`` contiguous and 16-byte aligned (kernels that read it 16 bytes at a time): ``t`` itself when it is (every
+    fresh allocation), else a copy."""
+    return t if t.is_contiguous() and t.data_ptr() % 16 == 0 else t.clone(memory_format=torch.contiguous_format)
+
+
 def rotation_smem_bytes(own: int, block: int, values: int, elem: int) -> int:
     """Shared memory (bytes) of a kernel that stages ``values`` rotated inputs of ``elem`` bytes after its own ``own``
     bytes, which the transform's float32 work area of ``max(block, 256)`` floats aliases (``rotation_smem_bytes`` of

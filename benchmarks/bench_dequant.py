@@ -5,7 +5,8 @@
 Times, per shape, the kernels that write a dense fp16 Ŵ for cuBLAS: ``bcq_lut_dequantize`` (free-α BCQ in the
 ``cuda_lut`` layout, 2-4 bits, group 128, fp16 offsets), ``quick_dequantize`` (uniform BCQ in the ``quick`` layout,
 2-4 bits, group 128, 4-bit zero points), ``codebook_dequantize`` (the canonical codebook buffers: 2 bits with 4
-codebooks and 4 bits with 1, group 32) and ``mixed_dequantize`` (the ``async_dequant`` layout at the mixed format's
+codebooks and 4 bits with 1, group 32), ``uniform_dequantize`` (8-bit uniform BCQ in its canonical storage, group
+128, 8-bit zero points) and ``mixed_dequantize`` (the ``async_dequant`` layout at the mixed format's
 defaults, 0.2 % outliers).  Timing as in bench_gemv.py (:func:`common.gpu_time_us`: CUDA-graph replay
 over a pool of random weight sets 3x the L2); TB/s counts the packed bytes read plus the fp16 Ŵ written, and the
 last column compares it with the copy bandwidth measured at the start of the run.
@@ -25,7 +26,7 @@ from common import (codebook_sets, gpu_run_header, gpu_time_us, pool_size, repor
                     uniform_bcq_sets)
 
 from qlinear import ops as _ops  # noqa: E402
-from qlinear.backends import async_dequant, cuda_codebook, cuda_lut, quick  # noqa: E402
+from qlinear.backends import async_dequant, cuda_codebook, cuda_lut, cuda_uniform, quick  # noqa: E402
 from qlinear.formats import mixed  # noqa: E402
 
 
@@ -44,7 +45,7 @@ def main() -> None:
     ap.add_argument("--shapes", default="8192x8192,28672x8192")
     ap.add_argument("--markdown")
     args = ap.parse_args()
-    missing = {b.__name__: b.available() for b in (cuda_lut, quick, cuda_codebook, async_dequant)}
+    missing = {b.__name__: b.available() for b in (cuda_lut, quick, cuda_codebook, cuda_uniform, async_dequant)}
     if not torch.cuda.is_available() or any(missing.values()):
         sys.exit(f"needs a CUDA GPU and the extensions: {missing}")
     head, copy_bw = gpu_run_header()
@@ -76,6 +77,11 @@ def main() -> None:
                 sum(t.nbytes for t in sets[0] if t is not None),
                 [lambda s=s: torch.ops.qlinear.codebook_dequantize(*s, K, 32, bits, torch.float16) for s in sets])
             del sets
+        cfg, sets = uniform_bcq_sets(N, K, 8, 128, "", pool_size(N * K))
+        names = _ops._names("bcq", cfg.to_json(), N, K, "")
+        row("uniform_dequantize", "uniform 8-bit g128", N, K, sum(t.nbytes for t in sets[0]),
+            [lambda s=s: cuda_uniform.dequantize(dict(zip(names, s)), cfg, N, K, torch.float16) for s in sets])
+        del sets
         cfg = mixed.Config(outlier_ratio=0.002)
         sets = [async_dequant.repack(async_dequant.random_buffers(N, K, cfg, seed=i, device="cuda"), cfg, N, K)
                 for i in range(n)]

@@ -3,7 +3,8 @@
     python benchmarks/bench_gemv.py [--quick] [--shapes 8192x8192,...] [--batches 1,2,4,8] [--bits 2,3,4] [--gemlite-bits 2,4]
                                     [--groups 64,128,K] [--mixed-shapes ...] [--outliers 0,0.002,0.005]
                                     [--mixed-large-batches 16,32,64] [--no-mixed] [--codebook 4:1:64,2:4:64]
-                                    [--codebook-shapes 8192x8192,576x576] [--markdown out.md]
+                                    [--codebook-shapes 8192x8192,576x576] [--uniform8 128,K]
+                                    [--uniform8-shapes 8192x8192,576x576] [--markdown out.md]
 
 Timing (:func:`common.gpu_time_us`): CUDA-graph replay, median of 25 replays, weights rotated through a
 pool three times the L2 size so every call reads its weights from DRAM.  Per row: µs per call,
@@ -28,6 +29,11 @@ Codebook rows (``--codebook bits:books:group,...`` over ``--codebook-shapes`` ×
 (``cuda_codebook_gemv``) and the dequantize kernel + cuBLAS (``cuda_codebook``, what the format ran at every batch
 before the GEMV) on random valid canonical buffers, with cuBLAS fp16 in the same run; TB/s counts the codes, book
 indices, scales and codebooks plus x and y.
+
+8-bit uniform rows (``--uniform8 group,...`` over ``--uniform8-shapes`` × ``--batches``; '' = none): the GEMV on the
+canonical storage (``cuda_uniform_gemv``), its dequantize kernel + cuBLAS (``cuda_uniform``) and the LUT GEMV at 8
+planes (``cuda_lut``, what 8-bit layers ran before), with cuBLAS fp16 in the same run; TB/s counts the codes, scales
+and zero points plus x and y.
 """
 
 from __future__ import annotations
@@ -42,9 +48,10 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import (codebook_sets, gpu_run_header, gpu_time_us, mixed_bytes, mixed_pool, pool_size, report,  # noqa: E402
-                    table, timeit)
+                    table, timeit, uniform_bcq_sets)
 
-from qlinear.backends import async_dequant, cuda_codebook, cuda_lut  # noqa: E402
+from qlinear import ops as _ops  # noqa: E402
+from qlinear.backends import async_dequant, cuda_codebook, cuda_lut, cuda_uniform  # noqa: E402
 
 SHAPES = "4096x4096,8192x8192,12288x12288,28672x8192,8192x28672,576x576,1536x576"
 MIXED_SHAPES = "4096x4096,8192x8192,11008x4096,4096x11008,28672x8192"
@@ -136,6 +143,17 @@ def codebook_calls(M, N, K, bits, books, g, gemv=True):
     return calls, sum(t.nbytes for t in sets[0] if t is not None) + 2 * M * (N + K)
 
 
+def uniform8_calls(M, N, K, g, gemv=True):
+    """``(closures, bytes read)``: the 8-bit uniform GEMV (or the dequantize kernel + cuBLAS) over a pool of random
+    canonical layers."""
+    cfg, sets = uniform_bcq_sets(N, K, 8, g, "", pool_size(N * K))
+    names = _ops._names("bcq", cfg.to_json(), N, K, "")
+    x = torch.randn(M, K, device="cuda", dtype=torch.float16)
+    fn = cuda_uniform.linear_gemv if gemv else cuda_uniform.linear
+    calls = [lambda s=s: fn(x, dict(zip(names, s)), None, cfg, N, K) for s in sets]
+    return calls, sum(t.nbytes for t in sets[0]) + 2 * M * (N + K)
+
+
 def _time(calls):
     try:
         return gpu_time_us(calls)
@@ -157,13 +175,15 @@ def main() -> None:
     ap.add_argument("--gemlite-bits", default="2,4", help="GemLite A16Wn g128 baseline rows ('' = none)")
     ap.add_argument("--codebook", default="4:1:64,2:4:64", help="codebook rows, bits:books:group ('' = none)")
     ap.add_argument("--codebook-shapes", default="8192x8192,576x576", help="NxK list for the codebook rows")
+    ap.add_argument("--uniform8", default="128,K", help="8-bit uniform rows, group sizes ('' = none)")
+    ap.add_argument("--uniform8-shapes", default="8192x8192,576x576", help="NxK list for the 8-bit uniform rows")
     ap.add_argument("--quick", action="store_true", help="8192x8192 only, M=1 and 8, group 128")
     ap.add_argument("--markdown", help="also write the table to this file")
     args = ap.parse_args()
     if args.quick:
         args.shapes, args.batches, args.groups = "8192x8192", "1,8", "128"
         args.mixed_shapes, args.outliers, args.mixed_large_batches = "8192x8192", "0,0.002", "16"
-        args.codebook_shapes = "8192x8192"
+        args.codebook_shapes, args.uniform8_shapes, args.uniform8 = "8192x8192", "8192x8192", "128"
     if not args.no_mixed and async_dequant.available() is not None:
         print(f"skipping the mixed rows: async_dequant extension unavailable: {async_dequant.available()}", flush=True)
         args.no_mixed = True
@@ -203,6 +223,19 @@ def main() -> None:
         rows.append(["cuda_lut", f"bcq q{q} g{gs}", f"{N}x{K}", M, t, tbs, f"{100 * tbs / copy_bw:.0f}%", t_fp16 / t,
                      t_int4 / t])
         print(rows[-1], flush=True)
+
+    def gemv_pair(backend, fmt, N, K, M, calls_of):
+        """Rows of a format's GEMV (``backend + "_gemv"``) and of its dequantize kernel + cuBLAS (``backend``);
+        ``calls_of(gemv) -> (closures, bytes read)``."""
+        t_fp16, t_int4 = baselines(N, K, M)
+        for label, gemv in (("GEMV", True), ("dequantize + cuBLAS", False)):
+            calls, nbytes = calls_of(gemv)
+            t = _time(calls)
+            del calls
+            tbs = nbytes / t / 1e6
+            rows.append([backend + ("_gemv" if gemv else ""), f"{fmt} ({label})", f"{N}x{K}", M, t, tbs,
+                         f"{100 * tbs / copy_bw:.0f}%", t_fp16 / t, t_int4 / t])
+            print(rows[-1], flush=True)
 
     done = set()
     for shape in args.shapes.split(","):
@@ -255,17 +288,22 @@ def main() -> None:
     for shape in args.codebook_shapes.split(",") if codebooks else ():
         N, K = map(int, shape.split("x"))
         for M in map(int, args.batches.split(",")):
-            t_fp16, t_int4 = baselines(N, K, M)
             for bits, books, g in codebooks:
-                for label, gemv in (("GEMV", True), ("dequantize + cuBLAS", False)):
-                    calls, nbytes = codebook_calls(M, N, K, bits, books, g, gemv)
-                    t = _time(calls)
-                    del calls
-                    tbs = nbytes / t / 1e6
-                    rows.append(["cuda_codebook" + ("_gemv" if gemv else ""), f"codebook {bits}-bit {books} books g{g} "
-                                 f"({label})", f"{N}x{K}", M, t, tbs, f"{100 * tbs / copy_bw:.0f}%", t_fp16 / t,
-                                 t_int4 / t])
-                    print(rows[-1], flush=True)
+                gemv_pair("cuda_codebook", f"codebook {bits}-bit {books} books g{g}", N, K, M,
+                          lambda gemv: codebook_calls(M, N, K, bits, books, g, gemv))
+    groups8 = [g for g in args.uniform8.split(",") if g]
+    if groups8 and cuda_uniform.available() is not None:
+        print(f"skipping the 8-bit uniform rows: cuda_uniform unavailable: {cuda_uniform.available()}", flush=True)
+        groups8 = []
+    for shape in args.uniform8_shapes.split(",") if groups8 else ():
+        N, K = map(int, shape.split("x"))
+        for M in map(int, args.batches.split(",")):
+            for gs in groups8:
+                g = K if gs == "K" else int(gs)
+                gemv_pair("cuda_uniform", f"uniform 8-bit g{gs}", N, K, M, lambda gemv: uniform8_calls(M, N, K, g, gemv))
+                if (N, K, M, 8, gs) not in done:
+                    lut_row(N, K, M, 8, gs)
+                    done.add((N, K, M, 8, gs))
     text = head + "\n\n" + table(["kernel", "format", "N x K", "M", "µs", "TB/s", "% copy BW", "x cuBLAS fp16",
                                   "x tinygemm int4"], rows)
     key = (8192, 8192, 1)

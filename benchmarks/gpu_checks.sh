@@ -42,8 +42,8 @@ export QLINEAR_CACHE=${QLINEAR_CACHE:-$PWD/.qlinear-cache}
 export PYTHONUNBUFFERED=1  # a run cut at its time limit still leaves what it printed
 python3 -m pip install -q --no-deps --no-build-isolation -e . || exit 1
 ls wheels/*.whl >/dev/null 2>&1 && python3 -m pip install -q --no-deps wheels/*.whl
-BACKENDS="cuda_lut quick async_dequant cuda_codebook"
-TESTS="tests/test_cuda_lut.py tests/test_quick.py tests/test_async_dequant.py tests/test_cuda_codebook.py tests/test_dispatch.py tests/test_modules.py"
+BACKENDS="cuda_lut quick async_dequant cuda_codebook cuda_uniform"
+TESTS="tests/test_cuda_lut.py tests/test_quick.py tests/test_async_dequant.py tests/test_cuda_codebook.py tests/test_cuda_uniform.py tests/test_dispatch.py tests/test_modules.py"
 
 build() {
   nvidia-smi --query-gpu=name,clocks.max.sm,clocks.max.mem --format=csv | tee "$OUT/gpu.txt"
@@ -144,7 +144,7 @@ case "$STAGE" in
     (WORKERS=${WORKERS:-12} TEST_TIMEOUT=120 timeout ${TEST_SLOT:-210} bash "$0" test gpu >/dev/null 2>&1) &
     MC=${MEMCHECK:-"quick:kernel_matches and dtype0-128-4-576-576 or free_alpha and 1536-576-64-dtype0;\
 cuda_lut:kernel_matches and dtype0-128 and (576-576 or 1024-8192);async_dequant:kernel_matches and dtype0-0.005-576-576;\
-cuda_codebook:dequantize_op"}
+cuda_codebook:dequantize_op;cuda_uniform:ops_and_forward and 256-128"}
     (IFS=';'; for k in $MC; do
        timeout ${SAN_TIMEOUT:-100} compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -q -x -p no:cacheprovider \
          "tests/test_${k%%:*}.py" -k "${k#*:}" >"$OUT/memcheck_${k%%:*}.txt" 2>&1
@@ -156,7 +156,7 @@ cuda_codebook:dequantize_op"}
     timeout 110 python3 benchmarks/bench_gemm.py --quick --markdown "$OUT/bench_gemm.md" >"$OUT/bench_gemm.log" 2>&1
     snap
     timeout 90 python3 benchmarks/bench_gemv.py --shapes 8192x8192,28672x8192,576x576,1536x576 --batches 1,8 --groups 128 \
-      --mixed-shapes 8192x8192,576x576 --outliers 0,0.002 --mixed-large-batches "" --gemlite-bits "" \
+      --mixed-shapes 8192x8192,576x576 --outliers 0,0.002 --mixed-large-batches "" --gemlite-bits "" --uniform8 128 \
       --markdown "$OUT/bench_gemv.md" >"$OUT/bench_gemv.log" 2>&1
     snap
     timeout 30 python3 benchmarks/bench_dequant.py --shapes 8192x8192 --markdown "$OUT/bench_dequant.md" \

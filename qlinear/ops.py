@@ -249,6 +249,22 @@ _lib.define("codebook_gemv(Tensor x, Tensor codes, Tensor? book_idx, Tensor scal
 def _(x, codes, book_idx, scales, codebooks, bias, group_size, bits):
     """Codebook GEMV of :mod:`qlinear.backends.cuda_codebook`: ``x`` ``[M, K]`` fp16/bf16, ``M <= 8`` -> ``[M, N]``."""
     return x.new_empty(x.shape[0], codes.shape[0])
+_lib.define("uniform_dequantize(Tensor qweight, Tensor scales, Tensor? qzeros, int K, int group_size, int bits, "
+            "ScalarType dtype) -> Tensor")
+
+
+@torch.library.register_fake("qlinear::uniform_dequantize")
+def _(qweight, scales, qzeros, K, group_size, bits, dtype):
+    """Dense ``Ŵ`` ``[N, K]`` of ``dtype`` from the uniform BCQ storage (:mod:`qlinear.backends.cuda_uniform`)."""
+    return qweight.new_empty(qweight.shape[0], K, dtype=dtype)
+_lib.define("uniform_gemv(Tensor x, Tensor qweight, Tensor scales, Tensor? qzeros, Tensor? bias, int group_size, "
+            "int bits) -> Tensor")
+
+
+@torch.library.register_fake("qlinear::uniform_gemv")
+def _(x, qweight, scales, qzeros, bias, group_size, bits):
+    """Uniform GEMV of :mod:`qlinear.backends.cuda_uniform`: ``x`` ``[M, K]`` fp16/bf16, ``M <= 16`` -> ``[M, N]``."""
+    return x.new_empty(x.shape[0], qweight.shape[0])
 _lib.define("arm_gemm(Tensor x, Tensor qw, Tensor qs, Tensor? qz, Tensor? qb, Tensor? books, Tensor? bias, "
             "int format, int num_books, int N, int group_size, int path, int layout, Tensor? rot_signs=None, "
             "Tensor? rot_paley=None, int rot_block=0, Tensor? perm=None) -> Tensor")

@@ -305,6 +305,24 @@ def without_dispatch_table(monkeypatch):
     monkeypatch.setattr(dispatch, "_device_name", lambda device: None)
 
 
+@pytest.fixture
+def posing_gpu(monkeypatch):
+    """This CPU machine posing as a CUDA device of compute capability 9.0 (default dispatch table) on which every CUDA
+    kernel is available: the registry's choices only, nothing runs."""
+    import dataclasses
+
+    from qlinear import backends
+    from qlinear.backends import dispatch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(dispatch, "_device_name", lambda device: "Fake GPU x1")
+    cuda = [k for k in backends._KERNELS if k.devices is not backends.ANY and "cuda" in k.devices]
+    assert {k.backend for k in cuda} >= {"cuda_lut", "quick", "async_dequant", "cuda_codebook", "cuda_uniform"}
+    monkeypatch.setattr(backends, "_KERNELS", [dataclasses.replace(k, available=None) if k in cuda else k
+                                               for k in backends._KERNELS])
+
+
 def poison_cuda_allocator() -> None:
     """Fill freed CUDA allocator memory with NaN so an output element a kernel forgets to write shows up."""
     t = torch.full((64 << 20,), float("nan"), device="cuda")

@@ -129,6 +129,7 @@ def test_gemv_source_under_host_emulation(emulator, bits, books, group_size):
 def test_supports_and_errors():
     assert cuda_codebook.supports(None, 64, 256) is None
     assert "multiple of 32" in cuda_codebook.supports(None, 64, 48)
+    assert "too large" in cuda_codebook.supports(None, 1 << 18, 1 << 16)
     cfg = codebook.Config(bits=2, group_size=12)
     assert "multiple of 8" in cuda_codebook.supports_gemv(cfg, 64, 384)
     assert cuda_codebook.supports_gemv(codebook.Config(bits=2, group_size=24), 64, 384) is None

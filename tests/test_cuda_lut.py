@@ -16,7 +16,7 @@ import pytest
 import torch
 from conftest import poison_cuda_allocator, ref64, spec_kernel_fixture
 
-from qlinear import BCQLinear
+from qlinear import BCQLinear, backends
 from qlinear.backends import cuda_lut
 from qlinear.formats import bcq
 
@@ -276,8 +276,10 @@ def test_dequantize_kernel_is_the_format_bit_for_bit(bits, group_size):
 
 @gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_uniform_8bit_layer_with_small_scales_runs_on_the_kernels(dtype):
-    """An 8-bit uniform layer whose scales fp16 α could not hold: the GEMV and the dequantize path on its scales."""
+def test_uniform_8bit_layer_with_small_scales_runs_on_the_kernels(dtype, monkeypatch):
+    """An 8-bit uniform layer whose scales fp16 α could not hold: the GEMV and the dequantize path on its scales (the
+    layout such layers hold where the canonical 8-bit kernels, registered above, cannot run them)."""
+    monkeypatch.setattr(backends, "_KERNELS", [k for k in backends._KERNELS if not k.backend.startswith("cuda_uniform")])
     mod = _uniform8_small(1536, 576, 128)
     mod.backend = None
     mod = mod.cuda()

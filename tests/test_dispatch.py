@@ -140,21 +140,6 @@ def test_committed_tables_name_registered_kernels_of_their_layout(path):
             assert cap is None or (max_batch is not None and max_batch <= cap), f"{path.name}: {name} beyond M={cap}"
 
 
-@pytest.fixture
-def posing_gpu(monkeypatch):
-    """This CPU machine posing as a CUDA device of compute capability 9.0 (default dispatch table) on which every CUDA
-    kernel is available: the registry's choices only, nothing runs."""
-    import dataclasses
-
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    monkeypatch.setattr(dispatch, "_device_name", lambda device: "Fake GPU x1")
-    cuda = [k for k in backends._KERNELS if k.devices is not backends.ANY and "cuda" in k.devices]
-    assert {k.backend for k in cuda} >= {"cuda_lut", "quick", "async_dequant", "cuda_codebook"}
-    monkeypatch.setattr(backends, "_KERNELS", [dataclasses.replace(k, available=None) if k in cuda else k
-                                               for k in backends._KERNELS])
-
-
 BATCHES = sorted({*range(1, 17), 31, 32, 33, 63, 64, 100, 128, 129, 256, 511, 512, 513, 1000, 1024, 2048, 4095, 4096})
 NO_REFERENCE = {  # name -> (format, kernel config, N, K)
     "bcq free α 1-bit g64": ("bcq", dict(bits=1, group_size=64), 256, 512),

@@ -1,6 +1,8 @@
 // Helpers shared by the torch bindings of the CUDA backends (binding.cpp files only: this header needs torch).
 #pragma once
 #include <ATen/ATen.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
 
 #include <algorithm>
 #include <optional>
@@ -72,6 +74,31 @@ inline float* split_workspace(int64_t splits, int64_t M, int64_t N, const at::Te
   if (splits <= 1) return nullptr;
   holder = at::empty({splits, M, N}, x.options().dtype(at::kFloat));
   return holder.data_ptr<float>();
+}
+
+// x of a GEMV over canonical code words (canonical.h): a contiguous, 16-byte aligned fp16/bf16 CUDA [M, K], M in 1..max_m.
+inline void check_gemv_x(const at::Tensor& x, int64_t max_m, const char* op) {
+  TORCH_CHECK(x.is_cuda() && x.dim() == 2 && x.is_contiguous() && x.size(0) >= 1 && x.size(0) <= max_m, op,
+              ": x must be a contiguous CUDA [M, K] tensor with M in 1..", max_m);
+  TORCH_CHECK_TYPE(x.scalar_type() == at::kHalf || x.scalar_type() == at::kBFloat16, op, ": x must be fp16 or bf16");
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0, op, ": x must be 16-byte aligned");
+}
+
+// Runs such a GEMV: g.w filled from `weights` (checked by check_gemv_x's caller), fills the rest of g (GemvArgs) from x
+// and the bias, launches `launch(g, stream)` on the current stream and returns y [M, N] in x's dtype.
+template <typename Args, typename Launch>
+at::Tensor gemv_op(Args& g, const at::Tensor& x, const std::optional<at::Tensor>& bias, const at::Tensor& weights,
+                   Launch launch, const char* op) {
+  TORCH_CHECK(weights.device() == x.device(), op, ": x and the weights must be on the same device");
+  c10::cuda::CUDAGuard guard(x.device());
+  at::Tensor bias_holder;
+  g.bias = bias_arg(bias, g.w.N, x, bias_holder, g.bias_dtype, op);
+  at::Tensor y = at::empty({x.size(0), g.w.N}, x.options());
+  g.x = x.data_ptr(); g.y = y.data_ptr(); g.M = (int)x.size(0);
+  g.x_dtype = dtype_of(x.scalar_type(), op);
+  const cudaError_t err = launch(g, c10::cuda::getCurrentCUDAStream());
+  TORCH_CHECK(err == cudaSuccess, op, " launch failed: ", cudaGetErrorString(err));
+  return y;
 }
 
 // A launch plan's threads per block: whole warps, at most the kernels' 256 (checked before any arithmetic uses it).

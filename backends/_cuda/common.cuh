@@ -4,6 +4,8 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <type_traits>
+
 #include "dtype.h"
 
 namespace qlinear {
@@ -26,6 +28,34 @@ __device__ __forceinline__ unsigned and_or(unsigned a, unsigned b, unsigned c) {
   return (a & b) | c;
 #endif
 }
+
+#ifndef QLINEAR_HOST_EMULATION  // tests/cuda_emulation.py (WARP_PTX) supplies a host version
+// d += a·b on tensor cores: mma.sync m16n8k16, row-major A (fp16/bf16 pairs: a0 rows 0-7 / k 0-7, a1 rows 8-15, a2 and
+// a3 k 8-15), column-major B (b0 k 0-7, b1 k 8-15), fp32 accumulators (PTX ISA, the m16n8k16 fragment tables).
+template <typename T>
+__device__ __forceinline__ void mma(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+  if constexpr (std::is_same_v<T, __half>) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+                 "{%0, %1, %2, %3};\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  } else {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+                 "{%0, %1, %2, %3};\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+}
+#endif
+
+// k / group_size for k a multiple of 32 without a division per tile: floor(2n·m / 2^32) with n = k / 32 and
+// m = ceil(2^31 / d), d = group_size / 32, is exact while n·d < 2^31 (the launchers require K < 2^20).
+struct GroupOf {
+  unsigned m;
+  __device__ __forceinline__ explicit GroupOf(int group_size)
+      : m((0x80000000u + group_size / 32 - 1) / (group_size / 32)) {}
+  __device__ __forceinline__ int operator()(int k) const { return (int)__umulhi((unsigned)k >> 4, m); }
+};
 
 // Bias of output n: fp32, or the kernel's own T (the bindings pass a layer's fp16/bf16 bias as it is, rather than
 // converting it to fp32 in an extra launch per call); fp16/bf16 -> fp32 is exact, so either gives the same sum.

@@ -26,6 +26,7 @@ import torch
 from qlinear.formats import codebook
 
 from .. import ANY, Kernel, register
+from .._gpu import aligned16
 from .._native import build_cuda_backend, dense_linear
 
 __all__ = ["dequantize", "linear", "linear_gemv", "supports", "supports_gemv", "MAX_BATCH"]
@@ -52,11 +53,9 @@ def linear(x: torch.Tensor, buffers: dict, bias, cfg, out_features: int, in_feat
 def linear_gemv(x: torch.Tensor, buffers: dict, bias, cfg, out_features: int, in_features: int) -> torch.Tensor:
     """Registry entry of the GEMV: ``x`` ``[..., K]`` fp16/bf16 on CUDA, at most :data:`MAX_BATCH` rows ->
     ``[..., N]``."""
-    x2 = x.reshape(-1, in_features)
-    if not x2.is_contiguous() or x2.data_ptr() % 16:  # the kernel reads x 16 bytes at a time
-        x2 = x2.clone(memory_format=torch.contiguous_format)
-    y = torch.ops.qlinear.codebook_gemv(x2, buffers["codes"], buffers.get("book_idx"), buffers["scales"],
-                                        buffers["codebooks"], bias, cfg.group_size, cfg.bits)
+    y = torch.ops.qlinear.codebook_gemv(aligned16(x.reshape(-1, in_features)), aligned16(buffers["codes"]),
+                                        buffers.get("book_idx"), buffers["scales"], buffers["codebooks"], bias,
+                                        cfg.group_size, cfg.bits)
     return y.reshape(*x.shape[:-1], out_features)
 
 
@@ -64,6 +63,8 @@ def supports(cfg, out_features: int, in_features: int) -> Optional[str]:
     """Why the dequantize kernel cannot run a codebook layer of this config and shape (None if it can)."""
     if in_features % 32:
         return f"in_features={in_features} is not a multiple of 32"
+    if out_features * in_features >= 1 << 34:
+        return f"{out_features}x{in_features} is too large (N·K must be below 2^34)"
     return None
 
 

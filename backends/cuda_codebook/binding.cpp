@@ -20,6 +20,7 @@ qlinear::CodebookArgs weights_of(const at::Tensor& codes, const std::optional<at
                   codes.size(1) == K * bits / 32, op, ": codes ", codes.sizes(), " do not fit K=", K, " bits=", bits,
               " group_size=", group_size, " (K must be a multiple of 32 and of group_size)");
   const int64_t N = codes.size(0), G = K / group_size;
+  TORCH_CHECK(N * K < (int64_t(1) << 34), op, ": N·K must be below 2^34 (32-bit indices), got N = ", N, ", K = ", K);
   TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() && scales.dim() == 2 && scales.size(0) == N &&
                   scales.size(1) == G, op, ": scales must be contiguous fp16 [N, G]");
   TORCH_CHECK(codebooks.scalar_type() == at::kChar && codebooks.is_contiguous() && codebooks.dim() == 2 &&
@@ -53,8 +54,6 @@ at::Tensor codebook_dequantize(const at::Tensor& codes, const std::optional<at::
                                int64_t bits, at::ScalarType dtype) {
   const char* op = "codebook_dequantize";
   qlinear::CodebookArgs a = weights_of(codes, book_idx, scales, codebooks, K, group_size, bits, op);
-  TORCH_CHECK(codes.size(0) * (K / 32) < (int64_t(1) << 31), op,
-              ": N·K/32 must be below 2^31 (a thread per 32 outputs), got N = ", codes.size(0), ", K = ", K);
   c10::cuda::CUDAGuard guard(codes.device());
   at::Tensor w = at::empty({codes.size(0), K}, codes.options().dtype(dtype));
   a.w = w.data_ptr();
@@ -67,24 +66,13 @@ at::Tensor codebook_gemv(const at::Tensor& x, const at::Tensor& codes, const std
                          const at::Tensor& scales, const at::Tensor& codebooks, const std::optional<at::Tensor>& bias,
                          int64_t group_size, int64_t bits) {
   const char* op = "codebook_gemv";
-  TORCH_CHECK(x.is_cuda() && x.dim() == 2 && x.is_contiguous() && x.size(0) >= 1 && x.size(0) <= 8, op,
-              ": x must be a contiguous CUDA [M, K] tensor with M in 1..8");
-  TORCH_CHECK_TYPE(x.scalar_type() == at::kHalf || x.scalar_type() == at::kBFloat16, op, ": x must be fp16 or bf16");
-  TORCH_CHECK(reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0, op, ": x must be 16-byte aligned");
+  qlinear::check_gemv_x(x, 8, op);
   TORCH_CHECK(group_size % 8 == 0, op, ": group_size must be a multiple of 8, got ", group_size);
   qlinear::CodebookGemvArgs g{};
   g.w = weights_of(codes, book_idx, scales, codebooks, x.size(1), group_size, bits, op);
-  TORCH_CHECK(codes.device() == x.device() && (!bias.has_value() || bias->device() == x.device()), op,
-              ": x, weights and bias must be on the same device");
-  c10::cuda::CUDAGuard guard(x.device());
-  at::Tensor bias_holder;
-  g.bias = qlinear::bias_arg(bias, g.w.N, x, bias_holder, g.bias_dtype, op);
-  at::Tensor y = at::empty({x.size(0), g.w.N}, x.options());
-  g.x = x.data_ptr(); g.y = y.data_ptr(); g.M = (int)x.size(0);
-  g.x_dtype = qlinear::dtype_of(x.scalar_type(), op);
-  const cudaError_t err = qlinear::codebook_gemv(g, c10::cuda::getCurrentCUDAStream());
-  TORCH_CHECK(err == cudaSuccess, op, " launch failed: ", cudaGetErrorString(err));
-  return y;
+  TORCH_CHECK(bits != 4 || reinterpret_cast<uintptr_t>(codes.data_ptr()) % 16 == 0, op,
+              ": 4-bit codes must be 16-byte aligned (read 16 bytes at a time)");
+  return qlinear::gemv_op(g, x, bias, codes, qlinear::codebook_gemv, op);
 }
 
 }  // namespace

@@ -1,19 +1,18 @@
-// Dequantize kernel of the codebook format: Ŵ for one cuBLAS GEMM (the format's GPU decode path, issue 24).
+// The codebook format's GPU decode paths (issue 24): its decoder for the canonical GEMV (../_cuda/canonical.cuh) at
+// decode batches, and a dequantize kernel writing Ŵ for one cuBLAS GEMM above.
 //
-// A thread owns one row's 32 consecutive inputs: it reads `bits` code words (consecutive threads read consecutive
-// words of a row, so the loads coalesce), looks each input's centroid up in its group's codebook and multiplies by the
-// group's scale in fp32 (fp16 scale × int8 centroid: exact) and rounds once to the output type.  All codebooks of a
-// layer fit 16 bytes (the format's rule), so a thread holds them in 4 registers and a centroid is two byte permutes and
-// a select; the scale and the book come once per 16 inputs (group sizes are multiples of 16) instead of once per input.
-// Thread t's 32 outputs are Ŵ's elements 32t .. 32t + 31, so a block's outputs are one contiguous run: the block
-// stages them in shared memory and writes the run with consecutive threads (each warp store 512 contiguous bytes at
-// fp16), where each thread storing its own 64 bytes put 16-byte pieces 64 bytes apart in one store.
+// Dequantize: a thread owns one row's 32 consecutive inputs: it reads `bits` code words (consecutive threads read
+// consecutive words of a row, so the loads coalesce), looks each input's centroid up in its group's codebook and
+// multiplies by the group's scale in fp32 (fp16 scale × int8 centroid: exact) and rounds once to the output type.  All
+// codebooks of a layer fit 16 bytes (the format's rule), so a thread holds them in 4 registers and a centroid is two
+// byte permutes and a select; the scale and the book come once per 16 inputs (group sizes are multiples of 16) instead
+// of once per input.  The outputs leave through store_runs.
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
-#include "../_cuda/common.cuh"
+#include "../_cuda/canonical.cuh"
 #include "codebook_dequant.h"
 
 namespace qlinear {
@@ -25,27 +24,26 @@ __device__ __forceinline__ int table_byte(const unsigned (&t)[4], unsigned e) {
   return (int)(signed char)(e & 8u ? hi : lo);
 }
 
-// A group's scale (fp32) and book · 2^bits (the centroid index's high part), for row n.
+// A group's scale (fp32) and book · 2^bits (the centroid index's high part): g of the row whose scales and book_idx
+// words start at `scales` and `books`.
 template <int BITS>
-__device__ __forceinline__ void group_of(const CodebookArgs& a, const __half* scales, int n, int g, float& scale,
-                                         unsigned& book) {
+__device__ __forceinline__ void group_of(const CodebookArgs& a, const __half* scales, const unsigned* books, int g,
+                                         float& scale, unsigned& book) {
   scale = __half2float(__ldg(scales + g));
   book = 0;
   if (a.books > 1) {
     const int book_bits = a.books == 4 ? 2 : 1;
-    const unsigned bw = __ldg(a.book_idx + (size_t)n * a.book_words + g * book_bits / 32);
-    book = ((bw >> (g * book_bits % 32)) & (a.books - 1u)) << BITS;
+    book = ((__ldg(books + g * book_bits / 32) >> (g * book_bits % 32)) & (a.books - 1u)) << BITS;
   }
 }
 
 // PER16: group_size is a multiple of 16, so the scale and book are read once per 16 inputs, else once per input.
 template <typename OutT, int BITS, bool PER16>
 __global__ void __launch_bounds__(256, 2) codebook_dequantize_kernel(const CodebookArgs a) {
-  extern __shared__ __align__(16) unsigned char smem_raw[];
-  constexpr int kRun = 32 * sizeof(OutT), kStride = kRun + 16, kPieces = kRun / 16;  // staged runs padded by 16 bytes
   const unsigned chunks = a.K / 32, total = (unsigned)a.N * chunks;  // < 2^31: checked by the launcher
   const unsigned t0 = blockIdx.x * blockDim.x, t = t0 + threadIdx.x;
-  if (t < total) {  // no early exit: every thread reaches the barrier
+  Run32<OutT> out;
+  if (t < total) {  // no early exit: every thread reaches store_runs' barrier
     const int n = (int)(t / chunks), c = (int)(t % chunks);
     unsigned words[BITS];
 #pragma unroll
@@ -62,148 +60,72 @@ __global__ void __launch_bounds__(256, 2) codebook_dequantize_kernel(const Codeb
         if (e < entries) table[e / 4] |= (unsigned)(unsigned char)__ldg(a.codebooks + e) << (8 * (e % 4));
     }
     const __half* scales = static_cast<const __half*>(a.scales) + (size_t)n * (a.K / a.group_size);
+    const unsigned* books = a.book_idx + (size_t)n * a.book_words;
     float scale[2];
     unsigned book[2];
     if (PER16) {
 #pragma unroll
-      for (int h = 0; h < 2; ++h) group_of<BITS>(a, scales, n, (c * 32 + 16 * h) / a.group_size, scale[h], book[h]);
+      for (int h = 0; h < 2; ++h) group_of<BITS>(a, scales, books, (c * 32 + 16 * h) / a.group_size, scale[h], book[h]);
     }
-    union { OutT v[32]; uint4 u[kPieces]; } out;
 #pragma unroll
     for (int j = 0; j < 32; ++j) {
       const unsigned code = (words[j * BITS / 32] >> (j * BITS % 32)) & ((1u << BITS) - 1u);
-      if (!PER16) group_of<BITS>(a, scales, n, (c * 32 + j) / a.group_size, scale[j / 16], book[j / 16]);
+      if (!PER16) group_of<BITS>(a, scales, books, (c * 32 + j) / a.group_size, scale[j / 16], book[j / 16]);
       out.v[j] = from_float<OutT>(scale[j / 16] * (float)table_byte(table, book[j / 16] | code));
     }
-    uint4* staged = reinterpret_cast<uint4*>(smem_raw + threadIdx.x * kStride);
-#pragma unroll
-    for (int i = 0; i < kPieces; ++i) staged[i] = out.u[i];
   }
-  __syncthreads();
-  OutT* const run = static_cast<OutT*>(a.w) + 32 * (size_t)t0;
-#pragma unroll
-  for (int i = 0; i < kPieces; ++i) {  // piece p = i·threads + thread: 16 bytes number p % kPieces of chunk p / kPieces
-    const int p = i * blockDim.x + threadIdx.x, chunk = p / kPieces, piece = p % kPieces;
-    if (t0 + chunk < total)
-      *reinterpret_cast<uint4*>(run + 32 * chunk + piece * (16 / sizeof(OutT))) =
-          *reinterpret_cast<const uint4*>(smem_raw + chunk * kStride + piece * 16);
-  }
+  store_runs(out, t0, total, static_cast<OutT*>(a.w));
 }
 
-// GEMV at decode batches (x [M, K], M <= 8): y = x·Ŵᵀ + b without writing Ŵ, reading 1/16 to 1/4 of the bytes of an fp16
-// weight.  A warp owns kGemvRows rows; lane l walks the 32-input chunks l, l + 32, ... of K (the warp's loads of a row
-// are consecutive words: coalesced), holding its rows' code words of a chunk, then 8 inputs at a time (one group: group
-// sizes are multiples of 8) takes their centroids from a 16-float table in shared memory and x from global memory (the
-// block's warps read the same x: L1).  Per lane, row and row of x: Σ_j c_j·x_j over the 8 inputs in fp32 (each product
-// exact: an int8 centroid times an fp16/bf16 input), times the group's scale, accumulated; the lanes' sums are then
-// added in lane order through shared memory (deterministic).  MT: the instantiation's rows of x (1, 2, 4 or 8; a.M of
-// them are read).
-template <typename T, int MT, int BITS>
-__global__ void __launch_bounds__(32 * kGemvWarps) codebook_gemv_kernel(const CodebookGemvArgs g) {
-  extern __shared__ __align__(16) unsigned char smem_raw[];
-  float* const table = reinterpret_cast<float*>(smem_raw);  // [16]: centroid book·2^bits + code, 0 past the books
-  float* const sums = table + 16;                           // [warps][32 lanes][kGemvRows][MT]
-  const CodebookArgs& a = g.w;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  if (threadIdx.x < 16) table[threadIdx.x] = (int)threadIdx.x < (a.books << BITS) ? (float)a.codebooks[threadIdx.x] : 0.f;
-  __syncthreads();
-  const int n0 = (blockIdx.x * kGemvWarps + warp) * kGemvRows, G = a.K / a.group_size;
-  const T* const x = static_cast<const T*>(g.x);
-  float acc[kGemvRows][MT];
-#pragma unroll
-  for (int r = 0; r < kGemvRows; ++r)
-#pragma unroll
-    for (int m = 0; m < MT; ++m) acc[r][m] = 0.f;
-  for (int c = lane; c < a.K / 32; c += 32) {
-    unsigned words[kGemvRows][BITS];
-#pragma unroll
-    for (int r = 0; r < kGemvRows; ++r) {  // rows past N read row N - 1 (their sums are not written)
-      const int n = min(n0 + r, a.N - 1);
-#pragma unroll
-      for (int i = 0; i < BITS; ++i) words[r][i] = __ldg(a.codes + (size_t)n * a.code_words + c * BITS + i);
-    }
-#pragma unroll
-    for (int s = 0; s < 4; ++s) {
-      const int k0 = c * 32 + 8 * s;
-      float xv[MT][8];
-#pragma unroll
-      for (int m = 0; m < MT; ++m) {
-        if (m < g.M) {
-          const uint4 u = __ldg(reinterpret_cast<const uint4*>(x + (size_t)m * a.K + k0));
-          const T* h = reinterpret_cast<const T*>(&u);
-#pragma unroll
-          for (int j = 0; j < 8; ++j) xv[m][j] = to_float<T>(h[j]);
-        } else {
-#pragma unroll
-          for (int j = 0; j < 8; ++j) xv[m][j] = 0.f;
-        }
-      }
-#pragma unroll
-      for (int r = 0; r < kGemvRows; ++r) {
-        const int n = min(n0 + r, a.N - 1);
-        float scale;
-        unsigned book;
-        group_of<BITS>(a, static_cast<const __half*>(a.scales) + (size_t)n * G, n, k0 / a.group_size, scale, book);
-        float part[MT];
-#pragma unroll
-        for (int m = 0; m < MT; ++m) part[m] = 0.f;
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {  // the centroid's byte offset in the table straight from the code word's bits:
-          const int e = 8 * s + j, at = e * BITS % 32;  // one shift and one LOP3, no index scaling (SASS, sm_90a)
-          const unsigned w = words[r][e * BITS / 32], off = (at >= 2 ? w >> (at - 2) : w << (2 - at));
-          const float cj = *reinterpret_cast<const float*>(reinterpret_cast<const char*>(table) +
-                                                            ((off & (((1u << BITS) - 1u) << 2)) | (book << 2)));
-#pragma unroll
-          for (int m = 0; m < MT; ++m) part[m] = fmaf(cj, xv[m][j], part[m]);
-        }
-#pragma unroll
-        for (int m = 0; m < MT; ++m) acc[r][m] = fmaf(scale, part[m], acc[r][m]);
-      }
-    }
-  }
-  float* const mine = sums + (size_t)(warp * 32 + lane) * kGemvRows * MT;
-#pragma unroll
-  for (int r = 0; r < kGemvRows; ++r)
-#pragma unroll
-    for (int m = 0; m < MT; ++m) mine[r * MT + m] = acc[r][m];
-  __syncthreads();
-  if (lane < kGemvRows * MT) {
-    const int r = lane / MT, m = lane % MT, n = n0 + r;
-    if (n < a.N && m < g.M) {
-      float sum = 0.f;
-      for (int l = 0; l < 32; ++l) sum += sums[(size_t)(warp * 32 + l) * kGemvRows * MT + lane];
-      if (g.bias) sum += bias_at<T>(g.bias, g.bias_dtype, n);
-      static_cast<T*>(g.y)[(size_t)m * a.N + n] = from_float<T>(sum);
-    }
-  }
-}
+// The GEMV's decoder (canonical.cuh): each input's centroid comes from a 16-float table in shared memory (all of a
+// layer's codebooks, the format's 16-byte limit); Σ_j c_j·x_j over the 8 inputs in fp32 (each product exact: an int8
+// centroid times an fp16/bf16 input), times the group's scale, accumulated.
+template <int BITS>
+struct CodebookGemvDecoder {
+  using Args = CodebookArgs;
+  static constexpr int kWords = BITS, kTableFloats = 16;  // table[book·2^bits + code], 0 past the books
+  struct Row {
+    int scales, books;  // where the row's scales and book_idx words start (32-bit offsets: fewer registers held)
+  };
+  const CodebookArgs& a;
+  const float* table;
 
-template <typename T, int MT>
-cudaError_t gemv_bits(const CodebookGemvArgs& g, cudaStream_t s) {
-  const unsigned blocks = (unsigned)((g.w.N + kGemvWarps * kGemvRows - 1) / (kGemvWarps * kGemvRows));
-  const size_t smem = codebook_gemv_smem_bytes(MT);
-  switch (g.w.bits) {
-    case 1: codebook_gemv_kernel<T, MT, 1><<<blocks, 32 * kGemvWarps, smem, s>>>(g); break;
-    case 2: codebook_gemv_kernel<T, MT, 2><<<blocks, 32 * kGemvWarps, smem, s>>>(g); break;
-    case 4: codebook_gemv_kernel<T, MT, 4><<<blocks, 32 * kGemvWarps, smem, s>>>(g); break;
-    default: return cudaErrorInvalidValue;
+  __device__ CodebookGemvDecoder(const CodebookArgs& a, float* smem) : a(a), table(smem) {
+    if (threadIdx.x < 16) smem[threadIdx.x] = (int)threadIdx.x < (a.books << BITS) ? (float)a.codebooks[threadIdx.x] : 0.f;
   }
-  return cudaGetLastError();
-}
 
-template <typename T>
-cudaError_t gemv_m(const CodebookGemvArgs& g, cudaStream_t s) {
-  if (g.M == 1) return gemv_bits<T, 1>(g, s);
-  if (g.M == 2) return gemv_bits<T, 2>(g, s);
-  if (g.M <= 4) return gemv_bits<T, 4>(g, s);
-  return gemv_bits<T, 8>(g, s);
-}
+  __device__ Row row(int n) const {
+    return {n * (a.K / a.group_size), n * a.book_words};  // < 2^31 (weights_invalid)
+  }
+
+  template <int MT>
+  __device__ __forceinline__ void dot8(Row& row, const unsigned (&words)[BITS], int s, int g,
+                                       const float (&xv)[MT][8], float (&acc)[MT]) const {
+    float scale;
+    unsigned book;
+    group_of<BITS>(a, static_cast<const __half*>(a.scales) + row.scales, a.book_idx + row.books, g, scale, book);
+    float part[MT];
+#pragma unroll
+    for (int m = 0; m < MT; ++m) part[m] = 0.f;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {  // the centroid's byte offset in the table straight from the code word's bits:
+      const int e = 8 * s + j, at = e * BITS % 32;  // one shift and one LOP3, no index scaling (SASS, sm_90a)
+      const unsigned w = words[e * BITS / 32], off = (at >= 2 ? w >> (at - 2) : w << (2 - at));
+      const float cj = *reinterpret_cast<const float*>(reinterpret_cast<const char*>(table) +
+                                                        ((off & (((1u << BITS) - 1u) << 2)) | (book << 2)));
+#pragma unroll
+      for (int m = 0; m < MT; ++m) part[m] = fmaf(cj, xv[m][j], part[m]);
+    }
+#pragma unroll
+    for (int m = 0; m < MT; ++m) acc[m] = fmaf(scale, part[m], acc[m]);
+  }
+};
 
 template <typename OutT>
 cudaError_t dispatch_bits(const CodebookArgs& a, cudaStream_t s) {
   const long long threads = (long long)a.N * (a.K / 32);
   const unsigned blocks = (unsigned)((threads + 255) / 256);
-  const size_t smem = codebook_dequantize_smem_bytes(sizeof(OutT));
+  const size_t smem = canonical_dequantize_smem_bytes(sizeof(OutT));
   const bool per16 = a.group_size % 16 == 0;
   switch (a.bits * 2 + per16) {
     case 2: codebook_dequantize_kernel<OutT, 1, false><<<blocks, 256, smem, s>>>(a); break;
@@ -217,17 +139,18 @@ cudaError_t dispatch_bits(const CodebookArgs& a, cudaStream_t s) {
   return cudaGetLastError();
 }
 
-// The weights' rules both kernels share.
+// The weights' rules both kernels share: N·K < 2^34 keeps every index in 32 bits (a thread per 32 outputs, a row's
+// scale offset N·K/group_size).
 bool weights_invalid(const CodebookArgs& a) {
   return a.K % 32 || a.group_size <= 0 || a.K % a.group_size || (a.books != 1 && a.books != 2 && a.books != 4) ||
-         (a.books << a.bits) > 16;  // every codebook in 16 bytes (registers, or the GEMV's 16-float table)
+         (a.books << a.bits) > 16 ||  // every codebook in 16 bytes (registers, or the GEMV's 16-float table)
+         (long long)a.N * a.K >= (1LL << 34);
 }
 
 }  // namespace
 
 cudaError_t codebook_dequantize(const CodebookArgs& a, DType out, cudaStream_t stream) {
-  if (weights_invalid(a) || (long long)a.N * (a.K / 32) >= (1LL << 31))  // a thread per 32 outputs, 32-bit indices
-    return cudaErrorInvalidValue;
+  if (weights_invalid(a)) return cudaErrorInvalidValue;
   if (out == DType::kFloat) return dispatch_bits<float>(a, stream);
   if (out == DType::kHalf) return dispatch_bits<__half>(a, stream);
   if (out == DType::kBFloat16) return dispatch_bits<__nv_bfloat16>(a, stream);
@@ -235,12 +158,13 @@ cudaError_t codebook_dequantize(const CodebookArgs& a, DType out, cudaStream_t s
 }
 
 cudaError_t codebook_gemv(const CodebookGemvArgs& g, cudaStream_t stream) {
-  if (weights_invalid(g.w) || g.w.group_size % 8 || g.M < 1 || g.M > 8 ||
-      (reinterpret_cast<size_t>(g.x) & 15u))  // x read 16 bytes at a time
-    return cudaErrorInvalidValue;
-  if (g.x_dtype == DType::kHalf) return gemv_m<__half>(g, stream);
-  if (g.x_dtype == DType::kBFloat16) return gemv_m<__nv_bfloat16>(g, stream);
-  return cudaErrorInvalidValue;
+  if (weights_invalid(g.w) || g.w.group_size % 8) return cudaErrorInvalidValue;
+  switch (g.w.bits) {
+    case 1: return launch_gemv<CodebookGemvDecoder<1>>(g, stream);
+    case 2: return launch_gemv<CodebookGemvDecoder<2>>(g, stream);
+    case 4: return launch_gemv<CodebookGemvDecoder<4>>(g, stream);
+    default: return cudaErrorInvalidValue;
+  }
 }
 
 }  // namespace qlinear

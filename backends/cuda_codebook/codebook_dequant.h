@@ -3,7 +3,7 @@
 #pragma once
 #include <cuda_runtime.h>
 
-#include "../_cuda/dtype.h"
+#include "../_cuda/canonical.h"
 
 namespace qlinear {
 
@@ -22,32 +22,16 @@ struct CodebookArgs {
   int code_words, book_words;  // int32 words per row of codes and of book_idx
 };
 
-// Shared memory of the kernel's blocks of 256 threads: each thread's 32 outputs of `out_bytes`, padded by 16 bytes.
-inline size_t codebook_dequantize_smem_bytes(size_t out_bytes) { return 256 * (32 * out_bytes + 16); }
-
 // Writes Ŵ[n, k] = scale[n, g] · codebooks[book(n, g)][code(n, k)] (fp32, exact, then one rounding) as `out` (fp32,
 // fp16 or bf16).  cudaErrorInvalidValue for K % 32 != 0, bits not in {1, 2, 4}, books not in {1, 2, 4}, books · 2^bits
-// > 16 (the format's limit), N · K / 32 >= 2^31 or a dtype it cannot write.
+// > 16 (the format's limit), N · K >= 2^34 or a dtype it cannot write.
 cudaError_t codebook_dequantize(const CodebookArgs& args, DType out, cudaStream_t stream);
 
-// The GEMV at decode batches: y [M, N] = x [M, K] · Ŵᵀ + bias in x's dtype (fp16/bf16), fp32 accumulation, M = 1..8.
-struct CodebookGemvArgs {
-  CodebookArgs w;      // the weights (w.w unused)
-  const void* x;       // [M, K], 16-byte aligned
-  const void* bias;    // [N] of bias_dtype (fp32, or x's dtype), or null
-  void* y;             // [M, N]
-  int M;
-  DType x_dtype, bias_dtype;
-};
-
-constexpr int kGemvWarps = 4, kGemvRows = 4;  // a block's warps, each owning kGemvRows rows
-
-// Shared memory of a GEMV block for `mt` rows of x (its instantiation's): the 16-float centroid table, then every
-// lane's partial sums of its warp's rows.
-inline size_t codebook_gemv_smem_bytes(int mt) { return 4 * (16 + (size_t)32 * kGemvWarps * kGemvRows * mt); }
+// The GEMV at decode batches (canonical.h): y [M, N] = x [M, K] · Ŵᵀ + bias, M = 1..8.
+using CodebookGemvArgs = GemvArgs<CodebookArgs>;
 
 // cudaErrorInvalidValue for the weights codebook_dequantize refuses, group_size % 8 != 0, M outside 1..8, x not
-// 16-byte aligned or of another dtype than fp16/bf16.
+// 16-byte aligned or of another dtype than fp16/bf16, 4-bit codes not 16-byte aligned.
 cudaError_t codebook_gemv(const CodebookGemvArgs& args, cudaStream_t stream);
 
 }  // namespace qlinear

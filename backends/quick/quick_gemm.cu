@@ -236,15 +236,6 @@ struct TileRegs {
   GroupRaw<Q, FREE> g[2];
 };
 
-// k / group_size for k a multiple of 32 without a division per tile: floor(2n·m / 2^32) with n = k / 32 and
-// m = ceil(2^31 / d), d = group_size / 32, is exact while n·d < 2^31 (run() requires K < 2^20).
-struct GroupOf {
-  unsigned m;
-  __device__ __forceinline__ explicit GroupOf(int group_size)
-      : m((0x80000000u + group_size / 32 - 1) / (group_size / 32)) {}
-  __device__ __forceinline__ int operator()(int k) const { return (int)__umulhi((unsigned)k >> 4, m); }
-};
-
 template <int Q, bool FREE>
 __device__ __forceinline__ void load_tile_regs(TileRegs<Q, FREE>& r, const QuickArgs& a, const GroupOf& group,
                                                const unsigned* tile, int k0, int pos, int lane) {
@@ -271,20 +262,6 @@ __device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], const void* smem) 
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr) : "memory");
 }
 
-template <typename T>
-__device__ __forceinline__ void mma(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
-  if constexpr (std::is_same_v<T, __half>) {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-                 "{%0, %1, %2, %3};\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  } else {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-                 "{%0, %1, %2, %3};\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
-}
 #endif
 
 // Shared memory of one stage: BM rows × 64 inputs, 16-byte chunk c of row r stored at chunk c ^ (r & 7).
