@@ -133,12 +133,14 @@ def free_bcq_sets(N: int, K: int, bits: int, group_size: int, layout: str, n: in
     return cfg, sets
 
 
-def op_calls(x: torch.Tensor, cfg, sets, N: int, K: int, backend: str, layout: str) -> list[Callable[[], object]]:
-    """Closures calling ``qlinear::linear`` on each weight set with ``backend`` ("" = dispatched) and held ``layout``."""
+def op_calls(x: torch.Tensor, cfg, sets, N: int, K: int, backend: str, layout: str, format: str = "bcq"
+             ) -> list[Callable[[], object]]:
+    """Closures calling ``qlinear::linear`` on each weight set (buffers in the format's order) of a ``format`` layer
+    with ``backend`` ("" = dispatched) and held ``layout``."""
     from qlinear.ops import linear
 
     cfg_json = cfg.to_json()
-    return [lambda s=s: linear(x, s, None, "bcq", cfg_json, N, K, backend, layout) for s in sets]
+    return [lambda s=s: linear(x, s, None, format, cfg_json, N, K, backend, layout) for s in sets]
 
 
 def codebook_sets(N: int, K: int, bits: int, books: int, g: int, n: int) -> list[tuple]:

@@ -118,3 +118,21 @@ def test_uncalibrated_bound_fits():
     assert max(len(g.unique()) for g in plain.reshape(-1, 64)) <= 16
     rel = [float((weight - x).norm() / weight.norm()) for x in (plain, turned)]
     assert all(0 < r < 0.15 for r in rel) and not torch.allclose(plain, turned)
+
+
+def test_dispatch_tuner_paths_match_the_registry():
+    """Every path tune_dispatch.py times names a registered kernel reading the layout the tuner files it under, with
+    the batch cap the kernel declares; each BCQ layer is timed on exactly the kernels that take its bits."""
+    import tune_dispatch
+
+    from qlinear import backends
+
+    for fmt, paths in (("bcq", tune_dispatch.PATHS[True]), ("bcq", tune_dispatch.PATHS[False]),
+                       ("codebook", tune_dispatch.CODEBOOK_PATHS)):
+        for backend, (layout, max_m) in paths.items():
+            k = next(k for k in backends.kernels(fmt) if k.backend == backend)
+            assert (k.layout.name if k.layout else "") == layout and k.max_batch == max_m, backend
+    uniform = lambda bits: {b for b in tune_dispatch.PATHS[True] if tune_dispatch.takes("bcq", b, bits)}
+    assert uniform(8) == {"cuda_lut", "cuda_lut_dequant", "cuda_uniform_gemv", "cuda_uniform"}
+    assert uniform(4) == {"cuda_lut", "cuda_lut_dequant", "quick", "quick_dequant"}
+    assert uniform(6) == {"cuda_lut", "cuda_lut_dequant"}
