@@ -260,12 +260,14 @@ def _emulated_launch(m: re.Match) -> str:
 
 
 def build(dst: Path, kernel: str, shared_memory: tuple[str, str], prelude: str, driver: str,
-          launches: bool = False) -> Path:
+          launches: bool = False, sanitize: bool = False) -> Path:
     """Compile ``SHIM + prelude + #include kernel + driver`` with g++.  ``kernel`` (a ``.cu`` path under
     backends/), the headers beside it and backends/_cuda are copied to ``dst`` with the ``extern __shared__``
     declaration ``shared_memory[0]`` replaced by ``shared_memory[1]`` (a pointer into the emulated shared memory) and
     the launches cut out, or with ``launches`` run by ``emu_launch`` (SHIM) where they stand (the driver then calls the
-    source's host entry point).  Skips the test when g++, the CUDA headers or C++20 ``<barrier>`` are missing."""
+    source's host entry point).  ``sanitize``: with AddressSanitizer where g++ has it, so that a read past a buffer
+    the driver passes (global memory) fails the run.  Skips the test when g++, the CUDA headers or C++20 ``<barrier>``
+    are missing."""
     home = cuda_home()
     if shutil.which("g++") is None or home is None:
         pytest.skip("needs g++ and the CUDA headers")
@@ -280,6 +282,9 @@ def build(dst: Path, kernel: str, shared_memory: tuple[str, str], prelude: str, 
     main.write_text(SHIM + prelude + f'\n#include "{kernel}"\n' + driver)
     exe = dst / "emu"
     base = ["g++", "-std=c++20", "-O1", "-pthread", "-w", f"-I{home / 'include'}", "-x", "c++", str(main), "-o", str(exe)]
+    if sanitize and subprocess.run(["g++", "-fsanitize=address", "-x", "c++", "-", "-o", str(dst / "asan_probe")],
+                                   input="int main() { return 0; }", capture_output=True, text=True).returncode == 0:
+        base[1:1] = ["-fsanitize=address", "-fno-omit-frame-pointer"]
     r = subprocess.run(base + [f"-L{home / 'lib64'}", "-lcudart"], capture_output=True, text=True)
     if r.returncode:
         r = subprocess.run(base + ["-Wl,--unresolved-symbols=ignore-all"], capture_output=True, text=True)

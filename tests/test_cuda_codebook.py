@@ -69,7 +69,7 @@ def emulator(tmp_path_factory):
     return cuda_emulation.build(tmp_path_factory.mktemp("codebook_emu"), "cuda_codebook/codebook_dequant.cu",
                                 ("extern __shared__ __align__(16) unsigned char smem_raw[];",
                                  "unsigned char* smem_raw = reinterpret_cast<unsigned char*>(::g_smem4);"), "", _DRIVER,
-                                launches=True)
+                                launches=True, sanitize=True)
 
 
 def _layer(N, K, bits, books, group_size, seed=0):
@@ -129,7 +129,9 @@ def test_gemv_source_under_host_emulation(emulator, bits, books, group_size):
 def test_supports_and_errors():
     assert cuda_codebook.supports(None, 64, 256) is None
     assert "multiple of 32" in cuda_codebook.supports(None, 64, 48)
-    assert "too large" in cuda_codebook.supports(None, 1 << 18, 1 << 16)
+    assert cuda_codebook.supports(None, 1 << 18, 1 << 16) is None
+    assert "too large" in cuda_codebook.supports(None, 1 << 20, 1 << 16)
+    assert "too large" in cuda_codebook.supports_gemv(codebook.Config(bits=2, group_size=64), 1 << 18, 1 << 16)
     cfg = codebook.Config(bits=2, group_size=12)
     assert "multiple of 8" in cuda_codebook.supports_gemv(cfg, 64, 384)
     assert cuda_codebook.supports_gemv(codebook.Config(bits=2, group_size=24), 64, 384) is None

@@ -63,8 +63,8 @@ def supports(cfg, out_features: int, in_features: int) -> Optional[str]:
     """Why the dequantize kernel cannot run a codebook layer of this config and shape (None if it can)."""
     if in_features % 32:
         return f"in_features={in_features} is not a multiple of 32"
-    if out_features * in_features >= 1 << 34:
-        return f"{out_features}x{in_features} is too large (N·K must be below 2^34)"
+    if out_features * (in_features // 32) >= 1 << 31:
+        return f"{out_features}x{in_features} is too large (N·K/32 must be below 2^31)"
     return None
 
 
@@ -72,6 +72,8 @@ def supports_gemv(cfg, out_features: int, in_features: int) -> Optional[str]:
     """Why the GEMV cannot run a codebook layer of this config and shape (None if it can)."""
     if cfg.group_size % 8:
         return f"group_size={cfg.group_size} is not a multiple of 8"
+    if out_features * in_features >= 1 << 34:
+        return f"{out_features}x{in_features} is too large for the GEMV (N·K must be below 2^34)"
     return supports(cfg, out_features, in_features)
 
 

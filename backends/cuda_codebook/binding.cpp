@@ -20,7 +20,6 @@ qlinear::CodebookArgs weights_of(const at::Tensor& codes, const std::optional<at
                   codes.size(1) == K * bits / 32, op, ": codes ", codes.sizes(), " do not fit K=", K, " bits=", bits,
               " group_size=", group_size, " (K must be a multiple of 32 and of group_size)");
   const int64_t N = codes.size(0), G = K / group_size;
-  TORCH_CHECK(N * K < (int64_t(1) << 34), op, ": N·K must be below 2^34 (32-bit indices), got N = ", N, ", K = ", K);
   TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() && scales.dim() == 2 && scales.size(0) == N &&
                   scales.size(1) == G, op, ": scales must be contiguous fp16 [N, G]");
   TORCH_CHECK(codebooks.scalar_type() == at::kChar && codebooks.is_contiguous() && codebooks.dim() == 2 &&
@@ -54,6 +53,8 @@ at::Tensor codebook_dequantize(const at::Tensor& codes, const std::optional<at::
                                int64_t bits, at::ScalarType dtype) {
   const char* op = "codebook_dequantize";
   qlinear::CodebookArgs a = weights_of(codes, book_idx, scales, codebooks, K, group_size, bits, op);
+  TORCH_CHECK(codes.size(0) * (K / 32) < (int64_t(1) << 31), op,
+              ": N·K/32 must be below 2^31 (a thread per 32 outputs), got N = ", codes.size(0), ", K = ", K);
   c10::cuda::CUDAGuard guard(codes.device());
   at::Tensor w = at::empty({codes.size(0), K}, codes.options().dtype(dtype));
   a.w = w.data_ptr();
@@ -70,6 +71,8 @@ at::Tensor codebook_gemv(const at::Tensor& x, const at::Tensor& codes, const std
   TORCH_CHECK(group_size % 8 == 0, op, ": group_size must be a multiple of 8, got ", group_size);
   qlinear::CodebookGemvArgs g{};
   g.w = weights_of(codes, book_idx, scales, codebooks, x.size(1), group_size, bits, op);
+  TORCH_CHECK(codes.size(0) * x.size(1) < (int64_t(1) << 34), op, ": N·K must be below 2^34 (32-bit offsets), got N = ",
+              codes.size(0), ", K = ", x.size(1));
   TORCH_CHECK(bits != 4 || reinterpret_cast<uintptr_t>(codes.data_ptr()) % 16 == 0, op,
               ": 4-bit codes must be 16-byte aligned (read 16 bytes at a time)");
   return qlinear::gemv_op(g, x, bias, codes, qlinear::codebook_gemv, op);

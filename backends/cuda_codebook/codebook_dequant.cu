@@ -95,7 +95,7 @@ struct CodebookGemvDecoder {
   }
 
   __device__ Row row(int n) const {
-    return {n * (a.K / a.group_size), n * a.book_words};  // < 2^31 (weights_invalid)
+    return {n * (a.K / a.group_size), n * a.book_words};  // < 2^31: N·K < 2^34 (codebook_gemv)
   }
 
   template <int MT>
@@ -139,18 +139,17 @@ cudaError_t dispatch_bits(const CodebookArgs& a, cudaStream_t s) {
   return cudaGetLastError();
 }
 
-// The weights' rules both kernels share: N·K < 2^34 keeps every index in 32 bits (a thread per 32 outputs, a row's
-// scale offset N·K/group_size).
+// The weights' rules both kernels share.
 bool weights_invalid(const CodebookArgs& a) {
   return a.K % 32 || a.group_size <= 0 || a.K % a.group_size || (a.books != 1 && a.books != 2 && a.books != 4) ||
-         (a.books << a.bits) > 16 ||  // every codebook in 16 bytes (registers, or the GEMV's 16-float table)
-         (long long)a.N * a.K >= (1LL << 34);
+         (a.books << a.bits) > 16;  // every codebook in 16 bytes (registers, or the GEMV's 16-float table)
 }
 
 }  // namespace
 
 cudaError_t codebook_dequantize(const CodebookArgs& a, DType out, cudaStream_t stream) {
-  if (weights_invalid(a)) return cudaErrorInvalidValue;
+  if (weights_invalid(a) || (long long)a.N * (a.K / 32) >= (1LL << 31))  // a thread per 32 outputs, 32-bit indices
+    return cudaErrorInvalidValue;
   if (out == DType::kFloat) return dispatch_bits<float>(a, stream);
   if (out == DType::kHalf) return dispatch_bits<__half>(a, stream);
   if (out == DType::kBFloat16) return dispatch_bits<__nv_bfloat16>(a, stream);
@@ -158,7 +157,8 @@ cudaError_t codebook_dequantize(const CodebookArgs& a, DType out, cudaStream_t s
 }
 
 cudaError_t codebook_gemv(const CodebookGemvArgs& g, cudaStream_t stream) {
-  if (weights_invalid(g.w) || g.w.group_size % 8) return cudaErrorInvalidValue;
+  if (weights_invalid(g.w) || g.w.group_size % 8 || (long long)g.w.N * g.w.K >= (1LL << 34))  // Row's 32-bit offsets
+    return cudaErrorInvalidValue;
   switch (g.w.bits) {
     case 1: return launch_gemv<CodebookGemvDecoder<1>>(g, stream);
     case 2: return launch_gemv<CodebookGemvDecoder<2>>(g, stream);

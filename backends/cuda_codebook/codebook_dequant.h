@@ -24,14 +24,14 @@ struct CodebookArgs {
 
 // Writes Ŵ[n, k] = scale[n, g] · codebooks[book(n, g)][code(n, k)] (fp32, exact, then one rounding) as `out` (fp32,
 // fp16 or bf16).  cudaErrorInvalidValue for K % 32 != 0, bits not in {1, 2, 4}, books not in {1, 2, 4}, books · 2^bits
-// > 16 (the format's limit), N · K >= 2^34 or a dtype it cannot write.
+// > 16 (the format's limit), N · K / 32 >= 2^31 or a dtype it cannot write.
 cudaError_t codebook_dequantize(const CodebookArgs& args, DType out, cudaStream_t stream);
 
 // The GEMV at decode batches (canonical.h): y [M, N] = x [M, K] · Ŵᵀ + bias, M = 1..8.
 using CodebookGemvArgs = GemvArgs<CodebookArgs>;
 
-// cudaErrorInvalidValue for the weights codebook_dequantize refuses, group_size % 8 != 0, M outside 1..8, x not
-// 16-byte aligned or of another dtype than fp16/bf16, 4-bit codes not 16-byte aligned.
+// cudaErrorInvalidValue for the weights codebook_dequantize refuses, N · K >= 2^34, group_size % 8 != 0, M outside
+// 1..8, x not 16-byte aligned or of another dtype than fp16/bf16, 4-bit codes not 16-byte aligned.
 cudaError_t codebook_gemv(const CodebookGemvArgs& args, cudaStream_t stream);
 
 }  // namespace qlinear

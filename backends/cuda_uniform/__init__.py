@@ -87,6 +87,6 @@ def available() -> Optional[str]:
 _COMMON = dict(format=bcq.NAME, devices=frozenset({"cuda"}), dtypes=frozenset({torch.float16, torch.bfloat16}),
                bits=frozenset({8}), group_sizes=ANY, min_capability=(8, 0), supports=supports, available=available)
 # above the LUT GEMV (priority 10) and its dequantize path (4), so that 8-bit uniform layers stay in their canonical
-# storage on a GPU; layers these cannot take (K % 32, group sizes) keep the LUT layout
+# storage on a GPU (layers past the kernels' size limits keep the LUT layout)
 register(Kernel(backend="cuda_uniform_gemv", fn=linear_gemv, priority=15, max_batch=MAX_BATCH, **_COMMON))
 register(Kernel(backend="cuda_uniform", fn=linear, priority=6, max_batch=ANY, **_COMMON))

@@ -2,10 +2,10 @@
 // dequantize kernel writing Ŵ for one cuBLAS GEMM above.  8-bit codes: the 1-4 bit layers run on QUICK's and the LUT
 // GEMV's layouts.
 //
-// Dequantize: a code becomes a float with one byte permute: byte q into the second byte of 0x4B000000 is 2^23 + 256·q, and that
-// minus the zero point's 2^23 + 256·z is 256·(q − z) exactly (an integer below 2^16, also for the symmetric grid's
-// z = 127.5) with at most 8 significant bits, so its product with an fp16/bf16 input is exact in fp32; the group's
-// scale / 256 (exact) then gives s·(q − z) with the format's single rounding.
+// Dequantize: a code becomes a float with one byte permute: byte q into the second byte of 0x4B000000 is 2^23 + 256·q,
+// and that minus the zero point's 2^23 + 256·z is 256·(q − z) exactly (an integer below 2^16, also for the symmetric
+// grid's z = 127.5, with at most 8 significant bits); times the group's scale / 256 (exact) it gives s·(q − z) with
+// the format's single fp32 rounding.
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -40,7 +40,8 @@ __global__ void __launch_bounds__(256, 2) uniform_dequantize_kernel(const Unifor
   const unsigned t0 = blockIdx.x * blockDim.x, t = t0 + threadIdx.x;
   Run32<OutT> out;
   if (t < total) {  // no early exit: every thread reaches store_runs' barrier
-    const int n = (int)(t / chunks), c = (int)(t % chunks), groups = (a.K + a.group_size - 1) / a.group_size;
+    const int n = (int)(t / chunks), c = (int)(t % chunks);
+    const int groups = (a.K - 1) / a.group_size + 1;  // ceil(K / group_size), without overflow for any group size
     const uint4* const p = reinterpret_cast<const uint4*>(a.codes + (size_t)n * a.code_words + c * 8);
     const uint4 lo = __ldg(p), hi = __ldg(p + 1);
     const unsigned words[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
@@ -61,7 +62,8 @@ __global__ void __launch_bounds__(256, 2) uniform_dequantize_kernel(const Unifor
 // 8 + 2u, + 1 the inputs 16u + 4j + 2, + 3: A's and B's slots of lane l depend on u only, so each mma sums x·Ŵ over
 // 16 of the step's inputs without moving any value between lanes, and the 4 mmas cover all 64.  B holds the codes
 // as 16-bit integers q − z (or 2q − 255 on the symmetric grid, whose z = 127.5; the scale is then halved), exact in
-// fp16 and bf16 (at most 8 significant bits), so the products are exact and the sums fp32; each step's sums are
+// fp16 and bf16 (at most 8 significant bits), so the products are exact and the sums fp32 (tensor cores may truncate
+// rather than round inside an mma: the GPU test's bound allows for it); each step's sums are
 // scaled by the group's scale and accumulated in fp32.  Groups are multiples of 32: when they are not multiples of 64
 // (SPLIT), a step's two halves may lie in two groups, and each half runs its own 4 mmas with the other half's x
 // zeroed.
@@ -206,7 +208,8 @@ __global__ void __launch_bounds__(32 * kWarps) uniform_gemv_kernel(const GemvArg
   float* const sums = reinterpret_cast<float*>(smem_raw);  // [warps][32 lanes][kTiles][4]
   const UniformArgs& a = g.w;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, r = lane / 4, u = lane % 4;
-  const int n0 = blockIdx.x * 8 * kTiles, steps = (a.K + 63) / 64, groups = (a.K + a.group_size - 1) / a.group_size;
+  const int n0 = blockIdx.x * 8 * kTiles, steps = (a.K + 63) / 64;
+  const int groups = (a.K - 1) / a.group_size + 1;  // ceil(K / group_size), without overflow for any group size
   const GroupOf group_of(a.group_size);
   Lane ln;
 #pragma unroll

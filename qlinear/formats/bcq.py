@@ -132,8 +132,9 @@ class Config(FormatConfig):
             raise ValueError(f"BCQ needs in_features divisible by 32 (one int32 word holds 32 inputs), got {in_features}")
 
     def group(self, in_features: int) -> int:
-        """The effective group size for a layer with ``in_features`` inputs."""
-        return in_features if self.group_size == -1 else self.group_size
+        """The effective group size for a layer with ``in_features`` inputs: a ``group_size`` of -1, or of at least
+        ``in_features``, is one group per row."""
+        return in_features if self.group_size == -1 else min(self.group_size, in_features)
 
 
 def buffer_specs(out_features: int, in_features: int, cfg: Config) -> BufferSpecs:
