@@ -19,7 +19,7 @@ namespace qlinear {
 //
 // Decoder: `Args` (the weights: codes, code_words, N, K, group_size), `kWords` (code words per 32 inputs of a row),
 // `kTableFloats` (floats of shared memory its constructor fills for the block, before the barrier), `Row` and
-// `row(n)` (what it needs of row n, made once per kernel; dot8 may keep a group's values there) and
+// `row(n)` (what it needs of row n, made once per kernel) and
 // `dot8<MT>(row, words, s, g, xv, acc)`: acc[m] += Σ_{j<8} Ŵ[n, k0 + j]·xv[m][j] for the inputs k0 = 32c + 8s .. k0 + 7
 // of the chunk's words, in group g (s = 0 .. 3 in turn for each chunk).
 template <typename T, int MT, typename Decoder>

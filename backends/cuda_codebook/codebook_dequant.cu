@@ -99,7 +99,7 @@ struct CodebookGemvDecoder {
   }
 
   template <int MT>
-  __device__ __forceinline__ void dot8(Row& row, const unsigned (&words)[BITS], int s, int g,
+  __device__ __forceinline__ void dot8(const Row& row, const unsigned (&words)[BITS], int s, int g,
                                        const float (&xv)[MT][8], float (&acc)[MT]) const {
     float scale;
     unsigned book;

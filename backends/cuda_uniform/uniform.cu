@@ -63,10 +63,9 @@ __global__ void __launch_bounds__(256, 2) uniform_dequantize_kernel(const Unifor
 // 16 of the step's inputs without moving any value between lanes, and the 4 mmas cover all 64.  B holds the codes
 // as 16-bit integers q − z (or 2q − 255 on the symmetric grid, whose z = 127.5; the scale is then halved), exact in
 // fp16 and bf16 (at most 8 significant bits), so the products are exact and the sums fp32 (tensor cores may truncate
-// rather than round inside an mma: the GPU test's bound allows for it); each step's sums are
-// scaled by the group's scale and accumulated in fp32.  Groups are multiples of 32: when they are not multiples of 64
-// (SPLIT), a step's two halves may lie in two groups, and each half runs its own 4 mmas with the other half's x
-// zeroed.
+// rather than round inside an mma: the GPU test's bound allows for it); each step's sums are scaled by the group's
+// scale and accumulated in fp32.  Groups are multiples of 32: when they are not multiples of 64 (SPLIT), a step's two
+// halves may lie in two groups, and each half runs its own 4 mmas with the other half's x zeroed.
 constexpr int kWarps = 4, kTiles = 2;  // a block: kWarps warps over K, each kTiles tiles of 8 rows (16 rows)
 
 // Bytes of shared memory of a GEMV block: every lane's sums (kTiles × 4 floats) per warp.
