@@ -156,7 +156,8 @@ cuda_codebook:dequantize_op;cuda_uniform:ops_and_forward and 256-128"}
     timeout 110 python3 benchmarks/bench_gemm.py --quick --markdown "$OUT/bench_gemm.md" >"$OUT/bench_gemm.log" 2>&1
     snap
     timeout 90 python3 benchmarks/bench_gemv.py --shapes 8192x8192,28672x8192,576x576,1536x576 --batches 1,8 --groups 128 \
-      --mixed-shapes 8192x8192,576x576 --outliers 0,0.002 --mixed-large-batches "" --gemlite-bits "" --uniform8 128 \
+      --mixed-shapes 8192x8192,576x576 --outliers 0,0.002 --mixed-large-batches "" --gemlite-bits "" \
+      --codebook-shapes 8192x8192 --uniform8 128 --uniform8-shapes 8192x8192 \
       --markdown "$OUT/bench_gemv.md" >"$OUT/bench_gemv.log" 2>&1
     snap
     timeout 30 python3 benchmarks/bench_dequant.py --shapes 8192x8192 --markdown "$OUT/bench_dequant.md" \
