@@ -21,14 +21,6 @@ struct GemvArgs {
   DType x_dtype, bias_dtype;
 };
 
-constexpr int kGemvWarps = 4, kGemvRows = 4;  // a GEMV block's warps, each owning kGemvRows rows
-
-// Shared memory of a GEMV block for `mt` rows of x (its instantiation's): the decoder's `table_floats`, then every lane's
-// partial sums of its warp's rows.
-inline size_t canonical_gemv_smem_bytes(int table_floats, int mt) {
-  return 4 * ((size_t)table_floats + (size_t)32 * kGemvWarps * kGemvRows * mt);
-}
-
 // Shared memory of a dequantize block of 256 threads: each thread's 32 outputs of `out_bytes`, padded by 16 bytes.
 inline size_t canonical_dequantize_smem_bytes(size_t out_bytes) { return 256 * (32 * out_bytes + 16); }
 

@@ -1,5 +1,5 @@
-// The codebook format's GPU decode paths (issue 24): its decoder for the canonical GEMV (../_cuda/canonical.cuh) at
-// decode batches, and a dequantize kernel writing Ŵ for one cuBLAS GEMM above.
+// The codebook format's GPU decode paths (issue 24): a GEMV at decode batches, and a dequantize kernel writing Ŵ for
+// one cuBLAS GEMM above.
 //
 // Dequantize: a thread owns one row's 32 consecutive inputs: it reads `bits` code words (consecutive threads read
 // consecutive words of a row, so the loads coalesce), looks each input's centroid up in its group's codebook and
@@ -12,7 +12,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
-#include "../_cuda/canonical.cuh"
+#include "../_cuda/canonical.cuh"  // store_runs
 #include "codebook_dequant.h"
 
 namespace qlinear {
@@ -77,49 +77,132 @@ __global__ void __launch_bounds__(256, 2) codebook_dequantize_kernel(const Codeb
   store_runs(out, t0, total, static_cast<OutT*>(a.w));
 }
 
-// The GEMV's decoder (canonical.cuh): each input's centroid comes from a 16-float table in shared memory (all of a
-// layer's codebooks, the format's 16-byte limit); Σ_j c_j·x_j over the 8 inputs in fp32 (each product exact: an int8
-// centroid times an fp16/bf16 input), times the group's scale, accumulated.
-template <int BITS>
-struct CodebookGemvDecoder {
-  using Args = CodebookArgs;
-  static constexpr int kWords = BITS, kTableFloats = 16;  // table[book·2^bits + code], 0 past the books
-  struct Row {
-    int scales, books;  // where the row's scales and book_idx words start (32-bit offsets: fewer registers held)
-  };
-  const CodebookArgs& a;
-  const float* table;
+constexpr int kGemvWarps = 4, kGemvRows = 4;  // a GEMV block's warps, each owning kGemvRows rows
 
-  __device__ CodebookGemvDecoder(const CodebookArgs& a, float* smem) : a(a), table(smem) {
-    if (threadIdx.x < 16) smem[threadIdx.x] = (int)threadIdx.x < (a.books << BITS) ? (float)a.codebooks[threadIdx.x] : 0.f;
+// Shared memory of a GEMV block for `mt` rows of x: the 16-float centroid table, then every lane's partial sums.
+constexpr size_t gemv_smem_bytes(int mt) { return 4 * (16 + (size_t)32 * kGemvWarps * kGemvRows * mt); }
+
+// GEMV at decode batches (x [M, K], M <= 8): y = x·Ŵᵀ + b without writing Ŵ.  A warp owns kGemvRows rows; lane l walks
+// the 32-input chunks l, l + 32, ... of K (the warp's loads of a row are consecutive words: coalesced), holding its
+// rows' code words of a chunk, then 8 inputs at a time (one group: group sizes are multiples of 8) takes x from global
+// memory (the block's warps read the same x: L1) and each input's centroid from a 16-float table in shared memory (all
+// of a layer's codebooks, the format's 16-byte limit): Σ_j c_j·x_j over the 8 inputs in fp32 (each product exact: an
+// int8 centroid times an fp16/bf16 input), times the group's scale, accumulated.  The lanes' sums are then added in
+// lane order through shared memory (deterministic).  MT: the instantiation's rows of x (1, 2, 4 or 8; g.M of them are
+// read).
+template <typename T, int MT, int BITS>
+__global__ void __launch_bounds__(32 * kGemvWarps) codebook_gemv_kernel(const CodebookGemvArgs g) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  float* const table = reinterpret_cast<float*>(smem_raw);  // [16]: centroid book·2^bits + code, 0 past the books
+  float* const sums = table + 16;                           // [warps][32 lanes][kGemvRows][MT]
+  const CodebookArgs& a = g.w;
+  if (threadIdx.x < 16) table[threadIdx.x] = (int)threadIdx.x < (a.books << BITS) ? (float)a.codebooks[threadIdx.x] : 0.f;
+  __syncthreads();
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int n0 = (blockIdx.x * kGemvWarps + warp) * kGemvRows;
+  const T* const x = static_cast<const T*>(g.x);
+  int scale_at[kGemvRows], book_at[kGemvRows];  // where each row's scales and book_idx words start (32-bit offsets:
+#pragma unroll                                  // < 2^31, as N·K < 2^34; fewer registers held than pointers)
+  for (int r = 0; r < kGemvRows; ++r) {  // rows past N: row N - 1's, not written
+    const int n = min(n0 + r, a.N - 1);
+    scale_at[r] = n * (a.K / a.group_size);
+    book_at[r] = n * a.book_words;
   }
-
-  __device__ Row row(int n) const {
-    return {n * (a.K / a.group_size), n * a.book_words};  // < 2^31: N·K < 2^34 (codebook_gemv)
-  }
-
-  template <int MT>
-  __device__ __forceinline__ void dot8(const Row& row, const unsigned (&words)[BITS], int s, int g,
-                                       const float (&xv)[MT][8], float (&acc)[MT]) const {
-    float scale;
-    unsigned book;
-    group_of<BITS>(a, static_cast<const __half*>(a.scales) + row.scales, a.book_idx + row.books, g, scale, book);
-    float part[MT];
+  float acc[kGemvRows][MT];
 #pragma unroll
-    for (int m = 0; m < MT; ++m) part[m] = 0.f;
+  for (int r = 0; r < kGemvRows; ++r)
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {  // the centroid's byte offset in the table straight from the code word's bits:
-      const int e = 8 * s + j, at = e * BITS % 32;  // one shift and one LOP3, no index scaling (SASS, sm_90a)
-      const unsigned w = words[e * BITS / 32], off = (at >= 2 ? w >> (at - 2) : w << (2 - at));
-      const float cj = *reinterpret_cast<const float*>(reinterpret_cast<const char*>(table) +
-                                                        ((off & (((1u << BITS) - 1u) << 2)) | (book << 2)));
+    for (int m = 0; m < MT; ++m) acc[r][m] = 0.f;
+  for (int c = lane; c < a.K / 32; c += 32) {
+    unsigned words[kGemvRows][BITS];
 #pragma unroll
-      for (int m = 0; m < MT; ++m) part[m] = fmaf(cj, xv[m][j], part[m]);
+    for (int r = 0; r < kGemvRows; ++r) {
+      const unsigned* const p = a.codes + (size_t)min(n0 + r, a.N - 1) * a.code_words + c * BITS;
+      if constexpr (BITS == 4) {  // one 16-byte load (codes 16-byte aligned: codebook_gemv checks)
+        const uint4 v = __ldg(reinterpret_cast<const uint4*>(p));
+        words[r][0] = v.x; words[r][1] = v.y; words[r][2] = v.z; words[r][3] = v.w;
+      } else {
+#pragma unroll
+        for (int i = 0; i < BITS; ++i) words[r][i] = __ldg(p + i);
+      }
     }
 #pragma unroll
-    for (int m = 0; m < MT; ++m) acc[m] = fmaf(scale, part[m], acc[m]);
+    for (int s = 0; s < 4; ++s) {
+      const int k0 = c * 32 + 8 * s;
+      const int grp = (int)((unsigned)k0 / (unsigned)a.group_size);  // unsigned: a cheaper division
+      float xv[MT][8];
+#pragma unroll
+      for (int m = 0; m < MT; ++m) {
+        if (m < g.M) {
+          const uint4 u = __ldg(reinterpret_cast<const uint4*>(x + (size_t)m * a.K + k0));
+          const T* h = reinterpret_cast<const T*>(&u);
+#pragma unroll
+          for (int j = 0; j < 8; ++j) xv[m][j] = to_float<T>(h[j]);
+        } else {
+#pragma unroll
+          for (int j = 0; j < 8; ++j) xv[m][j] = 0.f;
+        }
+      }
+#pragma unroll
+      for (int r = 0; r < kGemvRows; ++r) {
+        float scale;
+        unsigned book;
+        group_of<BITS>(a, static_cast<const __half*>(a.scales) + scale_at[r], a.book_idx + book_at[r], grp, scale,
+                       book);
+        float part[MT];
+#pragma unroll
+        for (int m = 0; m < MT; ++m) part[m] = 0.f;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {  // the centroid's byte offset in the table straight from the code word's bits:
+          const int e = 8 * s + j, at = e * BITS % 32;  // one shift and one LOP3, no index scaling (SASS, sm_90a)
+          const unsigned w = words[r][e * BITS / 32], off = (at >= 2 ? w >> (at - 2) : w << (2 - at));
+          const float cj = *reinterpret_cast<const float*>(reinterpret_cast<const char*>(table) +
+                                                            ((off & (((1u << BITS) - 1u) << 2)) | (book << 2)));
+#pragma unroll
+          for (int m = 0; m < MT; ++m) part[m] = fmaf(cj, xv[m][j], part[m]);
+        }
+#pragma unroll
+        for (int m = 0; m < MT; ++m) acc[r][m] = fmaf(scale, part[m], acc[r][m]);
+      }
+    }
   }
-};
+  float* const mine = sums + (size_t)(warp * 32 + lane) * kGemvRows * MT;
+#pragma unroll
+  for (int r = 0; r < kGemvRows; ++r)
+#pragma unroll
+    for (int m = 0; m < MT; ++m) mine[r * MT + m] = acc[r][m];
+  __syncthreads();
+  if (lane < kGemvRows * MT) {
+    const int r = lane / MT, m = lane % MT, n = n0 + r;
+    if (n < a.N && m < g.M) {
+      float sum = 0.f;
+      for (int l = 0; l < 32; ++l) sum += sums[(size_t)(warp * 32 + l) * kGemvRows * MT + lane];
+      if (g.bias) sum += bias_at<T>(g.bias, g.bias_dtype, n);
+      static_cast<T*>(g.y)[(size_t)m * a.N + n] = from_float<T>(sum);
+    }
+  }
+}
+
+template <typename T, int MT>
+cudaError_t gemv_bits(const CodebookGemvArgs& g, cudaStream_t s) {
+  const unsigned blocks = (unsigned)((g.w.N + kGemvWarps * kGemvRows - 1) / (kGemvWarps * kGemvRows));
+  const size_t smem = gemv_smem_bytes(MT);
+  switch (g.w.bits) {
+    case 1: codebook_gemv_kernel<T, MT, 1><<<blocks, 32 * kGemvWarps, smem, s>>>(g); break;
+    case 2: codebook_gemv_kernel<T, MT, 2><<<blocks, 32 * kGemvWarps, smem, s>>>(g); break;
+    case 4: codebook_gemv_kernel<T, MT, 4><<<blocks, 32 * kGemvWarps, smem, s>>>(g); break;
+    default: return cudaErrorInvalidValue;
+  }
+  return cudaGetLastError();
+}
+
+template <typename T>
+cudaError_t gemv_m(const CodebookGemvArgs& g, cudaStream_t s) {
+  if (g.M == 1) return gemv_bits<T, 1>(g, s);
+  if (g.M == 2) return gemv_bits<T, 2>(g, s);
+  if (g.M <= 4) return gemv_bits<T, 4>(g, s);
+  return gemv_bits<T, 8>(g, s);
+}
 
 template <typename OutT>
 cudaError_t dispatch_bits(const CodebookArgs& a, cudaStream_t s) {
@@ -157,14 +240,13 @@ cudaError_t codebook_dequantize(const CodebookArgs& a, DType out, cudaStream_t s
 }
 
 cudaError_t codebook_gemv(const CodebookGemvArgs& g, cudaStream_t stream) {
-  if (weights_invalid(g.w) || g.w.group_size % 8 || (long long)g.w.N * g.w.K >= (1LL << 34))  // Row's 32-bit offsets
+  if (weights_invalid(g.w) || g.w.group_size % 8 || (long long)g.w.N * g.w.K >= (1LL << 34) ||  // 32-bit row offsets
+      g.M < 1 || g.M > 8 || (reinterpret_cast<size_t>(g.x) & 15u) ||  // x read 16 bytes at a time, and 4-bit codes too
+      (g.w.bits == 4 && (reinterpret_cast<size_t>(g.w.codes) & 15u)))
     return cudaErrorInvalidValue;
-  switch (g.w.bits) {
-    case 1: return launch_gemv<CodebookGemvDecoder<1>>(g, stream);
-    case 2: return launch_gemv<CodebookGemvDecoder<2>>(g, stream);
-    case 4: return launch_gemv<CodebookGemvDecoder<4>>(g, stream);
-    default: return cudaErrorInvalidValue;
-  }
+  if (g.x_dtype == DType::kHalf) return gemv_m<__half>(g, stream);
+  if (g.x_dtype == DType::kBFloat16) return gemv_m<__nv_bfloat16>(g, stream);
+  return cudaErrorInvalidValue;
 }
 
 }  // namespace qlinear
