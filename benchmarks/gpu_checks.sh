@@ -143,7 +143,7 @@ case "$STAGE" in
     build || { snap; exit 1; }
     (WORKERS=${WORKERS:-12} TEST_TIMEOUT=120 timeout ${TEST_SLOT:-210} bash "$0" test gpu >/dev/null 2>&1) &
     MC=${MEMCHECK:-"quick:kernel_matches and dtype0-128-4-576-576 or free_alpha and 1536-576-64-dtype0;\
-cuda_lut:kernel_matches and dtype0-128 and (576-576 or 1024-8192);async_dequant:kernel_matches and dtype0-0.005-576-576;\
+cuda_lut:kernel_matches and dtype0-128 and (576-576 or 1024-8192);async_dequant:kernel_matches and dtype0-0.005-576-576 or canonical_dequantize_op and 8-;\
 cuda_codebook:dequantize_op;cuda_uniform:ops_and_forward and 256-128"}
     (IFS=';'; for k in $MC; do
        timeout ${SAN_TIMEOUT:-100} compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -q -x -p no:cacheprovider \

@@ -399,6 +399,19 @@ def _(codes, meta, sq, tab, outlier_values, outlier_cols, outlier_row_ptr, N, K,
     return codes.new_empty(N, K, dtype=dtype)
 
 
+_lib.define("mixed_dequantize_canonical(Tensor idx4, Tensor qweight2, Tensor qweight4, Tensor zeros2, Tensor zeros4, "
+            "Tensor scale_codes, Tensor scale_scale, Tensor scale_zero, Tensor? outlier_values, Tensor? outlier_cols, "
+            "Tensor? outlier_row_ptr, int N, int K, int group_size, int scale_bits, int scale_group_size, "
+            "ScalarType dtype) -> Tensor")
+
+
+@torch.library.register_fake("qlinear::mixed_dequantize_canonical")
+def _(idx4, qweight2, qweight4, zeros2, zeros4, scale_codes, scale_scale, scale_zero, outlier_values, outlier_cols,
+      outlier_row_ptr, N, K, group_size, scale_bits, scale_group_size, dtype):
+    """Dense ``Ŵ`` ``[N, K]`` of ``dtype`` from the canonical mixed buffers (any group size)."""
+    return idx4.new_empty(N, K, dtype=dtype)
+
+
 _lib.define("mixed_gemv(Tensor x, Tensor codes, Tensor meta, Tensor sq, Tensor tab, Tensor? outlier_values, "
             "Tensor? outlier_cols, Tensor? outlier_row_ptr, Tensor? bias, int N, int group_size, int scale_bits, "
             "int scale_group_size, int threads, int tiles_per_split, int splits, bool async_dequant, "

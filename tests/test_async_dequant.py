@@ -640,6 +640,155 @@ def test_dequantize_kernel_source_is_the_format_bit_for_bit(dequant_emulator, na
         assert torch.equal(w.to(dtype).view(bits), want.to(dtype).view(bits)), dtype
 
 
+_CANONICAL_DRIVER = r'''// Driver: reads one call from argv[1] (header, then the canonical buffers idx4, qweight2, qweight4, zeros2, zeros4,
+// scale_codes, scale_scale, scale_zero, outliers), runs the source's own mixed_dequantize_canonical and writes Ŵ (as fp32
+// [N, K]) to argv[2].  Header: N, K, group size, G4, scale bits, scale group size, S2, words per row of q2, q4, z2, z4
+// and scale_codes, nnz, int32 columns, output (0/1/2: fp32/fp16/bf16).
+int main(int argc, char** argv) {
+  using namespace qlinear;
+  using namespace qlinear::mixed;
+  FILE* f = fopen(argv[1], "rb");
+  auto h = emu_read<int>(f, 15);
+  const int N = h[0], K = h[1], G = K / h[2], G4 = h[3], S2 = h[6], nnz = h[12];
+  auto idx4 = emu_read<int>(f, G4);
+  auto q2 = emu_read<unsigned>(f, (size_t)N * h[7]);
+  auto q4 = emu_read<unsigned>(f, (size_t)N * h[8]);
+  auto z2 = emu_read<unsigned>(f, (size_t)N * h[9]);
+  auto z4 = emu_read<unsigned>(f, (size_t)N * h[10]);
+  auto sc = emu_read<unsigned>(f, (size_t)G * h[11]);
+  auto ss = emu_read<uint16_t>(f, (size_t)G * S2);
+  auto sz = emu_read<uint16_t>(f, (size_t)G * S2);
+  auto values = emu_read<uint16_t>(f, nnz);
+  auto cols = emu_read<char>(f, (size_t)nnz * (h[13] ? 4 : 2));
+  auto row_ptr = emu_read<int>(f, nnz ? N + 1 : 0);
+  fclose(f);
+  MixedCanonicalArgs a{idx4.data(), q2.data(), q4.data(), z2.data(), z4.data(), sc.data(), ss.data(), sz.data(),
+                       nnz ? values.data() : nullptr, cols.data(), row_ptr.data(), nullptr,
+                       N, K, h[2], G4, h[4], h[5], S2, h[7], h[8], h[9], h[10], h[11], h[13]};
+  if (h[14] == 0) {  // fp32 Ŵ
+    std::vector<float> w((size_t)N * K, NAN);
+    a.w = w.data();
+    emu_check(mixed_dequantize_canonical(a, DType::kFloat, nullptr));
+    FILE* o = fopen(argv[2], "wb"); fwrite(w.data(), 4, w.size(), o); fclose(o);
+    return 0;
+  }
+  std::vector<uint16_t> w((size_t)N * K, 0x7E00);  // fp16 (h[14] = 1) or bf16 (2) Ŵ, written as fp32
+  a.w = w.data();
+  emu_check(mixed_dequantize_canonical(a, h[14] == 1 ? DType::kHalf : DType::kBFloat16, nullptr));
+  emu_write(argv[2], w, h[14] == 2);
+  return 0;
+}
+'''
+
+
+@pytest.fixture(scope="module")
+def canonical_emulator(tmp_path_factory):
+    import cuda_emulation
+
+    return cuda_emulation.build(tmp_path_factory.mktemp("canonical_emu"), "async_dequant/mixed_dequant.cu",
+                                ("extern __shared__ __align__(16) unsigned char smem_raw[];",
+                                 "unsigned char* smem_raw = reinterpret_cast<unsigned char*>(::g_smem4);"), "",
+                                _CANONICAL_DRIVER, launches=True, sanitize=True)
+
+
+CANONICAL = {  # config, N, K: group sizes the layout cannot hold, a last run cut short
+    "g8": (mixed.Config(group_size=8), 37, 200),
+    "g4_tiny": (mixed.Config(group_size=4, ratio_4bit=0.5), 3, 12),
+    "g24_sb2_sg7_outliers_anywhere": (mixed.Config(group_size=24, scale_bits=2, scale_group_size=7,
+                                                   outlier_ratio=0.005, outlier_placement="any"), 45, 96),
+    "g12_no_4bit": (mixed.Config(group_size=12, ratio_4bit=0.0, outlier_ratio=0.005), 70, 36),
+    "g40_all_4bit": (mixed.Config(group_size=40, ratio_4bit=1.0, outlier_ratio=0.0), 9, 120),
+    "g16_default": (DEFAULT, 100, 112),
+    "g8_int32_columns": (mixed.Config(group_size=8, outlier_ratio=0.005), 2, 32776),
+}
+
+
+@pytest.mark.parametrize("name", CANONICAL)
+def test_canonical_dequantize_kernel_source_is_the_format_bit_for_bit(canonical_emulator, name):
+    """mixed_dequant.cu's kernel over the canonical buffers, under the host emulation (AddressSanitizer on): the
+    format's float32 Ŵ exactly (both group kinds, second-order scales, outliers anywhere, int16 and int32 columns), and
+    its one rounding to fp16 and bf16, bit for bit."""
+    from cuda_emulation import run
+
+    cfg, N, K = CANONICAL[name]
+    bufs = ad.random_buffers(N, K, cfg, seed=N + K)
+    nnz = bufs["outlier_values"].numel()
+    assert (bufs["outlier_cols"].dtype == torch.int32) == (K > 32767)
+    names = ("idx4", "qweight2", "qweight4", "zeros2", "zeros4", "scale_codes")
+    hdr = [N, K, cfg.group_size, bufs["idx4"].numel(), cfg.scale_bits, cfg.scale_group_size,
+           bufs["scale_scale"].shape[1], *(bufs[k].shape[1] for k in names[1:]), nnz,
+           int(bufs["outlier_cols"].dtype == torch.int32)]
+    outliers = [bufs[k] for k in ("outlier_values", "outlier_cols", "outlier_row_ptr")] if nnz else []
+    want = mixed.dequantize(bufs, cfg, N, K)
+    for code, dtype, bits in ((0, torch.float32, torch.int32), (1, torch.float16, torch.int16),
+                              (2, torch.bfloat16, torch.int16)):
+        w = run(canonical_emulator, hdr + [code], [*(bufs[k] for k in names), bufs["scale_scale"], bufs["scale_zero"],
+                                                   *outliers], (N, K))
+        assert torch.equal(w.to(dtype).view(bits), want.to(dtype).view(bits)), dtype
+
+
+def test_canonical_entry_points_on_the_emulated_op(canonical_emulator, monkeypatch):
+    """The registry's kernel for a mixed layer the layout cannot hold (group size 8), its entry point on
+    ``torch.ops.qlinear.mixed_dequantize_canonical`` served by the source under the host emulation: the buffers reach
+    the op in the schema's order (Ŵ exactly the format's), and ``linear_canonical`` gives ``[..., N]`` within fp16
+    rounding of the float64 product, bias added."""
+    from cuda_emulation import run
+
+    def op(idx4, q2, q4, z2, z4, sc, ss, sz, values, cols, row_ptr, N, K, group_size, scale_bits, scale_group_size,
+           dtype):
+        nnz = 0 if values is None else values.numel()
+        hdr = [N, K, group_size, idx4.numel(), scale_bits, scale_group_size, ss.shape[1], q2.shape[1], q4.shape[1],
+               z2.shape[1], z4.shape[1], sc.shape[1], nnz, int(nnz > 0 and cols.dtype == torch.int32),
+               {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}[dtype]]
+        return run(canonical_emulator, hdr, [idx4, q2, q4, z2, z4, sc, ss, sz, *((values, cols, row_ptr) if nnz else ())],
+                   (N, K)).to(dtype)
+
+    monkeypatch.setattr(torch.ops.qlinear, "mixed_dequantize_canonical", op)
+    N, K = 48, 200
+    torch.manual_seed(3)
+    mod = MixedPrecisionLinear.from_linear(torch.nn.Linear(K, N), mixed.Config(group_size=8, outlier_ratio=0.005),
+                                           backend="reference")
+    bufs, cfg = mod.canonical(), mod.config
+    assert bufs["outlier_values"].numel() > 0
+    assert "multiple of 16" in ad.supports(cfg, N, K)  # the layout cannot hold it
+    w = mixed.dequantize(bufs, cfg, N, K)
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        assert torch.equal(ad.dequantize_canonical(bufs, cfg, N, K, dtype), w.to(dtype)), dtype
+    x = torch.randn(2, 5, K).half()
+    y = ad.linear_canonical(x, bufs, mod.bias, cfg, N, K)
+    y64 = x.double() @ w.double().T + mod.bias.double()
+    assert y.shape == (2, 5, N) and y.dtype == torch.float16
+    assert ((y.double() - y64).abs() <= 2.0 ** -9 * (x.double().abs() @ w.double().abs().T) + 1e-3).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("group_size,N,K", [(8, 1536, 576), (24, 100, 1536), (16, 300, 576)])
+def test_canonical_dequantize_op_and_forward_on_the_gpu(group_size, N, K):
+    """``mixed_dequantize_canonical`` on the GPU: the format's float32 Ŵ exactly, and its one rounding to fp16/bf16; a
+    layer of a group size the layout cannot hold is served by it at every batch (g16: the op over the canonical
+    buffers, as an offloaded layer runs), within fp16 GEMM rounding of the float64 product."""
+    assert ad.available() is None, ad.available()
+    cfg = mixed.Config(group_size=group_size, outlier_ratio=0.005)
+    bufs = {k: v.cuda() for k, v in ad.random_buffers(N, K, cfg, seed=group_size).items()}
+    want = mixed.dequantize(bufs, cfg, N, K)
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        poison_cuda_allocator()
+        assert torch.equal(ad.dequantize_canonical(bufs, cfg, N, K, dtype), want.to(dtype)), dtype
+    if group_size % 16 == 0:
+        return
+    mod = MixedPrecisionLinear.from_linear(torch.nn.Linear(K, N), cfg, backend="reference")
+    w = mixed.dequantize(mod.canonical(), mod.config, N, K).double()
+    mod.backend = None
+    mod.cuda()
+    for dtype in (torch.float16, torch.bfloat16):
+        for M in (1, 8, 300):
+            x = torch.randn(M, K, device="cuda", dtype=dtype)
+            assert mod.kernel(x).backend == "mixed_canonical"
+            y64 = x.double().cpu() @ w.T + mod.bias.detach().double().cpu()
+            err = (mod(x).double().cpu() - y64).abs()
+            assert (err <= 2.0 ** -7 * (x.double().abs().cpu() @ w.abs().T) + 1e-3).all(), (dtype, M, err.max().item())
+
+
 def test_plan_keeps_the_8_row_kernels_launch_bounds():
     """At 8 rows of x (and so for every chunk of a larger batch) a block may have at most mixed_gemv.h's
     kMaxThreadsM8 threads (the kernel's ``__launch_bounds__``: a larger block fails to launch); plan keeps to it on

@@ -78,13 +78,18 @@ def _layer(N, K, bits, books, group_size, seed=0):
     return CodebookLinear.from_linear(torch.nn.Linear(K, N), cfg, backend="reference")
 
 
-@pytest.mark.parametrize("bits,books,group_size", CASES)
-def test_kernel_source_under_host_emulation_is_the_format_bit_for_bit(emulator, bits, books, group_size):
+# K not a multiple of 32 (a thread's 32 outputs span rows), N·K too where its last run is cut short: bits, books,
+# group_size, N, K
+RAGGED = [(1, 4, 8, 41, 200), (2, 2, 16, 41, 48), (4, 1, 48, 7, 48), (2, 4, 24, 5, 72), (1, 1, 8, 3, 8),
+          (4, 1, 20, 9, 100), (2, 1, 5, 3, 25)]
+
+
+@pytest.mark.parametrize("bits,books,group_size,N,K", [c + (40, 256) for c in CASES] + RAGGED)
+def test_kernel_source_under_host_emulation_is_the_format_bit_for_bit(emulator, bits, books, group_size, N, K):
     """codebook_dequant.cu itself under the host emulation: the format's float32 Ŵ and its one rounding to fp16 and
-    bf16, compared as integers."""
+    bf16, compared as integers.  40x256: 320 chunks of 32 inputs, the second block of 256 cut short."""
     from cuda_emulation import run
 
-    N, K = 40, 256  # 320 chunks of 32 inputs: the second block of 256 is cut short
     mod = _layer(N, K, bits, books, group_size, seed=bits * 10 + books)
     bufs, cfg = mod.canonical(), mod.config
     assert cfg.books == books and ("book_idx" in bufs) == (books > 1)
@@ -128,7 +133,8 @@ def test_gemv_source_under_host_emulation(emulator, bits, books, group_size):
 
 def test_supports_and_errors():
     assert cuda_codebook.supports(None, 64, 256) is None
-    assert "multiple of 32" in cuda_codebook.supports(None, 64, 48)
+    assert cuda_codebook.supports(None, 64, 48) is None
+    assert "multiple of 32" in cuda_codebook.supports_gemv(codebook.Config(bits=2, group_size=16), 64, 48)
     assert cuda_codebook.supports(None, 1 << 18, 1 << 16) is None
     assert "too large" in cuda_codebook.supports(None, 1 << 20, 1 << 16)
     assert "too large" in cuda_codebook.supports_gemv(codebook.Config(bits=2, group_size=64), 1 << 18, 1 << 16)
@@ -139,12 +145,12 @@ def test_supports_and_errors():
 
 # --- on a GPU ---------------------------------------------------------------------------------------------
 @pytest.mark.gpu
-@pytest.mark.parametrize("bits,books,group_size", CASES)
-def test_dequantize_op_and_forward_on_the_gpu(bits, books, group_size):
+@pytest.mark.parametrize("bits,books,group_size,N,K", [c + (1536, 640) for c in CASES] +  # 640: every CASES group
+                         [(1, 4, 8, 1537, 200), (2, 1, 5, 3, 25)])
+def test_dequantize_op_and_forward_on_the_gpu(bits, books, group_size, N, K):
     """The op: the format's float32 Ŵ exactly, and its one rounding to fp16/bf16; the layer is served by it at every
-    batch, within fp16 GEMM rounding of the float64 product."""
+    batch (the GEMV where K is a multiple of 32), within fp16 GEMM rounding of the float64 product."""
     assert cuda_codebook.available() is None, cuda_codebook.available()
-    N, K = 1536, 640  # K: a multiple of every group size in CASES
     mod = _layer(N, K, bits, books, group_size)
     want = codebook.dequantize(mod.canonical(), mod.config, N, K)
     mod.backend = None
@@ -157,7 +163,8 @@ def test_dequantize_op_and_forward_on_the_gpu(bits, books, group_size):
     for dtype in (torch.float16, torch.bfloat16):
         for M in (1, 5, 8, 9, 300):
             x = torch.randn(M, K, device="cuda", dtype=dtype)
-            assert mod.kernel(x).backend == ("cuda_codebook_gemv" if M <= 8 else "cuda_codebook")
+            gemv = M <= 8 and K % 32 == 0 and group_size % 8 == 0
+            assert mod.kernel(x).backend == ("cuda_codebook_gemv" if gemv else "cuda_codebook")
             y64 = x.double().cpu() @ want.double().T + mod.bias.detach().double().cpu()
             mag = x.double().abs().cpu() @ want.double().abs().T
             y = mod(x)

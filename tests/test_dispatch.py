@@ -156,8 +156,11 @@ NO_REFERENCE = {  # name -> (format, kernel config, N, K)
     "bcq free α 3-bit g64, 32001 output rows": ("bcq", dict(bits=3, group_size=64), 32001, 4096),
     "codebook 2-bit 4 books": ("codebook", dict(bits=2), 256, 512),
     "codebook 4-bit g64": ("codebook", dict(bits=4, group_size=64), 96, 320),
+    "codebook 1-bit g8, K = 200": ("codebook", dict(bits=1, group_size=8), 96, 200),
     "mixed defaults": ("mixed", dict(), 256, 512),
     "mixed g32 outliers anywhere": ("mixed", dict(group_size=32, outlier_placement="any"), 96, 320),
+    "mixed g8 (the layout holds multiples of 16)": ("mixed", dict(group_size=8), 96, 200),
+    "mixed g12, no 4-bit groups": ("mixed", dict(group_size=12, ratio_4bit=0.0), 30, 36),
 }
 
 

@@ -17,15 +17,19 @@ union Run32 {
 };
 
 // The write of a dequantize kernel whose thread t = t0 + threadIdx.x of a block of 256 holds Ŵ's elements 32t .. 32t + 31
-// in `run` when t < total: a block's outputs are one contiguous run, so the block stages them in shared memory
-// (canonical_dequantize_smem_bytes) and writes the run with consecutive threads (each warp store 512 contiguous bytes at
-// fp16), where each thread storing its own 64 bytes put 16-byte pieces 64 bytes apart in one store.  Every thread of
-// the block calls it (a barrier).
-template <typename OutT>
-__device__ __forceinline__ void store_runs(const Run32<OutT>& run, unsigned t0, unsigned total, OutT* w) {
+// (of `count`, Ŵ flattened) in `run` when 32t < count: a block's outputs are one contiguous run, so the block stages
+// them in shared memory (canonical_dequantize_smem_bytes) and writes the run with consecutive threads (each warp store
+// 512 contiguous bytes at fp16), where each thread storing its own 64 bytes put 16-byte pieces 64 bytes apart in one
+// store.  CUT: `count` may not be a multiple of 32 (the last run cut short), and a piece past it is written element by
+// element up to it (code the kernels with whole runs leave out: it costs them registers).  Every thread of the block
+// calls it (a barrier).
+template <typename OutT, bool CUT = false>
+__device__ __forceinline__ void store_runs(const Run32<OutT>& run, unsigned t0, size_t count, OutT* w) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   constexpr int kRun = 32 * sizeof(OutT), kStride = kRun + 16, kPieces = kRun / 16;  // staged runs padded by 16 bytes
-  if (t0 + threadIdx.x < total) {
+  constexpr int kPer = 16 / sizeof(OutT);                                              // elements per piece
+  const unsigned runs = (unsigned)((count + 31) / 32);
+  if (t0 + threadIdx.x < runs) {
     uint4* staged = reinterpret_cast<uint4*>(smem_raw + threadIdx.x * kStride);
 #pragma unroll
     for (int i = 0; i < kPieces; ++i) staged[i] = run.u[i];
@@ -35,9 +39,16 @@ __device__ __forceinline__ void store_runs(const Run32<OutT>& run, unsigned t0, 
 #pragma unroll
   for (int i = 0; i < kPieces; ++i) {  // piece p = i·threads + thread: 16 bytes number p % kPieces of chunk p / kPieces
     const int p = i * blockDim.x + threadIdx.x, chunk = p / kPieces, piece = p % kPieces;
-    if (t0 + chunk < total)
-      *reinterpret_cast<uint4*>(out + 32 * chunk + piece * (16 / sizeof(OutT))) =
-          *reinterpret_cast<const uint4*>(smem_raw + chunk * kStride + piece * 16);
+    const unsigned char* src = smem_raw + chunk * kStride + piece * 16;
+    OutT* const dst = out + 32 * chunk + piece * kPer;
+    if (!CUT) {
+      if (t0 + chunk < runs) *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
+    } else {
+      const size_t at = 32 * ((size_t)t0 + chunk) + piece * kPer;
+      if (at + kPer <= count) *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
+      else
+        for (int e = 0; at + e < count; ++e) dst[e] = reinterpret_cast<const OutT*>(src)[e];
+    }
   }
 }
 

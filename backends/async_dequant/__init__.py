@@ -65,6 +65,10 @@ them plus a torch.sparse CSR SpMV, for the benchmark's comparison.
 index arithmetic of the tile-major codes and pairs, ŝ = fma(scale_scale, code, scale_zero), scaled fp16 inputs,
 per-word half2 sums (fp16 rounding, in the kernel's order) and fused outliers, in PyTorch; CPU tests check it
 against the reference backend, GPU tests check the kernel against both.
+
+``mixed_canonical`` (every batch): layers the layout cannot hold (group sizes not a multiple of 16) and layers run in
+their checkpoint's layout (offloaded) stay canonical; :func:`dequantize_canonical` writes their ``Ŵ`` from the
+canonical buffers (``mixed_dequant.cu``), then cuBLAS.
 """
 
 from __future__ import annotations
@@ -497,6 +501,31 @@ def linear_dequantized(x: torch.Tensor, buffers: dict, bias, cfg, out_features: 
     return dense_linear(x, dequantize(buffers, cfg, out_features, in_features, x.dtype), bias)
 
 
+def dequantize_canonical(buffers: dict, cfg, out_features: int, in_features: int, dtype: torch.dtype = torch.float32
+                         ) -> torch.Tensor:
+    """Dense ``Ŵ`` ``[N, K]`` of ``dtype`` (float32, fp16 or bf16) from the canonical mixed buffers on a GPU, any group
+    size (``mixed_dequant.cu``'s ``mixed_dequantize_canonical``): :func:`qlinear.formats.mixed.dequantize`'s float32
+    values, outliers included, rounded once."""
+    ov = [buffers[k] for k, _ in _OUTLIERS] if buffers["outlier_values"].numel() else [None, None, None]
+    return torch.ops.qlinear.mixed_dequantize_canonical(
+        *(buffers[k] for k in ("idx4", "qweight2", "qweight4", "zeros2", "zeros4", "scale_codes", "scale_scale",
+                               "scale_zero")), *ov, out_features, in_features, cfg.group_size, cfg.scale_bits,
+        cfg.scale_group_size, dtype)
+
+
+def linear_canonical(x: torch.Tensor, buffers: dict, bias, cfg, out_features: int, in_features: int) -> torch.Tensor:
+    """Registry entry for layers held canonical on a GPU (group sizes the layout cannot hold, layers run in their
+    checkpoint's layout): :func:`dequantize_canonical` to ``x``'s dtype, then cuBLAS."""
+    return dense_linear(x, dequantize_canonical(buffers, cfg, out_features, in_features, x.dtype), bias)
+
+
+def supports_canonical(cfg, out_features: int, in_features: int) -> Optional[str]:
+    """Why ``mixed_canonical`` cannot run a mixed layer of this shape (None if it can)."""
+    if -(-out_features * in_features // 32) >= 1 << 31:
+        return f"{out_features}x{in_features} is too large (N·K/32 must be below 2^31)"
+    return None
+
+
 def supports(cfg, out_features: int, in_features: int) -> Optional[str]:
     """Why the kernel cannot run a mixed layer of this config and shape (None if it can)."""
     if cfg.group_size % 16:
@@ -561,3 +590,6 @@ _COMMON = dict(format="mixed", devices=frozenset({"cuda"}), dtypes=frozenset({to
 register(Kernel(backend="async_dequant", fn=linear, priority=10, max_batch=MAX_BATCH, fuses_rotation=True, **_COMMON))
 # every batch beyond: dequantize + cuBLAS, so that no mixed layer falls back to the reference on a GPU
 register(Kernel(backend="mixed_dequant", fn=linear_dequantized, priority=5, max_batch=ANY, **_COMMON))
+# and the same from the canonical buffers, for the layers the layout cannot hold (group sizes not a multiple of 16)
+register(Kernel(backend="mixed_canonical", fn=linear_canonical, priority=4, max_batch=ANY,
+                **{**_COMMON, "supports": supports_canonical, "layout": None}))

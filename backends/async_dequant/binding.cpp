@@ -1,6 +1,6 @@
-// Torch binding of the mixed 2/4/16 GEMV and dequantize kernel: CUDA implementations of qlinear::mixed_gemv and
-// qlinear::mixed_dequantize, whose schemas and fake implementations are declared in qlinear/ops.py (one file holds the
-// whole op surface).  M > 8 runs the same GEMV over chunks of 8 rows of x.
+// Torch binding of the mixed 2/4/16 GEMV and dequantize kernels: CUDA implementations of qlinear::mixed_gemv,
+// qlinear::mixed_dequantize and qlinear::mixed_dequantize_canonical, whose schemas and fake implementations are
+// declared in qlinear/ops.py (one file holds the whole op surface).  M > 8 runs the same GEMV over chunks of 8 rows of x.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -10,6 +10,29 @@
 #include "mixed_gemv.h"
 
 namespace {
+// Checks the CSR outliers of N rows on `device` (none where the values are absent or empty) and fills their fields of
+// `a` (MixedGemvArgs or MixedCanonicalArgs).
+template <typename Args>
+void outliers_of(const std::optional<at::Tensor>& outlier_values, const std::optional<at::Tensor>& outlier_cols,
+                 const std::optional<at::Tensor>& outlier_row_ptr, int64_t N, const at::Device& device, Args& a,
+                 const char* op) {
+  if (outlier_values.has_value() && outlier_values->numel() > 0) {
+    TORCH_CHECK(outlier_cols.has_value() && outlier_row_ptr.has_value(), op, ": outliers need cols and row_ptr");
+    TORCH_CHECK(outlier_values->scalar_type() == at::kHalf && outlier_values->is_contiguous() &&
+                    outlier_values->device() == device, op, ": outlier values must be contiguous fp16");
+    TORCH_CHECK((outlier_cols->scalar_type() == at::kShort || outlier_cols->scalar_type() == at::kInt) &&
+                    outlier_cols->is_contiguous() && outlier_cols->numel() == outlier_values->numel() &&
+                    outlier_cols->device() == device, op, ": outlier cols must be contiguous int16/int32 [nnz]");
+    TORCH_CHECK(outlier_row_ptr->scalar_type() == at::kInt && outlier_row_ptr->numel() == N + 1 &&
+                    outlier_row_ptr->is_contiguous() && outlier_row_ptr->device() == device,
+                op, ": outlier row_ptr must be contiguous int32 [N + 1]");
+    a.outlier_values = outlier_values->data_ptr();
+    a.outlier_cols = outlier_cols->data_ptr();
+    a.outlier_row_ptr = outlier_row_ptr->data_ptr<int>();
+    a.cols_int32 = outlier_cols->scalar_type() == at::kInt;
+  }
+}
+
 // Checks the layout's buffers and the outliers for N rows and K inputs on `device` and fills their fields of `a`; the
 // op name goes into the errors.
 void weights_of(const at::Tensor& codes, const at::Tensor& meta, const at::Tensor& sq, const at::Tensor& tab,
@@ -40,21 +63,7 @@ void weights_of(const at::Tensor& codes, const at::Tensor& meta, const at::Tenso
   a.meta = reinterpret_cast<const unsigned*>(meta.data_ptr<int>());
   a.sq = reinterpret_cast<const unsigned*>(sq.data_ptr<int>());
   a.tab = tab.data_ptr<int>();
-  if (outlier_values.has_value() && outlier_values->numel() > 0) {
-    TORCH_CHECK(outlier_cols.has_value() && outlier_row_ptr.has_value(), op, ": outliers need cols and row_ptr");
-    TORCH_CHECK(outlier_values->scalar_type() == at::kHalf && outlier_values->is_contiguous() &&
-                    outlier_values->device() == device, op, ": outlier values must be contiguous fp16");
-    TORCH_CHECK((outlier_cols->scalar_type() == at::kShort || outlier_cols->scalar_type() == at::kInt) &&
-                    outlier_cols->is_contiguous() && outlier_cols->numel() == outlier_values->numel() &&
-                    outlier_cols->device() == device, op, ": outlier cols must be contiguous int16/int32 [nnz]");
-    TORCH_CHECK(outlier_row_ptr->scalar_type() == at::kInt && outlier_row_ptr->numel() == N + 1 &&
-                    outlier_row_ptr->is_contiguous() && outlier_row_ptr->device() == device,
-                op, ": outlier row_ptr must be contiguous int32 [N + 1]");
-    a.outlier_values = outlier_values->data_ptr();
-    a.outlier_cols = outlier_cols->data_ptr();
-    a.outlier_row_ptr = outlier_row_ptr->data_ptr<int>();
-    a.cols_int32 = outlier_cols->scalar_type() == at::kInt;
-  }
+  outliers_of(outlier_values, outlier_cols, outlier_row_ptr, N, device, a, op);
   a.N = (int)N; a.K = (int)K; a.W = (int)W; a.G = (int)G; a.MW = (int)meta.size(0); a.S2 = (int)S2; a.P = (int)sq.size(2);
   a.group_size = (int)group_size; a.scale_bits = (int)scale_bits; a.scale_group_size = (int)scale_group_size;
 }
@@ -117,9 +126,57 @@ at::Tensor mixed_dequantize(const at::Tensor& codes, const at::Tensor& meta, con
   return w;
 }
 
+at::Tensor mixed_dequantize_canonical(const at::Tensor& idx4, const at::Tensor& qweight2, const at::Tensor& qweight4,
+                                      const at::Tensor& zeros2, const at::Tensor& zeros4, const at::Tensor& scale_codes,
+                                      const at::Tensor& scale_scale, const at::Tensor& scale_zero,
+                                      const std::optional<at::Tensor>& outlier_values,
+                                      const std::optional<at::Tensor>& outlier_cols,
+                                      const std::optional<at::Tensor>& outlier_row_ptr, int64_t N, int64_t K,
+                                      int64_t group_size, int64_t scale_bits, int64_t scale_group_size,
+                                      at::ScalarType dtype) {
+  const char* op = "mixed_dequantize_canonical";
+  TORCH_CHECK(idx4.is_cuda(), op, ": the buffers must be on a CUDA device");
+  TORCH_CHECK(N >= 1 && K >= 1 && group_size >= 1 && K % group_size == 0 && scale_bits >= 1 && scale_bits <= 16 &&
+                  scale_group_size >= 1, op, ": N=", N, ", K=", K, ", group_size=", group_size, ", scale_bits=",
+              scale_bits, " and scale_group_size=", scale_group_size, " do not fit");
+  TORCH_CHECK((N * K + 31) / 32 < (int64_t(1) << 31), op, ": N·K/32 must be below 2^31, got N = ", N, ", K = ", K);
+  const int64_t G = K / group_size, G4 = idx4.numel(), S2 = (N + scale_group_size - 1) / scale_group_size;
+  TORCH_CHECK(G4 <= G, op, ": idx4 lists ", G4, " groups of ", G);
+  const auto words = [](int64_t n, int64_t bits) { return (n * bits + 31) / 32; };
+  const std::pair<const at::Tensor*, std::vector<int64_t>> ints[] = {
+      {&idx4, {G4}}, {&qweight2, {N, words((G - G4) * group_size, 2)}}, {&qweight4, {N, words(G4 * group_size, 4)}},
+      {&zeros2, {N, words(G - G4, 2)}}, {&zeros4, {N, words(G4, 4)}}, {&scale_codes, {G, words(N, scale_bits)}}};
+  for (const auto& [t, shape] : ints)
+    TORCH_CHECK(t->scalar_type() == at::kInt && t->is_contiguous() && t->device() == idx4.device() &&
+                    t->sizes() == at::IntArrayRef(shape), op, ": int32 buffer of shape ", t->sizes(), " on ",
+                t->device(), " where ", at::IntArrayRef(shape), " on ", idx4.device(), " fits");
+  for (const at::Tensor* t : {&scale_scale, &scale_zero})
+    TORCH_CHECK(t->scalar_type() == at::kHalf && t->is_contiguous() && t->device() == idx4.device() &&
+                    t->sizes() == at::IntArrayRef({G, S2}), op, ": scale_scale and scale_zero must be contiguous fp16 [",
+                G, ", ", S2, "]");
+  c10::cuda::CUDAGuard guard(idx4.device());
+  qlinear::mixed::MixedCanonicalArgs a{};
+  outliers_of(outlier_values, outlier_cols, outlier_row_ptr, N, idx4.device(), a, op);
+  const auto u32 = [](const at::Tensor& t) { return reinterpret_cast<const unsigned*>(t.data_ptr<int>()); };
+  a.idx4 = idx4.data_ptr<int>();
+  a.q2 = u32(qweight2); a.q4 = u32(qweight4); a.z2 = u32(zeros2); a.z4 = u32(zeros4); a.scale_codes = u32(scale_codes);
+  a.scale_scale = scale_scale.data_ptr(); a.scale_zero = scale_zero.data_ptr();
+  a.N = (int)N; a.K = (int)K; a.group_size = (int)group_size; a.G4 = (int)G4; a.scale_bits = (int)scale_bits;
+  a.scale_group_size = (int)scale_group_size; a.S2 = (int)S2;
+  a.w2 = (int)qweight2.size(1); a.w4 = (int)qweight4.size(1); a.zw2 = (int)zeros2.size(1); a.zw4 = (int)zeros4.size(1);
+  a.sw = (int)scale_codes.size(1);
+  at::Tensor w = at::empty({N, K}, idx4.options().dtype(dtype));
+  a.w = w.data_ptr();
+  const cudaError_t err = qlinear::mixed::mixed_dequantize_canonical(a, qlinear::dtype_of(dtype, op),
+                                                                     c10::cuda::getCurrentCUDAStream());
+  TORCH_CHECK(err == cudaSuccess, op, " launch failed: ", cudaGetErrorString(err));
+  return w;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(qlinear, CUDA, m) {
   m.impl("mixed_gemv", &mixed_gemv);
   m.impl("mixed_dequantize", &mixed_dequantize);
+  m.impl("mixed_dequantize_canonical", &mixed_dequantize_canonical);
 }

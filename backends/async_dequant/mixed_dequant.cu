@@ -15,6 +15,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include "../_cuda/canonical.cuh"  // Run32, store_runs
 #include "../_cuda/common.cuh"
 #include "mixed_gemv.h"
 
@@ -143,6 +144,112 @@ cudaError_t launch_dequantize(const MixedGemvArgs& a, dim3 grid, cudaStream_t st
   return cudaGetLastError();
 }
 
+// --- from the canonical buffers, any group size: a thread takes Ŵ's flattened elements 32t .. 32t + 31 (which may span
+// rows), each row's group state (kind, rank among its kind, ŝ, z) found at the thread's first element of it and
+// stepped at each group boundary, its outliers walked with a cursor.  An edge path (layers the layout cannot hold,
+// layers run in their checkpoint's layout): plain per-element loads, no staging of the code words.
+
+// `width` (1..16) bits of the little-endian stream `words` from bit `bit` on (qlinear.formats.packing).
+__device__ __forceinline__ unsigned stream_bits(const unsigned* words, long long bit, int width) {
+  const unsigned lo = __ldg(words + bit / 32), at = (unsigned)(bit % 32);
+  const unsigned hi = at + width > 32 ? __ldg(words + bit / 32 + 1) : 0u;
+  return __funnelshift_r(lo, hi, at) & ((1u << width) - 1u);
+}
+
+// One (row, group)'s codes and parameters.
+struct CanonicalGroup {
+  const unsigned* codes;  // the row's codes of the group's kind
+  long long first;        // bit of the group's first code there
+  int bits;
+  float s, z;
+};
+
+__device__ CanonicalGroup canonical_group(const MixedCanonicalArgs& a, int n, int grp, bool is4, int rank) {
+  CanonicalGroup c;
+  c.bits = is4 ? 4 : 2;
+  c.codes = is4 ? a.q4 + (size_t)n * a.w4 : a.q2 + (size_t)n * a.w2;
+  c.first = (long long)rank * a.group_size * c.bits;
+  c.z = (float)stream_bits(is4 ? a.z4 + (size_t)n * a.zw4 : a.z2 + (size_t)n * a.zw2, (long long)rank * c.bits, c.bits);
+  const float code = (float)stream_bits(a.scale_codes + (size_t)grp * a.sw, (long long)n * a.scale_bits, a.scale_bits);
+  const size_t pair = (size_t)grp * a.S2 + n / a.scale_group_size;
+  const float ss = __half2float(__ldg(static_cast<const __half*>(a.scale_scale) + pair));
+  const float zz = __half2float(__ldg(static_cast<const __half*>(a.scale_zero) + pair));
+  c.s = __fadd_rn(zz, __fmul_rn(ss, code));
+  return c;
+}
+
+__device__ __forceinline__ int canonical_col(const MixedCanonicalArgs& a, int i) {
+  return a.cols_int32 ? __ldg(static_cast<const int*>(a.outlier_cols) + i)
+                      : (int)__ldg(static_cast<const short*>(a.outlier_cols) + i);
+}
+
+template <typename OutT>
+__global__ void __launch_bounds__(256) mixed_canonical_dequantize_kernel(const MixedCanonicalArgs a) {
+  const size_t count = (size_t)a.N * a.K;
+  const unsigned total = (unsigned)((count + 31) / 32);  // < 2^31: checked by the launcher
+  const unsigned t0 = blockIdx.x * blockDim.x, t = t0 + threadIdx.x;
+  const int g = a.group_size;
+  Run32<OutT> out;
+  if (t < total) {  // no early exit: every thread reaches store_runs' barrier
+    int n = (int)(32 * (size_t)t / a.K), k = (int)(32 * (size_t)t % a.K);
+    int grp = -1, r4 = 0, end = 0, o = 0, o_end = 0, col = 0;  // grp -1: the row's group state not found yet
+    bool is4 = false;
+    CanonicalGroup c{};
+    for (int j = 0; j < 32; ++j) {
+      float v = 0.f;  // past Ŵ's last element: staged, never stored
+      if (n < a.N) {
+        if (grp < 0) {  // the thread's first element of row n: k's group, its rank (binary searches), its outliers
+          grp = k / g;
+          int lo = 0, hi = a.G4;
+          while (lo < hi) {
+            const int mid = (lo + hi) / 2;
+            if (__ldg(a.idx4 + mid) < grp) lo = mid + 1; else hi = mid;
+          }
+          r4 = lo;
+          is4 = r4 < a.G4 && __ldg(a.idx4 + r4) == grp;
+          c = canonical_group(a, n, grp, is4, is4 ? r4 : grp - r4);
+          end = (grp + 1) * g;
+          if (a.outlier_values) {
+            lo = __ldg(a.outlier_row_ptr + n), hi = o_end = __ldg(a.outlier_row_ptr + n + 1);
+            while (lo < hi) {
+              const int mid = (lo + hi) / 2;
+              if (canonical_col(a, mid) < k) lo = mid + 1; else hi = mid;
+            }
+            o = lo;
+            col = o < o_end ? canonical_col(a, o) : 0x7FFFFFFF;
+          }
+        } else if (k == end) {  // the next group of the row
+          r4 += is4;
+          ++grp;
+          is4 = r4 < a.G4 && __ldg(a.idx4 + r4) == grp;
+          c = canonical_group(a, n, grp, is4, is4 ? r4 : grp - r4);
+          end += g;
+        }
+        const unsigned q = stream_bits(c.codes, c.first + (long long)(k - (end - g)) * c.bits, c.bits);
+        v = __fmul_rn(c.s, (float)q - c.z);
+        if (a.outlier_values) {
+          while (col == k) {  // each listing of (n, k) adds, as the format's dequantize does
+            v = __fadd_rn(v, __half2float(__ldg(static_cast<const __half*>(a.outlier_values) + o)));
+            ++o;
+            col = o < o_end ? canonical_col(a, o) : 0x7FFFFFFF;
+          }
+        }
+      }
+      out.v[j] = from_float<OutT>(v);
+      if (++k == a.K) k = 0, ++n, grp = -1, o_end = 0, col = 0x7FFFFFFF;
+    }
+  }
+  store_runs<OutT, true>(out, t0, count, static_cast<OutT*>(a.w));
+}
+
+template <typename OutT>
+cudaError_t launch_canonical(const MixedCanonicalArgs& a, cudaStream_t stream) {
+  const long long threads = ((long long)a.N * a.K + 31) / 32;
+  mixed_canonical_dequantize_kernel<OutT><<<(unsigned)((threads + 255) / 256), 256,
+                                            canonical_dequantize_smem_bytes(sizeof(OutT)), stream>>>(a);
+  return cudaGetLastError();
+}
+
 }  // namespace
 
 cudaError_t mixed_dequantize(const MixedGemvArgs& a, DType out, cudaStream_t stream) {
@@ -152,6 +259,16 @@ cudaError_t mixed_dequantize(const MixedGemvArgs& a, DType out, cudaStream_t str
   if (out == DType::kFloat) return launch_dequantize<float>(a, grid, stream);
   if (out == DType::kHalf) return launch_dequantize<__half>(a, grid, stream);
   if (out == DType::kBFloat16) return launch_dequantize<__nv_bfloat16>(a, grid, stream);
+  return cudaErrorInvalidValue;
+}
+
+cudaError_t mixed_dequantize_canonical(const MixedCanonicalArgs& a, DType out, cudaStream_t stream) {
+  if (a.N < 1 || a.K < 1 || a.group_size < 1 || a.K % a.group_size || a.scale_bits < 1 || a.scale_bits > 16 ||
+      a.scale_group_size < 1 || ((long long)a.N * a.K + 31) / 32 >= (1LL << 31))
+    return cudaErrorInvalidValue;
+  if (out == DType::kFloat) return launch_canonical<float>(a, stream);
+  if (out == DType::kHalf) return launch_canonical<__half>(a, stream);
+  if (out == DType::kBFloat16) return launch_canonical<__nv_bfloat16>(a, stream);
   return cudaErrorInvalidValue;
 }
 

@@ -82,5 +82,30 @@ inline size_t mixed_dequantize_smem_bytes(int group_size, size_t out_bytes) {
 // unsupported dtype.
 cudaError_t mixed_dequantize(const MixedGemvArgs& args, DType out, cudaStream_t stream);
 
+// The canonical buffers (qlinear/formats/mixed.py) as a checkpoint holds them, any group size g, G = K / g groups of
+// which G4 are 4-bit: what mixed_dequantize_canonical reads where the "async_dequant" layout cannot hold a layer (g not
+// a multiple of 16) or a layer runs in its checkpoint's layout (offloaded).
+struct MixedCanonicalArgs {
+  const int* idx4;                    // [G4] the 4-bit groups, ascending
+  const unsigned *q2, *q4;            // [N, w2], [N, w4]: codes of the 2-bit / 4-bit groups' columns, ascending
+  const unsigned *z2, *z4;            // [N, zw2], [N, zw4]: their zero points, a group's at its rank among its kind
+  const unsigned* scale_codes;        // [G, sw]: row n's first-order scale code at bits n·scale_bits .. of group's row
+  const void *scale_scale, *scale_zero;  // fp16 [G, S2]: the second-order pair of rows n / scale_group_size
+  const void* outlier_values;         // [nnz] fp16, or nullptr (no outliers)
+  const void* outlier_cols;           // [nnz] int16 (cols_int32 = 0) or int32, ascending within a row
+  const int* outlier_row_ptr;         // [N + 1]
+  void* w;                            // [N, K] of the output dtype
+  int N, K, group_size, G4, scale_bits, scale_group_size, S2;
+  int w2, w4, zw2, zw4, sw;           // int32 words per row of q2, q4, z2, z4 and scale_codes
+  int cols_int32;
+};
+
+// Writes Ŵ [N, K] of dtype `out` (fp32, fp16 or bf16) from the canonical buffers, the same values as mixed_dequantize
+// (and qlinear.formats.mixed.dequantize: ŝ = zero + scale·code, ŝ·(q − z), + each outlier of the (row, column), each
+// in fp32), rounded once.  A thread takes 32 consecutive elements of the flattened Ŵ.  Returns cudaErrorInvalidValue
+// for K not a positive multiple of group_size, N < 1, scale_bits outside 1..16, ceil(N·K / 32) >= 2^31 or an
+// unsupported dtype.
+cudaError_t mixed_dequantize_canonical(const MixedCanonicalArgs& args, DType out, cudaStream_t stream);
+
 }  // namespace mixed
 }  // namespace qlinear

@@ -1,16 +1,16 @@
 """GPU paths of :class:`qlinear.CodebookLinear` (group-wise codebooks, Arm paper §5.2): a GEMV at decode batches,
 dequantize + cuBLAS above.
 
-``y = x Ŵᵀ + b`` for ``x`` ``[M, K]`` fp16/bf16, ``K`` a multiple of 32 and of the group size, straight from the
+``y = x Ŵᵀ + b`` for ``x`` ``[M, K]`` fp16/bf16, ``K`` a multiple of the group size, straight from the
 canonical buffers (no kernel layout: what a checkpoint holds is what the GPU reads), both kernels in
 ``codebook_dequant.cu``:
 
-* ``cuda_codebook_gemv`` (``M <= 8``, group sizes that 8 divides): reads the codes, never writes ``Ŵ``: 1/16 (1 bit)
+* ``cuda_codebook_gemv`` (``M <= 8``, group sizes that 8 divides, ``K`` a multiple of 32): reads the codes, never writes ``Ŵ``: 1/16 (1 bit)
   to 1/4 (4 bits) of an fp16 weight's bytes, plus the scales.  A warp owns 4 rows and its lanes walk K 32 inputs
   apart; each input's centroid comes from a 16-float table in shared memory (all of a layer's codebooks, the format's
   16-byte limit), ``Σ centroid·x`` over 8 inputs of one group in fp32 (exact products), times the group's scale,
   accumulated in fp32; the lanes' sums are added in lane order (deterministic).
-* ``cuda_codebook`` (every batch): writes ``Ŵ`` ``[N, K]`` in ``x``'s dtype, one thread per row and 32 inputs, as the
+* ``cuda_codebook`` (every batch, every ``K``): writes ``Ŵ`` ``[N, K]`` in ``x``'s dtype, one thread per 32 outputs, as the
   format's float32 ``scale · centroid`` (exact: an fp16 scale times an int8 centroid) rounded once; then one dense
   GEMM.
 """
@@ -61,9 +61,7 @@ def linear_gemv(x: torch.Tensor, buffers: dict, bias, cfg, out_features: int, in
 
 def supports(cfg, out_features: int, in_features: int) -> Optional[str]:
     """Why the dequantize kernel cannot run a codebook layer of this config and shape (None if it can)."""
-    if in_features % 32:
-        return f"in_features={in_features} is not a multiple of 32"
-    if out_features * (in_features // 32) >= 1 << 31:
+    if -(-out_features * in_features // 32) >= 1 << 31:
         return f"{out_features}x{in_features} is too large (N·K/32 must be below 2^31)"
     return None
 
@@ -72,6 +70,8 @@ def supports_gemv(cfg, out_features: int, in_features: int) -> Optional[str]:
     """Why the GEMV cannot run a codebook layer of this config and shape (None if it can)."""
     if cfg.group_size % 8:
         return f"group_size={cfg.group_size} is not a multiple of 8"
+    if in_features % 32:
+        return f"in_features={in_features} is not a multiple of 32"
     if out_features * in_features >= 1 << 34:
         return f"{out_features}x{in_features} is too large for the GEMV (N·K must be below 2^34)"
     return supports(cfg, out_features, in_features)

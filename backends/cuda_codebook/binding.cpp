@@ -16,9 +16,9 @@ qlinear::CodebookArgs weights_of(const at::Tensor& codes, const std::optional<at
                                  int64_t bits, const char* op) {
   TORCH_CHECK(codes.is_cuda() && codes.scalar_type() == at::kInt && codes.dim() == 2 && codes.is_contiguous(), op,
               ": codes must be contiguous int32 CUDA [N, K·bits/32]");
-  TORCH_CHECK((bits == 1 || bits == 2 || bits == 4) && K % 32 == 0 && group_size > 0 && K % group_size == 0 &&
-                  codes.size(1) == K * bits / 32, op, ": codes ", codes.sizes(), " do not fit K=", K, " bits=", bits,
-              " group_size=", group_size, " (K must be a multiple of 32 and of group_size)");
+  TORCH_CHECK((bits == 1 || bits == 2 || bits == 4) && K > 0 && group_size > 0 && K % group_size == 0 &&
+                  codes.size(1) == (K * bits + 31) / 32, op, ": codes ", codes.sizes(), " do not fit K=", K, " bits=",
+              bits, " group_size=", group_size, " (K must be a multiple of group_size)");
   const int64_t N = codes.size(0), G = K / group_size;
   TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() && scales.dim() == 2 && scales.size(0) == N &&
                   scales.size(1) == G, op, ": scales must be contiguous fp16 [N, G]");
@@ -53,7 +53,7 @@ at::Tensor codebook_dequantize(const at::Tensor& codes, const std::optional<at::
                                int64_t bits, at::ScalarType dtype) {
   const char* op = "codebook_dequantize";
   qlinear::CodebookArgs a = weights_of(codes, book_idx, scales, codebooks, K, group_size, bits, op);
-  TORCH_CHECK(codes.size(0) * (K / 32) < (int64_t(1) << 31), op,
+  TORCH_CHECK((codes.size(0) * K + 31) / 32 < (int64_t(1) << 31), op,
               ": N·K/32 must be below 2^31 (a thread per 32 outputs), got N = ", codes.size(0), ", K = ", K);
   c10::cuda::CUDAGuard guard(codes.device());
   at::Tensor w = at::empty({codes.size(0), K}, codes.options().dtype(dtype));
@@ -68,7 +68,8 @@ at::Tensor codebook_gemv(const at::Tensor& x, const at::Tensor& codes, const std
                          int64_t group_size, int64_t bits) {
   const char* op = "codebook_gemv";
   qlinear::check_gemv_x(x, 8, op);
-  TORCH_CHECK(group_size % 8 == 0, op, ": group_size must be a multiple of 8, got ", group_size);
+  TORCH_CHECK(group_size % 8 == 0 && x.size(1) % 32 == 0, op, ": group_size must be a multiple of 8 and K of 32, got ",
+              group_size, " and ", x.size(1));
   qlinear::CodebookGemvArgs g{};
   g.w = weights_of(codes, book_idx, scales, codebooks, x.size(1), group_size, bits, op);
   TORCH_CHECK(codes.size(0) * x.size(1) < (int64_t(1) << 34), op, ": N·K must be below 2^34 (32-bit offsets), got N = ",

@@ -5,8 +5,10 @@
 // consecutive words of a row, so the loads coalesce), looks each input's centroid up in its group's codebook and
 // multiplies by the group's scale in fp32 (fp16 scale × int8 centroid: exact) and rounds once to the output type.  All
 // codebooks of a layer fit 16 bytes (the format's rule), so a thread holds them in 4 registers and a centroid is two
-// byte permutes and a select; the scale and the book come once per 16 inputs (group sizes are multiples of 16) instead
-// of once per input.  The outputs leave through store_runs.
+// byte permutes and a select; the scale and the book come once per 16 inputs (group sizes that are multiples of 16)
+// instead of once per input.  Where K is not a multiple of 32 (rows of words that do not split into 32-input chunks),
+// a thread takes Ŵ's flattened elements 32t .. 32t + 31 instead, each code word and group read per element.  The
+// outputs leave through store_runs.
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -37,44 +39,83 @@ __device__ __forceinline__ void group_of(const CodebookArgs& a, const __half* sc
   }
 }
 
-// PER16: group_size is a multiple of 16, so the scale and book are read once per 16 inputs, else once per input.
-template <typename OutT, int BITS, bool PER16>
+// All of a layer's codebooks as 16 bytes in 4 registers, [book][code] int8, zero past their books·2^bits bytes.
+template <int BITS>
+__device__ __forceinline__ void load_table(const CodebookArgs& a, unsigned (&table)[4]) {
+  const int entries = a.books << BITS;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) table[i] = 0u;
+  if (entries % 4 == 0 && (reinterpret_cast<size_t>(a.codebooks) & 3u) == 0) {  // whole words: 4 loads, not 16
+#pragma unroll
+    for (int i = 0; i < 4; ++i)  // unrolled: table stays in registers
+      if (4 * i < entries) table[i] = __ldg(reinterpret_cast<const unsigned*>(a.codebooks) + i);
+  } else {
+#pragma unroll
+    for (int e = 0; e < 16; ++e)
+      if (e < entries) table[e / 4] |= (unsigned)(unsigned char)__ldg(a.codebooks + e) << (8 * (e % 4));
+  }
+}
+
+// How a dequantize thread finds its 32 outputs' groups and code words.
+enum class Walk {
+  kPerInput,  // one row's 32 inputs (K a multiple of 32): its `bits` code words at once, the group read per input
+  kPer16,     // the same, group sizes a multiple of 16: the group read once per 16 inputs
+  kRagged,    // K not a multiple of 32: Ŵ's flattened elements 32t .. 32t + 31, which may span rows, one at a time
+};
+
+template <typename OutT, int BITS, Walk WALK>
 __global__ void __launch_bounds__(256, 2) codebook_dequantize_kernel(const CodebookArgs a) {
-  const unsigned chunks = a.K / 32, total = (unsigned)a.N * chunks;  // < 2^31: checked by the launcher
   const unsigned t0 = blockIdx.x * blockDim.x, t = t0 + threadIdx.x;
   Run32<OutT> out;
+  const size_t count = (size_t)a.N * a.K;  // Ŵ's elements: (count + 31) / 32 < 2^31, checked by the launcher
+  const unsigned total = WALK == Walk::kRagged ? (unsigned)((count + 31) / 32) : (unsigned)a.N * (a.K / 32);
   if (t < total) {  // no early exit: every thread reaches store_runs' barrier
-    const int n = (int)(t / chunks), c = (int)(t % chunks);
-    unsigned words[BITS];
-#pragma unroll
-    for (int i = 0; i < BITS; ++i) words[i] = __ldg(a.codes + (size_t)n * a.code_words + c * BITS + i);
-    unsigned table[4] = {0u, 0u, 0u, 0u};  // the codebooks, [book][code] int8, zero past their books·2^bits bytes
-    const int entries = a.books << BITS;
-    if (entries % 4 == 0 && (reinterpret_cast<size_t>(a.codebooks) & 3u) == 0) {  // whole words: 4 loads, not 16
-#pragma unroll
-      for (int i = 0; i < 4; ++i)  // unrolled: table stays in registers
-        if (4 * i < entries) table[i] = __ldg(reinterpret_cast<const unsigned*>(a.codebooks) + i);
+    unsigned table[4];  // the codebooks, [book][code] int8
+    if constexpr (WALK == Walk::kRagged) {
+      load_table<BITS>(a, table);
+      constexpr int kPerWord = 32 / BITS;
+      int n = (int)(32 * (size_t)t / a.K), k = (int)(32 * (size_t)t % a.K);
+#pragma unroll 1  // unrolled, the per-element loads spill registers; the run sits in local memory instead
+      for (int j = 0; j < 32; ++j) {
+        float v = 0.f;  // past Ŵ's last element: staged, never stored
+        if (n < a.N) {
+          const unsigned word = __ldg(a.codes + (size_t)n * a.code_words + k / kPerWord);
+          const unsigned code = (word >> (k % kPerWord * BITS)) & ((1u << BITS) - 1u);
+          float scale;
+          unsigned book;
+          group_of<BITS>(a, static_cast<const __half*>(a.scales) + (size_t)n * (a.K / a.group_size),
+                         a.book_idx + (size_t)n * a.book_words,
+                         k / a.group_size, scale, book);
+          v = scale * (float)table_byte(table, book | code);
+        }
+        out.v[j] = from_float<OutT>(v);
+        if (++k == a.K) k = 0, ++n;
+      }
     } else {
+      const unsigned chunks = a.K / 32;
+      const int n = (int)(t / chunks), c = (int)(t % chunks);
+      unsigned words[BITS];
 #pragma unroll
-      for (int e = 0; e < 16; ++e)
-        if (e < entries) table[e / 4] |= (unsigned)(unsigned char)__ldg(a.codebooks + e) << (8 * (e % 4));
-    }
-    const __half* scales = static_cast<const __half*>(a.scales) + (size_t)n * (a.K / a.group_size);
-    const unsigned* books = a.book_idx + (size_t)n * a.book_words;
-    float scale[2];
-    unsigned book[2];
-    if (PER16) {
+      for (int i = 0; i < BITS; ++i) words[i] = __ldg(a.codes + (size_t)n * a.code_words + c * BITS + i);
+      load_table<BITS>(a, table);
+      const __half* scales = static_cast<const __half*>(a.scales) + (size_t)n * (a.K / a.group_size);
+      const unsigned* books = a.book_idx + (size_t)n * a.book_words;
+      float scale[2];
+      unsigned book[2];
+      if constexpr (WALK == Walk::kPer16) {
 #pragma unroll
-      for (int h = 0; h < 2; ++h) group_of<BITS>(a, scales, books, (c * 32 + 16 * h) / a.group_size, scale[h], book[h]);
-    }
+        for (int h = 0; h < 2; ++h) group_of<BITS>(a, scales, books, (c * 32 + 16 * h) / a.group_size, scale[h], book[h]);
+      }
 #pragma unroll
-    for (int j = 0; j < 32; ++j) {
-      const unsigned code = (words[j * BITS / 32] >> (j * BITS % 32)) & ((1u << BITS) - 1u);
-      if (!PER16) group_of<BITS>(a, scales, books, (c * 32 + j) / a.group_size, scale[j / 16], book[j / 16]);
-      out.v[j] = from_float<OutT>(scale[j / 16] * (float)table_byte(table, book[j / 16] | code));
+      for (int j = 0; j < 32; ++j) {
+        const unsigned code = (words[j * BITS / 32] >> (j * BITS % 32)) & ((1u << BITS) - 1u);
+        if constexpr (WALK == Walk::kPerInput)
+          group_of<BITS>(a, scales, books, (c * 32 + j) / a.group_size, scale[j / 16], book[j / 16]);
+        out.v[j] = from_float<OutT>(scale[j / 16] * (float)table_byte(table, book[j / 16] | code));
+      }
     }
   }
-  store_runs(out, t0, total, static_cast<OutT*>(a.w));
+  store_runs<OutT, WALK == Walk::kRagged>(out, t0, count, static_cast<OutT*>(a.w));
 }
 
 constexpr int kGemvWarps = 4, kGemvRows = 4;  // a GEMV block's warps, each owning kGemvRows rows
@@ -204,34 +245,37 @@ cudaError_t gemv_m(const CodebookGemvArgs& g, cudaStream_t s) {
   return gemv_bits<T, 8>(g, s);
 }
 
-template <typename OutT>
-cudaError_t dispatch_bits(const CodebookArgs& a, cudaStream_t s) {
-  const long long threads = (long long)a.N * (a.K / 32);
+template <typename OutT, int BITS>
+cudaError_t dispatch_walk(const CodebookArgs& a, cudaStream_t s) {
+  const long long threads = ((long long)a.N * a.K + 31) / 32;
   const unsigned blocks = (unsigned)((threads + 255) / 256);
   const size_t smem = canonical_dequantize_smem_bytes(sizeof(OutT));
-  const bool per16 = a.group_size % 16 == 0;
-  switch (a.bits * 2 + per16) {
-    case 2: codebook_dequantize_kernel<OutT, 1, false><<<blocks, 256, smem, s>>>(a); break;
-    case 3: codebook_dequantize_kernel<OutT, 1, true><<<blocks, 256, smem, s>>>(a); break;
-    case 4: codebook_dequantize_kernel<OutT, 2, false><<<blocks, 256, smem, s>>>(a); break;
-    case 5: codebook_dequantize_kernel<OutT, 2, true><<<blocks, 256, smem, s>>>(a); break;
-    case 8: codebook_dequantize_kernel<OutT, 4, false><<<blocks, 256, smem, s>>>(a); break;
-    case 9: codebook_dequantize_kernel<OutT, 4, true><<<blocks, 256, smem, s>>>(a); break;
+  if (a.K % 32) codebook_dequantize_kernel<OutT, BITS, Walk::kRagged><<<blocks, 256, smem, s>>>(a);
+  else if (a.group_size % 16) codebook_dequantize_kernel<OutT, BITS, Walk::kPerInput><<<blocks, 256, smem, s>>>(a);
+  else codebook_dequantize_kernel<OutT, BITS, Walk::kPer16><<<blocks, 256, smem, s>>>(a);
+  return cudaGetLastError();
+}
+
+template <typename OutT>
+cudaError_t dispatch_bits(const CodebookArgs& a, cudaStream_t s) {
+  switch (a.bits) {
+    case 1: return dispatch_walk<OutT, 1>(a, s);
+    case 2: return dispatch_walk<OutT, 2>(a, s);
+    case 4: return dispatch_walk<OutT, 4>(a, s);
     default: return cudaErrorInvalidValue;
   }
-  return cudaGetLastError();
 }
 
 // The weights' rules both kernels share.
 bool weights_invalid(const CodebookArgs& a) {
-  return a.K % 32 || a.group_size <= 0 || a.K % a.group_size || (a.books != 1 && a.books != 2 && a.books != 4) ||
+  return a.K <= 0 || a.group_size <= 0 || a.K % a.group_size || (a.books != 1 && a.books != 2 && a.books != 4) ||
          (a.books << a.bits) > 16;  // every codebook in 16 bytes (registers, or the GEMV's 16-float table)
 }
 
 }  // namespace
 
 cudaError_t codebook_dequantize(const CodebookArgs& a, DType out, cudaStream_t stream) {
-  if (weights_invalid(a) || (long long)a.N * (a.K / 32) >= (1LL << 31))  // a thread per 32 outputs, 32-bit indices
+  if (weights_invalid(a) || ((long long)a.N * a.K + 31) / 32 >= (1LL << 31))  // a thread per 32 outputs, 32-bit indices
     return cudaErrorInvalidValue;
   if (out == DType::kFloat) return dispatch_bits<float>(a, stream);
   if (out == DType::kHalf) return dispatch_bits<__half>(a, stream);
@@ -240,7 +284,7 @@ cudaError_t codebook_dequantize(const CodebookArgs& a, DType out, cudaStream_t s
 }
 
 cudaError_t codebook_gemv(const CodebookGemvArgs& g, cudaStream_t stream) {
-  if (weights_invalid(g.w) || g.w.group_size % 8 || (long long)g.w.N * g.w.K >= (1LL << 34) ||  // 32-bit row offsets
+  if (weights_invalid(g.w) || g.w.K % 32 || g.w.group_size % 8 || (long long)g.w.N * g.w.K >= (1LL << 34) ||  // 32-bit row offsets
       g.M < 1 || g.M > 8 || (reinterpret_cast<size_t>(g.x) & 15u) ||  // x read 16 bytes at a time, and 4-bit codes too
       (g.w.bits == 4 && (reinterpret_cast<size_t>(g.w.codes) & 15u)))
     return cudaErrorInvalidValue;

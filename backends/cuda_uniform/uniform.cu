@@ -50,7 +50,7 @@ __global__ void __launch_bounds__(256, 2) uniform_dequantize_kernel(const Unifor
 #pragma unroll
     for (int e = 0; e < 32; ++e) out.v[e] = from_float<OutT>(scale * (byte_float(words[e / 4], e % 4) - zero));
   }
-  store_runs(out, t0, total, static_cast<OutT*>(a.w));
+  store_runs(out, t0, 32 * (size_t)total, static_cast<OutT*>(a.w));
 }
 
 // ---- the GEMV (M <= 16) on tensor cores ----
