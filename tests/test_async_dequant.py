@@ -765,8 +765,8 @@ def test_canonical_entry_points_on_the_emulated_op(canonical_emulator, monkeypat
 @pytest.mark.parametrize("group_size,N,K", [(8, 1536, 576), (24, 100, 1536), (16, 300, 576)])
 def test_canonical_dequantize_op_and_forward_on_the_gpu(group_size, N, K):
     """``mixed_dequantize_canonical`` on the GPU: the format's float32 Ŵ exactly, and its one rounding to fp16/bf16; a
-    layer of a group size the layout cannot hold is served by it at every batch (g16: the op over the canonical
-    buffers, as an offloaded layer runs), within fp16 GEMM rounding of the float64 product."""
+    layer of a group size the layout cannot hold is served by it at every batch (g16: the op alone, which reads any
+    group size), within fp16 GEMM rounding of the float64 product."""
     assert ad.available() is None, ad.available()
     cfg = mixed.Config(group_size=group_size, outlier_ratio=0.005)
     bufs = {k: v.cuda() for k, v in ad.random_buffers(N, K, cfg, seed=group_size).items()}

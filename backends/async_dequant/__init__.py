@@ -66,9 +66,9 @@ index arithmetic of the tile-major codes and pairs, ŝ = fma(scale_scale, code, 
 per-word half2 sums (fp16 rounding, in the kernel's order) and fused outliers, in PyTorch; CPU tests check it
 against the reference backend, GPU tests check the kernel against both.
 
-``mixed_canonical`` (every batch): layers the layout cannot hold (group sizes not a multiple of 16) and layers run in
-their checkpoint's layout (offloaded) stay canonical; :func:`dequantize_canonical` writes their ``Ŵ`` from the
-canonical buffers (``mixed_dequant.cu``), then cuBLAS.
+``mixed_canonical`` (every batch): layers the layout cannot hold (group sizes not a multiple of 16) stay canonical;
+:func:`dequantize_canonical` writes their ``Ŵ`` from the canonical buffers (``mixed_dequant.cu``, any group size),
+then cuBLAS.
 """
 
 from __future__ import annotations
@@ -514,8 +514,8 @@ def dequantize_canonical(buffers: dict, cfg, out_features: int, in_features: int
 
 
 def linear_canonical(x: torch.Tensor, buffers: dict, bias, cfg, out_features: int, in_features: int) -> torch.Tensor:
-    """Registry entry for layers held canonical on a GPU (group sizes the layout cannot hold, layers run in their
-    checkpoint's layout): :func:`dequantize_canonical` to ``x``'s dtype, then cuBLAS."""
+    """Registry entry for layers held canonical on a GPU (group sizes the layout cannot hold):
+    :func:`dequantize_canonical` to ``x``'s dtype, then cuBLAS."""
     return dense_linear(x, dequantize_canonical(buffers, cfg, out_features, in_features, x.dtype), bias)
 
 

@@ -146,8 +146,8 @@ cudaError_t launch_dequantize(const MixedGemvArgs& a, dim3 grid, cudaStream_t st
 
 // --- from the canonical buffers, any group size: a thread takes Ŵ's flattened elements 32t .. 32t + 31 (which may span
 // rows), each row's group state (kind, rank among its kind, ŝ, z) found at the thread's first element of it and
-// stepped at each group boundary, its outliers walked with a cursor.  An edge path (layers the layout cannot hold,
-// layers run in their checkpoint's layout): plain per-element loads, no staging of the code words.
+// stepped at each group boundary, its outliers walked with a cursor.  An edge path (layers the layout cannot hold):
+// plain per-element loads, no staging of the code words.
 
 // `width` (1..16) bits of the little-endian stream `words` from bit `bit` on (qlinear.formats.packing).
 __device__ __forceinline__ unsigned stream_bits(const unsigned* words, long long bit, int width) {

@@ -84,7 +84,7 @@ cudaError_t mixed_dequantize(const MixedGemvArgs& args, DType out, cudaStream_t 
 
 // The canonical buffers (qlinear/formats/mixed.py) as a checkpoint holds them, any group size g, G = K / g groups of
 // which G4 are 4-bit: what mixed_dequantize_canonical reads where the "async_dequant" layout cannot hold a layer (g not
-// a multiple of 16) or a layer runs in its checkpoint's layout (offloaded).
+// a multiple of 16).
 struct MixedCanonicalArgs {
   const int* idx4;                    // [G4] the 4-bit groups, ascending
   const unsigned *q2, *q4;            // [N, w2], [N, w4]: codes of the 2-bit / 4-bit groups' columns, ascending
