@@ -257,6 +257,30 @@ def test_checkpoint_round_trip_is_exact_and_mismatched_rotations_refuse(tmp_path
         other.repack_for_device()
 
 
+@pytest.mark.parametrize("fmt", ["bcq", "mixed", "codebook"])
+def test_layers_built_under_a_meta_device_context_cache_nothing_on_meta(fmt):
+    """transformers builds a model under ``torch.device("meta")``: the empty rotated layers built there must leave no
+    meta tensor in the transform's caches, or every later layer of that Paley order fails or (through a CPU op that
+    got a meta argument and ran its fake implementation) computes garbage.  K = 96: blocks of 96 = 12·8, a Paley
+    factor of order 12."""
+    from qlinear.backends import _cpu, quick
+    from qlinear.formats import packing
+
+    for cached in (rotation._conference, rotation._paley, rotation._factor, packing._byte_table, quick._lane_slots,
+                   _cpu.rotation_args):
+        cached.cache_clear()
+    cfg = QLinearConfig(fmt, rotation="hadamard", **({"group_size": 32} if fmt != "mixed" else {}))
+    with torch.device("meta"):
+        empty = module_class(fmt)(96, 8, config=cfg)
+        empty(torch.empty(2, 96))
+    assert rotation._paley(12).device.type == "cpu"
+    torch.manual_seed(0)
+    m = module_class(fmt).from_linear(nn.Linear(96, 8), cfg)
+    x = torch.randn(3, 96)
+    w = m.dequantize().double()
+    assert torch.allclose(m(x).double(), x.double() @ w.T + m.bias.double(), rtol=1e-4, atol=1e-4)
+
+
 def test_layers_reading_one_input_share_its_transform(monkeypatch):
     """q/k/v-like layers on the same tensor: one transform; an in-place change of the input, or another rotation,
     transforms again; every output stays exact."""

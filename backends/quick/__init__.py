@@ -87,8 +87,8 @@ _HERE = Path(__file__).parent
 def _lane_slots() -> tuple[torch.Tensor, torch.Tensor]:
     """``(row, k)`` int64 ``[32, 64]``: for lane ``l`` and slot ``f = 2·p + e`` (pair ``p``, element ``e``),
     the row (within the 32-row tile) and the input (within the 64-input tile) of the code it holds."""
-    lane = torch.arange(32)[:, None]
-    f = torch.arange(64)[None]
+    lane = torch.arange(32, device="cpu")[:, None]  # cached: not the ambient (maybe meta) default device
+    f = torch.arange(64, device="cpu")[None]
     p, e = f // 2, f % 2
     ks, nt, h = p // 8, (p // 2) % 4, p % 2
     i = 2 * h + e                                   # b_i of the fragment

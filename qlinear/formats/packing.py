@@ -108,7 +108,8 @@ def _code_bytes(bits: int) -> list[tuple[int, int]]:
 @functools.lru_cache(maxsize=None)
 def _byte_table(bits: int, device: torch.device) -> torch.Tensor:
     """uint8 ``[256, 8 // bits]``: the codes a byte holds, lowest bits first."""
-    t = torch.arange(256, dtype=torch.int32)[:, None] >> (torch.arange(8 // bits, dtype=torch.int32) * bits)
+    t = (torch.arange(256, dtype=torch.int32, device="cpu")[:, None]
+         >> (torch.arange(8 // bits, dtype=torch.int32, device="cpu") * bits))  # not the ambient (maybe meta) device
     return (t & ((1 << bits) - 1)).to(torch.uint8).to(device)
 
 

@@ -50,9 +50,11 @@ def _conference(p: int) -> Optional[tuple[torch.Tensor, int]]:
         if not _is_prime(q) or q % 4 != (3 if kind == 1 else 1):
             continue
         squares = {(i * i) % q for i in range(1, q)}
-        chi = torch.tensor([0] + [1 if a in squares else -1 for a in range(1, q)], dtype=torch.int64)
-        idx = torch.arange(q)
-        c = torch.zeros(q + 1, q + 1, dtype=torch.int64)
+        # device="cpu" here and in every cached builder: not the ambient default device, which transformers sets to
+        # meta while it builds a model (a cached meta tensor would reach every later layer of this order)
+        chi = torch.tensor([0] + [1 if a in squares else -1 for a in range(1, q)], dtype=torch.int64, device="cpu")
+        idx = torch.arange(q, device="cpu")
+        c = torch.zeros(q + 1, q + 1, dtype=torch.int64, device="cpu")
         c[0, 1:] = 1
         c[1:, 0] = -1 if kind == 1 else 1
         c[1:, 1:] = chi[(idx[None, :] - idx[:, None]) % q]  # Jacobsthal matrix Q[i, j] = χ(j − i)
@@ -69,10 +71,11 @@ def _paley(p: int) -> Optional[torch.Tensor]:
     if cc is None:
         return None
     c, kind = cc
-    eye = torch.eye(c.shape[0], dtype=torch.int64)
+    eye = torch.eye(c.shape[0], dtype=torch.int64, device="cpu")
     if kind == 1:
         return eye + c
-    return torch.kron(c, torch.tensor([[1, 1], [1, -1]])) + torch.kron(eye, torch.tensor([[1, -1], [-1, -1]]))
+    return (torch.kron(c, torch.tensor([[1, 1], [1, -1]], device="cpu"))
+            + torch.kron(eye, torch.tensor([[1, -1], [-1, -1]], device="cpu")))
 
 
 def _split(block: int) -> Optional[tuple[int, int]]:
@@ -202,7 +205,7 @@ def _factor(f: int, paley: bool, dtype: torch.dtype, device: torch.device) -> to
     if paley:
         h = _paley(f).to(torch.float64)
     else:
-        h = torch.ones(1, 1, dtype=torch.float64)
+        h = torch.ones(1, 1, dtype=torch.float64, device="cpu")
         while h.shape[0] < f:
             h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
     return (h / math.sqrt(f)).to(device=device, dtype=dtype)
