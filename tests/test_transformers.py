@@ -363,9 +363,11 @@ def test_saved_checksums_are_the_crc32_of_every_tensor(bcq_checkpoint):
         sums = json.loads(f.metadata()["qlinear_crc32"])
         packed = [k for k in f.keys() if k.rpartition(".")[2] in ("planes", "alpha", "offset", "perm")]
         assert packed and "model.norm.weight" in f.keys() and set(f.keys()) <= set(sums)  # float tensors too
+        dtypes = json.loads(f.metadata()["qlinear_dtypes"])
         for k in f.keys():
             t = f.get_tensor(k)
             assert int(sums[k], 16) == zlib.crc32(t.view(torch.uint8).numpy().tobytes()), k
+            assert dtypes[k] == {torch.float32: "F32", torch.int32: "I32", torch.float16: "F16"}[t.dtype], k
 
 
 @pytest.mark.parametrize("case, tensors, message", [
@@ -377,11 +379,27 @@ def test_saved_checksums_are_the_crc32_of_every_tensor(bcq_checkpoint):
      r"model\.norm\.weight: CRC-32"),
     ("flipped_embedding", lambda sd: sd["model.embed_tokens.weight"].view(torch.int32)[7].bitwise_xor_(1),
      r"model\.embed_tokens\.weight: CRC-32"),
+    # transformers would initialise a missing float tensor at random, and load a retyped one's bytes as other numbers
+    ("missing_embedding", lambda sd: sd.pop("model.embed_tokens.weight"),
+     r"model\.embed_tokens\.weight: missing from the checkpoint \(its CRC-32 was saved\)"),
+    ("retyped_embedding", lambda sd: sd.update({"model.embed_tokens.weight": sd["model.embed_tokens.weight"].view(
+        torch.int32)}), r"model\.embed_tokens\.weight: stored as I32, saved as F32"),
 ])
 def test_damaged_tensor_raises_naming_it(bcq_checkpoint, tmp_path, case, tensors, message):
     path = edited(bcq_checkpoint, tmp_path / case, tensors=tensors)
     with pytest.raises(ValueError, match=r"(?s)qlinear checkpoint is damaged.*" + message):
         AutoModelForCausalLM.from_pretrained(path)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_sharded_checkpoint_reloads_exactly(tmp_path, tied):
+    """Each shard's metadata lists every tensor's CRC-32 and dtype while the shard holds a few: none counts as missing
+    (nor a tied output layer, which transformers saves once), and the logits are the saved model's."""
+    model = save_float(llama_config(tie_word_embeddings=tied), tmp_path / "fp")
+    replace_linear(model, QLinearConfig(**FORMATS["bcq"]), progress=False)
+    model.save_pretrained(tmp_path / "q", max_shard_size="20KB")
+    assert len(list((tmp_path / "q").glob("*.safetensors"))) > 2
+    assert torch.equal(logits(AutoModelForCausalLM.from_pretrained(tmp_path / "q")), logits(model))
 
 
 def test_checkpoint_without_layer_configs_still_refuses_tensors_its_config_does_not_hold(bcq_checkpoint, tmp_path):

@@ -25,10 +25,12 @@ Registered, together with :class:`QLinearConfig`, when qlinear is imported.
   raises a ``ValueError`` naming the tensor instead of transformers' generic size-mismatch ``RuntimeError``.
 * Integrity: ``save_pretrained`` writes the CRC-32 of every tensor of the state dict (packed tensors and the float
   ones: embeddings, norms, layers kept in float) into the safetensors metadata (``qlinear_crc32``: a JSON map from
-  state-dict key to 8 hex digits), and each layer's format config (``qlinear_configs``).  A pre-quantized load reads
-  every tensor of the files that has a sum once before transformers does (those transformers renamed or merged on
-  saving have none), and raises a ``ValueError`` naming it when its CRC differs or a packed float tensor (scales, α,
-  codebooks, outliers) holds NaN/Inf: damaged bytes never load as wrong weights.  After loading, every layer's
+  state-dict key to 8 hex digits), their dtypes (``qlinear_dtypes``, since 2026-11-29) and each layer's format config
+  (``qlinear_configs``).  A pre-quantized load reads every tensor of the files that has a sum once before transformers
+  does (those transformers renamed or merged on saving have none), and raises a ``ValueError`` naming it when its CRC
+  or dtype differs, when no file holds it (transformers would initialise it at random; a tied weight, saved once,
+  counts as held where a tensor with its sum is) or when a packed float tensor (scales, α, codebooks, outliers) holds
+  NaN/Inf: damaged bytes never load as wrong weights.  After loading, every layer's
   packed values are checked too (:func:`qlinear.formats.check_buffers`: NaN/Inf, act_order's permutation, the
   mixed format's indices), which is all a ``.bin`` checkpoint (no metadata) gets, with a warning.  A layer whose config from ``config.json`` differs from the
   saved one, or whose checkpoint holds tensors that config does not (an edited ``act_order``, ``rotation`` or
@@ -74,6 +76,7 @@ _ST_EXPONENTS = {"F16": (np.uint16, 0x7C00), "BF16": (np.uint16, 0x7F80), "F32":
 _MAX_LISTED = 8
 CHECKSUM_KEY = "qlinear_crc32"  # safetensors metadata entries written by save_pretrained
 CONFIGS_KEY = "qlinear_configs"
+DTYPES_KEY = "qlinear_dtypes"  # each summed tensor's safetensors dtype, since 2026-11-29
 
 
 def crc32(t: torch.Tensor) -> str:
@@ -215,6 +218,7 @@ class QLinearHfQuantizer(HfQuantizer):
         self._tp_sharded = False
         self._checkpoint_index: dict[str, dict[str, tuple[str, str]]] = {}  # module -> tensor -> (file, key)
         self._checkpoint: Optional[tuple] = None  # checkpoint headers: (tensors, checksums, layer configs)
+        self._saved_dtypes: dict[str, str] = {}  # key as saved -> its safetensors dtype (checkpoints since 2026-11-29)
         self._safetensors = True  # whether every checkpoint file is safetensors (else .bin: no offsets, no metadata)
         self._keep_fp32: list[str] = []  # the model's _keep_in_fp32_modules
         self._prefix = ""  # the base_model_prefix when a base model loads
@@ -232,19 +236,22 @@ class QLinearHfQuantizer(HfQuantizer):
 
     def get_state_dict_and_metadata(self, model):
         """The state dict ``save_pretrained`` writes and, in the safetensors metadata, the :func:`crc32` of each of
-        its tensors (those of offloaded layers, still on the meta device here, go without) and each layer's format
-        config (``qlinear_configs``: a JSON list of ``[config, [layer names]]``)."""
+        its tensors (those of offloaded layers, still on the meta device here, go without), their dtypes
+        (``qlinear_dtypes``: a retyped tensor keeps its bytes, hence its CRC) and each layer's format config
+        (``qlinear_configs``: a JSON list of ``[config, [layer names]]``)."""
         state_dict = model.state_dict()
         layers = [(n, m) for n, m in model.named_modules() if isinstance(m, QuantLinear)]
-        sums, seen = {}, {}
+        sums, seen, dtypes = {}, {}, {}
         for k, t in state_dict.items():
             if isinstance(t, torch.Tensor) and t.device.type != "meta":
                 same = (t.data_ptr(), t.shape, t.stride(), t.dtype)  # a tied weight: summed once
                 sums[k] = seen[same] = seen[same] if same in seen else crc32(t)
+                dtypes[k] = _ST_DTYPES.get(t.dtype, str(t.dtype))
         configs: dict[str, list[str]] = {}
         for n, m in layers:
             configs.setdefault(m.config.to_json(), []).append(n)
         return state_dict, {CHECKSUM_KEY: json.dumps(sums, sort_keys=True),
+                            DTYPES_KEY: json.dumps(dtypes, sort_keys=True),
                             CONFIGS_KEY: json.dumps([[json.loads(c), names] for c, names in configs.items()])}
 
     def _dequantize(self, model, dtype=None):
@@ -474,6 +481,7 @@ class QLinearHfQuantizer(HfQuantizer):
         known = _ModuleKeys(model)
         found: dict[str, tuple[tuple[int, ...], str, str]] = {}
         sums: Optional[dict[str, str]] = None
+        self._saved_dtypes = {}
         saved_configs: dict[str, str] = {}  # layer name as saved -> its format config's JSON
         files = [str(f) for f in checkpoint_files]
         self._safetensors = all(f.endswith(".safetensors") for f in files)
@@ -494,6 +502,7 @@ class QLinearHfQuantizer(HfQuantizer):
                         try:
                             if CHECKSUM_KEY in meta:
                                 sums = {**(sums or {}), **json.loads(meta[CHECKSUM_KEY])}
+                            self._saved_dtypes.update(json.loads(meta.get(DTYPES_KEY, "{}")))
                             for cfg, names in json.loads(meta.get(CONFIGS_KEY, "[]")):
                                 saved_configs.update(dict.fromkeys(names, json.dumps(cfg, sort_keys=True)))
                         except (ValueError, TypeError) as e:
@@ -605,7 +614,12 @@ class QLinearHfQuantizer(HfQuantizer):
                 name = f"{module}.{t}" if module else t
                 if name in packed or key in sums or name in sums:
                     by_file.setdefault(path, []).append((name, key))
-        bad = []
+        present = {key for tensors in self._checkpoint_index.values() for _, key in tensors.values()}
+        kept = {sums[k] for k in present if k in sums}
+        # a summed tensor no file holds (transformers would initialise it at random) is missing, unless a tensor with
+        # its sum is there: a tied weight, which transformers saves once
+        bad = [f"{key}: missing from the checkpoint (its CRC-32 was saved)" for key in sorted(sums)
+               if key not in present and sums[key] not in kept]
         for path, entries in by_file.items():
             with open(path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
                 size = int.from_bytes(mm[:8], "little")
@@ -617,7 +631,10 @@ class QLinearHfQuantizer(HfQuantizer):
                     # tensor differently
                     got, want = f"{zlib.crc32(data):08x}", sums.get(key, sums.get(name))
                     exponent = _ST_EXPONENTS.get(header[key]["dtype"])  # a float: NaN/Inf have every exponent bit set
-                    if want is not None and got != want:
+                    saved_dtype = self._saved_dtypes.get(key)
+                    if saved_dtype is not None and header[key]["dtype"] != saved_dtype:
+                        bad.append(f"{name}: stored as {header[key]['dtype']}, saved as {saved_dtype} (damaged file)")
+                    elif want is not None and got != want:
                         bad.append(f"{name}: CRC-32 {got} differs from the saved {want} (damaged file)")
                     elif name in packed and exponent is not None and (
                             np.frombuffer(data, exponent[0]) & exponent[1] == exponent[1]).any():
