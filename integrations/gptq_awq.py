@@ -177,11 +177,19 @@ def _save(model: nn.Module, path, method: str, layer_tensors: Callable[[nn.Modul
 
 
 def _one_grid(layers: list, method: str) -> tuple[int, int]:
-    """The ``(bits, group_size)`` every layer shares (group_size -1 for one group per row); ValueError otherwise."""
-    grids = {(m.config.bits, m.config.group(m.in_features) if m.config.group_size != -1 else -1) for m in layers}
-    if len(grids) > 1:
-        raise ValueError(f"{method.upper()} checkpoints have one bits/group_size for every layer; got {sorted(grids)}")
-    return next(iter(grids))
+    """The ``(bits, group_size)`` every layer shares (group_size -1 for one group per row); ValueError otherwise.
+
+    A layer's groups are what the checkpoint's one ``group_size`` g gives it: input k is in group k // g (GPTQ's
+    ``g_idx``), so a layer with fewer inputs than g is one group under it (a hidden size of 64 beside g128; AWQ's
+    export then refuses it, as its loaders need g to divide every layer's inputs)."""
+    bits = {m.config.bits for m in layers}
+    for g in sorted({m.config.group_size for m in layers}, key=lambda g: (g == -1, g)):
+        if len(bits) == 1 and all(m.config.group(m.in_features) == (m.in_features if g == -1 else min(g, m.in_features))
+                                  for m in layers):
+            return next(iter(bits)), g
+    grids = sorted({(m.config.bits, m.config.group_size, m.in_features) for m in layers})
+    raise ValueError(f"{method.upper()} checkpoints have one bits/group_size for every layer; the layers' (bits, "
+                     f"group_size, in_features) are {grids}: quantize them with one config")
 
 
 def load_gptq(path, *, dtype: torch.dtype = torch.float16, backend: Optional[str] = None) -> nn.Module:

@@ -232,6 +232,8 @@ def test_awq_errors(tmp_path):
                                 per_module={"*down_proj": QLinearConfig("bcq", bits=4, group_size=64, init="uniform",
                                                                         iters=0)}, progress=False),
          "one bits/group_size"),
+        (qlinear.replace_linear(tiny_llama(), QLinearConfig("bcq", bits=4, group_size=128, init="uniform", iters=0),
+                                progress=False), "AWQ groups must divide in_features=64"),  # K = 64 < 128: fine for GPTQ, not AWQ
     ]:
         with pytest.raises(ValueError, match=message):
             qlinear.save_awq(bad_model, out)

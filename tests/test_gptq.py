@@ -170,18 +170,21 @@ def test_replace_linear_with_gptq_act_order_on_a_small_llama():
     assert (out - ref).abs().mean() < 0.1 * ref.abs().mean()
 
 
-@pytest.mark.parametrize("bits,act_order,fmt", [(4, True, "gptq"), (3, False, "gptq_v2"), (2, True, "gptq_v2"),
-                                                (8, False, "gptq")])
-def test_save_and_load_gptq_checkpoints(tmp_path, bits, act_order, fmt):
+# group size 128 over layers of 64 inputs (q/k/v/o, gate/up) and 128 (down_proj): GPTQ's g_idx = k // 128 makes the
+# smaller ones one group per row, as the layers hold them
+@pytest.mark.parametrize("bits,act_order,fmt,group_size", [(4, True, "gptq", 32), (3, False, "gptq_v2", 32),
+                                                           (2, True, "gptq_v2", 32), (8, False, "gptq", 32),
+                                                           (4, False, "gptq", 128)])
+def test_save_and_load_gptq_checkpoints(tmp_path, bits, act_order, fmt, group_size):
     model = tiny_llama()
     ids = torch.randint(0, 128, (2, 16))
     H = qlinear.calibrate(model, [ids[i:i + 1] for i in range(2)], progress=False)
-    qlinear.replace_linear(model, QLinearConfig("bcq", bits=bits, group_size=32, method="gptq", act_order=act_order),
-                           calibration_data=H, progress=False)
+    qlinear.replace_linear(model, QLinearConfig("bcq", bits=bits, group_size=group_size, method="gptq",
+                                                act_order=act_order), calibration_data=H, progress=False)
     ref = model(ids).logits
     qlinear.save_gptq(model, tmp_path, checkpoint_format=fmt)
     cfg = __import__("json").loads((tmp_path / "config.json").read_text())["quantization_config"]
-    assert cfg == {"quant_method": "gptq", "bits": bits, "group_size": 32, "desc_act": act_order, "sym": False,
+    assert cfg == {"quant_method": "gptq", "bits": bits, "group_size": group_size, "desc_act": act_order, "sym": False,
                    "checkpoint_format": fmt}
     again = qlinear.load_gptq(tmp_path, dtype=torch.float32)
     for name, mod in model.named_modules():
