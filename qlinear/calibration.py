@@ -35,9 +35,19 @@ def eval_mode(*models: Optional[nn.Module]) -> Iterator[None]:
             m.training = flag
 
 
+def max_positions(model: Optional[nn.Module]) -> Optional[int]:
+    """The longest sequence ``model`` takes (its config's ``max_position_embeddings``, or ``n_positions`` as GPT-2 names
+    it), or None where it does not say: past it a model with learned positions fails with an ``IndexError``."""
+    config = getattr(model, "config", None)
+    n = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    return n if isinstance(n, int) and n > 0 else None
+
+
 def _batches(data: Data, tokenizer, max_length: int, model: Optional[nn.Module] = None) -> list[torch.Tensor]:
-    """``data`` as int64 token-id tensors ``[B, T]``, checked against ``model.config.vocab_size`` where it has one."""
+    """``data`` as int64 token-id tensors ``[B, T]``, checked against ``model.config.vocab_size`` where it has one, and
+    cut to ``max_length`` tokens, or to the model's :func:`max_positions` where that is less."""
     vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    max_length = min(max_length, max_positions(model) or max_length)
     if isinstance(data, torch.Tensor):
         data = [data]
     if isinstance(data, (str, bytes)) or not isinstance(data, Iterable):
@@ -73,7 +83,8 @@ def calibrate(model: nn.Module, data: Data, tokenizer=None, *, max_length: int =
 
     Args:
         data: texts (with ``tokenizer``), or int64 token ids ``[T]`` / ``[B, T]`` (a tensor or a list).
-        max_length: tokens per sample (longer samples are truncated).
+        max_length: tokens per sample (longer samples are truncated, and so are those longer than the model's
+            ``max_position_embeddings``).
         modules: names of the Linear layers to collect (default: all).
 
     Raises:
@@ -153,7 +164,8 @@ def generate_data(model: nn.Module, num_samples: int = 128, length: int = 256, *
     Raises:
         TypeError: ``model`` without ``generate``/``config.vocab_size`` (not a transformers causal LM).
         ValueError: ``num_samples`` or ``batch_size`` < 1, ``greedy_tokens`` < 0, ``length`` < ``greedy_tokens + 2``
-        (no sampled token), or embeddings offloaded to the meta device.
+        (no sampled token) or above the model's ``max_position_embeddings``, or embeddings offloaded to the meta
+        device.
     """
     vocab = getattr(getattr(model, "config", None), "vocab_size", None)
     if not callable(getattr(model, "generate", None)) or not isinstance(vocab, int):
@@ -165,6 +177,9 @@ def generate_data(model: nn.Module, num_samples: int = 128, length: int = 256, *
         raise ValueError(f"generate_data: length must be at least greedy_tokens + 2 = {greedy_tokens + 2} (a random, "
                          f"{greedy_tokens} greedy and at least one sampled token), got length {length}, "
                          f"greedy_tokens {greedy_tokens}")
+    if length > (max_positions(model) or length):
+        raise ValueError(f"generate_data: length {length} is longer than the model takes ({max_positions(model)} "
+                         f"positions): use at most {max_positions(model)} (--calibration-length on the command line)")
     from transformers import GenerationConfig
 
     device = model.get_input_embeddings().weight.device

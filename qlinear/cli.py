@@ -35,10 +35,14 @@ def _option(text: str) -> tuple[str, object]:
     key, sep, value = text.partition("=")
     if not sep or not key:
         raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    key = key.replace("-", "_")
+    own = {"bits": "--bits", "group_size": "--group-size", "format": "--format", "modules_to_not_convert": "--skip"}
+    if key in own:
+        raise argparse.ArgumentTypeError(f"{key} has its own option: use {own[key]}")
     try:
-        return key.replace("-", "_"), json.loads(value)
+        return key, json.loads(value)
     except json.JSONDecodeError:
-        return key.replace("-", "_"), value
+        return key, value
 
 
 def _folder(text: str) -> Path:
@@ -186,7 +190,13 @@ def _quantize(args) -> None:
         opts["per_module"] = {"lm_head": head, **per_module_configs(opts.get("per_module"))}  # the first match wins
     config = QLinearConfig(args.format, bits=args.bits, group_size=args.group_size, **opts,
                            modules_to_not_convert=skip)
-    tok = AutoTokenizer.from_pretrained(args.src, trust_remote_code=args.trust_remote_code)
+    try:
+        tok = AutoTokenizer.from_pretrained(args.src, trust_remote_code=args.trust_remote_code)
+    except (OSError, ValueError) as e:
+        if args.calibration:
+            raise ValueError(f"--calibration texts need the tokenizer of {args.src}, which cannot be loaded: {e}") \
+                from None
+        tok = None  # nothing else needs it: generated fine-tuning data is token ids
     model = _load(args.src, args.dtype, args.trust_remote_code)
     start = time.perf_counter()
     hessians = None
@@ -207,8 +217,10 @@ def _quantize(args) -> None:
     seconds = time.perf_counter() - start
     args.out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(args.out)
-    tok.save_pretrained(args.out)
-    print(f"quantized {args.src} -> {args.out} in {seconds:.1f} s ({config.format_config().to_json()})")
+    if tok is not None:
+        tok.save_pretrained(args.out)
+    print(f"quantized {args.src} -> {args.out} in {seconds:.1f} s ({config.format_config().to_json()})"
+          + ("" if tok else " (no tokenizer)"))
     print(_totals(model))
 
 

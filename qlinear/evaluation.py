@@ -23,7 +23,7 @@ from typing import Any, Callable, NamedTuple
 import torch
 import torch.nn.functional as F
 
-from .calibration import eval_mode
+from .calibration import eval_mode, max_positions
 
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _MARKER = "qlinear_checkpoint.json"  # written last: its presence means the cache is complete
@@ -202,10 +202,14 @@ def perplexity(model, tokenizer, text: str, *, max_tokens: int = 4096, window: i
         ``exp(mean NLL)`` over all predicted tokens, as a Python float.
 
     Raises:
-        ValueError: ``window < 2``, ``batch_size < 1``, or fewer than ``window`` tokens.
+        ValueError: ``window < 2``, ``batch_size < 1``, a window longer than the model's ``max_position_embeddings``,
+            or fewer than ``window`` tokens.
     """
     if window < 2 or batch_size < 1:
         raise ValueError(f"need window >= 2 and batch_size >= 1, got {window}, {batch_size}")
+    if window > (max_positions(model) or window):
+        raise ValueError(f"a window of {window} tokens is longer than the model takes ({max_positions(model)} "
+                         f"positions): use a window of at most {max_positions(model)} (--window on the command line)")
     ids = tokenizer(text, add_special_tokens=False)["input_ids"][:max_tokens]
     n_windows = len(ids) // window
     if n_windows < 1:

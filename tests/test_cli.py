@@ -194,11 +194,30 @@ def test_convert_eval_info_read_gptq_and_awq_checkpoints(float_ckpt, tmp_path, c
         assert torch.equal(saved(tokens).logits, want(tokens).logits)
 
 
+def _without_tokenizer(src, dst):
+    dst.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (dst / name).write_bytes((src / name).read_bytes())
+    return dst
+
+
+def test_quantize_needs_no_tokenizer_without_calibration(float_ckpt, tmp_path, capsys):
+    code, out, err = _run_here(capsys, "quantize", _without_tokenizer(float_ckpt[0], tmp_path / "fp"), tmp_path / "q",
+                               "--bits", "4", "--group-size", "32", "--no-progress")
+    assert code == 0 and "(no tokenizer)" in out, err[-3000:]
+    assert not (tmp_path / "q" / "tokenizer.json").exists()
+    assert any(isinstance(m, QuantLinear) for m in AutoModelForCausalLM.from_pretrained(tmp_path / "q").modules())
+
+
 @pytest.mark.parametrize("args, code, message", [
     (["quantize", "missing", "out"], 2, "is not a transformers checkpoint folder"),
     (["quantize", "{fp}", "out", "--option", "bits"], 2, "expected KEY=VALUE"),
     (["quantize", "{fp}", "out", "--bits", "9"], 1, "qlinear: error: BCQ bits must be in 1..8, got 9"),
     (["quantize", "{fp}", "out", "--option", "colour=red"], 1, "qlinear: error: .*colour"),
+    (["quantize", "{fp}", "out", "--option", "bits=3"], 2, "bits has its own option: use --bits"),
+    (["quantize", "{fp}", "out", "--option", "group-size=32"], 2, "group_size has its own option: use --group-size"),
+    (["quantize", "{notok}", "out", "--calibration", "{text}"], 1, "qlinear: error: --calibration texts need the "
+                                                                   "tokenizer of"),
     (["eval", "{fp}", "--text", "nothing.txt"], 2, "no such text file"),
     (["info", "{fp}"], 1, "qlinear: error: .* has no qlinear layers"),
     (["convert", "{fp}", "out"], 1, "qlinear: error: .* is not a GPTQ or AWQ checkpoint"),
@@ -211,7 +230,9 @@ def test_errors_exit_with_a_message_and_no_traceback(float_ckpt, tmp_path, monke
     damaged.mkdir()
     (damaged / "config.json").write_text((float_ckpt[0] / "config.json").read_text())
     (damaged / "model.safetensors").write_bytes((float_ckpt[0] / "model.safetensors").read_bytes()[:100])
-    got, _, err = _run_here(capsys, *[a.format(fp=float_ckpt[0], damaged=damaged) for a in args])  # uncaught: fails
+    notok = _without_tokenizer(float_ckpt[0], tmp_path / "notok")
+    got, _, err = _run_here(capsys, *[a.format(fp=float_ckpt[0], damaged=damaged, notok=notok, text=float_ckpt[1])
+                                      for a in args])  # uncaught: fails
     assert got == code and re.search(message, err), err
     assert not (tmp_path / "out").exists()
 

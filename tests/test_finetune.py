@@ -179,7 +179,8 @@ def test_generate_data_errors():
         qlinear.generate_data(torch.nn.Linear(4, 4))
     for kw, msg in (({"num_samples": 0}, "num_samples and batch_size"), ({"batch_size": 0}, "num_samples and batch"),
                     ({"length": 4, "greedy_tokens": 3}, "at least greedy_tokens . 2 = 5"),
-                    ({"length": 1, "greedy_tokens": 0}, "= 2"), ({"greedy_tokens": -1}, "length must be")):
+                    ({"length": 1, "greedy_tokens": 0}, "= 2"), ({"greedy_tokens": -1}, "length must be"),
+                    ({"length": model.config.max_position_embeddings + 1}, "longer than the model takes")):
         with pytest.raises(ValueError, match=msg):
             qlinear.generate_data(model, **{"num_samples": 4, "length": 8, **kw}, progress=False)
 

@@ -306,6 +306,30 @@ def test_quantize_on_load_with_calibration_data(tmp_path):
         assert all(torch.equal(a[k], b[k]) for k in a if k != "scales") and not torch.equal(a["scales"], b["scales"])
 
 
+def test_sequences_longer_than_the_models_positions_are_cut_to_them():
+    """A model with learned positions (OPT) fails with an IndexError past ``max_position_embeddings``: calibration cuts
+    longer samples to it (the Hessians of the first 16 tokens exactly), and a perplexity window longer than it raises."""
+    from transformers import OPTConfig, OPTForCausalLM
+
+    from qlinear.evaluation import perplexity
+
+    torch.manual_seed(0)
+    model = OPTForCausalLM(OPTConfig(vocab_size=64, hidden_size=32, ffn_dim=64, num_hidden_layers=1,
+                                     num_attention_heads=2, max_position_embeddings=16, word_embed_proj_dim=32)).eval()
+    ids = torch.randint(4, 64, (1, 40))
+    H = qlinear.calibrate(model, [ids], progress=False)
+    H16 = qlinear.calibrate(model, [ids[:, :16]], progress=False)
+    assert H.keys() == H16.keys() and all(torch.equal(H[k], H16[k]) for k in H)
+
+    class Tok:  # a word per token id
+        def __call__(self, text, add_special_tokens=False):
+            return {"input_ids": [4 + int(w) % 60 for w in text.split()]}
+
+    with pytest.raises(ValueError, match="a window of 32 tokens is longer than the model takes \\(16 positions\\)"):
+        perplexity(model, Tok(), " ".join(map(str, range(100))), window=32)
+    assert perplexity(model, Tok(), " ".join(map(str, range(100))), window=16) > 1
+
+
 def test_sequential_calibration_block_by_block():
     """Raw calibration data quantizes the decoder block by block (quantized inputs downstream, one block's
     Hessians at a time); an error part-way puts every swapped layer back."""
