@@ -346,6 +346,9 @@ class QuantLinear(nn.Module):
         device = devices.pop()
         if device.type == "meta":  # nothing to convert yet (an empty module, or one waiting for a loader)
             return
+        for n in self._packed_names:  # views set from outside (from_packed, load_state_dict(assign=True)): kernels
+            if not self._buffers[n].is_contiguous():  # and layouts read dense memory
+                self._buffers[n] = self._buffers[n].contiguous()
         if "rotation" in self._buffers:  # loaded from outside: refuse a checkpoint rotated otherwise than the config
             rotation.check_record(self._buffers["rotation"], self.config, self.in_features)
         self._placed_on = device

@@ -957,3 +957,34 @@ def test_rotated_mixed_layer_transforms_x_inside_the_op(monkeypatch, K, block):
     assert_fused_rotation("x86", MixedPrecisionLinear, {}, lambda x, m: x86.spec_mixed(
         x, dict(zip(m._packed_names, m.packed())), m.bias, m._call(x.device, x.dtype, 37).cfg, m.out_features, K,
         rotation=m._call(x.device, x.dtype, 37).rotation), K=K, block=block)
+
+
+@pytest.mark.parametrize("fmt, opts", [("bcq", dict(bits=4, group_size=32, method="gptq", act_order=True)),
+                                       ("codebook", dict(bits=2)), ("mixed", dict(outlier_ratio=0.005))])
+def test_packed_buffers_given_as_strided_views_run_as_dense_ones(fmt, opts):
+    """from_packed and load_state_dict(assign=True) with every packed tensor a strided view (the act_order perm, the
+    codebooks and outlier columns reach the x86 kernels as they are): the same outputs as dense buffers."""
+    from torch import nn
+
+    from qlinear.modules import module_class
+
+    torch.manual_seed(0)
+    X = torch.randn(256, 128)
+    mod = module_class(fmt).from_linear(nn.Linear(128, 40), QLinearConfig(fmt, **opts), X.T @ X)
+    bufs = mod.canonical()
+
+    def strided(t):
+        wide = t.new_zeros(*t.shape[:-1], 2 * t.shape[-1]) if t.dim() else t.clone()
+        if t.dim():
+            wide[..., ::2] = t
+        return wide[..., ::2] if t.dim() else wide
+
+    views = {k: strided(v) for k, v in bufs.items()}
+    assert any(not v.is_contiguous() for v in views.values())
+    x = torch.randn(5, 128)
+    want = mod(x)
+    again = module_class(fmt).from_packed(views, 128, 40, mod.config, bias=mod.bias)
+    assert torch.equal(again(x), want)
+    loaded = module_class(fmt)(128, 40, True, mod.config)
+    loaded.load_state_dict({**views, "bias": mod.bias.detach()}, assign=True)
+    assert torch.equal(loaded(x), want)
