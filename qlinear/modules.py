@@ -505,10 +505,7 @@ class QuantLinear(nn.Module):
         Raises:
             TypeError: non-floating input.  ValueError: last dimension is not ``in_features``.
         """
-        if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-            raise TypeError(f"{type(self).__name__} input must be float32, float16 or bfloat16, got {x.dtype}")
-        if x.dim() == 0 or x.shape[-1] != self.in_features:
-            raise ValueError(f"{type(self).__name__} expects input [..., {self.in_features}], got {list(x.shape)}")
+        self._check_input(x)
         if _eager(x, self.bias):  # plain eager inference: the layer's cached call, no op dispatch or registry walk
             batch = x.numel() // self.in_features
             if batch == 0:
@@ -528,13 +525,21 @@ class QuantLinear(nn.Module):
         return ops.dequantize(self.packed(), self.format, self._config_json, self.out_features, self.in_features,
                               dtype, self.layout)
 
+    def _check_input(self, x: torch.Tensor) -> None:
+        if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            raise TypeError(f"{type(self).__name__} input must be float32, float16 or bfloat16, got {x.dtype}")
+        if x.dim() == 0 or x.shape[-1] != self.in_features:
+            raise ValueError(f"{type(self).__name__} expects input [..., {self.in_features}], got {list(x.shape)}")
+
     def kernel(self, x: torch.Tensor) -> backends.Kernel:
-        """The kernel that runs input ``x`` (resolved as ``forward`` resolves it).
+        """The kernel that runs input ``x`` (resolved as ``forward`` resolves it; an empty batch: that of one row).
 
         Raises:
-            ValueError: no kernel (or not the requested backend) supports ``x``; the message says why.
+            TypeError, ValueError: an input ``forward`` refuses.  ValueError: no kernel (or not the requested backend)
+            supports ``x``; the message says why.
         """
-        return self._call(x.device, x.dtype, max(1, x.numel() // x.shape[-1])).kernel
+        self._check_input(x)
+        return self._call(x.device, x.dtype, max(1, x.numel() // self.in_features)).kernel
 
     @property
     def bits_per_weight(self) -> float:

@@ -179,12 +179,18 @@ def test_bad_inputs():
     with pytest.raises(ValueError, match="NaN"):
         BCQLinear.from_linear(bad, None)
     m = BCQLinear.from_linear(nn.Linear(64, 32), QLinearConfig("bcq", group_size=32))
-    with pytest.raises(TypeError, match="float32, float16 or bfloat16"):
-        m(torch.ones(2, 64, dtype=torch.int64))
-    with pytest.raises(ValueError, match=r"\[\.\.\., 64\]"):
-        m(torch.ones(2, 65))
-    with pytest.raises(ValueError, match=r"\[\.\.\., 64\], got \[\]"):
-        m(torch.tensor(1.0))
+    for call in (m, m.kernel):  # kernel() names the kernel only for inputs forward takes
+        with pytest.raises(TypeError, match="float32, float16 or bfloat16"):
+            call(torch.ones(2, 64, dtype=torch.int64))
+        with pytest.raises(TypeError, match="float32, float16 or bfloat16"):
+            call(torch.ones(2, 64, dtype=torch.float64))
+        with pytest.raises(ValueError, match=r"\[\.\.\., 64\]"):
+            call(torch.ones(2, 65))
+        with pytest.raises(ValueError, match=r"\[\.\.\., 64\], got \[3, 0\]"):
+            call(torch.ones(3, 0))
+        with pytest.raises(ValueError, match=r"\[\.\.\., 64\], got \[\]"):
+            call(torch.tensor(1.0))
+    assert m.kernel(torch.ones(0, 64)) is m.kernel(torch.ones(1, 64))
     with pytest.raises(ValueError, match="expects"):
         m.load_state_dict({**m.state_dict(), "alpha": torch.zeros(4, 32, 3, dtype=torch.float16)})
 
