@@ -91,6 +91,9 @@ def _load(path: Path, config, method: str, dtype: torch.dtype,
             continue
         t = {k: tensors.pop(f"{name}.{k}") for k in ("qweight", "qzeros", "scales", "g_idx") if f"{name}.{k}" in tensors}
         bias = tensors.pop(f"{name}.bias", None)
+        if bias is None and mod.bias is not None:  # the model's layer has one: dropping it would change the outputs
+            raise ValueError(f"layer {name!r}: the checkpoint has {name}.qweight but no {name}.bias, which this "
+                             f"model's layer has; the checkpoint is damaged or is of another model")
         try:
             layer = make_layer(name, mod, t, None if bias is None else bias.to(dtype))
         except KeyError as e:

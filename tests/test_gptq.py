@@ -232,6 +232,25 @@ def test_load_gptq_rejects_other_checkpoints(tmp_path):
         qlinear.load_gptq(good)
 
 
+def test_load_gptq_refuses_a_quantized_layer_without_the_bias_its_model_has(tmp_path):
+    from safetensors.torch import load_file, save_file
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                         num_attention_heads=4, num_key_value_heads=2)).eval()  # q/k/v with biases
+    qlinear.replace_linear(model, QLinearConfig("bcq", bits=4, group_size=32, init="uniform", iters=0), progress=False)
+    qlinear.save_gptq(model, tmp_path)
+    ids = torch.randint(0, 128, (1, 8))
+    assert torch.equal(qlinear.load_gptq(tmp_path, dtype=torch.float32)(ids).logits, model(ids).logits)
+    sd = load_file(str(tmp_path / "model.safetensors"))
+    del sd["model.layers.0.self_attn.q_proj.bias"]
+    save_file(sd, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="has model.layers.0.self_attn.q_proj.qweight but no "
+                                         "model.layers.0.self_attn.q_proj.bias, which this model's layer has"):
+        qlinear.load_gptq(tmp_path)
+
+
 def test_edge_cases_found_in_review(tmp_path):
     """Dead inputs and all-zero groups, act_order without a Hessian, round-to-nearest export, the v1 zero point."""
     torch.manual_seed(0)

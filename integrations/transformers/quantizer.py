@@ -614,7 +614,8 @@ class QLinearHfQuantizer(HfQuantizer):
                 name = f"{module}.{t}" if module else t
                 if name in packed or key in sums or name in sums:
                     by_file.setdefault(path, []).append((name, key))
-        present = {key for tensors in self._checkpoint_index.values() for _, key in tensors.values()}
+        keys = {key for tensors in self._checkpoint_index.values() for _, key in tensors.values()}
+        present = keys | set(self._checkpoint[0])  # as the files name them, and as this model does (renamed on save)
         kept = {sums[k] for k in present if k in sums}
         # a summed tensor no file holds (transformers would initialise it at random) is missing, unless a tensor with
         # its sum is there: a tied weight, which transformers saves once
