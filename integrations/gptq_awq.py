@@ -94,6 +94,11 @@ def _load(path: Path, config, method: str, dtype: torch.dtype,
         if bias is None and mod.bias is not None:  # the model's layer has one: dropping it would change the outputs
             raise ValueError(f"layer {name!r}: the checkpoint has {name}.qweight but no {name}.bias, which this "
                              f"model's layer has; the checkpoint is damaged or is of another model")
+        if bias is not None and mod.bias is None:  # some packers save zeros for layers without one: harmless
+            if bias.count_nonzero():
+                raise ValueError(f"layer {name!r}: the checkpoint has a nonzero {name}.bias, which this model's layer "
+                                 f"does not have; the checkpoint is of another model (or its config.json is)")
+            bias = None
         try:
             layer = make_layer(name, mod, t, None if bias is None else bias.to(dtype))
         except KeyError as e:

@@ -229,7 +229,11 @@ def check_tp_plan(model: nn.Module, plan: dict[str, str], world: int) -> None:
         size = mod.out_features if style == "colwise" else mod.in_features
         try:
             if style not in TP_STYLES:
-                raise ValueError(f"style {style!r}: quantized layers take 'colwise' or 'rowwise' only")
+                output = mod is model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else False
+                raise ValueError(f"style {style!r}: quantized layers take 'colwise' or 'rowwise' only" + (
+                    "; a quantized output layer cannot load tensor-parallel through transformers: load the checkpoint "
+                    "in one process and split it with qlinear.tensor_parallel.parallelize (which keeps the output "
+                    "layer whole on every rank), or quantize it again with a float lm_head" if output else ""))
             if size % world:
                 raise ValueError(f"world size {world} does not divide its {size} "
                                  f"{'output' if style == 'colwise' else 'input'} features")

@@ -46,6 +46,10 @@ def max_positions(model: Optional[nn.Module]) -> Optional[int]:
 def _batches(data: Data, tokenizer, max_length: int, model: Optional[nn.Module] = None) -> list[torch.Tensor]:
     """``data`` as int64 token-id tensors ``[B, T]``, checked against ``model.config.vocab_size`` where it has one, and
     cut to ``max_length`` tokens, or to the model's :func:`max_positions` where that is less."""
+    if isinstance(max_length, bool) or not isinstance(max_length, int):
+        raise TypeError(f"max_length must be an int, got {max_length!r}")
+    if max_length < 1:
+        raise ValueError(f"max_length must be at least 1 token, got {max_length}")
     vocab = getattr(getattr(model, "config", None), "vocab_size", None)
     max_length = min(max_length, max_positions(model) or max_length)
     if isinstance(data, torch.Tensor):
@@ -88,8 +92,8 @@ def calibrate(model: nn.Module, data: Data, tokenizer=None, *, max_length: int =
         modules: names of the Linear layers to collect (default: all).
 
     Raises:
-        TypeError: texts without a tokenizer, or data of another type.  ValueError: empty data, or token ids
-        outside ``[0, model.config.vocab_size)``.
+        TypeError: texts without a tokenizer, data of another type, or ``max_length`` not an int.  ValueError: empty
+        data, ``max_length`` < 1, or token ids outside ``[0, model.config.vocab_size)``.
     """
     wanted = None if modules is None else set(modules)
     linears = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear) and (wanted is None or n in wanted)}

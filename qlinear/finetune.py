@@ -125,12 +125,13 @@ def finetune(model: nn.Module, data: Data, tokenizer=None, *, teacher: Optional[
             the vocabulary, a one-token sequence without ``teacher``, a layer offloaded by accelerate (disk/cpu
             offload) or still empty, ``teacher`` that is ``model`` itself or has another vocabulary size, or a
             tuned value that is not finite.  On any error (and on an interrupt) the model is left as it was.
-        TypeError: bad ``data`` (see :func:`qlinear.calibrate`), ``steps``/``batch_size`` not ints, ``lr`` not a
-            number, ``teacher`` not a module.
+        TypeError: bad ``data`` or ``max_length`` (see :func:`qlinear.calibrate`), ``steps``/``batch_size``/``seed``
+            not ints, ``lr`` not a number, ``teacher`` not a module.
     """
-    if any(isinstance(v, bool) or not isinstance(v, int) for v in (steps, batch_size)) \
+    if any(isinstance(v, bool) or not isinstance(v, int) for v in (steps, batch_size, seed)) \
             or isinstance(lr, bool) or not isinstance(lr, (int, float)):
-        raise TypeError(f"steps and batch_size must be ints and lr a float, got {steps!r}, {batch_size!r}, {lr!r}")
+        raise TypeError(f"steps, batch_size and seed must be ints and lr a float, got {steps!r}, {batch_size!r}, "
+                        f"{seed!r}, {lr!r}")
     if teacher is not None and not isinstance(teacher, nn.Module):
         raise TypeError(f"teacher must be the float model (an nn.Module) or None, got {type(teacher).__name__}")
     if steps < 1 or batch_size < 1 or not (lr > 0 and math.isfinite(lr)):

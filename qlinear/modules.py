@@ -237,7 +237,8 @@ class QuantLinear(nn.Module):
     # kernel resolution ---------------------------------------------------------------------------
     @property
     def backend(self) -> Optional[str]:
-        """Kernel backend override ("reference", "cuda_lut", ...) or None (automatic); setting it resolves anew.
+        """Kernel backend override ("reference", "cuda_lut", ...) or None (automatic); setting it resolves anew and
+        repacks the buffers into the layout the new choice reads (as ``.to()`` does).
 
         Set here (or as the ``backend`` argument) it is a requirement: a call it cannot serve raises ValueError.  The
         backend of a config (``QLinearConfig(backend=...)``, also as saved with a checkpoint) is a preference instead:
@@ -249,6 +250,9 @@ class QuantLinear(nn.Module):
         self._backend = value
         self._preferred_backend = None
         self._calls = {}
+        known = value is None or any(k.backend == value for k in backends.kernels(self.format))
+        if known and not self.offloaded():  # an unknown name raises on the first call, saying which names exist
+            self.repack_for_device()
 
     def _apply_preference(self, device: torch.device) -> None:
         """Use the config's preferred backend on ``device`` if one of its kernels can run this layer there."""
@@ -324,8 +328,11 @@ class QuantLinear(nn.Module):
         return "" if self._layout is None else self._layout.name
 
     def canonical(self) -> dict[str, torch.Tensor]:
-        """The packed buffers in the format's canonical layout (what checkpoints hold), by name."""
+        """The packed buffers in the format's canonical layout (what checkpoints hold), by name; empty meta tensors of
+        their shapes for a layer on the meta device (a layout's conversion reads values)."""
         bufs = {n: self._buffers[n] for n in self._packed_names}
+        if self.layout and any(t.device.type == "meta" for t in bufs.values()):
+            return {n: torch.empty(shape, dtype=dt, device="meta") for n, (shape, dt) in self._specs.items()}
         return ops.canonical(bufs, self.config, self.layout, self.out_features, self.in_features)
 
     def _set_packed(self, buffers: dict[str, torch.Tensor], layout) -> None:
@@ -368,6 +375,12 @@ class QuantLinear(nn.Module):
 
     # device/dtype moves keep the packed dtypes ----------------------------------------------------
     def _apply(self, fn, recurse=True):
+        record = self._buffers.get("rotation")
+        # the (seed, block) record follows from the config: an empty layer's (meta) is written, not left to fn (which
+        # to_empty makes uninitialised memory); one that disagrees with the config stays, for repack_for_device to
+        # refuse
+        derived = record is not None and (record.device.type == "meta" or
+                                          tuple(record.tolist()) == rotation.params(self.config, self.in_features))
         for name in self._packed_names:
             buf = self._buffers.get(name)
             if buf is not None:
@@ -378,6 +391,9 @@ class QuantLinear(nn.Module):
             super()._apply(fn, recurse)
         finally:
             self._buffers.update(packed)
+        if derived:
+            self._buffers["rotation"] = torch.tensor(rotation.params(self.config, self.in_features), dtype=torch.int32,
+                                                     device=self._buffers["rotation"].device)
         self.repack_for_device()
         return self
 

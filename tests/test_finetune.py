@@ -117,6 +117,11 @@ def test_finetune_errors_leave_the_model_as_it_was():
         finetune(model, ["a text"], progress=False)
     with pytest.raises(TypeError, match="must be ints"):
         finetune(model, [ids], steps="2", progress=False)
+    with pytest.raises(TypeError, match="seed must be ints"):
+        finetune(model, [ids], seed="a", progress=False)
+    for max_length, error in ((0, ValueError), (-1, ValueError), (2.5, TypeError), (True, TypeError)):
+        with pytest.raises(error, match="max_length must be"):
+            finetune(model, [ids], max_length=max_length, progress=False)
     with pytest.raises(TypeError, match="teacher must be the float model"):
         finetune(model, [ids], teacher="float model", progress=False)
     with pytest.raises(ValueError, match=r"token ids must lie in \[0, 128\)"):

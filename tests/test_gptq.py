@@ -249,6 +249,19 @@ def test_load_gptq_refuses_a_quantized_layer_without_the_bias_its_model_has(tmp_
     with pytest.raises(ValueError, match="has model.layers.0.self_attn.q_proj.qweight but no "
                                          "model.layers.0.self_attn.q_proj.bias, which this model's layer has"):
         qlinear.load_gptq(tmp_path)
+    # the other way round: a bias the model's layer does not have (o_proj) is refused unless all zeros (packers that
+    # always save one)
+    o = "model.layers.0.self_attn.o_proj"
+    for bias, loads in ((torch.zeros(64, dtype=torch.float16), True), (torch.full((64,), 0.5, dtype=torch.float16), False)):
+        save_file({**load_file(str(tmp_path / "model.safetensors")), "model.layers.0.self_attn.q_proj.bias":
+                   model.model.layers[0].self_attn.q_proj.bias.detach().half(), f"{o}.bias": bias},
+                  str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+        if loads:
+            again = qlinear.load_gptq(tmp_path, dtype=torch.float32)
+            assert again.get_submodule(o).bias is None
+        else:
+            with pytest.raises(ValueError, match=f"nonzero {o}.bias, which this model's layer does not have"):
+                qlinear.load_gptq(tmp_path)
 
 
 def test_edge_cases_found_in_review(tmp_path):

@@ -77,6 +77,9 @@ def test_calibrate_shapes_and_sharing():
     assert torch.allclose(H["model.layers.0.mlp.down_proj"], X.T @ X / X.shape[0], rtol=1e-4, atol=1e-6)
     with pytest.raises(TypeError, match="tokenizer"):
         calibrate(model, ["some text"])
+    for max_length, error in ((0, ValueError), (-15, ValueError), (2.5, TypeError)):  # slices would take any of these
+        with pytest.raises(error, match="max_length must be"):
+            calibrate(model, data, max_length=max_length, progress=False)
 
 
 def test_calibrated_replace_lowers_output_error():

@@ -281,6 +281,20 @@ def test_layers_built_under_a_meta_device_context_cache_nothing_on_meta(fmt):
     assert torch.allclose(m(x).double(), x.double() @ w.T + m.bias.double(), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("fmt", ["bcq", "codebook"])
+def test_a_rotated_layer_built_on_meta_takes_to_empty_then_its_state_dict(fmt):
+    """``to_empty`` fills buffers with uninitialised memory: the rotation record, which the config determines, is
+    written instead (its check would refuse the garbage), and load_state_dict then gives the original layer."""
+    _, ref = _layer(fmt)
+    with torch.device("meta"):
+        m = module_class(fmt)(ref.in_features, ref.out_features, True, ref.config)
+    m.to_empty(device="cpu")
+    assert m.rotation.tolist() == list(rotation.params(ref.config, ref.in_features))
+    m.load_state_dict(ref.state_dict())
+    x = torch.randn(3, ref.in_features)
+    assert torch.equal(m(x), ref(x))
+
+
 def test_layers_reading_one_input_share_its_transform(monkeypatch):
     """q/k/v-like layers on the same tensor: one transform; an in-place change of the input, or another rotation,
     transforms again; every output stays exact."""

@@ -988,3 +988,39 @@ def test_packed_buffers_given_as_strided_views_run_as_dense_ones(fmt, opts):
     loaded = module_class(fmt)(128, 40, True, mod.config)
     loaded.load_state_dict({**views, "bias": mod.bias.detach()}, assign=True)
     assert torch.equal(loaded(x), want)
+
+
+def test_setting_the_backend_repacks_the_layer():
+    """A layer held canonical for backend "reference" takes the x86 layout when its backend is set to automatic (as a
+    move does), rather than converting its buffers on every call, and gives it back when set to "reference" again."""
+    import warnings
+
+    torch.manual_seed(0)
+    cfg = QLinearConfig("bcq", bits=4, group_size=64, init="uniform", iters=0, backend="reference")
+    m = BCQLinear.from_linear(torch.nn.Linear(256, 64), cfg)
+    x = torch.randn(2, 256)
+    want = m(x)
+    assert m.layout == ""  # canonical
+    m.backend = None
+    assert m.layout == "x86"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "converted on every such call" warning
+        assert m.kernel(x).backend == "x86"
+        assert ((m(x).double() - x.double() @ m.dequantize().double().T - m.bias.double()).abs()
+                <= int8_activation_bound(m.dequantize(), x)).all()
+    m.backend = "reference"
+    assert m.layout == "" and torch.equal(m(x), want)
+
+
+@pytest.mark.parametrize("fmt, opts", [("bcq", dict(bits=4, group_size=64, init="uniform", iters=0)),
+                                       ("codebook", dict(bits=2)), ("mixed", {})])
+def test_state_dict_of_a_layer_moved_to_meta_has_the_canonical_specs(fmt, opts):
+    """A layer held in the x86 layout, moved to meta: its state dict is empty meta tensors of the checkpoint's names,
+    shapes and dtypes (the layout's conversion back reads values, which meta tensors do not have)."""
+    from qlinear.modules import module_class
+
+    m = module_class(fmt).from_linear(torch.nn.Linear(256, 64), QLinearConfig(fmt, **opts))
+    assert m.layout.startswith("x86")
+    sd = m.to("meta").state_dict()
+    assert {k: (tuple(v.shape), v.dtype, v.device.type) for k, v in sd.items() if k != "bias"} == \
+        {k: (tuple(shape), dt, "meta") for k, (shape, dt) in m._specs.items()}
