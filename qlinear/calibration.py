@@ -43,6 +43,14 @@ def max_positions(model: Optional[nn.Module]) -> Optional[int]:
     return n if isinstance(n, int) and n > 0 else None
 
 
+def check_length(model: Optional[nn.Module], length: int, what: str, option: str) -> None:
+    """ValueError if ``length`` tokens (``what``, set by the command line's ``option``) exceed :func:`max_positions`."""
+    n = max_positions(model)
+    if n is not None and length > n:
+        raise ValueError(f"{what} of {length} tokens is longer than the model takes ({n} positions): use at most {n} "
+                         f"({option} on the command line)")
+
+
 def _batches(data: Data, tokenizer, max_length: int, model: Optional[nn.Module] = None) -> list[torch.Tensor]:
     """``data`` as int64 token-id tensors ``[B, T]``, checked against ``model.config.vocab_size`` where it has one, and
     cut to ``max_length`` tokens, or to the model's :func:`max_positions` where that is less."""
@@ -181,9 +189,7 @@ def generate_data(model: nn.Module, num_samples: int = 128, length: int = 256, *
         raise ValueError(f"generate_data: length must be at least greedy_tokens + 2 = {greedy_tokens + 2} (a random, "
                          f"{greedy_tokens} greedy and at least one sampled token), got length {length}, "
                          f"greedy_tokens {greedy_tokens}")
-    if length > (max_positions(model) or length):
-        raise ValueError(f"generate_data: length {length} is longer than the model takes ({max_positions(model)} "
-                         f"positions): use at most {max_positions(model)} (--calibration-length on the command line)")
+    check_length(model, length, "generate_data: a length", "--calibration-length")
     from transformers import GenerationConfig
 
     device = model.get_input_embeddings().weight.device

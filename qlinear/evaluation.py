@@ -23,7 +23,7 @@ from typing import Any, Callable, NamedTuple
 import torch
 import torch.nn.functional as F
 
-from .calibration import eval_mode, max_positions
+from .calibration import check_length, eval_mode
 
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _MARKER = "qlinear_checkpoint.json"  # written last: its presence means the cache is complete
@@ -207,9 +207,7 @@ def perplexity(model, tokenizer, text: str, *, max_tokens: int = 4096, window: i
     """
     if window < 2 or batch_size < 1:
         raise ValueError(f"need window >= 2 and batch_size >= 1, got {window}, {batch_size}")
-    if window > (max_positions(model) or window):
-        raise ValueError(f"a window of {window} tokens is longer than the model takes ({max_positions(model)} "
-                         f"positions): use a window of at most {max_positions(model)} (--window on the command line)")
+    check_length(model, window, "a window", "--window")
     ids = tokenizer(text, add_special_tokens=False)["input_ids"][:max_tokens]
     n_windows = len(ids) // window
     if n_windows < 1:

@@ -30,7 +30,9 @@ __device__ __forceinline__ unsigned code_word(const MixedGemvArgs& a, int n, int
                   : __ldg(a.codes + (size_t)4 * full * a.N + (size_t)n * (a.W - 4 * full) + (w - 4 * full));
 }
 
-__device__ __forceinline__ int outlier_col(const MixedGemvArgs& a, int i) {
+// Column of outlier i (Args: MixedGemvArgs or MixedCanonicalArgs, which hold the outliers alike).
+template <typename Args>
+__device__ __forceinline__ int outlier_col(const Args& a, int i) {
   return a.cols_int32 ? __ldg(static_cast<const int*>(a.outlier_cols) + i)
                       : (int)__ldg(static_cast<const short*>(a.outlier_cols) + i);
 }
@@ -38,7 +40,20 @@ __device__ __forceinline__ int outlier_col(const MixedGemvArgs& a, int i) {
 // Outliers of one row from index o on, the next one's column held in a register (INT_MAX past the row's last).
 struct OutlierCursor {
   int o, end, col;
-  __device__ __forceinline__ void load(const MixedGemvArgs& a) { col = o < end ? outlier_col(a, o) : 0x7FFFFFFF; }
+  template <typename Args>
+  __device__ __forceinline__ void load(const Args& a) { col = o < end ? outlier_col(a, o) : 0x7FFFFFFF; }
+  // At row n's first outlier in column col0 or after (columns ascend within a row: a binary search).
+  template <typename Args>
+  __device__ __forceinline__ void seek(const Args& a, int n, int col0) {
+    int lo = __ldg(a.outlier_row_ptr + n), hi = __ldg(a.outlier_row_ptr + n + 1);
+    end = hi;
+    while (lo < hi) {
+      const int mid = (lo + hi) / 2;
+      if (outlier_col(a, mid) < col0) lo = mid + 1; else hi = mid;
+    }
+    o = lo;
+    load(a);
+  }
 };
 
 // 16 outputs of one (row, group) of ZB-bit codes from code word `wi` (and wi + 1): ŝ·(q − z), one rounding;
@@ -99,16 +114,7 @@ __global__ void __launch_bounds__(kDequantThreads, 4) mixed_dequantize_kernel(co
     const float ss = __half2float(__ushort_as_half((unsigned short)(pair & 0xFFFFu)));
     const float zz = __half2float(__ushort_as_half((unsigned short)(pair >> 16)));
     s = __fadd_rn(zz, __fmul_rn(ss, code));
-    if (a.outlier_values) {  // this row's outliers with columns in the group (ascending within the row: a binary search)
-      int lo_i = __ldg(a.outlier_row_ptr + n), hi_i = __ldg(a.outlier_row_ptr + n + 1);
-      cur.end = hi_i;
-      while (lo_i < hi_i) {
-        const int mid = (lo_i + hi_i) / 2;
-        if (outlier_col(a, mid) < grp * g) lo_i = mid + 1; else hi_i = mid;
-      }
-      cur.o = lo_i;
-      cur.load(a);
-    }
+    if (a.outlier_values) cur.seek(a, n, grp * g);  // this row's outliers with columns in the group
   }
   for (int k0 = 0; k0 < g; k0 += C) {
     if (valid) {
@@ -178,11 +184,6 @@ __device__ CanonicalGroup canonical_group(const MixedCanonicalArgs& a, int n, in
   return c;
 }
 
-__device__ __forceinline__ int canonical_col(const MixedCanonicalArgs& a, int i) {
-  return a.cols_int32 ? __ldg(static_cast<const int*>(a.outlier_cols) + i)
-                      : (int)__ldg(static_cast<const short*>(a.outlier_cols) + i);
-}
-
 template <typename OutT>
 __global__ void __launch_bounds__(256) mixed_canonical_dequantize_kernel(const MixedCanonicalArgs a) {
   const size_t count = (size_t)a.N * a.K;
@@ -192,9 +193,10 @@ __global__ void __launch_bounds__(256) mixed_canonical_dequantize_kernel(const M
   Run32<OutT> out;
   if (t < total) {  // no early exit: every thread reaches store_runs' barrier
     int n = (int)(32 * (size_t)t / a.K), k = (int)(32 * (size_t)t % a.K);
-    int grp = -1, r4 = 0, end = 0, o = 0, o_end = 0, col = 0;  // grp -1: the row's group state not found yet
+    int grp = -1, r4 = 0, end = 0;  // grp -1: the row's group state not found yet
     bool is4 = false;
     CanonicalGroup c{};
+    OutlierCursor cur{0, 0, 0x7FFFFFFF};
     for (int j = 0; j < 32; ++j) {
       float v = 0.f;  // past Ŵ's last element: staged, never stored
       if (n < a.N) {
@@ -209,15 +211,7 @@ __global__ void __launch_bounds__(256) mixed_canonical_dequantize_kernel(const M
           is4 = r4 < a.G4 && __ldg(a.idx4 + r4) == grp;
           c = canonical_group(a, n, grp, is4, is4 ? r4 : grp - r4);
           end = (grp + 1) * g;
-          if (a.outlier_values) {
-            lo = __ldg(a.outlier_row_ptr + n), hi = o_end = __ldg(a.outlier_row_ptr + n + 1);
-            while (lo < hi) {
-              const int mid = (lo + hi) / 2;
-              if (canonical_col(a, mid) < k) lo = mid + 1; else hi = mid;
-            }
-            o = lo;
-            col = o < o_end ? canonical_col(a, o) : 0x7FFFFFFF;
-          }
+          if (a.outlier_values) cur.seek(a, n, k);
         } else if (k == end) {  // the next group of the row
           r4 += is4;
           ++grp;
@@ -228,15 +222,12 @@ __global__ void __launch_bounds__(256) mixed_canonical_dequantize_kernel(const M
         const unsigned q = stream_bits(c.codes, c.first + (long long)(k - (end - g)) * c.bits, c.bits);
         v = __fmul_rn(c.s, (float)q - c.z);
         if (a.outlier_values) {
-          while (col == k) {  // each listing of (n, k) adds, as the format's dequantize does
-            v = __fadd_rn(v, __half2float(__ldg(static_cast<const __half*>(a.outlier_values) + o)));
-            ++o;
-            col = o < o_end ? canonical_col(a, o) : 0x7FFFFFFF;
-          }
+          for (; cur.col == k; ++cur.o, cur.load(a))  // each listing of (n, k) adds, as the format's dequantize does
+            v = __fadd_rn(v, __half2float(__ldg(static_cast<const __half*>(a.outlier_values) + cur.o)));
         }
       }
       out.v[j] = from_float<OutT>(v);
-      if (++k == a.K) k = 0, ++n, grp = -1, o_end = 0, col = 0x7FFFFFFF;
+      if (++k == a.K) k = 0, ++n, grp = -1, cur = OutlierCursor{0, 0, 0x7FFFFFFF};
     }
   }
   store_runs<OutT, true>(out, t0, count, static_cast<OutT*>(a.w));
