@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 from pathlib import Path
 from typing import Optional
 
@@ -16,7 +17,7 @@ from qlinear.formats import rotation as _rotation
 
 from ._native import build_cuda_backend
 
-__all__ = ["NO_ROTATION", "cuda_transform", "rotation_smem_bytes", "sign_bits", "staged_rotation"]
+__all__ = ["NO_ROTATION", "cuda_transform", "mma_plan", "rotation_smem_bytes", "sign_bits", "staged_rotation"]
 
 NO_ROTATION = (None, 0, None)  # the ops' (rot_sign_bits, rot_block, rot_paley) of a layer the kernel does not rotate
 
@@ -25,6 +26,27 @@ def aligned16(t: torch.Tensor) -> torch.Tensor:
     """``t`` contiguous and 16-byte aligned (kernels that read it 16 bytes at a time): ``t`` itself when it is (every
     fresh allocation), else a copy."""
     return t if t.is_contiguous() and t.data_ptr() % 16 == 0 else t.clone(memory_format=torch.contiguous_format)
+
+
+@functools.lru_cache(maxsize=4096)  # per call of every layer: a lookup instead of ~2 µs of arithmetic
+def mma_plan(M: int, N: int, K: int, sms: int) -> tuple[int, int, int]:
+    """Launch shape ``(tile_m, tiles_per_split, splits)`` of the tensor-core GEMMs (QUICK's, ``backends/quick``, and the
+    8-bit uniform one, ``backends/cuda_uniform``) for ``x`` ``[M, K]`` and ``N`` rows.
+
+    ``tile_m`` (rows of x per block) is the smallest of 16/32/64/128 covering M (128: two warps along M).
+    Blocks own 128 rows of Ŵ; K (in 64-input tiles) is split into at most ``4·SMs / blocks`` slices (one wave of
+    four 128-thread blocks per SM: each thread keeps 2-4 tiles of codes and scales in flight, so four blocks give an
+    SM ~100 KB of loads in flight), keeping ≥ 2 tiles per split and at most 8 MiB of fp32 partials (they stay in
+    L2 for the reduction).  The 2026-11-23 heuristic aimed at two blocks per SM and capped the partials at 15 % of
+    the weight bytes: at M = 64 on 8192² that left 64 blocks, one split, 128 tiles per warp (205 µs on an H100).
+    A heuristic until ``benchmarks/tune_dispatch.py`` / ``sweep_plans.py`` have measured it on a GPU.
+    """
+    tile_m = next(t for t in (16, 32, 64, 128) if M <= t or t == 128)
+    blocks = math.ceil(N / 128) * math.ceil(M / tile_m)
+    tiles = K // 64
+    splits = max(1, min(4 * sms // blocks, tiles // 2, (8 << 20) // (4 * M * N)))
+    per_split = math.ceil(tiles / splits)
+    return tile_m, per_split, math.ceil(tiles / per_split)
 
 
 def rotation_smem_bytes(own: int, block: int, values: int, elem: int) -> int:

@@ -1,11 +1,12 @@
-"""BCQLinear GEMM benchmark on one GPU, M = 1..512: the QUICK kernel, the dispatched layer, the LUT GEMV,
-cuBLAS fp16, tinygemm int4 and GemLite, measured in the same run.
+"""BCQLinear GEMM benchmark on one GPU, M = 1..512: the QUICK kernel (the 8-bit uniform GEMM at ``--bits 8``), the
+dispatched layer, the LUT GEMV, cuBLAS fp16, tinygemm int4 and GemLite, measured in the same run.
 
-    python benchmarks/bench_gemm.py [--quick] [--shapes 8192x8192,...] [--batches 1,...,512] [--bits 4,3,2]
+    python benchmarks/bench_gemm.py [--quick] [--shapes 8192x8192,...] [--batches 1,...,512] [--bits 4,3,2,8]
                                     [--group 128] [--markdown out.md]
 
 Timing as in bench_gemv.py (:func:`common.gpu_time_us`: CUDA-graph replay, weights rotated through 3x L2).
-Rows: ``quick`` (the GEMM alone, uniform and free-α BCQ), ``dispatched`` (``qlinear::linear`` with automatic kernel choice, holding the
+Rows: ``quick`` (the GEMM alone, uniform and free-α BCQ; 8 bits: ``cuda_uniform_gemm`` on the canonical storage),
+``dispatched`` (``qlinear::linear`` with automatic kernel choice, holding the
 layout :func:`qlinear.backends.layout_for` picks, i.e. following this GPU's dispatch table if it has one),
 ``cuda_lut`` (M <= 8), ``cuBLAS fp16`` (``F.linear``), ``tinygemm`` (``torch._weight_int4pack_mm``, bf16,
 4-bit only) and ``GemLite`` (PyPI ``gemlite``, ``A16Wn`` Triton kernels, 4 and 2 bits; skipped with the reason
@@ -28,7 +29,7 @@ from common import (free_bcq_sets, gpu_run_header, gpu_time_us, op_calls, pool_s
                     uniform_bcq_sets)
 
 from qlinear import backends  # noqa: E402
-from qlinear.backends import cuda_lut, quick  # noqa: E402
+from qlinear.backends import cuda_lut, cuda_uniform, quick  # noqa: E402
 
 SHAPES = "8192x8192,4096x4096,11008x4096,4096x11008,28672x8192,8192x28672"
 BATCHES = "1,2,4,8,16,32,64,128,256,512"
@@ -74,6 +75,16 @@ def main() -> None:
                 else:
                     rows.append(base("GemLite", f"int{q} g{g}", gpu_time_us(gl), 0))
                     del gl
+                if q == 8:  # canonical storage: the tensor-core GEMM of cuda_uniform, no QUICK layout
+                    cfg, sets = uniform_bcq_sets(N, K, 8, g, "", n)
+                    nbytes = weight_bytes(M, N, K, 8, g, offset_bytes=1)
+                    if M <= cuda_uniform.GEMM_MAX_BATCH:
+                        rows.append(base("cuda_uniform_gemm", f"bcq int8 g{g}",
+                                         gpu_time_us(op_calls(x, cfg, sets, N, K, "cuda_uniform_gemm", "")), nbytes))
+                    rows.append(base("dispatched (canonical)", f"bcq int8 g{g}",
+                                     gpu_time_us(op_calls(x, cfg, sets, N, K, "", "")), nbytes))
+                    del sets
+                    continue
                 cfg, sets = uniform_bcq_sets(N, K, q, g, "quick", n)
                 nbytes = weight_bytes(M, N, K, q, g)
                 if M <= quick.MAX_BATCH:

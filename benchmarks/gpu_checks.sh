@@ -155,6 +155,8 @@ cuda_codebook:dequantize_op;cuda_uniform:ops_and_forward and 256-128"}
     [ -n "${EXTRA:-}" ] && cat "$OUT/extra.txt"
     timeout 110 python3 benchmarks/bench_gemm.py --quick --markdown "$OUT/bench_gemm.md" >"$OUT/bench_gemm.log" 2>&1
     snap
+    timeout 40 python3 benchmarks/bench_gemm.py --quick --bits 8 --markdown "$OUT/bench_gemm8.md" >"$OUT/bench_gemm8.log" 2>&1
+    snap
     timeout 90 python3 benchmarks/bench_gemv.py --shapes 8192x8192,28672x8192,576x576,1536x576 --batches 1,8 --groups 128 \
       --mixed-shapes 8192x8192,576x576 --outliers 0,0.002 --mixed-large-batches "" --gemlite-bits "" \
       --codebook-shapes 8192x8192 --uniform8 128 --uniform8-shapes 8192x8192 \
@@ -179,7 +181,7 @@ cuda_codebook:dequantize_op;cuda_uniform:ops_and_forward and 256-128"}
         --markdown "$OUT/sweep_plans.md" >"$OUT/sweep_plans.log" 2>&1
       snap
     fi
-    cat "$OUT/bench_gemm.md" "$OUT/bench_gemv.md" "$OUT/bench_dequant.md" 2>/dev/null | grep -v "^|---" | cut -c1-100
+    cat "$OUT/bench_gemm.md" "$OUT/bench_gemm8.md" "$OUT/bench_gemv.md" "$OUT/bench_dequant.md" 2>/dev/null | grep -v "^|---" | cut -c1-100
     [ -n "${SWEEP:-}" ] && grep -A24 "heuristic / best" "$OUT/sweep_plans.md" | cut -c1-110
     for B in ${ROTATION:-}; do grep -v "^|---" "$OUT/bench_rotation_$B.md" | cut -c1-110 | tail -8; done
     [ -n "${ROTATION:-}" ] && grep "plan" "$OUT/bench_rotate_slices.md" | cut -c1-110

@@ -7,7 +7,7 @@ For every (uniform or free α, bits, group_size, N, K) and M it times, with :fun
 weights rotated through 3x L2), every path a layer can take in each layout it may hold, where the path's kernel takes
 those bits.  Uniform layers: layout ``cuda_lut``: the LUT GEMV (M <= 8) and its dequantize + cuBLAS; layout ``quick``
 (1-4 bits): the QUICK GEMM (M <= 512) and dequantize + cuBLAS; the canonical storage (8 bits): the tensor-core GEMV
-``cuda_uniform_gemv`` (M <= 16) and dequantize + cuBLAS.  Free-α layers: layout ``cuda_lut``: the LUT GEMV and its
+``cuda_uniform_gemv`` (M <= 16), GEMM ``cuda_uniform_gemm`` (M <= 512) and dequantize + cuBLAS.  Free-α layers: layout ``cuda_lut``: the LUT GEMV and its
 dequantize + cuBLAS; layout ``quick``: ``quick_free`` (the QUICK GEMM, dequantize + cuBLAS above 512 rows).  Codebook
 layers (``--codebook bits:books:group``, canonical storage): the GEMV (M <= 8) and dequantize + cuBLAS.
 :func:`qlinear.backends.dispatch.plan_from_timings` then picks per shape the layout with the smallest worst slowdown
@@ -38,7 +38,8 @@ BATCHES = "1,2,4,8,16,32,64,128,256,512"
 # BCQ layers: uniform or free α -> backend -> (held layout, largest M it runs)
 PATHS = {True: {"cuda_lut": ("cuda_lut", cuda_lut.MAX_BATCH), "cuda_lut_dequant": ("cuda_lut", None),
                 "quick": ("quick", quick.MAX_BATCH), "quick_dequant": ("quick", None),
-                "cuda_uniform_gemv": ("", cuda_uniform.MAX_BATCH), "cuda_uniform": ("", None)},
+                "cuda_uniform_gemv": ("", cuda_uniform.MAX_BATCH),
+                "cuda_uniform_gemm": ("", cuda_uniform.GEMM_MAX_BATCH), "cuda_uniform": ("", None)},
          False: {"cuda_lut": ("cuda_lut", cuda_lut.MAX_BATCH), "cuda_lut_dequant": ("cuda_lut", None),
                  "quick_free": ("quick", None)}}
 CODEBOOK_PATHS = {"cuda_codebook_gemv": ("", cuda_codebook.MAX_BATCH), "cuda_codebook": ("", None)}

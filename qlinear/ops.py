@@ -265,6 +265,19 @@ _lib.define("uniform_gemv(Tensor x, Tensor qweight, Tensor scales, Tensor? qzero
 def _(x, qweight, scales, qzeros, bias, group_size, bits):
     """Uniform GEMV of :mod:`qlinear.backends.cuda_uniform`: ``x`` ``[M, K]`` fp16/bf16, ``M <= 16`` -> ``[M, N]``."""
     return x.new_empty(x.shape[0], qweight.shape[0])
+
+
+_lib.define("uniform_gemm(Tensor x, Tensor qweight, Tensor scales, Tensor? qzeros, Tensor? bias, int group_size, "
+            "int bits, int tile_m, int tiles_per_split, int splits) -> Tensor")
+
+
+@torch.library.register_fake("qlinear::uniform_gemm")
+def _(x, qweight, scales, qzeros, bias, group_size, bits, tile_m, tiles_per_split, splits):
+    """Uniform GEMM of :mod:`qlinear.backends.cuda_uniform`: ``x`` ``[M, K]`` fp16/bf16, ``M <= 512``, ``K`` a multiple
+    of 64 -> ``[M, N]``."""
+    return x.new_empty(x.shape[0], qweight.shape[0])
+
+
 _lib.define("arm_gemm(Tensor x, Tensor qw, Tensor qs, Tensor? qz, Tensor? qb, Tensor? books, Tensor? bias, "
             "int format, int num_books, int N, int group_size, int path, int layout, Tensor? rot_signs=None, "
             "Tensor? rot_paley=None, int rot_block=0, Tensor? perm=None) -> Tensor")

@@ -133,6 +133,6 @@ def test_dispatch_tuner_paths_match_the_registry():
             k = next(k for k in backends.kernels(fmt) if k.backend == backend)
             assert (k.layout.name if k.layout else "") == layout and k.max_batch == max_m, backend
     uniform = lambda bits: {b for b in tune_dispatch.PATHS[True] if tune_dispatch.takes("bcq", b, bits)}
-    assert uniform(8) == {"cuda_lut", "cuda_lut_dequant", "cuda_uniform_gemv", "cuda_uniform"}
+    assert uniform(8) == {"cuda_lut", "cuda_lut_dequant", "cuda_uniform_gemv", "cuda_uniform_gemm", "cuda_uniform"}
     assert uniform(4) == {"cuda_lut", "cuda_lut_dequant", "quick", "quick_dequant"}
     assert uniform(6) == {"cuda_lut", "cuda_lut_dequant"}

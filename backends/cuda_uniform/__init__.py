@@ -1,10 +1,10 @@
 """GPU paths of 8-bit uniform :class:`qlinear.BCQLinear` layers read as stored (GPTQ's ``qweight``, ``scales`` and
-``qzeros``, :mod:`qlinear.formats.bcq`; no kernel layout): a GEMV on tensor cores at decode batches, dequantize +
-cuBLAS above.
+``qzeros``, :mod:`qlinear.formats.bcq`; no kernel layout): a GEMV on tensor cores at decode batches, a GEMM on tensor
+cores up to 512 rows, dequantize + cuBLAS above.
 
 ``y = x Ŵᵀ + b`` for ``x`` ``[M, K]`` fp16/bf16 with ``Ŵ = s·(q − z)``, ``K`` a multiple of 32 (the format's groups
 are multiples of 32 or the whole row; the last may be shorter), with or without zero points, act_order and rotated
-layers through the op (which gathers and rotates x first).  Both kernels are in ``uniform.cu``:
+layers through the op (which gathers and rotates x first).  The kernels are in ``uniform.cu``:
 
 * ``cuda_uniform_gemv`` (``M <= 16``): reads the codes (half an fp16 weight's bytes) and never writes ``Ŵ``.  Each lane
   loads 16 consecutive codes of a row and the same 16 inputs of x, and ``mma.m16n8k16`` sums their products with the
@@ -13,6 +13,14 @@ layers through the op (which gathers and rotates x first).  Both kernels are in 
   product is exact and the sums fp32, scaled per group and accumulated in fp32; the warps' sums are added in a fixed
   order (deterministic).  One kernel for every M up to 16: its instructions per weight barely grow with M, where a
   CUDA-core GEMV's grow with M (an fp32 FMA per weight and row of x).
+* ``cuda_uniform_gemm`` (``M <= 512``, ``K`` a multiple of 64): QUICK's block (:mod:`qlinear.backends.quick`: 4 warps
+  of 32 rows of Ŵ, x in a cp.async pipeline of swizzled shared-memory stages, the next steps' codes and scales in a
+  register ring, deterministic split-K with :func:`qlinear.backends._gpu.mma_plan`'s launch shape) over the stored
+  codes, with the GEMV's k-slot assignment in place of QUICK's interleaved layout.  The mma computes ``yᵀ = Ŵ·xᵀ``:
+  x's words, two 16-byte shared loads per row, are B's registers as loaded; A is ``Ŵ`` in x's dtype, ``s·(q − z)``
+  rounded once (the value ``cuda_uniform`` writes), converted once per 64 inputs and used by every 8 rows of x in the
+  block; fp32 accumulation.  Without it, 17-512 rows took dequantize + cuBLAS, which writes and reads ``Ŵ`` in fp16
+  (five bytes moved per weight where cuBLAS alone moves two).
 * ``cuda_uniform`` (every batch): writes ``Ŵ`` ``[N, K]`` in ``x``'s dtype as the format's float32 ``s·(q − z)``
   rounded once; then one dense GEMM.
 
@@ -32,12 +40,14 @@ import torch
 from qlinear.formats import bcq
 
 from .. import ANY, Kernel, register
-from .._gpu import aligned16
+from .._gpu import aligned16, mma_plan
 from .._native import build_cuda_backend, dense_linear
+from .._native import sm_count as _sms  # module attribute: tests replace it without a GPU
 
-__all__ = ["dequantize", "linear", "linear_gemv", "supports", "MAX_BATCH"]
+__all__ = ["dequantize", "linear", "linear_gemv", "linear_gemm", "supports", "supports_gemm", "MAX_BATCH", "GEMM_MAX_BATCH"]
 
 MAX_BATCH = 16
+GEMM_MAX_BATCH = 512
 
 _HERE = Path(__file__).parent
 
@@ -65,6 +75,25 @@ def linear_gemv(x: torch.Tensor, buffers: dict, bias, cfg, out_features: int, in
     return y.reshape(*x.shape[:-1], out_features)
 
 
+def linear_gemm(x: torch.Tensor, buffers: dict, bias, cfg, out_features: int, in_features: int) -> torch.Tensor:
+    """Registry entry of the GEMM: ``x`` ``[..., K]`` fp16/bf16 on CUDA, at most :data:`GEMM_MAX_BATCH` rows, ``K`` a
+    multiple of 64 -> ``[..., N]``, launched as :func:`qlinear.backends._gpu.mma_plan` says."""
+    x2 = x.reshape(-1, in_features)
+    launch = mma_plan(x2.shape[0], out_features, in_features, _sms(x.device.index or 0))
+    y = torch.ops.qlinear.uniform_gemm(aligned16(x2), aligned16(buffers["qweight"]), buffers["scales"],
+                                       buffers.get("qzeros"), bias, cfg.group(in_features), cfg.bits, *launch)
+    return y.reshape(*x.shape[:-1], out_features)
+
+
+def supports_gemm(cfg, out_features: int, in_features: int) -> Optional[str]:
+    """Why the GEMM cannot run a BCQ layer of this config and shape (None if it can): :func:`supports`, and ``K`` a
+    multiple of 64 (its steps)."""
+    why = supports(cfg, out_features, in_features)
+    if why is None and in_features % 64:
+        return f"in_features={in_features} is not a multiple of 64"
+    return why
+
+
 def supports(cfg, out_features: int, in_features: int) -> Optional[str]:
     """Why the kernels cannot run a BCQ layer of this config and shape (None if they can)."""
     if not bcq.is_uniform(cfg):
@@ -89,4 +118,7 @@ _COMMON = dict(format=bcq.NAME, devices=frozenset({"cuda"}), dtypes=frozenset({t
 # above the LUT GEMV (priority 10) and its dequantize path (4), so that 8-bit uniform layers stay in their canonical
 # storage on a GPU (layers past the kernels' size limits keep the LUT layout)
 register(Kernel(backend="cuda_uniform_gemv", fn=linear_gemv, priority=15, max_batch=MAX_BATCH, **_COMMON))
+# between the GEMV and dequantize + cuBLAS: M = 17..512
+register(Kernel(backend="cuda_uniform_gemm", fn=linear_gemm, priority=14, max_batch=GEMM_MAX_BATCH,
+                **{**_COMMON, "supports": supports_gemm}))
 register(Kernel(backend="cuda_uniform", fn=linear, priority=6, max_batch=ANY, **_COMMON))

@@ -63,9 +63,34 @@ at::Tensor uniform_gemv(const at::Tensor& x, const at::Tensor& qweight, const at
   return qlinear::gemv_op(g, x, bias, qweight, qlinear::uniform_gemv, op);
 }
 
+at::Tensor uniform_gemm(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                        const std::optional<at::Tensor>& qzeros, const std::optional<at::Tensor>& bias,
+                        int64_t group_size, int64_t bits, int64_t tile_m, int64_t tiles_per_split, int64_t splits) {
+  const char* op = "uniform_gemm";
+  qlinear::check_gemv_x(x, 512, op);
+  TORCH_CHECK(x.size(1) % 64 == 0, op, ": K must be a multiple of 64, got ", x.size(1));
+  const int64_t steps = x.size(1) / 64;
+  TORCH_CHECK(tile_m == 16 || tile_m == 32 || tile_m == 64 || tile_m == 128, op, ": tile_m must be 16, 32, 64 or 128");
+  TORCH_CHECK(tiles_per_split >= 1 && splits >= 1 && (splits - 1) * tiles_per_split < steps &&
+                  splits * tiles_per_split >= steps, op, ": ", splits, " slices of ", tiles_per_split,
+              " steps do not cover K's ", steps, " steps of 64 inputs with none empty");
+  qlinear::UniformGemmArgs ga{};
+  ga.g.w = weights_of(qweight, scales, qzeros, x.size(1), group_size, bits, op);
+  ga.tile_m = (int)tile_m; ga.tiles_per_split = (int)tiles_per_split; ga.splits = (int)splits;
+  at::Tensor workspace;
+  ga.partial = qlinear::split_workspace(splits, x.size(0), ga.g.w.N, x, workspace);
+  return qlinear::gemv_op(ga.g, x, bias, qweight,
+                          [&ga](const qlinear::UniformGemvArgs& g, cudaStream_t s) {
+                            ga.g = g;
+                            return qlinear::uniform_gemm(ga, s);
+                          },
+                          op);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(qlinear, CUDA, m) {
   m.impl("uniform_dequantize", &uniform_dequantize);
   m.impl("uniform_gemv", &uniform_gemv);
+  m.impl("uniform_gemm", &uniform_gemm);
 }

@@ -1,5 +1,5 @@
-// The uniform BCQ storage's GPU decode paths (issue 24): a GEMV on tensor cores at decode batches (M <= 16), and a
-// dequantize kernel writing Ŵ for one cuBLAS GEMM above.  8-bit codes: the 1-4 bit layers run on QUICK's and the LUT
+// The uniform BCQ storage's GPU paths (issue 24): a GEMV on tensor cores at decode batches (M <= 16), a GEMM on tensor
+// cores for M up to 512, and a dequantize kernel writing Ŵ for one cuBLAS GEMM above.  8-bit codes: the 1-4 bit layers run on QUICK's and the LUT
 // GEMV's layouts.
 //
 // Dequantize: a code becomes a float with one byte permute: byte q into the second byte of 0x4B000000 is 2^23 + 256·q,
@@ -12,6 +12,7 @@
 #include <cuda_runtime.h>
 
 #include "../_cuda/canonical.cuh"  // store_runs
+#include "../_cuda/x_stage.cuh"
 #include "uniform.h"
 
 namespace qlinear {
@@ -273,7 +274,206 @@ cudaError_t gemv_as(const GemvArgs<UniformArgs>& g, cudaStream_t s) {
   }
 }
 
-// The weights' rules both kernels share (N·K/32 < 2^31: 32-bit indices; K < 2^20: GroupOf).
+// ---- the GEMM (M up to 512) on tensor cores ----
+//
+// QUICK's block (quick_gemm.cu) over the canonical codes: 4 warps along N, each 32 rows of Ŵ, × WM warps along M, each
+// 16·MT rows of x; K walked in 64-input steps, x through a 3-stage cp.async pipeline in the swizzled stages of
+// x_stage.cuh, the next D steps' codes, scales and zero points in flight in a register ring; split-K slices summed in
+// slice order by a second kernel (deterministic).  The mma computes yᵀ = Ŵ·xᵀ: A is Ŵ (two tiles of 16 rows per warp),
+// B is xᵀ (tiles of 8 rows of x).  A lane 4r + u holds, as in the GEMV, the 16 codes of its rows n0 + 8i + r at inputs
+// 64s + 16u .. + 15 (one 16-byte load per row) and reads the same 16 inputs of its row r of each x tile (two 16-byte
+// shared loads): the GEMV's k-slot assignment, so no value moves between lanes and no layout is needed, and the loaded
+// words of x are B's registers as they arrive (x as A would pair rows r and r + 8 in each register quad: a move per
+// register).  A is Ŵ in x's dtype, s·(q − z) rounded once (Deq8): the value uniform_dequantize writes, converted once
+// per step and used by every x tile; accumulation in fp32.
+constexpr int kGemmWarpsN = 4, kGemmStages = 3;
+
+// One lane's loads for one step: its rows' codes, each row's scale (fp16 bits) and zero-point word (the byte is picked
+// when used, not when loaded, so that no instruction waits on the load before the ring has moved on).
+struct GemmStep {
+  uint4 codes[4];
+  unsigned short scale[4];
+  unsigned zero[4];
+};
+
+// B registers of Ŵ = s·(q − z) in T for one row and group: q − z (q − 127.5 on the symmetric grid) exact in T or fp32,
+// then one rounding of the product (exact before it: at most 9 significant bits times fp16's 11).
+template <typename T, bool SYM> struct Deq8;
+template <bool SYM> struct Deq8<__half, SYM> {
+  __half2 s, zc;  // zc: 1024 + z twice (1024 on the symmetric grid)
+  __device__ __forceinline__ void set(unsigned short scale, unsigned zero_word, int shift) {
+    s = __half2half2(__ushort_as_half(scale));
+    zc = __float2half2_rn(1024.f + (SYM ? 0.f : (float)((zero_word >> shift) & 255u)));
+  }
+  // codes 2p, 2p + 1 of word w
+  __device__ __forceinline__ unsigned pair(unsigned w, int p) const {
+    const unsigned h = __byte_perm(w, 0x64646464u, p ? 0x5342u : 0x5140u);  // 1024 + q, exact
+    __half2 v = __hsub2(*reinterpret_cast<const __half2*>(&h), zc);
+    if constexpr (SYM) v = __hsub2(v, __float2half2_rn(127.5f));
+    const __half2 w2 = __hmul2(v, s);
+    return *reinterpret_cast<const unsigned*>(&w2);
+  }
+};
+template <bool SYM> struct Deq8<__nv_bfloat16, SYM> {  // bf16 holds neither 1024 + q nor s: fp32 until the rounding
+  float s, zc;  // zc: 2^23 + z
+  __device__ __forceinline__ void set(unsigned short scale, unsigned zero_word, int shift) {
+    s = __half2float(__ushort_as_half(scale));
+    zc = __uint_as_float(0x4B000000u | (SYM ? 0u : (zero_word >> shift) & 255u));
+  }
+  __device__ __forceinline__ unsigned pair(unsigned w, int p) const {
+    float d[2];
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const float f = __uint_as_float(__byte_perm(w, 0x4B000000u, 0x7440u | (2 * p + e))) - zc;  // q − z, exact
+      d[e] = (SYM ? f - 127.5f : f) * s;
+    }
+    const __nv_bfloat162 v = __floats2bfloat162_rn(d[0], d[1]);
+    return *reinterpret_cast<const unsigned*>(&v);
+  }
+};
+
+// Step t's loads for the lane's rows n[i] (clamped to N − 1: rows past N are computed, never stored).
+template <bool SYM>
+__device__ __forceinline__ void load_gemm_step(GemmStep& st, const UniformArgs& a, const int (&n)[4], int groups,
+                                               const GroupOf& group_of, int t, int u) {
+  const int k = 64 * t + 16 * u, g = group_of(64 * t + 32 * (u / 2));
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    st.codes[i] = __ldg(reinterpret_cast<const uint4*>(a.codes + (size_t)n[i] * a.code_words + k / 4));
+    st.scale[i] = __ldg(static_cast<const unsigned short*>(a.scales) + (size_t)n[i] * groups + g);
+    if constexpr (!SYM) st.zero[i] = __ldg(a.zeros + (size_t)g * a.zero_words + n[i] / 4);
+  }
+}
+
+template <int MT> constexpr int kGemmDepth = MT >= 4 ? 2 : 3;
+
+template <typename T, int MT, int WM, bool SYM>
+__global__ void __launch_bounds__(32 * kGemmWarpsN * WM) uniform_gemm_kernel(const UniformGemmArgs ga) {
+  constexpr int BM = 16 * MT * WM, THREADS = 32 * kGemmWarpsN * WM, D = kGemmDepth<MT>;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  T* const smem = reinterpret_cast<T*>(smem_raw);
+  const GemvArgs<UniformArgs>& g = ga.g;
+  const UniformArgs& a = g.w;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, r = lane >> 2, u = lane & 3;
+  const int warp_n = warp % kGemmWarpsN, warp_m = warp / kGemmWarpsN;
+  const int m0 = blockIdx.y * BM, t0 = blockIdx.z * ga.tiles_per_split;
+  const int nt_count = min(ga.tiles_per_split, a.K / kStageK - t0);
+  const int n0 = (blockIdx.x * kGemmWarpsN + warp_n) * 32;
+  const bool active = n0 < a.N;
+  const int groups = (a.K - 1) / a.group_size + 1;
+  const GroupOf group_of(a.group_size);
+  const T* const x = static_cast<const T*>(g.x);
+  int n[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) n[i] = min(n0 + 8 * i + r, a.N - 1);
+
+  float acc[2][2 * MT][4];  // [Ŵ tile][x tile]: the mma's D of 16 rows of Ŵ × 8 rows of x
+#pragma unroll
+  for (int t = 0; t < 2; ++t)
+#pragma unroll
+    for (int v = 0; v < 2 * MT; ++v)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[t][v][e] = 0.f;
+
+#pragma unroll
+  for (int s = 0; s < kGemmStages - 1; ++s) {
+    if (s < nt_count) load_a_stage<T, BM, THREADS>(smem + s * BM * kStageK, x, nullptr, g.M, a.K, m0, (t0 + s) * kStageK, tid);
+    cp_async_commit();
+  }
+  // slot j of the ring holds step base + j and is refilled with step base + j + D after its mmas (QUICK's ring)
+  GemmStep ring[D];
+#pragma unroll
+  for (int j = 0; j < D; ++j)
+    if (active && j < nt_count) load_gemm_step<SYM>(ring[j], a, n, groups, group_of, t0 + j, u);
+
+  for (int base = 0; base < nt_count; base += D) {
+#pragma unroll
+    for (int j = 0; j < D; ++j) {
+      const int it = base + j;
+      if (it >= nt_count) break;
+      cp_async_wait<kGemmStages - 2>();
+      __syncthreads();
+      const int next = it + kGemmStages - 1;
+      if (next < nt_count)
+        load_a_stage<T, BM, THREADS>(smem + (next % kGemmStages) * BM * kStageK, x, nullptr, g.M, a.K, m0,
+                                     (t0 + next) * kStageK, tid);
+      cp_async_commit();
+      if (!active) continue;
+      Deq8<T, SYM> dq[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) dq[i].set(ring[j].scale[i], ring[j].zero[i], 8 * (n[i] % 4));
+      const T* const stage = smem + (it % kGemmStages) * BM * kStageK;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {  // chunk 2u + h of the lane's rows: inputs 16u + 8h .., the k-slots of mmas 2h, 2h + 1
+        unsigned af[2][2][4];  // [Ŵ tile][mma 2h + jj]: A fragments, converted once, used by every 8 rows of x
+#pragma unroll
+        for (int t = 0; t < 2; ++t) {
+          const uint4 lo = ring[j].codes[2 * t], hi = ring[j].codes[2 * t + 1];  // rows r + 16t and r + 16t + 8
+#pragma unroll
+          for (int jj = 0; jj < 2; ++jj) {  // word 2h + jj of the lane's codes: inputs 16u + 8h + 4jj .. + 3
+            const unsigned wl = h == 0 ? (jj ? lo.y : lo.x) : (jj ? lo.w : lo.z);
+            const unsigned wh = h == 0 ? (jj ? hi.y : hi.x) : (jj ? hi.w : hi.z);
+            af[t][jj][0] = dq[2 * t].pair(wl, 0);
+            af[t][jj][1] = dq[2 * t + 1].pair(wh, 0);
+            af[t][jj][2] = dq[2 * t].pair(wl, 1);
+            af[t][jj][3] = dq[2 * t + 1].pair(wh, 1);
+          }
+        }
+#pragma unroll
+        for (int v = 0; v < 2 * MT; ++v) {  // x rows 8v + r of the warp's: B's column r, its words in load order
+          const uint4 xv = *reinterpret_cast<const uint4*>(a_chunk(stage, warp_m * MT * 16 + 8 * v + r, 2 * u + h));
+#pragma unroll
+          for (int t = 0; t < 2; ++t) {
+            mma<T>(acc[t][v], af[t][0], xv.x, xv.y);
+            mma<T>(acc[t][v], af[t][1], xv.z, xv.w);
+          }
+        }
+      }
+      if (it + D < nt_count) load_gemm_step<SYM>(ring[j], a, n, groups, group_of, t0 + it + D, u);
+    }
+  }
+  cp_async_wait<0>();
+  if (!active) return;
+  const bool direct = ga.splits == 1;
+  float* const part = direct ? nullptr : ga.partial + (size_t)blockIdx.z * g.M * a.N;
+#pragma unroll
+  for (int t = 0; t < 2; ++t)
+#pragma unroll
+    for (int v = 0; v < 2 * MT; ++v)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {  // D: row r (+ 8) of the Ŵ tile, column 2u (+ 1) of the x tile
+        const int col = n0 + 16 * t + r + 8 * (e / 2), m = m0 + warp_m * MT * 16 + 8 * v + 2 * u + e % 2;
+        if (m >= g.M || col >= a.N) continue;
+        float y = acc[t][v][e];
+        if (!direct) { part[(size_t)m * a.N + col] = y; continue; }
+        if (g.bias) y += bias_at<T>(g.bias, g.bias_dtype, col);
+        static_cast<T*>(g.y)[(size_t)m * a.N + col] = from_float<T>(y);
+      }
+}
+
+template <typename T, int MT, int WM>
+cudaError_t launch_gemm(const UniformGemmArgs& ga, cudaStream_t s) {
+  constexpr int BM = 16 * MT * WM;
+  const size_t smem = (size_t)kGemmStages * BM * kStageK * sizeof(T);  // at most 48 KB: no opt-in
+  const dim3 grid((ga.g.w.N + 32 * kGemmWarpsN - 1) / (32 * kGemmWarpsN), (ga.g.M + BM - 1) / BM, ga.splits);
+  if (ga.g.w.zeros) uniform_gemm_kernel<T, MT, WM, false><<<grid, 32 * kGemmWarpsN * WM, smem, s>>>(ga);
+  else uniform_gemm_kernel<T, MT, WM, true><<<grid, 32 * kGemmWarpsN * WM, smem, s>>>(ga);
+  if (ga.splits > 1) reduce_splits<T>(ga.partial, ga.g.bias, ga.g.bias_dtype, ga.g.y, ga.splits, ga.g.M, ga.g.w.N, s);
+  return cudaGetLastError();
+}
+
+template <typename T>
+cudaError_t gemm_as(const UniformGemmArgs& ga, cudaStream_t s) {
+  switch (ga.tile_m) {
+    case 16: return launch_gemm<T, 1, 1>(ga, s);
+    case 32: return launch_gemm<T, 2, 1>(ga, s);
+    case 64: return launch_gemm<T, 4, 1>(ga, s);
+    case 128: return launch_gemm<T, 4, 2>(ga, s);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+// The weights' rules the kernels share (N·K/32 < 2^31: 32-bit indices; K < 2^20: GroupOf).
 bool weights_invalid(const UniformArgs& a) {
   return a.bits != 8 || a.K % 32 || a.K >= (1 << 20) || a.group_size <= 0 || a.group_size % 32 ||
          a.code_words != a.K / 4 || (a.zeros && a.zero_words != (a.N + 3) / 4) ||
@@ -302,6 +502,19 @@ cudaError_t uniform_gemv(const UniformGemvArgs& g, cudaStream_t stream) {
     return cudaErrorInvalidValue;
   if (g.x_dtype == DType::kHalf) return gemv_as<__half>(g, stream);
   if (g.x_dtype == DType::kBFloat16) return gemv_as<__nv_bfloat16>(g, stream);
+  return cudaErrorInvalidValue;
+}
+
+cudaError_t uniform_gemm(const UniformGemmArgs& ga, cudaStream_t stream) {
+  const UniformArgs& a = ga.g.w;
+  const int steps = a.K / kStageK;
+  if (weights_invalid(a) || a.K % kStageK || ga.g.M < 1 || ga.g.M > 512 || (reinterpret_cast<size_t>(ga.g.x) & 15u) ||
+      ga.tiles_per_split < 1 || ga.splits < 1 || (long long)(ga.splits - 1) * ga.tiles_per_split >= steps ||
+      (long long)ga.splits * ga.tiles_per_split < steps ||
+      (ga.splits > 1 && ga.partial == nullptr))
+    return cudaErrorInvalidValue;
+  if (ga.g.x_dtype == DType::kHalf) return gemm_as<__half>(ga, stream);
+  if (ga.g.x_dtype == DType::kBFloat16) return gemm_as<__nv_bfloat16>(ga, stream);
   return cudaErrorInvalidValue;
 }
 

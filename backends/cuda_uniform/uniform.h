@@ -36,4 +36,18 @@ using UniformGemvArgs = GemvArgs<UniformArgs>;
 // another dtype than fp16/bf16.
 cudaError_t uniform_gemv(const UniformGemvArgs& args, cudaStream_t stream);
 
+// The GEMM: y [M, N] = x [M, K] · Ŵᵀ + bias, M = 1..512, on tensor cores, with blocks of tile_m rows of x (16, 32, 64
+// or 128) × 128 rows of Ŵ, each over tiles_per_split consecutive 64-input steps of K (its split-K slice).
+struct UniformGemmArgs {
+  UniformGemvArgs g;
+  float* partial;  // [splits, M, N] fp32 workspace when splits > 1
+  int tile_m, tiles_per_split, splits;
+};
+
+// cudaErrorInvalidValue for the weights uniform_dequantize refuses, K % 64 != 0, M outside 1..512, x not 16-byte
+// aligned or of another dtype than fp16/bf16, a tile_m other than 16/32/64/128, slices that leave one empty or miss a
+// step, or no
+// workspace for several.
+cudaError_t uniform_gemm(const UniformGemmArgs& args, cudaStream_t stream);
+
 }  // namespace qlinear

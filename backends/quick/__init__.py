@@ -69,6 +69,7 @@ from qlinear.formats.packing import pack_planes, unpack_planes
 
 from .. import ANY, Kernel, Layout, register
 from .._native import build_cuda_backend, dense_linear
+from .._gpu import mma_plan as plan  # noqa: F401  (quick.plan: the GEMM's launch shape)
 from .._gpu import rotation_smem_bytes, staged_rotation
 from .._native import sm_count as _sms  # module attribute: tests replace it without a GPU
 
@@ -297,26 +298,6 @@ def supports_free(cfg, out_features: int, in_features: int) -> Optional[str]:
     if bcq.is_uniform(cfg):
         return "uniform layers take backend 'quick'"
     return holds(cfg, out_features, in_features)
-
-
-@functools.lru_cache(maxsize=4096)  # per call of every layer: a lookup instead of ~2 µs of arithmetic
-def plan(M: int, N: int, K: int, sms: int) -> tuple[int, int, int]:
-    """Launch shape ``(tile_m, tiles_per_split, splits)`` for ``x`` ``[M, K]`` and ``N`` rows.
-
-    ``tile_m`` (rows of x per block) is the smallest of 16/32/64/128 covering M (128: two warps along M).
-    Blocks own 128 rows of Ŵ; K (in 64-input tiles) is split into at most ``4·SMs / blocks`` slices (one wave of
-    four 128-thread blocks per SM: each thread keeps 2-4 tiles of codes and scales in flight, so four blocks give an
-    SM ~100 KB of loads in flight), keeping ≥ 2 tiles per split and at most 8 MiB of fp32 partials (they stay in
-    L2 for the reduction).  The 2026-11-23 heuristic aimed at two blocks per SM and capped the partials at 15 % of
-    the weight bytes: at M = 64 on 8192² that left 64 blocks, one split, 128 tiles per warp (205 µs on an H100).
-    A heuristic until ``benchmarks/tune_dispatch.py`` / ``sweep_plans.py`` have measured it on a GPU.
-    """
-    tile_m = next(t for t in (16, 32, 64, 128) if M <= t or t == 128)
-    blocks = math.ceil(N / 128) * math.ceil(M / tile_m)
-    tiles = K // TILE_K
-    splits = max(1, min(4 * sms // blocks, tiles // 2, (8 << 20) // (4 * M * N)))
-    per_split = math.ceil(tiles / splits)
-    return tile_m, per_split, math.ceil(tiles / per_split)
 
 
 def _weights(buffers: dict, cfg, in_features: int):
