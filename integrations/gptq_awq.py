@@ -5,7 +5,8 @@ per quantized ``nn.Linear`` ``name``, packed int32 ``name.qweight`` and ``name.q
 optionally ``name.bias``; the weights are ``scales·(codes − zeros)`` per group of inputs.
 
 - **GPTQ** (AutoGPTQ / GPTQModel, also read by transformers, vLLM, TGI and ExLlama): ``{"quant_method": "gptq",
-  "bits", "group_size", "desc_act", "sym", "checkpoint_format": "gptq" | "gptq_v2"}``; ``qweight`` ``[K·bits/32,
+  "bits", "group_size", "desc_act", "sym", "checkpoint_format": "gptq" | "gptq_v2"}`` (AutoGPTQ 0.8 names it
+  ``"format"``; older AutoGPTQ folders keep these settings in ``quantize_config.json``); ``qweight`` ``[K·bits/32,
   N]`` (codes packed along K), ``qzeros`` ``[G, N·bits/32]`` (stored minus one in the v1 "gptq" format),
   ``scales`` ``[G, N]``, ``g_idx`` int32 ``[K]``.  Bits 2, 3, 4, 8 (3-bit codes straddle words as one
   little-endian bit stream).  See :func:`qlinear.formats.uniform.pack_gptq`.
@@ -60,6 +61,13 @@ def _read_config(path: Path, method: str):
     config = AutoConfig.from_pretrained(path)
     q = getattr(config, "quantization_config", None)
     q = q.to_dict() if hasattr(q, "to_dict") else dict(q or {})
+    legacy = path / "quantize_config.json"  # older AutoGPTQ folders keep the settings there, not in config.json
+    if not q and method == "gptq" and legacy.is_file():
+        try:
+            q = {"quant_method": "gptq", **json.loads(legacy.read_text())}
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"{legacy} is not a JSON object: {e}") from None
+        config.quantization_config = q
     if q.get("quant_method") != method:
         article = "an" if method[0] in "aeiou" else "a"
         raise ValueError(f"{path} is not {article} {method.upper()} checkpoint (quantization_config.quant_method = "
@@ -69,6 +77,7 @@ def _read_config(path: Path, method: str):
             group_size == -1 or group_size > 0):
         raise ValueError(f"{path}: quantization_config needs integer bits >= 1 and group_size (-1 or positive), got "
                          f"bits={bits!r}, group_size={group_size!r}")
+    q["group_size"] = group_size
     return config, q
 
 
@@ -200,6 +209,16 @@ def _one_grid(layers: list, method: str) -> tuple[int, int]:
                      f"group_size, in_features) are {grids}: quantize them with one config")
 
 
+def _gptq_format(q: dict) -> str:
+    """The checkpoint format a GPTQ quantization_config names: ``checkpoint_format`` (GPTQModel, transformers) or
+    ``format`` (AutoGPTQ 0.8 writes only that key), "gptq" when neither; ValueError if they disagree."""
+    named = {q[k] for k in ("checkpoint_format", "format") if q.get(k) is not None}
+    if len(named) > 1:
+        raise ValueError(f"quantization_config names two formats, checkpoint_format={q['checkpoint_format']!r} and "
+                         f"format={q['format']!r}; fix config.json so that they agree")
+    return named.pop() if named else "gptq"
+
+
 def load_gptq(path, *, dtype: torch.dtype = torch.float16, backend: Optional[str] = None) -> nn.Module:
     """Load a GPTQ checkpoint folder (see the module docstring) as a transformers causal LM whose quantized
     layers are exact :class:`qlinear.BCQLinear` modules (same dequantized weights as the checkpoint's
@@ -217,7 +236,7 @@ def load_gptq(path, *, dtype: torch.dtype = torch.float16, backend: Optional[str
 
     path = Path(path)
     config, q = _read_config(path, "gptq")
-    bits, fmt = q["bits"], q.get("checkpoint_format", "gptq")
+    bits, fmt = q["bits"], _gptq_format(q)
 
     def make_layer(name, mod, t, bias):
         if q.get("desc_act") and "g_idx" not in t:  # act_order: the inputs' groups are not k // group_size

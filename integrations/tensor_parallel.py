@@ -114,11 +114,50 @@ def shard_inputs(layer: nn.Module, start: int, end: int) -> nn.Module:
 
 
 def _all_gather(x: torch.Tensor, group) -> torch.Tensor:
-    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, x.contiguous(), group=group)
+    if torch.is_grad_enabled() and x.requires_grad:  # torch's differentiable one: its backward sums the ranks' parts
+        from torch.distributed.nn.functional import all_gather
+
+        parts = list(all_gather(x.contiguous(), group=group))
+    else:
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, x.contiguous(), group=group)
     STATS["all_gather"] += 1
     STATS["bytes"] += x.numel() * x.element_size() * (len(parts) - 1)
     return torch.cat(parts, -1)
+
+
+class _CopyToParallel(torch.autograd.Function):
+    """Megatron's ``f`` before a column-parallel layer: the identity forward; backward, the input's gradient summed over
+    the ranks (each rank's shard of the layer gives only its part of it).  The row-parallel all-reduce needs no such
+    operator: its output feeds the same loss on every rank, so its input's gradient is the output's, as autograd
+    already computes."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        STATS["all_reduce"] += 1
+        STATS["bytes"] += grad.numel() * grad.element_size()
+        return grad, None
+
+
+def _column_input_hook(group):
+    def hook(module, args):
+        x = args[0]
+        if torch.is_grad_enabled() and x.requires_grad:  # inference (and frozen inputs) skip the autograd node
+            return (_CopyToParallel.apply(x, group),) + tuple(args[1:])
+    return hook
+
+
+def _column_parallel(layer: nn.Module, group) -> nn.Module:
+    """``layer`` (a column shard) with :class:`_CopyToParallel` on its input."""
+    layer.register_forward_pre_hook(_column_input_hook(group))
+    return layer
 
 
 class RowParallel(nn.Module):
@@ -150,7 +189,9 @@ def _perm(layer) -> Optional[torch.Tensor]:
 
 def parallelize(model: nn.Module, group=None, mode: str = "tp_aware") -> nn.Module:
     """Shard ``model`` (a transformers Llama-style causal LM: ``model.model.layers[i].self_attn.{q,k,v,o}_proj``
-    and ``.mlp.{gate,up,down}_proj``) over ``group`` (default: the world) in place and return it.
+    and ``.mlp.{gate,up,down}_proj``) over ``group`` (default: the world) in place and return it.  Gradients of the
+    float parameters (adapters, norms, embeddings) are those of the unsharded model: column-parallel inputs all-reduce
+    their gradient in backward (Megatron's ``f``) and all-gathers are differentiable.
 
     Args:
         mode: "tp_aware" (no all-gather for act_order down projections) or "naive" (Alg. 2).
@@ -179,8 +220,9 @@ def parallelize(model: nn.Module, group=None, mode: str = "tp_aware") -> nn.Modu
     plan = []  # (parent, name, new module): built for every layer first, assigned only if all succeed
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        plan += [(attn, "q_proj", shard_rows(attn.q_proj, q_rows)), (attn, "k_proj", shard_rows(attn.k_proj, kv_rows)),
-                 (attn, "v_proj", shard_rows(attn.v_proj, kv_rows))]
+        plan += [(attn, "q_proj", _column_parallel(shard_rows(attn.q_proj, q_rows), group)),
+                 (attn, "k_proj", _column_parallel(shard_rows(attn.k_proj, kv_rows), group)),
+                 (attn, "v_proj", _column_parallel(shard_rows(attn.v_proj, kv_rows), group))]
         o_perm = _perm(attn.o_proj)
         if o_perm is None:
             o = RowParallel(shard_inputs(attn.o_proj, q_rows[0].item(), q_rows[-1].item() + 1), attn.o_proj.bias, group)
@@ -194,7 +236,8 @@ def parallelize(model: nn.Module, group=None, mode: str = "tp_aware") -> nn.Modu
             rows, gather = p2[i0:i1], None
         else:
             rows, gather = torch.arange(i0, i1), (None if p2 is None else p2[i0:i1])
-        plan += [(mlp, "gate_proj", shard_rows(mlp.gate_proj, rows)), (mlp, "up_proj", shard_rows(mlp.up_proj, rows)),
+        plan += [(mlp, "gate_proj", _column_parallel(shard_rows(mlp.gate_proj, rows), group)),
+                 (mlp, "up_proj", _column_parallel(shard_rows(mlp.up_proj, rows), group)),
                  (mlp, "down_proj", RowParallel(shard_inputs(mlp.down_proj, i0, i1), mlp.down_proj.bias, group, gather))]
     for parent, name, new in plan:
         setattr(parent, name, new)

@@ -51,6 +51,14 @@ def check_length(model: Optional[nn.Module], length: int, what: str, option: str
                          f"({option} on the command line)")
 
 
+def _check_loaded(model: nn.Module) -> None:
+    """ValueError if a parameter of ``model`` is on the meta device: its forward cannot collect activations."""
+    meta = next((n for n, p in model.named_parameters() if p.is_meta), None)
+    if meta is not None:
+        raise ValueError(f"calibration runs the model, but {meta} is on the meta device (not loaded, or offloaded to "
+                         "disk): load the weights first")
+
+
 def _batches(data: Data, tokenizer, max_length: int, model: Optional[nn.Module] = None) -> list[torch.Tensor]:
     """``data`` as int64 token-id tensors ``[B, T]``, checked against ``model.config.vocab_size`` where it has one, and
     cut to ``max_length`` tokens, or to the model's :func:`max_positions` where that is less."""
@@ -71,11 +79,12 @@ def _batches(data: Data, tokenizer, max_length: int, model: Optional[nn.Module] 
             if tokenizer is None:
                 raise TypeError("calibration texts need a tokenizer: calibrate(model, texts, tokenizer=...)")
             ids = tokenizer(item, return_tensors="pt", truncation=True, max_length=max_length)["input_ids"]
-        elif isinstance(item, torch.Tensor) and not item.is_floating_point():
-            ids = item if item.dim() == 2 else item.reshape(1, -1)
-            ids = ids[:, :max_length]
+        elif isinstance(item, torch.Tensor) and item.dtype in (torch.int32, torch.int64):  # what embeddings take
+            if item.dim() not in (1, 2):
+                raise ValueError(f"a token-id tensor must be [T] or [batch, T], got {list(item.shape)}")
+            ids = (item if item.dim() == 2 else item.reshape(1, -1))[:, :max_length]
         else:
-            raise TypeError(f"calibration data must be texts or integer token-id tensors, got {type(item).__name__}"
+            raise TypeError(f"calibration data must be texts or int64/int32 token-id tensors, got {type(item).__name__}"
                             + (f" of {item.dtype}" if isinstance(item, torch.Tensor) else ""))
         if ids.numel():
             if isinstance(vocab, int) and not (0 <= int(ids.min()) and int(ids.max()) < vocab):
@@ -100,13 +109,15 @@ def calibrate(model: nn.Module, data: Data, tokenizer=None, *, max_length: int =
         modules: names of the Linear layers to collect (default: all).
 
     Raises:
-        TypeError: texts without a tokenizer, data of another type, or ``max_length`` not an int.  ValueError: empty
-        data, ``max_length`` < 1, or token ids outside ``[0, model.config.vocab_size)``.
+        TypeError: texts without a tokenizer, data of another type (token ids must be int64/int32), or
+        ``max_length`` not an int.  ValueError: empty data, a token-id tensor that is not ``[T]`` or ``[batch, T]``,
+        ``max_length`` < 1, token ids outside ``[0, model.config.vocab_size)``, or a parameter on the meta device.
     """
     wanted = None if modules is None else set(modules)
     linears = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear) and (wanted is None or n in wanted)}
     if wanted is not None and wanted - set(linears):
         raise ValueError(f"not Linear layers of the model: {sorted(wanted - set(linears))}")
+    _check_loaded(model)
     H: dict[str, torch.Tensor] = {}
     count: dict[str, int] = {}
     seen: dict[int, tuple[torch.Tensor, str]] = {}
@@ -174,7 +185,8 @@ def generate_data(model: nn.Module, num_samples: int = 128, length: int = 256, *
     (SmolLM2-135M, 128 x 256 tokens: 304 s on 2 CPU cores, README).
 
     Raises:
-        TypeError: ``model`` without ``generate``/``config.vocab_size`` (not a transformers causal LM).
+        TypeError: ``model`` without ``generate``/``config.vocab_size`` (not a transformers causal LM), or
+            ``num_samples``, ``length``, ``greedy_tokens``, ``batch_size`` or ``seed`` that is not an int.
         ValueError: ``num_samples`` or ``batch_size`` < 1, ``greedy_tokens`` < 0, ``length`` < ``greedy_tokens + 2``
         (no sampled token) or above the model's ``max_position_embeddings``, or embeddings offloaded to the meta
         device.
@@ -183,6 +195,11 @@ def generate_data(model: nn.Module, num_samples: int = 128, length: int = 256, *
     if not callable(getattr(model, "generate", None)) or not isinstance(vocab, int):
         raise TypeError(f"generate_data needs a transformers causal LM with generate() and config.vocab_size, "
                         f"got {type(model).__name__}")
+    ints = {"num_samples": num_samples, "length": length, "greedy_tokens": greedy_tokens, "batch_size": batch_size,
+            "seed": seed}
+    wrong = [f"{k}={v!r}" for k, v in ints.items() if isinstance(v, bool) or not isinstance(v, int)]
+    if wrong:
+        raise TypeError(f"generate_data: {', '.join(wrong)} must be ints")
     if num_samples < 1 or batch_size < 1:
         raise ValueError(f"generate_data: num_samples and batch_size must be >= 1, got {num_samples}, {batch_size}")
     if greedy_tokens < 0 or length < greedy_tokens + 2:
@@ -255,6 +272,7 @@ def sequential(model: nn.Module, data: Data, tokenizer, targets: list, quantize,
     Raises:
         Whatever ``quantize`` raises; TypeError/ValueError for bad data (see :func:`calibrate`).
     """
+    _check_loaded(model)
     names = [n for n, _, _ in targets]
     prefix, blocks = decoder_blocks(model, names)
     inside = {n for n in names if blocks is not None and n.startswith(prefix + ".")}

@@ -86,7 +86,8 @@ def parser() -> argparse.ArgumentParser:
                    help="another format option, repeatable, e.g. --option method=gptq --option act_order=true "
                         "(see qlinear.formats.<format>.Config)")
     q.add_argument("--skip", action="append", default=None, metavar="PATTERN",
-                   help="module-name pattern kept in full precision, repeatable (default: lm_head)")
+                   help="module-name pattern kept in full precision, repeatable (lm_head is always kept unless "
+                        "--lm-head-bits)")
     q.add_argument("--lm-head-bits", type=int, choices=(8,), metavar="8",
                    help="quantize lm_head too (a tied one gets its own copy), round-to-nearest per row: 8 bits cost "
                         "SmolLM2-135M 0.1%% perplexity and save its float32 output layer's ~10 ms per CPU decode step "
@@ -183,7 +184,7 @@ def _quantize(args) -> None:
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()
-    opts, skip = dict(args.option), args.skip or ["lm_head"]
+    opts, skip = dict(args.option), ["lm_head", *(args.skip or [])]  # --skip adds to lm_head, never replaces it
     if args.lm_head_bits:
         skip = [p for p in skip if p != "lm_head"]
         head = QLinearConfig("bcq", bits=args.lm_head_bits, group_size=-1, init="uniform", iters=0)

@@ -202,11 +202,12 @@ def perplexity(model, tokenizer, text: str, *, max_tokens: int = 4096, window: i
         ``exp(mean NLL)`` over all predicted tokens, as a Python float.
 
     Raises:
-        ValueError: ``window < 2``, ``batch_size < 1``, a window longer than the model's ``max_position_embeddings``,
-            or fewer than ``window`` tokens.
+        ValueError: ``window < 2``, ``batch_size < 1``, ``max_tokens < window``, a window longer than the model's
+            ``max_position_embeddings``, or fewer than ``window`` tokens.
     """
-    if window < 2 or batch_size < 1:
-        raise ValueError(f"need window >= 2 and batch_size >= 1, got {window}, {batch_size}")
+    if window < 2 or batch_size < 1 or max_tokens < window:
+        raise ValueError(f"need window >= 2, batch_size >= 1 and max_tokens >= window, got {window}, {batch_size}, "
+                         f"{max_tokens}")
     check_length(model, window, "a window", "--window")
     ids = tokenizer(text, add_special_tokens=False)["input_ids"][:max_tokens]
     n_windows = len(ids) // window
@@ -238,8 +239,13 @@ def greedy_continuation(model, tokenizer, prompt: str, max_new_tokens: int = 32)
 
     Returns:
         The decoded new tokens only (``str``, prompt excluded).
+
+    Raises:
+        ValueError: a prompt that tokenizes to no tokens.
     """
     inputs = tokenizer(prompt, return_tensors="pt", add_special_tokens=False)
+    if inputs["input_ids"].shape[1] == 0:
+        raise ValueError(f"the prompt {prompt!r} has no tokens: greedy_continuation needs at least one")
     inputs = {k: v.to(next(model.parameters()).device) for k, v in inputs.items()}
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     with torch.no_grad():

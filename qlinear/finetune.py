@@ -145,6 +145,12 @@ def finetune(model: nn.Module, data: Data, tokenizer=None, *, teacher: Optional[
                          f"or not loaded (first: {away[0]}): load the model onto one device without offload")
     if teacher is model:
         raise ValueError("teacher must be a separate float model (e.g. loaded again from the same checkpoint)")
+    if teacher is not None:  # a smaller teacher vocabulary would fail inside its embedding, before the logits check
+        vocab = [getattr(m.get_input_embeddings(), "num_embeddings", None) if hasattr(m, "get_input_embeddings")
+                 else None for m in (model, teacher)]
+        if None not in vocab and vocab[0] != vocab[1]:
+            raise ValueError(f"teacher has a vocabulary of {vocab[1]} tokens, the model {vocab[0]}: distil from the "
+                             "float model of the same checkpoint")
     batches = _batches(data, tokenizer, max_length, model)
     if teacher is None and min(ids.shape[1] for ids in batches) < 2:
         raise ValueError("without a teacher each sequence needs at least 2 tokens (the loss predicts the next one)")

@@ -181,9 +181,10 @@ class QuantLinear(nn.Module):
             if not isinstance(bias, torch.Tensor) or not bias.is_floating_point():
                 raise TypeError(f"bias must be a floating point tensor, got "
                                 f"{bias.dtype if isinstance(bias, torch.Tensor) else type(bias).__name__}")
-            if tuple(bias.shape) != (out_features,) or not bool(torch.isfinite(bias).all()):
-                raise ValueError(f"bias must be [{out_features}] finite values (out_features), got "
-                                 f"{list(bias.shape)}")
+            if tuple(bias.shape) != (out_features,):
+                raise ValueError(f"bias must be [{out_features}] (out_features), got {list(bias.shape)}")
+            if not bool(torch.isfinite(bias).all()):
+                raise ValueError(f"bias has {int((~torch.isfinite(bias)).sum())} non-finite values (inf or NaN)")
         if not buffers:
             raise ValueError("no packed buffers given: from_packed takes the format's buffers (buffer_specs), e.g. "
                              "another layer's canonical()")
@@ -631,11 +632,12 @@ class BCQLinear(QuantLinear):
     def to_gptq(self, checkpoint_format: str = "gptq") -> dict[str, torch.Tensor]:
         """This layer as GPTQ checkpoint tensors (AutoGPTQ / GPTQModel layout, the inverse of :meth:`from_gptq`):
         ``qweight`` int32 ``[K·bits/32, N]``, ``qzeros`` int32 ``[G, ceil(N·bits/32)]``, ``scales`` fp16
-        ``[G, N]``, ``g_idx`` int32 ``[K]`` (``k // group_size`` unless act_order), plus ``bias`` if any.
+        ``[G, N]``, ``g_idx`` int32 ``[K]`` (``k // group_size`` unless act_order), plus the fp16 ``bias`` if any.
 
         Raises:
             ValueError: the layer's α are not uniform (only GPTQ / round-to-nearest / imported layers have
-                int codes), bits not in (2, 3, 4, 8), offsets that are not integer zero points, or a rotated layer.
+                int codes), bits not in (2, 3, 4, 8), offsets that are not integer zero points, a rotated layer, or
+                a bias beyond fp16's range.
         """
         codes, scales, zeros, g_idx = self._uniform_export("GPTQ", (2, 3, 4, 8))
         qweight, qzeros = pack_gptq(codes, zeros, self.config.bits, checkpoint_format)
@@ -643,8 +645,16 @@ class BCQLinear(QuantLinear):
             g_idx = (torch.arange(self.in_features) // self.config.group(self.in_features)).to(torch.int32)
         out = {"qweight": qweight, "qzeros": qzeros, "scales": scales.T.contiguous().half(), "g_idx": g_idx}
         if self.bias is not None:
-            out["bias"] = self.bias.detach().cpu().half()
+            out["bias"] = self._fp16_bias("GPTQ")
         return out
+
+    def _fp16_bias(self, engine: str) -> torch.Tensor:
+        """The bias in fp16, as ``engine``'s checkpoints and kernels hold it; ValueError if fp16 cannot hold it."""
+        bias = self.bias.detach().cpu().half()
+        if not bool(torch.isfinite(bias).all()):
+            raise ValueError(f"{engine} checkpoints store the bias in fp16, which cannot hold this layer's (largest "
+                             f"|bias| {float(self.bias.detach().abs().max()):g}, fp16's largest 65504)")
+        return bias
 
     def _uniform_export(self, engine: str, bits: tuple[int, ...]):
         """``bcq.to_uniform`` of this layer on the CPU, after refusing bits ``engine``'s checkpoints do not hold and a
@@ -685,7 +695,7 @@ class BCQLinear(QuantLinear):
 
         Raises:
             ValueError: not 4 bits, non-uniform α, an act_order or rotated layer (AWQ holds neither a ``g_idx`` nor
-                a transform), or a shape the layout cannot pack.
+                a transform), a shape the layout cannot pack, or a bias beyond fp16's range.
         """
         codes, scales, zeros, g_idx = self._uniform_export("AWQ", (4,))
         if g_idx is not None:
@@ -694,7 +704,7 @@ class BCQLinear(QuantLinear):
         qweight, qzeros, s = pack_awq(codes, zeros, scales, self.config.group_size, version)
         out = {"qweight": qweight, "qzeros": qzeros, "scales": s}
         if self.bias is not None:
-            out["bias"] = self.bias.detach().cpu().half()
+            out["bias"] = self._fp16_bias("AWQ")
         return out
 
 

@@ -220,6 +220,12 @@ def test_awq_errors(tmp_path):
     with pytest.raises(ValueError, match=r"layer 'model.layers.0.mlp.up_proj': AWQ 'gemm' qweight is \[64, 15\], "
                                          r"expected \[64, 16\]"):
         qlinear.load_awq(good)
+    qlinear.save_awq(_rtn4(), good)
+    sd = load_file(str(good / "model.safetensors"))
+    save_file({**sd, "model.layers.0.mlp.up_proj.scales": sd["model.layers.0.mlp.up_proj.scales"].to(torch.int32)},
+              str(good / "model.safetensors"))
+    with pytest.raises(TypeError, match="AWQ scales must be fp16, got torch.int32"):
+        qlinear.load_awq(good)
 
     out = tmp_path / "refused"
     for bad_model, message in [

@@ -140,6 +140,18 @@ def test_quantize_lm_head_bits_quantizes_the_output_layer_per_row(float_ckpt, tm
     assert _run_here(capsys, "quantize", fp, tmp_path / "bad", "--lm-head-bits", "4")[0] == 2  # 8 only
 
 
+def test_quantize_skip_adds_to_lm_head(float_ckpt, tmp_path, capsys):
+    """A --skip pattern keeps its modules float as well as lm_head (it once replaced the default and quantized the
+    output layer at the main format's bits)."""
+    fp, _ = float_ckpt
+    code, _, err = _run_here(capsys, "quantize", fp, tmp_path / "q", "--skip", "*.o_proj", "--no-progress")
+    assert code == 0, err[-3000:]
+    saved = AutoModelForCausalLM.from_pretrained(tmp_path / "q")
+    assert not isinstance(saved.lm_head, QuantLinear)
+    assert not isinstance(saved.model.layers[0].self_attn.o_proj, QuantLinear)
+    assert isinstance(saved.model.layers[0].self_attn.q_proj, QuantLinear)
+
+
 def test_finetune_without_calibration_distils_on_the_models_own_samples(float_ckpt, tmp_path, capsys):
     fp, _ = float_ckpt
     for out, extra in (("q", ()), ("ft", ("--finetune-steps", "3", "--calibration-samples", "4",

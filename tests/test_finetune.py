@@ -107,8 +107,9 @@ def test_finetune_errors_leave_the_model_as_it_was():
     from transformers import LlamaConfig, LlamaForCausalLM
     other = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                          num_attention_heads=2, num_key_value_heads=1)).eval()
-    with pytest.raises(ValueError, match="teacher logits"):
-        finetune(model, [ids % 64], teacher=other, steps=2, progress=False)
+    for data in ([ids % 64], [ids]):  # ids past the teacher's 64 once failed inside its embedding (IndexError)
+        with pytest.raises(ValueError, match="teacher has a vocabulary of 64 tokens, the model 128"):
+            finetune(model, data, teacher=other, steps=2, progress=False)
     with pytest.raises(ValueError, match="separate float model"):
         finetune(model, [ids], teacher=model, progress=False)
     with pytest.raises(ValueError, match="non-finite"):
@@ -131,6 +132,39 @@ def test_finetune_errors_leave_the_model_as_it_was():
     assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
     assert sum(isinstance(m, QuantLinear) for m in model.modules()) == 14
     assert torch.equal(model(ids).logits, ref)
+
+
+def test_data_and_evaluation_inputs_are_checked():
+    """Inputs a review helper found accepted or failing deep inside torch/transformers: bool or uint8 token ids, a 3-D
+    id tensor (once flattened into one sequence), generate_data's non-int arguments, perplexity's max_tokens below
+    one window (once sliced as a negative index), an empty greedy prompt, and calibration of a model on the meta
+    device (once meta Hessians, or transformers' error from inside the forward)."""
+    from qlinear.evaluation import greedy_continuation, perplexity
+
+    model = tiny_llama()
+    ids = torch.randint(0, 128, (1, 8))
+    for bad in (ids.bool(), ids.to(torch.uint8), ids.float()):
+        with pytest.raises(TypeError, match="int64/int32 token-id tensors"):
+            qlinear.calibrate(model, [bad], progress=False)
+    with pytest.raises(ValueError, match=r"must be \[T\] or \[batch, T\], got \[2, 2, 3\]"):
+        qlinear.calibrate(model, [torch.zeros(2, 2, 3, dtype=torch.long)], progress=False)
+    assert len(qlinear.calibrate(model, [ids.int()], progress=False)) > 0
+    for kw in ({"seed": None}, {"length": 6.0}, {"num_samples": 1.5}, {"batch_size": True}):
+        with pytest.raises(TypeError, match="must be ints"):
+            qlinear.generate_data(model, **{"num_samples": 2, "length": 6, **kw}, progress=False)
+    with pytest.raises(ValueError, match="max_tokens >= window"):
+        perplexity(model, None, "text", max_tokens=-1, window=8)
+    with torch.device("meta"):
+        meta = tiny_llama()
+    with pytest.raises(ValueError, match="on the meta device"):
+        qlinear.calibrate(meta, [ids], progress=False)
+    with pytest.raises(ValueError, match="on the meta device"):
+        qlinear.replace_linear(meta, QLinearConfig("bcq", bits=4, group_size=32, method="gptq"), calibration_data=[ids],
+                               progress=False)
+    assert not any(isinstance(m, QuantLinear) for m in meta.modules())  # nothing replaced
+    empty = lambda text, **kw: {"input_ids": torch.zeros(1, 0, dtype=torch.long)}
+    with pytest.raises(ValueError, match="has no tokens"):
+        greedy_continuation(model, empty, "")
 
 
 def test_generate_data_starts_random_then_greedy_and_keeps_the_callers_state():

@@ -232,6 +232,71 @@ def test_load_gptq_rejects_other_checkpoints(tmp_path):
         qlinear.load_gptq(good)
 
 
+def test_load_gptq_reads_every_config_spelling_and_refuses_damaged_tensors(tmp_path):
+    """A review helper's findings: AutoGPTQ 0.8's ``"format"`` key is read (as v2: the zero points as stored) and a
+    conflict with ``checkpoint_format`` raises; settings only in ``quantize_config.json`` (older AutoGPTQ) load; a
+    missing group_size means one group per row; a qzeros wider than ceil(N·bits/32) words, int scales and a float g_idx
+    raise instead of loading wrong weights; and export refuses a bias fp16 cannot hold."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    model = qlinear.replace_linear(tiny_llama(), QLinearConfig("bcq", bits=4, group_size=32, init="uniform", iters=0),
+                                   progress=False)
+    ids = torch.randint(0, 128, (1, 8))
+    want = model(ids).logits
+    good = tmp_path / "v2"
+    qlinear.save_gptq(model, good, checkpoint_format="gptq_v2")
+    config = json.loads((good / "config.json").read_text())
+    q = config["quantization_config"]
+
+    def write(qc, sd=None, where="config.json"):
+        c = {**config, "quantization_config": qc} if where == "config.json" else \
+            {k: v for k, v in config.items() if k != "quantization_config"}
+        (good / "config.json").write_text(json.dumps(c))
+        if where != "config.json":
+            (good / where).write_text(json.dumps(qc))
+        if sd is not None:
+            save_file(sd, str(good / "model.safetensors"), metadata={"format": "pt"})
+
+    write({k: v for k, v in q.items() if k != "checkpoint_format"} | {"format": "gptq_v2"})
+    assert torch.equal(qlinear.load_gptq(good, dtype=torch.float32)(ids).logits, want)
+    write(q | {"format": "gptq"})
+    with pytest.raises(ValueError, match="two formats, checkpoint_format='gptq_v2' and format='gptq'"):
+        qlinear.load_gptq(good)
+    write({k: v for k, v in q.items() if k != "quant_method"}, where="quantize_config.json")
+    assert torch.equal(qlinear.load_gptq(good, dtype=torch.float32)(ids).logits, want)
+    (good / "quantize_config.json").unlink()
+
+    whole = tmp_path / "whole"  # one group per row: a config without group_size
+    row = qlinear.replace_linear(tiny_llama(), QLinearConfig("bcq", bits=4, group_size=-1, init="uniform", iters=0),
+                                 progress=False)
+    qlinear.save_gptq(row, whole)
+    wc = json.loads((whole / "config.json").read_text())
+    del wc["quantization_config"]["group_size"]
+    (whole / "config.json").write_text(json.dumps(wc))
+    assert torch.equal(qlinear.load_gptq(whole, dtype=torch.float32)(ids).logits, row(ids).logits)
+
+    sd = load_file(str(good / "model.safetensors"))
+    name = "model.layers.0.self_attn.q_proj"
+    for key, bad, match, error in (
+            ("qzeros", torch.cat([sd[f"{name}.qzeros"], sd[f"{name}.qzeros"][:, :1]], 1), "do not fit", ValueError),
+            ("scales", sd[f"{name}.scales"].to(torch.int32), "floating-point", TypeError),
+            ("g_idx", sd[f"{name}.g_idx"].float(), "integer tensor", TypeError)):
+        write(q, {**sd, f"{name}.{key}": bad})
+        with pytest.raises(error, match=match):
+            qlinear.load_gptq(good)
+
+    lin = qlinear.replace_linear(torch.nn.Sequential(torch.nn.Linear(64, 32)), QLinearConfig(
+        "bcq", bits=4, group_size=32, init="uniform", iters=0), progress=False)[0]
+    with torch.no_grad():
+        lin.bias[0] = 1e5
+    with pytest.raises(ValueError, match="bias in fp16, which cannot hold"):
+        lin.to_gptq()
+    with pytest.raises(ValueError, match="bias in fp16, which cannot hold"):
+        lin.to_awq()
+
+
 def test_load_gptq_refuses_a_quantized_layer_without_the_bias_its_model_has(tmp_path):
     from safetensors.torch import load_file, save_file
     from transformers import Qwen2Config, Qwen2ForCausalLM

@@ -558,9 +558,9 @@ def test_imports_and_calls_refuse_bad_arguments_with_a_clear_error():
     AttributeError), to load silently (a wrong bias, Inf scales) or to misread its input (a text as characters)."""
     lin = nn.Linear(128, 64)
     q = BCQLinear.from_linear(lin, QLinearConfig("bcq", bits=4, group_size=32, init="uniform", iters=0))
-    for bias, err, message in ((torch.full((1,), 5.0), ValueError, r"bias must be \[64\] finite"),
+    for bias, err, message in ((torch.full((1,), 5.0), ValueError, r"bias must be \[64\] \(out_features\)"),
                                (torch.zeros(1, 64), ValueError, r"bias must be \[64\]"),
-                               (torch.full((64,), float("nan")), ValueError, "finite"),
+                               (torch.full((64,), float("nan")), ValueError, "bias has 64 non-finite values"),
                                (torch.zeros(64, dtype=torch.int32), TypeError, "bias must be a floating point")):
         with pytest.raises(err, match=message):
             BCQLinear.from_packed(q.canonical(), 128, 64, q.config, bias)
@@ -607,3 +607,4 @@ def test_output_is_not_a_view_under_autograd(layers, fmt):
     y += 1.0
     y.sum().backward()
     assert torch.allclose(x.grad, mods[fmt].dequantize().sum(0).expand(2, 3, 128), atol=1e-4)
+

@@ -55,6 +55,10 @@ def test_sharded_model_matches_single_process(world, tmp_path):
     for (quant, mode), r in cases.items():
         assert r["max_diff"] <= 1e-4 * r["scale"] + 1e-5, (quant, mode, r)
         assert r["same_text"], (quant, mode)
+    grads = [r for r in results if "grad_quant" in r]
+    assert len(grads) == 2 and all(r["scale"] > 0 for r in grads)
+    for r in grads:  # Megatron's f (the gradient of a column-parallel input all-reduced) and the all-gather's backward
+        assert r["max_diff"] <= 1e-4 * r["scale"] + 1e-6, r
     gathers = {k: r["all_gather_per_forward"] for k, r in cases.items()}
     layers = 2
     assert gathers[("none", "tp_aware")] == 0 and gathers[("bcq", "tp_aware")] == 0

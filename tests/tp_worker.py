@@ -83,9 +83,28 @@ def parallelize_cases():
             results.append({"error_heads": str(e), "untouched": model.model.layers[0].self_attn.q_proj is q_before})
 
 
+def gradient_cases():
+    """Gradients through a parallelized model (LoRA-style training of its float parameters) against one process: the
+    embedding's and the first norm's, which reach every column-parallel input and (naive) the all-gather."""
+    for quant, mode in (("bcq", "tp_aware"), ("gptq-static-o", "naive")):
+        model, ids = build(quant)
+        grads = []
+        for sharded in (False, True):
+            if sharded:
+                tp.parallelize(model, mode=mode)
+            model.zero_grad()
+            model(ids).logits.float().pow(2).mean().backward()
+            grads.append([p.grad.clone() for p in (model.model.embed_tokens.weight,
+                                                   model.model.layers[0].input_layernorm.weight)])
+        results.append({"grad_quant": quant, "mode": mode,
+                        "max_diff": max(float((a - b).abs().max()) for a, b in zip(*grads)),
+                        "scale": min(float(a.abs().max()) for a in grads[0])})
+
+
 if not checkpoint_mode:
     with torch.no_grad():
         parallelize_cases()
+    gradient_cases()
 
 
 def hf_compare(path, ids, label, tp_config, base=False):

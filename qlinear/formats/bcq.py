@@ -601,6 +601,7 @@ def from_uniform(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
 
     Raises:
         ValueError: inconsistent shapes, codes or zero points out of range, scales that are not fp16 values.
+        TypeError: scales that are not floating point, a ``g_idx`` that is not integer.
     """
     if codes.dim() != 2:
         raise ValueError(f"codes must be [N, K], got {list(codes.shape)}")
@@ -611,6 +612,10 @@ def from_uniform(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
     if scales.shape != (N, G) or zeros.shape != (N, G):
         raise ValueError(f"scales and zeros must be [{N}, {G}] for codes {list(codes.shape)} and group_size "
                          f"{group_size}; got {list(scales.shape)} and {list(zeros.shape)}")
+    if not scales.is_floating_point():
+        raise TypeError(f"scales must be a floating-point tensor of fp16 values, got {scales.dtype}")
+    if g_idx is not None and (g_idx.is_floating_point() or g_idx.is_complex() or g_idx.dtype == torch.bool):
+        raise TypeError(f"g_idx must be an integer tensor, got {g_idx.dtype}")
     cfg = Config(bits=bits, group_size=group_size, offset=True, iters=0, init="uniform", act_order=g_idx is not None)
     cfg.check_shape(N, K)
     perm = None

@@ -148,7 +148,7 @@ def unpack_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, bits: int, in_featu
 
     Args:
         qweight: int32 ``[K·bits/32, N]``, codes packed little-endian along K.
-        qzeros: int32 ``[G, N·bits/32]``, zero points packed little-endian along N.
+        qzeros: int32 ``[G, ceil(N·bits/32)]``, zero points packed little-endian along N.
         bits: 2, 3, 4 or 8 (3-bit codes straddle words: one little-endian bit stream).
         checkpoint_format: "gptq" (v1: the stored zero is z − 1) or "gptq_v2" (stored as z).
         dtype: of the codes, int64 or uint8 (8x less memory; zeros stay int64).
@@ -165,7 +165,7 @@ def unpack_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, bits: int, in_featu
     if qweight.dtype != torch.int32 or qzeros.dtype != torch.int32:
         raise ValueError(f"qweight and qzeros must be int32, got {qweight.dtype} and {qzeros.dtype}")
     N = qweight.shape[1]
-    if qweight.shape[0] * 32 // bits != in_features or qzeros.shape[1] * 32 // bits < N:
+    if qweight.shape[0] * 32 // bits != in_features or qzeros.shape[1] != -(-N * bits // 32):
         raise ValueError(f"qweight {list(qweight.shape)} / qzeros {list(qzeros.shape)} do not fit "
                          f"in_features={in_features}, out_features={N} at {bits} bits")
     codes = (unpack_u8 if dtype == torch.uint8 else unpack)(qweight.T.contiguous(), bits, in_features)
@@ -258,6 +258,7 @@ def unpack_awq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor
 
     Raises:
         ValueError: an unknown version, non-int32 words, or shapes that do not fit K, N and ``group_size``.
+        TypeError: scales that are not floating point.
     """
     from .packing import unpack, unpack_u8
 
@@ -265,6 +266,8 @@ def unpack_awq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor
     version, g, G = _check_awq(version, in_features, N, group_size)
     if qweight.dtype != torch.int32 or qzeros.dtype != torch.int32:
         raise ValueError(f"AWQ qweight and qzeros must be int32, got {qweight.dtype} and {qzeros.dtype}")
+    if not scales.is_floating_point():
+        raise TypeError(f"AWQ scales must be fp16, got {scales.dtype}")
     if version == "gemm":
         want = {"qweight": (in_features, N // 8), "qzeros": (G, N // 8), "scales": (G, N)}
     else:
