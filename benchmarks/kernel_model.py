@@ -4,6 +4,7 @@ time for a shape, batch and launch plan, no GPU.
     python benchmarks/kernel_model.py [--results benchmarks/results/h100-2026-11-23-bench_gemv.md]
     python benchmarks/kernel_model.py --quick --shapes 8192x8192 --batches 1,16,32,64,128   # the QUICK GEMM
     python benchmarks/kernel_model.py --mixed --shapes 8192x8192 --batches 1,8              # the mixed GEMV
+    python benchmarks/kernel_model.py --uniform8 --shapes 8192x8192 --batches 16,32,64,128  # the 8-bit GEMM
 
 The model reads four things and fits a few machine constants:
 
@@ -574,6 +575,42 @@ def quick_check(rows=None) -> Check:
     return Check(c, [(*r[:5], r[5], quick_predict(f, c)) for r, (f, _) in zip(rows[1::2], samples[1::2])])
 
 
+# --- the 8-bit uniform GEMM (cuda_uniform_gemm, issue 24): QUICK's block and ring over the canonical codes ----------
+UNIFORM_SOURCE = "backends/cuda_uniform/uniform.cu"
+
+
+def uniform_depth(tile_m: int) -> int:
+    """Steps in the 8-bit GEMM's register ring (``kGemmDepth`` in uniform.cu): 3 at 16/32 rows of x per warp, else 2."""
+    return 3 if tile_m <= 32 else 2
+
+
+def uniform_gemm_sass(source_root: Path, work: Path, build: Callable[[Path], tuple[Path, str]] = None
+                      ) -> dict[tuple[int, bool], tuple[int, float]]:
+    """``(registers, instructions per 64-input step)`` of every fp16 ``uniform_gemm_kernel`` instantiation built from
+    ``source_root``, keyed by (tile_m, symmetric grid): the main loop (the loop with MMAs) walks the ring's steps."""
+    cubin, log = (build or (lambda cu: compile_cubin(cu, work)))(source_root / UNIFORM_SOURCE)
+    regs = ptxas_registers(log)
+    sass = subprocess.run([cuobjdump(), "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
+    out = {}
+    for name, instrs in parse_sass(sass).items():
+        k = re.search(r"uniform_gemm_kernelI6__halfLi(\d)ELi(\d)ELb(\d)E", name)
+        if k:
+            mt, wm, sym = map(int, k.groups())
+            tile_m = 16 * mt * wm
+            out[tile_m, bool(sym)] = (regs[name], main_loop_instructions(instrs) / uniform_depth(tile_m))
+    return out
+
+
+def uniform_gemm_features(M: int, N: int, K: int, g: int, sass: dict, sym: bool = False) -> dict:
+    """:func:`quick_features` of the 8-bit GEMM: ``mma_plan``'s launch, its registers, ring depth and instructions per
+    step (``sass``: :func:`uniform_gemm_sass`); bytes: the codes, fp16 scales and byte zero points, x, y, partials."""
+    from qlinear.backends._gpu import mma_plan
+
+    tile_m = mma_plan(M, N, K, SMS)[0]
+    regs = {t: sass[t, sym][0] for t in (16, 32, 64, 128)}
+    return quick_features(M, N, K, 8, g, mma_plan, regs, uniform_depth, sass[tile_m, sym][1])
+
+
 # --- the mixed 2/4/16 GEMV (issue 23) ------------------------------------------------------------------------------
 MIXED_SOURCE = "backends/async_dequant/mixed_gemv.cu"
 # Its measured rows (bench_gemv, async scale dequantization, no outliers, the format's defaults) and the commit each
@@ -756,9 +793,13 @@ def main() -> None:
                     "table's rows and predictions for this checkout's GEMM (needs nvcc for its registers)")
     ap.add_argument("--mixed", action="store_true", help="the mixed GEMV's model instead: its fit on the H100 rows, its "
                     "check on H200 rows of it and two later kernels, predictions for this checkout's kernel")
+    ap.add_argument("--uniform8", action="store_true", help="the 8-bit uniform GEMM (cuda_uniform_gemm) on the QUICK "
+                    "model's constants: predictions for this checkout's kernel (never measured)")
     args = ap.parse_args()
     if args.quick:
         return quick_main(args)
+    if args.uniform8:
+        return uniform8_main(args)
     if args.mixed:
         return mixed_main(args)
     if nvcc() is None or cuobjdump() is None:
@@ -845,6 +886,32 @@ def quick_main(args) -> None:
                 print(f"| {N}x{K} | {q} | {M} | {plan} | {regs} | {ins:.0f} | "
                       f"{quick_predict(quick_current(M, N, K, q, 128, sass), c):.3g} | "
                       f"{meas.get((N, K, M, q), float('nan')):.3g} |")
+
+
+def uniform8_main(args) -> None:
+    """``--uniform8``: predictions for this checkout's 8-bit GEMM with the QUICK model's constants (fitted on the QUICK
+    GEMM: a prediction for a kernel no GPU has run), markdown."""
+    if nvcc() is None or cuobjdump() is None:
+        sys.exit("needs nvcc and cuobjdump (the registers and instructions of the 8-bit GEMM)")
+    sys.path.insert(0, str(ROOT))
+    from qlinear.backends._gpu import mma_plan
+
+    res = quick_check()
+    c = {**res.constants, **({"BW": args.bw} if args.bw else {})}
+    with tempfile.TemporaryDirectory() as tmp:
+        sass = uniform_gemm_sass(ROOT, Path(tmp))
+    card = f"H100 latencies, BW = {c['BW']:.3g} TB/s"
+    print(f"Predictions for this checkout's 8-bit GEMM, zero points stored, group 128, {card} (QUICK's constants; "
+          "never measured):\n\n| N x K | M | plan (tile_m, tiles/split, splits) | regs | instructions per step | "
+          "predicted µs | bytes / BW µs |\n|---|---|---|---|---|---|---|")
+    for shape in args.shapes.split(","):
+        N, K = map(int, shape.split("x"))
+        for M in map(int, args.batches.split(",")):
+            f = uniform_gemm_features(M, N, K, 128, sass)
+            plan = mma_plan(M, N, K, SMS)
+            regs, ins = sass[plan[0], False]
+            print(f"| {N}x{K} | {M} | {plan} | {regs} | {ins:.0f} | {quick_predict(f, c):.3g} | "
+                  f"{f['bytes'] / c['BW'] / 1e6:.3g} |")
 
 
 def mixed_main(args) -> None:

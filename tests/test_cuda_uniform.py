@@ -1,5 +1,5 @@
 """The GPU paths of 8-bit uniform BCQ layers read as stored (``cuda_uniform_gemv`` at decode batches,
-``cuda_uniform_gemm`` up to 512 rows, ``cuda_uniform``: dequantize kernel + cuBLAS): their CUDA source under the host
+``cuda_uniform_gemm`` up to 128 rows, ``cuda_uniform``: dequantize kernel + cuBLAS): their CUDA source under the host
 emulation against float64 ``s·(q − z)`` formed from the integer codes (bit for bit for ``Ŵ``; within fp32 summation
 error for the GEMV and GEMM), the Python entry points on the emulated ops, the registry's choices, and on a GPU the ops
 and the forward pass."""
@@ -240,7 +240,7 @@ def test_supports():
 
 
 def test_gpu_choices(posing_gpu):
-    """On a GPU an 8-bit uniform layer stays in its canonical storage (the GEMV up to M = 16, the GEMM up to 512 where
+    """On a GPU an 8-bit uniform layer stays in its canonical storage (the GEMV up to M = 16, the GEMM up to 128 where
     K is a multiple of 64, dequantize + cuBLAS above); 5-7 bit uniform layers keep the LUT layout."""
     from qlinear import backends
 
@@ -257,7 +257,7 @@ def test_gpu_choices(posing_gpu):
         held = backends.layout_for("bcq", cfg, dev, shape)
         assert (held and held.name) == layout, cfg
         big = 16 if gemv == "cuda_uniform_gemv" else 8
-        for M, want in ((1, gemv), (big, gemv), (big + 1, mid), (512, mid), (513, large), (4096, large)):
+        for M, want in ((1, gemv), (big, gemv), (big + 1, mid), (128, mid), (129, large), (4096, large)):
             assert backends.select("bcq", cfg, dev, torch.float16, M, shape=shape).backend == want, (cfg, M)
 
 
@@ -336,7 +336,7 @@ def test_entry_points_on_the_emulated_ops(emulated_ops, opts):
 @pytest.mark.parametrize("K,group_size,zeros", CASES)
 def test_ops_and_forward_on_the_gpu(K, group_size, zeros):
     """The ops: ``Ŵ`` exactly as the float64 formula rounds; a layer holding these buffers stays canonical, takes the
-    GEMV at M <= 16, the GEMM up to 512 (K a multiple of 64) and dequantize + cuBLAS above, within fp16 GEMM rounding,
+    GEMV at M <= 16, the GEMM up to 128 (K a multiple of 64) and dequantize + cuBLAS above, within fp16 GEMM rounding,
     deterministically."""
     assert cuda_uniform.available() is None, cuda_uniform.available()
     N = 1538
@@ -350,9 +350,9 @@ def test_ops_and_forward_on_the_gpu(K, group_size, zeros):
     assert mod.layout == ""
     eps = {torch.float16: 2.0 ** -11, torch.bfloat16: 2.0 ** -8}
     for dtype in (torch.float16, torch.bfloat16):
-        for M in (1, 5, 8, 9, 16, 17, 40, 100, 300, 513):
+        for M in (1, 5, 8, 9, 16, 17, 40, 100, 128, 129, 300):
             x = torch.randn(M, K, device="cuda", dtype=dtype)
-            gemm = "cuda_uniform_gemm" if K % 64 == 0 and M <= 512 else "cuda_uniform"
+            gemm = "cuda_uniform_gemm" if K % 64 == 0 and M <= 128 else "cuda_uniform"
             assert mod.kernel(x).backend == ("cuda_uniform_gemv" if M <= 16 else gemm)
             y64 = x.double().cpu() @ w64.T + mod.bias.detach().double().cpu()
             mag = x.double().abs().cpu() @ w64.abs().T

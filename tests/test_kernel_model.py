@@ -292,3 +292,22 @@ def test_mixed_model_predicts_held_out_h100_rows_and_later_kernels_h200_rows():
     h200 = km.mixed_h200_check(c, sass)
     assert len(h200.held_out) == 6
     assert h200.median_error <= 0.30 and h200.worst_factor <= 2.0, h200.held_out
+
+
+@pytest.mark.slow
+def test_uniform_gemm_model_reads_every_instantiation_of_this_checkouts_kernel():
+    """``--uniform8``: the 8-bit GEMM's registers and instructions per step for every tile size and both grids (fp16),
+    and predictions on the QUICK constants that never undercut the bytes and grow with M once MMA-bound."""
+    pytest.importorskip("scipy")
+    if km.nvcc() is None or km.cuobjdump() is None:
+        pytest.skip("needs nvcc and cuobjdump")
+    with tempfile.TemporaryDirectory() as tmp:
+        sass = km.uniform_gemm_sass(km.ROOT, Path(tmp))
+    assert set(sass) == {(t, sym) for t in (16, 32, 64, 128) for sym in (False, True)}
+    assert all(0 < regs <= 255 and 100 < ins < 2000 for regs, ins in sass.values())
+    c = km.quick_check().constants
+    f = {M: km.uniform_gemm_features(M, 8192, 8192, 128, sass) for M in (16, 64, 128, 256)}
+    t = {M: km.quick_predict(f[M], c) for M in f}
+    assert all(t[M] >= f[M]["bytes"] / c["BW"] / 1e6 for M in f)
+    assert t[16] < t[64] < t[128] < t[256]
+    assert f[64]["depth"] == 2 and f[16]["depth"] == 3

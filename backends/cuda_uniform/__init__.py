@@ -1,6 +1,6 @@
 """GPU paths of 8-bit uniform :class:`qlinear.BCQLinear` layers read as stored (GPTQ's ``qweight``, ``scales`` and
 ``qzeros``, :mod:`qlinear.formats.bcq`; no kernel layout): a GEMV on tensor cores at decode batches, a GEMM on tensor
-cores up to 512 rows, dequantize + cuBLAS above.
+cores up to 128 rows, dequantize + cuBLAS above.
 
 ``y = x Ŵᵀ + b`` for ``x`` ``[M, K]`` fp16/bf16 with ``Ŵ = s·(q − z)``, ``K`` a multiple of 32 (the format's groups
 are multiples of 32 or the whole row; the last may be shorter), with or without zero points, act_order and rotated
@@ -13,14 +13,16 @@ layers through the op (which gathers and rotates x first).  The kernels are in `
   product is exact and the sums fp32, scaled per group and accumulated in fp32; the warps' sums are added in a fixed
   order (deterministic).  One kernel for every M up to 16: its instructions per weight barely grow with M, where a
   CUDA-core GEMV's grow with M (an fp32 FMA per weight and row of x).
-* ``cuda_uniform_gemm`` (``M <= 512``, ``K`` a multiple of 64): QUICK's block (:mod:`qlinear.backends.quick`: 4 warps
+* ``cuda_uniform_gemm`` (``M <= 128``, ``K`` a multiple of 64; the kernel takes up to 512): QUICK's block (:mod:`qlinear.backends.quick`: 4 warps
   of 32 rows of Ŵ, x in a cp.async pipeline of swizzled shared-memory stages, the next steps' codes and scales in a
   register ring, deterministic split-K with :func:`qlinear.backends._gpu.mma_plan`'s launch shape) over the stored
   codes, with the GEMV's k-slot assignment in place of QUICK's interleaved layout.  The mma computes ``yᵀ = Ŵ·xᵀ``:
   x's words, two 16-byte shared loads per row, are B's registers as loaded; A is ``Ŵ`` in x's dtype, ``s·(q − z)``
   rounded once (the value ``cuda_uniform`` writes), converted once per 64 inputs and used by every 8 rows of x in the
-  block; fp32 accumulation.  Without it, 17-512 rows took dequantize + cuBLAS, which writes and reads ``Ŵ`` in fp16
-  (five bytes moved per weight where cuBLAS alone moves two).
+  block; fp32 accumulation.  Without it, 17-128 rows took dequantize + cuBLAS, which writes and reads ``Ŵ`` in fp16
+  (five bytes moved per weight where cuBLAS alone moves two).  Registered up to 128 rows: beyond, the kernel model
+  (``benchmarks/kernel_model.py --uniform8``, QUICK's measured rate of ``mma.sync``) predicts it slower than
+  dequantize + cuBLAS, as QUICK's GEMM measured there.
 * ``cuda_uniform`` (every batch): writes ``Ŵ`` ``[N, K]`` in ``x``'s dtype as the format's float32 ``s·(q − z)``
   rounded once; then one dense GEMM.
 
@@ -47,7 +49,7 @@ from .._native import sm_count as _sms  # module attribute: tests replace it wit
 __all__ = ["dequantize", "linear", "linear_gemv", "linear_gemm", "supports", "supports_gemm", "MAX_BATCH", "GEMM_MAX_BATCH"]
 
 MAX_BATCH = 16
-GEMM_MAX_BATCH = 512
+GEMM_MAX_BATCH = 128
 
 _HERE = Path(__file__).parent
 
@@ -118,7 +120,7 @@ _COMMON = dict(format=bcq.NAME, devices=frozenset({"cuda"}), dtypes=frozenset({t
 # above the LUT GEMV (priority 10) and its dequantize path (4), so that 8-bit uniform layers stay in their canonical
 # storage on a GPU (layers past the kernels' size limits keep the LUT layout)
 register(Kernel(backend="cuda_uniform_gemv", fn=linear_gemv, priority=15, max_batch=MAX_BATCH, **_COMMON))
-# between the GEMV and dequantize + cuBLAS: M = 17..512
+# between the GEMV and dequantize + cuBLAS: M = 17..128
 register(Kernel(backend="cuda_uniform_gemm", fn=linear_gemm, priority=14, max_batch=GEMM_MAX_BATCH,
                 **{**_COMMON, "supports": supports_gemm}))
 register(Kernel(backend="cuda_uniform", fn=linear, priority=6, max_batch=ANY, **_COMMON))
