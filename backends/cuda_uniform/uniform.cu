@@ -1,6 +1,6 @@
 // The uniform BCQ storage's GPU paths (issue 24): a GEMV on tensor cores at decode batches (M <= 16), a GEMM on tensor
-// cores for M up to 512, and a dequantize kernel writing Ŵ for one cuBLAS GEMM above.  8-bit codes: the 1-4 bit layers run on QUICK's and the LUT
-// GEMV's layouts.
+// cores for M up to 512, and a dequantize kernel writing Ŵ for one cuBLAS GEMM above.  8-bit codes: the 1-4 bit layers
+// run on QUICK's and the LUT GEMV's layouts.
 //
 // Dequantize: a code becomes a float with one byte permute: byte q into the second byte of 0x4B000000 is 2^23 + 256·q,
 // and that minus the zero point's 2^23 + 256·z is 256·(q − z) exactly (an integer below 2^16, also for the symmetric
@@ -296,8 +296,8 @@ struct GemmStep {
   unsigned zero[4];
 };
 
-// B registers of Ŵ = s·(q − z) in T for one row and group: q − z (q − 127.5 on the symmetric grid) exact in T or fp32,
-// then one rounding of the product (exact before it: at most 9 significant bits times fp16's 11).
+// The mma's A registers of Ŵ = s·(q − z) in T for one row and group: q − z (q − 127.5 on the symmetric grid) exact in
+// T or fp32, then one rounding of the product (exact before it: at most 9 significant bits times fp16's 11).
 template <typename T, bool SYM> struct Deq8;
 template <bool SYM> struct Deq8<__half, SYM> {
   __half2 s, zc;  // zc: 1024 + z twice (1024 on the symmetric grid)
@@ -377,7 +377,8 @@ __global__ void __launch_bounds__(32 * kGemmWarpsN * WM) uniform_gemm_kernel(con
 
 #pragma unroll
   for (int s = 0; s < kGemmStages - 1; ++s) {
-    if (s < nt_count) load_a_stage<T, BM, THREADS>(smem + s * BM * kStageK, x, nullptr, g.M, a.K, m0, (t0 + s) * kStageK, tid);
+    if (s < nt_count)
+      load_a_stage<T, BM, THREADS>(smem + s * BM * kStageK, x, nullptr, g.M, a.K, m0, (t0 + s) * kStageK, tid);
     cp_async_commit();
   }
   // slot j of the ring holds step base + j and is refilled with step base + j + D after its mmas (QUICK's ring)
@@ -404,7 +405,7 @@ __global__ void __launch_bounds__(32 * kGemmWarpsN * WM) uniform_gemm_kernel(con
       for (int i = 0; i < 4; ++i) dq[i].set(ring[j].scale[i], ring[j].zero[i], 8 * (n[i] % 4));
       const T* const stage = smem + (it % kGemmStages) * BM * kStageK;
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {  // chunk 2u + h of the lane's rows: inputs 16u + 8h .., the k-slots of mmas 2h, 2h + 1
+      for (int h = 0; h < 2; ++h) {  // chunk 2u + h of the lane's rows: inputs 16u + 8h .., k-slots of mmas 2h, 2h + 1
         unsigned af[2][2][4];  // [Ŵ tile][mma 2h + jj]: A fragments, converted once, used by every 8 rows of x
 #pragma unroll
         for (int t = 0; t < 2; ++t) {
