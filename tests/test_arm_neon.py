@@ -40,6 +40,17 @@ def _bcq_uniform(N, K, group_size, offset=True, fp32=False, seed=0, bits=4):
     return cfg, bcq.quantize(torch.randn(N, K), cfg)
 
 
+def _bcq_outliers(N, K, group_size, bits):
+    """Rows with one large weight (their groups far from the zero point) and a zero row: the offset term's Σ x must be
+    over the int8 activations the codes multiply, or its error exceeds the int8 bound (a review helper's case)."""
+    torch.manual_seed(1)
+    w = torch.randn(N, K) * 0.02
+    w[:, 5] = 50.0
+    w[3] = 0.0
+    cfg = bcq.Config(bits=bits, group_size=group_size, init="uniform", iters=0)
+    return cfg, bcq.quantize(w, cfg)
+
+
 def _codebook(N, K, bits, books, group_size=32, seed=0):
     torch.manual_seed(seed)
     cfg = codebook.Config(bits=bits, group_size=group_size, num_codebooks=books, iters=1)
@@ -56,6 +67,8 @@ def _cases():
     yield "bcq 8-bit no offset", *_bcq_uniform(8, 128, 64, offset=False, bits=8)
     yield "bcq 5-bit g32 fp32 offset", *_bcq_uniform(16, 96, 32, fp32=True, bits=5)
     yield "bcq 6-bit no offset", *_bcq_uniform(13, 128, 64, offset=False, bits=6)
+    yield "bcq 4-bit g32 outliers", *_bcq_outliers(16, 128, 32, 4)
+    yield "bcq 8-bit whole row outliers", *_bcq_outliers(16, 128, -1, 8)
     yield "codebook 4-bit", *_codebook(20, 128, 4, 1)
     yield "codebook 2-bit 1 book", *_codebook(8, 96, 2, 1)
     yield "codebook 2-bit 2 books", *_codebook(19, 128, 2, 2)

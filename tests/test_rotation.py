@@ -122,7 +122,8 @@ def test_auto_block_is_the_largest_constructible_divisor(K, block):
 
 
 @pytest.mark.parametrize("K, requested, match", [(576, 128, "does not fit"), (576, 9, "does not fit"),
-                                                 (7, 0, "no Hadamard block"), (12, 4, "at least 8")])
+                                                 (7, 0, "no Hadamard block"),
+                                                 (96, 4, "rotation_block=4 is below the smallest block, 8")])
 def test_blocks_that_do_not_fit_raise(K, requested, match):
     with pytest.raises(ValueError, match=match):
         rotation.block_size(K, requested)

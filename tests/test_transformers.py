@@ -370,6 +370,12 @@ def test_saved_checksums_are_the_crc32_of_every_tensor(bcq_checkpoint):
             assert dtypes[k] == {torch.float32: "F32", torch.int32: "I32", torch.float16: "F16"}[t.dtype], k
 
 
+def _pop_twin(sd: dict, name: str) -> None:
+    """Remove ``name``, which another tensor of ``sd`` equals byte for byte."""
+    t = sd.pop(name)
+    assert any(torch.equal(t, u) for u in sd.values() if u.shape == t.shape and u.dtype == t.dtype)
+
+
 @pytest.mark.parametrize("case, tensors, message", [
     ("nan_alpha", lambda sd: sd[f"{Q}.alpha"].view(-1)[5:7].fill_(float("nan")),
      r"q_proj\.alpha: CRC-32 [0-9a-f]{8} differs from the saved [0-9a-f]{8}"),
@@ -384,6 +390,9 @@ def test_saved_checksums_are_the_crc32_of_every_tensor(bcq_checkpoint):
      r"model\.embed_tokens\.weight: missing from the checkpoint \(its CRC-32 was saved\)"),
     ("retyped_embedding", lambda sd: sd.update({"model.embed_tokens.weight": sd["model.embed_tokens.weight"].view(
         torch.int32)}), r"model\.embed_tokens\.weight: stored as I32, saved as F32"),
+    # its bytes equal the other norms' (all ones): only a tie in the model, not an equal sum, makes a tensor held
+    ("missing_norm_with_twins", lambda sd: _pop_twin(sd, "model.layers.0.input_layernorm.weight"),
+     r"model\.layers\.0\.input_layernorm\.weight: missing from the checkpoint"),
 ])
 def test_damaged_tensor_raises_naming_it(bcq_checkpoint, tmp_path, case, tensors, message):
     path = edited(bcq_checkpoint, tmp_path / case, tensors=tensors)
@@ -409,6 +418,19 @@ def test_checkpoint_without_layer_configs_still_refuses_tensors_its_config_does_
     save_file(load_file(str(path / "model.safetensors")), str(path / "model.safetensors"), metadata=metadata)
     with pytest.raises(ValueError, match=r"q_proj: the checkpoint also has offset, which a layer of this config"):
         AutoModelForCausalLM.from_pretrained(path)
+
+
+def test_checkpoint_with_sums_but_no_layer_configs_loads_with_a_warning(bcq_checkpoint, tmp_path):
+    """A file rewritten without qlinear_configs (its sums kept) still loads, but says that a config.json edit keeping
+    the shapes would go unnoticed (a review helper's case: group_size 64 -> 96 loaded wrong weights silently)."""
+    path = tmp_path / "stripped"
+    shutil.copytree(bcq_checkpoint, path)
+    with safe_open(str(path / "model.safetensors"), framework="pt") as f:
+        metadata = {k: v for k, v in f.metadata().items() if k != "qlinear_configs"}
+    save_file(load_file(str(path / "model.safetensors")), str(path / "model.safetensors"), metadata=metadata)
+    with pytest.warns(UserWarning, match="checksums but no saved layer configs"):
+        model = AutoModelForCausalLM.from_pretrained(path)
+    assert torch.equal(logits(model), logits(AutoModelForCausalLM.from_pretrained(bcq_checkpoint)))
 
 
 def test_unreadable_file_or_metadata_raises_value_error(bcq_checkpoint, tmp_path):

@@ -287,8 +287,8 @@ def spec(x: torch.Tensor, buffers: dict, bias, cfg, format: int, N: int, K: int,
     if format in (_FMT_BCQ4, _FMT_U8):
         c = unpad_groups(buffers["arm_qz"], s.shape[0]).float() if cfg.offset else torch.zeros_like(s)
         z = c + 0.5 * s                                                        # [Nb·8, G]
-        G = s.shape[1]
-        xsum = torch.stack([x.float()[:, g * gs:(g + 1) * gs].sum(-1) for g in range(G)], 1)  # [M, G]
+        xb = xq.view(M, H, 32).sum(-1).float() * xs       # [M, H]: Σ x̂ per block (the int8 values the codes multiply)
+        xsum = torch.stack([xb[:, h:h + per].sum(1) for h in range(0, H, per)], 1)  # [M, G]
         y = y + xsum @ z.T
     y = y[:, :N]
     return y if bias is None else y + bias.float()

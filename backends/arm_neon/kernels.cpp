@@ -54,15 +54,11 @@ void prepare_acts(const float* x, int M, int K, int group_size, int format, int 
   memset(a->xp, 0, (size_t)P * H * 64);  // an odd M leaves the last pair's second row zero
   memset(a->xsp, 0, (size_t)P * H * 16);
   memset(a->xsump, 0, (size_t)P * G * 16);
+  const int per_group = group_size / 32;
   for (int m = 0; m < M; ++m) {
     const float* xm = x + (size_t)m * K;
-    for (int g = 0; g < G; ++g) {
-      float sum = 0.f;
-      for (int k = g * group_size; k < K && k < (g + 1) * group_size; ++k) sum += xm[k];
-      a->xsum[(size_t)m * G + g] = sum;
-      float* up = a->xsump + ((size_t)(m / 2) * G + g) * 4 + (m % 2) * 2;
-      up[0] = up[1] = sum;
-    }
+    float* const xsum = a->xsum + (size_t)m * G;
+    memset(xsum, 0, (size_t)G * 4);
     for (int h = 0; h < H; ++h) {
       const float* xv = xm + 32 * h;
       const float amax = qlinear_cpu::block_amax(xv, 32);
@@ -74,6 +70,11 @@ void prepare_acts(const float* x, int M, int K, int group_size, int format, int 
       }
       const float xs = amax / 127.f * unit;
       a->xs[(size_t)m * H + h] = xs;
+      // the offset term's Σ x of the group, over the int8 values the codes multiply (Σ of the float x would leave
+      // Σ_k (ŵ_k − z)·(x_k − x̂_k) uncancelled: large for a group far from its zero point, and nonzero for a zero row)
+      int qsum = 0;
+      for (int k = 0; k < 32; ++k) qsum += q[k];
+      xsum[h / per_group] += (float)qsum * (amax / 127.f);
       memcpy(a->xq + ((size_t)m * H + h) * 32, q, 32);
       if (a->xz) {
         memcpy(a->xz + ((size_t)m * H + h) * 64, q, 32);
@@ -91,6 +92,10 @@ void prepare_acts(const float* x, int M, int K, int group_size, int format, int 
       }
       float* sp = a->xsp + ((size_t)(m / 2) * H + h) * 4 + (m % 2) * 2;
       sp[0] = sp[1] = xs;
+    }
+    for (int g = 0; g < G; ++g) {
+      float* up = a->xsump + ((size_t)(m / 2) * G + g) * 4 + (m % 2) * 2;
+      up[0] = up[1] = xsum[g];
     }
   }
 }

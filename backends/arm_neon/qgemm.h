@@ -69,7 +69,7 @@ struct Acts {
   int8_t* xp;     // [ceil(M/2)][K/32][4][16]: rows 2m, 2m+1 of octet o (inputs 8o..8o+7) side by side (SMMLA);
                   // slots hold octets 0-3 (layout mmla) or 0, 2, 1, 3 (layout sdot)
   float* xs;      // [M][K/32] scale (BCQ: / 16)
-  float* xsum;    // [M][G] Σ x over the inputs of weight group g (fp32, sequential)
+  float* xsum;    // [M][G] Σ x̂ over the inputs of weight group g: each block's Σ int8 · amax/127 (fp32, sequential)
   float* xsp;     // [ceil(M/2)][K/32][4]: xs of rows (2m, 2m, 2m+1, 2m+1)
   float* xsump;   // [ceil(M/2)][G][4]: xsum likewise
 };

@@ -479,6 +479,12 @@ class QLinearHfQuantizer(HfQuantizer):
         renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
         converters = [t for t in transforms if isinstance(t, WeightConverter)]
         known = _ModuleKeys(model)
+
+        def model_name(key: str) -> str:  # a key of the files as this model names it
+            name, _ = rename_source_key(key, renamings, converters, model.base_model_prefix, known)
+            return key if known.get(name) is None and known.get(key) is not None else name
+
+        self._model_name = model_name
         found: dict[str, tuple[tuple[int, ...], str, str]] = {}
         sums: Optional[dict[str, str]] = None
         self._saved_dtypes = {}
@@ -516,9 +522,7 @@ class QLinearHfQuantizer(HfQuantizer):
                 raise ValueError(f"qlinear checkpoint {path} cannot be read ({e}): the file is truncated or "
                                  f"damaged; restore it from the source") from None
             for key, shape, dtype in entries:
-                name, _ = rename_source_key(key, renamings, converters, model.base_model_prefix, known)
-                if known.get(name) is None and known.get(key) is not None:
-                    name = key
+                name = self._model_name(key)
                 found[name] = (shape, dtype, key)
                 module_name, _, tensor_name = name.rpartition(".")
                 self._checkpoint_index.setdefault(module_name, {})[tensor_name] = (path, key)
@@ -603,8 +607,13 @@ class QLinearHfQuantizer(HfQuantizer):
         memory-mapped files (no tensor copies): its CRC must equal the saved one and a packed float tensor must be
         finite, else ValueError naming it (see the module docstring)."""
         if sums is None:
-            warnings.warn("this qlinear checkpoint has no checksums (saved before 2026-11-25): its packed tensors are "
-                          "checked for NaN/Inf only; save it again to add them", stacklevel=2)
+            warnings.warn("this qlinear checkpoint has no checksums (saved before 2026-11-25, or rewritten by a tool "
+                          "that drops safetensors metadata): its packed tensors are checked for NaN/Inf only; save it "
+                          "again to add them", stacklevel=2)
+        elif not self._checkpoint[2]:
+            warnings.warn("this qlinear checkpoint has checksums but no saved layer configs (qlinear_configs, since "
+                          "2026-11-25): an edit of config.json that keeps the tensor shapes cannot be detected; save "
+                          "it again to add them", stacklevel=2)
         sums = sums or {}
         packed = {f"{n}.{b}" if n else b for n, m in model.named_modules() if isinstance(m, QuantLinear)
                   for b in _with_bias(m, m.held_specs())}
@@ -614,13 +623,24 @@ class QLinearHfQuantizer(HfQuantizer):
                 name = f"{module}.{t}" if module else t
                 if name in packed or key in sums or name in sums:
                     by_file.setdefault(path, []).append((name, key))
-        keys = {key for tensors in self._checkpoint_index.values() for _, key in tensors.values()}
-        present = keys | set(self._checkpoint[0])  # as the files name them, and as this model does (renamed on save)
-        kept = {sums[k] for k in present if k in sums}
-        # a summed tensor no file holds (transformers would initialise it at random) is missing, unless a tensor with
-        # its sum is there: a tied weight, which transformers saves once
-        bad = [f"{key}: missing from the checkpoint (its CRC-32 was saved)" for key in sorted(sums)
-               if key not in present and sums[key] not in kept]
+        found = self._checkpoint[0]  # as this model names the files' tensors (renamed on save, e.g. GPT-NeoX)
+        present = {key for tensors in self._checkpoint_index.values() for _, key in tensors.values()} | set(found)
+        tied: dict[str, set[str]] = {}  # the model's ties (transformers' map, then shared parameters), both ways
+        pairs = list((getattr(model, "all_tied_weights_keys", None) or {}).items())
+        shared: dict[int, list[str]] = {}
+        for n, p in model.named_parameters(remove_duplicate=False):
+            shared.setdefault(id(p), []).append(n)
+        pairs += [(names[0], n) for names in shared.values() for n in names[1:]]
+        for a, b in pairs:
+            tied.setdefault(a, set()).add(b)
+            tied.setdefault(b, set()).add(a)
+
+        def held(key: str) -> bool:  # a tied weight, which transformers saves once, is held by any of its names
+            name = self._model_name(key)
+            return key in present or name in found or any(t in found for t in tied.get(name, ()))
+
+        # a summed tensor no file holds would be initialised at random by transformers
+        bad = [f"{key}: missing from the checkpoint (its CRC-32 was saved)" for key in sorted(sums) if not held(key)]
         for path, entries in by_file.items():
             with open(path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
                 size = int.from_bytes(mm[:8], "little")

@@ -101,9 +101,9 @@ def block_size(in_features: int, requested: int = 0) -> int:
     dividing ``in_features``.
 
     Raises:
-        ValueError: ``requested`` does not divide ``in_features`` or has no construction here, or the block would be
-            smaller than 8 (e.g. an odd ``in_features``): rotate that layer with another block or leave it unrotated
-            (``rotation="none"`` for it in ``per_module``).
+        ValueError: ``requested`` does not divide ``in_features``, has no construction here or is below 8, or no
+            block of at least 8 divides ``in_features`` (e.g. an odd one): rotate that layer with another block or
+            leave it unrotated (``rotation="none"`` for it in ``per_module``).
     """
     if requested:
         if in_features % requested or _split(requested) is None:
@@ -112,6 +112,9 @@ def block_size(in_features: int, requested: int = 0) -> int:
         block = requested
     else:
         block = max(b for b in range(1, in_features + 1) if in_features % b == 0 and _split(b) is not None)
+    if block < MIN_BLOCK and requested:
+        raise ValueError(f"rotation_block={requested} is below the smallest block, {MIN_BLOCK}: request a larger one "
+                         f"dividing in_features={in_features}, or 0 for the largest")
     if block < MIN_BLOCK:
         raise ValueError(f"no Hadamard block of at least {MIN_BLOCK} divides in_features={in_features}; leave this "
                          f"layer unrotated (rotation='none' for it in per_module)")
