@@ -202,16 +202,24 @@ def ptxas_registers(log: str) -> dict[str, int]:
     return regs
 
 
+def built_sass(source: Path, work: Path, build: Callable[[Path], tuple[Path, str]] = None
+               ) -> tuple[dict[str, int], dict[str, list[tuple[int, str]]]]:
+    """``(registers, SASS)`` of every kernel of ``source``, by mangled name: ptxas's registers and
+    :func:`parse_sass`'s instructions, built by ``build`` (source -> (cubin, nvcc output); :func:`compile_cubin` into
+    ``work`` by default)."""
+    cubin, log = (build or (lambda cu: compile_cubin(cu, work)))(source)
+    sass = subprocess.run([cuobjdump(), "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
+    return ptxas_registers(log), parse_sass(sass)
+
+
 def lut_sass(source_root: Path, work: Path, build: Callable[[Path], tuple[Path, str]] = None
              ) -> dict[tuple[int, int], Sass]:
     """SASS features of every fp16 ``lut_gemv_kernel`` instantiation built from ``source_root`` (a tree holding
     backends/), keyed by (M, Q).  ``build`` (source -> (cubin, nvcc output), :func:`compile_cubin` into ``work`` by
     default) lets a caller share one build; needs nvcc and cuobjdump."""
-    cubin, log = (build or (lambda cu: compile_cubin(cu, work)))(source_root / LUT_SOURCE)
-    regs = ptxas_registers(log)
-    sass = subprocess.run([cuobjdump(), "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
+    regs, kernels = built_sass(source_root / LUT_SOURCE, work, build)
     out = {}
-    for fname, instrs in parse_sass(sass).items():
+    for fname, instrs in kernels.items():
         m = re.search(r"lut_gemv_kernelI6__halfLi(\d)ELi(\d)E", fname)
         if m:
             out[int(m.group(1)), int(m.group(2))] = Sass(regs[fname], *lookup_loop(instrs))
@@ -515,11 +523,9 @@ def quick_sass(source_root: Path, work: Path, build: Callable[[Path], tuple[Path
     """``(registers, instructions per K tile)`` of every fp16 ``quick_gemm_kernel`` instantiation built from
     ``source_root`` for unrotated layers, keyed by (bits, tile_m, free α, x staged whole): ptxas's registers and the
     main loop's instructions (one iteration walks the ring's tiles) per tile; needs nvcc and cuobjdump."""
-    cubin, log = (build or (lambda cu: compile_cubin(cu, work)))(source_root / QUICK_SOURCE)
-    regs = ptxas_registers(log)
-    sass = subprocess.run([cuobjdump(), "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
+    regs, kernels = built_sass(source_root / QUICK_SOURCE, work, build)
     out = {}
-    for name, instrs in parse_sass(sass).items():
+    for name, instrs in kernels.items():
         k = re.search(r"quick_gemm_kernelI6__halfLi(\d)ELi(\d)ELi(\d)ELb(\d)E(?:Li(\d)E)?", name)
         if k and k.group(5) != "2":  # kernels before 2026-11-27 have no XSource argument; kStagedRotated is left out
             q, mt, wm, free = map(int, k.groups()[:4])
@@ -588,11 +594,9 @@ def uniform_gemm_sass(source_root: Path, work: Path, build: Callable[[Path], tup
                       ) -> dict[tuple[int, bool], tuple[int, float]]:
     """``(registers, instructions per 64-input step)`` of every fp16 ``uniform_gemm_kernel`` instantiation built from
     ``source_root``, keyed by (tile_m, symmetric grid): the main loop (the loop with MMAs) walks the ring's steps."""
-    cubin, log = (build or (lambda cu: compile_cubin(cu, work)))(source_root / UNIFORM_SOURCE)
-    regs = ptxas_registers(log)
-    sass = subprocess.run([cuobjdump(), "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
+    regs, kernels = built_sass(source_root / UNIFORM_SOURCE, work, build)
     out = {}
-    for name, instrs in parse_sass(sass).items():
+    for name, instrs in kernels.items():
         k = re.search(r"uniform_gemm_kernelI6__halfLi(\d)ELi(\d)ELb(\d)E", name)
         if k:
             mt, wm, sym = map(int, k.groups())
@@ -646,10 +650,8 @@ def mixed_sass(source_root: Path, work: Path) -> dict[tuple[int, bool], tuple[in
         tree = work / variant
         shutil.copytree(source_root / "backends", tree / "backends", dirs_exist_ok=True)
         (tree / MIXED_SOURCE).write_text(body)
-        cubin, log = compile_cubin(tree / MIXED_SOURCE, tree)
-        regs = ptxas_registers(log)
-        sass = subprocess.run([cuobjdump(), "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
-        for name, instrs in parse_sass(sass).items():
+        regs, kernels = built_sass(tree / MIXED_SOURCE, tree)
+        for name, instrs in kernels.items():
             m = re.search(r"mixed_gemv_kernelI6__halfLi(\d)ELb(\d)E(?:Lb(\d)E)?", name)
             if m and m.group(3) != "1":  # kernels before 2026-11-27 have no ROT parameter
                 key = (int(m.group(1)), m.group(2) == "1")
