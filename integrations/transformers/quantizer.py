@@ -625,19 +625,26 @@ class QLinearHfQuantizer(HfQuantizer):
                     by_file.setdefault(path, []).append((name, key))
         found = self._checkpoint[0]  # as this model names the files' tensors (renamed on save, e.g. GPT-NeoX)
         present = {key for tensors in self._checkpoint_index.values() for _, key in tensors.values()} | set(found)
-        tied: dict[str, set[str]] = {}  # the model's ties (transformers' map, then shared parameters), both ways
+        # the model's ties (transformers' map, shared parameters and buffers) as groups of names: one tensor each
         pairs = list((getattr(model, "all_tied_weights_keys", None) or {}).items())
         shared: dict[int, list[str]] = {}
-        for n, p in model.named_parameters(remove_duplicate=False):
-            shared.setdefault(id(p), []).append(n)
+        for n, t in (*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)):
+            shared.setdefault(id(t), []).append(n)
         pairs += [(names[0], n) for names in shared.values() for n in names[1:]]
+        root: dict[str, str] = {}
+
+        def find(n: str) -> str:
+            while root.get(n, n) != n:
+                n = root[n]
+            return n
+
         for a, b in pairs:
-            tied.setdefault(a, set()).add(b)
-            tied.setdefault(b, set()).add(a)
+            root[find(a)] = find(b)
+        held_groups = {find(n) for n in found}
 
         def held(key: str) -> bool:  # a tied weight, which transformers saves once, is held by any of its names
             name = self._model_name(key)
-            return key in present or name in found or any(t in found for t in tied.get(name, ()))
+            return key in present or name in found or find(name) in held_groups
 
         # a summed tensor no file holds would be initialised at random by transformers
         bad = [f"{key}: missing from the checkpoint (its CRC-32 was saved)" for key in sorted(sums) if not held(key)]
