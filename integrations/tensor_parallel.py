@@ -147,17 +147,15 @@ class _CopyToParallel(torch.autograd.Function):
 
 
 def _column_input_hook(group):
-    def hook(module, args):
-        x = args[0]
-        if torch.is_grad_enabled() and x.requires_grad:  # inference (and frozen inputs) skip the autograd node
-            return (_CopyToParallel.apply(x, group),) + tuple(args[1:])
+    """A forward pre-hook (``with_kwargs``) putting :class:`_CopyToParallel` on a module's input (its first argument, or
+    ``hidden_states`` given by name, as transformers calls attention): once per input that column shards share."""
+    def hook(module, args, kwargs):
+        x = args[0] if args else kwargs.get("hidden_states")
+        if not (isinstance(x, torch.Tensor) and torch.is_grad_enabled() and x.requires_grad):
+            return None  # inference (and frozen inputs) skip the autograd node
+        x = _CopyToParallel.apply(x, group)
+        return ((x, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": x})
     return hook
-
-
-def _column_parallel(layer: nn.Module, group) -> nn.Module:
-    """``layer`` (a column shard) with :class:`_CopyToParallel` on its input."""
-    layer.register_forward_pre_hook(_column_input_hook(group))
-    return layer
 
 
 class RowParallel(nn.Module):
@@ -190,8 +188,8 @@ def _perm(layer) -> Optional[torch.Tensor]:
 def parallelize(model: nn.Module, group=None, mode: str = "tp_aware") -> nn.Module:
     """Shard ``model`` (a transformers Llama-style causal LM: ``model.model.layers[i].self_attn.{q,k,v,o}_proj``
     and ``.mlp.{gate,up,down}_proj``) over ``group`` (default: the world) in place and return it.  Gradients of the
-    float parameters (adapters, norms, embeddings) are those of the unsharded model: column-parallel inputs all-reduce
-    their gradient in backward (Megatron's ``f``) and all-gathers are differentiable.
+    float parameters (adapters, norms, embeddings) are those of the unsharded model: the attention's and the MLP's
+    inputs all-reduce their gradient in backward (Megatron's ``f``) and all-gathers are differentiable.
 
     Args:
         mode: "tp_aware" (no all-gather for act_order down projections) or "naive" (Alg. 2).
@@ -220,9 +218,8 @@ def parallelize(model: nn.Module, group=None, mode: str = "tp_aware") -> nn.Modu
     plan = []  # (parent, name, new module): built for every layer first, assigned only if all succeed
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        plan += [(attn, "q_proj", _column_parallel(shard_rows(attn.q_proj, q_rows), group)),
-                 (attn, "k_proj", _column_parallel(shard_rows(attn.k_proj, kv_rows), group)),
-                 (attn, "v_proj", _column_parallel(shard_rows(attn.v_proj, kv_rows), group))]
+        plan += [(attn, "q_proj", shard_rows(attn.q_proj, q_rows)), (attn, "k_proj", shard_rows(attn.k_proj, kv_rows)),
+                 (attn, "v_proj", shard_rows(attn.v_proj, kv_rows))]
         o_perm = _perm(attn.o_proj)
         if o_perm is None:
             o = RowParallel(shard_inputs(attn.o_proj, q_rows[0].item(), q_rows[-1].item() + 1), attn.o_proj.bias, group)
@@ -236,11 +233,13 @@ def parallelize(model: nn.Module, group=None, mode: str = "tp_aware") -> nn.Modu
             rows, gather = p2[i0:i1], None
         else:
             rows, gather = torch.arange(i0, i1), (None if p2 is None else p2[i0:i1])
-        plan += [(mlp, "gate_proj", _column_parallel(shard_rows(mlp.gate_proj, rows), group)),
-                 (mlp, "up_proj", _column_parallel(shard_rows(mlp.up_proj, rows), group)),
+        plan += [(mlp, "gate_proj", shard_rows(mlp.gate_proj, rows)), (mlp, "up_proj", shard_rows(mlp.up_proj, rows)),
                  (mlp, "down_proj", RowParallel(shard_inputs(mlp.down_proj, i0, i1), mlp.down_proj.bias, group, gather))]
     for parent, name, new in plan:
         setattr(parent, name, new)
+    for layer in model.model.layers:  # the column shards' shared inputs: q/k/v's and gate/up's
+        for region in (layer.self_attn, layer.mlp):
+            region.register_forward_pre_hook(_column_input_hook(group), with_kwargs=True)
     return model
 
 

@@ -29,7 +29,7 @@ Registered, together with :class:`QLinearConfig`, when qlinear is imported.
   (``qlinear_configs``).  A pre-quantized load reads every tensor of the files that has a sum once before transformers
   does (those transformers renamed or merged on saving have none), and raises a ``ValueError`` naming it when its CRC
   or dtype differs, when no file holds it (transformers would initialise it at random; a tied weight, saved once,
-  counts as held where a tensor with its sum is) or when a packed float tensor (scales, α, codebooks, outliers) holds
+  counts as held where a file holds any name the model ties it to) or when a packed float tensor (scales, α, codebooks, outliers) holds
   NaN/Inf: damaged bytes never load as wrong weights.  After loading, every layer's
   packed values are checked too (:func:`qlinear.formats.check_buffers`: NaN/Inf, act_order's permutation, the
   mixed format's indices), which is all a ``.bin`` checkpoint (no metadata) gets, with a warning.  A layer whose config from ``config.json`` differs from the

@@ -109,12 +109,12 @@ def block_size(in_features: int, requested: int = 0) -> int:
         if in_features % requested or _split(requested) is None:
             raise ValueError(f"rotation_block={requested} does not fit in_features={in_features}: it must divide it and "
                              f"be a power of two or p·2^a with a Paley order p <= {MAX_PALEY} (e.g. 12, 20, 36)")
+        if requested < MIN_BLOCK:
+            raise ValueError(f"rotation_block={requested} is below the smallest block, {MIN_BLOCK}: request a larger "
+                             f"one dividing in_features={in_features}, or 0 for the largest")
         block = requested
     else:
         block = max(b for b in range(1, in_features + 1) if in_features % b == 0 and _split(b) is not None)
-    if block < MIN_BLOCK and requested:
-        raise ValueError(f"rotation_block={requested} is below the smallest block, {MIN_BLOCK}: request a larger one "
-                         f"dividing in_features={in_features}, or 0 for the largest")
     if block < MIN_BLOCK:
         raise ValueError(f"no Hadamard block of at least {MIN_BLOCK} divides in_features={in_features}; leave this "
                          f"layer unrotated (rotation='none' for it in per_module)")
